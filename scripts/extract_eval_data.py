@@ -1,0 +1,72 @@
+"""Extract the small offline eval sets qgate ships, with attribution.
+
+    python scripts/extract_eval_data.py --bigbench-sdist bigbench-1.0.0.tar.gz
+
+Run once by a maintainer; the output under src/qgate/gates/tasks/data/ is committed.
+Multiple-choice items come from BIG-bench (Apache-2.0), perplexity documents from
+chatterbot-corpus (BSD-3-Clause). Each source is subsampled with a fixed seed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import tarfile
+from pathlib import Path
+
+import yaml
+
+OUT = Path(__file__).resolve().parents[1] / "src/qgate/gates/tasks/data"
+BIGBENCH_TASKS = {"general_knowledge": 70, "social_iqa": 150, "misconceptions": 150}
+SEED = 1234
+
+
+def bigbench_items(sdist: Path, task: str, limit: int) -> list[dict]:
+    member = f"bigbench-1.0.0/bigbench/benchmark_tasks/{task}/task.json"
+    with tarfile.open(sdist) as tar:
+        data = json.load(tar.extractfile(member))
+    items = []
+    for ex in data["examples"]:
+        scores = ex.get("target_scores")
+        if not scores:
+            continue
+        choices = list(scores)
+        best = max(scores.values())
+        answers = [i for i, c in enumerate(choices) if scores[c] == best]
+        if len(answers) != 1:  # ambiguous gold: not usable for accuracy
+            continue
+        items.append({"question": ex["input"].strip(), "choices": choices, "answer": answers[0]})
+    random.Random(SEED).shuffle(items)
+    return items[:limit]
+
+
+def chatterbot_docs(limit: int = 120) -> list[dict]:
+    root = Path(importlib.util.find_spec("chatterbot_corpus").submodule_search_locations[0])
+    docs = []
+    for f in sorted((root / "data/english").glob("*.yml")):
+        convs = yaml.safe_load(f.read_text(encoding="utf-8")).get("conversations", [])
+        for conv in convs:
+            turns = [str(t).strip() for t in conv if str(t).strip()]
+            if len(turns) >= 2:
+                docs.append({"text": "\n".join(turns), "source": f.name})
+    random.Random(SEED).shuffle(docs)
+    return docs[:limit]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bigbench-sdist", type=Path, required=True)
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    for task, limit in BIGBENCH_TASKS.items():
+        rows = bigbench_items(args.bigbench_sdist, task, limit)
+        (OUT / f"bigbench_{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(task, len(rows))
+    docs = chatterbot_docs()
+    (OUT / "chatterbot_ppl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in docs))
+    print("chatterbot", len(docs))
+
+
+if __name__ == "__main__":
+    main()

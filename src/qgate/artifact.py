@@ -1,0 +1,125 @@
+"""The one manifest type that flows through every stage.
+
+    art = Artifact.load(Path("out/calib"))     # reads out/calib/qgate-artifact.json
+    art.verify()                               # recomputes the content sha256
+
+A stage takes artifacts and returns one. Downstream code reads `kind` and `config`
+from the manifest; it never re-parses a file name or guesses what a directory holds.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from qgate.errors import InputError
+
+MANIFEST = "qgate-artifact.json"
+KINDS = ("checkpoint", "calibration-set", "traffic-profile", "engine", "gate-report")
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_CHUNK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_tree(path: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> str:
+    """Content hash of a file or a directory: relative paths and file bytes, in sorted order."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = f.relative_to(path).as_posix()
+        if rel in exclude or "/.cache/" in f"/{rel}":
+            continue
+        h.update(rel.encode() + b"\0" + sha256_file(f).encode() + b"\n")
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def typed_config(cfg: Any) -> dict:
+    """{"type": "AWQConfig", "version": 1, "data": {...}} for a frozen dataclass config."""
+    if not is_dataclass(cfg):
+        raise TypeError(f"config must be a dataclass, got {type(cfg).__name__}")
+    return {"type": type(cfg).__name__, "version": getattr(cfg, "VERSION", 1), "data": _jsonable(asdict(cfg))}
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+@dataclass(frozen=True)
+class Artifact:
+    kind: str
+    path: Path
+    sha256: str
+    config: dict
+    parents: tuple[str, ...] = ()
+    meta: dict = field(default_factory=dict)  # facts measured by the stage (sizes, counts, timings)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"artifact kind {self.kind!r} is not one of {KINDS}")
+
+    @classmethod
+    def create(cls, kind: str, path: Path, config: dict, parents: tuple[str, ...] = (), meta: dict | None = None) -> "Artifact":
+        """Hash `path`'s content and write its manifest beside it."""
+        path = Path(path).resolve()
+        art = cls(kind, path, sha256_tree(path), config, tuple(parents), dict(meta or {}))
+        art.save()
+        return art
+
+    def save(self) -> None:
+        target = self.path / MANIFEST if self.path.is_dir() else self.path.with_name(self.path.name + ".qgate.json")
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["path"] = str(self.path)
+        data["parents"] = list(self.parents)
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+        os.replace(tmp, target)
+
+    @classmethod
+    def load(cls, path: Path, kind: str | None = None) -> "Artifact":
+        path = Path(path)
+        manifest = path / MANIFEST if path.is_dir() else path.with_name(path.name + ".qgate.json")
+        if not manifest.exists():
+            raise InputError(
+                f"{path}: no qgate manifest ({manifest.name}) found",
+                hint="pass a directory written by a qgate stage, or import a model with `qgate model import`",
+            )
+        try:
+            data = json.loads(manifest.read_text())
+            art = cls(
+                kind=data["kind"], path=path.resolve(), sha256=data["sha256"], config=data["config"],
+                parents=tuple(data.get("parents", ())), meta=data.get("meta", {}),
+            )
+        except (json.JSONDecodeError, KeyError, ValueError) as e:
+            raise InputError(f"{manifest}: unreadable manifest ({e})", hint="re-run the stage that wrote it") from e
+        if kind is not None and art.kind != kind:
+            raise InputError(f"{path}: expected a {kind} artifact, found a {art.kind}")
+        return art
+
+    def verify(self) -> None:
+        actual = sha256_tree(self.path)
+        if actual != self.sha256:
+            raise InputError(
+                f"{self.path}: content changed since qgate wrote it (sha256 {actual[:12]} != manifest {self.sha256[:12]})",
+                hint="re-run the stage that produced it; do not edit artifacts in place",
+            )

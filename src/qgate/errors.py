@@ -1,0 +1,53 @@
+"""The small exception hierarchy every stage raises, and the exit code each maps to.
+
+    raise InputError("traffic.jsonl:12: record has neither 'messages' nor 'prompt'", hint="...")
+
+Exit codes: 0 done/passed, 1 error, 2 gate failed or promotion refused.
+"""
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_REFUSED = 2
+
+
+class QgateError(Exception):
+    """Base class: `message` says what and where, `hint` says what to do."""
+
+    exit_code = EXIT_ERROR
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
+
+
+class ConfigError(QgateError):
+    """A config, recipe or pipeline spec is invalid (names the key path)."""
+
+
+class InputError(QgateError):
+    """An input file or directory is missing or malformed (names file:line or record)."""
+
+
+class BackendUnavailable(QgateError):
+    """A backend was chosen by name but cannot run on this host (says why and how to install)."""
+
+
+class GateFailed(QgateError):
+    """A gate ran and the candidate did not pass."""
+
+    exit_code = EXIT_REFUSED
+
+
+class RegistryError(QgateError):
+    """The model registry refused or failed an operation."""
+
+
+class PromotionRefused(RegistryError):
+    """Promotion was refused because the evidence does not allow it."""
+
+    exit_code = EXIT_REFUSED
