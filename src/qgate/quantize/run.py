@@ -1,0 +1,99 @@
+"""Run one quantization scheme on a checkpoint with calibration data from real traffic.
+
+    art = quantize(base_art, calib_art, AWQConfig(group_size=64), out=Path("runs/awq"), kv=None)
+
+The model is checked (group sizes) before any calibration work starts. On a host
+without CUDA, llm-compressor's pinned-memory cache is switched off for the call only.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from qgate.artifact import Artifact, typed_config
+from qgate.chat import encode_messages
+from qgate.errors import ConfigError, InputError
+from qgate.quantize.schemes import KVCacheConfig, weight_format
+
+
+@dataclass(frozen=True)
+class CalibOptions:
+    max_seq_length: int = 512
+    max_samples: int | None = None   # None: every calibration record
+    VERSION = 1
+
+    def __post_init__(self):
+        if self.max_seq_length < 8:
+            raise ConfigError(f"quantize.max_seq_length must be >= 8, got {self.max_seq_length}")
+
+
+@contextlib.contextmanager
+def cpu_safe_intermediates():
+    """Pinning host memory needs a CUDA driver; without one, make llm-compressor's cache skip it."""
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = IntermediatesCache.__dict__["pin_memory"], IntermediatesCache.__dict__["_pin_intermediate"]
+    IntermediatesCache.pin_memory = lambda self, *a, **k: None
+    IntermediatesCache._pin_intermediate = classmethod(lambda cls, value: None)
+    try:
+        yield
+    finally:
+        IntermediatesCache.pin_memory, IntermediatesCache._pin_intermediate = saved
+
+
+def load_calibration(calib: Artifact, tokenizer, opts: CalibOptions):
+    from datasets import Dataset
+
+    rows = [json.loads(line) for line in (calib.path / "data.jsonl").read_text().splitlines() if line.strip()]
+    if opts.max_samples:
+        rows = rows[: opts.max_samples]
+    if not rows:
+        raise InputError(f"{calib.path}: calibration set is empty")
+    ids = [encode_messages(tokenizer, r["messages"], opts.max_seq_length) for r in rows]
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
+
+
+def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCacheConfig | None = None,
+             opts: CalibOptions = CalibOptions()) -> Artifact:
+    import torch
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if base.kind != "checkpoint" or base.meta.get("scheme") != "baseline":
+        raise InputError(f"{base.path}: --model must be a full-precision baseline checkpoint (got {base.meta.get('scheme')})")
+    needs_data = scheme.needs_calibration or kv is not None
+    if needs_data and calib is None:
+        raise InputError(f"scheme {type(scheme).__name__} needs --calib (a calibration-set artifact)")
+    out = Path(out)
+    tok = AutoTokenizer.from_pretrained(base.path)
+    model = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32)
+    scheme.check_model(model)  # fail before spending minutes on calibration
+    recipe = scheme.modifiers(kv)
+    kwargs = {}
+    if needs_data:
+        ds = load_calibration(calib, tok, opts)
+        kwargs = {"dataset": ds, "max_seq_length": opts.max_seq_length, "num_calibration_samples": len(ds)}
+    t0 = time.perf_counter()
+    with cpu_safe_intermediates():
+        oneshot(model=model, recipe=recipe, **kwargs)
+    seconds = time.perf_counter() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, save_compressed=True)
+    tok.save_pretrained(out)
+    config = {"scheme": typed_config(scheme), "kv_cache": typed_config(kv) if kv else None, "calib": typed_config(opts)}
+    meta = {
+        "scheme": scheme.name, "weight_format": weight_format(scheme), "kv_cache_dtype": kv.dtype if kv else None,
+        "calibration_samples": kwargs.get("num_calibration_samples", 0), "quantize_seconds": round(seconds, 1),
+        "weights_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
+        "base_model": base.sha256, "calibration_sha256": calib.sha256 if calib else None,
+    }
+    parents = (base.sha256,) + ((calib.sha256,) if calib and needs_data else ())
+    return Artifact.create("checkpoint", out, config, parents, meta)
+

@@ -1,0 +1,161 @@
+"""One frozen config per quantization scheme, found by name.
+
+    cfg = scheme_config("gptq-w4a16", group_size=64)   # GPTQConfig(num_bits=4, group_size=64, ...)
+    modifiers = cfg.modifiers(kv=KVCacheConfig("fp8"))  # llm-compressor recipe, as data
+
+Each config validates in __post_init__ and raises ConfigError with the key at fault.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from qgate.errors import ConfigError
+from qgate.naming import Registry
+
+DEFAULT_IGNORE = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    dtype: str  # "fp8" (E4M3, per-tensor static scales) or "int8" (symmetric per-tensor)
+    VERSION: ClassVar[int] = 1
+
+    def __post_init__(self):
+        if self.dtype not in ("fp8", "int8"):
+            raise ConfigError(f"kv_cache: {self.dtype!r} is not one of 'fp8', 'int8'")
+
+    def scheme_args(self):
+        from compressed_tensors.quantization import QuantizationArgs
+
+        kind = "float" if self.dtype == "fp8" else "int"
+        return QuantizationArgs(num_bits=8, type=kind, strategy="tensor", dynamic=False, symmetric=True)
+
+
+def _weight_scheme(num_bits: int, group_size: int, symmetric: bool, actorder: str | None = None):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy="group",
+                            group_size=group_size, actorder=actorder)
+    return QuantizationScheme(targets=["Linear"], weights=args)
+
+
+@dataclass(frozen=True)
+class _GroupWise:
+    group_size: int = 128
+    ignore: tuple[str, ...] = DEFAULT_IGNORE
+    needs_calibration: ClassVar[bool] = True
+    num_bits: ClassVar[int] = 4
+
+    def __post_init__(self):
+        if self.group_size <= 0 or self.group_size & (self.group_size - 1):
+            raise ConfigError(f"{type(self).__name__}.group_size must be a positive power of two, got {self.group_size}")
+
+    def check_model(self, model) -> None:
+        """Every quantized Linear's input width must be a multiple of group_size."""
+        import torch
+
+        bad, widths = [], set()
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear) and not any(name == i or name.endswith("." + i) for i in self.ignore):
+                widths.add(mod.in_features)
+                if mod.in_features % self.group_size:
+                    bad.append(f"{name} (in_features={mod.in_features})")
+        if bad:
+            ok = [g for g in (32, 64, 128, 256) if all(w % g == 0 for w in widths)]
+            raise ConfigError(
+                f"group_size={self.group_size} does not divide the input width of {len(bad)} layers, e.g. {bad[0]}",
+                hint=f"use a group_size dividing all widths {sorted(widths)}: {ok or 'none of 32..256; add the layers to ignore'}",
+            )
+
+
+@dataclass(frozen=True)
+class AWQConfig(_GroupWise):
+    symmetric: bool = False
+    duo_scaling: bool = True
+    VERSION: ClassVar[int] = 1
+    name: ClassVar[str] = "awq-w4a16"
+
+    def modifiers(self, kv: KVCacheConfig | None) -> list:
+        from llmcompressor.modifiers.awq import AWQModifier
+
+        groups = {"group_0": _weight_scheme(4, self.group_size, self.symmetric)}
+        return [AWQModifier(config_groups=groups, ignore=list(self.ignore), duo_scaling=self.duo_scaling,
+                            kv_cache_scheme=kv.scheme_args() if kv else None)]
+
+
+@dataclass(frozen=True)
+class GPTQConfig(_GroupWise):
+    num_bits: int = 4
+    symmetric: bool = True
+    actorder: str | None = "static"   # "group" stores a g_idx permutation the CPU engine cannot repack
+    dampening_frac: float = 0.01
+    VERSION: ClassVar[int] = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_bits not in (4, 8):
+            raise ConfigError(f"GPTQConfig.num_bits must be 4 or 8, got {self.num_bits}")
+        if self.actorder not in (None, "static", "group"):
+            raise ConfigError(f"GPTQConfig.actorder must be null, 'static' or 'group', got {self.actorder!r}")
+        if not 0 < self.dampening_frac < 1:
+            raise ConfigError(f"GPTQConfig.dampening_frac must be in (0, 1), got {self.dampening_frac}")
+
+    @property
+    def name(self) -> str:
+        return f"gptq-w{self.num_bits}a16"
+
+    def modifiers(self, kv: KVCacheConfig | None) -> list:
+        from llmcompressor.modifiers.quantization import GPTQModifier
+
+        groups = {"group_0": _weight_scheme(self.num_bits, self.group_size, self.symmetric, self.actorder)}
+        return [GPTQModifier(config_groups=groups, ignore=list(self.ignore), dampening_frac=self.dampening_frac,
+                             kv_cache_scheme=kv.scheme_args() if kv else None)]
+
+
+@dataclass(frozen=True)
+class FP8Config:
+    """FP8 E4M3 weights (per-channel) with dynamic per-token activation scales: no calibration for weights."""
+
+    ignore: tuple[str, ...] = DEFAULT_IGNORE
+    needs_calibration: ClassVar[bool] = False
+    num_bits: ClassVar[int] = 8
+    VERSION: ClassVar[int] = 1
+    name: ClassVar[str] = "fp8-dynamic"
+
+    def check_model(self, model) -> None:
+        return None
+
+    def modifiers(self, kv: KVCacheConfig | None) -> list:
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
+        return [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=list(self.ignore),
+                                     kv_cache_scheme=kv.scheme_args() if kv else None)]
+
+
+SCHEMES: Registry[tuple[type, dict]] = Registry("quantization scheme")
+SCHEMES.register("awq-w4a16", (AWQConfig, {}))
+SCHEMES.register("gptq-w4a16", (GPTQConfig, {"num_bits": 4}))
+SCHEMES.register("gptq-w8a16", (GPTQConfig, {"num_bits": 8}))
+SCHEMES.register("fp8-dynamic", (FP8Config, {}))
+
+
+def scheme_config(name: str, **overrides: Any):
+    """The config for scheme `name`; `overrides` with value None are ignored."""
+    cls, fixed = SCHEMES.get(name)
+    allowed = {f.name for f in fields(cls)} - set(fixed)
+    unknown = sorted(k for k, v in overrides.items() if v is not None and k not in allowed)
+    if unknown:
+        raise ConfigError(f"scheme {name!r} takes no option {unknown[0]!r}", hint=f"options: {sorted(allowed)}")
+    kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in overrides.items() if v is not None}
+    return cls(**fixed, **kwargs)
+
+
+def weight_format(cfg) -> str:
+    """'w4a16' / 'w8a16' / 'fp8': what an engine needs to know to pick a kernel path."""
+    if isinstance(cfg, FP8Config):
+        return "fp8"
+    return f"w{cfg.num_bits}a16"
+
+
+__all__ = ["AWQConfig", "GPTQConfig", "FP8Config", "KVCacheConfig", "SCHEMES", "scheme_config", "weight_format"]

@@ -1,0 +1,52 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("qgate")
+
+
+@pytest.fixture(scope="session")
+def base_art(workdir):
+    from qgate.models import ModelSource, import_model
+
+    src = tiny.make_model(workdir / "tiny-src")
+    return import_model(ModelSource(hf_dir=str(src)), workdir / "base")
+
+
+@pytest.fixture(scope="session")
+def calib_arts(workdir):
+    from qgate.calibrate.sample import SampleConfig, sample_traffic
+
+    traffic = tiny.make_traffic(workdir / "traffic.jsonl", n=300)
+    return sample_traffic(traffic, workdir / "calib", SampleConfig(calib_size=32, shadow_size=24, seed=0))
+
+
+@pytest.fixture(scope="session")
+def awq_art(workdir, base_art, calib_arts):
+    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.schemes import scheme_config
+
+    return quantize(base_art, calib_arts["calib"], scheme_config("awq-w4a16", group_size=32), workdir / "awq",
+                    opts=CalibOptions(max_seq_length=64))
+
+
+@pytest.fixture(scope="session")
+def w8_art(workdir, base_art, calib_arts):
+    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.schemes import scheme_config
+
+    return quantize(base_art, calib_arts["calib"], scheme_config("gptq-w8a16", group_size=32), workdir / "w8",
+                    opts=CalibOptions(max_seq_length=64))
