@@ -38,6 +38,16 @@ class TorchRunner:
             out = self.model(torch.tensor([list(ids)], dtype=torch.long)).logits[0]  # [T, V]
         return out.float().numpy()
 
+    def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        """Greedy continuation with the KV cache; stops at EOS."""
+        import torch
+
+        x = torch.tensor([list(ids)], dtype=torch.long)
+        with torch.inference_mode():
+            out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                                      pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
+        return out[0, x.shape[1]:].tolist()
+
 
 class OrtRunner:
     """The built CPU engine's ONNX graph on onnxruntime: the same int4 kernels onnxruntime-genai serves with."""

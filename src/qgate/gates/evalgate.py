@@ -1,0 +1,112 @@
+"""Eval gate: offline lm-evaluation-harness tasks, compared item by item.
+
+    scores = run_tasks(runner, EvalConfig().tasks)       # {task: {"kind", "per_item", ...}}
+    results = eval_gate(base_scores, cand_scores, EvalConfig())
+
+Multiple-choice tasks: recovery ratio (candidate accuracy / baseline accuracy) with a
+paired confidence interval, and an exact McNemar test on the items that flipped; a
+significant loss fails the task whatever the recovery. Perplexity tasks: relative
+increase in bits per byte, with a paired bootstrap interval over documents.
+Task YAMLs are lm-eval configs shipped under gates/tasks/; no `!function` code runs.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from qgate.errors import ConfigError
+from qgate.gates.result import GateResult
+from qgate.gates.stats import mcnemar_exact, paired_mean_ci
+from qgate.naming import Registry
+
+TASK_DIR = Path(__file__).parent / "tasks"
+TASKS: Registry[Path] = Registry("eval task")
+for _f in sorted(TASK_DIR.glob("*.yaml")):
+    TASKS.register(_f.stem, _f)
+DEFAULT_TASKS = ("bigbench_general_knowledge", "bigbench_social_iqa", "bigbench_misconceptions", "chatterbot_ppl")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    limit: int | None = None             # items per task; None: all
+    min_recovery: float | None = 0.9     # candidate acc / baseline acc, on the CI lower bound
+    alpha: float = 0.05                  # McNemar: a significant loss fails the task
+    max_bpb_increase: float | None = 0.05   # perplexity tasks: relative increase, on the CI upper bound
+    VERSION = 1
+
+    def __post_init__(self):
+        for t in self.tasks:
+            TASKS.get(t)
+        if not 0 < self.alpha < 1:
+            raise ConfigError(f"gates.eval.alpha must be in (0, 1), got {self.alpha}")
+
+
+def task_config(name: str) -> dict:
+    path = TASKS.get(name)
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:  # includes unknown tags such as !function
+        raise ConfigError(f"{path}: not plain YAML ({e})", hint="qgate task files may not execute code") from e
+    files = cfg.get("dataset_kwargs", {}).get("data_files", {})
+    cfg["dataset_kwargs"]["data_files"] = {k: str((path.parent / v).resolve()) for k, v in files.items()}
+    return cfg
+
+
+def run_tasks(runner, cfg: EvalConfig) -> dict:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from lm_eval import evaluator
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    from qgate.gates.lm import RunnerLM
+
+    task_dict = get_task_dict([task_config(t) for t in cfg.tasks], TaskManager())
+    res = evaluator.evaluate(lm=RunnerLM(runner), task_dict=task_dict, limit=cfg.limit, log_samples=True, verbosity="ERROR")
+    out = {}
+    for name in cfg.tasks:
+        samples = sorted(res["samples"][name], key=lambda s: s["doc_id"])
+        if "acc" in samples[0]:
+            out[name] = {"kind": "mc", "per_item": [float(s["acc"]) for s in samples]}
+        else:  # bits_per_byte samples are (loglikelihood, bytes)
+            out[name] = {"kind": "ppl", "ll": [float(s["bits_per_byte"][0]) for s in samples],
+                         "bytes": [int(s["bits_per_byte"][1]) for s in samples]}
+    return out
+
+
+def _bpb(ll: np.ndarray, nbytes: np.ndarray) -> float:
+    return float(-ll.sum() / nbytes.sum() / np.log(2))
+
+
+def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
+    results = []
+    for name in cfg.tasks:
+        b, c = base[name], cand[name]
+        if b["kind"] == "mc":
+            bc, cc = np.array(b["per_item"]) > 0.5, np.array(c["per_item"]) > 0.5
+            test = mcnemar_exact(bc, cc)
+            delta, lo, hi = paired_mean_ci(cc.astype(float) - bc.astype(float))
+            base_acc, cand_acc = float(bc.mean()), float(cc.mean())
+            rec = cand_acc / base_acc if base_acc > 0 else float("nan")
+            ci = ((base_acc + lo) / base_acc, (base_acc + hi) / base_acc) if base_acc > 0 else None
+            ev = {"base_acc": base_acc, "cand_acc": cand_acc, "delta": delta, "delta_ci": [lo, hi], **test}
+            r = GateResult.check("eval", f"{name}.recovery", rec, cfg.min_recovery, True, len(bc), ci, test["p_value"], ev)
+            if test["p_value"] < cfg.alpha and test["lost"] > test["gained"]:  # significant regression overrides recovery
+                r = GateResult(**{**r.__dict__, "passed": False, "decided_on": "mcnemar"})
+            results.append(r)
+        else:
+            bll, cll, nb = np.array(b["ll"]), np.array(c["ll"]), np.array(b["bytes"])
+            base_bpb, cand_bpb = _bpb(bll, nb), _bpb(cll, nb)
+            rng = np.random.default_rng(0)
+            boots = []
+            for _ in range(1000):
+                i = rng.integers(0, len(nb), len(nb))
+                boots.append(_bpb(cll[i], nb[i]) / _bpb(bll[i], nb[i]) - 1)
+            ci = (float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975)))
+            ev = {"base_bpb": base_bpb, "cand_bpb": cand_bpb}
+            results.append(GateResult.check("eval", f"{name}.bpb_increase", cand_bpb / base_bpb - 1, cfg.max_bpb_increase,
+                                            False, len(nb), ci, None, ev))
+    return results

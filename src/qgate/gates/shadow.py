@@ -1,0 +1,160 @@
+"""Shadow-disagreement gate: candidate vs baseline on held-out real traffic, teacher-forced.
+
+    result = shadow_gate(cand_runner, baseline_ref, ShadowConfig())
+
+The baseline answers each shadow prompt greedily; both models then score the same
+token sequence (prompt + baseline answer). Per position we measure KL(base || cand)
+and whether the top-1 tokens agree. Because greedy decoding follows its own argmax,
+the candidate's greedy answer equals the baseline's up to the first answer position
+where its argmax differs: that position is the generation's first divergence, with
+no second generation pass.
+
+The baseline keeps only its top-k log-probabilities per position (cached by content
+hash). KL is computed over those k tokens plus one bucket for the rest: a lower
+bound on the full-vocabulary KL, equal to it when the tail holds no mass; the tail
+mass is reported so the bound's slack is visible.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from qgate.artifact import Artifact, sha256_json
+from qgate.chat import encode_messages
+from qgate.errors import ConfigError, InputError
+from qgate.gates.result import GateResult
+from qgate.gates.stats import cluster_bootstrap, wilson
+
+
+@dataclass(frozen=True)
+class ShadowConfig:
+    max_prompt_tokens: int = 384
+    max_new_tokens: int = 48
+    top_k: int = 256
+    max_prompts: int | None = None
+    kl_mean_max: float | None = None
+    kl_p99_max: float | None = 0.5
+    kl_p999_max: float | None = None
+    top1_agreement_min: float | None = 0.9
+    identical_generation_min: float | None = None
+    VERSION = 1
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1 or self.max_prompt_tokens < 4 or self.top_k < 2:
+            raise ConfigError("gates.shadow: max_new_tokens >= 1, max_prompt_tokens >= 4 and top_k >= 2 are required")
+
+    def reference_key(self) -> dict:  # the fields that change what the baseline computes
+        return {"max_prompt_tokens": self.max_prompt_tokens, "max_new_tokens": self.max_new_tokens,
+                "top_k": self.top_k, "max_prompts": self.max_prompts}
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def load_shadow(shadow: Artifact, cfg: ShadowConfig) -> list[dict]:
+    if shadow.kind != "calibration-set" or shadow.meta.get("split") != "shadow":
+        raise InputError(f"{shadow.path}: --shadow must be the shadow split written by `qgate calibrate sample`")
+    rows = [json.loads(x) for x in (shadow.path / "data.jsonl").read_text().splitlines() if x.strip()]
+    return rows[: cfg.max_prompts] if cfg.max_prompts else rows
+
+
+def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg: ShadowConfig, cache_dir: Path) -> tuple[dict, bool]:
+    """Baseline answers and top-k log-probs, computed once per (baseline, shadow set, settings)."""
+    key = sha256_json({"baseline": baseline.sha256, "shadow": shadow.sha256, "cfg": cfg.reference_key(), "v": 1})
+    path = Path(cache_dir) / f"shadow-baseline-{key[:24]}.npz"
+    if path.exists():
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}, True
+    runner = runner_factory()
+    rows = load_shadow(shadow, cfg)
+    seqs, prompt_lens, idx, lp, prompt_of = [], [], [], [], []
+    t0, score_s = time.perf_counter(), 0.0
+    for i, row in enumerate(tqdm(rows, desc="shadow: baseline answers", unit=" prompt")):
+        ids = encode_messages(runner.tokenizer, row["messages"], cfg.max_prompt_tokens)
+        answer = runner.greedy(ids, cfg.max_new_tokens)
+        seq = ids + answer
+        ts = time.perf_counter()
+        logits = runner.logits(seq)
+        score_s += time.perf_counter() - ts
+        logp = _log_softmax(logits[:-1])                            # [T-1, V]: position t predicts seq[t+1]
+        top = np.argpartition(-logp, cfg.top_k - 1, axis=-1)[:, : cfg.top_k]
+        top_lp = np.take_along_axis(logp, top, axis=-1)
+        order = np.argsort(-top_lp, axis=-1)                        # top-1 first
+        idx.append(np.take_along_axis(top, order, axis=-1).astype(np.int32))
+        lp.append(np.take_along_axis(top_lp, order, axis=-1).astype(np.float32))
+        seqs.append(np.asarray(seq, np.int32))
+        prompt_lens.append(len(ids))
+        prompt_of.append(np.full(len(seq) - 1, i, np.int32))
+    ref = {
+        "tokens": np.concatenate(seqs), "seq_lens": np.array([len(s) for s in seqs], np.int32),
+        "prompt_lens": np.array(prompt_lens, np.int32), "top_idx": np.concatenate(idx), "top_lp": np.concatenate(lp),
+        "prompt_of": np.concatenate(prompt_of), "seconds": np.array(time.perf_counter() - t0),
+        "score_seconds": np.array(score_s),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, **ref)
+    tmp.replace(path)
+    return ref, False
+
+
+def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dict:
+    """Per-position KL, tail mass, top-1 agreement; per-prompt first divergence."""
+    kls, tails, agree, first_div, gen_lens = [], [], [], [], []
+    start, pos, score_s = 0, 0, 0.0
+    for i, (n, p) in enumerate(tqdm(list(zip(ref["seq_lens"], ref["prompt_lens"])), desc=desc, unit=" prompt")):
+        seq = ref["tokens"][start:start + n]
+        ti, tl = ref["top_idx"][pos:pos + n - 1], ref["top_lp"][pos:pos + n - 1]   # [T-1, k]
+        ts = time.perf_counter()
+        logits = runner.logits(seq.tolist())
+        score_s += time.perf_counter() - ts
+        lq = _log_softmax(logits[:-1])                                             # [T-1, V]
+        pk = np.exp(tl.astype(np.float64))
+        lq_k = np.take_along_axis(lq, ti, axis=-1).astype(np.float64)
+        p_tail = np.clip(1 - pk.sum(-1), 0, 1)
+        q_tail = np.clip(1 - np.exp(lq_k).sum(-1), 1e-12, 1)
+        kl = (pk * (tl - lq_k)).sum(-1) + np.where(p_tail > 1e-12, p_tail * (np.log(np.maximum(p_tail, 1e-12)) - np.log(q_tail)), 0.0)
+        kls.append(np.maximum(kl, 0.0))
+        tails.append(p_tail)
+        top1 = lq.argmax(-1) == ti[:, 0]
+        agree.append(top1)
+        answer = seq[p:]                                # baseline's greedy answer
+        cand_next = lq.argmax(-1)[p - 1:p - 1 + len(answer)]
+        miss = np.nonzero(cand_next != answer)[0]
+        first_div.append(int(miss[0]) if len(miss) else len(answer))
+        gen_lens.append(len(answer))
+        start += n
+        pos += n - 1
+    return {"kl": np.concatenate(kls), "tail": np.concatenate(tails), "agree": np.concatenate(agree),
+            "first_div": np.array(first_div), "gen_lens": np.array(gen_lens), "score_seconds": score_s}
+
+
+def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> list[GateResult]:
+    kl, clusters, n = m["kl"], ref["prompt_of"], len(m["kl"])
+    p99 = lambda v: float(np.percentile(v, 99))     # noqa: E731
+    p999 = lambda v: float(np.percentile(v, 99.9))  # noqa: E731
+    ev = {"tail_mass_mean": float(m["tail"].mean()), "tail_mass_max": float(m["tail"].max()), "prompts": len(ref["seq_lens"])}
+    ident = int(np.sum(m["first_div"] >= m["gen_lens"]))
+    results = [
+        GateResult.check("shadow", "kl_mean", float(kl.mean()), cfg.kl_mean_max, False, n,
+                         cluster_bootstrap(kl, clusters, np.mean), evidence=ev),
+        GateResult.check("shadow", "kl_p99", p99(kl), cfg.kl_p99_max, False, n, cluster_bootstrap(kl, clusters, p99)),
+        GateResult.check("shadow", "kl_p999", p999(kl), cfg.kl_p999_max, False, n, cluster_bootstrap(kl, clusters, p999)),
+        GateResult.check("shadow", "top1_agreement", float(m["agree"].mean()), cfg.top1_agreement_min, True, n,
+                         cluster_bootstrap(m["agree"].astype(float), clusters, np.mean),
+                         evidence={"flip_rate": float(1 - m["agree"].mean())}),
+        GateResult.check("shadow", "identical_generation", ident / len(m["first_div"]), cfg.identical_generation_min, True,
+                         len(m["first_div"]), wilson(ident, len(m["first_div"])),
+                         evidence={"first_divergence_mean": float(m["first_div"].mean()),
+                                   "first_divergence_median": float(np.median(m["first_div"])),
+                                   "answer_tokens_mean": float(m["gen_lens"].mean())}),
+    ]
+    return results
+
