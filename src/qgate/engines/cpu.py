@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
-from qgate.engines.awq_layout import to_awq
 from qgate.errors import BackendUnavailable, ConfigError, InputError
 
 ENGINE_SUBDIR = "onnx"
@@ -40,6 +39,8 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path) -> Artifact:
     except ImportError as e:
         raise BackendUnavailable(f"onnxruntime-genai is not importable ({e})", hint="pip install onnxruntime-genai==0.18.0") from e
     from safetensors.torch import load_file, save_file
+
+    from qgate.engines.awq_layout import to_awq
 
     if ckpt.meta.get("weight_format") != "w4a16":
         raise ConfigError(

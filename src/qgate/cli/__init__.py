@@ -1,0 +1,1 @@
+"""qgate's command line: one module per command group, one exception table."""

@@ -1,0 +1,51 @@
+"""`qgate calibrate`: sample calibration and shadow sets from traffic; measure drift between profiles."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qgate.calibrate.sample import SampleConfig
+from qgate.cli.options import OutDir
+
+app = typer.Typer(no_args_is_help=True, help="Calibration sets from production traffic logs.")
+_D = SampleConfig()
+
+
+@app.command("sample")
+def sample_cmd(
+    traffic: Annotated[Path, typer.Option("--traffic", help="Traffic log: JSONL or Parquet, OpenAI chat records.")],
+    out: OutDir,
+    calib_size: Annotated[int, typer.Option(help="Calibration prompts.")] = _D.calib_size,
+    shadow_size: Annotated[int, typer.Option(help="Held-out shadow prompts (disjoint).")] = _D.shadow_size,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = _D.seed,
+) -> None:
+    """Stratified, deduplicated, PII-scrubbed calibration + shadow split with a traffic profile."""
+    from qgate.calibrate.sample import sample_traffic
+
+    arts = sample_traffic(traffic, out, SampleConfig(calib_size=calib_size, shadow_size=shadow_size, seed=seed))
+    stats = arts["calib"].meta["stats"]
+    typer.echo(f"read {stats.get('records', 0)} records: {stats.get('rejected', 0)} rejected (see {Path(out) / 'rejects.jsonl'}), "
+               f"{stats.get('duplicates', 0)} duplicates")
+    for name, art in arts.items():
+        typer.echo(f"{name:8s} {art.path}  sha256 {art.sha256[:16]}  {art.meta}")
+
+
+@app.command("drift")
+def drift_cmd(
+    reference: Annotated[Path, typer.Option("--reference", help="Traffic-profile artifact the model was calibrated on.")],
+    current: Annotated[Path, typer.Option("--current", help="Traffic-profile artifact of recent traffic.")],
+    max_js: Annotated[float, typer.Option(help="Drift threshold: Jensen-Shannon divergence (bits) on any facet.")] = 0.1,
+) -> None:
+    """Compare two traffic profiles; exit 2 when traffic moved more than --max-js (time to re-calibrate)."""
+    from qgate.artifact import Artifact
+    from qgate.calibrate.profile import drift
+
+    a, b = (json.loads((Artifact.load(p, "traffic-profile").path / "profile.json").read_text()) for p in (reference, current))
+    d = drift(a, b)
+    for k, v in d.items():
+        typer.echo(f"{k:12s} {v:.4f} {'DRIFTED' if v > max_js else 'ok'}")
+    if any(v > max_js for v in d.values()):
+        raise typer.Exit(2)

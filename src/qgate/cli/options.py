@@ -1,0 +1,37 @@
+"""Option types shared by the commands; defaults are read from the config classes, never repeated."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+OutDir = Annotated[Path, typer.Option("--out", "-o", help="Directory to write the artifact to.")]
+ModelDir = Annotated[Path, typer.Option("--model", help="Baseline checkpoint artifact (from `qgate model import`).")]
+Store = Annotated[Path | None, typer.Option("--store", help="Embedded MLflow store dir (ignored when MLFLOW_TRACKING_URI is set).")]
+ModelName = Annotated[str, typer.Option("--model-name", "--model", help="Registered model name.")]
+
+
+def quiet_libraries() -> None:
+    """Keep the console for qgate's own progress: libraries log warnings and worse only."""
+    import logging
+    import os
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "WARNING")  # read when llmcompressor is first imported
+    for name in ("transformers", "datasets", "lm_eval", "lm-eval", "mlflow", "alembic", "llmcompressor", "onnxruntime"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except ImportError:
+        pass
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except ImportError:
+        pass

@@ -1,0 +1,36 @@
+"""`qgate quantize`: one scheme, one checkpoint, compressed-tensors output."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qgate.cli.options import ModelDir, OutDir, quiet_libraries
+from qgate.quantize.run import CalibOptions
+from qgate.quantize.schemes import SCHEMES
+
+_D = CalibOptions()
+
+
+def quantize_cmd(
+    model: ModelDir,
+    scheme: Annotated[str, typer.Option(help=f"One of: {', '.join(SCHEMES.names())}.")],
+    out: OutDir,
+    calib: Annotated[Path | None, typer.Option("--calib", help="Calibration-set artifact (calib split).")] = None,
+    kv_cache: Annotated[str | None, typer.Option("--kv-cache", help="Quantize the KV cache too: fp8 or int8.")] = None,
+    group_size: Annotated[int | None, typer.Option(help="Group size for W4A16/W8A16 (must divide layer widths).")] = None,
+    max_seq_length: Annotated[int, typer.Option(help="Calibration sequence length (tokens).")] = _D.max_seq_length,
+) -> None:
+    """Quantize a baseline checkpoint with llm-compressor."""
+    quiet_libraries()
+    from qgate.artifact import Artifact
+    from qgate.quantize.run import quantize
+    from qgate.quantize.schemes import KVCacheConfig, scheme_config
+
+    cfg = scheme_config(scheme, group_size=group_size)
+    kv = KVCacheConfig(kv_cache) if kv_cache else None
+    base = Artifact.load(model, "checkpoint")
+    cal = Artifact.load(calib, "calibration-set") if calib else None
+    art = quantize(base, cal, cfg, out, kv=kv, opts=CalibOptions(max_seq_length=max_seq_length))
+    typer.echo(f"checkpoint {art.path}  sha256 {art.sha256[:16]}  {art.meta}")

@@ -1,0 +1,42 @@
+"""`qgate run SPEC`: every stage from one pipeline spec; exit 2 when no variant passes."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qgate.cli.options import quiet_libraries
+
+
+def run_cmd(spec: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. pipelines/promote.yaml.")]) -> None:
+    """Calibrate, quantize each variant, build engines, gate, register, and promote the best passing variant."""
+    quiet_libraries()
+    from qgate.pipeline.runner import run_pipeline
+    from qgate.pipeline.spec import load_spec
+
+    s = load_spec(spec)
+    typer.echo(f"pipeline {s.name}: workdir {s.path(s.workdir)}")
+    try:
+        summary = run_pipeline(s, echo=lambda m: typer.echo(m, err=True))
+    finally:
+        _print_table(s)
+    p = summary["promoted"]
+    typer.echo(f"promoted {p['variant']} as {summary['model_name']} v{p['version']} @{p['alias']}"
+               + (f" (previous-production: v{p['previous']})" if p.get("previous") and p["previous"] != p["version"] else ""))
+    typer.echo(f"MLflow store: {summary['tracking_uri']}   (view: mlflow ui --backend-store-uri {summary['tracking_uri']})")
+
+
+def _print_table(spec) -> None:
+    import json
+
+    path = spec.path(spec.workdir) / "summary.json"
+    if not path.exists():
+        return
+    summary = json.loads(path.read_text())
+    typer.echo(f"{'variant':22s} {'verdict':8s} {'KL p99':>9s} {'top-1':>7s} {'version':>8s}  report")
+    for v in summary["variants"]:
+        kl, top1 = v.get("kl_p99"), v.get("top1_agreement")
+        typer.echo(f"{v['variant']:22s} {'PASS' if v['passed'] else 'FAIL':8s} {kl:9.4f} {top1:7.3f} {str(v['version']):>8s}  {v['report']}")
+        if v["failed_checks"]:
+            typer.echo(f"{'':22s} failed: {', '.join(v['failed_checks'])}")

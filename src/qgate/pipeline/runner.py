@@ -1,0 +1,152 @@
+"""Run a pipeline spec end to end, skipping stages whose inputs did not change.
+
+    summary = run_pipeline(load_spec(Path("pipelines/promote.yaml")))
+
+Each stage's key is the hash of its config and its input artifacts' sha256. A stage
+whose key matches the last run's and whose artifact is still on disk is skipped.
+Stage functions never call each other: this module is the only place they meet.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tqdm import tqdm
+
+from qgate.artifact import MANIFEST, Artifact, sha256_json, sha256_tree
+from qgate.errors import PromotionRefused
+from qgate.pipeline.spec import PipelineSpec
+
+
+class StageLedger:
+    """stages.json in the workdir: stage name -> the key it ran with and what it produced."""
+
+    def __init__(self, workdir: Path):
+        self.path = workdir / "stages.json"
+        self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def lookup(self, name: str, key: str) -> dict | None:
+        rec = self.data.get(name)
+        if rec and rec["key"] == key and all(Path(p, MANIFEST).exists() for p in rec.get("paths", [])):
+            return rec
+        return None
+
+    def record(self, name: str, key: str, **values) -> None:
+        self.data[name] = {"key": key, **values}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str))
+        tmp.replace(self.path)
+
+
+class Runner:
+    def __init__(self, spec: PipelineSpec, echo: Callable[[str], None] = print):
+        self.spec = spec
+        self.workdir = spec.path(spec.workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.ledger = StageLedger(self.workdir)
+        self.echo = echo
+        self.times: dict[str, float] = {}
+
+    def stage(self, name: str, key_data: dict, fn: Callable[[], Artifact]) -> Artifact:
+        key = sha256_json(key_data)
+        rec = self.ledger.lookup(name, key)
+        if rec:
+            art = Artifact.load(Path(rec["paths"][0]))
+            if art.sha256 == rec["sha256"]:
+                self.echo(f"  = {name}: unchanged, skipped ({art.path})")
+                return art
+        t = time.perf_counter()
+        self.echo(f"  > {name} ...")
+        art = fn()
+        self.times[name] = round(time.perf_counter() - t, 1)
+        self.ledger.record(name, key, paths=[str(art.path)], sha256=art.sha256)
+        self.echo(f"  + {name}: done in {self.times[name]}s ({art.path})")
+        return art
+
+
+def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dict:
+    from qgate.calibrate.sample import SampleConfig, sample_traffic
+    from qgate.engines.build import build_engine
+    from qgate.gates.run import run_gates
+    from qgate.models import ModelSource, import_model
+    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.schemes import KVCacheConfig, scheme_config
+    from qgate.registry.mlflow_store import promote, register, tracking_uri
+
+    r = Runner(spec, echo)
+    w = r.workdir
+    total = 3 + 3 * len(spec.variants) + 1
+    bar = tqdm(total=total, desc=f"pipeline {spec.name}", unit=" stage", position=0, leave=True)
+
+    def step(art):
+        bar.update(1)
+        return art
+
+    msrc = ModelSource(**spec.model.model_dump())
+    if msrc.hf_dir:
+        msrc = ModelSource(hf_dir=str(spec.path(msrc.hf_dir)))
+    source_key = sha256_tree(Path(msrc.hf_dir)) if msrc.hf_dir else msrc.__dict__
+    base = step(r.stage("model", {"src": source_key}, lambda: import_model(msrc, w / "base")))
+    traffic = spec.path(spec.traffic)
+    scfg = SampleConfig(**spec.calibrate.model_dump())
+    key = {"traffic": sha256_tree(traffic), "cfg": scfg.__dict__}
+    calib = step(r.stage("calibrate", key, lambda: sample_traffic(traffic, w / "calib", scfg)["calib"]))
+    shadow, profile = Artifact.load(w / "calib" / "shadow"), Artifact.load(w / "calib" / "profile")
+    gate_cfg = spec.gate_config()
+    opts = CalibOptions(**spec.quantize.model_dump())
+    bar.update(1)
+    outcomes = []
+    for v in spec.variants:
+        scheme = scheme_config(v.scheme, **v.options)
+        kv = KVCacheConfig(v.kv_cache) if v.kv_cache else None
+        key = {"base": base.sha256, "calib": calib.sha256, "scheme": [v.scheme, v.options], "kv": v.kv_cache, "opts": opts.__dict__}
+        ckpt = step(r.stage(f"quantize:{v.name}", key,
+                            lambda: quantize(base, calib, scheme, w / "variants" / v.name / "checkpoint", kv=kv, opts=opts)))
+        cand = ckpt
+        if v.engine is not None:
+            key = {"ckpt": ckpt.sha256, "engine": v.engine.model_dump(), "profile": profile.sha256}
+            cand = r.stage(f"engine:{v.name}", key, lambda: build_engine(ckpt, v.engine.backend, w / "variants" / v.name / "engine",
+                                                                       profile, **v.engine.options))
+        step(cand)
+        key = {"cand": cand.sha256, "base": base.sha256, "shadow": shadow.sha256, "gates": spec.gates.model_dump()}
+        report = step(r.stage(f"gate:{v.name}", key, lambda: run_gates(cand, base, shadow, gate_cfg, w / "variants" / v.name / "gate",
+                                                                      w / "cache")))
+        outcomes.append({"variant": v.name, "candidate": cand, "report": report})
+    store = spec.path(spec.registry.store)
+    uri = tracking_uri(store)
+    for o in outcomes:
+        key = {"report": o["report"].sha256, "uri": uri, "name": spec.registry.model_name}
+        rec = r.ledger.lookup(f"register:{o['variant']}", sha256_json(key))
+        if rec:
+            o["version"] = rec["version"]
+            echo(f"  = register:{o['variant']}: already v{o['version']}")
+        else:
+            o["version"] = register(o["report"], o["candidate"], spec.registry.model_name, store)
+            r.ledger.record(f"register:{o['variant']}", sha256_json(key), version=o["version"], paths=[str(o["report"].path)])
+            echo(f"  + register:{o['variant']}: {spec.registry.model_name} v{o['version']}")
+    bar.update(1)
+    bar.close()
+    passing = [o for o in outcomes if o["report"].meta["passed"]]
+    summary = {"tracking_uri": uri, "model_name": spec.registry.model_name, "workdir": str(w), "stage_seconds": r.times,
+               "variants": [_variant_summary(o) for o in outcomes], "promoted": None}
+    if not passing:
+        (w / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        raise PromotionRefused(f"no variant passed its gates: {', '.join(o['variant'] for o in outcomes)}",
+                               hint=f"see the reports under {w / 'variants'}")
+    if spec.promote.choose == "best":
+        passing.sort(key=lambda o: o["report"].meta["summary"].get("shadow.kl_p99", float("inf")))
+    chosen = passing[0]
+    summary["promoted"] = promote(spec.registry.model_name, chosen["version"], spec.promote.alias, store) | {"variant": chosen["variant"]}
+    (w / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def _variant_summary(o: dict) -> dict:
+    s = o["report"].meta["summary"]
+    return {"variant": o["variant"], "version": o.get("version"), "passed": o["report"].meta["passed"],
+            "failed_checks": o["report"].meta.get("failed", []), "report": str(o["report"].path / "report.html"),
+            "kl_p99": s.get("shadow.kl_p99"), "top1_agreement": s.get("shadow.top1_agreement"),
+            "metrics": s, "weights_bytes": o["candidate"].meta.get("weights_bytes"),
+            "backend": o["candidate"].meta.get("backend", "torch-reference")}

@@ -1,0 +1,130 @@
+"""Register gated artifacts in the MLflow Model Registry and promote them by alias.
+
+    version = register(gate_report_art, candidate_art, model_name="smollm2-135m")
+    promote("smollm2-135m", version, alias="production")   # refuses unless gated and intact
+
+Tracking URI: $MLFLOW_TRACKING_URI if set, else an embedded SQLite store
+(sqlite:///<store>/mlflow.db) with artifacts under <store>/artifacts. Artifact
+directories are logged through MLflow's logged-model API and registered from
+models:/<model_id>. Versions carry lineage and gate evidence as tags.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from qgate.artifact import Artifact, sha256_tree
+from qgate.errors import PromotionRefused, RegistryError
+
+DEFAULT_STORE = Path(".qgate/mlflow")
+EXPERIMENT = "qgate"
+PREVIOUS = "previous-production"
+
+
+def tracking_uri(store: Path | None = None) -> str:
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    store = Path(store or DEFAULT_STORE).resolve()
+    store.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{store / 'mlflow.db'}"
+
+
+def _client(store: Path | None):
+    import logging
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = tracking_uri(store)
+    client = MlflowClient(uri, uri)
+    if client.get_experiment_by_name(EXPERIMENT) is None:
+        location = None
+        if uri.startswith("sqlite:///") and not os.environ.get("MLFLOW_TRACKING_URI"):
+            # keep the embedded store's artifacts beside its database, not in ./mlruns of whatever cwd
+            location = (Path(uri[len("sqlite:///"):]).parent / "artifacts").as_uri()
+        client.create_experiment(EXPERIMENT, artifact_location=location)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return mlflow, client
+
+
+def register(gate: Artifact, candidate: Artifact, model_name: str, store: Path | None = None) -> str:
+    """Log the candidate artifact and its gate report, register a new version, tag it. Returns the version."""
+    if gate.kind != "gate-report":
+        raise RegistryError(f"{gate.path}: --gate must be a gate-report artifact")
+    if gate.meta.get("candidate") != candidate.sha256:
+        raise RegistryError(f"{gate.path}: this gate report is for candidate {str(gate.meta.get('candidate'))[:12]}, "
+                            f"not {candidate.sha256[:12]} ({candidate.path})", hint="gate this candidate first")
+    candidate.verify()
+    mlflow, client = _client(store)
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    report = json.loads((gate.path / "report.json").read_text())
+    with mlflow.start_run(experiment_id=exp.experiment_id, run_name=f"gate-{candidate.path.name}") as run:
+        mlflow.log_artifacts(str(gate.path), artifact_path="gate-report")
+        for r in report["results"]:
+            key = f"{r['gate']}.{r['metric']}".replace("/", "_")
+            if r["observed"] == r["observed"]:  # not NaN
+                mlflow.log_metric(key, float(r["observed"]))
+        mlflow.log_param("candidate_sha256", candidate.sha256)
+        model = mlflow.initialize_logged_model(name=model_name, source_run_id=run.info.run_id, experiment_id=exp.experiment_id,
+                                               tags={"qgate.kind": candidate.kind})
+        client.log_model_artifacts(model.model_id, str(candidate.path))
+        mlflow.finalize_logged_model(model.model_id, "READY")
+        mv = mlflow.register_model(f"models:/{model.model_id}", model_name)
+        run_id = run.info.run_id
+    tags = {
+        "qgate.gate_passed": str(bool(gate.meta["passed"])).lower(),
+        "qgate.gate_failed_checks": ",".join(gate.meta.get("failed", [])) or "-",
+        "qgate.scheme": str(candidate.meta.get("scheme")),
+        "qgate.backend": str(candidate.meta.get("backend", "torch-reference")),
+        "qgate.kv_cache_dtype": str(candidate.meta.get("kv_cache_dtype") or "model-default"),
+        "qgate.calibration_sha256": str(candidate.meta.get("calibration_sha256")),
+        "qgate.base_model_sha256": str(candidate.meta.get("base_model")),
+        "qgate.artifact_sha256": candidate.sha256,
+        "qgate.gate_report_sha256": gate.sha256,
+        "qgate.gate_report_path": str(gate.path / "report.html"),
+        "qgate.gate_report_artifact": f"runs:/{run_id}/gate-report/report.html",
+        "qgate.model_id": model.model_id,
+    }
+    tags |= {f"qgate.{r['gate']}.{r['metric']}": f"{r['observed']:.6g}" for r in report["results"]}
+    for k, v in tags.items():
+        client.set_model_version_tag(model_name, mv.version, k, v)
+    return str(mv.version)
+
+
+def promote(model_name: str, version: str, alias: str = "production", store: Path | None = None) -> dict:
+    """Point `alias` at `version` if its gate passed and its stored artifact still hashes to what was gated."""
+    import mlflow
+
+    _, client = _client(store)
+    try:
+        mv = client.get_model_version(model_name, str(version))
+    except mlflow.exceptions.MlflowException as e:
+        raise RegistryError(f"model {model_name!r} version {version} not found in {tracking_uri(store)}") from e
+    tags = mv.tags
+    if tags.get("qgate.gate_passed") != "true":
+        raise PromotionRefused(
+            f"{model_name} v{version}: gate did not pass (failed: {tags.get('qgate.gate_failed_checks', '?')})",
+            hint=f"see {tags.get('qgate.gate_report_path')}; promote a version whose gate passed",
+        )
+    expected = tags.get("qgate.artifact_sha256")
+    with tempfile.TemporaryDirectory() as tmp:
+        local = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=tmp)
+        actual = sha256_tree(Path(local))
+    if actual != expected:
+        raise PromotionRefused(f"{model_name} v{version}: stored artifact sha256 {actual[:12]} != gated {str(expected)[:12]}",
+                               hint="the registered files changed after gating; re-gate and re-register")
+    previous = None
+    try:
+        previous = client.get_model_version_by_alias(model_name, alias).version
+    except mlflow.exceptions.MlflowException:
+        pass
+    if previous is not None and str(previous) != str(version) and alias == "production":
+        client.set_registered_model_alias(model_name, PREVIOUS, previous)
+    client.set_registered_model_alias(model_name, alias, str(version))
+    return {"model": model_name, "version": str(version), "alias": alias, "previous": previous,
+            "tracking_uri": tracking_uri(store), "artifact_sha256": actual}

@@ -1,0 +1,146 @@
+import json
+import random
+
+import pytest
+
+import tiny
+from qgate.artifact import Artifact
+from qgate.calibrate.profile import drift
+from qgate.calibrate.sample import SampleConfig, sample_traffic
+from qgate.calibrate.scrub import scrub
+from qgate.errors import ConfigError, InputError
+
+BAD = {
+    3: '{"messages": [{"role": "user", "content": "trunc',
+    10: '["a", "list"]',
+    20: '{"route": "chat"}',
+    30: '{"messages": [{"role": "wizard", "content": "hi"}]}',
+    40: '{"messages": [{"role": "user", "content": "ok"}], "ts": "yesterday"}',
+    50: '{"messages": [{"role": "assistant", "content": "no user turn"}]}',
+}
+
+
+def test_bad_records_are_rejected_with_line_numbers_and_reasons(tmp_path):
+    traffic = tiny.make_traffic(tmp_path / "t.jsonl", n=120, bad_lines=BAD)
+    arts = sample_traffic(traffic, tmp_path / "out", SampleConfig(calib_size=20, shadow_size=10))
+    rejects = [json.loads(x) for x in (tmp_path / "out/rejects.jsonl").read_text().splitlines()]
+    assert {r["line"] for r in rejects} == set(BAD)
+    by_line = {r["line"]: r["reason"] for r in rejects}
+    assert "invalid JSON" in by_line[3]
+    assert "not an object" in by_line[10]
+    assert "neither 'messages' nor 'prompt'" in by_line[20]
+    assert "role 'wizard'" in by_line[30]
+    assert "'ts'" in by_line[40]
+    assert "no non-empty user message" in by_line[50]
+    assert arts["calib"].meta["stats"]["rejected"] == len(BAD)
+
+
+def test_splits_are_disjoint_sized_and_hashed(tmp_path):
+    traffic = tiny.make_traffic(tmp_path / "t.jsonl", n=200)
+    arts = sample_traffic(traffic, tmp_path / "out", SampleConfig(calib_size=40, shadow_size=25))
+    rows = {k: [json.loads(x) for x in (arts[k].path / "data.jsonl").read_text().splitlines()] for k in ("calib", "shadow")}
+    assert len(rows["calib"]) == 40 and len(rows["shadow"]) == 25
+    text = {k: {json.dumps(r["messages"]) for r in v} for k, v in rows.items()}
+    assert not text["calib"] & text["shadow"]
+    for art in arts.values():
+        Artifact.load(art.path).verify()
+    assert arts["calib"].parents[1] == arts["profile"].sha256
+
+
+def test_stratified_quota_follows_route_mix(tmp_path):
+    lines = []
+    for i in range(400):  # 75% chat, 25% code; all short
+        route = "code" if i % 4 == 0 else "chat"
+        lines.append(json.dumps({"route": route, "prompt": f"request number {i} about {route}"}))
+    (tmp_path / "t.jsonl").write_text("\n".join(lines))
+    arts = sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=40, shadow_size=20))
+    strata = arts["calib"].meta["strata"]
+    assert strata == {"chat|0-16": 30, "code|0-16": 10}
+    assert arts["shadow"].meta["strata"] == {"chat|0-16": 15, "code|0-16": 5}
+
+
+def test_same_seed_same_sets_regardless_of_record_order(tmp_path):
+    traffic = tiny.make_traffic(tmp_path / "a.jsonl", n=150)
+    lines = traffic.read_text().splitlines()
+    random.Random(1).shuffle(lines)
+    (tmp_path / "b.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = SampleConfig(calib_size=30, shadow_size=20, seed=3)
+    a = sample_traffic(traffic, tmp_path / "oa", cfg)
+    b = sample_traffic(tmp_path / "b.jsonl", tmp_path / "ob", cfg)
+    key = lambda art: sorted(json.dumps(json.loads(x)["messages"]) for x in (art.path / "data.jsonl").read_text().splitlines())  # noqa: E731
+    assert key(a["calib"]) == key(b["calib"]) and key(a["shadow"]) == key(b["shadow"])
+    c = sample_traffic(traffic, tmp_path / "oc", SampleConfig(calib_size=30, shadow_size=20, seed=4))
+    assert key(c["calib"]) != key(a["calib"])
+
+
+def test_exact_duplicates_are_dropped(tmp_path):
+    rec = json.dumps({"prompt": "the same   question"})
+    rec2 = json.dumps({"prompt": "the same question"})  # whitespace-normalized duplicate
+    others = [json.dumps({"prompt": f"distinct prompt {i}"}) for i in range(30)]
+    (tmp_path / "t.jsonl").write_text("\n".join([rec, rec2, rec] + others))
+    arts = sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=20, shadow_size=11))
+    assert arts["calib"].meta["stats"]["duplicates"] == 2
+    assert arts["profile"].meta["requests"] == 31
+
+
+def test_pii_is_scrubbed_in_written_sets(tmp_path):
+    secret = "sk-abcdefghijklmnopqrstuv123456"
+    lines = [json.dumps({"prompt": f"ticket {i}: mail jane.doe{i}@corp.com or call +1 415-555-01{i:02d}, key {secret}"}) for i in range(40)]
+    (tmp_path / "t.jsonl").write_text("\n".join(lines))
+    arts = sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=20, shadow_size=10))
+    written = (arts["calib"].path / "data.jsonl").read_text() + (arts["shadow"].path / "data.jsonl").read_text()
+    assert "@corp.com" not in written and secret not in written and "555-01" not in written
+    assert "<EMAIL>" in written and "<SECRET>" in written and "<PHONE>" in written
+    profile = json.loads((arts["profile"].path / "profile.json").read_text())
+    assert profile["pii_scrubbed"] == {"email": 40, "secret": 40, "phone": 40}
+
+
+def test_scrub_keeps_non_pii_numbers():
+    text, counts = scrub("order 1234567890123 shipped in 2024, version 1.2.3, card 4111 1111 1111 1111")
+    assert "1234567890123" in text and "2024" in text and "1.2.3" in text
+    assert "<CARD>" in text and counts == {"card": 1}
+
+
+def test_parquet_input(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": f"parquet prompt {i}", "route": "chat"} for i in range(40)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    arts = sample_traffic(tmp_path / "t.parquet", tmp_path / "o", SampleConfig(calib_size=20, shadow_size=10))
+    assert arts["calib"].meta["n"] == 20
+
+
+def test_mostly_garbage_log_is_an_error_not_a_silent_sample(tmp_path):
+    (tmp_path / "t.jsonl").write_text("\n".join(["not json"] * 50 + [json.dumps({"prompt": "ok"})]))
+    with pytest.raises(InputError, match="malformed"):
+        sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=1, shadow_size=1))
+
+
+def test_too_little_traffic_names_the_fix(tmp_path):
+    tiny.make_traffic(tmp_path / "t.jsonl", n=20)
+    with pytest.raises(InputError, match="calib_size"):
+        sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=100, shadow_size=10))
+
+
+def test_invalid_config():
+    with pytest.raises(ConfigError, match="calib_size"):
+        SampleConfig(calib_size=0)
+
+
+def test_concurrency_from_latencies(tmp_path):
+    # 4 arrivals per second, each lasting 1.5 s: 6 in flight at steady state
+    lines = [json.dumps({"prompt": f"p {i}", "ts": i * 0.25, "latency_ms": 1500}) for i in range(200)]
+    (tmp_path / "t.jsonl").write_text("\n".join(lines))
+    arts = sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=10, shadow_size=10))
+    conc = json.loads((arts["profile"].path / "profile.json").read_text())["concurrency"]
+    assert conc["method"].startswith("in-flight") and conc["p50"] == 6 and conc["max"] == 6
+
+
+def test_drift_detects_route_shift():
+    base = {"length_words": {"0-16": 50, "16-64": 50}, "routes": {"chat": 90, "code": 10}, "unigrams": {"top": {"a": 5, "b": 5}}}
+    same = {"length_words": {"0-16": 25, "16-64": 25}, "routes": {"chat": 45, "code": 5}, "unigrams": {"top": {"a": 1, "b": 1}}}
+    moved = {"length_words": {"0-16": 50, "16-64": 50}, "routes": {"chat": 10, "code": 90}, "unigrams": {"top": {"a": 5, "b": 5}}}
+    assert max(drift(base, same).values()) < 1e-9
+    d = drift(base, moved)
+    assert d["route_js"] > 0.4 and d["length_js"] < 1e-9

@@ -1,0 +1,125 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from qgate.artifact import Artifact
+from qgate.engines.awq_layout import dequantize_awq, to_awq, unpack_int4
+from qgate.engines.build import build_engine
+from qgate.engines.runners import load_runner
+from qgate.engines.trtllm import graph_batch_sizes
+from qgate.errors import BackendUnavailable, ConfigError
+
+
+@pytest.fixture(scope="module")
+def cpu_exact(awq_art, workdir):
+    return build_engine(awq_art, "cpu", workdir / "engine-exact", accuracy_level=1)
+
+
+def _state(art):
+    from safetensors.torch import load_file
+
+    return load_file(str(next(art.path.glob("*.safetensors"))))
+
+
+def test_awq_repack_preserves_every_weight_exactly(awq_art):
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    state = _state(awq_art)
+    qcfg = json.loads((awq_art.path / "config.json").read_text())["quantization_config"]
+    out, cfg = to_awq(state, qcfg)
+    assert cfg["quant_method"] == "awq" and cfg["group_size"] == 32
+    layers = [k[: -len(".weight_packed")] for k in state if k.endswith(".weight_packed")]
+    assert layers
+    for p in layers:
+        o, i = state[f"{p}.weight_shape"].tolist()
+        scale = state[f"{p}.weight_scale"]
+        q = unpack_from_int32(state[f"{p}.weight_packed"], 4, torch.Size((o, i)), 1).float()
+        z = unpack_from_int32(state[f"{p}.weight_zero_point"], 4, scale.shape, 0).float()
+        ref = (q - z.repeat_interleave(32, 1)) * scale.half().float().repeat_interleave(32, 1)  # scales travel as fp16
+        got = dequantize_awq(out[f"{p}.qweight"], out[f"{p}.qzeros"], out[f"{p}.scales"], 32)
+        assert torch.equal(ref, got), p
+
+
+def test_unpack_int4_inverts_compressed_tensors_packing():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    codes = torch.randint(-8, 8, (16, 40), dtype=torch.int8)
+    for dim in (0, 1):
+        packed = pack_to_int32(codes, 4, packed_dim=dim)
+        assert torch.equal(unpack_int4(packed, 16, 40, dim) - 8, codes.to(torch.int32))
+
+
+def test_cpu_engine_matches_reference_path(awq_art, cpu_exact):
+    ref, eng = load_runner(awq_art), load_runner(cpu_exact)
+    assert eng.kind == "onnxruntime-cpu"
+    ids = ref.tokenizer("please help the model serve traffic with low latency")["input_ids"]
+    a, b = ref.logits(ids), eng.logits(ids)
+    assert a.shape == b.shape
+    assert np.abs(a - b).max() < 1e-2 * max(1.0, np.abs(a).max())
+    assert (a.argmax(-1) == b.argmax(-1)).mean() == 1.0
+
+
+def test_cpu_engine_keeps_int4_kernels_and_full_precision_head(cpu_exact):
+    import onnx
+
+    m = onnx.load(str(cpu_exact.path / "onnx/model.onnx"), load_external_data=False)
+    ops = [n.op_type for n in m.graph.node]
+    assert ops.count("MatMulNBits") == 2 * 4  # qkv, o, gate, up, down fused as 4 per layer x 2 layers
+    head = [n for n in m.graph.node if n.name.startswith("/lm_head")]
+    assert head and head[0].op_type == "MatMul"
+    assert cpu_exact.meta["backend"] == "cpu" and cpu_exact.parents[0] == cpu_exact.meta["checkpoint"]
+
+
+def test_cpu_engine_refuses_non_int4(w8_art, tmp_path):
+    with pytest.raises(ConfigError, match="reference path"):
+        build_engine(w8_art, "cpu", tmp_path / "e")
+
+
+def test_unknown_backend_suggests():
+    from qgate.engines.build import BACKENDS
+
+    with pytest.raises(ConfigError, match="did you mean 'trtllm'"):
+        BACKENDS.get("trt-llm")
+
+
+def test_graph_batch_sizes_follow_observed_concurrency():
+    sizes, max_batch = graph_batch_sizes({"p50": 3, "p90": 11, "p99": 20, "max": 37}, cap=256)
+    assert sizes == [1, 2, 3, 4, 8, 11, 16, 20] and max_batch == 37
+    sizes, max_batch = graph_batch_sizes({"p50": 100, "p90": 300, "p99": 500, "max": 900}, cap=64)
+    assert max(sizes) == 64 and max_batch == 64
+
+
+def test_trtllm_bundle_written_then_unavailable_without_cuda(awq_art, calib_arts, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    with pytest.raises(BackendUnavailable, match="not verified: no CUDA device"):
+        build_engine(awq_art, "trtllm", tmp_path / "trt", calib_arts["profile"])
+    opts = yaml.safe_load((tmp_path / "trt/llm_api_options.yaml").read_text())
+    conc = json.loads((calib_arts["profile"].path / "profile.json").read_text())["concurrency"]
+    assert opts["cuda_graph_config"]["batch_sizes"] == graph_batch_sizes(conc, 256)[0]
+    assert opts["kv_cache_config"]["dtype"] == "auto"
+    assert (tmp_path / "trt/checkpoint/config.json").exists()
+    art = build_engine(awq_art, "trtllm", tmp_path / "trt2", calib_arts["profile"], verify=False)
+    assert art.meta["verified"] is False and Artifact.load(art.path).sha256 == art.sha256
+
+
+def test_trtllm_rejects_int8_kv(base_art, calib_arts, tmp_path):
+    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.schemes import KVCacheConfig, scheme_config
+
+    ck = quantize(base_art, calib_arts["calib"], scheme_config("fp8-dynamic"), tmp_path / "kv8", kv=KVCacheConfig("int8"),
+                  opts=CalibOptions(max_seq_length=32, max_samples=4))
+    with pytest.raises(ConfigError, match="int8"):
+        build_engine(ck, "trtllm", tmp_path / "t", verify=False)
+
+
+@pytest.mark.gpu
+def test_trtllm_bundle_verifies_on_cuda(awq_art, calib_arts, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("tensorrt_llm")
+    art = build_engine(awq_art, "trtllm", tmp_path / "trt", calib_arts["profile"])
+    assert art.meta["verified"] is True and art.meta["warm_seconds_by_batch"]
