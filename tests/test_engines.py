@@ -67,7 +67,7 @@ def test_cpu_engine_keeps_int4_kernels_and_full_precision_head(cpu_exact):
 
     m = onnx.load(str(cpu_exact.path / "onnx/model.onnx"), load_external_data=False)
     ops = [n.op_type for n in m.graph.node]
-    assert ops.count("MatMulNBits") == 2 * 4  # qkv, o, gate, up, down fused as 4 per layer x 2 layers
+    assert ops.count("MatMulNBits") == 2 * 5  # per layer: fused qkv, o, gate, up, down
     head = [n for n in m.graph.node if n.name.startswith("/lm_head")]
     assert head and head[0].op_type == "MatMul"
     assert cpu_exact.meta["backend"] == "cpu" and cpu_exact.parents[0] == cpu_exact.meta["checkpoint"]

@@ -16,7 +16,8 @@ class CountingRunner:
     """Wraps a runner and counts forward passes, to prove cache hits."""
 
     def __init__(self, inner):
-        self.inner, self.tokenizer, self.calls = inner, inner.tokenizer, 0
+        self.inner, self.tokenizer, self.kind, self.calls = inner, inner.tokenizer, inner.kind, 0
+        self.max_length = inner.max_length
 
     def logits(self, ids):
         self.calls += 1
@@ -45,7 +46,7 @@ def test_topk_kl_is_a_lower_bound_and_exact_with_full_vocab(base_art, w8_art, ca
         direct.append((np.exp(lp) * (lp - lq)).sum(-1))
         start += n
     direct = np.concatenate(direct)
-    np.testing.assert_allclose(m_full["kl"], direct, rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(m_full["kl"], direct, rtol=1e-3, atol=2e-6)  # float32 storage of baseline log-probs
     assert np.all(m_k["kl"] <= direct + 1e-6)
     assert m_full["tail"].max() < 1e-5
 

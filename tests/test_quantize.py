@@ -11,7 +11,9 @@ from qgate.quantize.schemes import GPTQConfig, KVCacheConfig, scheme_config
 def _linear_weights(path):
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from qgate.engines.runners import dequantize_kwargs
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **dequantize_kwargs(path))
     return {n: mod.weight.detach().clone() for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear) and "lm_head" not in n}
 
 
@@ -53,14 +55,27 @@ def test_awq_checkpoint_is_compressed_tensors_with_lineage(awq_art, base_art, ca
     assert awq_art.config["scheme"]["type"] == "AWQConfig"
 
 
-def test_quantized_weights_sqnr(base_art, awq_art, w8_art):
+def test_weight_sqnr_for_in_place_schemes(base_art, w8_art, calib_arts, tmp_path):
+    """GPTQ and FP8 quantize weights in place, so weight SQNR is meaningful (AWQ rescales: see the logits test)."""
+    w4 = quantize(base_art, calib_arts["calib"], scheme_config("gptq-w4a16", group_size=32), tmp_path / "w4",
+                  opts=CalibOptions(max_seq_length=48))
+    fp8 = quantize(base_art, None, scheme_config("fp8-dynamic"), tmp_path / "fp8")
     base = _linear_weights(base_art.path)
-    for art, floor in ((awq_art, 15.0), (w8_art, 38.0)):
+    for art, floor in ((w4, 14.0), (w8_art, 38.0), (fp8, 28.0)):
         got = _linear_weights(art.path)
         worst = min(_sqnr_db(base[n], got[n]) for n in base)
         assert worst > floor, f"{art.meta['scheme']}: worst-layer SQNR {worst:.1f} dB <= {floor}"
-    assert min(_sqnr_db(base[n], _linear_weights(w8_art.path)[n]) for n in base) > \
-        min(_sqnr_db(base[n], _linear_weights(awq_art.path)[n]) for n in base) + 15
+
+
+def test_logits_sqnr_orders_schemes(base_art, awq_art, w8_art):
+    from qgate.engines.runners import load_runner
+
+    ref = load_runner(base_art)
+    ids = ref.tokenizer("please help the model serve traffic with low latency the cat")["input_ids"]
+    a = torch.from_numpy(ref.logits(ids))
+    awq = _sqnr_db(a, torch.from_numpy(load_runner(awq_art).logits(ids)))
+    w8 = _sqnr_db(a, torch.from_numpy(load_runner(w8_art).logits(ids)))
+    assert awq > 9.0 and w8 > 25.0 and w8 > awq + 10
 
 
 def test_fp8_with_kv_cache_records_kv_dtype(base_art, calib_arts, tmp_path):

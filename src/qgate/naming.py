@@ -29,9 +29,9 @@ class Registry(Generic[T]):
             return self._items[name]
         except KeyError:
             close = difflib.get_close_matches(name, self._items, n=1)
-            guess = f" Did you mean {close[0]!r}?" if close else ""
+            guess = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"unknown {self.what} {name!r}.{guess}",
+                f"unknown {self.what} {name!r}{guess}",
                 hint=f"choose one of: {', '.join(sorted(self._items))}",
             ) from None
 

@@ -18,6 +18,16 @@ from qgate.artifact import Artifact
 from qgate.errors import BackendUnavailable, InputError
 
 
+def dequantize_kwargs(path: Path) -> dict:
+    """Decompress compressed-tensors weights once at load instead of on every forward (same numbers, faster)."""
+    cfg = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+    if cfg.get("quant_method") != "compressed-tensors":
+        return {}
+    from transformers import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+
+
 class TorchRunner:
     """PyTorch eager reference path (float32 compute; compressed-tensors checkpoints are decompressed on load)."""
 
@@ -28,7 +38,7 @@ class TorchRunner:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **dequantize_kwargs(path)).eval()
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
