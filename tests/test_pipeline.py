@@ -47,7 +47,7 @@ def test_pipeline_end_to_end_promotes_the_passing_variant_and_skips_on_rerun(tmp
     assert by["awq-cpu"]["backend"] == "cpu" and "kl_p99" in by["awq-cpu"]["failed_checks"]
     assert summary["promoted"]["variant"] == "w8"
     client = MlflowClient(summary["tracking_uri"])
-    assert client.get_model_version_by_alias("tiny-llm", "production").version == by["w8"]["version"]
+    assert str(client.get_model_version_by_alias("tiny-llm", "production").version) == by["w8"]["version"]
     assert len(client.search_model_versions("name='tiny-llm'")) == 2
     out = capsys.readouterr()
     assert "promoted w8 as tiny-llm" in out.out and "mlflow ui --backend-store-uri" in out.out

@@ -120,7 +120,7 @@ def promote(model_name: str, version: str, alias: str = "production", store: Pat
                                hint="the registered files changed after gating; re-gate and re-register")
     previous = None
     try:
-        previous = client.get_model_version_by_alias(model_name, alias).version
+        previous = str(client.get_model_version_by_alias(model_name, alias).version)
     except mlflow.exceptions.MlflowException:
         pass
     if previous is not None and str(previous) != str(version) and alias == "production":
