@@ -23,6 +23,10 @@ class CountingRunner:
         self.calls += 1
         return self.inner.logits(ids)
 
+    def logits_batch(self, seqs):
+        self.calls += 1
+        return self.inner.logits_batch(seqs)
+
     def greedy(self, ids, n):
         self.calls += 1
         return self.inner.greedy(ids, n)
@@ -143,3 +147,24 @@ def test_task_files_are_plain_yaml_with_shipped_data():
         for f in cfg["dataset_kwargs"]["data_files"].values():
             with open(f) as fh:
                 assert sum(1 for _ in fh) >= 60
+
+
+def test_runner_lm_batched_scores_match_single_sequences(base_art):
+    from types import SimpleNamespace
+
+    from qgate.engines.runners import load_runner
+    from qgate.gates.lm import RunnerLM
+
+    runner = load_runner(base_art)
+    lm = RunnerLM(runner)
+    reqs = [SimpleNamespace(args=(c, k)) for c, k in [("Question: why the cat\nAnswer:", " traffic"),
+                                                     ("the", " model weights quantize serve latency token"),
+                                                     ("please help", " a")]]
+    got = lm.loglikelihood(reqs, disable_tqdm=True)
+    for req, (ll, _) in zip(reqs, got):
+        ctx, cont = req.args
+        ids = [lm.prefix] + lm._encode(ctx + cont)
+        n = len(lm._encode(ctx + cont)) - len(lm._encode(ctx))
+        logp = _log_softmax(runner.logits(ids[:-1]))
+        expect = sum(logp[len(ids) - 1 - n + j, ids[len(ids) - n + j]] for j in range(n))
+        assert ll == pytest.approx(expect, abs=1e-4)

@@ -48,6 +48,16 @@ def _gguf_location(src: ModelSource) -> tuple[Path, str]:
     return path.parent, path.name
 
 
+def source_fingerprint(src: ModelSource) -> str:
+    """Content hash of what `import_model` would read: changes when the model files change."""
+    from qgate.artifact import sha256_file, sha256_tree
+
+    if src.hf_dir:
+        return sha256_tree(Path(src.hf_dir))
+    root, name = _gguf_location(src)
+    return sha256_file(root / name)
+
+
 def import_model(src: ModelSource, out: Path) -> Artifact:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -48,6 +48,18 @@ class TorchRunner:
             out = self.model(torch.tensor([list(ids)], dtype=torch.long)).logits[0]  # [T, V]
         return out.float().numpy()
 
+    def logits_batch(self, seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Right-padded batch: causal attention keeps each row's real positions independent of the padding."""
+        import torch
+
+        width = max(len(s) for s in seqs)
+        pad = self.tokenizer.pad_token_id or 0
+        x = torch.tensor([list(s) + [pad] * (width - len(s)) for s in seqs], dtype=torch.long)
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], dtype=torch.long)
+        with torch.inference_mode():
+            out = self.model(x, attention_mask=mask).logits.float().numpy()  # [B, T, V]
+        return [out[i, : len(s)] for i, s in enumerate(seqs)]
+
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation with the KV cache; stops at EOS."""
         import torch
@@ -88,6 +100,9 @@ class OrtRunner:
             feed[self.names["past_value_names"] % i] = empty
         (logits,) = self.session.run(["logits"], feed)
         return logits[0].astype(np.float32)
+
+    def logits_batch(self, seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        return [self.logits(s) for s in seqs]
 
 
 def load_runner(art: Artifact):

@@ -1,6 +1,6 @@
 """lm-evaluation-harness adapter over a qgate runner, so every engine is evaluated by one code path.
 
-    lm = RunnerLM(runner)   # loglikelihood and loglikelihood_rolling on runner.logits(ids)
+    lm = RunnerLM(runner)   # loglikelihood and loglikelihood_rolling on runner.logits_batch(seqs)
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from qgate.gates.shadow import _log_softmax
 
 
 class RunnerLM(LM):
+    BATCH = 16   # sequences per runner.logits_batch call
+
     def __init__(self, runner, max_length: int = 1024):
         super().__init__()
         self.runner = runner
@@ -23,36 +25,44 @@ class RunnerLM(LM):
     def _encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
-    def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-        ids = (context + continuation)[-(self.max_length + 1):]
-        logp = _log_softmax(self.runner.logits(ids[:-1]))            # [T-1, V]
-        tail = logp[-len(continuation):]                              # rows predicting the continuation
-        target = np.asarray(ids[-len(continuation):])
-        ll = float(tail[np.arange(len(target)), target].sum())
-        return ll, bool((tail.argmax(-1) == target).all())
+    def _score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """(context ids, continuation ids) -> (sum log p(continuation), continuation is the greedy path)."""
+        seqs = [(c + k)[-(self.max_length + 1):] for c, k in pairs]
+        out: list = [None] * len(pairs)
+        order = sorted(range(len(pairs)), key=lambda i: len(seqs[i]))  # similar lengths share a batch: less padding
+        for start in range(0, len(order), self.BATCH):
+            chunk = order[start:start + self.BATCH]
+            batch = self.runner.logits_batch([seqs[i][:-1] for i in chunk])  # each [T-1, V]
+            for i, logits in zip(chunk, batch):
+                n = len(pairs[i][1])
+                logp = _log_softmax(logits[-n:])                          # rows predicting the continuation
+                target = np.asarray(seqs[i][-n:])
+                out[i] = (float(logp[np.arange(n), target].sum()), bool((logp.argmax(-1) == target).all()))
+        return out
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
-        out = []
-        for req in tqdm(requests, desc="eval: loglikelihood", disable=disable_tqdm, mininterval=2.0):
+        pairs = []
+        for req in requests:
             context, continuation = req.args
             n_spaces = len(context) - len(context.rstrip())
             if n_spaces:  # lm-eval convention: trailing context spaces belong to the continuation
                 context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
             whole = self._encode(context + continuation)
             ctx = self._encode(context) if context else []
-            cont = whole[len(ctx):]
-            out.append(self._score([self.prefix] + ctx, cont))
+            pairs.append(([self.prefix] + ctx, whole[len(ctx):]))
+        out = []
+        step = 8 * self.BATCH
+        for start in tqdm(range(0, len(pairs), step), desc="eval: loglikelihood", unit=f" x{step} req", disable=disable_tqdm):
+            out += self._score_many(pairs[start:start + step])
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         out = []
         for req in tqdm(requests, desc="eval: perplexity", disable=disable_tqdm, mininterval=2.0):
             (text,) = req.args
-            total = 0.0
             windows = get_rolling_token_windows(self._encode(text), self.prefix, self.max_length, context_len=1)
-            for ctx, cont in map(make_disjoint_window, windows):
-                total += self._score(list(ctx), list(cont))[0]
-            out.append(total)
+            pairs = [(list(ctx), list(cont)) for ctx, cont in map(make_disjoint_window, windows)]
+            out.append(sum(ll for ll, _ in self._score_many(pairs)))
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False):

@@ -70,7 +70,7 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
     from qgate.calibrate.sample import SampleConfig, sample_traffic
     from qgate.engines.build import build_engine
     from qgate.gates.run import run_gates
-    from qgate.models import ModelSource, import_model
+    from qgate.models import ModelSource, import_model, source_fingerprint
     from qgate.quantize.run import CalibOptions, quantize
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
     from qgate.registry.mlflow_store import promote, register, tracking_uri
@@ -87,8 +87,7 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
     msrc = ModelSource(**spec.model.model_dump())
     if msrc.hf_dir:
         msrc = ModelSource(hf_dir=str(spec.path(msrc.hf_dir)))
-    source_key = sha256_tree(Path(msrc.hf_dir)) if msrc.hf_dir else msrc.__dict__
-    base = step(r.stage("model", {"src": source_key}, lambda: import_model(msrc, w / "base")))
+    base = step(r.stage("model", {"src": source_fingerprint(msrc)}, lambda: import_model(msrc, w / "base")))
     traffic = spec.path(spec.traffic)
     scfg = SampleConfig(**spec.calibrate.model_dump())
     key = {"traffic": sha256_tree(traffic), "cfg": scfg.__dict__}

@@ -73,14 +73,20 @@ class _GroupWise:
 class AWQConfig(_GroupWise):
     symmetric: bool = False
     duo_scaling: bool = True
+    n_grid: int = 20               # scale candidates searched per layer; calibration time is linear in it
     VERSION: ClassVar[int] = 1
     name: ClassVar[str] = "awq-w4a16"
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.n_grid < 2:
+            raise ConfigError(f"AWQConfig.n_grid must be >= 2, got {self.n_grid}")
+
     def modifiers(self, kv: KVCacheConfig | None) -> list:
-        from llmcompressor.modifiers.awq import AWQModifier
+        from llmcompressor.modifiers.transform.awq import AWQModifier
 
         groups = {"group_0": _weight_scheme(4, self.group_size, self.symmetric)}
-        return [AWQModifier(config_groups=groups, ignore=list(self.ignore), duo_scaling=self.duo_scaling,
+        return [AWQModifier(config_groups=groups, ignore=list(self.ignore), duo_scaling=self.duo_scaling, n_grid=self.n_grid,
                             kv_cache_scheme=kv.scheme_args() if kv else None)]
 
 
