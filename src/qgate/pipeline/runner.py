@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qgate.artifact import MANIFEST, Artifact, sha256_json, sha256_tree
+from qgate.artifact import MANIFEST, Artifact, sha256_json, sha256_tree, typed_config
 from qgate.errors import PromotionRefused
 from qgate.pipeline.spec import PipelineSpec
 
@@ -100,7 +100,7 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
     for v in spec.variants:
         scheme = scheme_config(v.scheme, **v.options)
         kv = KVCacheConfig(v.kv_cache) if v.kv_cache else None
-        key = {"base": base.sha256, "calib": calib.sha256, "scheme": [v.scheme, v.options], "kv": v.kv_cache, "opts": opts.__dict__}
+        key = {"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "kv": v.kv_cache, "opts": opts.__dict__}
         ckpt = step(r.stage(f"quantize:{v.name}", key,
                             lambda: quantize(base, calib, scheme, w / "variants" / v.name / "checkpoint", kv=kv, opts=opts)))
         cand = ckpt
