@@ -39,17 +39,23 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
         fig.savefig(files["shadow"], dpi=110)
         plt.close(fig)
     evals = [r for r in report["results"] if r["gate"] == "eval" and r["ci"]]
+    kinds = sorted({r["metric"].rsplit(".", 1)[-1] for r in evals})   # one panel per unit: recovery, bpb_increase
     if evals:
-        fig, ax = plt.subplots(figsize=(8, 0.6 + 0.5 * len(evals)))
-        for i, r in enumerate(evals):
-            lo, hi = r["ci"]
-            color = "#228833" if r["passed"] else "#cc3311"
-            ax.errorbar(r["observed"], i, xerr=[[r["observed"] - lo], [hi - r["observed"]]], fmt="o", color=color, capsize=4)
-            if r["threshold"] is not None:
-                ax.plot([r["threshold"]] * 2, [i - 0.35, i + 0.35], color="k", lw=1.5)
-        ax.set_yticks(range(len(evals)), [r["metric"] for r in evals], fontsize=8)
-        ax.set_xlabel("candidate vs baseline (95% CI; black bar = threshold)")
-        ax.set_title("Per-task change")
+        fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 0.8 + 0.45 * len(evals)), squeeze=False)
+        for ax, kind in zip(axes[0], kinds):
+            rows = [r for r in evals if r["metric"].endswith("." + kind)]
+            for i, r in enumerate(rows):
+                lo, hi = r["ci"]
+                color = "#228833" if r["passed"] else "#cc3311"
+                ax.errorbar(r["observed"], i, xerr=[[r["observed"] - lo], [hi - r["observed"]]], fmt="o", color=color, capsize=4)
+                if r["threshold"] is not None:
+                    ax.plot([r["threshold"]] * 2, [i - 0.35, i + 0.35], color="k", lw=1.5)
+            ax.set_yticks(range(len(rows)), [r["metric"].rsplit(".", 1)[0] for r in rows], fontsize=8)
+            ax.set_ylim(-0.6, len(rows) - 0.4)
+            ax.locator_params(axis="x", nbins=5)
+            better = "higher" if rows[0]["higher_is_better"] else "lower"
+            ax.set_title(f"{kind} ({better} is better)", fontsize=10)
+        fig.suptitle("Per-task change vs baseline: 95% CI, black bar = threshold", fontsize=10)
         fig.tight_layout()
         files["eval"] = out / "eval.png"
         fig.savefig(files["eval"], dpi=110)
