@@ -83,11 +83,14 @@ class AWQConfig(_GroupWise):
             raise ConfigError(f"AWQConfig.n_grid must be >= 2, got {self.n_grid}")
 
     def modifiers(self, kv: KVCacheConfig | None) -> list:
+        """AWQ's smoothing transform, then the group-wise quantization it searched scales for."""
+        from llmcompressor.modifiers.quantization import QuantizationModifier
         from llmcompressor.modifiers.transform.awq import AWQModifier
 
         groups = {"group_0": _weight_scheme(4, self.group_size, self.symmetric)}
-        return [AWQModifier(config_groups=groups, ignore=list(self.ignore), duo_scaling=self.duo_scaling, n_grid=self.n_grid,
-                            kv_cache_scheme=kv.scheme_args() if kv else None)]
+        return [AWQModifier(duo_scaling=self.duo_scaling, n_grid=self.n_grid),
+                QuantizationModifier(config_groups=groups, ignore=list(self.ignore),
+                                     kv_cache_scheme=kv.scheme_args() if kv else None)]
 
 
 @dataclass(frozen=True)
