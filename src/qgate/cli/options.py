@@ -19,7 +19,7 @@ def quiet_libraries() -> None:
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "WARNING")  # read when llmcompressor is first imported
+    os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "ERROR")  # read at first import; its per-layer METRIC lines (level 38) too
     for name in ("transformers", "datasets", "lm_eval", "lm-eval", "mlflow", "alembic", "llmcompressor", "onnxruntime"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:

@@ -35,7 +35,7 @@ from qgate.gates.stats import cluster_bootstrap, wilson
 class ShadowConfig:
     max_prompt_tokens: int = 384
     max_new_tokens: int = 48
-    top_k: int = 256
+    top_k: int = 1024               # baseline log-probs kept per position; KL is exact up to the tail mass left out
     max_prompts: int | None = None
     kl_mean_max: float | None = None
     kl_p99_max: float | None = 0.5
@@ -86,7 +86,8 @@ def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg
         logits = runner.logits(seq)
         score_s += time.perf_counter() - ts
         logp = _log_softmax(logits[:-1])                            # [T-1, V]: position t predicts seq[t+1]
-        top = np.argpartition(-logp, cfg.top_k - 1, axis=-1)[:, : cfg.top_k]
+        k = min(cfg.top_k, logp.shape[-1])
+        top = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
         top_lp = np.take_along_axis(logp, top, axis=-1)
         order = np.argsort(-top_lp, axis=-1)                        # top-1 first
         idx.append(np.take_along_axis(top, order, axis=-1).astype(np.int32))
