@@ -112,7 +112,7 @@ def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dic
     """Per-position KL, tail mass, top-1 agreement; per-prompt first divergence."""
     kls, tails, agree, first_div, gen_lens = [], [], [], [], []
     start, pos, score_s = 0, 0, 0.0
-    for i, (n, p) in enumerate(tqdm(list(zip(ref["seq_lens"], ref["prompt_lens"])), desc=desc, unit=" prompt")):
+    for n, p in tqdm(list(zip(ref["seq_lens"], ref["prompt_lens"])), desc=desc, unit=" prompt"):
         seq = ref["tokens"][start:start + n]
         ti, tl = ref["top_idx"][pos:pos + n - 1], ref["top_lp"][pos:pos + n - 1]   # [T-1, k]
         ts = time.perf_counter()
