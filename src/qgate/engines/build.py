@@ -4,11 +4,12 @@
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from qgate.artifact import Artifact
-from qgate.errors import InputError
+from qgate.errors import ConfigError, InputError
 from qgate.naming import Registry
 
 BACKENDS: Registry[str] = Registry("engine backend")
@@ -16,14 +17,27 @@ BACKENDS.register("cpu", "onnxruntime-genai on CPU, int4 MatMulNBits kernels")
 BACKENDS.register("trtllm", "TensorRT-LLM (PyTorch backend) bundle for NVIDIA GPUs")
 
 
-def build_engine(ckpt: Artifact, backend: str, out: Path, profile: Artifact | None = None, **options: Any) -> Artifact:
+def engine_config(backend: str, **options: Any):
+    """The frozen config for `backend`, with defaults filled in; unknown options are ConfigErrors."""
+    from qgate.engines.cpu import CpuEngineConfig
+    from qgate.engines.trtllm import TrtllmConfig
+
     BACKENDS.get(backend)  # unknown names fail with a suggestion
+    cls = CpuEngineConfig if backend == "cpu" else TrtllmConfig
+    try:
+        return cls(**options)
+    except TypeError as e:
+        raise ConfigError(f"engine {backend}: {e}", hint=f"options: {sorted(f.name for f in fields(cls))}") from e
+
+
+def build_engine(ckpt: Artifact, backend: str, out: Path, profile: Artifact | None = None, **options: Any) -> Artifact:
+    config = engine_config(backend, **options)
     if ckpt.kind != "checkpoint":
         raise InputError(f"{ckpt.path}: engines are built from checkpoints, this is a {ckpt.kind}")
     if backend == "cpu":
-        from qgate.engines.cpu import CpuEngineConfig, build_cpu
+        from qgate.engines.cpu import build_cpu
 
-        return build_cpu(ckpt, CpuEngineConfig(**options), out)
-    from qgate.engines.trtllm import TrtllmConfig, build_trtllm
+        return build_cpu(ckpt, config, out)
+    from qgate.engines.trtllm import build_trtllm
 
-    return build_trtllm(ckpt, TrtllmConfig(**options), out, profile)
+    return build_trtllm(ckpt, config, out, profile)

@@ -68,7 +68,7 @@ class Runner:
 
 def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dict:
     from qgate.calibrate.sample import SampleConfig, sample_traffic
-    from qgate.engines.build import build_engine
+    from qgate.engines.build import build_engine, engine_config
     from qgate.gates.run import run_gates
     from qgate.models import ModelSource, import_model, source_fingerprint
     from qgate.quantize.run import CalibOptions, quantize
@@ -94,6 +94,7 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
     calib = step(r.stage("calibrate", key, lambda: sample_traffic(traffic, w / "calib", scfg)["calib"]))
     shadow, profile = Artifact.load(w / "calib" / "shadow"), Artifact.load(w / "calib" / "profile")
     gate_cfg = spec.gate_config()
+    gate_key = {k: typed_config(c) if c is not None else None for k, c in vars(gate_cfg).items()}  # defaults included
     opts = CalibOptions(**spec.quantize.model_dump())
     bar.update(1)
     outcomes = []
@@ -105,11 +106,12 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
                             lambda: quantize(base, calib, scheme, w / "variants" / v.name / "checkpoint", kv=kv, opts=opts)))
         cand = ckpt
         if v.engine is not None:
-            key = {"ckpt": ckpt.sha256, "engine": v.engine.model_dump(), "profile": profile.sha256}
+            ecfg = typed_config(engine_config(v.engine.backend, **v.engine.options))
+            key = {"ckpt": ckpt.sha256, "engine": [v.engine.backend, ecfg], "profile": profile.sha256}
             cand = r.stage(f"engine:{v.name}", key, lambda: build_engine(ckpt, v.engine.backend, w / "variants" / v.name / "engine",
                                                                        profile, **v.engine.options))
         step(cand)
-        key = {"cand": cand.sha256, "base": base.sha256, "shadow": shadow.sha256, "gates": spec.gates.model_dump()}
+        key = {"cand": cand.sha256, "base": base.sha256, "shadow": shadow.sha256, "gates": gate_key}
         report = step(r.stage(f"gate:{v.name}", key, lambda: run_gates(cand, base, shadow, gate_cfg, w / "variants" / v.name / "gate",
                                                                       w / "cache")))
         outcomes.append({"variant": v.name, "candidate": cand, "report": report})

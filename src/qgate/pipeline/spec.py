@@ -145,7 +145,7 @@ def load_spec(path: Path) -> PipelineSpec:
 
 def _check_semantics(spec: PipelineSpec, path: Path) -> None:
     """Fail at load time, not an hour in: scheme names, option names, thresholds, unique variant names."""
-    from qgate.engines.build import BACKENDS
+    from qgate.engines.build import engine_config
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
     names = [v.name for v in spec.variants]
@@ -158,7 +158,7 @@ def _check_semantics(spec: PipelineSpec, path: Path) -> None:
             if v.kv_cache:
                 KVCacheConfig(v.kv_cache)
             if v.engine:
-                BACKENDS.get(v.engine.backend)
+                engine_config(v.engine.backend, **v.engine.options)
         except ConfigError as e:
             raise ConfigError(f"{path}: variants[{i}] ({v.name}): {e.message}", hint=e.hint) from e
     spec.gate_config()
