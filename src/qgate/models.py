@@ -9,6 +9,7 @@ Hugging Face checkpoint, so every later stage starts from the same full-precisio
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,4 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
 
 
 def _read_config(d: Path) -> dict:
-    import json
-
     return json.loads((d / "config.json").read_text())

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 from qgate.errors import ConfigError
@@ -37,9 +36,3 @@ class Registry(Generic[T]):
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self._items))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._items

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from qgate.cli.options import OutDir, quiet_libraries
+from qgate.errors import GateFailed
 
 
 def gate_cmd(
@@ -28,7 +29,7 @@ def gate_cmd(
                     cfg, out, cache)
     print_verdict(art)
     if not art.meta["passed"]:
-        raise typer.Exit(2)
+        raise GateFailed(f"gate failed for {candidate}: {', '.join(art.meta['failed'])}", hint=f"evidence: {art.path / 'report.html'}")
 
 
 def print_verdict(art) -> None:

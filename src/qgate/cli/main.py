@@ -12,7 +12,7 @@ import click
 import typer
 
 from qgate.cli import calibrate, engine, gate, model, quantize, registry, run
-from qgate.errors import EXIT_ERROR, QgateError
+from qgate.errors import EXIT_ERROR, GateFailed, PromotionRefused, QgateError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Quantize LLMs, gate them on real traffic, promote only what passes.")
@@ -28,6 +28,8 @@ app.command("run")(run.run_cmd)
 
 def _message(e: BaseException) -> tuple[str, int]:
     """The one table from exceptions to one-line messages and exit codes."""
+    if isinstance(e, GateFailed | PromotionRefused):
+        return f"refused: {e}", e.exit_code
     if isinstance(e, QgateError):
         return f"error: {e}", e.exit_code
     if isinstance(e, click.exceptions.Abort | KeyboardInterrupt):
