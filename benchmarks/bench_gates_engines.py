@@ -1,11 +1,12 @@
 """Ratios measured in one run on the demo model (SmolLM2-135M-Instruct).
 
-    qgate run pipelines/promote.yaml && OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_gates_engines.py
+    qgate run pipelines/promote.yaml && .venv/bin/python benchmarks/bench_gates_engines.py
 
 1. Shadow-gate cost: wall time of the shadow gate for a candidate (baseline cached, and cold)
    divided by the time of the candidate's forward passes alone over the same sequences.
 2. CPU engine decode speed: onnxruntime-genai int4 (the AWQ engine the demo built) vs
    transformers eager float32 on the baseline, greedy decoding from the same token ids.
+Both runtimes use their default thread counts (all cores); run on an otherwise idle machine.
 """
 from __future__ import annotations
 
@@ -124,6 +125,9 @@ def main() -> None:
     for k in ("transformers_fp32", "ort_genai_int4"):
         print(f"  {k:20s} {d[k]['tok_s']:8.1f} tok/s")
     print(f"  int4 CPU engine / transformers eager fp32 = {d['speedup']:.2f}x")
+    import torch
+
+    print(f"threads: torch {torch.get_num_threads()}, onnxruntime default (all cores)")
     print(json.dumps({"shadow": s, "decode": d}, default=float))
 
 
