@@ -69,7 +69,7 @@ def _row(r: dict) -> str:
 
     ci = f"[{num(r['ci'][0])}, {num(r['ci'][1])}]" if r["ci"] else ""
     thr = "" if r["threshold"] is None else ("&ge; " if r["higher_is_better"] else "&le; ") + num(r["threshold"])
-    verdict = "PASS" if r["passed"] else "FAIL"
+    verdict = "INFO" if r["decided_on"] == "report-only" else ("PASS" if r["passed"] else "FAIL")
     cells = (verdict, r["gate"], html.escape(r["metric"]), num(r["observed"]), ci, thr, r["decided_on"], r["n"], num(r["p_value"]))
     return f"<tr class={verdict.lower()}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
 
@@ -84,7 +84,7 @@ def write_report(out: Path, report: dict, shadow_metrics: dict | None) -> None:
     lineage = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(str(v))}</li>" for k, v in report["inputs"].items())
     (out / "report.html").write_text(f"""<!doctype html><meta charset="utf-8"><title>qgate {verdict}: {html.escape(report['candidate']['name'])}</title>
 <style>body{{font:14px system-ui;margin:2em;max-width:1100px}} td,th{{padding:3px 8px;border-bottom:1px solid #ddd}}
-.pass td:first-child{{color:#228833;font-weight:bold}} .fail td:first-child{{color:#cc3311;font-weight:bold}} img{{max-width:100%;margin:1em 0}}
+.pass td:first-child{{color:#228833;font-weight:bold}} .info td:first-child{{color:#777}} .fail td:first-child{{color:#cc3311;font-weight:bold}} img{{max-width:100%;margin:1em 0}}
 h1 span{{color:{'#228833' if report['passed'] else '#cc3311'}}}</style>
 <h1>Gate <span>{verdict}</span>: {html.escape(report['candidate']['name'])} vs {html.escape(report['baseline']['name'])}</h1>
 <p>Each check decides on its 95% confidence bound (lower bound for higher-is-better, upper for lower-is-better).</p>

@@ -51,4 +51,5 @@ class GateResult:
         cmp = ">=" if self.higher_is_better else "<="
         ci = f" CI[{self.ci[0]:.4g}, {self.ci[1]:.4g}]" if self.ci else ""
         thr = f" (need {cmp} {self.threshold:.4g} on {self.decided_on})" if self.threshold is not None else " (report only)"
-        return f"{'PASS' if self.passed else 'FAIL'}  {self.gate}.{self.metric} = {self.observed:.4g}{ci}{thr}  n={self.n}"
+        verdict = "INFO" if self.decided_on == "report-only" else ("PASS" if self.passed else "FAIL")
+        return f"{verdict}  {self.gate}.{self.metric} = {self.observed:.4g}{ci}{thr}  n={self.n}"

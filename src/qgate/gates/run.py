@@ -34,8 +34,8 @@ class GateConfig:
     VERSION = 1
 
 
-def _describe(art: Artifact) -> dict:
-    return {"name": art.path.name, "path": str(art.path), "kind": art.kind, "sha256": art.sha256,
+def _describe(art: Artifact, name: str | None = None) -> dict:
+    return {"name": name or art.path.name, "path": str(art.path), "kind": art.kind, "sha256": art.sha256,
             "scheme": art.meta.get("scheme"), "backend": art.meta.get("backend", "torch-reference"),
             "kv_cache_dtype": art.meta.get("kv_cache_dtype")}
 
@@ -51,7 +51,8 @@ def _cached_eval(runner_factory, baseline: Artifact, cfg: EvalConfig, cache_dir:
     return scores, False
 
 
-def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: GateConfig, out: Path, cache_dir: Path) -> Artifact:
+def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: GateConfig, out: Path, cache_dir: Path,
+              name: str | None = None) -> Artifact:
     from qgate.engines.runners import load_runner
 
     out, cache_dir = Path(out), Path(cache_dir)
@@ -87,7 +88,7 @@ def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: Ga
         results += eval_gate(base_scores, cand_scores, cfg.eval)
     passed = all(r.passed for r in results)
     report = {
-        "version": 1, "passed": passed, "candidate": _describe(candidate), "baseline": _describe(baseline),
+        "version": 1, "passed": passed, "candidate": _describe(candidate, name), "baseline": _describe(baseline, "baseline"),
         "inputs": {"candidate_sha256": candidate.sha256, "baseline_sha256": baseline.sha256, "shadow_sha256": shadow.sha256,
                    "calibration_sha256": candidate.meta.get("calibration_sha256"), "candidate_runtime": cand.kind},
         "cache": {"shadow_baseline": "hit" if shadow_hit else "miss", "eval_baseline": {None: "off", True: "hit", False: "miss"}[eval_hit]},

@@ -113,7 +113,7 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
         step(cand)
         key = {"cand": cand.sha256, "base": base.sha256, "shadow": shadow.sha256, "gates": gate_key}
         report = step(r.stage(f"gate:{v.name}", key, lambda: run_gates(cand, base, shadow, gate_cfg, w / "variants" / v.name / "gate",
-                                                                      w / "cache")))
+                                                                      w / "cache", name=v.name)))
         outcomes.append({"variant": v.name, "candidate": cand, "report": report})
     store = spec.path(spec.registry.store)
     uri = tracking_uri(store)
