@@ -76,7 +76,8 @@ def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: Ga
     speedup = float(ref["score_seconds"]) / m["score_seconds"] if m["score_seconds"] > 0 else float("nan")
     results.append(GateResult.check("perf", "prefill_speedup", speedup, cfg.perf.min_prefill_speedup, True, int(len(ref["seq_lens"])),
                                     evidence={"baseline_score_seconds": float(ref["score_seconds"]),
-                                              "candidate_score_seconds": m["score_seconds"], "candidate_runtime": cand.kind}))
+                                              "candidate_score_seconds": m["score_seconds"], "candidate_runtime": cand.kind,
+                                              "baseline_timing_from_cache": shadow_hit}))  # cached: measured in an earlier run
     eval_hit = None
     if cfg.eval is not None:
         t = time.perf_counter()
