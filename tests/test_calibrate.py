@@ -144,3 +144,21 @@ def test_drift_detects_route_shift():
     assert max(drift(base, same).values()) < 1e-9
     d = drift(base, moved)
     assert d["route_js"] > 0.4 and d["length_js"] < 1e-9
+
+
+def test_drift_cli_exit_codes(tmp_path, capsys):
+    from qgate.cli.main import main
+
+    def log(path, routes):
+        path.write_text("\n".join(json.dumps({"route": r, "prompt": f"request {i} for {r}"}) for i, r in enumerate(routes)))
+        return path
+
+    a = log(tmp_path / "a.jsonl", ["chat"] * 90 + ["code"] * 30)
+    b = log(tmp_path / "b.jsonl", ["chat"] * 30 + ["code"] * 90)
+    for name, traffic in (("a", a), ("b", b), ("a2", a)):
+        assert main(["calibrate", "sample", "--traffic", str(traffic), "--out", str(tmp_path / name),
+                     "--calib-size", "10", "--shadow-size", "5"]) == 0
+    assert main(["calibrate", "drift", "--reference", str(tmp_path / "a/profile"), "--current", str(tmp_path / "a2/profile")]) == 0
+    assert main(["calibrate", "drift", "--reference", str(tmp_path / "a/profile"), "--current", str(tmp_path / "b/profile")]) == 2
+    assert "route_js" in capsys.readouterr().out
+    assert main(["calibrate", "drift", "--reference", str(tmp_path / "a/calib"), "--current", str(tmp_path / "b/profile")]) == 1

@@ -102,8 +102,13 @@ def _js(a: dict, b: dict) -> float:
         return float("nan")
     p, q = p / p.sum(), q / q.sum()
     m = (p + q) / 2
-    kl = lambda x, y: float(np.sum(np.where(x > 0, x * np.log2(np.where(x > 0, x, 1) / y), 0.0)))  # noqa: E731
-    return 0.5 * kl(p, m) + 0.5 * kl(q, m)
+    return 0.5 * _kl2(p, m) + 0.5 * _kl2(q, m)
+
+
+def _kl2(x: np.ndarray, y: np.ndarray) -> float:
+    """KL in bits over the support of x (y > 0 there because y is a mixture containing x)."""
+    s = x > 0
+    return float(np.sum(x[s] * np.log2(x[s] / y[s])))
 
 
 def drift(old: dict, new: dict) -> dict:
