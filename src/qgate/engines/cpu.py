@@ -60,7 +60,7 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path) -> Artifact:
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
     (staging / "config.json").write_text(json.dumps(cfg | {"quantization_config": awq_cfg}, indent=2))
     for f in ckpt.path.iterdir():
-        if f.is_file() and f.name not in ("config.json", "recipe.yaml") and not f.name.endswith((".safetensors", ".json.tmp")) \
+        if f.is_file() and f.name not in ("config.json", "recipe.yaml") and f.suffix != ".safetensors" \
                 and not f.name.startswith("qgate-"):
             shutil.copy(f, staging / f.name)
     options = [f"accuracy_level={config.accuracy_level}"]

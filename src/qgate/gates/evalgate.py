@@ -12,7 +12,7 @@ Task YAMLs are lm-eval configs shipped under gates/tasks/; no `!function` code r
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +95,7 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
             ev = {"base_acc": base_acc, "cand_acc": cand_acc, "delta": delta, "delta_ci": [lo, hi], **test}
             r = GateResult.check("eval", f"{name}.recovery", rec, cfg.min_recovery, True, len(bc), ci, test["p_value"], ev)
             if test["p_value"] < cfg.alpha and test["lost"] > test["gained"]:  # significant regression overrides recovery
-                r = GateResult(**{**r.__dict__, "passed": False, "decided_on": "mcnemar"})
+                r = replace(r, passed=False, decided_on="mcnemar")
             results.append(r)
         else:
             bll, cll, nb = np.array(b["ll"]), np.array(c["ll"]), np.array(b["bytes"])

@@ -126,10 +126,10 @@ def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dic
         kl = (pk * (tl - lq_k)).sum(-1) + np.where(p_tail > 1e-12, p_tail * (np.log(np.maximum(p_tail, 1e-12)) - np.log(q_tail)), 0.0)
         kls.append(np.maximum(kl, 0.0))
         tails.append(p_tail)
-        top1 = lq.argmax(-1) == ti[:, 0]
-        agree.append(top1)
+        cand_top1 = lq.argmax(-1)                                                  # [T-1]
+        agree.append(cand_top1 == ti[:, 0])
         answer = seq[p:]                                # baseline's greedy answer
-        cand_next = lq.argmax(-1)[p - 1:p - 1 + len(answer)]
+        cand_next = cand_top1[p - 1:p - 1 + len(answer)]
         miss = np.nonzero(cand_next != answer)[0]
         first_div.append(int(miss[0]) if len(miss) else len(answer))
         gen_lens.append(len(answer))

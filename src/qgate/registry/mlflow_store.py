@@ -123,7 +123,7 @@ def promote(model_name: str, version: str, alias: str = "production", store: Pat
         previous = str(client.get_model_version_by_alias(model_name, alias).version)
     except mlflow.exceptions.MlflowException:
         pass
-    if previous is not None and str(previous) != str(version) and alias == "production":
+    if previous is not None and previous != str(version) and alias == "production":
         client.set_registered_model_alias(model_name, PREVIOUS, previous)
     client.set_registered_model_alias(model_name, alias, str(version))
     return {"model": model_name, "version": str(version), "alias": alias, "previous": previous,
