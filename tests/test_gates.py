@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 
 from qgate.gates.evalgate import EvalConfig, eval_gate, task_config
-from qgate.gates.result import GateResult
+from qgate.gates.result import GateResult, overall
 from qgate.gates.run import GateConfig, run_gates
 from qgate.gates.shadow import ShadowConfig, _log_softmax, baseline_reference, candidate_metrics
-from qgate.gates.stats import cluster_bootstrap, mcnemar_exact, paired_mean_ci
+from qgate.gates.stats import cluster_bootstrap, mcnemar_exact, paired_mean_ci, quantile_ci
 
-FAST = GateConfig(shadow=ShadowConfig(max_new_tokens=12, max_prompt_tokens=64), eval=EvalConfig(limit=12))
+FAST = GateConfig(shadow=ShadowConfig(max_new_tokens=20, max_prompt_tokens=64), eval=EvalConfig(limit=12))  # 24 x 20 answer tokens: enough to bound p99
 
 
 class CountingRunner:
@@ -102,13 +102,50 @@ def test_report_files_and_evidence(base_art, w8_art, calib_arts, workdir):
     assert art.parents == (w8_art.sha256, base_art.sha256, calib_arts["shadow"].sha256)
 
 
-def test_gate_decides_on_confidence_bound_not_point():
+def test_three_verdicts_decided_on_the_confidence_interval():
     ok = GateResult.check("shadow", "kl_p99", 0.09, 0.1, False, 100, ci=(0.08, 0.095))
-    noisy = GateResult.check("shadow", "kl_p99", 0.09, 0.1, False, 100, ci=(0.05, 0.14))
-    assert ok.passed and ok.decided_on == "ci-upper"
-    assert not noisy.passed
-    assert not GateResult.check("x", "y", float("nan"), 0.1, False, 0).passed
-    assert not GateResult.could_not_run("eval", "acc", "boom").passed
+    straddles = GateResult.check("shadow", "kl_p99", 0.09, 0.1, False, 400, ci=(0.05, 0.14))
+    bad = GateResult.check("shadow", "kl_p99", 0.2, 0.1, False, 100, ci=(0.15, 0.25))
+    assert (ok.verdict, ok.passed, ok.decided_on) == ("pass", True, "ci")
+    assert (bad.verdict, bad.passed) == ("fail", False)
+    assert (straddles.verdict, straddles.passed) == ("inconclusive", False)
+    # half-width 0.045 vs distance 0.01: about (0.045 / 0.01)^2 = 20x the items
+    assert straddles.n_to_decide == pytest.approx(400 * 4.5 ** 2, rel=1e-6)
+    assert straddles.mde == pytest.approx(0.09 / (2 * 1.959964) * (1.959964 + 0.841621), rel=1e-6)
+    hi = GateResult.check("eval", "recovery", 0.95, 0.9, True, 69, ci=(0.80, 1.10))
+    assert hi.verdict == "inconclusive" and "~" in hi.line() and "INCONCLUSIVE" in hi.line()
+    assert GateResult.check("eval", "recovery", 0.7, 0.9, True, 69, ci=(0.6, 0.8)).verdict == "fail"
+    # an unbounded upper end can fail a lower-is-better check but never pass it
+    assert GateResult.check("shadow", "kl_p999", 0.01, 0.1, False, 50, ci=(0.005, float("inf"))).verdict == "inconclusive"
+    assert GateResult.check("shadow", "kl_p999", 0.5, 0.1, False, 50, ci=(0.3, float("inf"))).verdict == "fail"
+    assert GateResult.check("x", "y", float("nan"), 0.1, False, 0).verdict == "error"
+    err = GateResult.could_not_run("eval", "acc", "boom")
+    assert err.verdict == "error" and not err.passed
+    assert GateResult.check("x", "y", 3.0, None, False, 10).verdict == "info"
+    assert overall([ok, straddles]) == "inconclusive" and overall([ok, straddles, bad]) == "fail"
+    assert overall([ok, err]) == "fail" and overall([ok]) == "pass"
+
+
+def test_quantile_interval_respects_clustering_and_refuses_to_bound_thin_tails():
+    rng = np.random.default_rng(0)
+    clusters = np.repeat(np.arange(48), 48)
+    truth = np.log(100)                  # p99 of Exp(1)
+    hits = 0
+    for _ in range(200):
+        lo, hi, ev = quantile_ci(rng.exponential(1.0, clusters.size), clusters, 0.99)
+        hits += lo <= truth <= hi
+    assert hits / 200 >= 0.93           # nominal 95%
+    x = rng.exponential(1.0, clusters.size)
+    lo, hi, ev = quantile_ci(x, clusters, 0.999)   # 2,304 tokens < 3,688 needed: p99.9 cannot be bounded above
+    assert hi == float("inf") and ev["min_n_effective"] == 3688 and "cannot bound" in ev["unbounded_because"]
+    # the whole tail inside 3 prompts: a large design effect, fewer effective tokens, a wider interval
+    y = x.copy()
+    y[clusters < 3] *= 20
+    _, hi_c, ev_c = quantile_ci(y, clusters, 0.99)
+    _, hi_i, ev_i = quantile_ci(y, np.arange(y.size), 0.99)
+    assert ev_c["design_effect"] > 3 and ev_c["n_effective"] < ev_i["n_effective"] and hi_c >= hi_i
+    lo, hi, _ = quantile_ci(np.repeat([3.84], 2304) + rng.normal(0, 1e-3, 2304), clusters, 0.99)
+    assert hi > lo                       # no zero-width intervals
 
 
 def test_mcnemar_and_paired_ci_known_values():
@@ -168,3 +205,64 @@ def test_runner_lm_batched_scores_match_single_sequences(base_art):
         logp = _log_softmax(runner.logits(ids[:-1]))
         expect = sum(logp[len(ids) - 1 - n + j, ids[len(ids) - n + j]] for j in range(n))
         assert ll == pytest.approx(expect, abs=1e-4)
+
+
+def test_encode_with_sources_marks_traffic_tokens_not_template(base_art):
+    from transformers import AutoTokenizer
+
+    from qgate.chat import encode_messages, encode_with_sources
+
+    tok = AutoTokenizer.from_pretrained(base_art.path)
+    msgs = [{"role": "user", "content": "why the cat dog"}]
+    ids, flags = encode_with_sources(tok, msgs, 64)
+    assert ids == encode_messages(tok, msgs, 64)
+    text = "".join(tok.decode([i]) for i, f in zip(ids, flags) if f)
+    assert text.strip() == "why the cat dog"                  # every traffic token, and only those
+    assert not flags[0] and not flags[-1]                     # <|im_start|> ... assistant\n are the template's
+
+
+def _synthetic(template_kl: float):
+    """Two prompts sharing a 4-token template (system prompt) then 3 traffic tokens, then 5 answer tokens."""
+    from qgate.gates.shadow import ANSWER, PROMPT, TEMPLATE
+
+    seqs, cls = [], []
+    for p in range(40):
+        seqs.append([1, 2, 3, 4] + [10 + p, 11 + p, 12 + p] + [50 + p + j for j in range(5)])
+        cls.append([TEMPLATE] * 4 + [PROMPT] * 3 + [ANSWER] * 5)
+    ref = {"tokens": np.concatenate(seqs), "seq_lens": np.array([12] * 40), "prompt_lens": np.array([7] * 40),
+           "token_class": np.concatenate(cls).astype(np.int8), "prompt_of": np.repeat(np.arange(40), 11)}
+    rng = np.random.default_rng(0)
+    kl = rng.exponential(0.001, 40 * 11)
+    pos_cls = np.concatenate([c[1:] for c in cls])
+    kl[pos_cls == TEMPLATE] = template_kl       # a default system prompt the candidate reads badly
+    m = {"kl": kl, "agree": pos_cls != TEMPLATE, "tail": np.zeros_like(kl),
+         "first_div": np.full(40, 5), "gen_lens": np.full(40, 5)}
+    return m, ref
+
+
+def test_shadow_gate_scores_traffic_not_template_boilerplate():
+    from qgate.gates.shadow import shadow_gate
+
+    m, ref = _synthetic(template_kl=3.84)
+    cfg = ShadowConfig(kl_p99_max=0.5, top1_agreement_min=0.9)
+    results, scored, gated = shadow_gate(m, ref, cfg)
+    by = {r.metric: r for r in results}
+    assert scored["template_positions_excluded"] == 40 * 3      # positions predicting template tokens 2..4
+    assert scored["answer_positions"] == 200 and scored["traffic_prompt_positions"] == 120
+    assert scored["gated_positions"] == 200 == gated.sum() and scored["positions"] == "answer"
+    assert by["kl_p99"].observed < 0.01 and by["top1_agreement"].observed == 1.0 and by["kl_p99"].n == 200
+    assert by["prompt.kl_p99"].verdict == "info" and by["prompt.kl_p99"].n == 120
+    assert by["kl_p999"].ci[1] == float("inf")                   # 200 tokens cannot bound p99.9
+    both, scored2, _ = shadow_gate(m, ref, ShadowConfig(positions="answer+prompt"))
+    assert scored2["gated_positions"] == 320 and {"answer.kl_p99", "prompt.kl_p99"} <= {r.metric for r in both}
+
+
+def test_repeated_prefixes_are_scored_once():
+    from qgate.gates.shadow import ANSWER, PROMPT, TEMPLATE, position_classes
+
+    m, ref = _synthetic(0.0)
+    ref = dict(ref, tokens=ref["tokens"].copy())
+    ref["tokens"][12:24] = ref["tokens"][0:12]                    # prompt 1 repeats prompt 0 token for token
+    cls, new = position_classes(ref)
+    assert not new[11:22].any() and new[:11].all()
+    assert set(cls[:11].tolist()) == {TEMPLATE, PROMPT, ANSWER}

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -18,13 +19,14 @@ def _spec(tmp_path, workdir, **over):
     tiny.make_traffic(tmp_path / "traffic.jsonl", n=240, bad_lines={5: "{oops"})
     spec = {
         "version": 1, "name": "tiny", "workdir": "work", "model": {"hf_dir": str(src)}, "traffic": "traffic.jsonl",
-        "calibrate": {"calib_size": 24, "shadow_size": 16},
+        "calibrate": {"calib_size": 24, "shadow_size": 48},   # 48 prompts x 16 answer tokens: enough to bound p99
         "quantize": {"max_seq_length": 48},
         "variants": [
             {"name": "awq-cpu", "scheme": "awq-w4a16", "options": {"group_size": 32}, "engine": {"backend": "cpu", "options": {"accuracy_level": 1}}},
             {"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}},
         ],
-        "gates": {"shadow": {"max_new_tokens": 8, "max_prompt_tokens": 48, "kl_p99_max": 0.01, "top1_agreement_min": 0.8},
+        "gates": {"shadow": {"max_new_tokens": 16, "max_prompt_tokens": 48, "kl_p99_max": None, "kl_mean_max": 0.005,
+                             "top1_agreement_min": 0.8},
                   "eval": {"tasks": ["bigbench_general_knowledge", "chatterbot_ppl"], "limit": 10, "min_recovery": 0.5,
                            "max_bpb_increase": 0.2}},
         "registry": {"model_name": "tiny-llm", "store": "mlflow"},
@@ -44,18 +46,24 @@ def test_pipeline_end_to_end_promotes_the_passing_variant_and_skips_on_rerun(tmp
     summary = json.loads((tmp_path / "work/summary.json").read_text())
     by = {v["variant"]: v for v in summary["variants"]}
     assert by["w8"]["passed"] and not by["awq-cpu"]["passed"]
-    assert by["awq-cpu"]["backend"] == "cpu" and "kl_p99" in by["awq-cpu"]["failed_checks"]
+    assert by["awq-cpu"]["backend"] == "cpu" and "kl_mean" in by["awq-cpu"]["failed_checks"]
     assert summary["promoted"]["variant"] == "w8"
     client = MlflowClient(summary["tracking_uri"])
     assert str(client.get_model_version_by_alias("tiny-llm", "production").version) == by["w8"]["version"]
     assert len(client.search_model_versions("name='tiny-llm'")) == 2
     out = capsys.readouterr()
     assert "promoted w8 as tiny-llm" in out.out and "mlflow ui --backend-store-uri" in out.out
+    first_seconds = summary["stage_seconds"]
+    assert set(first_seconds) == set(summary["stages_run"]) and len(first_seconds) == 7
+    assert all(v >= 0 for v in first_seconds.values()) and first_seconds["quantize:awq-cpu"] > 0
     # second run: nothing changed, every stage is skipped and nothing is registered twice
     assert main(["run", str(spec)]) == 0
-    err = capsys.readouterr().err
-    assert err.count("unchanged, skipped") == 7 and "already v" in err
+    out = capsys.readouterr()
+    assert out.err.count("unchanged, skipped") == 7 and "already v" in out.err
     assert len(client.search_model_versions("name='tiny-llm'")) == 2
+    again = json.loads((tmp_path / "work/summary.json").read_text())
+    assert again["stage_seconds"] == first_seconds and again["stages_run"] == [] and len(again["stages_skipped"]) == 7
+    assert "(earlier run)" in out.out
 
 
 def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch):
@@ -67,16 +75,31 @@ def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch
 
 
 @pytest.mark.parametrize("patch, message", [
-    ({"variants": [{"name": "a", "scheme": "awq-w4a16", "sheme": "x"}]}, "variants.0.sheme: unknown key"),
+    ({"variants": [{"name": "a", "scheme": "awq-w4a16", "sheme": "x"}]}, "variants[0].sheme: unknown key; did you mean 'scheme'"),
     ({"gates": {"shadow": {"kl_p99": 0.1}}}, "gates.shadow.kl_p99: unknown key; did you mean 'kl_p99_max'"),
-    ({"variants": [{"name": "a", "scheme": "awq-w4a61"}]}, "variants[0] (a): unknown quantization scheme 'awq-w4a61'"),
+    ({"gates": {"on_inconclusiv": "warn"}}, "gates.on_inconclusiv: unknown key; did you mean 'on_inconclusive'"),
+    ({"variants": [{"name": "a", "scheme": "awq-w4a61"}]}, "variants[0]: unknown quantization scheme 'awq-w4a61'"),
     ({"variants": [{"name": "a", "scheme": "awq-w4a16", "options": {"group_size": 48}}]}, "power of two"),
+    ({"variants": [{"name": "a", "scheme": "awq-w4a16", "options": {"grup_size": 32}}]},
+     "variants[0].options.grup_size: unknown key; did you mean 'group_size'"),
+    ({"variants": [{"name": "w8", "scheme": "gptq-w8a16"},
+                   {"name": "c", "scheme": "awq-w4a16", "engine": {"backend": "cpu", "options": {"acuracy_level": 1}}}]},
+     "variants[1].engine.options.acuracy_level: unknown key; did you mean 'accuracy_level'"),
     ({"calibrate": {"calib_size": 1, "extra": 2}}, "calibrate.extra: unknown key"),
+    ({"calibrate": {"calib_sise": 1}}, "calibrate.calib_sise: unknown key; did you mean 'calib_size'"),
+    ({"registy": {"model_name": "x"}}, "registy: unknown key; did you mean 'registry'"),
 ])
-def test_strict_spec_errors_name_the_key(tmp_path, workdir, patch, message):
+def test_strict_spec_errors_name_file_key_path_and_suggestion(tmp_path, workdir, patch, message):
+    path = _spec(tmp_path, workdir, **patch)
+    if "registy" in patch:
+        data = yaml.safe_load(path.read_text())
+        del data["registry"]
+        path.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError) as e:
-        load_spec(_spec(tmp_path, workdir, **patch))
-    assert message in str(e.value)
+        load_spec(path)
+    text = str(e.value)
+    assert text.startswith(f"{path}: ") and message in text
+    assert "__init__()" not in text and "variants.0" not in text
 
 
 def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
@@ -85,7 +108,9 @@ def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "surprise: unknown key" in err and "Traceback" not in err
     assert main(["calibrate", "sample", "--traffic", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")]) == 1
-    assert "traffic log not found" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "traffic log not found" in err and "calibrate: reading traffic" not in err
+    assert not (tmp_path / "o").exists()                  # nothing created for a run that could not start
     assert main(["quantize", "--bogus"]) == 1
 
 
@@ -96,10 +121,62 @@ def test_gate_cli_exit_code_2_on_failure(base_art, awq_art, calib_arts, tmp_path
                "--out", str(tmp_path / "g"), "--spec", str(spec), "--cache", str(tmp_path / "c")])
     assert rc == 2
     out = capsys.readouterr().out
-    assert "FAIL  shadow.kl_p99" in out and "gate FAILED" in out
+    assert re.search(r"^  FAIL +shadow\.kl_p99 = ", out, re.M) and "gate FAIL:" in out
+
+
+@pytest.mark.parametrize("mode, rc", [("block", 2), ("warn", 0)])
+def test_inconclusive_check_blocks_or_warns(base_art, awq_art, calib_arts, tmp_path, capsys, mode, rc):
+    """A threshold 5% above the observed value, well inside its CI: the check is INCONCLUSIVE."""
+    def gate(shadow, **gates):
+        spec = _spec(tmp_path, base_art.path.parent, gates={"shadow": {"max_new_tokens": 4, "max_prompt_tokens": 32,
+                                                                       "kl_p99_max": None, "top1_agreement_min": None,
+                                                                       **shadow}, "eval": None, **gates})
+        return main(["gate", "--candidate", str(awq_art.path), "--baseline", str(base_art.path), "--shadow",
+                     str(calib_arts["shadow"].path), "--out", str(tmp_path / "g"), "--spec", str(spec), "--cache", str(tmp_path / "c")])
+
+    assert gate({}) == 0
+    observed = next(r for r in json.loads((tmp_path / "g/report.json").read_text())["results"] if r["metric"] == "kl_mean")
+    capsys.readouterr()
+    lo, hi = observed["ci"]
+    assert lo < observed["observed"] * 1.05 < hi
+    assert gate({"kl_mean_max": observed["observed"] * 1.05}, on_inconclusive=mode) == rc
+    out = capsys.readouterr()
+    line = next(x for x in out.out.splitlines() if "shadow.kl_mean =" in x)
+    assert line.split()[0] == "INCONCLUSIVE" and "items would decide it" in line and "mde=" in line
+    report = json.loads((tmp_path / "g/report.json").read_text())
+    assert report["verdict"] == "inconclusive" and report["passed"] is (mode == "warn")
+    if mode == "block":
+        assert "refused: gate inconclusive" in out.err and "on_inconclusive: block" in out.err
+    else:
+        assert "warning: inconclusive checks passed under on_inconclusive: warn: kl_mean" in out.err
 
 
 def test_help_does_not_import_heavy_libraries():
     code = "import sys; from qgate.cli.main import main; main(['--help']); print(sorted(m for m in ('torch','mlflow','transformers','tensorrt_llm') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("[]")
+
+
+def test_pipeline_progress_counts_each_stage_once(tmp_path, workdir, monkeypatch):
+    """The stage bar moves one step per stage and ends exactly at its total (it once jumped 2/10 -> 4/10)."""
+    import qgate.pipeline.runner as runner
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **kw):
+            self.total, self.steps = total, []
+            bars.append(self)
+
+        def update(self, k):
+            self.steps.append(k)
+
+        def close(self):
+            pass
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(runner, "tqdm", Bar)
+    spec = _spec(tmp_path, workdir)
+    assert main(["run", str(spec)]) == 0
+    (bar,) = bars
+    assert bar.steps == [1] * bar.total and bar.total == 2 + 3 * 2 + 1

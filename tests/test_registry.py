@@ -1,3 +1,4 @@
+import json
 import shutil
 
 import pytest
@@ -14,7 +15,8 @@ from qgate.registry.mlflow_store import promote, register
 @pytest.fixture(scope="module")
 def gated(base_art, w8_art, awq_art, calib_arts, workdir):
     """w8 passes lenient thresholds; awq fails an impossible KL threshold."""
-    lenient = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=10.0, top1_agreement_min=0.0),
+    lenient = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0,
+                                             top1_agreement_min=0.0),  # 192 answer tokens cannot bound a p99
                          eval=EvalConfig(tasks=("bigbench_general_knowledge",), limit=8, min_recovery=0.0))
     strict = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=1e-9), eval=None)
     ok = run_gates(w8_art, base_art, calib_arts["shadow"], lenient, workdir / "reg-ok", workdir / "cache-reg")
@@ -87,3 +89,52 @@ def test_register_refuses_a_modified_candidate(gated, w8_art, tmp_path):
     (copy / "config.json").write_text((copy / "config.json").read_text() + "\n")
     with pytest.raises(InputError, match="content changed"):
         register(ok, Artifact.load(copy), "x", tmp_path / "m")
+
+
+def test_verify_catches_an_alias_moved_outside_qgate(gated, w8_art, awq_art, tmp_path, monkeypatch, capsys):
+    """The MLflow UI's alias editor calls the same API as this client: qgate verify must notice."""
+    from mlflow import MlflowClient
+
+    from qgate.registry.mlflow_store import verify
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    ok, bad = gated
+    store = tmp_path / "mlflow"
+    v_ok, v_bad = register(ok, w8_art, "ui", store), register(bad, awq_art, "ui", store)
+    promote("ui", v_ok, store=store)
+    assert verify("ui", "production", store)["version"] == v_ok
+    assert main(["verify", "--model", "ui", "--store", str(store)]) == 0
+    assert f"verified ui@production -> v{v_ok}" in capsys.readouterr().out
+    MlflowClient(f"sqlite:///{store / 'mlflow.db'}").set_registered_model_alias("ui", "production", v_bad)  # the UI bypass
+    with pytest.raises(PromotionRefused, match=f"ui v{v_bad}: gate did not pass"):
+        verify("ui", "production", store)
+    assert main(["verify", "--model", "ui", "--alias", "production", "--store", str(store)]) == 2
+    assert capsys.readouterr().err.startswith("refused: ")
+    assert main(["verify", "--model", "ui", "--alias", "canary", "--store", str(store)]) == 1
+    assert "alias @canary not found" in capsys.readouterr().err
+
+
+def test_reads_never_create_a_store_and_name_the_one_searched(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["promote", "--model", "m", "--version", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"no MLflow store at {tmp_path / '.qgate/mlflow'}" in err and "--store" in err
+    assert main(["verify", "--model", "m", "--store", str(tmp_path / "elsewhere")]) == 1
+    assert f"no MLflow store at {tmp_path / 'elsewhere'} (searched --store)" in capsys.readouterr().err
+    assert not (tmp_path / ".qgate").exists() and not (tmp_path / "elsewhere").exists()
+
+
+def test_gate_runs_are_named_after_the_variant_and_tagged_with_the_verdict(gated, w8_art, awq_art, tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    ok, bad = gated
+    store = tmp_path / "mlflow"
+    versions = [register(art, cand, "runs", store) for art, cand in ((ok, w8_art), (bad, awq_art))]
+    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
+    for art, version, verdict in ((ok, versions[0], "pass"), (bad, versions[1], "fail")):
+        mv = client.get_model_version("runs", version)
+        run = client.get_run(client.get_logged_model(mv.tags["qgate.model_id"]).source_run_id)
+        name = json.loads((art.path / "report.json").read_text())["candidate"]["name"]
+        assert run.info.run_name == f"gate-{name}" and run.data.tags["qgate.verdict"] == verdict

@@ -1,6 +1,7 @@
-"""Turn chat messages into token ids the same way in every stage.
+"""Turn chat messages into token ids the same way in every stage, and say which tokens came from traffic.
 
     ids = encode_messages(tokenizer, [{"role": "user", "content": "hi"}], max_tokens=512)
+    ids, from_traffic = encode_with_sources(tokenizer, messages, max_tokens=512)   # from_traffic: list[bool]
 """
 from __future__ import annotations
 
@@ -16,3 +17,26 @@ def encode_messages(tokenizer, messages: list[dict], max_tokens: int) -> list[in
     """Token ids of the rendered prompt, keeping the *end* (the latest turn) when too long."""
     ids = tokenizer(render(tokenizer, messages), add_special_tokens=False)["input_ids"]
     return ids[-max_tokens:]
+
+
+def content_spans(text: str, messages: list[dict]) -> list[tuple[int, int]]:
+    """Character spans of each message's content inside the rendered prompt, found in order.
+    Everything outside them is the template's: role markers, default system prompt, separators."""
+    spans, cursor = [], 0
+    for m in messages:
+        content = m.get("content") or ""
+        at = text.find(content, cursor) if content else -1
+        if at >= 0:
+            spans.append((at, at + len(content)))
+            cursor = at + len(content)
+    return spans
+
+
+def encode_with_sources(tokenizer, messages: list[dict], max_tokens: int) -> tuple[list[int], list[bool]]:
+    """encode_messages, plus per token whether any of its characters come from a message's content (traffic)
+    rather than from the chat template. Needs a fast tokenizer (character offsets)."""
+    text = render(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    spans = content_spans(text, messages)
+    flags = [any(a < e and s < b for s, e in spans) for a, b in enc["offset_mapping"]]
+    return enc["input_ids"][-max_tokens:], flags[-max_tokens:]

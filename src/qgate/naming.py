@@ -1,15 +1,56 @@
-"""A generic name -> object registry whose misses suggest the closest name.
+"""Names -> objects, with suggestions: a generic registry, and config construction from mappings.
 
     SCHEMES = Registry("quantization scheme"); SCHEMES.register("awq-w4a16", AWQConfig)
+    cfg = build_config(ShadowConfig, {"kl_p99_max": 0.5}, where="gates.shadow")
+
+Every unknown name or key fails with its path (one style: `variants[1].options.group_size`) and
+the closest known name.
 """
 from __future__ import annotations
 
 import difflib
-from typing import Generic, TypeVar
+from collections.abc import Iterable, Mapping
+from dataclasses import fields
+from typing import Any, Generic, TypeVar
 
 from qgate.errors import ConfigError
 
 T = TypeVar("T")
+
+
+def suggest(name: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(str(name), list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def key_path(*parts: Any) -> str:
+    """('variants', 1, 'options') -> 'variants[1].options'."""
+    out = ""
+    for p in parts:
+        if p in ("", None):
+            continue
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def check_keys(data: Mapping[str, Any], allowed: Iterable[str], where: str) -> None:
+    allowed = sorted(allowed)
+    for k in data:
+        if k not in allowed:
+            raise ConfigError(f"{key_path(where, k)}: unknown key{suggest(k, allowed)}", hint=f"allowed: {', '.join(allowed)}")
+
+
+def build_config(cls, data: Mapping[str, Any], where: str, fixed: Mapping[str, Any] | None = None):
+    """A frozen dataclass config from a mapping (lists become tuples), with `where` in every error."""
+    fixed = dict(fixed or {})
+    check_keys(data, [f.name for f in fields(cls) if f.name not in fixed], where)
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    try:
+        return cls(**fixed, **kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e.message}", hint=e.hint) from e
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from e
 
 
 class Registry(Generic[T]):
@@ -27,10 +68,8 @@ class Registry(Generic[T]):
         try:
             return self._items[name]
         except KeyError:
-            close = difflib.get_close_matches(name, self._items, n=1)
-            guess = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"unknown {self.what} {name!r}{guess}",
+                f"unknown {self.what} {name!r}{suggest(name, self._items)}",
                 hint=f"choose one of: {', '.join(sorted(self._items))}",
             ) from None
 

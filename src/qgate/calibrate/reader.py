@@ -38,13 +38,12 @@ class Reject:
 
 
 def read_traffic(path: Path) -> Iterator[Request | Reject]:
+    """Records in file order. Checks the file exists now, at the call, not at the first record."""
     path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: traffic log not found", hint="pass --traffic with a JSONL or Parquet file")
-    if path.suffix in (".parquet", ".pq"):
-        yield from _read_parquet(path)
-    else:
-        yield from _read_jsonl(path)
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "not found"
+        raise InputError(f"{path}: traffic log {what}", hint="pass --traffic with a JSONL or Parquet file")
+    return _read_parquet(path) if path.suffix in (".parquet", ".pq") else _read_jsonl(path)
 
 
 def _read_jsonl(path: Path) -> Iterator[Request | Reject]:

@@ -64,6 +64,7 @@ def _allocate(sizes: dict[str, int], total: int) -> dict[str, int]:
 
 def sample_traffic(traffic: Path, out: Path, config: SampleConfig) -> dict[str, Artifact]:
     traffic = Path(traffic)
+    records = read_traffic(traffic)          # a missing log fails here, before anything is created
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     need = config.calib_size + config.shadow_size
@@ -74,7 +75,7 @@ def sample_traffic(traffic: Path, out: Path, config: SampleConfig) -> dict[str, 
     pii: Counter = Counter()
     profiler = TrafficProfiler()
     with open(out / "rejects.jsonl", "w") as rej:
-        for item in tqdm(read_traffic(traffic), desc="calibrate: reading traffic", unit=" rec", mininterval=1.0):
+        for item in tqdm(records, desc="calibrate: reading traffic", unit=" rec", mininterval=1.0):
             stats["records"] += 1
             if isinstance(item, Reject):
                 stats["rejected"] += 1

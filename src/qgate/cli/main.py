@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import sys
 
-import click
 import typer
+from typer._click.exceptions import NoArgsIsHelpError  # typer 0.29 vendors click: its classes, not click's
 
 from qgate.cli import calibrate, engine, gate, model, quantize, registry, run
 from qgate.errors import EXIT_ERROR, GateFailed, PromotionRefused, QgateError
@@ -23,19 +23,33 @@ app.command("quantize")(quantize.quantize_cmd)
 app.command("gate")(gate.gate_cmd)
 app.command("register")(registry.register_cmd)
 app.command("promote")(registry.promote_cmd)
+app.command("verify")(registry.verify_cmd)
 app.command("run")(run.run_cmd)
 
 
-def _message(e: BaseException) -> tuple[str, int]:
+def _command_path(argv: list[str] | None) -> str:
+    """`qgate calibrate sample` from argv, for usage errors the parser raises without a context."""
+    cmd, path = typer.main.get_command(app), ["qgate"]
+    for word in argv if argv is not None else sys.argv[1:]:
+        sub = getattr(cmd, "commands", {}).get(word)
+        if sub is None:
+            break
+        cmd, path = sub, path + [word]
+    return " ".join(path)
+
+
+def _message(e: BaseException, argv: list[str] | None = None) -> tuple[str, int]:
     """The one table from exceptions to one-line messages and exit codes."""
     if isinstance(e, GateFailed | PromotionRefused):
         return f"refused: {e}", e.exit_code
     if isinstance(e, QgateError):
         return f"error: {e}", e.exit_code
-    if isinstance(e, click.exceptions.Abort | KeyboardInterrupt):
+    if isinstance(e, typer.Abort | KeyboardInterrupt):
         return "aborted", 130
-    if isinstance(e, click.ClickException):
-        return f"usage error: {e.format_message()}", EXIT_ERROR
+    if isinstance(e, typer.TyperException):   # UsageError, BadParameter, NoSuchOption, MissingParameter, ...
+        msg = f"usage error: {e.format_message()}"
+        ctx = getattr(e, "ctx", None)
+        return msg + f"\n  see: {ctx.command_path if ctx is not None else _command_path(argv)} --help", EXIT_ERROR
     if isinstance(e, FileNotFoundError):
         return f"error: file not found: {e.filename}", EXIT_ERROR
     if isinstance(e, MemoryError):
@@ -43,22 +57,25 @@ def _message(e: BaseException) -> tuple[str, int]:
     return f"internal error: {type(e).__name__}: {e} (set QGATE_DEBUG=1 for the traceback)", EXIT_ERROR
 
 
+def _dispatch(argv: list[str] | None):
+    return typer.main.get_command(app).main(args=argv, prog_name="qgate", standalone_mode=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cmd = typer.main.get_command(app)
     try:
-        rc = cmd.main(args=argv, prog_name="qgate", standalone_mode=False)
+        rc = _dispatch(argv)
         return rc if isinstance(rc, int) else 0
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         return e.exit_code
+    except NoArgsIsHelpError:   # a group or command called bare: its help is already on screen
+        return EXIT_ERROR
     except BaseException as e:  # noqa: BLE001 - the CLI boundary turns every failure into a message + exit code
         if isinstance(e, SystemExit):
             return int(e.code or 0)
         if os.environ.get("QGATE_DEBUG") == "1":
             raise
-        msg, code = _message(e)
-        if isinstance(e, click.ClickException) and e.ctx is not None:
-            msg += f"\n  see: {e.ctx.command_path} --help"
+        msg, code = _message(e, argv)
         print(msg, file=sys.stderr)
         return code
 

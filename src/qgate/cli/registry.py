@@ -1,4 +1,4 @@
-"""`qgate register` and `qgate promote`: the MLflow Model Registry."""
+"""`qgate register`, `qgate promote` and `qgate verify`: the MLflow Model Registry."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,3 +37,21 @@ def promote_cmd(
     info = promote(model, version, alias, store)
     prev = f" (previous-production -> v{info['previous']})" if info["previous"] and info["previous"] != info["version"] else ""
     typer.echo(f"{model}@{alias} -> v{version}{prev}  [{info['tracking_uri']}]")
+
+
+def verify_cmd(
+    model: Annotated[str, typer.Option("--model", help="Registered model name.")],
+    alias: Annotated[str, typer.Option("--alias", help="Alias whose version to check.")] = "production",
+    store: Store = None,
+) -> None:
+    """Check the version behind an alias before serving it: exit 2 unless its gate passed and its checksums match.
+
+    Catches an alias moved outside qgate (the MLflow UI's alias editor, the REST API). Library form:
+    `qgate.registry.mlflow_store.verify(model, alias)`.
+    """
+    quiet_libraries()
+    from qgate.registry.mlflow_store import verify
+
+    info = verify(model, alias, store)
+    typer.echo(f"verified {model}@{alias} -> v{info['version']}: gate passed, sha256 {info['artifact_sha256'][:16]} matches "
+               f"[{info['tracking_uri']}]")

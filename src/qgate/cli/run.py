@@ -34,9 +34,17 @@ def _print_table(spec) -> None:
     if not path.exists():
         return
     summary = json.loads(path.read_text())
-    typer.echo(f"{'variant':22s} {'verdict':8s} {'KL p99':>9s} {'top-1':>7s} {'version':>8s}  report")
+    typer.echo(f"{'variant':22s} {'verdict':12s} {'KL p99':>9s} {'top-1':>7s} {'version':>8s}  report")
     for v in summary["variants"]:
         kl, top1 = v.get("kl_p99"), v.get("top1_agreement")
-        typer.echo(f"{v['variant']:22s} {'PASS' if v['passed'] else 'FAIL':8s} {kl:9.4f} {top1:7.3f} {str(v['version']):>8s}  {v['report']}")
-        if v["failed_checks"]:
-            typer.echo(f"{'':22s} failed: {', '.join(v['failed_checks'])}")
+        verdict = v["verdict"].upper() + ("*" if v["verdict"] == "inconclusive" and v["passed"] else "")
+        typer.echo(f"{v['variant']:22s} {verdict:12s} {kl:9.4f} {top1:7.3f} {str(v['version']):>8s}  {v['report']}")
+        for what in ("failed", "inconclusive"):
+            if v[f"{what}_checks"]:
+                typer.echo(f"{'':22s} {what}: {', '.join(v[f'{what}_checks'])}")
+    if any(v["verdict"] == "inconclusive" and v["passed"] for v in summary["variants"]):
+        typer.echo("* inconclusive, passed under gates.on_inconclusive: warn")
+    secs = summary.get("stage_seconds") or {}
+    if secs:
+        skipped = set(summary.get("stages_skipped", []))
+        typer.echo("stage seconds: " + ", ".join(f"{k} {v:g}{' (earlier run)' if k in skipped else ''}" for k, v in secs.items()))

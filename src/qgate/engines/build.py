@@ -4,30 +4,25 @@
 """
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from qgate.artifact import Artifact
-from qgate.errors import ConfigError, InputError
-from qgate.naming import Registry
+from qgate.errors import InputError
+from qgate.naming import Registry, build_config
 
 BACKENDS: Registry[str] = Registry("engine backend")
 BACKENDS.register("cpu", "onnxruntime-genai on CPU, int4 MatMulNBits kernels")
 BACKENDS.register("trtllm", "TensorRT-LLM (PyTorch backend) bundle for NVIDIA GPUs")
 
 
-def engine_config(backend: str, **options: Any):
-    """The frozen config for `backend`, with defaults filled in; unknown options are ConfigErrors."""
+def engine_config(backend: str, where: str = "engine.options", **options: Any):
+    """The frozen config for `backend`, with defaults filled in; unknown options are ConfigErrors naming `where`."""
     from qgate.engines.cpu import CpuEngineConfig
     from qgate.engines.trtllm import TrtllmConfig
 
     BACKENDS.get(backend)  # unknown names fail with a suggestion
-    cls = CpuEngineConfig if backend == "cpu" else TrtllmConfig
-    try:
-        return cls(**options)
-    except TypeError as e:
-        raise ConfigError(f"engine {backend}: {e}", hint=f"options: {sorted(f.name for f in fields(cls))}") from e
+    return build_config(CpuEngineConfig if backend == "cpu" else TrtllmConfig, options, where)
 
 
 def build_engine(ckpt: Artifact, backend: str, out: Path, profile: Artifact | None = None, **options: Any) -> Artifact:

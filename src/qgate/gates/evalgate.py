@@ -12,7 +12,7 @@ Task YAMLs are lm-eval configs shipped under gates/tasks/; no `!function` code r
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,7 @@ import yaml
 
 from qgate.errors import ConfigError
 from qgate.gates.result import GateResult
-from qgate.gates.stats import mcnemar_exact, paired_mean_ci
+from qgate.gates.stats import mcnemar_exact, paired_bootstrap, paired_mean_ci
 from qgate.naming import Registry
 
 TASK_DIR = Path(__file__).parent / "tasks"
@@ -95,17 +95,12 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
             ev = {"base_acc": base_acc, "cand_acc": cand_acc, "delta": delta, "delta_ci": [lo, hi], **test}
             r = GateResult.check("eval", f"{name}.recovery", rec, cfg.min_recovery, True, len(bc), ci, test["p_value"], ev)
             if test["p_value"] < cfg.alpha and test["lost"] > test["gained"]:  # significant regression overrides recovery
-                r = replace(r, passed=False, decided_on="mcnemar")
+                r = r.failed("mcnemar")
             results.append(r)
         else:
             bll, cll, nb = np.array(b["ll"]), np.array(c["ll"]), np.array(b["bytes"])
             base_bpb, cand_bpb = _bpb(bll, nb), _bpb(cll, nb)
-            rng = np.random.default_rng(0)
-            boots = []
-            for _ in range(1000):
-                i = rng.integers(0, len(nb), len(nb))
-                boots.append(_bpb(cll[i], nb[i]) / _bpb(bll[i], nb[i]) - 1)
-            ci = (float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975)))
+            ci = paired_bootstrap(np.stack([cll, bll], 1), nb, lambda ll, b: _bpb(ll[:, 0], b) / _bpb(ll[:, 1], b) - 1)
             ev = {"base_bpb": base_bpb, "cand_bpb": cand_bpb}
             results.append(GateResult.check("eval", f"{name}.bpb_increase", cand_bpb / base_bpb - 1, cfg.max_bpb_increase,
                                             False, len(nb), ci, None, ev))

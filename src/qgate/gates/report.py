@@ -1,6 +1,6 @@
 """Gate report: report.json for machines, report.html with plots for people.
 
-    write_report(out_dir, report_dict, shadow_metrics)
+    write_report(out_dir, report_dict, shadow_metrics)   # shadow_metrics["gated"]: mask of the positions gated on
 """
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+KL_FLOOR = 1e-8   # the histogram's log axis clips smaller per-token KL values (exact agreement) to this
+COLORS = {"pass": "#228833", "fail": "#cc3311", "inconclusive": "#ee7733", "error": "#aa3377", "info": "#777777"}
+
 
 def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
     import matplotlib
@@ -18,22 +21,30 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import MaxNLocator
+
     files = {}
     if m is not None:
-        fig, ax = plt.subplots(1, 2, figsize=(11, 3.6))
-        kl = np.maximum(m["kl"], 1e-8)
+        fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+        raw = m["kl"][m["gated"]] if "gated" in m else m["kl"]
+        kl = np.maximum(raw, KL_FLOOR)
         ax[0].hist(np.log10(kl), bins=60, color="#4477aa")
         for q, style in ((50, ":"), (99, "--"), (99.9, "-")):
             ax[0].axvline(np.log10(np.percentile(kl, q)), color="k", ls=style, lw=1, label=f"p{q}")
         thr = next((r["threshold"] for r in report["results"] if r["metric"] == "kl_p99"), None)
         if thr:
             ax[0].axvline(np.log10(thr), color="#cc3311", lw=2, label="p99 threshold")
-        ax[0].set(xlabel="log10 KL(base || cand) per token", ylabel="tokens", title="Token KL on shadow traffic")
+        clipped = int(np.sum(raw < KL_FLOOR))
+        ax[0].set(xlabel=f"log10 KL(base || cand) per gated token ({clipped} below {KL_FLOOR:g} drawn at the floor)",
+                  ylabel="tokens", title="Token KL on shadow traffic (gated positions)")
         ax[0].legend(fontsize=8)
+        ax[0].yaxis.set_major_locator(MaxNLocator(integer=True))
         fd, gl = m["first_div"], m["gen_lens"]
         ax[1].hist(fd, bins=np.arange(0, max(gl.max(), 1) + 2) - 0.5, color="#228833")
         ax[1].set(xlabel="answer token where greedy output first differs (= length: identical)", ylabel="prompts",
                   title="First divergence of greedy generation")
+        ax[1].yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax[1].xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.tight_layout()
         files["shadow"] = out / "shadow.png"
         fig.savefig(files["shadow"], dpi=110)
@@ -46,7 +57,7 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
             rows = [r for r in evals if r["metric"].endswith("." + kind)]
             for i, r in enumerate(rows):
                 lo, hi = r["ci"]
-                color = "#228833" if r["passed"] else "#cc3311"
+                color = COLORS[r["verdict"]]
                 ax.errorbar(r["observed"], i, xerr=[[r["observed"] - lo], [hi - r["observed"]]], fmt="o", color=color, capsize=4)
                 if r["threshold"] is not None:
                     ax.plot([r["threshold"]] * 2, [i - 0.35, i + 0.35], color="k", lw=1.5)
@@ -55,12 +66,16 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
             ax.locator_params(axis="x", nbins=5)
             better = "higher" if rows[0]["higher_is_better"] else "lower"
             ax.set_title(f"{kind} ({better} is better)", fontsize=10)
-        fig.suptitle("Per-task change vs baseline: 95% CI, black bar = threshold", fontsize=10)
+        fig.suptitle("Per-task change vs baseline: 95% CI, black bar = threshold; green pass, red fail, orange inconclusive",
+                     fontsize=10)
         fig.tight_layout()
         files["eval"] = out / "eval.png"
         fig.savefig(files["eval"], dpi=110)
         plt.close(fig)
     return files
+
+
+_VERDICT_CSS = "".join(f".{k} td:first-child{{color:{c};font-weight:bold}}" for k, c in COLORS.items())
 
 
 def _row(r: dict) -> str:
@@ -69,9 +84,25 @@ def _row(r: dict) -> str:
 
     ci = f"[{num(r['ci'][0])}, {num(r['ci'][1])}]" if r["ci"] else ""
     thr = "" if r["threshold"] is None else ("&ge; " if r["higher_is_better"] else "&le; ") + num(r["threshold"])
-    verdict = "INFO" if r["decided_on"] == "report-only" else ("PASS" if r["passed"] else "FAIL")
-    cells = (verdict, r["gate"], html.escape(r["metric"]), num(r["observed"]), ci, thr, r["decided_on"], r["n"], num(r["p_value"]))
-    return f"<tr class={verdict.lower()}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
+    verdict = r["verdict"]
+    note = f"~{r['n_to_decide']} items would decide it" if r.get("n_to_decide") else r["evidence"].get("error", "")
+    note = note or r["evidence"].get("unbounded_because", "")
+    cells = (verdict.upper(), r["gate"], html.escape(r["metric"]), num(r["observed"]), ci, thr, r["decided_on"], r["n"],
+             num(r.get("mde")) if r["threshold"] is not None else "", num(r["p_value"]), html.escape(note))
+    return f"<tr class={verdict}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
+
+
+def _scored(report: dict) -> str:
+    s = report.get("shadow_scoring")
+    if not s:
+        return ""
+    return (f"<h2>What the shadow gate scored</h2><p>{s['prompts']} shadow prompts, {s['total_positions']} token positions: "
+            f"{s['answer_positions']} answer, {s['traffic_prompt_positions']} traffic prompt, "
+            f"{s['template_positions_excluded']} chat-template (excluded: identical across prompts), "
+            f"{s['repeated_prefix_excluded']} repeating an earlier prompt's prefix (excluded). "
+            f"Gated on <b>{html.escape(s['positions'])}</b> positions: {s['gated_positions']} scored, "
+            f"{s['unique_positions']} unique prefixes in all. The <code>prompt.*</code> rows report the traffic prompt "
+            f"positions alone.</p>")
 
 
 def write_report(out: Path, report: dict, shadow_metrics: dict | None) -> None:
@@ -80,13 +111,28 @@ def write_report(out: Path, report: dict, shadow_metrics: dict | None) -> None:
     files = _plots(out, report, shadow_metrics)
     rows = "".join(_row(r) for r in report["results"])
     imgs = "".join(f"<img alt='{k}' src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}'>" for k, p in files.items())
-    verdict = "PASSED" if report["passed"] else "FAILED"
+    verdict = report["verdict"].upper() + (" (passed under on_inconclusive: warn)" if report["verdict"] == "inconclusive"
+                                           and report["passed"] else "")
+    cand = report["candidate"]
+    title = f"{cand['name']} ({cand.get('scheme') or 'unquantized'}, {cand.get('backend')})"
     lineage = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(str(v))}</li>" for k, v in report["inputs"].items())
-    (out / "report.html").write_text(f"""<!doctype html><meta charset="utf-8"><title>qgate {verdict}: {html.escape(report['candidate']['name'])}</title>
-<style>body{{font:14px system-ui;margin:2em;max-width:1100px}} td,th{{padding:3px 8px;border-bottom:1px solid #ddd}}
-.pass td:first-child{{color:#228833;font-weight:bold}} .info td:first-child{{color:#777}} .fail td:first-child{{color:#cc3311;font-weight:bold}} img{{max-width:100%;margin:1em 0}}
-h1 span{{color:{'#228833' if report['passed'] else '#cc3311'}}}</style>
-<h1>Gate <span>{verdict}</span>: {html.escape(report['candidate']['name'])} vs {html.escape(report['baseline']['name'])}</h1>
-<p>Each check decides on its 95% confidence bound (lower bound for higher-is-better, upper for lower-is-better).</p>
-<table><tr><th></th><th>gate</th><th>metric</th><th>observed</th><th>95% CI</th><th>threshold</th><th>decided on</th><th>n</th><th>p</th></tr>{rows}</table>
-{imgs}<h2>Inputs</h2><ul>{lineage}</ul><p>Timings (s): {html.escape(json.dumps(report['timings']))}</p>""")
+    cache = ", ".join(f"{k}: {v}" for k, v in report["cache"].items())
+    (out / "report.html").write_text(f"""<!doctype html><meta charset="utf-8"><title>qgate {verdict}: {html.escape(title)}</title>
+<style>body{{font:14px system-ui;margin:2em;max-width:1200px}} td,th{{padding:3px 8px;border-bottom:1px solid #ddd}}
+{_VERDICT_CSS} img{{max-width:100%;margin:1em 0}}
+h1 span{{color:{COLORS[report['verdict']]}}} dt{{font-weight:bold;margin-top:.4em}}</style>
+<h1>Gate <span>{verdict}</span>: {html.escape(title)} vs {html.escape(report['baseline']['name'])}</h1>
+<p>Each check decides on its 95% confidence interval: <b>PASS</b> when it lies wholly on the right side of the threshold,
+<b>FAIL</b> when wholly on the wrong side (or McNemar finds a significant loss), <b>INCONCLUSIVE</b> when it straddles the
+threshold (on_inconclusive: {html.escape(report.get('on_inconclusive', 'block'))}). <b>INFO</b> rows are reported, not gated.</p>
+<table><tr><th></th><th>gate</th><th>metric</th><th>observed</th><th>95% CI</th><th>threshold</th><th>decided on</th><th>n</th>
+<th>mde</th><th>p</th><th>note</th></tr>{rows}</table>
+<dl><dt>n</dt><dd>Shadow checks: token positions scored. Their CIs resample whole prompts (tokens of one prompt are not
+independent), so the evidence is closer to the number of prompts than to n; quantiles use a clustered order-statistic
+interval, unbounded (inf) when the sample is too small to bound them. Eval checks: items (documents for perplexity).</dd>
+<dt>mde</dt><dd>Minimum detectable effect: the true distance from the observed value that this n detects with 80% power
+at the 95% level (from the CI's width).</dd>
+<dt>p</dt><dd>Exact McNemar p-value on the items that flipped between baseline and candidate (multiple-choice tasks).</dd></dl>
+{_scored(report)}
+{imgs}<h2>Inputs</h2><ul>{lineage}</ul><p>Baseline cache: {html.escape(cache)}</p>
+<p>Timings (s): {html.escape(json.dumps(report['timings']))}</p>""")

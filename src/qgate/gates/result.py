@@ -2,14 +2,24 @@
 
     GateResult.check("shadow", "kl_p99", observed=0.08, threshold=0.1, higher_is_better=False, n=4800, ci=(0.07, 0.09))
 
-A check passes on its confidence bound, not on its point estimate: the upper bound
-for lower-is-better metrics, the lower bound for higher-is-better ones. A check
-that could not run is recorded as failed with the reason, never as passed.
+One verdict vocabulary, decided here and nowhere else:
+  pass          the 95% CI lies wholly on the right side of the threshold;
+  fail          the CI lies wholly on the wrong side (or a significance test found a loss);
+  inconclusive  the CI straddles the threshold: the evidence cannot tell, and says roughly how many
+                more items would (`n_to_decide`);
+  error         the check could not run: never a pass;
+  info          report-only (no threshold).
+An unbounded CI end (a quantile the sample cannot pin down) can never decide in its favour.
+Every thresholded check with a CI also states its minimum detectable effect at its n (`mde`):
+the true distance from the observed value that an 80%-power test at this CI's width would detect.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+
+VERDICTS = ("pass", "fail", "inconclusive", "error", "info")
+Z95, Z80 = 1.959964, 0.841621
 
 
 @dataclass(frozen=True)
@@ -23,33 +33,95 @@ class GateResult:
     ci: tuple[float, float] | None = None
     p_value: float | None = None
     passed: bool = False
-    decided_on: str = "point"       # "ci-upper" / "ci-lower" / "point" / "p-value" / "report-only"
+    decided_on: str = "point"       # "ci" / "point" / "mcnemar" / "report-only" / "not-run"
     evidence: dict = field(default_factory=dict)
+    verdict: str = "fail"
+    mde: float | None = None        # minimum detectable effect at this n (metric units)
+    n_to_decide: int | None = None  # inconclusive only: roughly how many items would decide it
 
     @classmethod
     def check(cls, gate: str, metric: str, observed: float, threshold: float | None, higher_is_better: bool, n: int,
               ci: tuple[float, float] | None = None, p_value: float | None = None, evidence: dict | None = None) -> "GateResult":
+        ev = evidence or {}
+        mde = _mde(ci)
         if threshold is None:
-            return cls(gate, metric, observed, None, higher_is_better, n, ci, p_value, True, "report-only", evidence or {})
-        if ci is not None and all(math.isfinite(x) for x in ci):
-            bound, how = (ci[0], "ci-lower") if higher_is_better else (ci[1], "ci-upper")
+            return cls(gate, metric, observed, None, higher_is_better, n, ci, p_value, True, "report-only", ev, "info", mde)
+        if not math.isfinite(observed):
+            return cls(gate, metric, observed, threshold, higher_is_better, n, ci, p_value, False, "point",
+                       ev | {"error": "no finite value"}, "error", mde)
+        sign = 1.0 if higher_is_better else -1.0          # work in "higher is better" units
+        if ci is None or any(math.isnan(x) for x in ci):
+            verdict, how = ("pass" if sign * (observed - threshold) >= 0 else "fail"), "point"
         else:
-            bound, how = observed, "point"
-        ok = math.isfinite(bound) and (bound >= threshold if higher_is_better else bound <= threshold)
-        return cls(gate, metric, observed, threshold, higher_is_better, n, ci, p_value, bool(ok), how, evidence or {})
+            good, bad = (ci[0], ci[1]) if higher_is_better else (ci[1], ci[0])   # the CI end nearer failing, the other
+            how = "ci"
+            if sign * (good - threshold) >= 0 and math.isfinite(good):
+                verdict = "pass"
+            elif sign * (bad - threshold) < 0:
+                verdict = "fail"
+            else:
+                verdict = "inconclusive"
+        more = _n_to_decide(observed, threshold, ci, n) if verdict == "inconclusive" else None
+        return cls(gate, metric, observed, threshold, higher_is_better, n, ci, p_value, verdict == "pass", how, ev, verdict,
+                   mde, more)
 
     @classmethod
     def could_not_run(cls, gate: str, metric: str, reason: str) -> "GateResult":
-        return cls(gate, metric, float("nan"), None, True, 0, None, None, False, "not-run", {"error": reason})
+        return cls(gate, metric, float("nan"), None, True, 0, None, None, False, "not-run", {"error": reason}, "error")
+
+    def failed(self, how: str, **evidence) -> "GateResult":
+        """The same check, failed by a test that overrides the CI (e.g. a significant McNemar loss)."""
+        from dataclasses import replace
+
+        return replace(self, passed=False, verdict="fail", decided_on=how, n_to_decide=None, evidence=self.evidence | evidence)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["ci"] = list(self.ci) if self.ci else None
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "GateResult":
+        known = {f for f in cls.__dataclass_fields__}
+        d = {k: v for k, v in d.items() if k in known}
+        return cls(**{**d, "ci": tuple(d["ci"]) if d.get("ci") else None})
+
     def line(self) -> str:
         cmp = ">=" if self.higher_is_better else "<="
         ci = f" CI[{self.ci[0]:.4g}, {self.ci[1]:.4g}]" if self.ci else ""
-        thr = f" (need {cmp} {self.threshold:.4g} on {self.decided_on})" if self.threshold is not None else " (report only)"
-        verdict = "INFO" if self.decided_on == "report-only" else ("PASS" if self.passed else "FAIL")
-        return f"{verdict}  {self.gate}.{self.metric} = {self.observed:.4g}{ci}{thr}  n={self.n}"
+        thr = f" (need {cmp} {self.threshold:.4g})" if self.threshold is not None else ""
+        extra = f"  n={self.n}"
+        if self.mde is not None and self.threshold is not None:
+            extra += f"  mde={self.mde:.3g}"
+        if self.n_to_decide is not None:
+            extra += f"  ~{self.n_to_decide} items would decide it"
+        elif self.verdict == "inconclusive":
+            extra += "  (unbounded CI or observed on the threshold: more items may not decide it)"
+        if self.verdict == "error":
+            extra += f"  ({self.evidence.get('error', 'could not run')})"
+        return f"{self.verdict.upper():12s} {self.gate}.{self.metric} = {self.observed:.4g}{ci}{thr}{extra}"
+
+
+def _mde(ci: tuple[float, float] | None) -> float | None:
+    """(z_.975 + z_.80) standard errors, the standard error read off the 95% CI's width."""
+    if ci is None or not all(math.isfinite(x) for x in ci):
+        return None
+    return (ci[1] - ci[0]) / (2 * Z95) * (Z95 + Z80)
+
+
+def _n_to_decide(observed: float, threshold: float, ci: tuple[float, float] | None, n: int) -> int | None:
+    """Half-width shrinks as 1/sqrt(n): the n at which it would equal the distance to the threshold."""
+    if ci is None or not all(math.isfinite(x) for x in ci) or n <= 0:
+        return None
+    half, gap = (ci[1] - ci[0]) / 2, abs(observed - threshold)
+    if gap <= 0 or half <= 0:
+        return None
+    return int(math.ceil(n * (half / gap) ** 2))
+
+
+def overall(results: list[GateResult]) -> str:
+    """The report's verdict: any fail or error fails it; else any inconclusive makes it inconclusive."""
+    vs = {r.verdict for r in results}
+    if vs & {"fail", "error"}:
+        return "fail"
+    return "inconclusive" if "inconclusive" in vs else "pass"

@@ -16,7 +16,8 @@ from pathlib import Path
 from qgate.artifact import Artifact, sha256_json, sha256_tree, typed_config
 from qgate.gates.evalgate import TASK_DIR, EvalConfig, eval_gate, run_tasks
 from qgate.gates.report import write_report
-from qgate.gates.result import GateResult
+from qgate.errors import ConfigError
+from qgate.gates.result import GateResult, overall
 from qgate.gates.shadow import ShadowConfig, baseline_reference, candidate_metrics, shadow_gate
 
 
@@ -31,7 +32,12 @@ class GateConfig:
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     eval: EvalConfig | None = field(default_factory=EvalConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
-    VERSION = 1
+    on_inconclusive: str = "block"     # "block": an inconclusive check blocks promotion; "warn": it passes with a warning
+    VERSION = 2
+
+    def __post_init__(self):
+        if self.on_inconclusive not in ("block", "warn"):
+            raise ConfigError(f"gates.on_inconclusive: {self.on_inconclusive!r} is not 'block' or 'warn'")
 
 
 def _describe(art: Artifact, name: str | None = None) -> dict:
@@ -72,7 +78,7 @@ def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: Ga
     timings["baseline_shadow"] = 0.0 if shadow_hit else float(ref["seconds"])
     m = candidate_metrics(cand, ref)
     timings["candidate_shadow"] = m["score_seconds"]
-    results = shadow_gate(m, ref, cfg.shadow)
+    results, scored, gated = shadow_gate(m, ref, cfg.shadow)
     speedup = float(ref["score_seconds"]) / m["score_seconds"] if m["score_seconds"] > 0 else float("nan")
     results.append(GateResult.check("perf", "prefill_speedup", speedup, cfg.perf.min_prefill_speedup, True, int(len(ref["seq_lens"])),
                                     evidence={"baseline_score_seconds": float(ref["score_seconds"]),
@@ -87,18 +93,23 @@ def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: Ga
         cand_scores = run_tasks(cand, cfg.eval)
         timings["candidate_eval"] = time.perf_counter() - t
         results += eval_gate(base_scores, cand_scores, cfg.eval)
-    passed = all(r.passed for r in results)
+    verdict = overall(results)
+    passed = verdict == "pass" or (verdict == "inconclusive" and cfg.on_inconclusive == "warn")
     report = {
-        "version": 1, "passed": passed, "candidate": _describe(candidate, name), "baseline": _describe(baseline, "baseline"),
+        "version": 2, "verdict": verdict, "passed": passed, "on_inconclusive": cfg.on_inconclusive, "candidate": _describe(candidate, name), "baseline": _describe(baseline, "baseline"),
         "inputs": {"candidate_sha256": candidate.sha256, "baseline_sha256": baseline.sha256, "shadow_sha256": shadow.sha256,
                    "calibration_sha256": candidate.meta.get("calibration_sha256"), "candidate_runtime": cand.kind},
         "cache": {"shadow_baseline": "hit" if shadow_hit else "miss", "eval_baseline": {None: "off", True: "hit", False: "miss"}[eval_hit]},
-        "config": {"shadow": typed_config(cfg.shadow), "eval": typed_config(cfg.eval) if cfg.eval else None, "perf": typed_config(cfg.perf)},
+        "shadow_scoring": scored,
+        "config": {"shadow": typed_config(cfg.shadow), "eval": typed_config(cfg.eval) if cfg.eval else None, "perf": typed_config(cfg.perf),
+                   "on_inconclusive": cfg.on_inconclusive},
         "results": [r.to_dict() for r in results],
         "timings": {k: round(v, 2) for k, v in timings.items()},
     }
-    write_report(out, report, m)
+    write_report(out, report, m | {"gated": gated})
     summary = {r.gate + "." + r.metric: r.observed for r in results}
     return Artifact.create("gate-report", out, report["config"], (candidate.sha256, baseline.sha256, shadow.sha256),
-                           {"passed": passed, "summary": summary, "candidate": candidate.sha256, "failed": [r.metric for r in results if not r.passed]})
+                           {"passed": passed, "verdict": verdict, "summary": summary, "candidate": candidate.sha256,
+                            "failed": [r.metric for r in results if r.verdict in ("fail", "error")],
+                            "inconclusive": [r.metric for r in results if r.verdict == "inconclusive"]})
 

@@ -9,6 +9,16 @@ the candidate's greedy answer equals the baseline's up to the first answer posit
 where its argmax differs: that position is the generation's first divergence, with
 no second generation pass.
 
+What counts as evidence is decided per position, by the token it predicts: answer tokens
+and prompt tokens that came from traffic (message content) are evidence; chat-template
+tokens (role markers, a default system prompt) are identical across prompts and are
+excluded, as is any position whose whole prefix repeats an earlier prompt's. The gate
+decides on answer positions by default (`positions: answer+prompt` adds traffic prompt
+tokens); the other class is reported beside it.
+
+Quantiles (p99, p99.9) get a clustered order-statistic interval (stats.quantile_ci), which
+is unbounded above when the sample is too small to bound them: such a check cannot pass.
+
 The baseline keeps only its top-k log-probabilities per position (cached by content
 hash). KL is computed over those k tokens plus one bucket for the rest: a lower
 bound on the full-vocabulary KL, equal to it when the tail holds no mass; the tail
@@ -25,10 +35,13 @@ import numpy as np
 from tqdm import tqdm
 
 from qgate.artifact import Artifact, sha256_json
-from qgate.chat import encode_messages
+from qgate.chat import encode_with_sources
 from qgate.errors import ConfigError, InputError
 from qgate.gates.result import GateResult
-from qgate.gates.stats import cluster_bootstrap, wilson
+from qgate.gates.stats import cluster_bootstrap, quantile_ci, wilson
+
+TEMPLATE, PROMPT, ANSWER = 0, 1, 2        # token classes: chat template, traffic prompt text, baseline answer
+POSITION_SETS = {"answer": (ANSWER,), "answer+prompt": (ANSWER, PROMPT)}
 
 
 @dataclass(frozen=True)
@@ -42,11 +55,14 @@ class ShadowConfig:
     kl_p999_max: float | None = None
     top1_agreement_min: float | None = 0.9
     identical_generation_min: float | None = None
-    VERSION = 1
+    positions: str = "answer"       # which positions the gated checks score: "answer" or "answer+prompt"
+    VERSION = 2
 
     def __post_init__(self):
         if self.max_new_tokens < 1 or self.max_prompt_tokens < 4 or self.top_k < 2:
             raise ConfigError("gates.shadow: max_new_tokens >= 1, max_prompt_tokens >= 4 and top_k >= 2 are required")
+        if self.positions not in POSITION_SETS:
+            raise ConfigError(f"gates.shadow.positions: {self.positions!r} is not one of {sorted(POSITION_SETS)}")
 
     def reference_key(self) -> dict:  # the fields that change what the baseline computes
         return {"max_prompt_tokens": self.max_prompt_tokens, "max_new_tokens": self.max_new_tokens,
@@ -69,19 +85,20 @@ def load_shadow(shadow: Artifact, cfg: ShadowConfig) -> list[dict]:
 
 def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg: ShadowConfig, cache_dir: Path) -> tuple[dict, bool]:
     """Baseline answers and top-k log-probs, computed once per (baseline, shadow set, settings)."""
-    key = sha256_json({"baseline": baseline.sha256, "shadow": shadow.sha256, "cfg": cfg.reference_key(), "v": 1})
+    key = sha256_json({"baseline": baseline.sha256, "shadow": shadow.sha256, "cfg": cfg.reference_key(), "v": 2})
     path = Path(cache_dir) / f"shadow-baseline-{key[:24]}.npz"
     if path.exists():
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}, True
     runner = runner_factory()
     rows = load_shadow(shadow, cfg)
-    seqs, prompt_lens, idx, lp, prompt_of = [], [], [], [], []
+    seqs, prompt_lens, idx, lp, prompt_of, classes = [], [], [], [], [], []
     t0, score_s = time.perf_counter(), 0.0
     for i, row in enumerate(tqdm(rows, desc="shadow: baseline answers", unit=" prompt")):
-        ids = encode_messages(runner.tokenizer, row["messages"], cfg.max_prompt_tokens)
+        ids, from_traffic = encode_with_sources(runner.tokenizer, row["messages"], cfg.max_prompt_tokens)
         answer = runner.greedy(ids, cfg.max_new_tokens)
         seq = ids + answer
+        classes.append(np.array([PROMPT if f else TEMPLATE for f in from_traffic] + [ANSWER] * len(answer), np.int8))
         ts = time.perf_counter()
         logits = runner.logits(seq)
         score_s += time.perf_counter() - ts
@@ -98,7 +115,8 @@ def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg
     ref = {
         "tokens": np.concatenate(seqs), "seq_lens": np.array([len(s) for s in seqs], np.int32),
         "prompt_lens": np.array(prompt_lens, np.int32), "top_idx": np.concatenate(idx), "top_lp": np.concatenate(lp),
-        "prompt_of": np.concatenate(prompt_of), "seconds": np.array(time.perf_counter() - t0),
+        "prompt_of": np.concatenate(prompt_of), "token_class": np.concatenate(classes),
+        "seconds": np.array(time.perf_counter() - t0),
         "score_seconds": np.array(score_s),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,25 +157,72 @@ def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dic
             "first_div": np.array(first_div), "gen_lens": np.array(gen_lens), "score_seconds": score_s}
 
 
-def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> list[GateResult]:
-    kl, clusters, n = m["kl"], ref["prompt_of"], len(m["kl"])
-    p99 = lambda v: float(np.percentile(v, 99))     # noqa: E731
-    p999 = lambda v: float(np.percentile(v, 99.9))  # noqa: E731
-    ev = {"tail_mass_mean": float(m["tail"].mean()), "tail_mass_max": float(m["tail"].max()), "prompts": len(ref["seq_lens"])}
-    ident = int(np.sum(m["first_div"] >= m["gen_lens"]))
-    results = [
-        GateResult.check("shadow", "kl_mean", float(kl.mean()), cfg.kl_mean_max, False, n,
-                         cluster_bootstrap(kl, clusters, np.mean), evidence=ev),
-        GateResult.check("shadow", "kl_p99", p99(kl), cfg.kl_p99_max, False, n, cluster_bootstrap(kl, clusters, p99)),
-        GateResult.check("shadow", "kl_p999", p999(kl), cfg.kl_p999_max, False, n, cluster_bootstrap(kl, clusters, p999)),
-        GateResult.check("shadow", "top1_agreement", float(m["agree"].mean()), cfg.top1_agreement_min, True, n,
-                         cluster_bootstrap(m["agree"].astype(float), clusters, np.mean),
-                         evidence={"flip_rate": float(1 - m["agree"].mean())}),
-        GateResult.check("shadow", "identical_generation", ident / len(m["first_div"]), cfg.identical_generation_min, True,
-                         len(m["first_div"]), wilson(ident, len(m["first_div"])),
-                         evidence={"first_divergence_mean": float(m["first_div"].mean()),
-                                   "first_divergence_median": float(np.median(m["first_div"])),
-                                   "answer_tokens_mean": float(m["gen_lens"].mean())}),
-    ]
-    return results
+def position_classes(ref: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Per scored position (t predicts token t+1 of its sequence): the class of the predicted token, and whether
+    the position's whole prefix (tokens 0..t+1) is new, i.e. not already scored in an earlier prompt."""
+    cls, first = [], []
+    seen: set[int] = set()
+    start = 0
+    for n in ref["seq_lens"]:
+        seq, c = ref["tokens"][start:start + n].tolist(), ref["token_class"][start:start + n]
+        cls.append(c[1:])
+        h, new = hash((seq[0],)), np.zeros(n - 1, bool)
+        for t in range(1, n):
+            h = hash((h, seq[t]))
+            new[t - 1] = h not in seen
+            seen.add(h)
+        first.append(new)
+        start += n
+    return np.concatenate(cls), np.concatenate(first)
 
+
+def scoring_summary(ref: dict, cfg: ShadowConfig) -> tuple[dict[str, np.ndarray], dict]:
+    """Masks of the gated, answer and traffic-prompt positions (repeated prefixes dropped), and what was scored."""
+    cls, new = position_classes(ref)
+    masks = {"gated": np.isin(cls, POSITION_SETS[cfg.positions]) & new, "answer": (cls == ANSWER) & new,
+             "prompt": (cls == PROMPT) & new}
+    info = {"positions": cfg.positions, "total_positions": int(len(cls)), "answer_positions": int(np.sum(cls == ANSWER)),
+            "traffic_prompt_positions": int(np.sum(cls == PROMPT)), "template_positions_excluded": int(np.sum(cls == TEMPLATE)),
+            "repeated_prefix_excluded": int(np.sum(np.isin(cls, (ANSWER, PROMPT)) & ~new)),
+            "gated_positions": int(masks["gated"].sum()), "unique_positions": int(new.sum()),
+            "prompts": int(len(ref["seq_lens"]))}
+    return masks, info
+
+
+def _kl_top1_checks(m: dict, clusters: np.ndarray, mask: np.ndarray, cfg: ShadowConfig | None, prefix: str = "",
+                    evidence: dict | None = None) -> list[GateResult]:
+    """kl_mean, kl_p99, kl_p999 and top1_agreement over the masked positions; report-only when cfg is None."""
+    kl, agree, cl = m["kl"][mask], m["agree"][mask].astype(float), clusters[mask]
+    n = int(mask.sum())
+    if n == 0:
+        return [GateResult.could_not_run("shadow", f"{prefix}{x}", "no positions of this kind were scored")
+                for x in ("kl_mean", "kl_p99", "top1_agreement")] if cfg else []
+    thr = (lambda name: getattr(cfg, name)) if cfg else (lambda name: None)
+    out = [GateResult.check("shadow", f"{prefix}kl_mean", float(kl.mean()), thr("kl_mean_max"), False, n,
+                            cluster_bootstrap(kl, cl, np.mean), evidence=evidence)]
+    for q, name in ((0.99, "kl_p99"), (0.999, "kl_p999")):
+        lo, hi, ev = quantile_ci(kl, cl, q)
+        out.append(GateResult.check("shadow", f"{prefix}{name}", float(np.quantile(kl, q)), thr(f"{name}_max"), False, n,
+                                    (lo, hi), evidence=ev))
+    out.append(GateResult.check("shadow", f"{prefix}top1_agreement", float(agree.mean()), thr("top1_agreement_min"), True, n,
+                                cluster_bootstrap(agree, cl, np.mean), evidence={"flip_rate": float(1 - agree.mean())}))
+    return out
+
+
+def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> tuple[list[GateResult], dict, np.ndarray]:
+    """The gated checks on cfg.positions, report-only figures for the other classes, what was scored, and the
+    mask of gated positions."""
+    clusters = ref["prompt_of"]
+    masks, scored = scoring_summary(ref, cfg)
+    ev = {"tail_mass_mean": float(m["tail"].mean()), "tail_mass_max": float(m["tail"].max()), "scored": scored}
+    results = _kl_top1_checks(m, clusters, masks["gated"], cfg, evidence=ev)
+    for part in ("answer", "prompt"):   # the classes the gate did not decide on alone, reported beside it
+        if part != cfg.positions:
+            results += _kl_top1_checks(m, clusters, masks[part], None, prefix=f"{part}.")
+    ident = int(np.sum(m["first_div"] >= m["gen_lens"]))
+    results.append(GateResult.check("shadow", "identical_generation", ident / len(m["first_div"]), cfg.identical_generation_min,
+                                    True, len(m["first_div"]), wilson(ident, len(m["first_div"])),
+                                    evidence={"first_divergence_mean": float(m["first_div"].mean()),
+                                              "first_divergence_median": float(np.median(m["first_div"])),
+                                              "answer_tokens_mean": float(m["gen_lens"].mean())}))
+    return results, scored, masks["gated"]

@@ -21,7 +21,7 @@ from qgate.pipeline.spec import PipelineSpec
 
 
 class StageLedger:
-    """stages.json in the workdir: stage name -> the key it ran with and what it produced."""
+    """stages.json in the workdir: stage name -> the key it ran with, what it produced, and how long it took."""
 
     def __init__(self, workdir: Path):
         self.path = workdir / "stages.json"
@@ -47,7 +47,13 @@ class Runner:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ledger = StageLedger(self.workdir)
         self.echo = echo
-        self.times: dict[str, float] = {}
+        self.ran: list[str] = []
+        self.skipped: list[str] = []
+
+    def seconds(self) -> dict[str, float]:
+        """Per stage, the wall time of the run that did the work (kept in the ledger, so a skipping re-run keeps it)."""
+        data = self.ledger.data
+        return {k: data[k]["seconds"] for k in self.ran + self.skipped if "seconds" in data.get(k, {})}
 
     def stage(self, name: str, key_data: dict, fn: Callable[[], Artifact]) -> Artifact:
         key = sha256_json(key_data)
@@ -55,14 +61,16 @@ class Runner:
         if rec:
             art = Artifact.load(Path(rec["paths"][0]))
             if art.sha256 == rec["sha256"]:
+                self.skipped.append(name)
                 self.echo(f"  = {name}: unchanged, skipped ({art.path})")
                 return art
         t = time.perf_counter()
         self.echo(f"  > {name} ...")
         art = fn()
-        self.times[name] = round(time.perf_counter() - t, 1)
-        self.ledger.record(name, key, paths=[str(art.path)], sha256=art.sha256)
-        self.echo(f"  + {name}: done in {self.times[name]}s ({art.path})")
+        secs = round(time.perf_counter() - t, 1)
+        self.ledger.record(name, key, paths=[str(art.path)], sha256=art.sha256, seconds=secs)
+        self.ran.append(name)
+        self.echo(f"  + {name}: done in {secs}s ({art.path})")
         return art
 
 
@@ -77,7 +85,7 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
 
     r = Runner(spec, echo)
     w = r.workdir
-    total = 3 + 3 * len(spec.variants) + 1
+    total = 2 + 3 * len(spec.variants) + 1   # model, calibrate; per variant quantize, engine, gate; register
     bar = tqdm(total=total, desc=f"pipeline {spec.name}", unit=" stage", position=0, leave=True)
 
     def step(art):
@@ -94,9 +102,8 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
     calib = step(r.stage("calibrate", key, lambda: sample_traffic(traffic, w / "calib", scfg)["calib"]))
     shadow, profile = Artifact.load(w / "calib" / "shadow"), Artifact.load(w / "calib" / "profile")
     gate_cfg = spec.gate_config()
-    gate_key = {k: typed_config(c) if c is not None else None for k, c in vars(gate_cfg).items()}  # defaults included
+    gate_key = typed_config(gate_cfg)   # every gate setting, defaults included
     opts = CalibOptions(**spec.quantize.model_dump())
-    bar.update(1)
     outcomes = []
     for v in spec.variants:
         scheme = scheme_config(v.scheme, **v.options)
@@ -130,7 +137,8 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
     bar.update(1)
     bar.close()
     passing = [o for o in outcomes if o["report"].meta["passed"]]
-    summary = {"tracking_uri": uri, "model_name": spec.registry.model_name, "workdir": str(w), "stage_seconds": r.times,
+    summary = {"tracking_uri": uri, "model_name": spec.registry.model_name, "workdir": str(w), "stage_seconds": r.seconds(),
+               "stages_run": r.ran, "stages_skipped": r.skipped,
                "variants": [_variant_summary(o) for o in outcomes], "promoted": None}
     if not passing:
         (w / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -146,8 +154,10 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
 
 def _variant_summary(o: dict) -> dict:
     s = o["report"].meta["summary"]
-    return {"variant": o["variant"], "version": o.get("version"), "passed": o["report"].meta["passed"],
-            "failed_checks": o["report"].meta.get("failed", []), "report": str(o["report"].path / "report.html"),
+    meta = o["report"].meta
+    return {"variant": o["variant"], "version": o.get("version"), "passed": meta["passed"], "verdict": meta["verdict"],
+            "failed_checks": meta.get("failed", []), "inconclusive_checks": meta.get("inconclusive", []),
+            "report": str(o["report"].path / "report.html"),
             "kl_p99": s.get("shadow.kl_p99"), "top1_agreement": s.get("shadow.top1_agreement"),
             "metrics": s, "weights_bytes": o["candidate"].meta.get("weights_bytes"),
             "backend": o["candidate"].meta.get("backend", "torch-reference")}

@@ -7,7 +7,6 @@ Relative paths in a spec are relative to the spec file's directory.
 """
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from qgate.errors import ConfigError, InputError
+from qgate.naming import build_config, key_path, suggest
 
 
 class _Strict(BaseModel):
@@ -62,6 +62,7 @@ class GatesSpec(_Strict):
     shadow: dict[str, Any] = Field(default_factory=dict)
     eval: dict[str, Any] | None = Field(default_factory=dict)   # null: no eval gate
     perf: dict[str, Any] = Field(default_factory=dict)
+    on_inconclusive: Literal["block", "warn"] = "block"
 
 
 class RegistrySpec(_Strict):
@@ -96,28 +97,44 @@ class PipelineSpec(_Strict):
         from qgate.gates.run import GateConfig, PerfConfig
         from qgate.gates.shadow import ShadowConfig
 
-        ev = None if self.gates.eval is None else _build(EvalConfig, self.gates.eval, "gates.eval")
-        return GateConfig(shadow=_build(ShadowConfig, self.gates.shadow, "gates.shadow"), eval=ev,
-                          perf=_build(PerfConfig, self.gates.perf, "gates.perf"))
+        ev = None if self.gates.eval is None else build_config(EvalConfig, self.gates.eval, "gates.eval")
+        return GateConfig(shadow=build_config(ShadowConfig, self.gates.shadow, "gates.shadow"), eval=ev,
+                          perf=build_config(PerfConfig, self.gates.perf, "gates.perf"), on_inconclusive=self.gates.on_inconclusive)
 
 
-def _build(cls, data: dict, where: str):
-    """A frozen dataclass config from a mapping, with the spec path in every error."""
-    known = {f.name for f in fields(cls)}
-    for k in data:
-        if k not in known:
-            import difflib
+def _fields_at(loc: tuple) -> list[str]:
+    """The keys the spec allows at `loc` (a pydantic error location), for did-you-mean suggestions."""
+    import typing
 
-            close = difflib.get_close_matches(k, known, n=1)
-            raise ConfigError(f"{where}.{k}: unknown key" + (f"; did you mean {close[0]!r}?" if close else ""),
-                              hint=f"allowed: {sorted(known)}")
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e.message}", hint=e.hint) from e
-    except TypeError as e:
-        raise ConfigError(f"{where}: {e}") from e
+    model: Any = PipelineSpec
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return []
+        todo, model = [field.annotation], None
+        while todo:   # unwrap Optional[...] and list[...] down to a model class
+            t = todo.pop()
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                model = t
+                break
+            todo += list(typing.get_args(t))
+    return sorted(n for n in model.model_fields if n != "root") if model else []
+
+
+def _pydantic_error(path: Path, e: ValidationError) -> ConfigError:
+    errors = sorted(e.errors(), key=lambda x: x["type"] != "extra_forbidden")   # an unknown key explains a missing one
+    first = errors[0]
+    loc = tuple(first["loc"])
+    where = key_path(*loc)
+    if first["type"] == "extra_forbidden":
+        allowed = _fields_at(loc[:-1])
+        msg, hint = f"unknown key{suggest(str(loc[-1]), allowed)}", f"allowed: {', '.join(allowed)}"
+    else:
+        msg, hint = first["msg"], None
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return ConfigError(f"{path}: {where}: {msg}{more}", hint=hint)
 
 
 def load_spec(path: Path) -> PipelineSpec:
@@ -135,15 +152,15 @@ def load_spec(path: Path) -> PipelineSpec:
     try:
         spec = PipelineSpec(**data, root=path.parent.resolve())
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"])
-        msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
-        raise ConfigError(f"{path}: {loc}: {msg}" + (f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else "")) from e
-    _check_semantics(spec, path)
+        raise _pydantic_error(path, e) from e
+    try:
+        _check_semantics(spec)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e.message}", hint=e.hint) from e
     return spec
 
 
-def _check_semantics(spec: PipelineSpec, path: Path) -> None:
+def _check_semantics(spec: PipelineSpec) -> None:
     """Fail at load time, not an hour in: scheme names, option names, thresholds, unique variant names."""
     from qgate.engines.build import engine_config
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
@@ -151,14 +168,15 @@ def _check_semantics(spec: PipelineSpec, path: Path) -> None:
     names = [v.name for v in spec.variants]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
-        raise ConfigError(f"{path}: variants: duplicate name {sorted(dup)[0]!r}")
+        raise ConfigError(f"variants: duplicate name {sorted(dup)[0]!r}")
     for i, v in enumerate(spec.variants):
         try:
-            scheme_config(v.scheme, **v.options)
+            scheme_config(v.scheme, where=key_path("variants", i, "options"), **v.options)
             if v.kv_cache:
                 KVCacheConfig(v.kv_cache)
             if v.engine:
-                engine_config(v.engine.backend, **v.engine.options)
+                engine_config(v.engine.backend, where=key_path("variants", i, "engine", "options"), **v.engine.options)
         except ConfigError as e:
-            raise ConfigError(f"{path}: variants[{i}] ({v.name}): {e.message}", hint=e.hint) from e
+            msg = e.message if e.message.startswith("variants[") else f"{key_path('variants', i)}: {e.message}"
+            raise ConfigError(f"{msg} (variant {v.name})", hint=e.hint) from e
     spec.gate_config()

@@ -7,11 +7,11 @@ Each config validates in __post_init__ and raises ConfigError with the key at fa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from qgate.errors import ConfigError
-from qgate.naming import Registry
+from qgate.naming import Registry, build_config
 
 DEFAULT_IGNORE = ("lm_head",)
 
@@ -149,15 +149,10 @@ SCHEMES.register("gptq-w8a16", (GPTQConfig, {"num_bits": 8}))
 SCHEMES.register("fp8-dynamic", (FP8Config, {}))
 
 
-def scheme_config(name: str, **overrides: Any):
-    """The config for scheme `name`; `overrides` with value None are ignored."""
+def scheme_config(name: str, where: str = "options", **overrides: Any):
+    """The config for scheme `name`; `overrides` with value None are ignored; errors name `where`."""
     cls, fixed = SCHEMES.get(name)
-    allowed = {f.name for f in fields(cls)} - set(fixed)
-    unknown = sorted(k for k, v in overrides.items() if v is not None and k not in allowed)
-    if unknown:
-        raise ConfigError(f"scheme {name!r} takes no option {unknown[0]!r}", hint=f"options: {sorted(allowed)}")
-    kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in overrides.items() if v is not None}
-    return cls(**fixed, **kwargs)
+    return build_config(cls, {k: v for k, v in overrides.items() if v is not None}, where, fixed)
 
 
 def weight_format(cfg) -> str:

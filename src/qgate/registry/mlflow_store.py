@@ -23,15 +23,22 @@ EXPERIMENT = "qgate"
 PREVIOUS = "previous-production"
 
 
-def tracking_uri(store: Path | None = None) -> str:
+def tracking_uri(store: Path | None = None, *, create: bool = True) -> str:
+    """$MLFLOW_TRACKING_URI, else the embedded SQLite store. Reads (`create=False`) never make a store:
+    a missing one is a RegistryError naming the directory searched."""
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    store = Path(store or DEFAULT_STORE).resolve()
-    store.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{store / 'mlflow.db'}"
+    where = Path(store or DEFAULT_STORE).resolve()
+    if create:
+        where.mkdir(parents=True, exist_ok=True)
+    elif not (where / "mlflow.db").exists():
+        origin = "--store" if store else f"the default {DEFAULT_STORE} under the current directory"
+        raise RegistryError(f"no MLflow store at {where} (searched {origin})",
+                            hint="pass --store with the pipeline's registry.store directory, or set MLFLOW_TRACKING_URI")
+    return f"sqlite:///{where / 'mlflow.db'}"
 
 
-def _client(store: Path | None):
+def _client(store: Path | None, *, create: bool = True):
     import logging
 
     logging.getLogger("mlflow").setLevel(logging.WARNING)
@@ -39,9 +46,9 @@ def _client(store: Path | None):
     import mlflow
     from mlflow import MlflowClient
 
-    uri = tracking_uri(store)
+    uri = tracking_uri(store, create=create)
     client = MlflowClient(uri, uri)
-    if client.get_experiment_by_name(EXPERIMENT) is None:
+    if create and client.get_experiment_by_name(EXPERIMENT) is None:
         location = None
         if uri.startswith("sqlite:///") and not os.environ.get("MLFLOW_TRACKING_URI"):
             # keep the embedded store's artifacts beside its database, not in ./mlruns of whatever cwd
@@ -63,7 +70,10 @@ def register(gate: Artifact, candidate: Artifact, model_name: str, store: Path |
     mlflow, client = _client(store)
     exp = client.get_experiment_by_name(EXPERIMENT)
     report = json.loads((gate.path / "report.json").read_text())
-    with mlflow.start_run(experiment_id=exp.experiment_id, run_name=f"gate-{candidate.path.name}") as run:
+    verdict = report.get("verdict") or ("pass" if gate.meta["passed"] else "fail")
+    variant = report["candidate"]["name"]
+    with mlflow.start_run(experiment_id=exp.experiment_id, run_name=f"gate-{variant}",
+                          tags={"qgate.variant": variant, "qgate.verdict": verdict}) as run:
         mlflow.log_artifacts(str(gate.path), artifact_path="gate-report")
         for r in report["results"]:
             key = f"{r['gate']}.{r['metric']}".replace("/", "_")
@@ -78,7 +88,9 @@ def register(gate: Artifact, candidate: Artifact, model_name: str, store: Path |
         run_id = run.info.run_id
     tags = {
         "qgate.gate_passed": str(bool(gate.meta["passed"])).lower(),
+        "qgate.gate_verdict": verdict,
         "qgate.gate_failed_checks": ",".join(gate.meta.get("failed", [])) or "-",
+        "qgate.gate_inconclusive_checks": ",".join(gate.meta.get("inconclusive", [])) or "-",
         "qgate.scheme": str(candidate.meta.get("scheme")),
         "qgate.backend": str(candidate.meta.get("backend", "torch-reference")),
         "qgate.kv_cache_dtype": str(candidate.meta.get("kv_cache_dtype") or "model-default"),
@@ -90,34 +102,51 @@ def register(gate: Artifact, candidate: Artifact, model_name: str, store: Path |
         "qgate.gate_report_artifact": f"runs:/{run_id}/gate-report/report.html",
         "qgate.model_id": model.model_id,
     }
-    tags |= {f"qgate.{r['gate']}.{r['metric']}": f"{r['observed']:.6g}" for r in report["results"]}
+    tags |= {f"qgate.{r['gate']}.{r['metric']}": f"{r['observed']:.6g}" for r in report["results"] if r["threshold"] is not None}
     for k, v in tags.items():
         client.set_model_version_tag(model_name, mv.version, k, v)
     return str(mv.version)
 
 
-def promote(model_name: str, version: str, alias: str = "production", store: Path | None = None) -> dict:
-    """Point `alias` at `version` if its gate passed and its stored artifact still hashes to what was gated."""
+def _version(client, model_name: str, version: str | None, alias: str | None, store: Path | None):
     import mlflow
 
-    _, client = _client(store)
     try:
-        mv = client.get_model_version(model_name, str(version))
+        if alias is not None:
+            return client.get_model_version_by_alias(model_name, alias)
+        return client.get_model_version(model_name, str(version))
     except mlflow.exceptions.MlflowException as e:
-        raise RegistryError(f"model {model_name!r} version {version} not found in {tracking_uri(store)}") from e
-    tags = mv.tags
+        what = f"alias @{alias}" if alias is not None else f"version {version}"
+        raise RegistryError(f"model {model_name!r} {what} not found in {tracking_uri(store, create=False)}") from e
+
+
+def check_version(mv) -> str:
+    """The served-artifact contract: its gate passed and its stored files still hash to what was gated.
+    Returns the sha256; raises PromotionRefused (exit 2) otherwise."""
+    import mlflow
+
+    name, version, tags = mv.name, mv.version, mv.tags
     if tags.get("qgate.gate_passed") != "true":
         raise PromotionRefused(
-            f"{model_name} v{version}: gate did not pass (failed: {tags.get('qgate.gate_failed_checks', '?')})",
-            hint=f"see {tags.get('qgate.gate_report_path')}; promote a version whose gate passed",
+            f"{name} v{version}: gate did not pass (failed: {tags.get('qgate.gate_failed_checks', 'no qgate gate evidence')})",
+            hint=f"see {tags.get('qgate.gate_report_artifact', 'its gate report')}; only a version whose gate passed may serve",
         )
     expected = tags.get("qgate.artifact_sha256")
     with tempfile.TemporaryDirectory() as tmp:
         local = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=tmp)
         actual = sha256_tree(Path(local))
     if actual != expected:
-        raise PromotionRefused(f"{model_name} v{version}: stored artifact sha256 {actual[:12]} != gated {str(expected)[:12]}",
+        raise PromotionRefused(f"{name} v{version}: stored artifact sha256 {actual[:12]} != gated {str(expected)[:12]}",
                                hint="the registered files changed after gating; re-gate and re-register")
+    return actual
+
+
+def promote(model_name: str, version: str, alias: str = "production", store: Path | None = None) -> dict:
+    """Point `alias` at `version` if its gate passed and its stored artifact still hashes to what was gated."""
+    import mlflow
+
+    _, client = _client(store, create=False)
+    actual = check_version(_version(client, model_name, version, None, store))
     previous = None
     try:
         previous = str(client.get_model_version_by_alias(model_name, alias).version)
@@ -127,4 +156,17 @@ def promote(model_name: str, version: str, alias: str = "production", store: Pat
         client.set_registered_model_alias(model_name, PREVIOUS, previous)
     client.set_registered_model_alias(model_name, alias, str(version))
     return {"model": model_name, "version": str(version), "alias": alias, "previous": previous,
-            "tracking_uri": tracking_uri(store), "artifact_sha256": actual}
+            "tracking_uri": tracking_uri(store, create=False), "artifact_sha256": actual}
+
+
+def verify(model_name: str, alias: str = "production", store: Path | None = None) -> dict:
+    """Re-check the version an alias points at, however the alias got there (qgate, the MLflow UI, the API).
+
+    Serving code calls this before loading: PromotionRefused if that version's gate did not pass or its files
+    changed; RegistryError if the model, alias or store does not exist.
+    """
+    _, client = _client(store, create=False)
+    mv = _version(client, model_name, None, alias, store)
+    actual = check_version(mv)
+    return {"model": model_name, "alias": alias, "version": str(mv.version), "artifact_sha256": actual,
+            "tracking_uri": tracking_uri(store, create=False), "source": mv.source}
