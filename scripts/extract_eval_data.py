@@ -18,8 +18,32 @@ from pathlib import Path
 import yaml
 
 OUT = Path(__file__).resolve().parents[1] / "src/qgate/gates/tasks/data"
-BIGBENCH_TASKS = {"general_knowledge": 70, "social_iqa": 150, "misconceptions": 150}
+# Short English multiple-choice tasks with one best answer, pooled by the demo's eval gate (~2,000 items).
+# Earlier subsets keep their items: same seed and order, a longer slice.
+BIGBENCH_TASKS = {"general_knowledge": 70, "social_iqa": 150, "misconceptions": 219, "sports_understanding": 400,
+                  "strategyqa": 300, "anachronisms": 230, "implicatures": 300, "metaphor_boolean": 300}
+TASK_YAML = """# BIG-bench {task} (Apache-2.0), subset: see data/ATTRIBUTION.md
+task: bigbench_{task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: data/bigbench_{task}.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: " "
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1
+"""
 SEED = 1234
+# Tasks whose items are ambiguous without the task's own instruction (task_prefix, output prefix): it is kept.
+INSTRUCTED = {"sports_understanding", "anachronisms", "implicatures", "metaphor_boolean"}
 
 
 def bigbench_items(sdist: Path, task: str, limit: int) -> list[dict]:
@@ -36,7 +60,11 @@ def bigbench_items(sdist: Path, task: str, limit: int) -> list[dict]:
         answers = [i for i, c in enumerate(choices) if scores[c] == best]
         if len(answers) != 1:  # ambiguous gold: not usable for accuracy
             continue
-        items.append({"question": ex["input"].strip(), "choices": choices, "answer": answers[0]})
+        question = ex["input"].strip()
+        if task in INSTRUCTED:
+            ask = (data.get("example_output_prefix") or "").replace("A:", "").strip()
+            question = "\n".join(p for p in (data.get("task_prefix", "").strip(), question, ask) if p)
+        items.append({"question": question, "choices": choices, "answer": answers[0]})
     random.Random(SEED).shuffle(items)
     return items[:limit]
 
@@ -62,6 +90,9 @@ def main() -> None:
     for task, limit in BIGBENCH_TASKS.items():
         rows = bigbench_items(args.bigbench_sdist, task, limit)
         (OUT / f"bigbench_{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        yaml_path = OUT.parent / f"bigbench_{task}.yaml"
+        if not yaml_path.exists():
+            yaml_path.write_text(TASK_YAML.format(task=task))
         print(task, len(rows))
     docs = chatterbot_docs()
     (OUT / "chatterbot_ppl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in docs))

@@ -123,3 +123,25 @@ def test_trtllm_bundle_verifies_on_cuda(awq_art, calib_arts, tmp_path):
     pytest.importorskip("tensorrt_llm")
     art = build_engine(awq_art, "trtllm", tmp_path / "trt", calib_arts["profile"])
     assert art.meta["verified"] is True and art.meta["warm_seconds_by_batch"]
+
+
+def test_engine_parity_separates_runtime_from_quantization(base_art, awq_art, cpu_exact, calib_arts, workdir):
+    """Engine vs its own checkpoint (runtime error) is reported beside checkpoint vs baseline (quantization loss)."""
+    from qgate.gates.contract import ContractConfig, contract_gate
+    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.shadow import ShadowConfig, load_shadow
+
+    cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=20, max_prompt_tokens=64, kl_p99_max=None, top1_agreement_min=None),
+                     eval=None)
+    eng = run_gates(cpu_exact, base_art, calib_arts["shadow"], cfg, workdir / "parity-eng", workdir / "cache-parity")
+    ckpt = run_gates(awq_art, base_art, calib_arts["shadow"], cfg, workdir / "parity-ckpt", workdir / "cache-parity")
+    by = {r["metric"]: r for r in json.loads((eng.path / "report.json").read_text())["results"] if r["gate"] == "parity"}
+    direct = {r["metric"]: r for r in json.loads((ckpt.path / "report.json").read_text())["results"]}
+    assert by["checkpoint_vs_baseline.kl_mean"]["observed"] == pytest.approx(direct["kl_mean"]["observed"], rel=1e-9)
+    assert by["engine_vs_checkpoint.kl_mean"]["observed"] < 0.01 * by["checkpoint_vs_baseline.kl_mean"]["observed"]
+    assert by["engine_vs_checkpoint.top1_agreement"]["observed"] > 0.99
+    assert all(r["verdict"] == "info" for r in by.values())
+    assert by["engine_vs_checkpoint.kl_mean"]["evidence"]["checkpoint"] == awq_art.sha256
+    # the engine serves with its own copies of the tokenizer and config: same contract as the baseline
+    rows = load_shadow(calib_arts["shadow"], ShadowConfig())
+    assert all(r.verdict == "pass" for r in contract_gate(cpu_exact, base_art, rows, ContractConfig()))

@@ -23,9 +23,9 @@ class CountingRunner:
         self.calls += 1
         return self.inner.logits(ids)
 
-    def logits_batch(self, seqs):
+    def logits_batch(self, seqs, keep_last=None):
         self.calls += 1
-        return self.inner.logits_batch(seqs)
+        return self.inner.logits_batch(seqs, keep_last)
 
     def greedy(self, ids, n):
         self.calls += 1
@@ -86,8 +86,8 @@ def test_second_candidate_reuses_cached_baseline(base_art, w8_art, awq_art, cali
     base_calls_second = sum(r.calls for sha, r in made if sha == base_art.sha256)
     assert base_calls_first > 0 and base_calls_second == 0
     rep1, rep2 = (json.loads((a.path / "report.json").read_text()) for a in (first, second))
-    assert rep1["cache"] == {"shadow_baseline": "miss", "eval_baseline": "miss"}
-    assert rep2["cache"] == {"shadow_baseline": "hit", "eval_baseline": "hit"}
+    assert rep1["cache"] == {"shadow_baseline": "miss", "noise_floor": "miss", "eval_baseline": "miss"}
+    assert rep2["cache"] == {"shadow_baseline": "hit", "noise_floor": "hit", "eval_baseline": "hit"}
 
 
 def test_report_files_and_evidence(base_art, w8_art, calib_arts, workdir):
@@ -166,14 +166,37 @@ def test_cluster_bootstrap_covers_truth():
     assert lo < 1.0 < hi and hi - lo < 0.3
 
 
+def _eval_cfg(tasks, **kw) -> EvalConfig:
+    """An EvalConfig over synthetic task names (the real constructor checks names against shipped tasks)."""
+    cfg = EvalConfig.__new__(EvalConfig)
+    for k, v in ({"tasks": tasks, "limit": None, "min_recovery": 0.9, "alpha": 0.05, "max_bpb_increase": 0.05, "pool": False}
+                 | kw).items():
+        object.__setattr__(cfg, k, v)
+    return cfg
+
+
+def test_pooled_tasks_decide_what_each_small_task_cannot():
+    """Three 70-item tasks, each losing 4 items net: alone each is inconclusive; pooled, 210 items fail it."""
+    rng = np.random.default_rng(0)
+    base, cand = {}, {}
+    for t in ("a", "b", "c"):
+        b = rng.random(70) < 0.6
+        c = b.copy()
+        c[np.nonzero(b)[0][:4]] = False          # 4 losses
+        base[t], cand[t] = {"kind": "mc", "per_item": b.astype(float).tolist()}, {"kind": "mc", "per_item": c.astype(float).tolist()}
+    alone = eval_gate(base, cand, _eval_cfg(("a", "b", "c"), min_recovery=0.95))
+    assert [r.verdict for r in alone] == ["inconclusive"] * 3
+    pooled = eval_gate(base, cand, _eval_cfg(("a", "b", "c"), min_recovery=0.95, pool=True))
+    assert pooled[0].metric == "mc_pooled.recovery" and pooled[0].n == 210 and pooled[0].verdict == "fail"
+    assert pooled[0].evidence["lost"] == 12 and pooled[0].evidence["tasks"] == ["a", "b", "c"]
+    assert [r.verdict for r in pooled[1:]] == ["info"] * 3
+    assert pooled[0].mde < min(r.mde for r in alone)
+
+
 def test_eval_gate_fails_significant_regression_even_with_lenient_recovery():
     base = {"t": {"kind": "mc", "per_item": [1.0] * 60 + [0.0] * 40}}
     cand = {"t": {"kind": "mc", "per_item": [0.0] * 15 + [1.0] * 45 + [0.0] * 40}}
-    cfg = EvalConfig.__new__(EvalConfig)
-    object.__setattr__(cfg, "tasks", ("t",))
-    for k, v in {"limit": None, "min_recovery": 0.5, "alpha": 0.05, "max_bpb_increase": 0.05}.items():
-        object.__setattr__(cfg, k, v)
-    (r,) = eval_gate(base, cand, cfg)
+    (r,) = eval_gate(base, cand, _eval_cfg(("t",), min_recovery=0.5))
     assert r.observed == pytest.approx(0.75) and r.evidence["lost"] == 15
     assert not r.passed and r.decided_on == "mcnemar"
 
@@ -266,3 +289,25 @@ def test_repeated_prefixes_are_scored_once():
     cls, new = position_classes(ref)
     assert not new[11:22].any() and new[:11].all()
     assert set(cls[:11].tolist()) == {TEMPLATE, PROMPT, ANSWER}
+
+
+def test_noise_floor_is_measured_cached_reported_and_guards_thresholds(base_art, calib_arts, workdir):
+    from qgate.errors import ConfigError
+    from qgate.gates.noise import check_thresholds
+
+    cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=20, max_prompt_tokens=64), eval=None)
+    art = run_gates(base_art, base_art, calib_arts["shadow"], cfg, workdir / "g-floor", workdir / "cache-floor")
+    report = json.loads((art.path / "report.json").read_text())
+    floor = report["noise_floor"]
+    assert floor["cached"] is False and "batches of 8" in floor["path"]
+    assert 0 <= floor["kl_p99"]["observed"] < 1e-6 and floor["top1_agreement"]["observed"] > 0.99
+    assert "Noise floor" in (art.path / "report.html").read_text()
+    again = run_gates(base_art, base_art, calib_arts["shadow"], cfg, workdir / "g-floor2", workdir / "cache-floor")
+    assert json.loads((again.path / "report.json").read_text())["noise_floor"]["cached"] is True
+    synthetic = {"path": "test", "kl_p99": {"observed": 0.02, "ci": [0.01, 0.03]},
+                 "top1_agreement": {"observed": 0.97, "ci": [0.95, 0.98]}}
+    with pytest.raises(ConfigError, match=r"kl_p99_max: 0.01 is tighter than the measured noise floor.*kl_p99 0.02"):
+        check_thresholds(ShadowConfig(kl_p99_max=0.01, top1_agreement_min=None), synthetic)
+    with pytest.raises(ConfigError, match=r"top1_agreement_min: 0.96 is tighter"):
+        check_thresholds(ShadowConfig(kl_p99_max=0.5, top1_agreement_min=0.96), synthetic)
+    check_thresholds(ShadowConfig(kl_p99_max=0.05, top1_agreement_min=0.9), synthetic)

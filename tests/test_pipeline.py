@@ -53,6 +53,7 @@ def test_pipeline_end_to_end_promotes_the_passing_variant_and_skips_on_rerun(tmp
     assert len(client.search_model_versions("name='tiny-llm'")) == 2
     out = capsys.readouterr()
     assert "promoted w8 as tiny-llm" in out.out and "mlflow ui --backend-store-uri" in out.out
+    assert out.err.index("+ noise floor: KL p99") < out.err.index("> quantize:")   # thresholds checked before quantizing
     first_seconds = summary["stage_seconds"]
     assert set(first_seconds) == set(summary["stages_run"]) and len(first_seconds) == 7
     assert all(v >= 0 for v in first_seconds.values()) and first_seconds["quantize:awq-cpu"] > 0
@@ -69,7 +70,7 @@ def test_pipeline_end_to_end_promotes_the_passing_variant_and_skips_on_rerun(tmp
 def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     spec = _spec(tmp_path, workdir, variants=[{"name": "w4", "scheme": "gptq-w4a16", "options": {"group_size": 32}}],
-                 gates={"shadow": {"max_new_tokens": 4, "max_prompt_tokens": 32, "kl_p99_max": 1e-9}, "eval": None})
+                 gates={"shadow": {"max_new_tokens": 4, "max_prompt_tokens": 32, "kl_p99_max": 1e-4}, "eval": None})
     assert main(["run", str(spec)]) == 2
     assert json.loads((tmp_path / "work/summary.json").read_text())["promoted"] is None
 
@@ -115,7 +116,7 @@ def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
 
 
 def test_gate_cli_exit_code_2_on_failure(base_art, awq_art, calib_arts, tmp_path, capsys):
-    spec = _spec(tmp_path, base_art.path.parent, gates={"shadow": {"max_new_tokens": 4, "max_prompt_tokens": 32, "kl_p99_max": 1e-9},
+    spec = _spec(tmp_path, base_art.path.parent, gates={"shadow": {"max_new_tokens": 4, "max_prompt_tokens": 32, "kl_p99_max": 1e-4},
                                                         "eval": None})
     rc = main(["gate", "--candidate", str(awq_art.path), "--baseline", str(base_art.path), "--shadow", str(calib_arts["shadow"].path),
                "--out", str(tmp_path / "g"), "--spec", str(spec), "--cache", str(tmp_path / "c")])

@@ -48,11 +48,16 @@ def raise_unless_passed(art, what: str) -> None:
 def print_verdict(art) -> None:
     import json
 
+    from qgate.gates.contract import describe
     from qgate.gates.result import GateResult
 
     report = json.loads((art.path / "report.json").read_text())
     for r in report["results"]:
         typer.echo("  " + GateResult.from_dict(r).line())
+        for d in r["evidence"].get("differences", []):
+            typer.echo("      " + describe(d))
+        for d in r["evidence"].get("accepted", []):
+            typer.echo("      accepted (gates.contract.allow): " + describe(d))
     verdict = report["verdict"].upper()
     if report["verdict"] == "inconclusive" and report["passed"]:
         typer.echo(f"warning: inconclusive checks passed under on_inconclusive: warn: {', '.join(art.meta['inconclusive'])}",

@@ -1,6 +1,7 @@
 """`qgate run SPEC`: every stage from one pipeline spec; exit 2 when no variant passes."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -24,7 +25,9 @@ def run_cmd(spec: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. pipel
     p = summary["promoted"]
     typer.echo(f"promoted {p['variant']} as {summary['model_name']} v{p['version']} @{p['alias']}"
                + (f" (previous-production: v{p['previous']})" if p.get("previous") and p["previous"] != p["version"] else ""))
-    typer.echo(f"MLflow store: {summary['tracking_uri']}   (view: mlflow ui --backend-store-uri {summary['tracking_uri']})")
+    ui = Path(sys.executable).parent / "mlflow"    # the venv's own mlflow: works without an activated venv
+    typer.echo(f"MLflow store: {summary['tracking_uri']}   (view: {ui if ui.exists() else 'mlflow'} ui --backend-store-uri "
+               f"{summary['tracking_uri']})")
 
 
 def _print_table(spec) -> None:
@@ -42,6 +45,11 @@ def _print_table(spec) -> None:
         for what in ("failed", "inconclusive"):
             if v[f"{what}_checks"]:
                 typer.echo(f"{'':22s} {what}: {', '.join(v[f'{what}_checks'])}")
+        for c in v.get("checks", []):
+            if c["gate"] == "eval":
+                ci = f" [{c['ci'][0]:.3f}, {c['ci'][1]:.3f}]" if c["ci"] else ""
+                mde = f"  mde {c['mde']:.3f}" if c["mde"] is not None else ""
+                typer.echo(f"{'':22s} {c['verdict'].upper():12s} {c['metric']} {c['observed']:.3f}{ci}  n={c['n']}{mde}")
     if any(v["verdict"] == "inconclusive" and v["passed"] for v in summary["variants"]):
         typer.echo("* inconclusive, passed under gates.on_inconclusive: warn")
     secs = summary.get("stage_seconds") or {}

@@ -26,7 +26,7 @@ ENGINE_SUBDIR = "onnx"
 class CpuEngineConfig:
     accuracy_level: int = 4          # 4: int8 activations (ORT's CPU default, fastest); 1: fp32, exact
     quantize_lm_head: bool = False   # True: the builder re-quantizes lm_head to int4 (RTN), smaller, lossier
-    VERSION = 1
+    VERSION = 2                      # 2: genai_config keeps the checkpoint's eos/bos/pad ids
 
     def __post_init__(self):
         if self.accuracy_level not in (1, 2, 3, 4):
@@ -77,7 +77,27 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path) -> Artifact:
         raise InputError(f"onnxruntime-genai builder failed (exit {rc}); last output:\n{tail}", hint=f"full log: {out / 'build.log'}")
     shutil.rmtree(staging)
     shutil.rmtree(out / "cache", ignore_errors=True)
+    aligned = _keep_token_ids(ckpt.path, out / ENGINE_SUBDIR / "genai_config.json")
     meta = ckpt.meta | {"backend": "cpu", "runtime": "onnxruntime-genai", "build_seconds": round(time.perf_counter() - t0, 1),
                         "engine_bytes": sum(f.stat().st_size for f in (out / ENGINE_SUBDIR).iterdir()),
-                        "checkpoint": ckpt.sha256, "builder_cmd": " ".join(cmd[1:])}
+                        "checkpoint": ckpt.sha256, "checkpoint_path": str(ckpt.path), "builder_cmd": " ".join(cmd[1:]),
+                        "genai_config_aligned": aligned}
     return Artifact.create("engine", out, {"engine": typed_config(config), "checkpoint": ckpt.config}, (ckpt.sha256,), meta)
+
+
+def _keep_token_ids(ckpt_dir: Path, genai_path: Path) -> dict:
+    """The builder derives its own stop ids (for SmolLM2 it adds <|im_start|> to eos); serve with the checkpoint's
+    generation_config instead, so the engine stops where the baseline stops. Returns what was changed."""
+    gen = ckpt_dir / "generation_config.json"
+    if not gen.exists():
+        return {}
+    want = json.loads(gen.read_text())
+    genai = json.loads(genai_path.read_text())
+    changed = {}
+    for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if k in want and genai["model"].get(k) != want[k]:
+            changed[k] = {"builder": genai["model"].get(k), "kept": want[k]}
+            genai["model"][k] = want[k]
+    if changed:
+        genai_path.write_text(json.dumps(genai, indent=4))
+    return changed

@@ -48,17 +48,20 @@ class TorchRunner:
             out = self.model(torch.tensor([list(ids)], dtype=torch.long)).logits[0]  # [T, V]
         return out.float().numpy()
 
-    def logits_batch(self, seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """Right-padded batch: causal attention keeps each row's real positions independent of the padding."""
+    def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list[np.ndarray]:
+        """Left-padded batch with explicit position ids, so each row computes as if alone. keep_last: only the
+        last k positions' logits (the vocabulary projection is the costly part of scoring short continuations)."""
         import torch
 
         width = max(len(s) for s in seqs)
         pad = self.tokenizer.pad_token_id or 0
-        x = torch.tensor([list(s) + [pad] * (width - len(s)) for s in seqs], dtype=torch.long)
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], dtype=torch.long)
+        x = torch.tensor([[pad] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        k = min(keep_last or width, width)
         with torch.inference_mode():
-            out = self.model(x, attention_mask=mask).logits.float().numpy()  # [B, T, V]
-        return [out[i, : len(s)] for i, s in enumerate(seqs)]
+            out = self.model(x, attention_mask=mask, position_ids=pos, logits_to_keep=k).logits.float().numpy()  # [B, k, V]
+        return [out[i, max(k - len(s), 0):] for i, s in enumerate(seqs)]
 
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation with the KV cache; stops at EOS."""
@@ -101,8 +104,8 @@ class OrtRunner:
         (logits,) = self.session.run(["logits"], feed)
         return logits[0].astype(np.float32)
 
-    def logits_batch(self, seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        return [self.logits(s) for s in seqs]
+    def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list[np.ndarray]:
+        return [self.logits(s)[-(keep_last or len(s)):] for s in seqs]
 
 
 def load_runner(art: Artifact):

@@ -79,7 +79,8 @@ def build_trtllm(ckpt: Artifact, config: TrtllmConfig, out: Path, profile: Artif
         f"CUDA-graph batch sizes {options['cuda_graph_config']['batch_sizes']} come from observed concurrency "
         f"({concurrency.get('method')}: p50={concurrency.get('p50')}, p90={concurrency.get('p90')}, p99={concurrency.get('p99')}).\n"
     )
-    meta = ckpt.meta | {"backend": "trtllm", "checkpoint": ckpt.sha256, "concurrency": concurrency, "verified": False}
+    meta = ckpt.meta | {"backend": "trtllm", "checkpoint": ckpt.sha256, "checkpoint_path": str(ckpt.path), "concurrency": concurrency,
+                        "verified": False}
     parents = (ckpt.sha256,) + ((profile.sha256,) if profile else ())
     art_config = {"engine": typed_config(config), "llm_api_options": options, "checkpoint": ckpt.config}
     if config.verify:

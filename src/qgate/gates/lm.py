@@ -13,7 +13,7 @@ from qgate.gates.shadow import _log_softmax
 
 
 class RunnerLM(LM):
-    BATCH = 16   # sequences per runner.logits_batch call
+    BATCH_TOKENS = 2048   # padded tokens per runner.logits_batch call (benchmarks/bench_eval.py: fastest of 2k-8k on 2 cores)
 
     def __init__(self, runner, max_length: int = 1024):
         super().__init__()
@@ -30,10 +30,16 @@ class RunnerLM(LM):
         seqs = [(c + k)[-(self.max_length + 1):] for c, k in pairs]
         out: list = [None] * len(pairs)
         order = sorted(range(len(pairs)), key=lambda i: len(seqs[i]))  # similar lengths share a batch: less padding
-        for start in range(0, len(order), self.BATCH):
-            chunk = order[start:start + self.BATCH]
-            batch = self.runner.logits_batch([seqs[i][:-1] for i in chunk])  # each [T-1, V]
-            for i, logits in zip(chunk, batch):
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and (end - start + 1) * len(seqs[order[end]]) <= self.BATCH_TOKENS:
+                end += 1
+            chunk = order[start:end]
+            start = end
+            need = max(len(pairs[i][1]) for i in chunk)
+            batch = self.runner.logits_batch([seqs[i][:-1] for i in chunk], keep_last=need)  # each [<=need, V]
+            for i, logits in zip(chunk, batch, strict=True):
                 n = len(pairs[i][1])
                 logp = _log_softmax(logits[-n:])                          # rows predicting the continuation
                 target = np.asarray(seqs[i][-n:])
@@ -51,7 +57,7 @@ class RunnerLM(LM):
             ctx = self._encode(context) if context else []
             pairs.append(([self.prefix] + ctx, whole[len(ctx):]))
         out = []
-        step = 8 * self.BATCH
+        step = 512
         for start in tqdm(range(0, len(pairs), step), desc="eval: loglikelihood", unit=f" x{step} req", disable=disable_tqdm):
             out += self._score_many(pairs[start:start + step])
         return out

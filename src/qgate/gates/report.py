@@ -92,6 +92,34 @@ def _row(r: dict) -> str:
     return f"<tr class={verdict}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
 
 
+def _contract(report: dict) -> str:
+    from qgate.gates.contract import describe
+
+    rows = [r for r in report["results"] if r["gate"] == "contract"]
+    if not rows:
+        return ""
+    items = []
+    for r in rows:
+        for d in r["evidence"]["differences"]:
+            items.append(f"<li class=fail><b>different</b>: {html.escape(describe(d))}</li>")
+        for d in r["evidence"]["accepted"]:
+            items.append(f"<li><b>accepted</b> (gates.contract.allow): {html.escape(describe(d))}</li>")
+    served = html.escape(rows[0]["evidence"]["served_from"])
+    body = "".join(items) or "<li>identical: tokenizer, chat template, generation config, context length, architecture, and " \
+                             "every shadow prompt's token ids</li>"
+    return f"<h2>Serving contract</h2><p>Candidate files as served, from <code>{served}</code>:</p><ul>{body}</ul>"
+
+
+def _floor(report: dict) -> str:
+    f = report.get("noise_floor")
+    if not f:
+        return ""
+    cells = "".join(f"<li><b>{k}</b>: {f[k]['observed']:.3g} (95% CI [{f[k]['ci'][0]:.3g}, {f[k]['ci'][1]:.3g}])</li>"
+                    for k in ("kl_mean", "kl_p99", "top1_agreement") if k in f and f[k]["ci"])
+    return (f"<h2>Noise floor</h2><p>The baseline against itself on a second numeric path ({html.escape(f['path'])}): "
+            f"disagreement no quantization causes. Thresholds tighter than this are refused.</p><ul>{cells}</ul>")
+
+
 def _scored(report: dict) -> str:
     s = report.get("shadow_scoring")
     if not s:
@@ -133,6 +161,8 @@ interval, unbounded (inf) when the sample is too small to bound them. Eval check
 <dt>mde</dt><dd>Minimum detectable effect: the true distance from the observed value that this n detects with 80% power
 at the 95% level (from the CI's width).</dd>
 <dt>p</dt><dd>Exact McNemar p-value on the items that flipped between baseline and candidate (multiple-choice tasks).</dd></dl>
+{_contract(report)}
 {_scored(report)}
+{_floor(report)}
 {imgs}<h2>Inputs</h2><ul>{lineage}</ul><p>Baseline cache: {html.escape(cache)}</p>
 <p>Timings (s): {html.escape(json.dumps(report['timings']))}</p>""")

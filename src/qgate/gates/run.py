@@ -14,11 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qgate.artifact import Artifact, sha256_json, sha256_tree, typed_config
+from qgate.gates.contract import ContractConfig, contract_gate
 from qgate.gates.evalgate import TASK_DIR, EvalConfig, eval_gate, run_tasks
+from qgate.gates.noise import check_thresholds, noise_floor
 from qgate.gates.report import write_report
 from qgate.errors import ConfigError
 from qgate.gates.result import GateResult, overall
-from qgate.gates.shadow import ShadowConfig, baseline_reference, candidate_metrics, shadow_gate
+from qgate.gates.shadow import (ShadowConfig, baseline_reference, candidate_metrics, kl_top1_checks, load_shadow,
+                                rescore_reference, shadow_gate)
 
 
 @dataclass(frozen=True)
@@ -28,12 +31,26 @@ class PerfConfig:
 
 
 @dataclass(frozen=True)
+class ParityConfig:
+    """Engine candidates: the engine vs its own checkpoint on the reference path, on the gated shadow positions.
+    Tells a kernel or runtime bug from quantization loss. Report-only unless a threshold is set."""
+    enabled: bool = True
+    kl_mean_max: float | None = None
+    kl_p99_max: float | None = None
+    kl_p999_max: float | None = None
+    top1_agreement_min: float | None = None
+    VERSION = 1
+
+
+@dataclass(frozen=True)
 class GateConfig:
+    contract: ContractConfig = field(default_factory=ContractConfig)
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     eval: EvalConfig | None = field(default_factory=EvalConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
+    parity: ParityConfig = field(default_factory=ParityConfig)
     on_inconclusive: str = "block"     # "block": an inconclusive check blocks promotion; "warn": it passes with a warning
-    VERSION = 2
+    VERSION = 3                        # 3: contract, parity and noise floor in the report
 
     def __post_init__(self):
         if self.on_inconclusive not in ("block", "warn"):
@@ -57,28 +74,84 @@ def _cached_eval(runner_factory, baseline: Artifact, cfg: EvalConfig, cache_dir:
     return scores, False
 
 
+def engine_checkpoint(engine: Artifact) -> Artifact | None:
+    """The checkpoint an engine was built from, as its manifest records it; None if gone or changed."""
+    path = engine.meta.get("checkpoint_path")
+    if not path or not Path(path).exists():
+        return None
+    ckpt = Artifact.load(Path(path), "checkpoint")
+    return ckpt if ckpt.sha256 == engine.meta.get("checkpoint") else None
+
+
+def _parity(cand_runner, load_runner, ckpt: Artifact | None, ref: dict, gated, cfg: GateConfig) -> tuple[list[GateResult], dict]:
+    """Checkpoint vs baseline and engine vs checkpoint, on the baseline's shadow tokens and the gated positions."""
+    from qgate.gates.shadow import scoring_summary
+
+    if ckpt is None:
+        why = "the engine's checkpoint is not on disk or changed since the build"
+        return [GateResult.check("parity", m, float("nan"), None, False, 0, evidence={"error": why})
+                for m in ("engine_vs_checkpoint.kl_p99", "checkpoint_vs_baseline.kl_p99")], {}
+    t = time.perf_counter()
+    ckpt_runner = load_runner(ckpt)
+    clusters = ref["prompt_of"]
+    m_ckpt = candidate_metrics(ckpt_runner, ref, desc="parity: checkpoint vs baseline")
+    ckpt_ref = rescore_reference(ckpt_runner, ref, cfg.shadow.top_k, desc="parity: checkpoint reference")
+    m_eng = candidate_metrics(cand_runner, ckpt_ref, desc="parity: engine vs checkpoint")
+    ev = {"checkpoint": ckpt.sha256, "checkpoint_path": str(ckpt.path)}
+    results = kl_top1_checks(m_eng, clusters, gated, cfg.parity, prefix="engine_vs_checkpoint.", evidence=ev, gate="parity")
+    results += kl_top1_checks(m_ckpt, clusters, gated, None, prefix="checkpoint_vs_baseline.", gate="parity")
+    return results, {"parity": time.perf_counter() - t}
+
+
+class _LazyRunner:
+    """Loads a model the first time it is needed, once."""
+
+    def __init__(self, art: Artifact):
+        self.art, self.runner = art, None
+
+    def __call__(self):
+        from qgate.engines.runners import load_runner
+
+        if self.runner is None:
+            self.runner = load_runner(self.art)
+        return self.runner
+
+
+def baseline_floor(baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_dir: Path, runner=None) -> tuple[dict, dict, bool]:
+    """The baseline's shadow reference and noise floor (both cached), after checking the thresholds against the floor:
+    ConfigError if a threshold is tighter than the baseline itself can meet. Returns (reference, floor, reference cached)."""
+    runner = runner or _LazyRunner(baseline)
+    ref, hit = baseline_reference(runner, baseline, shadow, cfg.shadow, cache_dir)
+    floor = noise_floor(runner, baseline, shadow, ref, cfg.shadow, cache_dir)
+    check_thresholds(cfg.shadow, floor)
+    return ref, floor, hit
+
+
 def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: GateConfig, out: Path, cache_dir: Path,
-              name: str | None = None) -> Artifact:
+              name: str | None = None, checkpoint: Artifact | None = None) -> Artifact:
+    """checkpoint: for an engine candidate, the checkpoint it was built from (default: its manifest's record)."""
     from qgate.engines.runners import load_runner
 
     out, cache_dir = Path(out), Path(cache_dir)
     timings: dict[str, float] = {}
-    base_runner = None
+    baseline_runner = _LazyRunner(baseline)
 
-    def baseline_runner():
-        nonlocal base_runner
-        if base_runner is None:
-            base_runner = load_runner(baseline)
-        return base_runner
-
+    t = time.perf_counter()
+    results = contract_gate(candidate, baseline, load_shadow(shadow, cfg.shadow), cfg.contract)
+    timings["contract"] = time.perf_counter() - t
     t = time.perf_counter()
     cand = load_runner(candidate)
     timings["candidate_load"] = time.perf_counter() - t
-    ref, shadow_hit = baseline_reference(baseline_runner, baseline, shadow, cfg.shadow, cache_dir)
+    ref, floor, shadow_hit = baseline_floor(baseline, shadow, cfg, cache_dir, baseline_runner)
     timings["baseline_shadow"] = 0.0 if shadow_hit else float(ref["seconds"])
     m = candidate_metrics(cand, ref)
     timings["candidate_shadow"] = m["score_seconds"]
-    results, scored, gated = shadow_gate(m, ref, cfg.shadow)
+    shadow_results, scored, gated = shadow_gate(m, ref, cfg.shadow)
+    results += shadow_results
+    if candidate.kind == "engine" and cfg.parity.enabled:
+        parity, t_par = _parity(cand, load_runner, checkpoint or engine_checkpoint(candidate), ref, gated, cfg)
+        results += parity
+        timings |= t_par
     speedup = float(ref["score_seconds"]) / m["score_seconds"] if m["score_seconds"] > 0 else float("nan")
     results.append(GateResult.check("perf", "prefill_speedup", speedup, cfg.perf.min_prefill_speedup, True, int(len(ref["seq_lens"])),
                                     evidence={"baseline_score_seconds": float(ref["score_seconds"]),
@@ -99,9 +172,10 @@ def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: Ga
         "version": 2, "verdict": verdict, "passed": passed, "on_inconclusive": cfg.on_inconclusive, "candidate": _describe(candidate, name), "baseline": _describe(baseline, "baseline"),
         "inputs": {"candidate_sha256": candidate.sha256, "baseline_sha256": baseline.sha256, "shadow_sha256": shadow.sha256,
                    "calibration_sha256": candidate.meta.get("calibration_sha256"), "candidate_runtime": cand.kind},
-        "cache": {"shadow_baseline": "hit" if shadow_hit else "miss", "eval_baseline": {None: "off", True: "hit", False: "miss"}[eval_hit]},
+        "noise_floor": floor,
+        "cache": {"shadow_baseline": "hit" if shadow_hit else "miss", "noise_floor": "hit" if floor["cached"] else "miss", "eval_baseline": {None: "off", True: "hit", False: "miss"}[eval_hit]},
         "shadow_scoring": scored,
-        "config": {"shadow": typed_config(cfg.shadow), "eval": typed_config(cfg.eval) if cfg.eval else None, "perf": typed_config(cfg.perf),
+        "config": {"contract": typed_config(cfg.contract), "shadow": typed_config(cfg.shadow), "parity": typed_config(cfg.parity), "eval": typed_config(cfg.eval) if cfg.eval else None, "perf": typed_config(cfg.perf),
                    "on_inconclusive": cfg.on_inconclusive},
         "results": [r.to_dict() for r in results],
         "timings": {k: round(v, 2) for k, v in timings.items()},

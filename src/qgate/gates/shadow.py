@@ -76,6 +76,27 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
+def _top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """[T, V] logits -> the k most likely ids and their log-probs per position, top-1 first: [T, k] each."""
+    logp = _log_softmax(logits)
+    k = min(k, logp.shape[-1])
+    top = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
+    top_lp = np.take_along_axis(logp, top, axis=-1)
+    order = np.argsort(-top_lp, axis=-1)
+    return np.take_along_axis(top, order, axis=-1).astype(np.int32), np.take_along_axis(top_lp, order, axis=-1).astype(np.float32)
+
+
+def rescore_reference(runner, ref: dict, top_k: int, desc: str = "shadow: reference") -> dict:
+    """The same token sequences as `ref`, with `runner` as the reference model (its top-k log-probs)."""
+    idx, lp, start = [], [], 0
+    for n in tqdm(ref["seq_lens"], desc=desc, unit=" prompt"):
+        top_i, top_l = _top_k(runner.logits(ref["tokens"][start:start + n].tolist())[:-1], top_k)
+        idx.append(top_i)
+        lp.append(top_l)
+        start += n
+    return ref | {"top_idx": np.concatenate(idx), "top_lp": np.concatenate(lp)}
+
+
 def load_shadow(shadow: Artifact, cfg: ShadowConfig) -> list[dict]:
     if shadow.kind != "calibration-set" or shadow.meta.get("split") != "shadow":
         raise InputError(f"{shadow.path}: --shadow must be the shadow split written by `qgate calibrate sample`")
@@ -102,13 +123,9 @@ def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg
         ts = time.perf_counter()
         logits = runner.logits(seq)
         score_s += time.perf_counter() - ts
-        logp = _log_softmax(logits[:-1])                            # [T-1, V]: position t predicts seq[t+1]
-        k = min(cfg.top_k, logp.shape[-1])
-        top = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
-        top_lp = np.take_along_axis(logp, top, axis=-1)
-        order = np.argsort(-top_lp, axis=-1)                        # top-1 first
-        idx.append(np.take_along_axis(top, order, axis=-1).astype(np.int32))
-        lp.append(np.take_along_axis(top_lp, order, axis=-1).astype(np.float32))
+        top_i, top_l = _top_k(logits[:-1], cfg.top_k)               # position t predicts seq[t+1]
+        idx.append(top_i)
+        lp.append(top_l)
         seqs.append(np.asarray(seq, np.int32))
         prompt_lens.append(len(ids))
         prompt_of.append(np.full(len(seq) - 1, i, np.int32))
@@ -189,22 +206,23 @@ def scoring_summary(ref: dict, cfg: ShadowConfig) -> tuple[dict[str, np.ndarray]
     return masks, info
 
 
-def _kl_top1_checks(m: dict, clusters: np.ndarray, mask: np.ndarray, cfg: ShadowConfig | None, prefix: str = "",
-                    evidence: dict | None = None) -> list[GateResult]:
-    """kl_mean, kl_p99, kl_p999 and top1_agreement over the masked positions; report-only when cfg is None."""
+def kl_top1_checks(m: dict, clusters: np.ndarray, mask: np.ndarray, cfg, prefix: str = "",
+                   evidence: dict | None = None, gate: str = "shadow") -> list[GateResult]:
+    """kl_mean, kl_p99, kl_p999 and top1_agreement over the masked positions. Thresholds are read from cfg's
+    kl_mean_max, kl_p99_max, kl_p999_max and top1_agreement_min; report-only when cfg is None."""
     kl, agree, cl = m["kl"][mask], m["agree"][mask].astype(float), clusters[mask]
     n = int(mask.sum())
     if n == 0:
-        return [GateResult.could_not_run("shadow", f"{prefix}{x}", "no positions of this kind were scored")
+        return [GateResult.could_not_run(gate, f"{prefix}{x}", "no positions of this kind were scored")
                 for x in ("kl_mean", "kl_p99", "top1_agreement")] if cfg else []
     thr = (lambda name: getattr(cfg, name)) if cfg else (lambda name: None)
-    out = [GateResult.check("shadow", f"{prefix}kl_mean", float(kl.mean()), thr("kl_mean_max"), False, n,
+    out = [GateResult.check(gate, f"{prefix}kl_mean", float(kl.mean()), thr("kl_mean_max"), False, n,
                             cluster_bootstrap(kl, cl, np.mean), evidence=evidence)]
     for q, name in ((0.99, "kl_p99"), (0.999, "kl_p999")):
         lo, hi, ev = quantile_ci(kl, cl, q)
-        out.append(GateResult.check("shadow", f"{prefix}{name}", float(np.quantile(kl, q)), thr(f"{name}_max"), False, n,
+        out.append(GateResult.check(gate, f"{prefix}{name}", float(np.quantile(kl, q)), thr(f"{name}_max"), False, n,
                                     (lo, hi), evidence=ev))
-    out.append(GateResult.check("shadow", f"{prefix}top1_agreement", float(agree.mean()), thr("top1_agreement_min"), True, n,
+    out.append(GateResult.check(gate, f"{prefix}top1_agreement", float(agree.mean()), thr("top1_agreement_min"), True, n,
                                 cluster_bootstrap(agree, cl, np.mean), evidence={"flip_rate": float(1 - agree.mean())}))
     return out
 
@@ -215,10 +233,10 @@ def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> tuple[list[GateResult]
     clusters = ref["prompt_of"]
     masks, scored = scoring_summary(ref, cfg)
     ev = {"tail_mass_mean": float(m["tail"].mean()), "tail_mass_max": float(m["tail"].max()), "scored": scored}
-    results = _kl_top1_checks(m, clusters, masks["gated"], cfg, evidence=ev)
+    results = kl_top1_checks(m, clusters, masks["gated"], cfg, evidence=ev)
     for part in ("answer", "prompt"):   # the classes the gate did not decide on alone, reported beside it
         if part != cfg.positions:
-            results += _kl_top1_checks(m, clusters, masks[part], None, prefix=f"{part}.")
+            results += kl_top1_checks(m, clusters, masks[part], None, prefix=f"{part}.")
     ident = int(np.sum(m["first_div"] >= m["gen_lens"]))
     results.append(GateResult.check("shadow", "identical_generation", ident / len(m["first_div"]), cfg.identical_generation_min,
                                     True, len(m["first_div"]), wilson(ident, len(m["first_div"])),

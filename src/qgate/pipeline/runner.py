@@ -77,7 +77,7 @@ class Runner:
 def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dict:
     from qgate.calibrate.sample import SampleConfig, sample_traffic
     from qgate.engines.build import build_engine, engine_config
-    from qgate.gates.run import run_gates
+    from qgate.gates.run import baseline_floor, run_gates
     from qgate.models import ModelSource, import_model, source_fingerprint
     from qgate.quantize.run import CalibOptions, quantize
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
@@ -103,6 +103,10 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
     shadow, profile = Artifact.load(w / "calib" / "shadow"), Artifact.load(w / "calib" / "profile")
     gate_cfg = spec.gate_config()
     gate_key = typed_config(gate_cfg)   # every gate setting, defaults included
+    echo("  > baseline shadow reference and noise floor (cached per baseline) ...")
+    _, floor, _ = baseline_floor(base, shadow, gate_cfg, w / "cache")   # a threshold the baseline cannot meet fails here
+    echo(f"  + noise floor: KL p99 {floor['kl_p99']['observed']:.3g}, top-1 {floor['top1_agreement']['observed']:.4f} "
+         f"({floor['path']})")
     opts = CalibOptions(**spec.quantize.model_dump())
     outcomes = []
     for v in spec.variants:
@@ -120,7 +124,7 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
         step(cand)
         key = {"cand": cand.sha256, "base": base.sha256, "shadow": shadow.sha256, "gates": gate_key}
         report = step(r.stage(f"gate:{v.name}", key, lambda: run_gates(cand, base, shadow, gate_cfg, w / "variants" / v.name / "gate",
-                                                                      w / "cache", name=v.name)))
+                                                                      w / "cache", name=v.name, checkpoint=ckpt)))
         outcomes.append({"variant": v.name, "candidate": cand, "report": report})
     store = spec.path(spec.registry.store)
     uri = tracking_uri(store)
@@ -155,8 +159,11 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
 def _variant_summary(o: dict) -> dict:
     s = o["report"].meta["summary"]
     meta = o["report"].meta
+    report = json.loads((o["report"].path / "report.json").read_text())
+    checks = [{k: r[k] for k in ("gate", "metric", "verdict", "observed", "ci", "n", "mde", "n_to_decide")}
+              for r in report["results"] if r["threshold"] is not None]
     return {"variant": o["variant"], "version": o.get("version"), "passed": meta["passed"], "verdict": meta["verdict"],
-            "failed_checks": meta.get("failed", []), "inconclusive_checks": meta.get("inconclusive", []),
+            "failed_checks": meta.get("failed", []), "inconclusive_checks": meta.get("inconclusive", []), "checks": checks,
             "report": str(o["report"].path / "report.html"),
             "kl_p99": s.get("shadow.kl_p99"), "top1_agreement": s.get("shadow.top1_agreement"),
             "metrics": s, "weights_bytes": o["candidate"].meta.get("weights_bytes"),

@@ -59,9 +59,11 @@ class VariantSpec(_Strict):
 
 
 class GatesSpec(_Strict):
+    contract: dict[str, Any] = Field(default_factory=dict)
     shadow: dict[str, Any] = Field(default_factory=dict)
     eval: dict[str, Any] | None = Field(default_factory=dict)   # null: no eval gate
     perf: dict[str, Any] = Field(default_factory=dict)
+    parity: dict[str, Any] = Field(default_factory=dict)
     on_inconclusive: Literal["block", "warn"] = "block"
 
 
@@ -93,13 +95,16 @@ class PipelineSpec(_Strict):
         return (self.root / p).resolve()
 
     def gate_config(self):
+        from qgate.gates.contract import ContractConfig
         from qgate.gates.evalgate import EvalConfig
-        from qgate.gates.run import GateConfig, PerfConfig
+        from qgate.gates.run import GateConfig, ParityConfig, PerfConfig
         from qgate.gates.shadow import ShadowConfig
 
         ev = None if self.gates.eval is None else build_config(EvalConfig, self.gates.eval, "gates.eval")
-        return GateConfig(shadow=build_config(ShadowConfig, self.gates.shadow, "gates.shadow"), eval=ev,
-                          perf=build_config(PerfConfig, self.gates.perf, "gates.perf"), on_inconclusive=self.gates.on_inconclusive)
+        return GateConfig(contract=build_config(ContractConfig, self.gates.contract, "gates.contract"),
+                          shadow=build_config(ShadowConfig, self.gates.shadow, "gates.shadow"), eval=ev,
+                          perf=build_config(PerfConfig, self.gates.perf, "gates.perf"),
+                          parity=build_config(ParityConfig, self.gates.parity, "gates.parity"), on_inconclusive=self.gates.on_inconclusive)
 
 
 def _fields_at(loc: tuple) -> list[str]:

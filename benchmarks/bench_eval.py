@@ -1,0 +1,107 @@
+"""Eval scoring throughput: requests per second for the shipped multiple-choice tasks, by batching strategy,
+and the multiple-choice eval wall time before and after the larger pooled task set.
+
+    .venv/bin/python benchmarks/bench_eval.py [--model .qgate/demo/base]
+
+Run alone (two CPU-heavy processes slow torch 3-20x). Prints thread counts, then for each strategy the
+wall time and requests/s on the same requests, and ratios measured in this one run:
+  full-16     16 sequences per forward, right-padded, logits for every position (the scoring before pooling)
+  keep-<B>    token budget B per forward, left-padded, logits only for the continuation positions
+Then: the earlier default tasks (369 items) with full-16, against the current default tasks with keep-2048.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+BEFORE = {"bigbench_general_knowledge": None, "bigbench_social_iqa": None, "bigbench_misconceptions": 150}  # items
+
+
+def requests_for(tasks: dict[str, int | None]) -> tuple[list, int]:
+    """The loglikelihood requests lm-eval would issue for these tasks (name -> item limit), and the item count."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    from qgate.gates.evalgate import task_config
+
+    reqs, items = [], 0
+    for name, limit in tasks.items():
+        ((_, task),) = get_task_dict([task_config(name)], TaskManager()).items()
+        task.build_all_requests(limit=limit, rank=0, world_size=1)
+        reqs += [SimpleNamespace(args=r.args) for r in task.instances]
+        n = len({r.doc_id for r in task.instances})
+        items += n
+        print(f"  {name}: {n} items, {len(task.instances)} requests")
+    return reqs, items
+
+
+def timed(lm, reqs) -> tuple[float, list]:
+    t = time.perf_counter()
+    scores = lm.loglikelihood(reqs, disable_tqdm=True)
+    return time.perf_counter() - t, scores
+
+
+class FullLogits:
+    """The earlier strategy: right-padded batches of 16, logits for every position."""
+
+    def __init__(self, runner):
+        self.runner, self.tokenizer, self.max_length = runner, runner.tokenizer, runner.max_length
+
+    def logits_batch(self, seqs, keep_last=None):
+        import torch
+
+        out = []
+        for i in range(0, len(seqs), 16):
+            chunk = seqs[i:i + 16]
+            width = max(len(s) for s in chunk)
+            x = torch.tensor([list(s) + [0] * (width - len(s)) for s in chunk])
+            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk])
+            with torch.inference_mode():
+                logits = self.runner.model(x, attention_mask=mask).logits.float().numpy()
+            out += [logits[j, : len(s)][-(keep_last or len(s)):] for j, s in enumerate(chunk)]
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", type=Path, default=ROOT / ".qgate/demo/base")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import torch
+
+    from qgate.artifact import Artifact
+    from qgate.cli.options import quiet_libraries
+    from qgate.engines.runners import load_runner
+    from qgate.gates.evalgate import DEFAULT_TASKS
+    from qgate.gates.lm import RunnerLM
+
+    quiet_libraries()
+    print(f"torch threads {torch.get_num_threads()}, interop {torch.get_num_interop_threads()}, cpus {os.cpu_count()}")
+    runner = load_runner(Artifact.load(args.model, "checkpoint"))
+    print("earlier default tasks:")
+    reqs, n_before = requests_for(BEFORE)
+    results = {}
+    for name, budget, wrap in (("full-16", 10**9, FullLogits), ("keep-2048", 2048, None), ("keep-4096", 4096, None)):
+        lm = RunnerLM(wrap(runner) if wrap else runner)
+        lm.BATCH_TOKENS = budget
+        results[name] = timed(lm, reqs)
+        print(f"{name:10s} {len(reqs)} requests in {results[name][0]:7.1f} s   {len(reqs) / results[name][0]:7.1f} req/s", flush=True)
+    base = results["full-16"][0]
+    worst = max(abs(a[0] - b[0]) for name in results for a, b in zip(results[name][1], results["full-16"][1], strict=True))
+    print("ratios vs full-16: " + ", ".join(f"{k} {base / v[0]:.2f}x" for k, v in results.items() if k != "full-16"))
+    print(f"max |log-likelihood difference| across strategies: {worst:.2e}")
+    print("current default tasks:")
+    now, n_now = requests_for({t: None for t in DEFAULT_TASKS if t != "chatterbot_ppl"})
+    secs, _ = timed(RunnerLM(runner), now)
+    print(f"multiple-choice eval wall time: before {n_before} items {base:.1f} s (full-16), after {n_now} items {secs:.1f} s "
+          f"(keep-2048): {secs / base:.2f}x the time for {n_now / n_before:.2f}x the items")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
