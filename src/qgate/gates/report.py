@@ -66,7 +66,7 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
             ax.locator_params(axis="x", nbins=5)
             better = "higher" if rows[0]["higher_is_better"] else "lower"
             ax.set_title(f"{kind} ({better} is better)", fontsize=10)
-        fig.suptitle("Per-task change vs baseline: 95% CI, black bar = threshold; green pass, red fail, orange inconclusive",
+        fig.suptitle("Change vs baseline: 95% CI, black bar = threshold; green pass, red fail, orange inconclusive, grey report-only",
                      fontsize=10)
         fig.tight_layout()
         files["eval"] = out / "eval.png"

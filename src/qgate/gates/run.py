@@ -85,8 +85,6 @@ def engine_checkpoint(engine: Artifact) -> Artifact | None:
 
 def _parity(cand_runner, load_runner, ckpt: Artifact | None, ref: dict, gated, cfg: GateConfig) -> tuple[list[GateResult], dict]:
     """Checkpoint vs baseline and engine vs checkpoint, on the baseline's shadow tokens and the gated positions."""
-    from qgate.gates.shadow import scoring_summary
-
     if ckpt is None:
         why = "the engine's checkpoint is not on disk or changed since the build"
         return [GateResult.check("parity", m, float("nan"), None, False, 0, evidence={"error": why})
