@@ -6,12 +6,15 @@ and the multiple-choice eval wall time before and after the larger pooled task s
 Run alone (two CPU-heavy processes slow torch 3-20x). Prints thread counts, then for each strategy the
 wall time and requests/s on the same requests, and ratios measured in this one run:
   full-16     16 sequences per forward, right-padded, logits for every position (the scoring before pooling)
-  keep-<B>    token budget B per forward, left-padded, logits only for the continuation positions
-Then: the earlier default tasks (369 items) with full-16, against the current default tasks with keep-2048.
+  whole-2048  token budget 2048 per forward, left-padded, logits only for the continuation positions
+  shared-2048 as whole-2048, and the choices of one question reuse its context's KV cache (the current default)
+Then: the earlier default tasks (369 items) with full-16, against the current default tasks with shared-2048;
+and the perplexity set scored one document at a time against rolling windows batched across documents.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -47,6 +50,16 @@ def timed(lm, reqs) -> tuple[float, list]:
     return time.perf_counter() - t, scores
 
 
+class NoSharing:
+    """The runner without continuation_logits: every request scored as one whole sequence."""
+
+    def __init__(self, runner):
+        self.runner, self.tokenizer, self.max_length = runner, runner.tokenizer, runner.max_length
+
+    def logits_batch(self, seqs, keep_last=None):
+        return self.runner.logits_batch(seqs, keep_last)
+
+
 class FullLogits:
     """The earlier strategy: right-padded batches of 16, logits for every position."""
 
@@ -78,7 +91,7 @@ def main() -> None:
     from qgate.artifact import Artifact
     from qgate.cli.options import quiet_libraries
     from qgate.engines.runners import load_runner
-    from qgate.gates.evalgate import DEFAULT_TASKS
+    from qgate.gates.evalgate import DEFAULT_TASKS, task_config
     from qgate.gates.lm import RunnerLM
 
     quiet_libraries()
@@ -87,20 +100,33 @@ def main() -> None:
     print("earlier default tasks:")
     reqs, n_before = requests_for(BEFORE)
     results = {}
-    for name, budget, wrap in (("full-16", 10**9, FullLogits), ("keep-2048", 2048, None), ("keep-4096", 4096, None)):
+    for name, budget, wrap in (("full-16", 10**9, FullLogits), ("whole-2048", 2048, NoSharing), ("shared-2048", 2048, None)):
         lm = RunnerLM(wrap(runner) if wrap else runner)
         lm.BATCH_TOKENS = budget
         results[name] = timed(lm, reqs)
-        print(f"{name:10s} {len(reqs)} requests in {results[name][0]:7.1f} s   {len(reqs) / results[name][0]:7.1f} req/s", flush=True)
+        print(f"{name:12s} {len(reqs)} requests in {results[name][0]:7.1f} s   {len(reqs) / results[name][0]:7.1f} req/s", flush=True)
     base = results["full-16"][0]
     worst = max(abs(a[0] - b[0]) for name in results for a, b in zip(results[name][1], results["full-16"][1], strict=True))
     print("ratios vs full-16: " + ", ".join(f"{k} {base / v[0]:.2f}x" for k, v in results.items() if k != "full-16"))
     print(f"max |log-likelihood difference| across strategies: {worst:.2e}")
     print("current default tasks:")
     now, n_now = requests_for({t: None for t in DEFAULT_TASKS if t != "chatterbot_ppl"})
+    whole, _ = timed(RunnerLM(NoSharing(runner)), now)
     secs, _ = timed(RunnerLM(runner), now)
+    print(f"  whole-2048 {whole:.1f} s, shared-2048 {secs:.1f} s ({len(now) / secs:.1f} req/s): sharing {whole / secs:.2f}x")
     print(f"multiple-choice eval wall time: before {n_before} items {base:.1f} s (full-16), after {n_now} items {secs:.1f} s "
-          f"(keep-2048): {secs / base:.2f}x the time for {n_now / n_before:.2f}x the items")
+          f"(shared-2048): {secs / base:.2f}x the time for {n_now / n_before:.2f}x the items")
+    docs = [SimpleNamespace(args=(d["text"],)) for d in map(json.loads, open(task_config("chatterbot_ppl")["dataset_kwargs"]["data_files"]["test"]))]
+    lm = RunnerLM(runner)
+    t = time.perf_counter()
+    one = [lm.loglikelihood_rolling([d], disable_tqdm=True)[0] for d in docs]
+    t_one = time.perf_counter() - t
+    t = time.perf_counter()
+    many = lm.loglikelihood_rolling(docs, disable_tqdm=True)
+    t_many = time.perf_counter() - t
+    diff = max(abs(a - b) for a, b in zip(one, many, strict=True))
+    print(f"perplexity ({len(docs)} documents): one at a time {t_one:.1f} s ({len(docs) / t_one:.1f} docs/s), batched across "
+          f"documents {t_many:.1f} s ({len(docs) / t_many:.1f} docs/s): {t_one / t_many:.2f}x; max |difference| {diff:.2e}")
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def bigbench_items(sdist: Path, task: str, limit: int) -> list[dict]:
     return items[:limit]
 
 
-def chatterbot_docs(limit: int = 120) -> list[dict]:
+def chatterbot_docs(limit: int = 1000) -> list[dict]:   # the first 120 are the earlier subset
     root = Path(importlib.util.find_spec("chatterbot_corpus").submodule_search_locations[0])
     docs = []
     for f in sorted((root / "data/english").glob("*.yml")):

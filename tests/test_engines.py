@@ -62,6 +62,12 @@ def test_cpu_engine_matches_reference_path(awq_art, cpu_exact):
     assert (a.argmax(-1) == b.argmax(-1)).mean() == 1.0
 
 
+def test_cpu_engine_scores_shared_contexts_like_whole_sequences(cpu_exact):
+    import tiny
+
+    assert tiny.check_lm_scores(load_runner(cpu_exact)) == 5
+
+
 def test_cpu_engine_keeps_int4_kernels_and_full_precision_head(cpu_exact):
     import onnx
 

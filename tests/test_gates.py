@@ -2,6 +2,7 @@ import json
 
 import numpy as np
 import pytest
+import tiny
 
 from qgate.gates.evalgate import EvalConfig, eval_gate, task_config
 from qgate.gates.result import GateResult, overall
@@ -209,25 +210,12 @@ def test_task_files_are_plain_yaml_with_shipped_data():
                 assert sum(1 for _ in fh) >= 60
 
 
-def test_runner_lm_batched_scores_match_single_sequences(base_art):
-    from types import SimpleNamespace
-
+def test_runner_lm_batched_and_shared_context_scores_match_single_sequences(base_art):
     from qgate.engines.runners import load_runner
-    from qgate.gates.lm import RunnerLM
 
     runner = load_runner(base_art)
-    lm = RunnerLM(runner)
-    reqs = [SimpleNamespace(args=(c, k)) for c, k in [("Question: why the cat\nAnswer:", " traffic"),
-                                                     ("the", " model weights quantize serve latency token"),
-                                                     ("please help", " a")]]
-    got = lm.loglikelihood(reqs, disable_tqdm=True)
-    for req, (ll, _) in zip(reqs, got):
-        ctx, cont = req.args
-        ids = [lm.prefix] + lm._encode(ctx + cont)
-        n = len(lm._encode(ctx + cont)) - len(lm._encode(ctx))
-        logp = _log_softmax(runner.logits(ids[:-1]))
-        expect = sum(logp[len(ids) - 1 - n + j, ids[len(ids) - n + j]] for j in range(n))
-        assert ll == pytest.approx(expect, abs=1e-4)
+    shared = tiny.check_lm_scores(runner)
+    assert shared == 5   # the choices of both multiple-choice contexts went through the shared-context path
 
 
 def test_encode_with_sources_marks_traffic_tokens_not_template(base_art):

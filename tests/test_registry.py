@@ -25,16 +25,19 @@ def gated(base_art, w8_art, awq_art, calib_arts, workdir):
     return ok, bad
 
 
-def test_register_promote_refuse_and_rollback_alias(gated, w8_art, awq_art, tmp_path, monkeypatch):
+def test_register_promote_refuse_and_rollback_alias(gated, w8_art, awq_art, base_art, calib_arts, tmp_path, monkeypatch):
     import mlflow
     from mlflow import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     ok, bad = gated
+    ok_inputs = {"baseline": base_art, "shadow": calib_arts["shadow"],
+                 "cfg": GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0,
+                                                       top1_agreement_min=0.0), eval=None)}
     store = tmp_path / "mlflow"
     v_ok = register(ok, w8_art, "tiny-llm", store)
     v_bad = register(bad, awq_art, "tiny-llm", store)
-    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}", f"sqlite:///{store / 'mlflow.db'}")
     tags = client.get_model_version("tiny-llm", v_ok).tags
     assert tags["qgate.gate_passed"] == "true" and tags["qgate.scheme"] == "gptq-w8a16"
     assert tags["qgate.calibration_sha256"] == w8_art.meta["calibration_sha256"]
@@ -46,7 +49,10 @@ def test_register_promote_refuse_and_rollback_alias(gated, w8_art, awq_art, tmp_
     info = promote("tiny-llm", v_ok, store=store)
     assert info["previous"] is None
     assert str(client.get_model_version_by_alias("tiny-llm", "production").version) == v_ok
-    v_ok2 = register(ok, w8_art, "tiny-llm", store)
+    assert register(ok, w8_art, "tiny-llm", store) == v_ok   # the same evidence again: the same version, no duplicate
+    again = run_gates(w8_art, ok_inputs["baseline"], ok_inputs["shadow"], ok_inputs["cfg"], tmp_path / "gate-again", tmp_path / "c")
+    v_ok2 = register(again, w8_art, "tiny-llm", store)          # a new gate report (its own timings): a new version
+    assert v_ok2 != v_ok
     promote("tiny-llm", v_ok2, store=store)
     assert str(client.get_model_version_by_alias("tiny-llm", "previous-production").version) == v_ok
     assert str(client.get_model_version_by_alias("tiny-llm", "production").version) == v_ok2
@@ -64,7 +70,7 @@ def test_promotion_refused_when_stored_artifact_changed(gated, w8_art, tmp_path,
     ok, _ = gated
     store = tmp_path / "mlflow"
     v = register(ok, w8_art, "tamper", store)
-    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}", f"sqlite:///{store / 'mlflow.db'}")
     loc = client.get_logged_model(client.get_model_version("tamper", v).tags["qgate.model_id"]).artifact_location
     target = next(p for p in (store / "artifacts").rglob("config.json") if str(p).startswith(loc.removeprefix("file://")))
     target.write_text(target.read_text() + " ")
@@ -132,7 +138,7 @@ def test_gate_runs_are_named_after_the_variant_and_tagged_with_the_verdict(gated
     ok, bad = gated
     store = tmp_path / "mlflow"
     versions = [register(art, cand, "runs", store) for art, cand in ((ok, w8_art), (bad, awq_art))]
-    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}", f"sqlite:///{store / 'mlflow.db'}")
     for art, version, verdict in ((ok, versions[0], "pass"), (bad, versions[1], "fail")):
         mv = client.get_model_version("runs", version)
         run = client.get_run(client.get_logged_model(mv.tags["qgate.model_id"]).source_run_id)

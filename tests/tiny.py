@@ -13,9 +13,9 @@ WORDS = ("the a cat dog model weights traffic quantize serve latency token promp
          "route tenant error code python function summary rewrite please help why how what when").split()
 
 
-def sentences(n: int, seed: int = 0) -> list[str]:
+def sentences(n: int, seed: int = 0, lengths: tuple[int, int] = (3, 40)) -> list[str]:
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))) for _ in range(n)]
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(*lengths))) for _ in range(n)]
 
 
 def make_tokenizer(out: Path):
@@ -56,14 +56,61 @@ def make_model(out: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> P
     return out
 
 
-def make_traffic(path: Path, n: int = 300, seed: int = 0, bad_lines: dict[int, str] | None = None) -> Path:
+ROUTES = ("chat", "code-assist", "rewrite")
+
+
+def make_traffic(path: Path, n: int = 300, seed: int = 0, bad_lines: dict[int, str] | None = None,
+                 route_weights: tuple[float, ...] = (1, 1, 1), tenants: tuple[str, ...] = ("t1",),
+                 lengths: tuple[int, int] = (3, 40)) -> Path:
+    """A JSONL log of `n` chat requests; the keyword arguments shift its mix (for drift tests)."""
     rng = random.Random(seed)
     lines = []
-    for i, text in enumerate(sentences(n, seed)):
-        route = rng.choice(["chat", "code-assist", "rewrite"])
-        lines.append(json.dumps({"ts": 1_700_000_000 + i * 0.25, "latency_ms": 500 + rng.random() * 400, "route": route,
-                                 "tenant": "t1", "messages": [{"role": "user", "content": text}]}))
+    for i, text in enumerate(sentences(n, seed, lengths)):
+        # the default mix draws exactly as before, so the logs other tests were tuned on do not change
+        route = rng.choice(ROUTES) if route_weights == (1, 1, 1) else rng.choices(ROUTES, weights=route_weights)[0]
+        latency = 500 + rng.random() * 400
+        tenant = tenants[0] if len(tenants) == 1 else rng.choice(tenants)
+        lines.append(json.dumps({"ts": 1_700_000_000 + i * 0.25, "latency_ms": latency, "route": route,
+                                 "tenant": tenant, "messages": [{"role": "user", "content": text}]}))
     for where, bad in sorted((bad_lines or {}).items()):
         lines.insert(where - 1, bad)
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+LM_REQUESTS = (("Question: why the cat\nAnswer:", " traffic"), ("the", " model weights quantize serve latency token"),
+               ("please help", " a"),
+               # two multiple-choice questions: choices of different lengths share their context's KV cache
+               ("Q: which is served?\nA:", " the model"), ("Q: which is served?\nA:", " weights"),
+               ("Q: which is served?\nA:", " low latency token traffic"),
+               ("Choose one: cat or dog?", " cat"), ("Choose one: cat or dog?", " dog please"))
+
+
+def check_lm_scores(runner) -> int:
+    """RunnerLM's batched and shared-context log-likelihoods equal one-sequence-at-a-time scoring on `runner`.
+    Returns how many requests took the shared-context path."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import pytest
+
+    from qgate.gates.lm import RunnerLM
+    from qgate.gates.shadow import _log_softmax
+
+    lm = RunnerLM(runner)
+    calls = []
+    inner = runner.continuation_logits
+    runner.continuation_logits = lambda groups: calls.append(sum(len(k) for _, k in groups)) or inner(groups)
+    try:
+        got = lm.loglikelihood([SimpleNamespace(args=r) for r in LM_REQUESTS], disable_tqdm=True)
+    finally:
+        del runner.continuation_logits
+    for (ctx, cont), (ll, greedy) in zip(LM_REQUESTS, got, strict=True):
+        ids = [lm.prefix] + lm._encode(ctx + cont)
+        n = len(lm._encode(ctx + cont)) - len(lm._encode(ctx))
+        logp = _log_softmax(runner.logits(ids[:-1]))
+        rows = np.arange(len(ids) - 1 - n, len(ids) - 1)
+        expect = logp[rows, ids[len(ids) - n:]]
+        assert ll == pytest.approx(float(expect.sum()), abs=1e-3)
+        assert greedy == bool((logp[rows].argmax(-1) == ids[len(ids) - n:]).all())
+    return sum(calls)

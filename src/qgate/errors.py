@@ -2,13 +2,14 @@
 
     raise InputError("traffic.jsonl:12: record has neither 'messages' nor 'prompt'", hint="...")
 
-Exit codes: 0 done/passed, 1 error, 2 gate failed or promotion refused.
+Exit codes: 0 done/passed, 1 error, 2 gate failed or promotion refused, 3 drift found (`qgate drift`).
 """
 from __future__ import annotations
 
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_REFUSED = 2
+EXIT_DRIFT = 3
 
 
 class QgateError(Exception):
@@ -51,3 +52,7 @@ class PromotionRefused(RegistryError):
     """Promotion was refused because the evidence does not allow it."""
 
     exit_code = EXIT_REFUSED
+
+
+class LockHeld(QgateError):
+    """Another live process holds the job's lock (names it and the lock file)."""

@@ -1,13 +1,14 @@
 """Traffic profile: what the traffic looked like, so drift can be measured later.
 
     prof = TrafficProfiler(); prof.add(request, text); profile = prof.result()
-    drift(old_profile, new_profile)  # Jensen-Shannon divergence per facet
+    (drift between two profiles: calibrate/drift.py)
 
 Tokens here are model-independent words (lowercased \\w+ runs and punctuation), so
 profiles taken before and after a model change still compare.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections import Counter
@@ -43,6 +44,10 @@ class TrafficProfiler:
         self.tenants: Counter = Counter()
         self.unigrams: Counter = Counter()
         self.total_words = 0
+        # the vocabulary again, split in two halves of the requests: how far two samples of this same traffic differ,
+        # with words of one request co-varying as they do (calibrate/drift.py scales it to the sizes compared)
+        self.split: list[Counter] = [Counter(), Counter()]
+        self.split_n = [0, 0]
         self.events: list[tuple[float, float | None]] = []   # (ts, latency_ms); capped below
         self._max_events = 200_000
 
@@ -53,8 +58,12 @@ class TrafficProfiler:
         self.tenants[tenant] += 1
         self.unigrams.update(tokens)
         self.total_words += len(tokens)
+        half = hashlib.blake2b(" ".join(tokens).encode(), digest_size=1).digest()[0] & 1   # by content: order-independent
+        self.split[half].update(tokens)
+        self.split_n[half] += 1
         if len(self.unigrams) > 20 * TOP_UNIGRAMS:  # keep memory bounded on huge logs
             self.unigrams = Counter(dict(self.unigrams.most_common(5 * TOP_UNIGRAMS)))
+            self.split = [Counter(dict(c.most_common(5 * TOP_UNIGRAMS))) for c in self.split]
         if ts is not None and len(self.events) < self._max_events:
             self.events.append((ts, latency_ms))
 
@@ -65,7 +74,9 @@ class TrafficProfiler:
             "length_words": {b: self.lengths.get(b, 0) for b in BUCKETS},
             "routes": dict(self.routes.most_common()),
             "tenants": dict(self.tenants.most_common(50)),
-            "unigrams": {"total": self.total_words, "top": dict(self.unigrams.most_common(TOP_UNIGRAMS))},
+            "unigrams": {"total": self.total_words, "top": dict(self.unigrams.most_common(TOP_UNIGRAMS)),
+                         "split_halves": [{"requests": n, "total": sum(c.values()), "top": dict(c.most_common(TOP_UNIGRAMS))}
+                                          for n, c in zip(self.split_n, self.split, strict=True)]},
             "concurrency": concurrency(self.events),
         }
 
@@ -109,12 +120,3 @@ def _kl2(x: np.ndarray, y: np.ndarray) -> float:
     """KL in bits over the support of x (y > 0 there because y is a mixture containing x)."""
     s = x > 0
     return float(np.sum(x[s] * np.log2(x[s] / y[s])))
-
-
-def drift(old: dict, new: dict) -> dict:
-    """Jensen-Shannon divergence (bits, 0..1) between two profiles, per facet."""
-    return {
-        "length_js": _js(old["length_words"], new["length_words"]),
-        "route_js": _js(old["routes"], new["routes"]),
-        "unigram_js": _js(old["unigrams"]["top"], new["unigrams"]["top"]),
-    }

@@ -37,6 +37,32 @@ class Reject:
     excerpt: str
 
 
+SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")
+
+
+def traffic_files(where: str | Path) -> list[Path]:
+    """A traffic source as files, in a stable order: one file, a glob (`logs/2026-11-*.jsonl`), or a directory of
+    partitions (every JSONL or Parquet file under it, recursively, hidden files and rejects skipped)."""
+    s = str(where)
+    if any(c in s for c in "*?["):
+        import glob
+
+        files = sorted(Path(p) for p in glob.glob(s, recursive=True) if Path(p).is_file())
+        if not files:
+            raise InputError(f"{s}: no traffic files match this pattern", hint="check the glob; quote it so the shell does not expand it")
+        return files
+    path = Path(where)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES and not p.name.startswith((".", "rejects"))
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise InputError(f"{path}: directory holds no traffic partitions ({', '.join(SUFFIXES)})")
+        return files
+    if not path.is_file():
+        raise InputError(f"{path}: traffic log not found", hint="pass a JSONL or Parquet file, a directory of partitions or a glob")
+    return [path]
+
+
 def read_traffic(path: Path) -> Iterator[Request | Reject]:
     """Records in file order. Checks the file exists now, at the call, not at the first record."""
     path = Path(path)

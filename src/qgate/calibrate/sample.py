@@ -20,9 +20,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qgate.artifact import Artifact, sha256_file, typed_config
+from qgate.artifact import Artifact, sha256_file, sha256_json, typed_config
 from qgate.calibrate.profile import TrafficProfiler, length_bucket, words
-from qgate.calibrate.reader import Reject, Request, read_traffic
+from qgate.calibrate.reader import Reject, Request, read_traffic, traffic_files
 from qgate.calibrate.scrub import scrub
 from qgate.errors import ConfigError, InputError
 
@@ -62,9 +62,23 @@ def _allocate(sizes: dict[str, int], total: int) -> dict[str, int]:
     return alloc
 
 
-def sample_traffic(traffic: Path, out: Path, config: SampleConfig) -> dict[str, Artifact]:
-    traffic = Path(traffic)
-    records = read_traffic(traffic)          # a missing log fails here, before anything is created
+def _records(files: list[Path]):
+    """(file, record) over every file; each file is opened when reached, so memory stays one record."""
+    for f in files:
+        for item in read_traffic(f):
+            yield f, item
+
+
+def traffic_sha256(files: list[Path]) -> str:
+    """One file: its sha256. Several: the hash of their names and hashes, in order."""
+    return sha256_file(files[0]) if len(files) == 1 else sha256_json([[f.name, sha256_file(f)] for f in files])
+
+
+def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig) -> dict[str, Artifact]:
+    """traffic: a file, a glob or a directory of partitions (see reader.traffic_files)."""
+    files = traffic_files(traffic)           # a missing log fails here, before anything is created
+    many = len(files) > 1
+    traffic = Path(str(traffic))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     need = config.calib_size + config.shadow_size
@@ -75,11 +89,11 @@ def sample_traffic(traffic: Path, out: Path, config: SampleConfig) -> dict[str, 
     pii: Counter = Counter()
     profiler = TrafficProfiler()
     with open(out / "rejects.jsonl", "w") as rej:
-        for item in tqdm(records, desc="calibrate: reading traffic", unit=" rec", mininterval=1.0):
+        for path, item in tqdm(_records(files), desc="calibrate: reading traffic", unit=" rec", mininterval=1.0):
             stats["records"] += 1
             if isinstance(item, Reject):
                 stats["rejected"] += 1
-                rej.write(json.dumps({"file": str(traffic), "line": item.line, "reason": item.reason, "excerpt": item.excerpt}) + "\n")
+                rej.write(json.dumps({"file": str(path), "line": item.line, "reason": item.reason, "excerpt": item.excerpt}) + "\n")
                 continue
             msgs, found = _scrub_messages(item)
             pii.update(found)
@@ -96,8 +110,9 @@ def sample_traffic(traffic: Path, out: Path, config: SampleConfig) -> dict[str, 
             profiler.add(item.route, item.tenant, toks, item.ts, item.latency_ms)
             stratum = f"{item.route}|{length_bucket(len(toks))}"
             sizes[stratum] += 1
-            entry = (-_priority(config.seed, digest), item.line, {"messages": [{"role": r, "content": c} for r, c in msgs],
-                                                                  "route": item.route, "stratum": stratum, "line": item.line})
+            row = {"messages": [{"role": r, "content": c} for r, c in msgs], "route": item.route, "stratum": stratum,
+                   "line": item.line} | ({"file": path.name} if many else {})
+            entry = (-_priority(config.seed, digest), (path.name, item.line), row)
             heap = heaps.setdefault(stratum, [])
             if len(heap) < need:
                 heapq.heappush(heap, entry)
@@ -108,9 +123,10 @@ def sample_traffic(traffic: Path, out: Path, config: SampleConfig) -> dict[str, 
     params = typed_config(config)
     profile_dir = out / "profile"
     profile_dir.mkdir(exist_ok=True)
-    profile = profiler.result() | {"source": str(traffic), "stats": dict(stats), "pii_scrubbed": dict(pii)}
+    source_name = str(traffic) if not many else f"{traffic} ({len(files)} files)"
+    profile = profiler.result() | {"source": source_name, "stats": dict(stats), "pii_scrubbed": dict(pii)}
     (profile_dir / "profile.json").write_text(json.dumps(profile, indent=2))
-    source = sha256_file(traffic)
+    source = traffic_sha256(files)
     prof_art = Artifact.create("traffic-profile", profile_dir, params, (source,), {"requests": profile["requests"]})
     arts = {"profile": prof_art}
     for name, rows in (("calib", calib), ("shadow", shadow)):

@@ -37,15 +37,16 @@ def sample_cmd(
 def drift_cmd(
     reference: Annotated[Path, typer.Option("--reference", help="Traffic-profile artifact the model was calibrated on.")],
     current: Annotated[Path, typer.Option("--current", help="Traffic-profile artifact of recent traffic.")],
-    max_js: Annotated[float, typer.Option(help="Drift threshold: Jensen-Shannon divergence (bits) on any facet.")] = 0.1,
 ) -> None:
-    """Compare two traffic profiles; exit 2 when traffic moved more than --max-js (time to re-calibrate)."""
+    """Compare two traffic profiles facet by facet; exit 3 when traffic moved (default limits; `qgate drift check` reads
+    them from a spec and finds production's profile in the registry)."""
     from qgate.artifact import Artifact
-    from qgate.calibrate.profile import drift
+    from qgate.calibrate.drift import DriftConfig, traffic_drift
+    from qgate.errors import EXIT_DRIFT
 
     a, b = (json.loads((Artifact.load(p, "traffic-profile").path / "profile.json").read_text()) for p in (reference, current))
-    d = drift(a, b)
-    for k, v in d.items():
-        typer.echo(f"{k:12s} {v:.4f} {'DRIFTED' if v > max_js else 'ok'}")
-    if any(v > max_js for v in d.values()):
-        raise typer.Exit(2)
+    rows = traffic_drift(a, b, DriftConfig())
+    for r in rows:
+        typer.echo(f"{r['facet']:10s} JS {r['js']:.4f}  limit {r['threshold']:g}  noise p99 {r['noise_p99']:.4f}  {r['verdict'].upper()}")
+    if any(r["verdict"] == "drift" for r in rows):
+        raise typer.Exit(EXIT_DRIFT)

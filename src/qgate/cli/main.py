@@ -1,6 +1,7 @@
 """Entry point: `qgate --help`. Heavy libraries load inside the commands, never at import.
 
-Exit codes: 0 done or passed, 1 error (including usage errors), 2 gate failed or promotion refused.
+Exit codes: 0 done or passed, 1 error (including usage errors), 2 gate failed or promotion refused,
+3 drift found (`qgate drift`; see cli/drift.py).
 Set QGATE_DEBUG=1 for tracebacks.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 import typer
 from typer._click.exceptions import NoArgsIsHelpError  # typer 0.29 vendors click: its classes, not click's
 
-from qgate.cli import calibrate, engine, gate, model, quantize, registry, run
+from qgate.cli import calibrate, drift, engine, gate, model, quantize, registry, run
 from qgate.errors import EXIT_ERROR, GateFailed, PromotionRefused, QgateError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -19,6 +20,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 app.add_typer(calibrate.app, name="calibrate")
 app.add_typer(model.app, name="model")
 app.add_typer(engine.app, name="engine")
+app.add_typer(drift.app, name="drift")
 app.command("quantize")(quantize.quantize_cmd)
 app.command("gate")(gate.gate_cmd)
 app.command("register")(registry.register_cmd)

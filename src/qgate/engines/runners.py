@@ -63,6 +63,39 @@ class TorchRunner:
             out = self.model(x, attention_mask=mask, position_ids=pos, logits_to_keep=k).logits.float().numpy()  # [B, k, V]
         return [out[i, max(k - len(s), 0):] for i, s in enumerate(seqs)]
 
+    def continuation_logits(self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]) -> list[list[np.ndarray]]:
+        """For each (context, continuations): per continuation, the logits [len(cont), V] that predict its tokens.
+
+        The context runs once (left-padded batch, KV cache kept) and every continuation reuses its cache: a
+        multiple-choice question costs one context pass, not one per choice. Contexts must be non-empty.
+        """
+        import torch
+
+        pad = self.tokenizer.pad_token_id or 0
+        cw = max(len(c) for c, _ in groups)
+        x = torch.tensor([[pad] * (cw - len(c)) + list(c) for c, _ in groups], dtype=torch.long)
+        cmask = torch.tensor([[0] * (cw - len(c)) + [1] * len(c) for c, _ in groups], dtype=torch.long)
+        rows = [(g, list(k)) for g, (_, conts) in enumerate(groups) for k in conts]
+        kw = max(len(k) for _, k in rows)
+        with torch.inference_mode():
+            out = self.model(x, attention_mask=cmask, position_ids=(cmask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+                             logits_to_keep=1)
+            first = out.logits[:, -1].float().numpy()                         # [G, V]: predicts each continuation's first token
+            rest = None
+            if kw > 1:   # continuations right-padded; causal attention keeps the padding out of the rows we read
+                idx = torch.tensor([g for g, _ in rows])
+                cache = out.past_key_values
+                cache.reorder_cache(idx)                                      # [G, ...] -> [R, ...], one row per continuation
+                y = torch.tensor([k + [pad] * (kw - len(k)) for _, k in rows], dtype=torch.long)
+                kmask = torch.tensor([[1] * len(k) + [0] * (kw - len(k)) for _, k in rows], dtype=torch.long)
+                pos = cmask.sum(-1)[idx, None] + torch.arange(kw)[None]       # [R, kw]
+                rest = self.model(y, attention_mask=torch.cat([cmask[idx], kmask], -1), position_ids=pos,
+                                  past_key_values=cache, logits_to_keep=kw).logits.float().numpy()   # [R, kw, V]
+        res: list[list[np.ndarray]] = [[] for _ in groups]
+        for r, (g, k) in enumerate(rows):
+            res[g].append(first[g][None] if len(k) == 1 else np.concatenate([first[g][None], rest[r, :len(k) - 1]]))
+        return res
+
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation with the KV cache; stops at EOS."""
         import torch
@@ -91,21 +124,37 @@ class OrtRunner:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.layers, self.kv_heads, self.head = dec["num_hidden_layers"], dec["num_key_value_heads"], dec["head_size"]
         self.names = dec["inputs"]
+        self.present = (dec["outputs"]["present_key_names"], dec["outputs"]["present_value_names"])
         self.max_length = int(gcfg.get("context_length", 2048))
         self._dtype = np.float16 if "float16" in self.session.get_inputs()[2].type else np.float32
 
-    def logits(self, ids: Sequence[int]) -> np.ndarray:
+    def _run(self, ids: Sequence[int], past: list[np.ndarray] | None, keep_cache: bool):
+        """One sequence (batch 1) after an optional KV cache [2 * layers x [1, kv_heads, T, head]]."""
         x = np.asarray([list(ids)], dtype=np.int64)
-        feed = {self.names["input_ids"]: x, self.names["attention_mask"]: np.ones_like(x)}
+        t = 0 if past is None else past[0].shape[2]
+        feed = {self.names["input_ids"]: x, self.names["attention_mask"]: np.ones((1, t + x.shape[1]), dtype=np.int64)}
         empty = np.zeros((1, self.kv_heads, 0, self.head), dtype=self._dtype)
         for i in range(self.layers):
-            feed[self.names["past_key_names"] % i] = empty
-            feed[self.names["past_value_names"] % i] = empty
-        (logits,) = self.session.run(["logits"], feed)
-        return logits[0].astype(np.float32)
+            feed[self.names["past_key_names"] % i] = empty if past is None else past[2 * i]
+            feed[self.names["past_value_names"] % i] = empty if past is None else past[2 * i + 1]
+        outs = ["logits"] + ([self.present[j % 2] % (j // 2) for j in range(2 * self.layers)] if keep_cache else [])
+        logits, *present = self.session.run(outs, feed)
+        return logits[0].astype(np.float32), present
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        return self._run(ids, None, False)[0]
 
     def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list[np.ndarray]:
         return [self.logits(s)[-(keep_last or len(s)):] for s in seqs]
+
+    def continuation_logits(self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]) -> list[list[np.ndarray]]:
+        """As TorchRunner.continuation_logits: each context runs once, each continuation after its KV cache."""
+        res = []
+        for ctx, conts in groups:
+            first, cache = self._run(ctx, None, True)
+            res.append([first[-1:] if len(k) == 1 else np.concatenate([first[-1:], self._run(k[:-1], cache, False)[0]])
+                        for k in conts])
+        return res
 
 
 def load_runner(art: Artifact):

@@ -26,10 +26,59 @@ class RunnerLM(LM):
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def _score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        """(context ids, continuation ids) -> (sum log p(continuation), continuation is the greedy path)."""
-        seqs = [(c + k)[-(self.max_length + 1):] for c, k in pairs]
+        """(context ids, continuation ids) -> (sum log p(continuation), continuation is the greedy path).
+
+        Continuations that share a context (the choices of one multiple-choice question) reuse its KV cache when
+        the runner supports it; the rest are scored as whole sequences in token-budgeted batches.
+        """
         out: list = [None] * len(pairs)
-        order = sorted(range(len(pairs)), key=lambda i: len(seqs[i]))  # similar lengths share a batch: less padding
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (c, k) in enumerate(pairs):
+            groups.setdefault(tuple(c), []).append(i)
+        shared = []
+        if hasattr(self.runner, "continuation_logits"):
+            for c, ix in groups.items():
+                if len(ix) < 2 or len(c) < 2 or len(c) + max(len(pairs[i][1]) for i in ix) > self.max_length:
+                    continue   # nothing to share, or too long to fit: scored whole (and truncated like lm-eval does)
+                ix = sorted(ix, key=lambda i: len(pairs[i][1]))
+                sub: list[int] = []
+                for i in ix:   # a question with many long choices is split to stay within the token budget
+                    if sub and (len(sub) + 1) * len(pairs[i][1]) > self.BATCH_TOKENS:
+                        shared.append((c, sub))
+                        sub = []
+                    sub.append(i)
+                shared.append((c, sub))
+        self._score_shared(pairs, shared, out)
+        done = {i for _, ix in shared for i in ix}
+        self._score_whole(pairs, [i for i in range(len(pairs)) if i not in done], out)
+        return out
+
+    def _finish(self, logits: np.ndarray, target: list[int]) -> tuple[float, bool]:
+        logp = _log_softmax(logits)                                           # [n, V]: rows predicting the continuation
+        t = np.asarray(target)
+        return float(logp[np.arange(len(t)), t].sum()), bool((logp.argmax(-1) == t).all())
+
+    def _score_shared(self, pairs, shared: list[tuple[tuple[int, ...], list[int]]], out: list) -> None:
+        shared = sorted(shared, key=lambda g: len(g[0]))
+        start = 0
+        while start < len(shared):   # contexts and continuation rows each within the token budget
+            end, rows = start + 1, len(shared[start][1])
+            while end < len(shared):
+                c, ix = shared[end]
+                kmax = max(len(pairs[i][1]) for s in shared[start:end + 1] for i in s[1])
+                if (end - start + 1) * len(c) > self.BATCH_TOKENS or (rows + len(ix)) * kmax > self.BATCH_TOKENS:
+                    break
+                end, rows = end + 1, rows + len(ix)
+            chunk = shared[start:end]
+            start = end
+            batch = self.runner.continuation_logits([(list(c), [pairs[i][1] for i in ix]) for c, ix in chunk])
+            for (_, ix), per_cont in zip(chunk, batch, strict=True):
+                for i, logits in zip(ix, per_cont, strict=True):
+                    out[i] = self._finish(logits, pairs[i][1])
+
+    def _score_whole(self, pairs, todo: list[int], out: list) -> None:
+        seqs = {i: (pairs[i][0] + pairs[i][1])[-(self.max_length + 1):] for i in todo}
+        order = sorted(todo, key=lambda i: len(seqs[i]))  # similar lengths share a batch: less padding
         start = 0
         while start < len(order):
             end = start + 1
@@ -41,10 +90,7 @@ class RunnerLM(LM):
             batch = self.runner.logits_batch([seqs[i][:-1] for i in chunk], keep_last=need)  # each [<=need, V]
             for i, logits in zip(chunk, batch, strict=True):
                 n = len(pairs[i][1])
-                logp = _log_softmax(logits[-n:])                          # rows predicting the continuation
-                target = np.asarray(seqs[i][-n:])
-                out[i] = (float(logp[np.arange(n), target].sum()), bool((logp.argmax(-1) == target).all()))
-        return out
+                out[i] = self._finish(logits[-n:], seqs[i][-n:])
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         pairs = []
@@ -63,12 +109,19 @@ class RunnerLM(LM):
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-        out = []
-        for req in tqdm(requests, desc="eval: perplexity", disable=disable_tqdm, mininterval=2.0):
+        """Rolling windows of every document, batched across documents; summed back per document."""
+        pairs, owner = [], []
+        for d, req in enumerate(requests):
             (text,) = req.args
             windows = get_rolling_token_windows(self._encode(text), self.prefix, self.max_length, context_len=1)
-            pairs = [(list(ctx), list(cont)) for ctx, cont in map(make_disjoint_window, windows)]
-            out.append(sum(ll for ll, _ in self._score_many(pairs)))
+            for ctx, cont in map(make_disjoint_window, windows):
+                pairs.append((list(ctx), list(cont)))
+                owner.append(d)
+        out = [0.0] * len(requests)
+        step = 256
+        for start in tqdm(range(0, len(pairs), step), desc="eval: perplexity", unit=f" x{step} windows", disable=disable_tqdm):
+            for d, (ll, _) in zip(owner[start:start + step], self._score_many(pairs[start:start + step]), strict=True):
+                out[d] += ll
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False):

@@ -64,7 +64,7 @@ def _describe(art: Artifact, name: str | None = None) -> dict:
 
 
 def _cached_eval(runner_factory, baseline: Artifact, cfg: EvalConfig, cache_dir: Path) -> tuple[dict, bool]:
-    key = sha256_json({"baseline": baseline.sha256, "tasks": cfg.tasks, "limit": cfg.limit, "data": sha256_tree(TASK_DIR), "v": 1})
+    key = sha256_json({"baseline": baseline.sha256, "tasks": cfg.tasks, "limit": cfg.limit, "data": sha256_tree(TASK_DIR), "v": 2})   # 2: shared-context scoring
     path = cache_dir / f"eval-baseline-{key[:24]}.json"
     if path.exists():
         return json.loads(path.read_text()), True
@@ -123,6 +123,17 @@ def baseline_floor(baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_
     floor = noise_floor(runner, baseline, shadow, ref, cfg.shadow, cache_dir)
     check_thresholds(cfg.shadow, floor)
     return ref, floor, hit
+
+
+def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_dir: Path) -> dict:
+    """The shadow gate alone, on a given shadow set: what a drift job re-runs for production on today's traffic."""
+    from qgate.engines.runners import load_runner
+
+    ref, hit = baseline_reference(_LazyRunner(baseline), baseline, shadow, cfg.shadow, Path(cache_dir))
+    m = candidate_metrics(load_runner(candidate), ref)
+    results, scored, _ = shadow_gate(m, ref, cfg.shadow)
+    return {"verdict": overall(results), "results": [r.to_dict() for r in results], "scoring": scored,
+            "baseline_cached": hit, "seconds": {"baseline": 0.0 if hit else float(ref["seconds"]), "candidate": m["score_seconds"]}}
 
 
 def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: GateConfig, out: Path, cache_dir: Path,

@@ -9,31 +9,38 @@ Stage functions never call each other: this module is the only place they meet.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
 
-from qgate.artifact import MANIFEST, Artifact, sha256_json, sha256_tree, typed_config
+from qgate.artifact import MANIFEST, Artifact, sha256_json, typed_config
 from qgate.errors import PromotionRefused
-from qgate.pipeline.spec import PipelineSpec
+from qgate.pipeline.spec import PipelineSpec, VariantSpec
 
 
 class StageLedger:
     """stages.json in the workdir: stage name -> the key it ran with, what it produced, and how long it took."""
 
     def __init__(self, workdir: Path):
-        self.path = workdir / "stages.json"
+        self.workdir = Path(workdir)
+        self.path = self.workdir / "stages.json"
         self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
 
     def lookup(self, name: str, key: str) -> dict | None:
         rec = self.data.get(name)
-        if rec and rec["key"] == key and all(Path(p, MANIFEST).exists() for p in rec.get("paths", [])):
-            return rec
+        if rec and rec["key"] == key:
+            rec = rec | {"paths": [str(self.workdir / p) for p in rec.get("paths", [])]}   # relative: the workdir can move
+            if all(Path(p, MANIFEST).exists() for p in rec["paths"]):
+                return rec
         return None
 
     def record(self, name: str, key: str, **values) -> None:
+        if "paths" in values:
+            values["paths"] = [os.path.relpath(p, self.workdir) if Path(p).is_relative_to(self.workdir) else str(p)
+                               for p in values["paths"]]
         self.data[name] = {"key": key, **values}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=2, default=str))
@@ -41,9 +48,9 @@ class StageLedger:
 
 
 class Runner:
-    def __init__(self, spec: PipelineSpec, echo: Callable[[str], None] = print):
+    def __init__(self, spec: PipelineSpec, echo: Callable[[str], None] = print, workdir: Path | None = None):
         self.spec = spec
-        self.workdir = spec.path(spec.workdir)
+        self.workdir = Path(workdir) if workdir is not None else spec.path(spec.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ledger = StageLedger(self.workdir)
         self.echo = echo
@@ -74,42 +81,46 @@ class Runner:
         return art
 
 
-def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dict:
-    from qgate.calibrate.sample import SampleConfig, sample_traffic
-    from qgate.engines.build import build_engine, engine_config
-    from qgate.gates.run import baseline_floor, run_gates
+def recipe(v: VariantSpec) -> dict:
+    """How to rebuild a variant: kept with its registered version, so a drift job can re-run it."""
+    return {"scheme": v.scheme, "options": dict(v.options), "kv_cache": v.kv_cache,
+            "engine": v.engine.model_dump() if v.engine is not None else None}
+
+
+def model_stage(r: Runner, spec: PipelineSpec) -> Artifact:
     from qgate.models import ModelSource, import_model, source_fingerprint
-    from qgate.quantize.run import CalibOptions, quantize
-    from qgate.quantize.schemes import KVCacheConfig, scheme_config
-    from qgate.registry.mlflow_store import promote, register, tracking_uri
-
-    r = Runner(spec, echo)
-    w = r.workdir
-    total = 2 + 3 * len(spec.variants) + 1   # model, calibrate; per variant quantize, engine, gate; register
-    bar = tqdm(total=total, desc=f"pipeline {spec.name}", unit=" stage", position=0, leave=True)
-
-    def step(art):
-        bar.update(1)
-        return art
 
     msrc = ModelSource(**spec.model.model_dump())
     if msrc.hf_dir:
         msrc = ModelSource(hf_dir=str(spec.path(msrc.hf_dir)))
-    base = step(r.stage("model", {"src": source_fingerprint(msrc)}, lambda: import_model(msrc, w / "base")))
-    traffic = spec.path(spec.traffic)
+    return r.stage("model", {"src": source_fingerprint(msrc)}, lambda: import_model(msrc, r.workdir / "base"))
+
+
+def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path) -> tuple[Artifact, Artifact, Artifact]:
+    """(calibration set, shadow set, traffic profile) sampled from `traffic` (a file, glob or directory)."""
+    from qgate.calibrate.reader import traffic_files
+    from qgate.calibrate.sample import SampleConfig, sample_traffic, traffic_sha256
+
     scfg = SampleConfig(**spec.calibrate.model_dump())
-    key = {"traffic": sha256_tree(traffic), "cfg": scfg.__dict__}
-    calib = step(r.stage("calibrate", key, lambda: sample_traffic(traffic, w / "calib", scfg)["calib"]))
-    shadow, profile = Artifact.load(w / "calib" / "shadow"), Artifact.load(w / "calib" / "profile")
+    key = {"traffic": traffic_sha256(traffic_files(traffic)), "cfg": scfg.__dict__}
+    calib = r.stage("calibrate", key, lambda: sample_traffic(traffic, r.workdir / "calib", scfg)["calib"])
+    return calib, Artifact.load(r.workdir / "calib" / "shadow"), Artifact.load(r.workdir / "calib" / "profile")
+
+
+def gate_variants(r: Runner, spec: PipelineSpec, base: Artifact, calib: Artifact, shadow: Artifact, profile: Artifact,
+                  variants: list[VariantSpec], cache_dir: Path, step: Callable[[Artifact], Artifact] = lambda a: a) -> list[dict]:
+    """Per variant: quantize, build its engine, gate it. Returns one outcome per variant."""
+    from qgate.engines.build import build_engine, engine_config
+    from qgate.gates.run import run_gates
+    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.schemes import KVCacheConfig, scheme_config
+
+    w = r.workdir
     gate_cfg = spec.gate_config()
     gate_key = typed_config(gate_cfg)   # every gate setting, defaults included
-    echo("  > baseline shadow reference and noise floor (cached per baseline) ...")
-    _, floor, _ = baseline_floor(base, shadow, gate_cfg, w / "cache")   # a threshold the baseline cannot meet fails here
-    echo(f"  + noise floor: KL p99 {floor['kl_p99']['observed']:.3g}, top-1 {floor['top1_agreement']['observed']:.4f} "
-         f"({floor['path']})")
     opts = CalibOptions(**spec.quantize.model_dump())
     outcomes = []
-    for v in spec.variants:
+    for v in variants:
         scheme = scheme_config(v.scheme, **v.options)
         kv = KVCacheConfig(v.kv_cache) if v.kv_cache else None
         key = {"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "kv": v.kv_cache, "opts": opts.__dict__}
@@ -124,33 +135,71 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
         step(cand)
         key = {"cand": cand.sha256, "base": base.sha256, "shadow": shadow.sha256, "gates": gate_key}
         report = step(r.stage(f"gate:{v.name}", key, lambda: run_gates(cand, base, shadow, gate_cfg, w / "variants" / v.name / "gate",
-                                                                      w / "cache", name=v.name, checkpoint=ckpt)))
-        outcomes.append({"variant": v.name, "candidate": cand, "report": report})
+                                                                      cache_dir, name=v.name, checkpoint=ckpt)))
+        outcomes.append({"variant": v.name, "candidate": cand, "report": report, "recipe": recipe(v)})
+    return outcomes
+
+
+def register_outcomes(r: Runner, spec: PipelineSpec, outcomes: list[dict], profile: Artifact) -> str:
+    """Register every gated variant (idempotent: the registry finds a version registered before a kill). Returns the URI."""
+    from qgate.registry.mlflow_store import register, tracking_uri
+
     store = spec.path(spec.registry.store)
     uri = tracking_uri(store)
     for o in outcomes:
-        key = {"report": o["report"].sha256, "uri": uri, "name": spec.registry.model_name}
-        rec = r.ledger.lookup(f"register:{o['variant']}", sha256_json(key))
+        key = sha256_json({"report": o["report"].sha256, "uri": uri, "name": spec.registry.model_name, "profile": profile.sha256})
+        rec = r.ledger.lookup(f"register:{o['variant']}", key)
         if rec:
             o["version"] = rec["version"]
-            echo(f"  = register:{o['variant']}: already v{o['version']}")
+            r.echo(f"  = register:{o['variant']}: already v{o['version']}")
         else:
-            o["version"] = register(o["report"], o["candidate"], spec.registry.model_name, store)
-            r.ledger.record(f"register:{o['variant']}", sha256_json(key), version=o["version"], paths=[str(o["report"].path)])
-            echo(f"  + register:{o['variant']}: {spec.registry.model_name} v{o['version']}")
+            o["version"] = register(o["report"], o["candidate"], spec.registry.model_name, store, profile=profile, recipe=o["recipe"])
+            r.ledger.record(f"register:{o['variant']}", key, version=o["version"], paths=[str(o["report"].path)])
+            r.echo(f"  + register:{o['variant']}: {spec.registry.model_name} v{o['version']}")
+    return uri
+
+
+def best_passing(spec: PipelineSpec, outcomes: list[dict]) -> dict | None:
+    passing = [o for o in outcomes if o["report"].meta["passed"]]
+    if spec.promote.choose == "best":
+        passing.sort(key=lambda o: o["report"].meta["summary"].get("shadow.kl_p99", float("inf")))
+    return passing[0] if passing else None
+
+
+def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dict:
+    from qgate.gates.run import baseline_floor
+    from qgate.registry.mlflow_store import promote
+
+    r = Runner(spec, echo)
+    w = r.workdir
+    total = 2 + 3 * len(spec.variants) + 1   # model, calibrate; per variant quantize, engine, gate; register
+    bar = tqdm(total=total, desc=f"pipeline {spec.name}", unit=" stage", position=0, leave=True)
+
+    def step(art):
+        bar.update(1)
+        return art
+
+    base = step(model_stage(r, spec))
+    calib, shadow, profile = calibrate_stage(r, spec, spec.path(spec.traffic))
+    step(calib)
+    gate_cfg = spec.gate_config()
+    echo("  > baseline shadow reference and noise floor (cached per baseline) ...")
+    _, floor, _ = baseline_floor(base, shadow, gate_cfg, w / "cache")   # a threshold the baseline cannot meet fails here
+    echo(f"  + noise floor: KL p99 {floor['kl_p99']['observed']:.3g}, top-1 {floor['top1_agreement']['observed']:.4f} "
+         f"({floor['path']})")
+    outcomes = gate_variants(r, spec, base, calib, shadow, profile, list(spec.variants), w / "cache", step)
+    uri = register_outcomes(r, spec, outcomes, profile)
     bar.update(1)
     bar.close()
-    passing = [o for o in outcomes if o["report"].meta["passed"]]
     summary = {"tracking_uri": uri, "model_name": spec.registry.model_name, "workdir": str(w), "stage_seconds": r.seconds(),
                "stages_run": r.ran, "stages_skipped": r.skipped,
                "variants": [_variant_summary(o) for o in outcomes], "promoted": None}
-    if not passing:
+    chosen = best_passing(spec, outcomes)
+    if chosen is None:
         (w / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         raise PromotionRefused(f"no variant passed its gates: {', '.join(o['variant'] for o in outcomes)}",
                                hint=f"see the reports under {w / 'variants'}")
-    if spec.promote.choose == "best":
-        passing.sort(key=lambda o: o["report"].meta["summary"].get("shadow.kl_p99", float("inf")))
-    chosen = passing[0]
+    store = spec.path(spec.registry.store)
     summary["promoted"] = promote(spec.registry.model_name, chosen["version"], spec.promote.alias, store) | {"variant": chosen["variant"]}
     (w / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary

@@ -1,7 +1,8 @@
 """The pipeline spec: strict YAML, validated into typed configs. Unknown keys are errors with their path.
 
     spec = load_spec(Path("pipelines/promote.yaml"))
-    spec.gate_config()   # GateConfig built from the `gates:` section
+    spec.gate_config()
+    spec.drift_config()   # GateConfig built from the `gates:` section
 
 Relative paths in a spec are relative to the spec file's directory.
 """
@@ -89,6 +90,7 @@ class PipelineSpec(_Strict):
     gates: GatesSpec = Field(default_factory=GatesSpec)
     registry: RegistrySpec
     promote: PromoteSpec = Field(default_factory=PromoteSpec)
+    drift: dict[str, Any] = Field(default_factory=dict)   # `qgate drift`: see calibrate/drift.py DriftConfig
     root: Path = Path(".")   # the spec file's directory; set by load_spec
 
     def path(self, p: str) -> Path:
@@ -105,6 +107,12 @@ class PipelineSpec(_Strict):
                           shadow=build_config(ShadowConfig, self.gates.shadow, "gates.shadow"), eval=ev,
                           perf=build_config(PerfConfig, self.gates.perf, "gates.perf"),
                           parity=build_config(ParityConfig, self.gates.parity, "gates.parity"), on_inconclusive=self.gates.on_inconclusive)
+
+
+    def drift_config(self):
+        from qgate.calibrate.drift import DriftConfig
+
+        return build_config(DriftConfig, self.drift, "drift")
 
 
 def _fields_at(loc: tuple) -> list[str]:
@@ -185,3 +193,4 @@ def _check_semantics(spec: PipelineSpec) -> None:
             msg = e.message if e.message.startswith("variants[") else f"{key_path('variants', i)}: {e.message}"
             raise ConfigError(f"{msg} (variant {v.name})", hint=e.hint) from e
     spec.gate_config()
+    spec.drift_config()

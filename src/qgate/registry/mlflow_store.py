@@ -54,19 +54,60 @@ def _client(store: Path | None, *, create: bool = True):
             # keep the embedded store's artifacts beside its database, not in ./mlruns of whatever cwd
             location = (Path(uri[len("sqlite:///"):]).parent / "artifacts").as_uri()
         client.create_experiment(EXPERIMENT, artifact_location=location)
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
+    _set_uris(mlflow, uri)
     return mlflow, client
 
 
-def register(gate: Artifact, candidate: Artifact, model_name: str, store: Path | None = None) -> str:
-    """Log the candidate artifact and its gate report, register a new version, tag it. Returns the version."""
+def _set_uris(mlflow, uri: str) -> None:
+    """Point MLflow's fluent API at `uri` without leaving it in the environment: mlflow.set_tracking_uri also exports
+    MLFLOW_TRACKING_URI (and set_registry_uri MLFLOW_REGISTRY_URI), which tracking_uri() would then take for the
+    user's choice, so the first store a process touched would win over every later --store."""
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def find_version(model_name: str, gate_sha256: str, candidate_sha256: str, store: Path | None = None,
+                 profile_sha256: str | None = None):
+    """The version already registered for this gate report and candidate, if any: registering twice (a re-run after
+    a kill between registering and recording it) returns the first version instead of making a duplicate."""
+    import mlflow
+
+    _, client = _client(store)
+    try:
+        found = client.search_model_versions(f"name = '{model_name}' and tags.`qgate.gate_report_sha256` = '{gate_sha256}'")
+    except mlflow.exceptions.MlflowException:
+        return None
+    found = [mv for mv in found if mv.tags.get("qgate.artifact_sha256") == candidate_sha256
+             and (profile_sha256 is None or mv.tags.get("qgate.profile_sha256") == profile_sha256)]
+    return min(found, key=lambda mv: int(mv.version)) if found else None
+
+
+def register(gate: Artifact, candidate: Artifact, model_name: str, store: Path | None = None, *,
+             profile: Artifact | None = None, recipe: dict | None = None) -> str:
+    """Log the candidate artifact and its gate report, register a new version, tag it. Returns the version.
+
+    profile: the traffic profile the candidate was calibrated on, logged with the version so a drift job can compare
+    today's traffic with it. recipe: how to rebuild the candidate (scheme, options, kv_cache, engine), kept as a tag.
+    Every tag is set when the version is created, so a version never exists without its evidence. Idempotent: the
+    same gate report and candidate give the version registered the first time.
+    """
     if gate.kind != "gate-report":
         raise RegistryError(f"{gate.path}: --gate must be a gate-report artifact")
     if gate.meta.get("candidate") != candidate.sha256:
         raise RegistryError(f"{gate.path}: this gate report is for candidate {str(gate.meta.get('candidate'))[:12]}, "
                             f"not {candidate.sha256[:12]} ({candidate.path})", hint="gate this candidate first")
     candidate.verify()
+    if profile is not None:
+        profile.verify()
+    existing = find_version(model_name, gate.sha256, candidate.sha256, store, profile.sha256 if profile is not None else None)
+    if existing is not None:
+        return str(existing.version)
     mlflow, client = _client(store)
     exp = client.get_experiment_by_name(EXPERIMENT)
     report = json.loads((gate.path / "report.json").read_text())
@@ -80,12 +121,20 @@ def register(gate: Artifact, candidate: Artifact, model_name: str, store: Path |
             if r["observed"] == r["observed"]:  # not NaN
                 mlflow.log_metric(key, float(r["observed"]))
         mlflow.log_param("candidate_sha256", candidate.sha256)
+        if profile is not None:
+            mlflow.log_artifacts(str(profile.path), artifact_path="traffic-profile")
         model = mlflow.initialize_logged_model(name=model_name, source_run_id=run.info.run_id, experiment_id=exp.experiment_id,
                                                tags={"qgate.kind": candidate.kind})
         client.log_model_artifacts(model.model_id, str(candidate.path))
         mlflow.finalize_logged_model(model.model_id, "READY")
-        mv = mlflow.register_model(f"models:/{model.model_id}", model_name)
         run_id = run.info.run_id
+        tags = _version_tags(gate, candidate, report, verdict, run_id, model.model_id, profile, recipe)
+        mv = mlflow.register_model(f"models:/{model.model_id}", model_name, tags=tags)
+    return str(mv.version)
+
+
+def _version_tags(gate: Artifact, candidate: Artifact, report: dict, verdict: str, run_id: str, model_id: str,
+                  profile: Artifact | None, recipe: dict | None) -> dict[str, str]:
     tags = {
         "qgate.gate_passed": str(bool(gate.meta["passed"])).lower(),
         "qgate.gate_verdict": verdict,
@@ -100,12 +149,15 @@ def register(gate: Artifact, candidate: Artifact, model_name: str, store: Path |
         "qgate.gate_report_sha256": gate.sha256,
         "qgate.gate_report_path": str(gate.path / "report.html"),
         "qgate.gate_report_artifact": f"runs:/{run_id}/gate-report/report.html",
-        "qgate.model_id": model.model_id,
+        "qgate.model_id": model_id,
+        "qgate.variant": str(report["candidate"]["name"]),
     }
+    if profile is not None:
+        tags |= {"qgate.profile_sha256": profile.sha256, "qgate.profile_artifact": f"runs:/{run_id}/traffic-profile"}
+    if recipe is not None:
+        tags["qgate.recipe"] = json.dumps(recipe, sort_keys=True)
     tags |= {f"qgate.{r['gate']}.{r['metric']}": f"{r['observed']:.6g}" for r in report["results"] if r["threshold"] is not None}
-    for k, v in tags.items():
-        client.set_model_version_tag(model_name, mv.version, k, v)
-    return str(mv.version)
+    return tags
 
 
 def _version(client, model_name: str, version: str | None, alias: str | None, store: Path | None):

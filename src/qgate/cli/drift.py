@@ -1,0 +1,64 @@
+"""`qgate drift check` and `qgate drift run`: the scheduled job that keeps production fit for today's traffic.
+
+Exit codes (beside 0/1/2): check: 0 no drift, 3 drift found, 1 error.
+run: 0 no drift, or drift handled (a recalibrated variant promoted); 3 drift found and a passing recalibrated version
+registered but not promoted (drift.auto_promote: false); 2 drift found and no recalibrated variant passed (production
+left alone); 1 error (including another drift run holding the lock).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qgate.cli.options import quiet_libraries
+from qgate.errors import EXIT_DRIFT
+
+app = typer.Typer(no_args_is_help=True, help="Drift: has the traffic moved since production was calibrated? Recalibrate if so.")
+Spec = Annotated[Path, typer.Option("--spec", help="Pipeline YAML: model, variants, gates, registry and its `drift:` policy.")]
+Recent = Annotated[str, typer.Option("--traffic", help="Recent traffic: a JSONL/Parquet file, a quoted glob, or a directory of partitions.")]
+
+
+def _load(spec: Path):
+    quiet_libraries()
+    from qgate.pipeline.spec import load_spec
+
+    return load_spec(spec)
+
+
+@app.command("check")
+def check_cmd(spec: Spec, traffic: Recent,
+              record: Annotated[bool, typer.Option("--record/--no-record", help="Tag the production version and log the report in MLflow.")] = True,
+              wait: Annotated[float, typer.Option(help="Seconds to wait for a running drift job on this model.")] = 0.0,
+              ) -> None:
+    """Compare recent traffic with production's calibration profile and re-gate production on it. Exit 3 on drift."""
+    from qgate.pipeline.drift import drift_check
+
+    s = _load(spec)
+    report = drift_check(s, traffic, echo=lambda m: typer.echo(m, err=True), record=record, wait=wait)
+    typer.echo(f"drift check: {report['verdict'].upper()}  report {report['report']}")
+    if report["drift"]:
+        raise typer.Exit(EXIT_DRIFT)
+
+
+@app.command("run")
+def run_cmd(spec: Spec, traffic: Recent,
+            wait: Annotated[float, typer.Option(help="Seconds to wait for another drift run on this model to finish.")] = 0.0,
+            ) -> None:
+    """The scheduled job: check; on drift recalibrate, gate and register every variant, then promote per drift.auto_promote."""
+    from qgate.pipeline.drift import drift_run
+
+    s = _load(spec)
+    result = drift_run(s, traffic, echo=lambda m: typer.echo(m, err=True), wait=wait)
+    check = result["check"]
+    typer.echo(f"drift check: {check['verdict'].upper()}  report {check['report']}")
+    for v in result["variants"]:
+        typer.echo(f"  {v['variant']:22s} {v['verdict'].upper():12s} KL p99 {v['kl_p99']:.4f}  v{v['version']}  {v['report']}")
+    if result["action"] == "promoted":
+        p = result["promoted"]
+        typer.echo(f"promoted {p['variant']} as {p['model']} v{p['version']} @{p['alias']} (previous-production: v{p['previous']})")
+    elif result["action"] == "registered":
+        c = result["candidate"]
+        typer.echo(f"drift found; {c['variant']} v{c['version']} passed and awaits promotion (drift.auto_promote: false)")
+        raise typer.Exit(EXIT_DRIFT)

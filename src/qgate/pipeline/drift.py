@@ -1,0 +1,162 @@
+"""The scheduled drift job: is production still fit for today's traffic? If not, recalibrate, gate, register, promote.
+
+    report = drift_check(spec, "logs/2026-11-21/")   # report["verdict"]: "drift" | "no-drift"; files under <workdir>/drift/<id>/
+    result = drift_run(spec, "logs/2026-11-21/")     # the check, then on drift: every variant recalibrated on the recent traffic
+
+Two kinds of drift, reported side by side:
+- traffic drift: the recent traffic's profile against the profile production was calibrated on (stored with its version);
+- quality drift: production re-gated against the baseline, with the same shadow gate, on a fresh shadow sample of the
+  recent traffic. An inconclusive quality check counts as drift under `gates.on_inconclusive: block`.
+Every step is a ledger stage or an idempotent registry call, so a killed job re-run finishes without duplicate versions.
+One job per registered model at a time (locks.job_lock).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+from qgate.errors import PromotionRefused
+from qgate.pipeline.runner import (Runner, best_passing, calibrate_stage, gate_variants, model_stage, recipe,
+                                   register_outcomes)
+from qgate.pipeline.spec import PipelineSpec, VariantSpec
+
+
+def _dirs(spec: PipelineSpec, recent: str | Path, echo) -> tuple[Runner, Runner]:
+    """(main runner: model import and caches shared with `qgate run`; drift runner: one workdir per recent traffic)."""
+    from qgate.calibrate.reader import traffic_files
+    from qgate.calibrate.sample import traffic_sha256
+
+    main = Runner(spec, echo)
+    sha = traffic_sha256(traffic_files(recent))
+    return main, Runner(spec, echo, workdir=main.workdir / "drift" / sha[:16])
+
+
+def drift_check(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None] = print, record: bool = True,
+                wait: float = 0.0) -> dict:
+    """Traffic and quality drift of production on `recent`; under the model's drift lock (a running drift job refuses it)."""
+    from qgate.locks import job_lock
+
+    main, _ = _dirs(spec, recent, echo)
+    with job_lock(_lock_path(spec, main), f"qgate drift for {spec.registry.model_name}", wait=wait, echo=echo):
+        return _check(spec, recent, echo, record)
+
+
+def _check(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None], record: bool) -> dict:
+    from qgate.calibrate.drift import traffic_drift
+    from qgate.gates.run import shadow_check
+    from qgate.pipeline.drift_report import write_drift_report
+    from qgate.registry.evidence import production_evidence, record_drift
+
+    cfg = spec.drift_config()
+    store = spec.path(spec.registry.store)
+    main, r = _dirs(spec, recent, echo)
+    model = spec.registry.model_name
+    prod = production_evidence(model, cfg.alias, store, main.workdir / "drift" / "production")
+    echo(f"  production: {model} v{prod['version']} ({prod['variant']}) @{cfg.alias}, calibrated on "
+         f"{prod['profile']['requests']} requests")
+    _, shadow, profile = calibrate_stage(r, spec, recent)
+    new = json.loads((profile.path / "profile.json").read_text())
+    rows = traffic_drift(prod["profile"], new, cfg)
+    for row in rows:
+        echo(f"  traffic {row['facet']:10s} JS {row['js']:.4f}  limit {row['threshold']:g}  noise p99 {row['noise_p99']:.4f}  "
+             f"{row['verdict'].upper()}")
+    reasons = [f"{x['facet']} moved (JS {x['js']:.3f} > {x['threshold']:g})" for x in rows if x["verdict"] == "drift"]
+    quality = None
+    if cfg.quality:
+        gate_cfg = spec.gate_config()
+        echo("  > quality: production vs baseline on a fresh shadow sample of the recent traffic ...")
+        quality = shadow_check(prod["artifact"], model_stage(main, spec), shadow, gate_cfg, main.workdir / "cache")
+        quality["gated"] = prod["gated"]
+        for x in quality["results"]:
+            if x["threshold"] is not None:
+                then = prod["gated"].get(x["metric"])
+                echo(f"  quality {x['metric']:16s} when gated {then if then is None else f'{then:.4g}'}  recent {x['observed']:.4g} "
+                     f"[{x['ci'][0]:.4g}, {x['ci'][1]:.4g}]  threshold {x['threshold']:g}  {x['verdict'].upper()}")
+        bad = quality["verdict"] in ("fail", "error") or (quality["verdict"] == "inconclusive" and gate_cfg.on_inconclusive == "block")
+        if bad:
+            reasons.append(f"production's shadow gate is {quality['verdict'].upper()} on the recent traffic")
+    verdict = "drift" if reasons else "no-drift"
+    report = {"version": 1, "verdict": verdict, "drift": bool(reasons), "reasons": reasons, "model": model, "alias": cfg.alias,
+              "checked_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "production": {"version": prod["version"], "variant": prod["variant"], "recipe": prod["recipe"],
+                             "calibrated_requests": prod["profile"]["requests"], "profile_sha256": prod["profile_sha256"]},
+              "recent": {"source": str(recent), "requests": new["requests"], "profile_sha256": profile.sha256,
+                         "shadow_sha256": shadow.sha256, "workdir": str(r.workdir)},
+              "traffic": rows, "quality": quality, "config": spec.drift}
+
+    out = r.workdir / "report"
+    write_drift_report(out, report, prod["profile"], new)
+    report["report"] = str(out / "drift.html")
+    if record:
+        report["report_artifact"] = record_drift(model, prod["version"], out, verdict, store)
+    echo(f"  = drift check: {verdict.upper()}" + (f" ({'; '.join(reasons)})" if reasons else "") + f"; report {out / 'drift.html'}")
+    return report
+
+
+def _variants(prod: dict, spec: PipelineSpec, echo) -> list[VariantSpec]:
+    """Production's own recipe first (renamed if a spec variant takes its name with another recipe), then the spec's."""
+    out = list(spec.variants)
+    if prod["recipe"] is None:
+        echo(f"  ! production v{prod['version']} carries no recipe: recalibrating the spec's variants only")
+        return out
+    if any(recipe(v) == prod["recipe"] for v in out):
+        return out
+    name = prod["variant"] or f"production-v{prod['version']}"
+    if any(v.name == name for v in out):
+        name = f"production-{name}"
+    return [VariantSpec(name=name, **prod["recipe"])] + out
+
+
+def _lock_path(spec: PipelineSpec, main: Runner) -> Path:
+    """One lock per registered model: beside the embedded store, else (a remote server) under the workdir."""
+    where = main.workdir / "locks" if os.environ.get("MLFLOW_TRACKING_URI") else spec.path(spec.registry.store) / "locks"
+    return where / f"drift-{spec.registry.model_name}.lock"
+
+
+def drift_run(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None] = print, wait: float = 0.0) -> dict:
+    """Check; on drift, recalibrate production's recipe and every spec variant on the recent traffic, gate and register them,
+    then promote the best passing one (drift.auto_promote) or leave that to a person. Raises PromotionRefused when none passes."""
+    from qgate.locks import job_lock
+    from qgate.registry.mlflow_store import promote
+
+    cfg = spec.drift_config()
+    main, r = _dirs(spec, recent, echo)
+    model = spec.registry.model_name
+    with job_lock(_lock_path(spec, main), f"qgate drift for {model}", wait=wait, echo=echo):
+        report = _check(spec, recent, echo, record=True)
+        result = {"check": report, "action": "none", "promoted": None, "variants": []}
+        if not report["drift"]:
+            return result
+        from qgate.registry.evidence import production_evidence
+
+        prod = production_evidence(model, cfg.alias, spec.path(spec.registry.store), main.workdir / "drift" / "production")
+        variants = _variants(prod, spec, echo)
+        echo(f"  > recalibrating {len(variants)} variant(s) on the recent traffic: {', '.join(v.name for v in variants)}")
+        base = model_stage(main, spec)
+        calib, shadow, profile = calibrate_stage(r, spec, recent)
+        outcomes = gate_variants(r, spec, base, calib, shadow, profile, variants, main.workdir / "cache")
+        register_outcomes(r, spec, outcomes, profile)
+        result["variants"] = [{"variant": o["variant"], "version": o["version"], "verdict": o["report"].meta["verdict"],
+                               "kl_p99": o["report"].meta["summary"].get("shadow.kl_p99"),
+                               "report": str(o["report"].path / "report.html")} for o in outcomes]
+        chosen = best_passing(spec, outcomes)
+        if chosen is None:
+            (r.workdir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+            raise PromotionRefused(f"drift found ({'; '.join(report['reasons'])}) and no recalibrated variant passed its gates "
+                                   f"({', '.join(o['variant'] + ' ' + o['report'].meta['verdict'].upper() for o in outcomes)}); "
+                                   f"production stays at v{prod['version']}", hint=f"see the reports under {r.workdir / 'variants'}")
+        if not cfg.auto_promote:
+            result["action"] = "registered"
+            result["candidate"] = {"variant": chosen["variant"], "version": chosen["version"]}
+            echo(f"  = {chosen['variant']} v{chosen['version']} passed; not promoted (drift.auto_promote: false): "
+                 f"qgate promote --model {model} --version {chosen['version']}")
+        else:
+            result["action"] = "promoted"
+            result["promoted"] = promote(model, chosen["version"], cfg.alias, spec.path(spec.registry.store)) | {"variant": chosen["variant"]}
+            echo(f"  + promoted {chosen['variant']} as {model} v{chosen['version']} @{cfg.alias} "
+                 f"(previous: v{result['promoted']['previous']})")
+        (r.workdir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+        return result

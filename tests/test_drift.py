@@ -1,0 +1,299 @@
+"""The drift job: traffic and quality drift, the scheduled run, its lock, and re-runs after a kill."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+import tiny
+from qgate.calibrate.drift import DriftConfig, traffic_drift
+from qgate.calibrate.profile import TrafficProfiler, words
+from qgate.cli.main import main
+
+SHIFT = {"route_weights": (1, 8, 1), "tenants": ("t1", "t2"), "lengths": (30, 90)}   # code-heavy, long, a new tenant
+
+
+def _profile(path):
+    prof = TrafficProfiler()
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        prof.add(r["route"], r["tenant"], words(r["messages"][-1]["content"]), None, None)
+    return prof.result()
+
+
+def test_no_false_alarms_on_fresh_samples_of_the_same_traffic_and_drift_on_a_shifted_log(tmp_path):
+    ref = _profile(tiny.make_traffic(tmp_path / "ref.jsonl", n=600, seed=100))
+    alarms = []
+    for seed in range(20):   # 20 fresh samples from the same traffic: at most one false alarm
+        rows = traffic_drift(ref, _profile(tiny.make_traffic(tmp_path / f"s{seed}.jsonl", n=600, seed=seed)), DriftConfig())
+        alarms.append([r["facet"] for r in rows if r["verdict"] == "drift"])
+    assert sum(bool(a) for a in alarms) <= 1, alarms
+    rows = {r["facet"]: r for r in traffic_drift(ref, _profile(tiny.make_traffic(tmp_path / "x.jsonl", n=600, seed=1, **SHIFT)),
+                                                 DriftConfig())}
+    assert {f for f, r in rows.items() if r["verdict"] == "drift"} == {"length", "route", "tenant"}
+    assert rows["route"]["js"] > rows["route"]["noise_p99"] and rows["route"]["top_shifts"][0]["category"] == "code-assist"
+
+
+def test_traffic_can_be_a_directory_of_partitions_or_a_glob(tmp_path):
+    from qgate.calibrate.sample import SampleConfig, sample_traffic
+
+    whole = tiny.make_traffic(tmp_path / "whole.jsonl", n=200, seed=3)
+    lines = whole.read_text().splitlines(keepends=True)
+    parts = tmp_path / "parts" / "day=2026-11-21"
+    parts.mkdir(parents=True)
+    (parts / "a.jsonl").write_text("".join(lines[:120]))
+    (parts / "b.jsonl").write_text("".join(lines[120:]) + "{oops\n")
+    cfg = SampleConfig(calib_size=20, shadow_size=10)
+    a = sample_traffic(tmp_path / "parts", tmp_path / "o1", cfg)
+    b = sample_traffic(f"{tmp_path}/parts/*/*.jsonl", tmp_path / "o2", cfg)
+    assert a["calib"].meta["stats"]["records"] == 201 and a["calib"].meta["stats"]["rejected"] == 1
+    assert a["calib"].sha256 == b["calib"].sha256 and a["profile"].meta["requests"] == 200
+    rej = json.loads((tmp_path / "o1/rejects.jsonl").read_text())
+    assert rej["file"].endswith("b.jsonl") and rej["line"] == 81
+    assert main(["calibrate", "sample", "--traffic", f"{tmp_path}/nothing/*.jsonl", "--out", str(tmp_path / "o3")]) == 1
+
+
+def _spec(tmp_path, src, variants, gates, drift=None, name="spec.yaml"):
+    spec = {
+        "version": 1, "name": "tiny-drift", "workdir": "work", "model": {"hf_dir": str(src)}, "traffic": "traffic.jsonl",
+        "calibrate": {"calib_size": 24, "shadow_size": 48}, "quantize": {"max_seq_length": 48}, "variants": variants,
+        "gates": gates, "registry": {"model_name": "tiny-llm", "store": "mlflow"}, "drift": drift or {},
+    }
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+W8 = {"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}}
+AWQ = {"name": "awq", "scheme": "awq-w4a16", "options": {"group_size": 32}}
+SHADOW = {"max_new_tokens": 16, "max_prompt_tokens": 48, "kl_p99_max": None}
+STRICT = {"shadow": SHADOW | {"kl_mean_max": 0.005, "top1_agreement_min": 0.8}, "eval": None}   # w8 passes, awq fails
+LENIENT = {"shadow": SHADOW | {"kl_mean_max": 10.0, "top1_agreement_min": 0.0}, "eval": None}   # both pass
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory, workdir):
+    """A store where production is w8, gated and calibrated on the original traffic; plus a snapshot to restore."""
+    src = workdir / "tiny-src"
+    if not src.exists():
+        tiny.make_model(src)
+    root = tmp_path_factory.mktemp("drift")
+    tiny.make_traffic(root / "traffic.jsonl", n=300, seed=0)
+    tiny.make_traffic(root / "same.jsonl", n=300, seed=11)                 # the same traffic, sampled again
+    tiny.make_traffic(root / "shifted.jsonl", n=300, seed=12, **SHIFT)
+    spec = _spec(root, src, [W8], STRICT, {"auto_promote": True})
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    assert main(["run", str(spec)]) == 0
+    snap = root.parent / (root.name + "-snapshot")
+    shutil.copytree(root, snap)
+    return root, snap, src
+
+
+@pytest.fixture
+def fresh(deployed, tmp_path):
+    """A private copy of the deployed state (paths inside it are relative, so the copy is self-contained)."""
+    _, snap, src = deployed
+    root = tmp_path / "d"
+    shutil.copytree(snap, root)
+    return root, src
+
+
+def _client(root):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
+    return MlflowClient(uri, uri)   # the registry URI too: MLflow's default is the process-wide one qgate last set
+
+
+def _alias(root, alias="production"):
+    return str(_client(root).get_model_version_by_alias("tiny-llm", alias).version)
+
+
+def test_registered_version_carries_its_calibration_profile_and_recipe(fresh):
+    root, _ = fresh
+    tags = _client(root).get_model_version("tiny-llm", _alias(root)).tags
+    assert json.loads(tags["qgate.recipe"]) == {"scheme": "gptq-w8a16", "options": {"group_size": 32}, "kv_cache": None, "engine": None}
+    from qgate.artifact import Artifact
+
+    assert tags["qgate.profile_sha256"] == Artifact.load(root / "work/calib/profile").sha256
+    assert tags["qgate.profile_artifact"].endswith("/traffic-profile")
+
+
+def test_drift_check_exit_codes_reports_and_registry_tags(fresh, monkeypatch, capsys):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root, _ = fresh
+    spec = str(root / "spec.yaml")
+    assert main(["drift", "check", "--spec", spec, "--traffic", str(root / "same.jsonl")]) == 0
+    err = capsys.readouterr().err
+    assert "quality kl_mean" in err and "NO-DRIFT" in err
+    assert main(["drift", "check", "--spec", spec, "--traffic", str(root / "shifted.jsonl")]) == 3
+    out = capsys.readouterr()
+    assert "drift check: DRIFT" in out.out and "route moved" in out.err
+    report_path = out.out.split("report ")[-1].strip()
+    report = json.loads((root / "work/drift").joinpath(report_path.split("/drift/")[1]).with_name("drift.json").read_text())
+    assert report["verdict"] == "drift" and {r["facet"] for r in report["traffic"] if r["verdict"] == "drift"} >= {"route", "length"}
+    assert report["quality"]["gated"]["kl_mean"] >= 0 and "<img" in open(report_path).read()
+    tags = _client(root).get_model_version("tiny-llm", _alias(root)).tags
+    assert tags["qgate.drift.verdict"] == "drift" and tags["qgate.drift.report_artifact"].startswith("runs:/")
+    assert main(["drift", "check", "--spec", spec, "--traffic", str(root / "missing.jsonl")]) == 1
+    assert "traffic log not found" in capsys.readouterr().err
+
+
+def test_quality_drift_when_production_points_at_a_worse_version(fresh, monkeypatch, capsys):
+    """awq passes a lenient gate and is promoted by hand; on the same traffic, the spec's real gate fails it: quality drift
+    alone, no traffic drift. A drift run then finds no recalibrated variant that passes and leaves production alone."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root, src = fresh
+    lenient = _spec(root, src, [AWQ], LENIENT, name="lenient.yaml")
+    assert main(["run", str(lenient)]) == 0
+    awq_version = _alias(root)
+    assert _client(root).get_model_version("tiny-llm", awq_version).tags["qgate.variant"] == "awq"
+    strict_awq = _spec(root, src, [AWQ], STRICT, {"auto_promote": True}, name="strict-awq.yaml")
+    assert main(["drift", "check", "--spec", str(strict_awq), "--traffic", str(root / "same.jsonl")]) == 3
+    err = capsys.readouterr().err
+    assert "production's shadow gate is FAIL" in err and "route moved" not in err
+    n_before = len(_client(root).search_model_versions("name='tiny-llm'"))
+    assert main(["drift", "run", "--spec", str(strict_awq), "--traffic", str(root / "same.jsonl")]) == 2
+    assert "no recalibrated variant passed" in capsys.readouterr().err
+    assert _alias(root) == awq_version                                             # production left alone
+    assert len(_client(root).search_model_versions("name='tiny-llm'")) == n_before + 1   # awq recalibrated, registered, refused
+
+
+def test_drift_run_recalibrates_promotes_and_a_rerun_does_nothing(fresh, monkeypatch, capsys):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root, _ = fresh
+    spec = str(root / "spec.yaml")
+    old = _alias(root)
+    assert main(["drift", "run", "--spec", spec, "--traffic", str(root / "shifted.jsonl")]) == 0
+    out = capsys.readouterr().out
+    new = _alias(root)
+    assert new != old and _alias(root, "previous-production") == old and f"v{new} @production" in out
+    tags = _client(root).get_model_version("tiny-llm", new).tags
+    shifted_profile = json.loads((next((root / "work/drift").glob("*/calib/profile/profile.json"))).read_text())
+    assert shifted_profile["routes"]["code-assist"] > 150 and tags["qgate.profile_sha256"] != _client(root).get_model_version(
+        "tiny-llm", old).tags["qgate.profile_sha256"]
+    n = len(_client(root).search_model_versions("name='tiny-llm'"))
+    assert main(["drift", "run", "--spec", spec, "--traffic", str(root / "shifted.jsonl")]) == 0   # production now fits
+    assert "NO-DRIFT" in capsys.readouterr().err and len(_client(root).search_model_versions("name='tiny-llm'")) == n
+
+
+def test_drift_run_without_auto_promote_registers_and_exits_3(fresh, monkeypatch, capsys):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root, src = fresh
+    spec = _spec(root, src, [W8], STRICT, {"auto_promote": False}, name="manual.yaml")
+    old = _alias(root)
+    assert main(["drift", "run", "--spec", str(spec), "--traffic", str(root / "shifted.jsonl")]) == 3
+    out = capsys.readouterr().out
+    assert "awaits promotion" in out and _alias(root) == old
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL: not an Exception, so nothing in qgate catches it."""
+
+
+@pytest.mark.parametrize("where", ["calibrate", "quantize", "gate", "register", "register-recorded", "promote"])
+def test_drift_run_killed_at_each_step_reruns_without_duplicates(fresh, monkeypatch, where):
+    import qgate.pipeline.drift as drift_mod
+    import qgate.pipeline.runner as runner_mod
+    import qgate.registry.mlflow_store as store_mod
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root, _ = fresh
+    spec = str(root / "spec.yaml")
+    old = _alias(root)
+
+    def after(mod, name, when=lambda *a, **k: True):
+        real = getattr(mod, name)
+
+        def wrapped(*a, **k):
+            out = real(*a, **k)
+            if when(*a, **k):
+                raise Killed(name)
+            return out
+        monkeypatch.setattr(mod, name, wrapped)
+
+    if where == "calibrate":
+        after(drift_mod, "calibrate_stage")
+    elif where in ("quantize", "gate"):
+        real_stage = runner_mod.Runner.stage
+
+        def stage(self, name, key, fn):
+            art = real_stage(self, name, key, fn)
+            if name.startswith(where + ":"):
+                raise Killed(name)
+            return art
+        monkeypatch.setattr(runner_mod.Runner, "stage", stage)
+    elif where == "register":       # the version exists in the registry, the ledger does not know it
+        after(store_mod, "register")
+    elif where == "register-recorded":
+        after(drift_mod, "register_outcomes")
+    else:
+        after(store_mod, "promote")
+    with pytest.raises(Killed):
+        from qgate.pipeline.drift import drift_run
+        from qgate.pipeline.spec import load_spec
+
+        drift_run(load_spec(root / "spec.yaml"), str(root / "shifted.jsonl"), echo=lambda m: None)
+    monkeypatch.undo()
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(["drift", "run", "--spec", spec, "--traffic", str(root / "shifted.jsonl")]) == 0
+    versions = _client(root).search_model_versions("name='tiny-llm'")
+    assert len(versions) == 2, [v.version for v in versions]                 # the deployed w8 and one recalibrated w8
+    assert _alias(root) != old and _alias(root, "previous-production") == old
+    assert not list((root / "mlflow" / "locks").glob("*.owner.json"))        # the lock's owner record is cleaned up
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from qgate.locks import job_lock
+with job_lock(Path(sys.argv[1]), "holder"):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_one_drift_run_per_model_and_a_killed_holder_is_taken_over(fresh, monkeypatch, capsys):
+    from qgate.errors import LockHeld
+    from qgate.locks import job_lock
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root, _ = fresh
+    lock = root / "mlflow" / "locks" / "drift-tiny-llm.lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["drift", "run", "--spec", str(root / "spec.yaml"), "--traffic", str(root / "shifted.jsonl")]) == 1
+        err = capsys.readouterr().err
+        assert "already running" in err and f"pid {holder.pid}" in err
+        t = time.perf_counter()
+        with pytest.raises(LockHeld):
+            with job_lock(lock, "second", wait=0.5):
+                pass
+        assert time.perf_counter() - t >= 0.5
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    seen = []
+    with job_lock(lock, "after the kill", echo=seen.append) as me:
+        assert me["stale_taken_over"]["pid"] == holder.pid
+    assert "stale lock" in seen[0] and f"pid {holder.pid}" in seen[0]
+    assert not lock.with_name(lock.name + ".owner.json").exists()
+
+
+def test_drift_policy_keys_are_strict(fresh):
+    from qgate.errors import ConfigError
+    from qgate.pipeline.spec import load_spec
+
+    root, src = fresh
+    bad = _spec(root, src, [W8], STRICT, {"max_js_rout": 0.1}, name="bad.yaml")
+    with pytest.raises(ConfigError, match=r"drift.max_js_rout: unknown key; did you mean 'max_js_route'"):
+        load_spec(bad)
+    bad = _spec(root, src, [W8], STRICT, {"max_js_route": 2}, name="bad2.yaml")
+    with pytest.raises(ConfigError, match=r"drift: max_js_route must be in \(0, 1\]"):
+        load_spec(bad)
