@@ -118,6 +118,11 @@ def gate_variants(r: Runner, spec: PipelineSpec, base: Artifact, calib: Artifact
     w = r.workdir
     gate_cfg = spec.gate_config()
     gate_key = typed_config(gate_cfg)   # every gate setting, defaults included
+    if gate_cfg.eval is not None:       # and the shipped eval data: a larger task set re-gates
+        from qgate.artifact import sha256_tree
+        from qgate.gates.evalgate import TASK_DIR
+
+        gate_key = {"cfg": gate_key, "tasks": sha256_tree(TASK_DIR)}
     opts = CalibOptions(**spec.quantize.model_dump())
     outcomes = []
     for v in variants:
