@@ -165,7 +165,7 @@ def test_pipeline_progress_counts_each_stage_once(tmp_path, workdir, monkeypatch
     bars = []
 
     class Bar:
-        def __init__(self, total, **kw):
+        def __init__(self, total, desc):
             self.total, self.steps = total, []
             bars.append(self)
 
@@ -176,7 +176,7 @@ def test_pipeline_progress_counts_each_stage_once(tmp_path, workdir, monkeypatch
             pass
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setattr(runner, "tqdm", Bar)
+    monkeypatch.setattr(runner, "_StageBar", Bar)
     spec = _spec(tmp_path, workdir)
     assert main(["run", str(spec)]) == 0
     (bar,) = bars

@@ -41,7 +41,7 @@ def test_register_promote_refuse_and_rollback_alias(gated, w8_art, awq_art, base
     tags = client.get_model_version("tiny-llm", v_ok).tags
     assert tags["qgate.gate_passed"] == "true" and tags["qgate.scheme"] == "gptq-w8a16"
     assert tags["qgate.calibration_sha256"] == w8_art.meta["calibration_sha256"]
-    assert tags["qgate.artifact_sha256"] == w8_art.sha256 and tags["qgate.gate_report_path"].endswith("report.html")
+    assert tags["qgate.artifact_sha256"] == w8_art.sha256 and tags["qgate.gate_report_artifact"].endswith("/gate-report/report.html")
     assert "kl_p99" in client.get_model_version("tiny-llm", v_bad).tags["qgate.gate_failed_checks"].split(",")
     with pytest.raises(PromotionRefused, match="gate did not pass"):
         promote("tiny-llm", v_bad, store=store)

@@ -18,13 +18,13 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
 
 from qgate.artifact import Artifact, sha256_file, sha256_json, typed_config
 from qgate.calibrate.profile import TrafficProfiler, length_bucket, words
 from qgate.calibrate.reader import Reject, Request, read_traffic, traffic_files
 from qgate.calibrate.scrub import scrub
 from qgate.errors import ConfigError, InputError
+from qgate.progress import progress
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig) -> dict
     pii: Counter = Counter()
     profiler = TrafficProfiler()
     with open(out / "rejects.jsonl", "w") as rej:
-        for path, item in tqdm(_records(files), desc="calibrate: reading traffic", unit=" rec", mininterval=1.0):
+        for path, item in progress(_records(files), "calibrate: reading traffic", unit="record"):
             stats["records"] += 1
             if isinstance(item, Reject):
                 stats["rejected"] += 1

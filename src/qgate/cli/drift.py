@@ -20,11 +20,28 @@ Spec = Annotated[Path, typer.Option("--spec", help="Pipeline YAML: model, varian
 Recent = Annotated[str, typer.Option("--traffic", help="Recent traffic: a JSONL/Parquet file, a quoted glob, or a directory of partitions.")]
 
 
+def _out(text: str) -> None:
+    from qgate.progress import console_out
+
+    typer.echo(text, file=console_out())
+
+
+def _err(text: str) -> None:
+    from qgate.progress import console_err
+
+    typer.echo(text, file=console_err())
+
+
 def _load(spec: Path):
     quiet_libraries()
     from qgate.pipeline.spec import load_spec
+    from qgate.progress import interactive, quiet_console
 
-    return load_spec(spec)
+    s = load_spec(spec)
+    if not interactive():   # cron, CI: a few plain lines here, library logs in a file
+        log = quiet_console(s.path(s.workdir) / "logs" / "qgate-drift.log")
+        _err(f"library logs: {log}")
+    return s
 
 
 @app.command("check")
@@ -36,8 +53,8 @@ def check_cmd(spec: Spec, traffic: Recent,
     from qgate.pipeline.drift import drift_check
 
     s = _load(spec)
-    report = drift_check(s, traffic, echo=lambda m: typer.echo(m, err=True), record=record, wait=wait)
-    typer.echo(f"drift check: {report['verdict'].upper()}  report {report['report']}")
+    report = drift_check(s, traffic, echo=_err, record=record, wait=wait)
+    _out(f"drift check: {report['verdict'].upper()}  report {report['report']}")
     if report["drift"]:
         raise typer.Exit(EXIT_DRIFT)
 
@@ -50,15 +67,15 @@ def run_cmd(spec: Spec, traffic: Recent,
     from qgate.pipeline.drift import drift_run
 
     s = _load(spec)
-    result = drift_run(s, traffic, echo=lambda m: typer.echo(m, err=True), wait=wait)
+    result = drift_run(s, traffic, echo=_err, wait=wait)
     check = result["check"]
-    typer.echo(f"drift check: {check['verdict'].upper()}  report {check['report']}")
+    _out(f"drift check: {check['verdict'].upper()}  report {check['report']}")
     for v in result["variants"]:
-        typer.echo(f"  {v['variant']:22s} {v['verdict'].upper():12s} KL p99 {v['kl_p99']:.4f}  v{v['version']}  {v['report']}")
+        _out(f"  {v['variant']:22s} {v['verdict'].upper():12s} KL p99 {v['kl_p99']:.4f}  v{v['version']}  {v['report']}")
     if result["action"] == "promoted":
         p = result["promoted"]
-        typer.echo(f"promoted {p['variant']} as {p['model']} v{p['version']} @{p['alias']} (previous-production: v{p['previous']})")
+        _out(f"promoted {p['variant']} as {p['model']} v{p['version']} @{p['alias']} (previous-production: v{p['previous']})")
     elif result["action"] == "registered":
         c = result["candidate"]
-        typer.echo(f"drift found; {c['variant']} v{c['version']} passed and awaits promotion (drift.auto_promote: false)")
+        _out(f"drift found; {c['variant']} v{c['version']} passed and awaits promotion (drift.auto_promote: false)")
         raise typer.Exit(EXIT_DRIFT)

@@ -6,7 +6,8 @@ from typing import Annotated
 
 import typer
 
-from qgate.cli.options import OutDir, quiet_libraries
+from qgate.cli.options import Json, Junit, OutDir, quiet_libraries
+from qgate.cli.output import Output
 from qgate.errors import GateFailed
 
 
@@ -19,19 +20,44 @@ def gate_cmd(
     cache: Annotated[Path, typer.Option("--cache", help="Baseline cache directory.")] = Path(".qgate/cache"),
     name: Annotated[str | None, typer.Option("--name", help="Variant name for the report and the registry run "
                                                          "(default: the candidate's scheme).")] = None,
+    json_out: Json = False,
+    junit: Junit = None,
 ) -> None:
-    """Shadow disagreement + eval + perf gates, report.json and report.html."""
+    """Contract, shadow, parity, eval and perf gates; report.json and report.html. Exit 2 unless it passed."""
     quiet_libraries()
     from qgate.artifact import Artifact
     from qgate.gates.run import GateConfig, run_gates
     from qgate.pipeline.spec import load_spec
 
+    o = Output(json_out)
     cfg = load_spec(spec).gate_config() if spec else GateConfig()
     cand = Artifact.load(candidate)
+    label = name or cand.meta.get("scheme") or cand.path.name
     art = run_gates(cand, Artifact.load(baseline, "checkpoint"), Artifact.load(shadow, "calibration-set"),
-                    cfg, out, cache, name=name or cand.meta.get("scheme"))
-    print_verdict(art)
+                    cfg, out, cache, name=label)
+    report = print_verdict(art, o)
+    ci_outputs(o, {label: report}, cfg.on_inconclusive, junit)
+    o.emit(gate_doc(art, report, str(candidate)))
     raise_unless_passed(art, str(candidate))
+
+
+def gate_doc(art, report: dict, candidate: str):
+    from qgate.cli.output import GateDoc, checks
+
+    return GateDoc(exit_code=0 if art.meta["passed"] else 2, verdict=report["verdict"], passed=report["passed"], candidate=candidate,
+                   candidate_sha256=art.meta["candidate"], report_json=str(art.path / "report.json"),
+                   report_html=str(art.path / "report.html"), checks=checks(report["results"]))
+
+
+def ci_outputs(o: Output, reports: dict[str, dict], on_inconclusive: str, junit: Path | None) -> None:
+    """JUnit file and GitHub job summary for these gate reports (name -> report.json content)."""
+    from qgate.cli.output import step_summary, write_junit
+    from qgate.gates.markdown import ICON, checks_table
+
+    if junit is not None:
+        o.say(f"junit: {write_junit(junit, {k: r['results'] for k, r in reports.items()}, on_inconclusive)}")
+    step_summary("\n\n".join(f"### qgate gate {name}: {ICON.get(r['verdict'], r['verdict'])}\n\n{checks_table(r['results'])}"
+                               for name, r in reports.items()))
 
 
 def raise_unless_passed(art, what: str) -> None:
@@ -45,22 +71,24 @@ def raise_unless_passed(art, what: str) -> None:
                          hint=f"{evidence}; more shadow prompts or eval items would decide it, or set on_inconclusive: warn")
 
 
-def print_verdict(art) -> None:
+def print_verdict(art, o: Output | None = None) -> dict:
     import json
 
     from qgate.gates.contract import describe
     from qgate.gates.result import GateResult
 
+    o = o or Output(False)
     report = json.loads((art.path / "report.json").read_text())
     for r in report["results"]:
-        typer.echo("  " + GateResult.from_dict(r).line())
+        o.say("  " + GateResult.from_dict(r).line())
         for d in r["evidence"].get("differences", []):
-            typer.echo("      " + describe(d))
+            o.say("      " + describe(d))
         for d in r["evidence"].get("accepted", []):
-            typer.echo("      accepted (gates.contract.allow): " + describe(d))
+            o.say("      accepted (gates.contract.allow): " + describe(d))
     verdict = report["verdict"].upper()
     if report["verdict"] == "inconclusive" and report["passed"]:
         typer.echo(f"warning: inconclusive checks passed under on_inconclusive: warn: {', '.join(art.meta['inconclusive'])}",
                    err=True)
         verdict += " (warn: passed)"
-    typer.echo(f"gate {verdict}: {art.path / 'report.html'}")
+    o.say(f"gate {verdict}: {art.path / 'report.html'}")
+    return report

@@ -26,6 +26,8 @@ app.command("gate")(gate.gate_cmd)
 app.command("register")(registry.register_cmd)
 app.command("promote")(registry.promote_cmd)
 app.command("verify")(registry.verify_cmd)
+app.command("status")(registry.status_cmd)
+app.command("rollback")(registry.rollback_cmd)
 app.command("run")(run.run_cmd)
 
 
@@ -65,6 +67,9 @@ def _dispatch(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from qgate.cli import output
+
+    output.EMITTED = False   # per invocation (tests and embedders call main() more than once per process)
     try:
         rc = _dispatch(argv)
         return rc if isinstance(rc, int) else 0
@@ -78,7 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("QGATE_DEBUG") == "1":
             raise
         msg, code = _message(e, argv)
-        print(msg, file=sys.stderr)
+        from qgate.cli.output import error_doc
+        from qgate.progress import console_err, console_out
+
+        print(msg, file=console_err())
+        doc = error_doc(list(argv if argv is not None else sys.argv[1:]), getattr(e, "message", msg), getattr(e, "hint", None), code)
+        if doc is not None:
+            print(doc, file=console_out())
         return code
 
 

@@ -10,6 +10,9 @@ OutDir = Annotated[Path, typer.Option("--out", "-o", help="Directory to write th
 ModelDir = Annotated[Path, typer.Option("--model", help="Baseline checkpoint artifact (from `qgate model import`).")]
 Store = Annotated[Path | None, typer.Option("--store", help="Embedded MLflow store dir (ignored when MLFLOW_TRACKING_URI is set).")]
 ModelName = Annotated[str, typer.Option("--model-name", "--model", help="Registered model name.")]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (schema: docs/qgate-output.schema.json); "
+                                               "human text goes to stderr.")]
+Junit = Annotated[Path | None, typer.Option("--junit", help="Write each gate check as a JUnit test case to this file.")]
 
 
 def quiet_libraries() -> None:

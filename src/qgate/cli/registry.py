@@ -1,4 +1,4 @@
-"""`qgate register`, `qgate promote` and `qgate verify`: the MLflow Model Registry."""
+"""`qgate register`, `promote`, `verify`, `status` and `rollback`: the MLflow Model Registry."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,7 +6,8 @@ from typing import Annotated
 
 import typer
 
-from qgate.cli.options import ModelName, Store, quiet_libraries
+from qgate.cli.options import Json, ModelName, Store, quiet_libraries
+from qgate.cli.output import Output, PromoteDoc, RegisterDoc, step_summary
 
 
 def register_cmd(
@@ -14,14 +15,19 @@ def register_cmd(
     candidate: Annotated[Path, typer.Option("--candidate", help="The gated checkpoint or engine artifact.")],
     model_name: ModelName,
     store: Store = None,
+    json_out: Json = False,
 ) -> None:
-    """Register the candidate as a new model version with lineage and gate-evidence tags."""
+    """Register the candidate as a model version with lineage and gate-evidence tags and a Markdown description
+    (idempotent: the same gate report and candidate give the same version)."""
     quiet_libraries()
     from qgate.artifact import Artifact
     from qgate.registry.mlflow_store import register, tracking_uri
 
-    version = register(Artifact.load(gate, "gate-report"), Artifact.load(candidate), model_name, store)
-    typer.echo(f"registered {model_name} version {version} in {tracking_uri(store)}")
+    o = Output(json_out)
+    report = Artifact.load(gate, "gate-report")
+    version = register(report, Artifact.load(candidate), model_name, store)
+    o.say(f"registered {model_name} version {version} in {tracking_uri(store)}")
+    o.emit(RegisterDoc(exit_code=0, model=model_name, version=version, verdict=report.meta["verdict"], tracking_uri=tracking_uri(store)))
 
 
 def promote_cmd(
@@ -29,14 +35,68 @@ def promote_cmd(
     version: Annotated[str, typer.Option("--version", help="Model version to promote.")],
     alias: Annotated[str, typer.Option("--alias", help="Alias to point at the version.")] = "production",
     store: Store = None,
+    json_out: Json = False,
 ) -> None:
     """Point an alias at a version; refuses (exit 2) unless its gate passed and its checksums match."""
     quiet_libraries()
     from qgate.registry.mlflow_store import promote
 
+    o = Output(json_out)
     info = promote(model, version, alias, store)
     prev = f" (previous-production -> v{info['previous']})" if info["previous"] and info["previous"] != info["version"] else ""
-    typer.echo(f"{model}@{alias} -> v{version}{prev}  [{info['tracking_uri']}]")
+    o.say(f"{model}@{alias} -> v{version}{prev}  [{info['tracking_uri']}]")
+    step_summary(f"qgate promoted `{model}` v{version} @{alias}{prev}")
+    o.emit(promote_doc(info))
+
+
+def promote_doc(info: dict) -> PromoteDoc:
+    return PromoteDoc(exit_code=0, model=info["model"], version=str(info["version"]), alias=info["alias"],
+                      previous=None if info["previous"] is None else str(info["previous"]), tracking_uri=info["tracking_uri"],
+                      artifact_sha256=info["artifact_sha256"])
+
+
+def status_cmd(
+    model: Annotated[str, typer.Option("--model", help="Registered model name.")],
+    store: Store = None,
+    json_out: Json = False,
+) -> None:
+    """Which versions hold `production` and `previous-production`, their verdicts, drift checks and evidence links."""
+    quiet_libraries()
+    import json
+
+    from qgate.registry.mlflow_store import status
+
+    rows = status(model, store)
+    if json_out:
+        typer.echo(json.dumps({"schema_version": 1, "command": "status", "exit_code": 0, "model": model, "aliases": rows}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{model}", title_justify="left")
+    for col in ("alias", "version", "verdict", "variant", "scheme", "runtime", "created", "last drift check", "gate report"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["alias"], r["version"] or "-", r["verdict"], r["variant"], r["scheme"], r["backend"], r["created"],
+                      r["drift"], r["gate_report"])
+    Console(width=200 if not Console().is_terminal else None).print(table)
+
+
+def rollback_cmd(
+    model: Annotated[str, typer.Option("--model", help="Registered model name.")],
+    store: Store = None,
+    json_out: Json = False,
+) -> None:
+    """Point `production` back at `previous-production`, after re-verifying that version's gate and checksums.
+    The two aliases swap, so a second rollback undoes the first."""
+    quiet_libraries()
+    from qgate.registry.mlflow_store import rollback
+
+    o = Output(json_out)
+    info = rollback(model, store)
+    o.say(f"rolled back {model}@production -> v{info['version']} (previous-production -> v{info['previous']})  [{info['tracking_uri']}]")
+    step_summary(f"qgate rolled back `{model}` @production to v{info['version']}")
+    o.emit(promote_doc(info))
 
 
 def verify_cmd(

@@ -7,52 +7,92 @@ from typing import Annotated
 
 import typer
 
-from qgate.cli.options import quiet_libraries
+from qgate.cli.options import Json, Junit, quiet_libraries
+from qgate.cli.output import Output
 
 
-def run_cmd(spec: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. pipelines/promote.yaml.")]) -> None:
+def run_cmd(spec: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. pipelines/promote.yaml.")],
+            json_out: Json = False, junit: Junit = None) -> None:
     """Calibrate, quantize each variant, build engines, gate, register, and promote the best passing variant."""
     quiet_libraries()
+    from qgate.errors import PromotionRefused
     from qgate.pipeline.runner import run_pipeline
     from qgate.pipeline.spec import load_spec
+    from qgate.progress import console_err, interactive, quiet_console
 
+    o = Output(json_out)
     s = load_spec(spec)
-    typer.echo(f"pipeline {s.name}: workdir {s.path(s.workdir)}")
+    workdir = s.path(s.workdir)
+    log_file = None if interactive() else quiet_console(workdir / "logs" / "qgate-run.log")
+    o.say(f"pipeline {s.name}: workdir {workdir}" + (f"; library logs: {log_file}" if log_file else ""))
+    summary, refused = None, None
     try:
-        summary = run_pipeline(s, echo=lambda m: typer.echo(m, err=True))
+        summary = run_pipeline(s, echo=lambda m: typer.echo(m, file=console_err()))
+    except PromotionRefused as e:
+        refused = e
     finally:
-        _print_table(s)
+        _print_table(s, o)
+    summary = _load_summary(s)
+    if summary is not None:
+        _ci_outputs(s, summary, o, junit, log_file, 2 if refused else 0)
+    if refused is not None:
+        raise refused
     p = summary["promoted"]
-    typer.echo(f"promoted {p['variant']} as {summary['model_name']} v{p['version']} @{p['alias']}"
-               + (f" (previous-production: v{p['previous']})" if p.get("previous") and p["previous"] != p["version"] else ""))
+    o.say(f"promoted {p['variant']} as {summary['model_name']} v{p['version']} @{p['alias']}"
+          + (f" (previous-production: v{p['previous']})" if p.get("previous") and p["previous"] != p["version"] else ""))
     ui = Path(sys.executable).parent / "mlflow"    # the venv's own mlflow: works without an activated venv
-    typer.echo(f"MLflow store: {summary['tracking_uri']}   (view: {ui if ui.exists() else 'mlflow'} ui --backend-store-uri "
-               f"{summary['tracking_uri']})")
+    o.say(f"MLflow store: {summary['tracking_uri']}   (view: {ui if ui.exists() else 'mlflow'} ui --backend-store-uri "
+          f"{summary['tracking_uri']})")
 
 
-def _print_table(spec) -> None:
+def _load_summary(spec) -> dict | None:
     import json
 
     path = spec.path(spec.workdir) / "summary.json"
-    if not path.exists():
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _ci_outputs(spec, summary: dict, o: Output, junit, log_file, exit_code: int) -> None:
+    import json
+
+    from qgate.cli.gate import ci_outputs
+    from qgate.cli.output import RunDoc, VariantDoc, checks, step_summary
+    from qgate.cli.registry import promote_doc
+    from qgate.gates.markdown import run_summary
+
+    reports = {v["variant"]: json.loads(Path(v["report"]).with_name("report.json").read_text()) for v in summary["variants"]}
+    step_summary(run_summary(summary | {"pipeline": spec.name}))
+    ci_outputs(o, reports, spec.gates.on_inconclusive, junit)
+    variants = [VariantDoc(variant=v["variant"], verdict=v["verdict"], passed=v["passed"], version=v["version"], backend=v["backend"],
+                           weights_bytes=v["weights_bytes"], report=v["report"], checks=checks(reports[v["variant"]]["results"]))
+                for v in summary["variants"]]
+    p = summary.get("promoted")
+    o.emit(RunDoc(exit_code=exit_code, pipeline=spec.name, workdir=summary["workdir"], model=summary["model_name"],
+                  tracking_uri=summary["tracking_uri"], variants=variants, promoted=promote_doc(p) if p else None,
+                  log_file=None if log_file is None else str(log_file)))
+
+
+def _print_table(spec, o: Output) -> None:
+    summary = _load_summary(spec)
+    if summary is None:
         return
-    summary = json.loads(path.read_text())
-    typer.echo(f"{'variant':22s} {'verdict':12s} {'KL p99':>9s} {'top-1':>7s} {'version':>8s}  report")
+    typer_echo = o.say
+    typer_echo(f"{'variant':22s} {'verdict':12s} {'KL p99':>9s} {'top-1':>7s} {'version':>8s}  report")
     for v in summary["variants"]:
         kl, top1 = v.get("kl_p99"), v.get("top1_agreement")
         verdict = v["verdict"].upper() + ("*" if v["verdict"] == "inconclusive" and v["passed"] else "")
-        typer.echo(f"{v['variant']:22s} {verdict:12s} {kl:9.4f} {top1:7.3f} {str(v['version']):>8s}  {v['report']}")
+        typer_echo(f"{v['variant']:22s} {verdict:12s} {kl:9.4f} {top1:7.3f} {str(v['version']):>8s}  {v['report']}")
         for what in ("failed", "inconclusive"):
             if v[f"{what}_checks"]:
-                typer.echo(f"{'':22s} {what}: {', '.join(v[f'{what}_checks'])}")
+                typer_echo(f"{'':22s} {what}: {', '.join(v[f'{what}_checks'])}")
         for c in v.get("checks", []):
             if c["gate"] == "eval":
                 ci = f" [{c['ci'][0]:.3f}, {c['ci'][1]:.3f}]" if c["ci"] else ""
                 mde = f"  mde {c['mde']:.3f}" if c["mde"] is not None else ""
-                typer.echo(f"{'':22s} {c['verdict'].upper():12s} {c['metric']} {c['observed']:.3f}{ci}  n={c['n']}{mde}")
+                typer_echo(f"{'':22s} {c['verdict'].upper():12s} {c['metric']} {c['observed']:.3f}{ci}  n={c['n']}{mde}")
     if any(v["verdict"] == "inconclusive" and v["passed"] for v in summary["variants"]):
-        typer.echo("* inconclusive, passed under gates.on_inconclusive: warn")
+        typer_echo("* inconclusive, passed under gates.on_inconclusive: warn")
     secs = summary.get("stage_seconds") or {}
     if secs:
         skipped = set(summary.get("stages_skipped", []))
-        typer.echo("stage seconds: " + ", ".join(f"{k} {v:g}{' (earlier run)' if k in skipped else ''}" for k, v in secs.items()))
+        typer_echo("stage seconds: " + ", ".join(f"{k} {v:g}{' (earlier run)' if k in skipped else ''}" for k, v in secs.items()))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
+from qgate.progress import progress
 
 from qgate.artifact import Artifact, sha256_json
 from qgate.chat import encode_with_sources
@@ -89,7 +89,7 @@ def _top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 def rescore_reference(runner, ref: dict, top_k: int, desc: str = "shadow: reference") -> dict:
     """The same token sequences as `ref`, with `runner` as the reference model (its top-k log-probs)."""
     idx, lp, start = [], [], 0
-    for n in tqdm(ref["seq_lens"], desc=desc, unit=" prompt"):
+    for n in progress(ref["seq_lens"], desc, unit="prompt"):
         top_i, top_l = _top_k(runner.logits(ref["tokens"][start:start + n].tolist())[:-1], top_k)
         idx.append(top_i)
         lp.append(top_l)
@@ -115,7 +115,7 @@ def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg
     rows = load_shadow(shadow, cfg)
     seqs, prompt_lens, idx, lp, prompt_of, classes = [], [], [], [], [], []
     t0, score_s = time.perf_counter(), 0.0
-    for i, row in enumerate(tqdm(rows, desc="shadow: baseline answers", unit=" prompt")):
+    for i, row in enumerate(progress(rows, "shadow: baseline answers", unit="prompt")):
         ids, from_traffic = encode_with_sources(runner.tokenizer, row["messages"], cfg.max_prompt_tokens)
         answer = runner.greedy(ids, cfg.max_new_tokens)
         seq = ids + answer
@@ -147,7 +147,7 @@ def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dic
     """Per-position KL, tail mass, top-1 agreement; per-prompt first divergence."""
     kls, tails, agree, first_div, gen_lens = [], [], [], [], []
     start, pos, score_s = 0, 0, 0.0
-    for n, p in tqdm(list(zip(ref["seq_lens"], ref["prompt_lens"])), desc=desc, unit=" prompt"):
+    for n, p in progress(list(zip(ref["seq_lens"], ref["prompt_lens"])), desc, unit="prompt"):
         seq = ref["tokens"][start:start + n]
         ti, tl = ref["top_idx"][pos:pos + n - 1], ref["top_lp"][pos:pos + n - 1]   # [T-1, k]
         ts = time.perf_counter()

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tqdm import tqdm
 
 from qgate.artifact import MANIFEST, Artifact, sha256_json, typed_config
 from qgate.errors import PromotionRefused
@@ -79,6 +78,27 @@ class Runner:
         self.ran.append(name)
         self.echo(f"  + {name}: done in {secs}s ({art.path})")
         return art
+
+
+class _StageBar:
+    """A stage-count bar on a terminal; nothing without one (each stage already logs its start and end line)."""
+
+    def __init__(self, total: int, desc: str):
+        from qgate.progress import interactive
+
+        self.bar = None
+        if interactive():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit=" stage", position=0, leave=True)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def recipe(v: VariantSpec) -> dict:
@@ -178,7 +198,7 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dic
     r = Runner(spec, echo)
     w = r.workdir
     total = 2 + 3 * len(spec.variants) + 1   # model, calibrate; per variant quantize, engine, gate; register
-    bar = tqdm(total=total, desc=f"pipeline {spec.name}", unit=" stage", position=0, leave=True)
+    bar = _StageBar(total, f"pipeline {spec.name}")
 
     def step(art):
         bar.update(1)

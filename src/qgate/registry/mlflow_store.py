@@ -38,6 +38,34 @@ def tracking_uri(store: Path | None = None, *, create: bool = True) -> str:
     return f"sqlite:///{where / 'mlflow.db'}"
 
 
+_DENIED = ("PERMISSION_DENIED", "UNAUTHENTICATED", "UNAUTHORIZED")
+
+
+def refusals(what: str):
+    """Decorator for registry operations: a tracking server's refusal (no permission, bad credentials) becomes a
+    RegistryError (exit 1) saying who refused what and how to fix it, instead of a traceback."""
+    import functools
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            import mlflow
+
+            try:
+                return fn(*args, **kwargs)
+            except mlflow.exceptions.MlflowException as e:
+                code = getattr(e, "error_code", "")
+                if code not in _DENIED and "401" not in str(e) and "403" not in str(e):
+                    raise
+                user = os.environ.get("MLFLOW_TRACKING_USERNAME") or "(no MLFLOW_TRACKING_USERNAME)"
+                where = os.environ.get("MLFLOW_TRACKING_URI") or "the tracking server"
+                raise RegistryError(f"{where} refused to {what} for user {user}: {code or 'HTTP 401/403'}: {getattr(e, 'message', e)}",
+                                    hint="ask an admin of the tracking server for EDIT (register) or MANAGE (aliases) permission; "
+                                         "credentials come from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD") from None
+        return inner
+    return wrap
+
+
 def _client(store: Path | None, *, create: bool = True):
     import logging
 
@@ -88,6 +116,7 @@ def find_version(model_name: str, gate_sha256: str, candidate_sha256: str, store
     return min(found, key=lambda mv: int(mv.version)) if found else None
 
 
+@refusals("register a model version")
 def register(gate: Artifact, candidate: Artifact, model_name: str, store: Path | None = None, *,
              profile: Artifact | None = None, recipe: dict | None = None) -> str:
     """Log the candidate artifact and its gate report, register a new version, tag it. Returns the version.
@@ -130,7 +159,23 @@ def register(gate: Artifact, candidate: Artifact, model_name: str, store: Path |
         run_id = run.info.run_id
         tags = _version_tags(gate, candidate, report, verdict, run_id, model.model_id, profile, recipe)
         mv = mlflow.register_model(f"models:/{model.model_id}", model_name, tags=tags)
+    from qgate.gates.markdown import version_description
+
+    client.update_model_version(model_name, mv.version, description=version_description(report, candidate.meta, tags["qgate.gate_report_artifact"]))
+    if not client.get_registered_model(model_name).description:
+        client.update_registered_model(model_name, description=MODEL_DESCRIPTION)
     return str(mv.version)
+
+
+MODEL_DESCRIPTION = """Quantized variants gated by **qgate** against the baseline on held-out production traffic and offline evals.
+
+- Every version's description holds its gate verdict, each check (observed, 95% CI, threshold, decision) and its lineage;
+  the full report is the gate run's `gate-report/report.html` artifact.
+- `@production` is moved only by `qgate promote` / `qgate drift run` / `qgate rollback`, which refuse a version whose gate
+  did not pass or whose stored files no longer match their gated sha256; `@previous-production` is the rollback target.
+- Filter versions by the tags `qgate.gate_verdict`, `qgate.scheme`, `qgate.backend`, `qgate.kv_cache_dtype`,
+  `qgate.base_model_sha256`, `qgate.calibration_sha256`; `qgate.drift.verdict` holds the last drift check.
+"""
 
 
 def _version_tags(gate: Artifact, candidate: Artifact, report: dict, verdict: str, run_id: str, model_id: str,
@@ -147,7 +192,6 @@ def _version_tags(gate: Artifact, candidate: Artifact, report: dict, verdict: st
         "qgate.base_model_sha256": str(candidate.meta.get("base_model")),
         "qgate.artifact_sha256": candidate.sha256,
         "qgate.gate_report_sha256": gate.sha256,
-        "qgate.gate_report_path": str(gate.path / "report.html"),
         "qgate.gate_report_artifact": f"runs:/{run_id}/gate-report/report.html",
         "qgate.model_id": model_id,
         "qgate.variant": str(report["candidate"]["name"]),
@@ -193,6 +237,7 @@ def check_version(mv) -> str:
     return actual
 
 
+@refusals("move an alias")
 def promote(model_name: str, version: str, alias: str = "production", store: Path | None = None) -> dict:
     """Point `alias` at `version` if its gate passed and its stored artifact still hashes to what was gated."""
     import mlflow
@@ -209,6 +254,61 @@ def promote(model_name: str, version: str, alias: str = "production", store: Pat
     client.set_registered_model_alias(model_name, alias, str(version))
     return {"model": model_name, "version": str(version), "alias": alias, "previous": previous,
             "tracking_uri": tracking_uri(store, create=False), "artifact_sha256": actual}
+
+
+@refusals("move an alias")
+def rollback(model_name: str, store: Path | None = None) -> dict:
+    """Point `production` at `previous-production` after re-checking it (check_version), and `previous-production` at
+    the version production held, so a second rollback undoes the first."""
+    import mlflow
+
+    _, client = _client(store, create=False)
+    try:
+        target = client.get_model_version_by_alias(model_name, PREVIOUS)
+    except mlflow.exceptions.MlflowException as e:
+        raise RegistryError(f"model {model_name!r} has no @{PREVIOUS} to roll back to in {tracking_uri(store, create=False)}",
+                            hint="promote a version by hand: qgate promote --model NAME --version N") from e
+    actual = check_version(target)
+    try:
+        current = str(client.get_model_version_by_alias(model_name, "production").version)
+    except mlflow.exceptions.MlflowException:
+        current = None
+    client.set_registered_model_alias(model_name, "production", str(target.version))
+    if current is not None and current != str(target.version):
+        client.set_registered_model_alias(model_name, PREVIOUS, current)
+    return {"model": model_name, "version": str(target.version), "alias": "production", "previous": current,
+            "tracking_uri": tracking_uri(store, create=False), "artifact_sha256": actual}
+
+
+def status(model_name: str, store: Path | None = None) -> list[dict]:
+    """Every alias of the model with its version's verdict, recipe, drift check and evidence link."""
+    import mlflow
+
+    _, client = _client(store, create=False)
+    try:
+        aliases = dict(client.get_registered_model(model_name).aliases)
+    except mlflow.exceptions.MlflowException as e:
+        raise RegistryError(f"model {model_name!r} not found in {tracking_uri(store, create=False)}") from e
+    order = ["production", PREVIOUS] + sorted(a for a in aliases if a not in ("production", PREVIOUS))
+    rows = []
+    for alias in order:
+        version = aliases.get(alias)
+        tags = client.get_model_version(model_name, str(version)).tags if version is not None else {}
+        mv = client.get_model_version(model_name, str(version)) if version is not None else None
+        drift = tags.get("qgate.drift.verdict")
+        rows.append({"alias": alias, "version": None if version is None else str(version),
+                     "verdict": tags.get("qgate.gate_verdict", "-"), "variant": tags.get("qgate.variant", "-"),
+                     "scheme": tags.get("qgate.scheme", "-"), "backend": tags.get("qgate.backend", "-"),
+                     "created": "-" if mv is None else _when(mv.creation_timestamp),
+                     "drift": f"{drift} at {tags.get('qgate.drift.last_check')}" if drift else "-",
+                     "gate_report": tags.get("qgate.gate_report_artifact", "-"), "artifact_sha256": tags.get("qgate.artifact_sha256")})
+    return rows
+
+
+def _when(ms: int | None) -> str:
+    from datetime import datetime, timezone
+
+    return "-" if not ms else datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def verify(model_name: str, alias: str = "production", store: Path | None = None) -> dict:

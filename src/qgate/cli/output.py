@@ -1,0 +1,181 @@
+"""What CI reads: `--json` documents on stdout (schema below), JUnit XML, and the GitHub job summary.
+
+    out = Output(json_mode)            # out.say(text): stdout, or stderr when stdout carries JSON
+    out.emit(GateDoc(...))             # the one JSON document, when --json
+    write_junit(Path("gate.xml"), {"awq-w4a16": report["results"]}, on_inconclusive="block")
+    step_summary(markdown)             # appended to $GITHUB_STEP_SUMMARY when it is set
+
+Every document has `schema_version` and `command`; floats that are undefined or unbounded (NaN, an infinite CI end) are
+null. The JSON Schema is docs/qgate-output.schema.json (generated from these models; a test keeps it in sync).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import typer
+from pydantic import BaseModel, ConfigDict, Field
+
+VERDICT = Literal["pass", "fail", "inconclusive", "error", "info"]
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="null")
+    schema_version: Literal[1] = 1
+    exit_code: int = Field(description="0 passed/done, 1 error, 2 gate failed or promotion refused, 3 drift found")
+
+
+class Check(BaseModel):
+    model_config = ConfigDict(extra="ignore", ser_json_inf_nan="null")
+    gate: str
+    metric: str
+    verdict: VERDICT
+    observed: float | None
+    ci: list[float | None] | None = Field(description="95% confidence interval; null ends are unbounded")
+    threshold: float | None = Field(description="null: reported, not gated")
+    higher_is_better: bool
+    n: int
+    mde: float | None = Field(description="minimum detectable effect at this n")
+    n_to_decide: int | None = Field(description="inconclusive checks: roughly how many items would decide it")
+    decided_on: str
+
+
+class GateDoc(_Doc):
+    command: Literal["gate"] = "gate"
+    verdict: VERDICT
+    passed: bool
+    candidate: str
+    candidate_sha256: str
+    report_json: str
+    report_html: str
+    checks: list[Check]
+
+
+class RegisterDoc(_Doc):
+    command: Literal["register"] = "register"
+    model: str
+    version: str
+    verdict: str
+    tracking_uri: str
+
+
+class PromoteDoc(_Doc):
+    command: Literal["promote"] = "promote"
+    model: str
+    version: str
+    alias: str
+    previous: str | None
+    tracking_uri: str
+    artifact_sha256: str
+
+
+class VariantDoc(BaseModel):
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="null")
+    variant: str
+    verdict: VERDICT
+    passed: bool
+    version: str | None
+    backend: str
+    weights_bytes: int | None
+    report: str
+    checks: list[Check]
+
+
+class RunDoc(_Doc):
+    command: Literal["run"] = "run"
+    pipeline: str
+    workdir: str
+    model: str
+    tracking_uri: str
+    variants: list[VariantDoc]
+    promoted: PromoteDoc | None
+    log_file: str | None = Field(description="library logs, when the console is not a terminal")
+
+
+class ErrorDoc(_Doc):
+    command: str
+    error: str
+    hint: str | None
+
+
+DOCS = (GateDoc, RegisterDoc, PromoteDoc, RunDoc, ErrorDoc)
+
+
+def json_schema() -> dict:
+    from pydantic.json_schema import models_json_schema
+
+    _, schema = models_json_schema([(m, "serialization") for m in DOCS], title="qgate --json output")
+    schema["oneOf"] = [{"$ref": f"#/$defs/{m.__name__}"} for m in DOCS]
+    return schema
+
+
+class Output:
+    def __init__(self, json_mode: bool):
+        self.json = json_mode
+
+    def say(self, text: str) -> None:
+        from qgate.progress import console_err, console_out
+
+        typer.echo(text, file=console_err() if self.json else console_out())
+
+    def emit(self, doc: _Doc) -> None:
+        global EMITTED
+        if self.json:
+            from qgate.progress import console_out
+
+            typer.echo(doc.model_dump_json(indent=2), file=console_out())
+            EMITTED = True
+
+
+EMITTED = False   # a command printed its document: the CLI boundary then adds none for a refusal it raises after
+
+
+def error_doc(argv: list[str], message: str, hint: str | None, exit_code: int) -> str | None:
+    """The JSON document for a failure, when --json was asked for and the command printed none."""
+    if "--json" not in argv or EMITTED:
+        return None
+    words = [a for a in argv if not a.startswith("-")]
+    return ErrorDoc(exit_code=exit_code, command=" ".join(words[:2]) or "qgate", error=message, hint=hint).model_dump_json(indent=2)
+
+
+def step_summary(markdown: str) -> None:
+    path = os.environ.get("GITHUB_STEP_SUMMARY")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(markdown.rstrip() + "\n\n")
+
+
+def write_junit(path: Path, suites: dict[str, list[dict]], on_inconclusive: str = "block") -> Path:
+    """One <testsuite> per candidate, one <testcase> per check. fail/error fail the case; inconclusive fails it under
+    `block` and is skipped (with its reason) under `warn`; report-only checks pass with their value in system-out."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.Element("testsuites", name="qgate")
+    for suite_name, results in suites.items():
+        suite = ET.SubElement(root, "testsuite", name=suite_name, tests=str(len(results)))
+        failures = skipped = 0
+        for r in results:
+            case = ET.SubElement(suite, "testcase", classname=f"qgate.{suite_name}.{r['gate']}", name=r["metric"])
+            ci = f" CI [{r['ci'][0]}, {r['ci'][1]}]" if r.get("ci") else ""
+            cmp = ">=" if r["higher_is_better"] else "<="
+            text = f"observed {r['observed']}{ci}" + (f", threshold {cmp} {r['threshold']}" if r["threshold"] is not None else "") \
+                + f", n {r['n']}, decided on {r['decided_on']}"
+            if r["verdict"] in ("fail", "error") or (r["verdict"] == "inconclusive" and on_inconclusive == "block"):
+                failures += 1
+                ET.SubElement(case, "failure", type=r["verdict"], message=f"{r['verdict'].upper()}: {text}").text = text
+            elif r["verdict"] == "inconclusive":
+                skipped += 1
+                ET.SubElement(case, "skipped", message=f"INCONCLUSIVE (on_inconclusive: warn): {text}")
+            else:
+                ET.SubElement(case, "system-out").text = f"{r['verdict'].upper()}: {text}"
+        suite.set("failures", str(failures))
+        suite.set("skipped", str(skipped))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+    return path
+
+
+def checks(results: list[dict]) -> list[Check]:
+    return [Check.model_validate(r) for r in results]

@@ -1,0 +1,117 @@
+"""Progress that suits where it is read: a live bar on a terminal, a few plain lines in a CI log.
+
+    for row in progress(rows, "shadow: baseline answers", unit="prompt"): ...
+
+On a TTY this is tqdm. Without one (CI, cron, a pipe) it prints `desc: 12/48 (25%) 31s` at most once per 10% of
+the work or per 30 s, whichever comes first, and a last line at the end: no carriage-return redraws.
+`quiet_console()` is what `qgate run` and `qgate drift` call when stderr is not a TTY: from then on file descriptors 1
+and 2 (every library's prints, warnings, C++ logs, progress bars) go to a log file, and only qgate's own lines reach the
+console, through `console_out()` / `console_err()`. Third-party bars are switched off as well, so the log stays readable.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+STEP_FRACTION = 0.10
+STEP_SECONDS = 30.0
+
+
+_CONSOLE: dict[str, object] = {}
+
+
+def console_out():
+    """Where qgate's own stdout goes (the real stdout, even after quiet_console moved fd 1 to the log)."""
+    return _CONSOLE.get("out", sys.stdout)
+
+
+def console_err():
+    return _CONSOLE.get("err", sys.stderr)
+
+
+def interactive() -> bool:
+    return sys.stderr.isatty() and os.environ.get("QGATE_PLAIN_PROGRESS") != "1"
+
+
+def progress(items: Iterable[T], desc: str, total: int | None = None, unit: str = "it") -> Iterator[T]:
+    if total is None and hasattr(items, "__len__"):
+        total = len(items)  # type: ignore[arg-type]
+    if interactive():
+        from tqdm import tqdm
+
+        yield from tqdm(items, desc=desc, total=total, unit=f" {unit}", disable=False)
+        return
+    yield from _lines(items, desc, total, unit)
+
+
+def _lines(items: Iterable[T], desc: str, total: int | None, unit: str) -> Iterator[T]:
+    start = last_t = time.monotonic()
+    last_done, done = 0, 0
+    for item in items:
+        yield item
+        done += 1
+        now = time.monotonic()
+        # a line only when 30 s have passed and another 10% is done: a fast step logs just its final line
+        due = now - last_t >= STEP_SECONDS and (not total or (done - last_done) >= STEP_FRACTION * total)
+        if due and (not total or done < total):
+            print(_line(desc, done, total, unit, now - start), file=console_err(), flush=True)
+            last_t, last_done = now, done
+    print(_line(desc, done, total, unit, time.monotonic() - start) + " done", file=console_err(), flush=True)
+
+
+def _line(desc: str, done: int, total: int | None, unit: str, secs: float) -> str:
+    of = f"/{total} ({100 * done / total:.0f}%)" if total else ""
+    return f"    {desc}: {done}{of} {unit}s, {secs:.0f}s"
+
+
+def _real_std_streams() -> bool:
+    """sys.stdout/err still write to fds 1/2 (not replaced by a test harness or an embedding program): only then are
+    the fds ours to move."""
+    try:
+        return sys.stdout.fileno() == 1 and sys.stderr.fileno() == 2
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def quiet_console(log_file: Path) -> Path:
+    """Send fds 1 and 2 to `log_file` and keep the console for qgate's own lines. Returns the log's path."""
+    import logging
+
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    if "out" not in _CONSOLE and _real_std_streams():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _CONSOLE["out"] = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+        _CONSOLE["err"] = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8")
+        log = open(log_file, "a", buffering=1, encoding="utf-8")
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        _CONSOLE["log"] = log
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["QGATE_PLAIN_PROGRESS"] = "1"
+    os.environ["MLFLOW_CONFIGURE_LOGGING"] = "false"
+    import tqdm.std
+
+    if not getattr(tqdm.std.tqdm.__init__, "_qgate_quiet", False):   # libraries that pass disable=False explicitly too
+        init = tqdm.std.tqdm.__init__
+
+        def quiet_init(self, *args, **kwargs):
+            kwargs["disable"] = True
+            init(self, *args, **kwargs)
+        quiet_init._qgate_quiet = True
+        tqdm.std.tqdm.__init__ = quiet_init
+    logging.captureWarnings(True)
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for name in ("datasets", "lm_eval", "lm-eval", "mlflow", "alembic", "llmcompressor", "onnxruntime", "qgate"):
+        logging.getLogger(name).setLevel(logging.INFO)   # INFO and up; their handlers now write to the log
+    if not root.handlers:
+        logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ["LLM_COMPRESSOR_LOG_LEVEL"] = "INFO"   # llm-compressor's console sink is fd 2: the log
+    logging.getLogger("qgate").info("library logs of this run: %s", log_file)
+    return log_file

@@ -1,0 +1,96 @@
+"""Against a real MLflow tracking server with basic authentication, started on localhost for the test."""
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from qgate.cli.main import main
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("flask_wtf", reason="mlflow[auth] is in the dev extra: bash scripts/setup.sh installs it")
+    root = tmp_path_factory.mktemp("mlflow-server")
+    ini = root / "auth.ini"
+    ini.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{root / 'auth.db'}\nadmin_username = admin\n"
+                   "admin_password = admin-pass-1234\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    port = _free_port()
+    env = os.environ | {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": "qgate-test-secret"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    mlflow_bin = Path(sys.executable).parent / "mlflow"
+    proc = subprocess.Popen([str(mlflow_bin), "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(port),
+                             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),
+                             "--workers", "1"], env=env, stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                if requests.get(f"{url}/health", timeout=1).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            if proc.poll() is not None:
+                pytest.fail(f"mlflow server exited: {(root / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        admin = ("admin", "admin-pass-1234")
+        for user, pw in (("ci", "ci-pass-1234"), ("reader", "reader-pass-1234")):
+            r = requests.post(f"{url}/api/2.0/mlflow/users/create", json={"username": user, "password": pw}, auth=admin, timeout=10)
+            assert r.ok, r.text
+        yield url, root
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _as(monkeypatch, url, user, pw):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", pw)
+
+
+def test_register_and_promote_through_an_authenticated_server_and_refuse_a_reader(server, base_art, w8_art, calib_arts, tmp_path,
+                                                                                  monkeypatch, capsys):
+    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.shadow import ShadowConfig
+
+    url, root = server
+    cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0,
+                                         top1_agreement_min=0.0), eval=None)
+    report = run_gates(w8_art, base_art, calib_arts["shadow"], cfg, tmp_path / "g", tmp_path / "c", name="w8")
+    _as(monkeypatch, url, "ci", "ci-pass-1234")
+    assert main(["register", "--gate", str(report.path), "--candidate", str(w8_art.path), "--model", "remote-llm"]) == 0
+    out = capsys.readouterr()
+    assert "registered remote-llm version 1" in out.out and "ci-pass-1234" not in out.out + out.err
+    assert main(["promote", "--model", "remote-llm", "--version", "1"]) == 0   # checksums verified through the server's artifacts
+    assert main(["verify", "--model", "remote-llm"]) == 0
+    capsys.readouterr()
+    # a user with only the default READ permission may look, not move aliases
+    _as(monkeypatch, url, "reader", "reader-pass-1234")
+    assert main(["status", "--model", "remote-llm", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["promote", "--model", "remote-llm", "--version", "1", "--alias", "staging"]) == 1
+    err = capsys.readouterr().err
+    assert "refused to move an alias for user reader" in err and "PERMISSION_DENIED" in err and "reader-pass" not in err
+    # wrong password: refused, with the reason
+    _as(monkeypatch, url, "ci", "wrong")
+    assert main(["register", "--gate", str(report.path), "--candidate", str(w8_art.path), "--model", "remote-llm"]) == 1
+    err = capsys.readouterr().err
+    assert "refused" in err and "for user ci" in err and "internal error" not in err
+    # nothing half-done: still one version, production untouched
+    _as(monkeypatch, url, "ci", "ci-pass-1234")
+    from mlflow import MlflowClient
+
+    client = MlflowClient(url, url)
+    assert len(client.search_model_versions("name='remote-llm'")) == 1
+    assert str(client.get_model_version_by_alias("remote-llm", "production").version) == "1"
