@@ -151,6 +151,10 @@ def test_drift_detects_route_shift_and_not_proportional_copies():
     rows = {r["facet"]: r for r in traffic_drift(base, moved, DriftConfig())}
     assert rows["route"]["js"] > 0.4 and rows["route"]["verdict"] == "drift" and rows["length"]["verdict"] == "ok"
     assert rows["route"]["top_shifts"][0]["category"] in ("chat", "code")
+    # a vocabulary shift cannot be called drift when a profile lacks the split halves that measure its noise
+    words_moved = _prof({"0-16": 500, "16-64": 500}, {"chat": 900, "code": 100}, {"a": 9000, "b": 1000})
+    vocab = {r["facet"]: r for r in traffic_drift(base, words_moved, DriftConfig())}["vocabulary"]
+    assert vocab["js"] > 0.1 and vocab["verdict"] == "inconclusive" and "not measured" in vocab["note"]
     # a shift seen on 5 requests is within sampling noise: inconclusive, not an alarm
     tiny_moved = _prof({"0-16": 3, "16-64": 2}, {"chat": 3, "code": 2}, {"a": 50, "b": 50})
     assert {r["facet"]: r for r in traffic_drift(base, tiny_moved, DriftConfig())}["route"]["verdict"] == "inconclusive"

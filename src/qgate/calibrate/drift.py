@@ -98,19 +98,22 @@ def traffic_drift(old: dict, new: dict, cfg: DriftConfig) -> list[dict]:
         (a, n_a), (b, n_b) = fo[f], fn[f]
         js = _js(a, b)
         noise = sampling_noise(a, b, n_a, n_b, cfg.noise_draws, cfg.seed)
+        unmeasured = False
         if f == "vocabulary":   # words of one request co-vary: the multinomial model understates the noise
             measured = split_half_noise(old, new)
+            unmeasured = measured is None
             noise = noise if measured is None else max(noise, measured)
         limit = getattr(cfg, f"max_js_{f}")
         if js != js:
             verdict = "inconclusive"           # an empty facet: nothing to compare
         elif js <= limit:
             verdict = "ok"
-        else:
-            verdict = "drift" if js > noise else "inconclusive"
+        else:   # above the limit: drift only if also above the noise, and only if that noise was measured
+            verdict = "drift" if js > noise and not unmeasured else "inconclusive"
         shift = _top_shifts(a, b)
         rows.append({"facet": f, "js": js, "threshold": limit, "noise_p99": noise, "n_old": n_a, "n_new": n_b,
-                     "verdict": verdict, "top_shifts": shift})
+                     "verdict": verdict, "top_shifts": shift,
+                     "note": "noise not measured: a profile predates split halves (multinomial lower bound shown)" if unmeasured else ""})
     return rows
 
 

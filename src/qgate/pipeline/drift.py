@@ -62,7 +62,7 @@ def _check(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None], 
     rows = traffic_drift(prod["profile"], new, cfg)
     for row in rows:
         echo(f"  traffic {row['facet']:10s} JS {row['js']:.4f}  limit {row['threshold']:g}  noise p99 {row['noise_p99']:.4f}  "
-             f"{row['verdict'].upper()}")
+             f"{row['verdict'].upper()}" + (f" ({row['note']})" if row.get("note") else ""))
     reasons = [f"{x['facet']} moved (JS {x['js']:.3f} > {x['threshold']:g})" for x in rows if x["verdict"] == "drift"]
     quality = None
     if cfg.quality:
@@ -134,6 +134,7 @@ def drift_run(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None
 
         prod = production_evidence(model, cfg.alias, spec.path(spec.registry.store), main.workdir / "drift" / "production")
         variants = _variants(prod, spec, echo)
+        main, r = _dirs(spec, recent, echo)   # fresh ledgers: the check has recorded its calibrate stage since
         echo(f"  > recalibrating {len(variants)} variant(s) on the recent traffic: {', '.join(v.name for v in variants)}")
         base = model_stage(main, spec)
         calib, shadow, profile = calibrate_stage(r, spec, recent)

@@ -78,7 +78,8 @@ def write_drift_report(out: Path, report: dict, old: dict, new: dict) -> None:
     (out / "drift.json").write_text(json.dumps(report, indent=2, default=float))
     css = "".join(f".{k} td:first-child{{color:{c};font-weight:bold}}" for k, c in _VCOLOR.items())
     rows = "".join(f"<tr class={r['verdict']}><td>{r['verdict'].upper()}</td><td>{r['facet']}</td><td>{r['js']:.4f}</td>"
-                   f"<td>{r['threshold']:g}</td><td>{r['noise_p99']:.4f}</td><td>{r['n_old']}</td><td>{r['n_new']}</td></tr>"
+                   f"<td>{r['threshold']:g}</td><td>{r['noise_p99']:.4f}</td><td>{r['n_old']}</td><td>{r['n_new']}</td>"
+                   f"<td>{html.escape(r.get('note', ''))}</td></tr>"
                    for r in report["traffic"])
     prod = report["production"]
     verdict = report["verdict"]
@@ -92,7 +93,7 @@ def write_drift_report(out: Path, report: dict, old: dict, new: dict) -> None:
 <h2>Traffic drift</h2>
 <p>Jensen-Shannon divergence (bits) per facet. A facet drifts when it is above its limit and above the divergence two
 samples of the same traffic show at these sizes (noise p99); above the limit but within the noise is INCONCLUSIVE.</p>
-<table><tr><th></th><th>facet</th><th>JS</th><th>limit</th><th>noise p99</th><th>n calibrated</th><th>n recent</th></tr>{rows}</table>
+<table><tr><th></th><th>facet</th><th>JS</th><th>limit</th><th>noise p99</th><th>n calibrated</th><th>n recent</th><th>note</th></tr>{rows}</table>
 <img alt="facets" src="data:image/png;base64,{_facet_plot(report, old, new)}">
 {_quality(report['quality'])}
 <p>Why: {html.escape('; '.join(report['reasons']) or 'nothing moved beyond its limit')}</p>""")
