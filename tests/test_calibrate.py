@@ -176,3 +176,34 @@ def test_drift_cli_exit_codes(tmp_path, capsys):
     assert main(["calibrate", "drift", "--reference", str(tmp_path / "a/profile"), "--current", str(tmp_path / "b/profile")]) == 3
     assert "route      JS" in capsys.readouterr().out
     assert main(["calibrate", "drift", "--reference", str(tmp_path / "a/calib"), "--current", str(tmp_path / "b/profile")]) == 1
+
+
+def test_pii_recall_and_precision_per_type_on_the_labeled_set():
+    """data/pii/labeled.jsonl: real demo prompts with injected PII of every type and hard negatives (bench_pii.py)."""
+    from pathlib import Path
+
+    from qgate.calibrate.scrub_eval import demo_prompts, load_labeled, score
+
+    s = score(load_labeled(Path(__file__).parents[1] / "data/pii/labeled.jsonl"), demo_prompts())
+    assert s["rows"] >= 2000 and s["negative_rows"] >= 500
+    for kind, v in s["types"].items():
+        assert v["injected"] >= 300, kind
+        assert v["recall"] >= 0.99, (kind, v)
+        assert v["precision"] >= 0.95, (kind, v)
+
+
+@pytest.mark.parametrize("text,kind", [
+    ("call +44 20 7946 0958 today", "phone"), ("ring (415) 555-0132 or", "phone"), ("tel 01 42 68 53 00 merci", "phone"),
+    ("IBAN DE89 3704 0044 0532 0130 00 I sent", "iban"), ("ssn 123-45-6789", "national_id"), ("NI AB 12 34 56 C", "national_id"),
+    ("host 2001:db8::8a2e:370:7334 down", "ip"), ("token ghp_" + "a" * 36, "secret"), ("amex 3782 822463 10005", "card"),
+])
+def test_scrub_finds_each_type(text, kind):
+    clean, counts = scrub(text)
+    assert counts == {kind: 1}, (clean, counts)
+
+
+@pytest.mark.parametrize("text", ["order #7758975076", "1 2 3 4 5 6 7 8 9 10", "v1.2.3.4", "ISBN 978-0-306-40615-7",
+                                  "at 12:30:45", "id 8f544299-1718-441e-a84f-4bb285c34c0e", "invoice 4484363313638",
+                                  "price $80628.45", "2024-01-15"])
+def test_scrub_leaves_look_alikes(text):
+    assert scrub(text) == (text, {})

@@ -254,8 +254,8 @@ def test_drift_run_killed_at_each_step_reruns_without_duplicates(fresh, monkeypa
     elif where in ("quantize", "gate"):
         real_stage = runner_mod.Runner.stage
 
-        def stage(self, name, key, fn):
-            art = real_stage(self, name, key, fn)
+        def stage(self, name, key, out, fn):
+            art = real_stage(self, name, key, out, fn)
             if name.startswith(where + ":"):
                 raise Killed(name)
             return art
@@ -302,7 +302,7 @@ def test_one_drift_run_per_model_and_a_killed_holder_is_taken_over(fresh, monkey
         assert holder.stdout.readline().strip() == "held"
         assert main(["drift", "run", "--spec", str(root / "spec.yaml"), "--traffic", str(root / "shifted.jsonl")]) == 1
         err = capsys.readouterr().err
-        assert "already running" in err and f"pid {holder.pid}" in err
+        assert "the lock is held (holder: " in err and f"pid {holder.pid}" in err
         t = time.perf_counter()
         with pytest.raises(LockHeld):
             with job_lock(lock, "second", wait=0.5):

@@ -181,3 +181,34 @@ def test_pipeline_progress_counts_each_stage_once(tmp_path, workdir, monkeypatch
     assert main(["run", str(spec)]) == 0
     (bar,) = bars
     assert bar.steps == [1] * bar.total and bar.total == 2 + 3 * 2 + 1
+
+
+HOLD_WORKDIR = """
+import sys, time
+from pathlib import Path
+from qgate.locks import workdir_lock
+with workdir_lock(Path(sys.argv[1]), "qgate run other"):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_second_job_on_the_same_workdir_exits_at_once_naming_the_holder(tmp_path, workdir, monkeypatch, capsys):
+    import signal
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    spec = _spec(tmp_path, workdir)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_WORKDIR, str(tmp_path / "work")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t = time.perf_counter()
+        assert main(["run", str(spec)]) == 1
+        assert main(["run", str(spec), "--wait", "1"]) == 1
+        assert 1.0 <= time.perf_counter() - t < 30
+        out, err = capsys.readouterr()
+        assert "cannot start qgate run tiny: the lock is held (qgate run other: pid " in err and str(holder.pid) in err
+        assert "verdict" not in out.lower() and not (tmp_path / "work" / "stages.json").exists()   # nothing ran
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()

@@ -6,23 +6,9 @@ import pytest
 from qgate.artifact import Artifact
 from qgate.cli.main import main
 from qgate.errors import PromotionRefused
-from qgate.gates.evalgate import EvalConfig
 from qgate.gates.run import GateConfig, run_gates
 from qgate.gates.shadow import ShadowConfig
 from qgate.registry.mlflow_store import promote, register
-
-
-@pytest.fixture(scope="module")
-def gated(base_art, w8_art, awq_art, calib_arts, workdir):
-    """w8 passes lenient thresholds; awq fails an impossible KL threshold."""
-    lenient = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0,
-                                             top1_agreement_min=0.0),  # 192 answer tokens cannot bound a p99
-                         eval=EvalConfig(tasks=("bigbench_general_knowledge",), limit=8, min_recovery=0.0))
-    strict = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=1e-4), eval=None)
-    ok = run_gates(w8_art, base_art, calib_arts["shadow"], lenient, workdir / "reg-ok", workdir / "cache-reg")
-    bad = run_gates(awq_art, base_art, calib_arts["shadow"], strict, workdir / "reg-bad", workdir / "cache-reg")
-    assert ok.meta["passed"] and not bad.meta["passed"]
-    return ok, bad
 
 
 def test_register_promote_refuse_and_rollback_alias(gated, w8_art, awq_art, base_art, calib_arts, tmp_path, monkeypatch):
@@ -144,3 +130,64 @@ def test_gate_runs_are_named_after_the_variant_and_tagged_with_the_verdict(gated
         run = client.get_run(client.get_logged_model(mv.tags["qgate.model_id"]).source_run_id)
         name = json.loads((art.path / "report.json").read_text())["candidate"]["name"]
         assert run.info.run_name == f"gate-{name}" and run.data.tags["qgate.verdict"] == verdict
+
+
+def test_an_edited_gate_report_blocks_registration(gated, w8_art, tmp_path):
+    from qgate.errors import InputError
+
+    ok, _ = gated
+    copy = tmp_path / "gate-copy"
+    shutil.copytree(ok.path, copy)
+    report = json.loads((copy / "report.json").read_text())
+    report["results"][0]["observed"] = 0.0
+    (copy / "report.json").write_text(json.dumps(report))
+    with pytest.raises(InputError, match="content changed"):
+        register(Artifact.load(copy), w8_art, "x", tmp_path / "m")
+
+
+def test_promotion_checks_the_stored_gate_report_not_the_tags(gated, w8_art, awq_art, tmp_path, monkeypatch):
+    """Tags are editable by anyone with write access in the UI; the gate report stored with the run is the evidence.
+    A failed version whose tags were forged to say passed, and a passed version whose stored report was edited
+    after registration, are both refused."""
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    ok, bad = gated
+    store = tmp_path / "mlflow"
+    v_ok, v_bad = register(ok, w8_art, "forge", store), register(bad, awq_art, "forge", store)
+    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}", f"sqlite:///{store / 'mlflow.db'}")
+    for k, v in {"qgate.gate_passed": "true", "qgate.gate_verdict": "pass", "qgate.gate_failed_checks": "-"}.items():
+        client.set_model_version_tag("forge", v_bad, k, v)
+    with pytest.raises(PromotionRefused, match=f"forge v{v_bad}: its stored gate report says fail"):
+        promote("forge", v_bad, store=store)
+    run_id = client.get_model_version("forge", v_ok).tags["qgate.gate_report_artifact"].split("/")[1]
+    stored = next(p for p in (store / "artifacts").rglob("report.json") if run_id in str(p))
+    stored.write_text(stored.read_text().replace('"verdict": "pass"', '"verdict": "pass" '))
+    with pytest.raises(PromotionRefused, match=f"forge v{v_ok}: stored gate report sha256 .* != registered"):
+        promote("forge", v_ok, store=store)
+    assert main(["promote", "--model", "forge", "--version", v_ok, "--store", str(store)]) == 2
+
+
+def test_a_registration_killed_halfway_is_cleaned_up_and_a_missing_description_repaired(gated, w8_art, tmp_path, monkeypatch, capsys):
+    """What a kill between registration's server calls leaves: a run and a logged model with no version (removed on the
+    next registration), or a version without its description (rewritten)."""
+    from mlflow import MlflowClient
+
+    from qgate.registry.mlflow_store import _client
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    ok, _ = gated
+    store = tmp_path / "mlflow"
+    mlflow, client = _client(store)
+    exp = client.get_experiment_by_name("qgate")
+    with mlflow.start_run(experiment_id=exp.experiment_id, tags={"qgate.gate_report_sha256": ok.sha256}) as run:
+        orphan = mlflow.initialize_logged_model(name="half", source_run_id=run.info.run_id, experiment_id=exp.experiment_id,
+                                                tags={"qgate.gate_report_sha256": ok.sha256})
+    v = register(ok, w8_art, "half", store)
+    err = capsys.readouterr().err
+    assert f"removed logged model {orphan.model_id}" in err and f"removed run {run.info.run_id}" in err
+    c = MlflowClient(f"sqlite:///{store / 'mlflow.db'}", f"sqlite:///{store / 'mlflow.db'}")
+    assert [m.model_id for m in c.search_logged_models([exp.experiment_id])] == [c.get_model_version("half", v).tags["qgate.model_id"]]
+    c.update_model_version("half", v, description="")
+    assert register(ok, w8_art, "half", store) == v
+    assert "## " in c.get_model_version("half", v).description or "verdict" in c.get_model_version("half", v).description.lower()

@@ -94,3 +94,28 @@ def test_register_and_promote_through_an_authenticated_server_and_refuse_a_reade
     client = MlflowClient(url, url)
     assert len(client.search_model_versions("name='remote-llm'")) == 1
     assert str(client.get_model_version_by_alias("remote-llm", "production").version) == "1"
+
+
+def test_parallel_registrations_and_promotions_through_the_server(server, gated, w8_art, tmp_path):
+    """The same race as test_concurrency.py, against the real server: the lease kept in the server serializes them."""
+    from mlflow import MlflowClient
+
+    from test_concurrency import check_promotion_chain, distinct_reports, run_workers
+
+    url, _ = server
+    ok, _ = gated
+    gates = [str(p) for p in distinct_reports(ok, tmp_path, 4)]   # each operation takes seconds through the auth server
+    env = os.environ | {"MLFLOW_TRACKING_URI": url, "MLFLOW_TRACKING_USERNAME": "ci", "MLFLOW_TRACKING_PASSWORD": "ci-pass-1234"}
+    results = run_workers("register", "-", "race", tmp_path / "go", [[str(w8_art.path), *gates[:2]], [str(w8_art.path), *gates[2:]]], env)
+    assert sorted(int(r["version"]) for rs in results for r in rs) == [1, 2, 3, 4]
+    results = run_workers("promote", "-", "race", tmp_path / "go", [["1", "3"], ["2", "4"]], env)
+    os.environ.update({k: env[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")})
+    try:
+        client = MlflowClient(url, url)
+        aliases = client.get_registered_model("race").aliases
+        assert len(client.search_model_versions("name='race'")) == 4
+        assert not [m.name for m in client.search_registered_models() if m.name.startswith("qgate-lease.")]   # released
+    finally:
+        for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+            os.environ.pop(k, None)
+    check_promotion_chain(results, None, str(aliases["production"]), str(aliases.get("previous-production")))

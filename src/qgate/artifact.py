@@ -18,6 +18,7 @@ from typing import Any
 from qgate.errors import InputError
 
 MANIFEST = "qgate-artifact.json"
+UNHASHED = (MANIFEST, "build.log")   # what qgate writes about an artifact, not its content: a build log has timestamps
 KINDS = ("checkpoint", "calibration-set", "traffic-profile", "engine", "gate-report")
 _CHUNK = 1 << 20
 
@@ -30,7 +31,7 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def sha256_tree(path: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> str:
+def sha256_tree(path: Path, exclude: tuple[str, ...] = UNHASHED) -> str:
     """Content hash of a file or a directory: relative paths and file bytes, in sorted order."""
     path = Path(path)
     if path.is_file():
@@ -123,3 +124,33 @@ class Artifact:
                 f"{self.path}: content changed since qgate wrote it (sha256 {actual[:12]} != manifest {self.sha256[:12]})",
                 hint="re-run the stage that produced it; do not edit artifacts in place",
             )
+
+
+def build_atomically(out: Path, fn) -> "Artifact":
+    """Run `fn(tmp)`, which writes a stage's whole output under `tmp` and returns its artifact (at `tmp` or below),
+    then rename `tmp` to `out`. A stage killed at any moment leaves either the previous complete `out` or none,
+    never a half-written one; the leftover temporary directory is removed by the next build into `out`.
+    Returns the artifact reloaded from its place under `out`."""
+    import shutil
+
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:   # a killed build's
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        art = fn(tmp)
+        rel = Path(art.path).resolve().relative_to(tmp.resolve())
+        for m in list(tmp.rglob(MANIFEST)) + list(tmp.rglob("*.qgate.json")):   # manifests name their final place
+            data = json.loads(m.read_text())
+            final = out / m.parent.relative_to(tmp) if m.name == MANIFEST else out / m.relative_to(tmp).with_name(m.name[:-len(".qgate.json")])
+            data["path"] = str(final)
+            m.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            out.rename(old)                  # killed here: `out` is missing, and the next run rebuilds it
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Artifact.load(out / rel)

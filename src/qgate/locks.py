@@ -31,7 +31,7 @@ def _owner(path: Path) -> dict | None:
 def _who(o: dict | None) -> str:
     if not o:
         return "an unknown process"
-    return f"pid {o.get('pid')} on {o.get('host')} since {o.get('started')}"
+    return f"{o.get('what', 'a qgate job')}: pid {o.get('pid')} on {o.get('host')} since {o.get('started')}"
 
 
 @contextmanager
@@ -46,7 +46,7 @@ def job_lock(path: Path, what: str, wait: float = 0.0, echo: Callable[[str], Non
     try:
         lock.acquire(timeout=wait)
     except Timeout:
-        raise LockHeld(f"{what} is already running ({_who(_owner(owner_file))}); lock {path}",
+        raise LockHeld(f"cannot start {what}: the lock is held ({_who(_owner(owner_file))}); lock {path}",
                        hint="wait for it to finish; the lock is released when that process exits, even if it is killed") from None
     try:
         stale = _owner(owner_file)
@@ -61,3 +61,9 @@ def job_lock(path: Path, what: str, wait: float = 0.0, echo: Callable[[str], Non
         owner_file.unlink(missing_ok=True)
     finally:
         lock.release()
+
+
+def workdir_lock(workdir: Path, what: str, wait: float = 0.0, echo: Callable[[str], None] = print):
+    """The lock every job that writes a pipeline workdir holds (its ledger, caches and stage outputs): `qgate run`
+    and the drift jobs. A second job on the same workdir waits up to `wait` seconds, then exits with LockHeld."""
+    return job_lock(Path(workdir) / "locks" / "workdir.lock", what, wait=wait, echo=echo)

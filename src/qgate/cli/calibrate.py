@@ -23,9 +23,12 @@ def sample_cmd(
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = _D.seed,
 ) -> None:
     """Stratified, deduplicated, PII-scrubbed calibration + shadow split with a traffic profile."""
+    from qgate.artifact import Artifact, build_atomically
     from qgate.calibrate.sample import sample_traffic
 
-    arts = sample_traffic(traffic, out, SampleConfig(calib_size=calib_size, shadow_size=shadow_size, seed=seed))
+    cfg = SampleConfig(calib_size=calib_size, shadow_size=shadow_size, seed=seed)
+    build_atomically(out, lambda tmp: sample_traffic(traffic, tmp, cfg)["calib"])
+    arts = {name: Artifact.load(Path(out) / name) for name in ("calib", "shadow", "profile")}
     stats = arts["calib"].meta["stats"]
     typer.echo(f"read {stats.get('records', 0)} records: {stats.get('rejected', 0)} rejected (see {Path(out) / 'rejects.jsonl'}), "
                f"{stats.get('duplicates', 0)} duplicates")

@@ -23,11 +23,11 @@ def build_cmd(
 ) -> None:
     """Build (cpu) or bundle and verify (trtllm) an engine."""
     quiet_libraries()
-    from qgate.artifact import Artifact
+    from qgate.artifact import Artifact, build_atomically
     from qgate.engines.build import build_engine
 
     ckpt = Artifact.load(checkpoint, "checkpoint")
     prof = Artifact.load(profile, "traffic-profile") if profile else None
     options = {"accuracy_level": accuracy_level} if backend == "cpu" else {"verify": verify}
-    art = build_engine(ckpt, backend, out, prof, **options)
+    art = build_atomically(out, lambda tmp: build_engine(ckpt, backend, tmp, prof, **options))
     typer.echo(f"engine {art.path}  sha256 {art.sha256[:16]}  backend {art.meta.get('backend')}")

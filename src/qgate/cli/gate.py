@@ -25,7 +25,7 @@ def gate_cmd(
 ) -> None:
     """Contract, shadow, parity, eval and perf gates; report.json and report.html. Exit 2 unless it passed."""
     quiet_libraries()
-    from qgate.artifact import Artifact
+    from qgate.artifact import Artifact, build_atomically
     from qgate.gates.run import GateConfig, run_gates
     from qgate.pipeline.spec import load_spec
 
@@ -33,8 +33,8 @@ def gate_cmd(
     cfg = load_spec(spec).gate_config() if spec else GateConfig()
     cand = Artifact.load(candidate)
     label = name or cand.meta.get("scheme") or cand.path.name
-    art = run_gates(cand, Artifact.load(baseline, "checkpoint"), Artifact.load(shadow, "calibration-set"),
-                    cfg, out, cache, name=label)
+    base, shadow_set = Artifact.load(baseline, "checkpoint"), Artifact.load(shadow, "calibration-set")
+    art = build_atomically(out, lambda tmp: run_gates(cand, base, shadow_set, cfg, tmp, cache, name=label))
     report = print_verdict(art, o)
     ci_outputs(o, {label: report}, cfg.on_inconclusive, junit)
     o.emit(gate_doc(art, report, str(candidate)))

@@ -24,7 +24,7 @@ def quantize_cmd(
 ) -> None:
     """Quantize a baseline checkpoint with llm-compressor."""
     quiet_libraries()
-    from qgate.artifact import Artifact
+    from qgate.artifact import Artifact, build_atomically
     from qgate.quantize.run import quantize
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
@@ -32,5 +32,5 @@ def quantize_cmd(
     kv = KVCacheConfig(kv_cache) if kv_cache else None
     base = Artifact.load(model, "checkpoint")
     cal = Artifact.load(calib, "calibration-set") if calib else None
-    art = quantize(base, cal, cfg, out, kv=kv, opts=CalibOptions(max_seq_length=max_seq_length))
+    art = build_atomically(out, lambda tmp: quantize(base, cal, cfg, tmp, kv=kv, opts=CalibOptions(max_seq_length=max_seq_length)))
     typer.echo(f"checkpoint {art.path}  sha256 {art.sha256[:16]}  {art.meta}")

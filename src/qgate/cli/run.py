@@ -12,10 +12,12 @@ from qgate.cli.output import Output
 
 
 def run_cmd(spec: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. pipelines/promote.yaml.")],
-            json_out: Json = False, junit: Junit = None) -> None:
+            json_out: Json = False, junit: Junit = None,
+            wait: Annotated[float, typer.Option(help="Seconds to wait for another job on the same workdir to finish "
+                                                     "(default: exit 1 at once, naming the job that holds it).")] = 0.0) -> None:
     """Calibrate, quantize each variant, build engines, gate, register, and promote the best passing variant."""
     quiet_libraries()
-    from qgate.errors import PromotionRefused
+    from qgate.errors import LockHeld, PromotionRefused
     from qgate.pipeline.runner import run_pipeline
     from qgate.pipeline.spec import load_spec
     from qgate.progress import console_err, interactive, quiet_console
@@ -27,11 +29,12 @@ def run_cmd(spec: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. pipel
     o.say(f"pipeline {s.name}: workdir {workdir}" + (f"; library logs: {log_file}" if log_file else ""))
     summary, refused = None, None
     try:
-        summary = run_pipeline(s, echo=lambda m: typer.echo(m, file=console_err()))
+        summary = run_pipeline(s, echo=lambda m: typer.echo(m, file=console_err()), wait=wait)
     except PromotionRefused as e:
         refused = e
     finally:
-        _print_table(s, o)
+        if not isinstance(sys.exc_info()[1], LockHeld):   # another job's results are not this run's table
+            _print_table(s, o)
     summary = _load_summary(s)
     if summary is not None:
         _ci_outputs(s, summary, o, junit, log_file, 2 if refused else 0)

@@ -37,8 +37,11 @@ class TorchRunner:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **dequantize_kwargs(path)).eval()
+        from qgate.trust import LOAD_KWARGS, TOKENIZER_KWARGS, check_loadable
+
+        check_loadable(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, **TOKENIZER_KWARGS)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **LOAD_KWARGS, **dequantize_kwargs(path)).eval()
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
@@ -121,7 +124,10 @@ class OrtRunner:
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         self.session = ort.InferenceSession(str(engine_dir / dec["filename"]), opts, providers=["CPUExecutionProvider"])
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        from qgate.trust import TOKENIZER_KWARGS, check_loadable
+
+        check_loadable(tokenizer_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, **TOKENIZER_KWARGS)
         self.layers, self.kv_heads, self.head = dec["num_hidden_layers"], dec["num_key_value_heads"], dec["head_size"]
         self.names = dec["inputs"]
         self.present = (dec["outputs"]["present_key_names"], dec["outputs"]["present_value_names"])

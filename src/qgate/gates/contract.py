@@ -181,9 +181,12 @@ def _rendering_diffs(btok, ctok, rows: list[dict]) -> tuple[list[dict], int]:
 def contract_gate(candidate: Artifact, baseline: Artifact, rows: list[dict], cfg: ContractConfig) -> list[GateResult]:
     from transformers import AutoTokenizer
 
+    from qgate.trust import TOKENIZER_KWARGS, check_loadable
+
     cdir, genai = served_files(candidate)
     bdir = baseline.path
-    btok, ctok = AutoTokenizer.from_pretrained(bdir), AutoTokenizer.from_pretrained(cdir)
+    check_loadable(cdir)
+    btok, ctok = AutoTokenizer.from_pretrained(bdir, **TOKENIZER_KWARGS), AutoTokenizer.from_pretrained(cdir, **TOKENIZER_KWARGS)
     ctx, arch = _config_diffs(bdir, cdir, genai)
     rendered, n_prompts = _rendering_diffs(btok, ctok, rows)
     facets = {"tokenizer": (_tokenizer_diffs(btok, ctok, bdir, cdir), len(btok.get_vocab())),

@@ -60,7 +60,12 @@ def task_config(name: str) -> dict:
     except yaml.YAMLError as e:  # includes unknown tags such as !function
         raise ConfigError(f"{path}: not plain YAML ({e})", hint="qgate task files may not execute code") from e
     files = cfg.get("dataset_kwargs", {}).get("data_files", {})
-    cfg["dataset_kwargs"]["data_files"] = {k: str((path.parent / v).resolve()) for k, v in files.items()}
+    resolved = {k: (path.parent / v).resolve() for k, v in files.items()}
+    for k, f in resolved.items():
+        if not f.is_relative_to(path.parent.resolve()):
+            raise ConfigError(f"{path}: dataset_kwargs.data_files.{k} {files[k]!r} points outside the task directory",
+                              hint="keep a task's data beside its YAML")
+    cfg["dataset_kwargs"]["data_files"] = {k: str(f) for k, f in resolved.items()}
     return cfg
 
 

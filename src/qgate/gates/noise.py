@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from qgate.artifact import Artifact, sha256_json
+from qgate.cache import read_cached, write_cached
 from qgate.errors import ConfigError
 from qgate.gates.shadow import ShadowConfig, candidate_metrics, kl_top1_checks, scoring_summary
 
@@ -46,15 +47,14 @@ def noise_floor(runner_factory, baseline: Artifact, shadow: Artifact, ref: dict,
     key = sha256_json({"baseline": baseline.sha256, "shadow": shadow.sha256, "cfg": cfg.reference_key(),
                        "positions": cfg.positions, "batch": BATCH, "v": 1})
     path = Path(cache_dir) / f"noise-floor-{key[:24]}.json"
-    if path.exists():
-        return json.loads(path.read_text()) | {"cached": True}
+    if (data := read_cached(path)) is not None:
+        return json.loads(data) | {"cached": True}
     m = candidate_metrics(BatchedPath(runner_factory(), ref), ref, desc="noise floor: baseline vs itself")
     masks, _ = scoring_summary(ref, cfg)
     checks = kl_top1_checks(m, ref["prompt_of"], masks["gated"], None)
     floor = {r.metric: {"observed": r.observed, "ci": list(r.ci) if r.ci else None} for r in checks}
     floor["path"] = f"unbatched vs left-padded batches of {BATCH}, {int(masks['gated'].sum())} {cfg.positions} positions"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(floor))
+    write_cached(path, json.dumps(floor).encode())
     return floor | {"cached": False}
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qgate.artifact import Artifact, sha256_json, sha256_tree, typed_config
+from qgate.cache import read_cached, write_cached
 from qgate.gates.contract import ContractConfig, contract_gate
 from qgate.gates.evalgate import TASK_DIR, EvalConfig, eval_gate, run_tasks
 from qgate.gates.noise import check_thresholds, noise_floor
@@ -66,11 +67,10 @@ def _describe(art: Artifact, name: str | None = None) -> dict:
 def _cached_eval(runner_factory, baseline: Artifact, cfg: EvalConfig, cache_dir: Path) -> tuple[dict, bool]:
     key = sha256_json({"baseline": baseline.sha256, "tasks": cfg.tasks, "limit": cfg.limit, "data": sha256_tree(TASK_DIR), "v": 2})   # 2: shared-context scoring
     path = cache_dir / f"eval-baseline-{key[:24]}.json"
-    if path.exists():
-        return json.loads(path.read_text()), True
+    if (data := read_cached(path)) is not None:
+        return json.loads(data), True
     scores = run_tasks(runner_factory(), cfg)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(scores))
+    write_cached(path, json.dumps(scores).encode())
     return scores, False
 
 

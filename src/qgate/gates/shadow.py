@@ -26,6 +26,7 @@ mass is reported so the bound's slack is visible.
 """
 from __future__ import annotations
 
+import io
 import json
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ import numpy as np
 from qgate.progress import progress
 
 from qgate.artifact import Artifact, sha256_json
+from qgate.cache import read_cached, write_cached
 from qgate.chat import encode_with_sources
 from qgate.errors import ConfigError, InputError
 from qgate.gates.result import GateResult
@@ -108,8 +110,8 @@ def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg
     """Baseline answers and top-k log-probs, computed once per (baseline, shadow set, settings)."""
     key = sha256_json({"baseline": baseline.sha256, "shadow": shadow.sha256, "cfg": cfg.reference_key(), "v": 2})
     path = Path(cache_dir) / f"shadow-baseline-{key[:24]}.npz"
-    if path.exists():
-        with np.load(path, allow_pickle=False) as z:
+    if (data := read_cached(path)) is not None:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
             return {k: z[k] for k in z.files}, True
     runner = runner_factory()
     rows = load_shadow(shadow, cfg)
@@ -136,10 +138,9 @@ def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg
         "seconds": np.array(time.perf_counter() - t0),
         "score_seconds": np.array(score_s),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, **ref)
-    tmp.replace(path)
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **ref)
+    write_cached(path, buf.getvalue())
     return ref, False
 
 

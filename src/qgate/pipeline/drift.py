@@ -37,10 +37,11 @@ def _dirs(spec: PipelineSpec, recent: str | Path, echo) -> tuple[Runner, Runner]
 def drift_check(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None] = print, record: bool = True,
                 wait: float = 0.0) -> dict:
     """Traffic and quality drift of production on `recent`; under the model's drift lock (a running drift job refuses it)."""
-    from qgate.locks import job_lock
+    from qgate.locks import job_lock, workdir_lock
 
     main, _ = _dirs(spec, recent, echo)
-    with job_lock(_lock_path(spec, main), f"qgate drift for {spec.registry.model_name}", wait=wait, echo=echo):
+    what = f"qgate drift check for {spec.registry.model_name}"
+    with job_lock(_lock_path(spec, main), what, wait=wait, echo=echo), workdir_lock(main.workdir, what, wait=wait, echo=echo):
         return _check(spec, recent, echo, record)
 
 
@@ -119,13 +120,14 @@ def _lock_path(spec: PipelineSpec, main: Runner) -> Path:
 def drift_run(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None] = print, wait: float = 0.0) -> dict:
     """Check; on drift, recalibrate production's recipe and every spec variant on the recent traffic, gate and register them,
     then promote the best passing one (drift.auto_promote) or leave that to a person. Raises PromotionRefused when none passes."""
-    from qgate.locks import job_lock
+    from qgate.locks import job_lock, workdir_lock
     from qgate.registry.mlflow_store import promote
 
     cfg = spec.drift_config()
     main, r = _dirs(spec, recent, echo)
     model = spec.registry.model_name
-    with job_lock(_lock_path(spec, main), f"qgate drift for {model}", wait=wait, echo=echo):
+    what = f"qgate drift run for {model}"
+    with job_lock(_lock_path(spec, main), what, wait=wait, echo=echo), workdir_lock(main.workdir, what, wait=wait, echo=echo):
         report = _check(spec, recent, echo, record=True)
         result = {"check": report, "action": "none", "promoted": None, "variants": []}
         if not report["drift"]:

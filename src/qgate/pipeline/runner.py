@@ -15,26 +15,48 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-from qgate.artifact import MANIFEST, Artifact, sha256_json, typed_config
+from qgate.artifact import MANIFEST, Artifact, build_atomically, sha256_json, sha256_tree, typed_config
 from qgate.errors import PromotionRefused
 from qgate.pipeline.spec import PipelineSpec, VariantSpec
 
 
 class StageLedger:
-    """stages.json in the workdir: stage name -> the key it ran with, what it produced, and how long it took."""
+    """stages.json in the workdir: stage name -> the key it ran with, what it produced, and how long it took.
 
-    def __init__(self, workdir: Path):
+    Nothing in it is trusted on its word: an entry is used only if its paths stay inside the workdir and the
+    artifact there still hashes to the recorded sha256. Anything else is reported and the stage runs again."""
+
+    def __init__(self, workdir: Path, echo: Callable[[str], None] = print):
         self.workdir = Path(workdir)
         self.path = self.workdir / "stages.json"
-        self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.echo = echo
+        self.data = {}
+        if self.path.exists():
+            try:
+                self.data = json.loads(self.path.read_text())
+                if not isinstance(self.data, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as e:
+                echo(f"  ! {self.path} is unreadable ({e}): every stage runs again")
+                self.data = {}
 
     def lookup(self, name: str, key: str) -> dict | None:
         rec = self.data.get(name)
-        if rec and rec["key"] == key:
-            rec = rec | {"paths": [str(self.workdir / p) for p in rec.get("paths", [])]}   # relative: the workdir can move
-            if all(Path(p, MANIFEST).exists() for p in rec["paths"]):
-                return rec
-        return None
+        if not isinstance(rec, dict) or rec.get("key") != key or not rec.get("paths"):
+            return None
+        root = self.workdir.resolve()
+        paths = [(self.workdir / p).resolve() for p in rec["paths"]]   # relative: the workdir can move
+        if any(not p.is_relative_to(root) for p in paths):
+            self.echo(f"  ! {name}: ledger entry points outside the workdir ({rec['paths']}); running the stage again")
+            return None
+        if not all(Path(p, MANIFEST).exists() for p in paths) or "sha256" not in rec:   # gone, or an older ledger
+            return None
+        actual = sha256_tree(paths[0])
+        if actual != rec.get("sha256"):
+            self.echo(f"  ! {name}: {paths[0]} changed since it was built (sha256 {actual[:12]} != recorded "
+                      f"{str(rec.get('sha256'))[:12]}); running the stage again")
+            return None
+        return rec | {"paths": [str(p) for p in paths]}
 
     def record(self, name: str, key: str, **values) -> None:
         if "paths" in values:
@@ -51,7 +73,7 @@ class Runner:
         self.spec = spec
         self.workdir = Path(workdir) if workdir is not None else spec.path(spec.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.ledger = StageLedger(self.workdir)
+        self.ledger = StageLedger(self.workdir, echo)
         self.echo = echo
         self.ran: list[str] = []
         self.skipped: list[str] = []
@@ -61,7 +83,9 @@ class Runner:
         data = self.ledger.data
         return {k: data[k]["seconds"] for k in self.ran + self.skipped if "seconds" in data.get(k, {})}
 
-    def stage(self, name: str, key_data: dict, fn: Callable[[], Artifact]) -> Artifact:
+    def stage(self, name: str, key_data: dict, out: Path, fn: Callable[[Path], Artifact]) -> Artifact:
+        """Skip if the ledger holds this key and its artifact is intact; else `fn(tmp)` builds the stage's whole output
+        in a temporary directory that is renamed to `out` when complete (artifact.build_atomically)."""
         key = sha256_json(key_data)
         rec = self.ledger.lookup(name, key)
         if rec:
@@ -72,7 +96,7 @@ class Runner:
                 return art
         t = time.perf_counter()
         self.echo(f"  > {name} ...")
-        art = fn()
+        art = build_atomically(out, fn)
         secs = round(time.perf_counter() - t, 1)
         self.ledger.record(name, key, paths=[str(art.path)], sha256=art.sha256, seconds=secs)
         self.ran.append(name)
@@ -113,7 +137,7 @@ def model_stage(r: Runner, spec: PipelineSpec) -> Artifact:
     msrc = ModelSource(**spec.model.model_dump())
     if msrc.hf_dir:
         msrc = ModelSource(hf_dir=str(spec.path(msrc.hf_dir)))
-    return r.stage("model", {"src": source_fingerprint(msrc)}, lambda: import_model(msrc, r.workdir / "base"))
+    return r.stage("model", {"src": source_fingerprint(msrc)}, r.workdir / "base", lambda out: import_model(msrc, out))
 
 
 def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path) -> tuple[Artifact, Artifact, Artifact]:
@@ -123,7 +147,7 @@ def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path) -> tuple
 
     scfg = SampleConfig(**spec.calibrate.model_dump())
     key = {"traffic": traffic_sha256(traffic_files(traffic)), "cfg": scfg.__dict__}
-    calib = r.stage("calibrate", key, lambda: sample_traffic(traffic, r.workdir / "calib", scfg)["calib"])
+    calib = r.stage("calibrate", key, r.workdir / "calib", lambda out: sample_traffic(traffic, out, scfg)["calib"])
     return calib, Artifact.load(r.workdir / "calib" / "shadow"), Artifact.load(r.workdir / "calib" / "profile")
 
 
@@ -149,18 +173,18 @@ def gate_variants(r: Runner, spec: PipelineSpec, base: Artifact, calib: Artifact
         scheme = scheme_config(v.scheme, **v.options)
         kv = KVCacheConfig(v.kv_cache) if v.kv_cache else None
         key = {"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "kv": v.kv_cache, "opts": opts.__dict__}
-        ckpt = step(r.stage(f"quantize:{v.name}", key,
-                            lambda: quantize(base, calib, scheme, w / "variants" / v.name / "checkpoint", kv=kv, opts=opts)))
+        ckpt = step(r.stage(f"quantize:{v.name}", key, w / "variants" / v.name / "checkpoint",
+                            lambda out: quantize(base, calib, scheme, out, kv=kv, opts=opts)))
         cand = ckpt
         if v.engine is not None:
             ecfg = typed_config(engine_config(v.engine.backend, **v.engine.options))
             key = {"ckpt": ckpt.sha256, "engine": [v.engine.backend, ecfg], "profile": profile.sha256}
-            cand = r.stage(f"engine:{v.name}", key, lambda: build_engine(ckpt, v.engine.backend, w / "variants" / v.name / "engine",
-                                                                       profile, **v.engine.options))
+            cand = r.stage(f"engine:{v.name}", key, w / "variants" / v.name / "engine",
+                           lambda out: build_engine(ckpt, v.engine.backend, out, profile, **v.engine.options))
         step(cand)
         key = {"cand": cand.sha256, "base": base.sha256, "shadow": shadow.sha256, "gates": gate_key}
-        report = step(r.stage(f"gate:{v.name}", key, lambda: run_gates(cand, base, shadow, gate_cfg, w / "variants" / v.name / "gate",
-                                                                      cache_dir, name=v.name, checkpoint=ckpt)))
+        report = step(r.stage(f"gate:{v.name}", key, w / "variants" / v.name / "gate",
+                              lambda out: run_gates(cand, base, shadow, gate_cfg, out, cache_dir, name=v.name, checkpoint=ckpt)))
         outcomes.append({"variant": v.name, "candidate": cand, "report": report, "recipe": recipe(v)})
     return outcomes
 
@@ -179,7 +203,8 @@ def register_outcomes(r: Runner, spec: PipelineSpec, outcomes: list[dict], profi
             r.echo(f"  = register:{o['variant']}: already v{o['version']}")
         else:
             o["version"] = register(o["report"], o["candidate"], spec.registry.model_name, store, profile=profile, recipe=o["recipe"])
-            r.ledger.record(f"register:{o['variant']}", key, version=o["version"], paths=[str(o["report"].path)])
+            r.ledger.record(f"register:{o['variant']}", key, version=o["version"], paths=[str(o["report"].path)],
+                            sha256=o["report"].sha256)
             r.echo(f"  + register:{o['variant']}: {spec.registry.model_name} v{o['version']}")
     return uri
 
@@ -191,7 +216,15 @@ def best_passing(spec: PipelineSpec, outcomes: list[dict]) -> dict | None:
     return passing[0] if passing else None
 
 
-def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print) -> dict:
+def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print, wait: float = 0.0) -> dict:
+    """Under the workdir lock: a second job on the same workdir waits `wait` seconds, then raises LockHeld (exit 1)."""
+    from qgate.locks import workdir_lock
+
+    with workdir_lock(spec.path(spec.workdir), f"qgate run {spec.name}", wait=wait, echo=echo):
+        return _run(spec, echo)
+
+
+def _run(spec: PipelineSpec, echo: Callable[[str], None]) -> dict:
     from qgate.gates.run import baseline_floor
     from qgate.registry.mlflow_store import promote
 

@@ -37,6 +37,7 @@ class CalibrateSpec(_Strict):
 class QuantizeSpec(_Strict):
     max_seq_length: int = 512
     max_samples: int | None = None
+    seed: int = 0   # seeds llm-compressor's calibration shuffle: the same inputs give byte-identical checkpoints
 
 
 class EngineSpec(_Strict):

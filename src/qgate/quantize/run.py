@@ -23,6 +23,8 @@ from qgate.quantize.schemes import KVCacheConfig, weight_format
 class CalibOptions:
     max_seq_length: int = 512
     max_samples: int | None = None   # None: every calibration record
+    seed: int = 0                    # llm-compressor shuffles calibration samples with torch's global RNG: seeded here,
+                                     # so the same inputs give byte-identical checkpoints (a killed run re-made exactly)
     VERSION = 1
 
     def __post_init__(self):
@@ -72,8 +74,11 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
     if needs_data and calib is None:
         raise InputError(f"scheme {type(scheme).__name__} needs --calib (a calibration-set artifact)")
     out = Path(out)
-    tok = AutoTokenizer.from_pretrained(base.path)
-    model = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32)
+    from qgate.trust import LOAD_KWARGS, TOKENIZER_KWARGS, check_loadable
+
+    check_loadable(base.path)
+    tok = AutoTokenizer.from_pretrained(base.path, **TOKENIZER_KWARGS)
+    model = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32, **LOAD_KWARGS)
     scheme.check_model(model)  # fail before spending minutes on calibration
     recipe = scheme.modifiers(kv)
     kwargs = {}
@@ -81,6 +86,7 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
         ds = load_calibration(calib, tok, opts)
         kwargs = {"dataset": ds, "max_seq_length": opts.max_seq_length, "num_calibration_samples": len(ds)}
     t0 = time.perf_counter()
+    torch.manual_seed(opts.seed)
     with cpu_safe_intermediates():
         oneshot(model=model, recipe=recipe, **kwargs)
     seconds = time.perf_counter() - t0

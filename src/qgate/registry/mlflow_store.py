@@ -17,6 +17,7 @@ from pathlib import Path
 
 from qgate.artifact import Artifact, sha256_tree
 from qgate.errors import PromotionRefused, RegistryError
+from qgate.registry.lease import registry_lock
 
 DEFAULT_STORE = Path(".qgate/mlflow")
 EXPERIMENT = "qgate"
@@ -75,15 +76,44 @@ def _client(store: Path | None, *, create: bool = True):
     from mlflow import MlflowClient
 
     uri = tracking_uri(store, create=create)
+    embedded = uri.startswith("sqlite:///") and not os.environ.get("MLFLOW_TRACKING_URI")
+    if embedded and create:
+        with _init_lock(uri):   # one process creates the schema, and nobody sees it half made
+            _create_embedded(Path(uri[len("sqlite:///"):]))
     client = MlflowClient(uri, uri)
-    if create and client.get_experiment_by_name(EXPERIMENT) is None:
-        location = None
-        if uri.startswith("sqlite:///") and not os.environ.get("MLFLOW_TRACKING_URI"):
-            # keep the embedded store's artifacts beside its database, not in ./mlruns of whatever cwd
-            location = (Path(uri[len("sqlite:///"):]).parent / "artifacts").as_uri()
-        client.create_experiment(EXPERIMENT, artifact_location=location)
+    if create and not embedded and client.get_experiment_by_name(EXPERIMENT) is None:
+        try:
+            client.create_experiment(EXPERIMENT)
+        except mlflow.exceptions.MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":   # another process created it first: fine
+                raise
     _set_uris(mlflow, uri)
     return mlflow, client
+
+
+def _create_embedded(db: Path) -> None:
+    """A new embedded store is built as a temporary database (MLflow's schema migrations, the qgate experiment with
+    its artifacts beside the database) and renamed into place: a process killed mid-migration leaves no store that
+    every later run would fail on."""
+    from mlflow import MlflowClient
+
+    if db.exists():
+        return
+    for stale in db.parent.glob(f".{db.name}.tmp-*"):
+        stale.unlink(missing_ok=True)
+    tmp = db.with_name(f".{db.name}.tmp-{os.getpid()}")
+    client = MlflowClient(f"sqlite:///{tmp}", f"sqlite:///{tmp}")
+    client.create_experiment(EXPERIMENT, artifact_location=(db.parent / "artifacts").as_uri())
+    os.replace(tmp, db)
+
+
+def _init_lock(uri: str):
+    """Two processes opening a new embedded store at once would both run MLflow's schema migrations, and one fails."""
+    from filelock import FileLock
+
+    locks = Path(uri[len("sqlite:///"):]).parent / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(locks / "init.lock"), timeout=600)
 
 
 def _set_uris(mlflow, uri: str) -> None:
@@ -131,19 +161,40 @@ def register(gate: Artifact, candidate: Artifact, model_name: str, store: Path |
     if gate.meta.get("candidate") != candidate.sha256:
         raise RegistryError(f"{gate.path}: this gate report is for candidate {str(gate.meta.get('candidate'))[:12]}, "
                             f"not {candidate.sha256[:12]} ({candidate.path})", hint="gate this candidate first")
+    gate.verify()                       # a report edited after gating is not evidence
     candidate.verify()
     if profile is not None:
         profile.verify()
+    stated = json.loads((gate.path / "report.json").read_text()).get("passed")
+    if stated != gate.meta.get("passed"):
+        raise RegistryError(f"{gate.path}: report.json says passed={stated}, its manifest passed={gate.meta.get('passed')}",
+                            hint="re-run the gate; do not edit gate reports")
+    _, client = _client(store)
+    with registry_lock(client, store, model_name):   # the existence check and the registration, as one step
+        return _register(gate, candidate, model_name, store, profile, recipe)
+
+
+def _register(gate: Artifact, candidate: Artifact, model_name: str, store: Path | None, profile: Artifact | None,
+              recipe: dict | None) -> str:
+    from qgate.gates.markdown import version_description
+    from qgate.progress import console_err
+    from qgate.registry.repair import remove_orphans
+
+    mlflow, client = _client(store)
+    report = json.loads((gate.path / "report.json").read_text())
     existing = find_version(model_name, gate.sha256, candidate.sha256, store, profile.sha256 if profile is not None else None)
     if existing is not None:
+        if not existing.description:   # killed between creating the version and describing it
+            client.update_model_version(model_name, existing.version, description=version_description(
+                report, candidate.meta, existing.tags["qgate.gate_report_artifact"]))
         return str(existing.version)
-    mlflow, client = _client(store)
     exp = client.get_experiment_by_name(EXPERIMENT)
-    report = json.loads((gate.path / "report.json").read_text())
+    for what in remove_orphans(client, exp.experiment_id, model_name, gate.sha256):
+        print(f"  ! removed {what}: left by a registration that was killed before it finished", file=console_err())
     verdict = report.get("verdict") or ("pass" if gate.meta["passed"] else "fail")
     variant = report["candidate"]["name"]
     with mlflow.start_run(experiment_id=exp.experiment_id, run_name=f"gate-{variant}",
-                          tags={"qgate.variant": variant, "qgate.verdict": verdict}) as run:
+                          tags={"qgate.variant": variant, "qgate.verdict": verdict, "qgate.gate_report_sha256": gate.sha256}) as run:
         mlflow.log_artifacts(str(gate.path), artifact_path="gate-report")
         for r in report["results"]:
             key = f"{r['gate']}.{r['metric']}".replace("/", "_")
@@ -153,14 +204,12 @@ def register(gate: Artifact, candidate: Artifact, model_name: str, store: Path |
         if profile is not None:
             mlflow.log_artifacts(str(profile.path), artifact_path="traffic-profile")
         model = mlflow.initialize_logged_model(name=model_name, source_run_id=run.info.run_id, experiment_id=exp.experiment_id,
-                                               tags={"qgate.kind": candidate.kind})
+                                               tags={"qgate.kind": candidate.kind, "qgate.gate_report_sha256": gate.sha256})
         client.log_model_artifacts(model.model_id, str(candidate.path))
         mlflow.finalize_logged_model(model.model_id, "READY")
         run_id = run.info.run_id
         tags = _version_tags(gate, candidate, report, verdict, run_id, model.model_id, profile, recipe)
         mv = mlflow.register_model(f"models:/{model.model_id}", model_name, tags=tags)
-    from qgate.gates.markdown import version_description
-
     client.update_model_version(model_name, mv.version, description=version_description(report, candidate.meta, tags["qgate.gate_report_artifact"]))
     if not client.get_registered_model(model_name).description:
         client.update_registered_model(model_name, description=MODEL_DESCRIPTION)
@@ -229,7 +278,8 @@ def check_version(mv) -> str:
         )
     expected = tags.get("qgate.artifact_sha256")
     with tempfile.TemporaryDirectory() as tmp:
-        local = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=tmp)
+        _check_stored_report(mv, Path(tmp) / "report")
+        local = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(Path(tmp) / "model"))
         actual = sha256_tree(Path(local))
     if actual != expected:
         raise PromotionRefused(f"{name} v{version}: stored artifact sha256 {actual[:12]} != gated {str(expected)[:12]}",
@@ -237,12 +287,43 @@ def check_version(mv) -> str:
     return actual
 
 
+def _check_stored_report(mv, dst: Path) -> None:
+    """Tags can be edited by anyone with write access (the UI has a tag editor); the gate report stored with the
+    version's run is the evidence. It must hash to the registered sha256, say passed, and name this artifact."""
+    import mlflow
+
+    name, version, tags = mv.name, mv.version, mv.tags
+    uri = tags.get("qgate.gate_report_artifact", "")
+    if not uri.startswith("runs:/") or not uri.endswith("/report.html"):
+        raise PromotionRefused(f"{name} v{version}: no stored gate report (tag qgate.gate_report_artifact is {uri or 'missing'})",
+                               hint="register versions with qgate register / qgate run, which store the report with them")
+    dst.mkdir(parents=True)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri.removesuffix("/report.html"), dst_path=str(dst)))
+    actual = sha256_tree(local)
+    if actual != tags.get("qgate.gate_report_sha256"):
+        raise PromotionRefused(f"{name} v{version}: stored gate report sha256 {actual[:12]} != registered "
+                               f"{str(tags.get('qgate.gate_report_sha256'))[:12]}",
+                               hint="the gate report was changed after registration; re-gate and re-register")
+    report = json.loads((local / "report.json").read_text())
+    if report.get("passed") is not True:
+        raise PromotionRefused(f"{name} v{version}: its stored gate report says {report.get('verdict')}, although its tags say "
+                               f"passed", hint="the version's tags were edited; only a version whose gate passed may serve")
+    if report.get("candidate", {}).get("sha256") != tags.get("qgate.artifact_sha256"):
+        raise PromotionRefused(f"{name} v{version}: its stored gate report is for another artifact "
+                               f"({str(report.get('candidate', {}).get('sha256'))[:12]})", hint="re-gate this version's artifact")
+
+
 @refusals("move an alias")
 def promote(model_name: str, version: str, alias: str = "production", store: Path | None = None) -> dict:
     """Point `alias` at `version` if its gate passed and its stored artifact still hashes to what was gated."""
+    _, client = _client(store, create=False)
+    with registry_lock(client, store, model_name):   # read production, then move both aliases, as one step
+        return _promote(client, model_name, version, alias, store)
+
+
+def _promote(client, model_name: str, version: str, alias: str, store: Path | None) -> dict:
     import mlflow
 
-    _, client = _client(store, create=False)
     actual = check_version(_version(client, model_name, version, None, store))
     previous = None
     try:
@@ -260,9 +341,14 @@ def promote(model_name: str, version: str, alias: str = "production", store: Pat
 def rollback(model_name: str, store: Path | None = None) -> dict:
     """Point `production` at `previous-production` after re-checking it (check_version), and `previous-production` at
     the version production held, so a second rollback undoes the first."""
+    _, client = _client(store, create=False)
+    with registry_lock(client, store, model_name):
+        return _rollback(client, model_name, store)
+
+
+def _rollback(client, model_name: str, store: Path | None) -> dict:
     import mlflow
 
-    _, client = _client(store, create=False)
     try:
         target = client.get_model_version_by_alias(model_name, PREVIOUS)
     except mlflow.exceptions.MlflowException as e:

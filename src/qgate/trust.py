@@ -1,0 +1,55 @@
+"""What qgate loads from a model directory: safetensors weights, JSON and tokenizer files; never code, never pickles.
+
+    check_loadable(Path("candidate/"))                         # InputError naming the file, before anything is loaded
+    model = AutoModelForCausalLM.from_pretrained(path, **LOAD_KWARGS)
+
+A candidate checkpoint arrives from whoever ran quantization, a registry or a bucket. Three ways such a directory
+can run code or read outside itself, each refused here with the file that did it:
+- pickled weights (`*.bin`, `*.pt`, `*.pth`, `*.pkl`, `*.ckpt`): unpickling runs code. Only `qgate model import
+  --allow-pickle` reads them, with torch's `weights_only=True` loader, and writes safetensors;
+- `auto_map` in `config.json` or `tokenizer_config.json`: Transformers would import Python shipped with the model.
+  qgate always passes trust_remote_code off;
+- a symlink that leaves the directory.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from qgate.errors import InputError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+LOAD_KWARGS = {"trust_remote_code": False, "use_safetensors": True}
+TOKENIZER_KWARGS = {"trust_remote_code": False}
+_REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
+
+
+def pickled_files(path: Path) -> list[Path]:
+    return sorted(p for p in Path(path).rglob("*") if p.is_file() and p.name.endswith(PICKLE_SUFFIXES))
+
+
+def check_loadable(path: Path, *, allow_pickle: bool = False) -> None:
+    """InputError if loading `path` as a model or tokenizer could run code or read outside it."""
+    path = Path(path)
+    root = path.resolve()
+    for p in sorted(path.rglob("*")):
+        if p.is_symlink() and not p.resolve().is_relative_to(root):
+            raise InputError(f"{p}: symlink leaves the model directory (-> {p.resolve()})",
+                             hint="copy the file into the directory; qgate does not follow links out of an artifact")
+    for name in _REMOTE_CODE_FILES:
+        f = path / name
+        if not f.is_file():
+            continue
+        try:
+            auto_map = json.loads(f.read_text()).get("auto_map")
+        except (ValueError, AttributeError) as e:
+            raise InputError(f"{f}: not a JSON object ({e})") from e
+        if auto_map:
+            raise InputError(f"{f}: 'auto_map' asks to run Python code shipped with the model ({json.dumps(auto_map)[:120]})",
+                             hint="qgate never sets trust_remote_code; use an architecture that Transformers ships")
+    pickles = pickled_files(path)
+    has_safetensors = any(path.rglob("*.safetensors"))
+    if pickles and not allow_pickle and not has_safetensors:
+        raise InputError(f"{path}: weights are pickle files ({', '.join(p.name for p in pickles[:4])}); unpickling can run code",
+                         hint="convert them to safetensors, or import once with `qgate model import --hf DIR --allow-pickle`, "
+                              "which reads them with torch's weights_only loader and writes safetensors")

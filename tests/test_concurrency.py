@@ -1,0 +1,73 @@
+"""Concurrent registry writers: two pipelines registering into one store lose no versions, and two promotions racing
+leave production and previous-production consistent. Run against the embedded SQLite store here and against a real
+`mlflow server` in test_remote_registry.py (same helpers)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from qgate.artifact import Artifact
+
+WORKER = Path(__file__).parent / "concurrency_worker.py"
+
+
+def distinct_reports(ok: Artifact, root: Path, n: int) -> list[Path]:
+    """n gate reports for the same candidate that differ only in a timing field: n distinct registrations."""
+    out = []
+    for i in range(n):
+        d = root / f"gate-{i}"
+        shutil.copytree(ok.path, d)
+        report = json.loads((d / "report.json").read_text())
+        report["timings"] = dict(report.get("timings", {}), copy=i)
+        (d / "report.json").write_text(json.dumps(report))
+        Artifact.create("gate-report", d, ok.config, ok.parents, ok.meta)
+        out.append(d)
+    return out
+
+
+def run_workers(mode: str, store: str, model: str, go: Path, jobs: list[list[str]], env: dict | None = None) -> list[list[dict]]:
+    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, store, model, str(go), *job], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env or os.environ.copy()) for job in jobs]
+    go.touch()
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        results.append([json.loads(x) for x in out.splitlines() if x.startswith("{")])
+    go.unlink()
+    return results
+
+
+def check_promotion_chain(results: list[list[dict]], initial: str | None, production: str, previous: str | None) -> None:
+    """Serialized promotions form one chain: each one's `previous` is the version the one before it promoted."""
+    steps = [r for rs in results for r in rs]
+    after = {}
+    for s in steps:
+        assert s["previous"] not in after, f"two promotions both replaced v{s['previous']}: they interleaved ({steps})"
+        after[s["previous"]] = s["version"]
+    chain, cur = [], initial
+    while cur in after:
+        cur = after[cur]
+        chain.append(cur)
+    assert len(chain) == len(steps), f"promotions do not form one chain: {steps}"
+    assert chain[-1] == production and (chain[-2] if len(chain) > 1 else initial) == previous
+
+
+def test_parallel_registrations_and_promotions_on_the_embedded_store(gated, w8_art, tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    ok, _ = gated
+    store = tmp_path / "mlflow"
+    gates = [str(p) for p in distinct_reports(ok, tmp_path, 6)]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    results = run_workers("register", str(store), "race", tmp_path / "go", [[str(w8_art.path), *gates[:3]], [str(w8_art.path), *gates[3:]]], env)
+    versions = sorted(int(r["version"]) for rs in results for r in rs)
+    assert versions == [1, 2, 3, 4, 5, 6]
+    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}", f"sqlite:///{store / 'mlflow.db'}")
+    assert len(client.search_model_versions("name='race'")) == 6
+    results = run_workers("promote", str(store), "race", tmp_path / "go", [["1", "3", "5"], ["2", "4", "6"]], env)
+    aliases = client.get_registered_model("race").aliases
+    check_promotion_chain(results, None, str(aliases["production"]), str(aliases.get("previous-production")))

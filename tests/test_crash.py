@@ -1,0 +1,131 @@
+"""Crash safety: each stage runs as `qgate ...` in a subprocess, is killed with SIGKILL at seeded random moments, and is
+re-run. After every kill, the output directory is either absent or a complete artifact (never half-written); after
+every re-run, the output is byte-identical to an uninterrupted run, no temporary directory is left, and the registry
+holds exactly one complete version.
+
+The default run tries 2 kill points per stage; `pytest -m slow tests/test_crash.py` tries 10 (QGATE_KILL_POINTS).
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qgate.artifact import UNHASHED, Artifact, sha256_file
+
+QGATE = [str(Path(sys.executable).parent / "qgate")]
+STAGES = ("calibrate", "quantize", "engine", "gate", "register")
+
+
+def _gate_spec(root: Path, base: Path) -> Path:
+    spec = {"version": 1, "name": "crash", "workdir": "w", "model": {"hf_dir": str(base)}, "traffic": "t.jsonl",
+            "variants": [{"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}}],
+            "gates": {"shadow": {"max_new_tokens": 8, "max_prompt_tokens": 48, "kl_p99_max": None, "kl_mean_max": 10.0,
+                                 "top1_agreement_min": 0.0},
+                      "eval": {"tasks": ["bigbench_general_knowledge"], "limit": 8, "min_recovery": 0.0}},
+            "registry": {"model_name": "crash", "store": "mlflow"}}
+    path = root / "gate-spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _command(stage: str, root: Path, out: Path, arts: dict) -> list[str]:
+    if stage == "calibrate":
+        return ["calibrate", "sample", "--traffic", str(arts["traffic"]), "--out", str(out), "--calib-size", "32", "--shadow-size", "24"]
+    if stage == "quantize":
+        return ["quantize", "--model", str(arts["base"]), "--calib", str(arts["calib"]), "--scheme", "gptq-w8a16", "--group-size", "32",
+                "--max-seq-length", "64", "--out", str(out)]
+    if stage == "engine":
+        return ["engine", "build", "--backend", "cpu", "--checkpoint", str(arts["awq"]), "--accuracy-level", "1", "--out", str(out)]
+    if stage == "gate":
+        return ["gate", "--candidate", str(arts["w8"]), "--baseline", str(arts["base"]), "--shadow", str(arts["shadow"]),
+                "--spec", str(_gate_spec(root, arts["base"])), "--cache", str(root / "cache"), "--out", str(out)]
+    return ["register", "--gate", str(arts["gate"]), "--candidate", str(arts["w8"]), "--model", "crash", "--store", str(out)]
+
+
+def _run(cmd: list[str], kill_after: float | None = None) -> tuple[int, float]:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    t = time.perf_counter()
+    p = subprocess.Popen(QGATE + cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    if kill_after is None:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode in (0, 2), err[-3000:]
+        return p.returncode, time.perf_counter() - t
+    try:
+        p.wait(timeout=kill_after)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGKILL)
+    p.wait()
+    return p.returncode, time.perf_counter() - t
+
+
+def _content(stage: str, out: Path) -> object:
+    """What must be identical between an uninterrupted run and a killed-then-re-run one."""
+    if stage == "register":
+        return _registry(out)
+    if stage == "gate":   # a gate report also holds timings and cache hits, which differ run to run by nature
+        report = json.loads((out / "report.json").read_text())
+        return [{k: r[k] for k in ("gate", "metric", "observed", "ci", "verdict", "n")} for r in report["results"]
+                if r["gate"] != "perf"]
+    return {f.relative_to(out).as_posix(): sha256_file(f) for f in sorted(out.rglob("*"))
+            if f.is_file() and f.name not in UNHASHED}   # every file but qgate's own manifests and build logs
+
+
+def _registry(store: Path) -> dict:
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    client = MlflowClient(uri, uri)
+    versions = client.search_model_versions("name = 'crash'")
+    exp = client.get_experiment_by_name("qgate")
+    models = client.search_logged_models([exp.experiment_id])
+    runs = client.search_runs([exp.experiment_id])
+    assert len(versions) == 1, f"{len(versions)} versions: a duplicate or a lost registration"
+    mv = versions[0]
+    assert mv.description and mv.tags.get("qgate.gate_report_sha256") and mv.tags.get("qgate.artifact_sha256")
+    assert [m.model_id for m in models] == [mv.tags["qgate.model_id"]], "a logged model without a version was left behind"
+    assert len(runs) == 1, "a run without a version was left behind"
+    return {k: v for k, v in mv.tags.items() if k not in ("qgate.model_id", "qgate.gate_report_artifact")}
+
+
+def _check_after_kill(stage: str, out: Path) -> str:
+    if stage == "register" or not out.exists():
+        return "absent" if not out.exists() else "registry"
+    manifests = list(out.rglob("qgate-artifact.json"))
+    assert manifests, f"{out} exists without an artifact: half-written"
+    for m in manifests:
+        Artifact.load(m.parent).verify()     # complete and intact, or it would not be here
+    return "complete"
+
+
+@pytest.fixture(scope="module")
+def inputs(base_art, calib_arts, awq_art, w8_art, gated, workdir):
+    return {"traffic": workdir / "traffic.jsonl", "base": base_art.path, "calib": calib_arts["calib"].path,
+            "shadow": calib_arts["shadow"].path, "awq": awq_art.path, "w8": w8_art.path, "gate": gated[0].path}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_killed_stage_reruns_to_the_same_result(stage, inputs, tmp_path, request):
+    points = int(os.environ.get("QGATE_KILL_POINTS", "10" if request.config.getoption("-m") == "slow" else "2"))
+    ref_out = tmp_path / "ref"
+    _, duration = _run(_command(stage, tmp_path, ref_out, inputs))
+    reference = _content(stage, ref_out)
+    rng = random.Random(f"{stage}-kill")
+    outcomes = []
+    for i in range(points):
+        out = tmp_path / f"killed-{i}"
+        at = rng.uniform(0.2, 1.0) * duration            # the first ~20% is the interpreter starting
+        rc, _ = _run(_command(stage, tmp_path, out, inputs), kill_after=at)
+        state = _check_after_kill(stage, out)
+        _run(_command(stage, tmp_path, out, inputs))
+        assert _content(stage, out) == reference, f"kill {i} at {at:.1f}s of {duration:.1f}s: re-run differs"
+        leftovers = [p.name for p in out.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+        assert not leftovers, leftovers
+        outcomes.append(f"{at:.1f}s:{'killed' if rc == -signal.SIGKILL else 'finished'}:{state}")
+    print(f"\n{stage}: {duration:.1f}s uninterrupted; kills {outcomes}")

@@ -1,0 +1,101 @@
+"""Integrity: caches and ledger entries are checked against their hashes before they are trusted."""
+import json
+from pathlib import Path
+
+import numpy as np
+
+from qgate.artifact import Artifact
+from qgate.cache import read_cached, write_cached
+from qgate.pipeline.runner import Runner
+
+
+def test_cache_roundtrip_and_every_kind_of_damage(tmp_path, capsys):
+    path = tmp_path / "c" / "x.json"
+    write_cached(path, b'{"a": 1}')
+    assert read_cached(path) == b'{"a": 1}'
+    path.write_bytes(b'{"a": 1')                       # truncated
+    assert read_cached(path) is None and not path.exists()
+    assert "does not match its checksum" in capsys.readouterr().err
+    write_cached(path, b'{"a": 1}')
+    path.write_bytes(b'{"a": 2}')                      # edited, same length
+    assert read_cached(path) is None
+    path.write_bytes(b'{"a": 1}')                      # no checksum beside it
+    assert read_cached(path) is None and "has no checksum" in capsys.readouterr().err
+    assert read_cached(tmp_path / "missing") is None
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_truncated_baseline_cache_is_recomputed_not_used(base_art, calib_arts, tmp_path, capsys):
+    from qgate.engines.runners import TorchRunner
+    from qgate.gates.shadow import ShadowConfig, baseline_reference
+
+    cfg = ShadowConfig(max_new_tokens=4, max_prompt_tokens=32, max_prompts=4)
+    factory = lambda: TorchRunner(base_art.path)   # noqa: E731
+    first, hit = baseline_reference(factory, base_art, calib_arts["shadow"], cfg, tmp_path)
+    assert not hit
+    again, hit = baseline_reference(factory, base_art, calib_arts["shadow"], cfg, tmp_path)
+    assert hit and np.array_equal(first["top_lp"], again["top_lp"])
+    (npz,) = tmp_path.glob("shadow-baseline-*.npz")
+    npz.write_bytes(npz.read_bytes()[: npz.stat().st_size // 2])
+    fresh, hit = baseline_reference(factory, base_art, calib_arts["shadow"], cfg, tmp_path)
+    assert not hit and np.array_equal(first["tokens"], fresh["tokens"])
+    np.testing.assert_allclose(first["top_lp"], fresh["top_lp"], atol=1e-5)
+    assert "recomputing" in capsys.readouterr().err
+
+
+class _Spec:   # the Runner needs only the workdir from a spec
+    workdir = "w"
+
+    def path(self, p):
+        return Path(p)
+
+
+def _stage(r: Runner, out: Path, calls: list) -> Artifact:
+    def build(tmp: Path):
+        calls.append(1)
+        tmp.mkdir(parents=True)
+        (tmp / "data.txt").write_text("payload")
+        return Artifact.create("calibration-set", tmp, {"type": "T", "version": 1, "data": {}})
+    return r.stage("s", {"k": 1}, out, build)
+
+
+def test_ledger_entries_are_verified_before_a_stage_is_skipped(tmp_path):
+    lines, calls = [], []
+    w = tmp_path / "w"
+    r = Runner(_Spec(), lines.append, workdir=w)
+    art = _stage(r, w / "out", calls)
+    _stage(Runner(_Spec(), lines.append, workdir=w), w / "out", calls)
+    assert len(calls) == 1                                        # unchanged: skipped
+    (w / "out" / "data.txt").write_text("edited")                 # edited after it was built
+    again = _stage(Runner(_Spec(), lines.append, workdir=w), w / "out", calls)
+    assert len(calls) == 2 and again.sha256 == art.sha256
+    assert any("changed since it was built" in x for x in lines)
+    ledger = json.loads((w / "stages.json").read_text())
+    ledger["s"]["paths"] = ["../../../etc"]                       # path traversal
+    (w / "stages.json").write_text(json.dumps(ledger))
+    _stage(Runner(_Spec(), lines.append, workdir=w), w / "out", calls)
+    assert len(calls) == 3 and any("points outside the workdir" in x for x in lines)
+    (w / "stages.json").write_text('{"s": {"key": ')             # a ledger cut short
+    _stage(Runner(_Spec(), lines.append, workdir=w), w / "out", calls)
+    assert len(calls) == 4 and any("stages.json is unreadable" in x for x in lines)
+    assert sorted(p.name for p in w.iterdir()) == ["out", "stages.json"]     # no temporary directories left
+    assert json.loads((w / "out" / "qgate-artifact.json").read_text())["path"] == str((w / "out").absolute())
+
+
+def test_a_failed_build_leaves_the_previous_output_and_no_temporary(tmp_path):
+    from qgate.artifact import build_atomically
+
+    out = tmp_path / "out"
+    first = build_atomically(out, lambda t: (t.mkdir(), (t / "f").write_text("v1"), Artifact.create("engine", t, {}))[-1])
+
+    def broken(t: Path):
+        t.mkdir()
+        (t / "f").write_text("half")
+        raise RuntimeError("killed halfway")
+
+    try:
+        build_atomically(out, broken)
+    except RuntimeError:
+        pass
+    assert (out / "f").read_text() == "v1" and Artifact.load(out).sha256 == first.sha256
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]

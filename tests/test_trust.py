@@ -1,0 +1,126 @@
+"""Loading untrusted artifacts: no pickles unless asked (and then weights_only), no remote code, no links out."""
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import tiny
+from qgate.errors import InputError
+from qgate.models import ModelSource, import_model
+from qgate.trust import check_loadable
+
+SRC = Path(__file__).parents[1] / "src" / "qgate"
+
+
+def _pickled_model(tmp_path: Path) -> Path:
+    """A tiny model whose weights are pytorch_model.bin only."""
+    import torch
+    from safetensors.torch import load_file
+
+    src = tiny.make_model(tmp_path / "st")
+    d = tmp_path / "pickled"
+    shutil.copytree(src, d)
+    state = load_file(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
+    torch.save(state, d / "pytorch_model.bin")
+    return d
+
+
+class _Exploit:
+    def __reduce__(self):   # what a hostile pickle does: run code at load time
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickled_weights_are_refused_unless_allowed_and_then_converted(tmp_path):
+    d = _pickled_model(tmp_path)
+    with pytest.raises(InputError, match=r"(?s)pickle files \(pytorch_model.bin\).*--allow-pickle"):
+        import_model(ModelSource(hf_dir=str(d)), tmp_path / "base")
+    assert not (tmp_path / "base").exists()
+    art = import_model(ModelSource(hf_dir=str(d), allow_pickle=True), tmp_path / "base")
+    files = sorted(p.name for p in art.path.iterdir())
+    assert "model.safetensors" in files and not [f for f in files if f.endswith(".bin")]
+    check_loadable(art.path)
+
+
+def test_a_hostile_pickle_never_runs_even_when_pickles_are_allowed(tmp_path):
+    import torch
+
+    d = _pickled_model(tmp_path)
+    marker = tmp_path / "pwned"
+    exploit = _Exploit()
+    exploit.marker = marker
+    torch.save({"model.embed_tokens.weight": exploit}, d / "pytorch_model.bin")
+    with pytest.raises(Exception):
+        import_model(ModelSource(hf_dir=str(d), allow_pickle=True), tmp_path / "base")
+    assert not marker.exists(), "unpickling ran code: weights_only was not in force"
+    torch.load(d / "pytorch_model.bin", weights_only=False)   # the file really is hostile: a plain load runs it
+    assert marker.exists()
+
+
+def test_pickles_beside_safetensors_are_not_copied(tmp_path):
+    src = tiny.make_model(tmp_path / "st")
+    (src / "pytorch_model.bin").write_bytes(b"never read")
+    (src / "modeling_evil.py").write_text("raise SystemExit('ran')")
+    art = import_model(ModelSource(hf_dir=str(src)), tmp_path / "base")
+    assert not (art.path / "pytorch_model.bin").exists() and not (art.path / "modeling_evil.py").exists()
+
+
+@pytest.mark.parametrize("fname", ["config.json", "tokenizer_config.json"])
+def test_remote_code_is_refused_with_the_file_that_asks_for_it(tmp_path, fname):
+    src = tiny.make_model(tmp_path / "st")
+    cfg = json.loads((src / fname).read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (src / fname).write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match=rf"{fname}: 'auto_map' asks to run Python code"):
+        import_model(ModelSource(hf_dir=str(src)), tmp_path / "base")
+
+
+def test_symlink_out_of_the_model_directory_is_refused(tmp_path, base_art):
+    d = tmp_path / "cand"
+    shutil.copytree(base_art.path, d)
+    (d / "tokenizer.json").unlink()
+    (d / "tokenizer.json").symlink_to("/etc/passwd")
+    with pytest.raises(InputError, match="symlink leaves the model directory"):
+        check_loadable(d)
+
+
+def test_runner_refuses_a_candidate_with_only_pickled_weights(tmp_path):
+    from qgate.engines.runners import TorchRunner
+
+    with pytest.raises(InputError, match="pickle files"):
+        TorchRunner(_pickled_model(tmp_path))
+
+
+def test_no_loader_in_qgate_can_trust_remote_code():
+    """Every from_pretrained call in the package passes qgate.trust's kwargs or trust_remote_code=False."""
+    calls = 0
+    for f in SRC.rglob("*.py"):
+        text = f.read_text()
+        assert "trust_remote_code=True" not in text, f
+        for m in re.finditer(r"from_pretrained\(([^()]|\([^()]*\))*\)", text):
+            calls += 1
+            assert "KWARGS" in m.group() or "trust_remote_code=False" in m.group(), f"{f}: {m.group()}"
+    assert calls >= 6
+
+
+@pytest.mark.parametrize("body,match", [
+    ("task: evil\nprocess_docs: !function evil.process\n", "may not execute code"),
+    ("task: evil\ndataset_kwargs:\n  data_files:\n    test: ../../../../etc/passwd\n", "points outside the task directory"),
+])
+def test_task_files_cannot_run_code_or_read_outside(tmp_path, body, match):
+    """lm-eval's `!function` YAML tag runs Python; a data file path can climb out. qgate's task loader refuses both."""
+    from qgate.errors import ConfigError
+    from qgate.gates.evalgate import TASKS, task_config
+
+    bad = tmp_path / "evil.yaml"
+    bad.write_text(body)
+    TASKS.register("zz_evil_test_task", bad)
+    try:
+        with pytest.raises(ConfigError, match=match):
+            task_config("zz_evil_test_task")
+    finally:
+        TASKS._items.pop("zz_evil_test_task")
