@@ -12,7 +12,7 @@ import sys
 import typer
 from typer._click.exceptions import NoArgsIsHelpError  # typer 0.29 vendors click: its classes, not click's
 
-from qgate.cli import calibrate, drift, engine, gate, model, quantize, registry, run
+from qgate.cli import calibrate, drift, engine, gate, model, quantize, registry, run, search
 from qgate.errors import EXIT_ERROR, GateFailed, PromotionRefused, QgateError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -29,6 +29,7 @@ app.command("verify")(registry.verify_cmd)
 app.command("status")(registry.status_cmd)
 app.command("rollback")(registry.rollback_cmd)
 app.command("run")(run.run_cmd)
+app.command("search")(search.search_cmd)
 
 
 def _command_path(argv: list[str] | None) -> str:

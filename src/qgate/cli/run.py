@@ -80,11 +80,18 @@ def _print_table(spec, o: Output) -> None:
     if summary is None:
         return
     typer_echo = o.say
-    typer_echo(f"{'variant':22s} {'verdict':12s} {'KL p99':>9s} {'top-1':>7s} {'version':>8s}  report")
+    typer_echo(f"{'variant':22s} {'verdict':12s} {'KL p99':>9s} {'top-1':>7s} {'weights MB':>10s} {'bits/w':>6s} {'version':>8s}  report")
     for v in summary["variants"]:
         kl, top1 = v.get("kl_p99"), v.get("top1_agreement")
         verdict = v["verdict"].upper() + ("*" if v["verdict"] == "inconclusive" and v["passed"] else "")
-        typer_echo(f"{v['variant']:22s} {verdict:12s} {kl:9.4f} {top1:7.3f} {str(v['version']):>8s}  {v['report']}")
+        mb = f"{v['weights_bytes'] / 1e6:10.1f}" if v.get("weights_bytes") else f"{'-':>10s}"
+        bits = f"{v['bits_per_weight']:6.2f}" if v.get("bits_per_weight") else f"{'-':>6s}"
+        typer_echo(f"{v['variant']:22s} {verdict:12s} {kl:9.4f} {top1:7.3f} {mb} {bits} {str(v['version']):>8s}  {v['report']}")
+        if s := v.get("search"):
+            typer_echo(f"{'':22s} search: {s['chosen_k']} of {s['layers_total']} layers fell back to "
+                       f"{'W8A16' if s['fallback_bits'] == 8 else 'full precision'}"
+                       f"{'' if s['found'] else ' (no point passed; closest kept)'}; {s['points_tried']} points, "
+                       f"{s['gate_runs']} gate runs in this run, {s['seconds']:g}s")
         for what in ("failed", "inconclusive"):
             if v[f"{what}_checks"]:
                 typer_echo(f"{'':22s} {what}: {', '.join(v[f'{what}_checks'])}")

@@ -25,6 +25,19 @@ def engine_config(backend: str, where: str = "engine.options", **options: Any):
     return build_config(CpuEngineConfig if backend == "cpu" else TrtllmConfig, options, where)
 
 
+def unsupported(ckpt: Artifact, backend: str) -> str | None:
+    """Why `backend` cannot build this checkpoint's layout, or None. The pipeline then gates the checkpoint on the
+    reference path and says so in the report, instead of failing a search result the engine cannot hold."""
+    fmt = ckpt.meta.get("weight_format")
+    if backend == "cpu" and fmt and "+" in fmt:
+        from qgate.engines.cpu import SUPPORTED_FORMATS
+
+        if fmt not in SUPPORTED_FORMATS:
+            return (f"its layout is {fmt} ({len(ckpt.meta.get('fallback_layers', []))} layers fall back) and onnxruntime-genai's "
+                    f"builder takes only {', '.join(SUPPORTED_FORMATS)}")
+    return None
+
+
 def build_engine(ckpt: Artifact, backend: str, out: Path, profile: Artifact | None = None, **options: Any) -> Artifact:
     config = engine_config(backend, **options)
     if ckpt.kind != "checkpoint":

@@ -20,6 +20,7 @@ from qgate.artifact import Artifact, typed_config
 from qgate.errors import BackendUnavailable, ConfigError, InputError
 
 ENGINE_SUBDIR = "onnx"
+SUPPORTED_FORMATS = ("w4a16", "w4a16+w8a16")
 
 
 @dataclass(frozen=True)
@@ -41,29 +42,39 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path) -> Artifact:
     from safetensors.torch import load_file, save_file
 
     from qgate.engines.awq_layout import to_awq
+    from qgate.engines.gptq_layout import to_gptq
 
-    if ckpt.meta.get("weight_format") != "w4a16":
+    fmt = ckpt.meta.get("weight_format")
+    if fmt not in SUPPORTED_FORMATS:
         raise ConfigError(
-            f"{ckpt.path}: the CPU engine takes W4A16 checkpoints; this one is {ckpt.meta.get('weight_format') or 'unquantized'}",
-            hint="FP8, W8A16 and baseline checkpoints run on the PyTorch reference path: pass the checkpoint to `qgate gate` directly",
+            f"{ckpt.path}: the CPU engine takes W4A16 checkpoints (or W4A16 with W8A16 fallback layers); "
+            f"this one is {fmt or 'unquantized'}",
+            hint="FP8, W8A16, unquantized-fallback and baseline checkpoints run on the PyTorch reference path: pass the "
+                 "checkpoint to `qgate gate` directly",
         )
     cfg = json.loads((ckpt.path / "config.json").read_text())
     state: dict = {}
     for f in sorted(ckpt.path.glob("*.safetensors")):
         state.update(load_file(str(f)))
-    tensors, awq_cfg = to_awq(state, cfg["quantization_config"])
+    mixed = fmt != "w4a16"
+    if mixed:   # per-layer bit widths: the AutoGPTQ layout's `dynamic` overrides carry them to the builder
+        tensors, qcfg, _ = to_gptq(state, cfg["quantization_config"])
+    else:
+        tensors, qcfg = to_awq(state, cfg["quantization_config"])
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
     staging = out / "awq-staging"
     staging.mkdir(parents=True)
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-    (staging / "config.json").write_text(json.dumps(cfg | {"quantization_config": awq_cfg}, indent=2))
+    (staging / "config.json").write_text(json.dumps(cfg | {"quantization_config": qcfg}, indent=2))
     for f in ckpt.path.iterdir():
         if f.is_file() and f.name not in ("config.json", "recipe.yaml") and f.suffix != ".safetensors" \
                 and not f.name.startswith("qgate-"):
             shutil.copy(f, staging / f.name)
     options = [f"accuracy_level={config.accuracy_level}"]
+    if mixed:   # q, k and v may differ in bits; the builder packs them into one MatMul only when they agree
+        options.append("disable_qkv_fusion=true")
     if not config.quantize_lm_head:
         # Untied lm_head so the embedding Gather and the head MatMul both keep full-precision weights.
         options += ["nodes_to_exclude=/lm_head/MatMul", "shared_embeddings=false"]

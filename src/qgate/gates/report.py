@@ -133,6 +133,29 @@ def _scored(report: dict) -> str:
             f"positions alone.</p>")
 
 
+def _search(report: dict) -> str:
+    s = report.get("search")
+    if not s:
+        return ""
+    plot = Path(s.get("plot", ""))
+    img = (f"<img alt='search' src='data:image/png;base64,{base64.b64encode(plot.read_bytes()).decode()}'>"
+           if plot.is_file() else "")
+    what = "W8A16" if s["fallback_bits"] == 8 else "full precision"
+    rows = "".join(f"<tr><td>{i}</td><td><code>{html.escape(f['layer'])}</code></td><td>{f['params']:,}</td><td>{f['kl']:.3g}</td>"
+                   f"<td>{f['kl_per_mparam']:.3g}</td><td>{f['kl_rank']}</td></tr>" for i, f in enumerate(s["fallback"], 1))
+    pts = "".join(f"<tr class={p['verdict']}><td>{p['k']}</td><td>{p['verdict'].upper()}</td><td>{p['bits_per_weight']:.2f}</td>"
+                  f"<td>{p['weights_bytes']:,}</td><td>{p['kl_p99']:.4g}</td><td>{p['top1']:.4f}</td></tr>" for p in s["points"])
+    found = ("the smallest passing point" if s["found"] else
+             f"<b>no point passed</b>: {html.escape(s.get('note') or '')}")
+    return (f"<h2>Search</h2><p>{s['points_tried']} points tried ({s['gate_runs']} gated in this run, the rest cached), "
+            f"{s['seconds']}s. Chosen: k={s['chosen_k']} of {s['layers_total']} layers at {what}, "
+            f"{s['bits_per_weight']:.2f} bits per weight; {found}. Points were chosen on this shadow set, so its checks "
+            f"above have been looked at {s['points_tried']} times; the eval checks use other data.</p>{img}"
+            f"<table><tr><th>k</th><th>shadow verdict</th><th>bits/weight</th><th>weights bytes</th><th>KL p99</th>"
+            f"<th>top-1</th></tr>{pts}</table><h3>Layers that fell back</h3><table><tr><th></th><th>layer</th><th>params</th>"
+            f"<th>est. KL (nats/token)</th><th>KL per M params</th><th>KL rank</th></tr>{rows}</table>")
+
+
 def write_report(out: Path, report: dict, shadow_metrics: dict | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2, default=float))
@@ -161,7 +184,9 @@ interval, unbounded (inf) when the sample is too small to bound them. Eval check
 <dt>mde</dt><dd>Minimum detectable effect: the true distance from the observed value that this n detects with 80% power
 at the 95% level (from the CI's width).</dd>
 <dt>p</dt><dd>Exact McNemar p-value on the items that flipped between baseline and candidate (multiple-choice tasks).</dd></dl>
+{"".join(f"<p class=inconclusive><b>Note:</b> {html.escape(n)}</p>" for n in report.get("notes", []))}
 {_contract(report)}
+{_search(report)}
 {_scored(report)}
 {_floor(report)}
 {imgs}<h2>Inputs</h2><ul>{lineage}</ul><p>Baseline cache: {html.escape(cache)}</p>

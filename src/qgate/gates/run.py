@@ -137,8 +137,9 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
 
 
 def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: GateConfig, out: Path, cache_dir: Path,
-              name: str | None = None, checkpoint: Artifact | None = None) -> Artifact:
-    """checkpoint: for an engine candidate, the checkpoint it was built from (default: its manifest's record)."""
+              name: str | None = None, checkpoint: Artifact | None = None, notes: tuple[str, ...] = ()) -> Artifact:
+    """checkpoint: for an engine candidate, the checkpoint it was built from (default: its manifest's record).
+    notes: what the caller wants every reader to know (for example an engine that could not be built)."""
     from qgate.engines.runners import load_runner
 
     out, cache_dir = Path(out), Path(cache_dir)
@@ -188,7 +189,11 @@ def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: Ga
                    "on_inconclusive": cfg.on_inconclusive},
         "results": [r.to_dict() for r in results],
         "timings": {k: round(v, 2) for k, v in timings.items()},
+        "notes": list(notes),
     }
+    source = checkpoint or (engine_checkpoint(candidate) if candidate.kind == "engine" else candidate)
+    if source is not None and source.meta.get("search"):   # a searched checkpoint carries its search's evidence
+        report["search"] = source.meta["search"] | {"plot": str(source.path / "qgate-search.png")}
     write_report(out, report, m | {"gated": gated})
     summary = {r.gate + "." + r.metric: r.observed for r in results}
     return Artifact.create("gate-report", out, report["config"], (candidate.sha256, baseline.sha256, shadow.sha256),

@@ -128,7 +128,7 @@ class _StageBar:
 def recipe(v: VariantSpec) -> dict:
     """How to rebuild a variant: kept with its registered version, so a drift job can re-run it."""
     return {"scheme": v.scheme, "options": dict(v.options), "kv_cache": v.kv_cache,
-            "engine": v.engine.model_dump() if v.engine is not None else None}
+            "engine": v.engine.model_dump() if v.engine is not None else None} | ({"search": dict(v.search)} if v.search is not None else {})
 
 
 def model_stage(r: Runner, spec: PipelineSpec) -> Artifact:
@@ -151,10 +151,29 @@ def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path) -> tuple
     return calib, Artifact.load(r.workdir / "calib" / "shadow"), Artifact.load(r.workdir / "calib" / "profile")
 
 
+def search_stage(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact, calib: Artifact, shadow: Artifact,
+                 cache_dir: Path) -> Artifact:
+    """The variant's searched checkpoint (its `search:` settings, defaults when it has none); `qgate search` and
+    `qgate run` share the stage, so one reuses what the other found."""
+    from qgate.pipeline.search import search_checkpoint
+    from qgate.pipeline.spec import search_config
+    from qgate.quantize.run import CalibOptions
+    from qgate.quantize.schemes import KVCacheConfig, scheme_config
+
+    scheme, gate_cfg = scheme_config(v.scheme, **v.options), spec.gate_config()
+    kv = KVCacheConfig(v.kv_cache) if v.kv_cache else None
+    opts, scfg = CalibOptions(**spec.quantize.model_dump()), search_config(v)
+    key = {"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "kv": v.kv_cache, "opts": opts.__dict__,
+           "search": typed_config(scfg), "shadow": shadow.sha256, "shadow_cfg": typed_config(gate_cfg.shadow)}
+    return r.stage(f"search:{v.name}", key, r.workdir / "variants" / v.name / "checkpoint",
+                   lambda out: search_checkpoint(base, calib, shadow, scheme, scfg, gate_cfg, out, cache_dir, kv=kv, opts=opts,
+                                                 echo=r.echo))
+
+
 def gate_variants(r: Runner, spec: PipelineSpec, base: Artifact, calib: Artifact, shadow: Artifact, profile: Artifact,
                   variants: list[VariantSpec], cache_dir: Path, step: Callable[[Artifact], Artifact] = lambda a: a) -> list[dict]:
     """Per variant: quantize, build its engine, gate it. Returns one outcome per variant."""
-    from qgate.engines.build import build_engine, engine_config
+    from qgate.engines.build import build_engine, engine_config, unsupported
     from qgate.gates.run import run_gates
     from qgate.quantize.run import CalibOptions, quantize
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
@@ -173,18 +192,26 @@ def gate_variants(r: Runner, spec: PipelineSpec, base: Artifact, calib: Artifact
         scheme = scheme_config(v.scheme, **v.options)
         kv = KVCacheConfig(v.kv_cache) if v.kv_cache else None
         key = {"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "kv": v.kv_cache, "opts": opts.__dict__}
-        ckpt = step(r.stage(f"quantize:{v.name}", key, w / "variants" / v.name / "checkpoint",
-                            lambda out: quantize(base, calib, scheme, out, kv=kv, opts=opts)))
-        cand = ckpt
-        if v.engine is not None:
+        if v.search is not None:   # the checkpoint is the smallest point that passed the shadow gate
+            ckpt = step(search_stage(r, spec, v, base, calib, shadow, cache_dir))
+        else:
+            ckpt = step(r.stage(f"quantize:{v.name}", key, w / "variants" / v.name / "checkpoint",
+                                lambda out: quantize(base, calib, scheme, out, kv=kv, opts=opts)))
+        cand, notes = ckpt, ()
+        why = unsupported(ckpt, v.engine.backend) if v.engine is not None else None
+        if why:
+            notes = (f"engine {v.engine.backend} not built: {why}; gated on the PyTorch reference path",)
+            r.echo(f"  ! {v.name}: {notes[0]}")
+        elif v.engine is not None:
             ecfg = typed_config(engine_config(v.engine.backend, **v.engine.options))
             key = {"ckpt": ckpt.sha256, "engine": [v.engine.backend, ecfg], "profile": profile.sha256}
             cand = r.stage(f"engine:{v.name}", key, w / "variants" / v.name / "engine",
                            lambda out: build_engine(ckpt, v.engine.backend, out, profile, **v.engine.options))
         step(cand)
-        key = {"cand": cand.sha256, "base": base.sha256, "shadow": shadow.sha256, "gates": gate_key}
+        key = {"cand": cand.sha256, "base": base.sha256, "shadow": shadow.sha256, "gates": gate_key} | ({"notes": notes} if notes else {})
         report = step(r.stage(f"gate:{v.name}", key, w / "variants" / v.name / "gate",
-                              lambda out: run_gates(cand, base, shadow, gate_cfg, out, cache_dir, name=v.name, checkpoint=ckpt)))
+                              lambda out: run_gates(cand, base, shadow, gate_cfg, out, cache_dir, name=v.name, checkpoint=ckpt,
+                                                    notes=notes)))
         outcomes.append({"variant": v.name, "candidate": cand, "report": report, "recipe": recipe(v)})
     return outcomes
 
@@ -211,8 +238,11 @@ def register_outcomes(r: Runner, spec: PipelineSpec, outcomes: list[dict], profi
 
 def best_passing(spec: PipelineSpec, outcomes: list[dict]) -> dict | None:
     passing = [o for o in outcomes if o["report"].meta["passed"]]
+    kl = lambda o: o["report"].meta["summary"].get("shadow.kl_p99", float("inf"))  # noqa: E731
     if spec.promote.choose == "best":
-        passing.sort(key=lambda o: o["report"].meta["summary"].get("shadow.kl_p99", float("inf")))
+        passing.sort(key=kl)
+    elif spec.promote.choose == "smallest":
+        passing.sort(key=lambda o: (o["candidate"].meta.get("weights_bytes") or float("inf"), kl(o)))
     return passing[0] if passing else None
 
 
@@ -274,4 +304,12 @@ def _variant_summary(o: dict) -> dict:
             "report": str(o["report"].path / "report.html"),
             "kl_p99": s.get("shadow.kl_p99"), "top1_agreement": s.get("shadow.top1_agreement"),
             "metrics": s, "weights_bytes": o["candidate"].meta.get("weights_bytes"),
+            "bits_per_weight": o["candidate"].meta.get("bits_per_weight"), "search": _search_summary(o["candidate"].meta.get("search")),
             "backend": o["candidate"].meta.get("backend", "torch-reference")}
+
+
+def _search_summary(search: dict | None) -> dict | None:
+    if not search:
+        return None
+    return {k: search[k] for k in ("found", "chosen_k", "layers_total", "points_tried", "gate_runs", "seconds", "bits_per_weight",
+                                 "fallback_bits")}

@@ -51,6 +51,7 @@ class VariantSpec(_Strict):
     options: dict[str, Any] = Field(default_factory=dict)
     kv_cache: Literal["fp8", "int8"] | None = None
     engine: EngineSpec | None = None   # None: gate the checkpoint on the PyTorch reference path
+    search: dict[str, Any] | None = None   # per-layer fallback search (search/plan.py SearchConfig); `qgate search`
 
     @field_validator("name")
     @classmethod
@@ -76,7 +77,8 @@ class RegistrySpec(_Strict):
 
 class PromoteSpec(_Strict):
     alias: str = "production"
-    choose: Literal["best", "first"] = "best"   # best: passing variant with the lowest shadow kl_p99
+    choose: Literal["best", "smallest", "first"] = "best"   # best: passing variant with the lowest shadow kl_p99;
+                                                            # smallest: the fewest weights bytes (ties: lower kl_p99)
 
 
 class PipelineSpec(_Strict):
@@ -114,6 +116,17 @@ class PipelineSpec(_Strict):
         from qgate.calibrate.drift import DriftConfig
 
         return build_config(DriftConfig, self.drift, "drift")
+
+
+def search_config(v: VariantSpec, where: str = "search"):
+    """The variant's SearchConfig; ConfigError when its scheme has no per-layer fallback."""
+    from qgate.quantize.schemes import scheme_config
+    from qgate.search.plan import SearchConfig
+
+    cfg = build_config(SearchConfig, v.search or {}, where)
+    if not hasattr(scheme_config(v.scheme, **v.options), "group_size"):
+        raise ConfigError(f"{where}: scheme {v.scheme} has no per-layer fallback", hint="search awq-w4a16 or gptq-w4a16")
+    return cfg
 
 
 def _fields_at(loc: tuple) -> list[str]:
@@ -190,6 +203,8 @@ def _check_semantics(spec: PipelineSpec) -> None:
                 KVCacheConfig(v.kv_cache)
             if v.engine:
                 engine_config(v.engine.backend, where=key_path("variants", i, "engine", "options"), **v.engine.options)
+            if v.search is not None:
+                search_config(v, where=key_path("variants", i, "search"))
         except ConfigError as e:
             msg = e.message if e.message.startswith("variants[") else f"{key_path('variants', i)}: {e.message}"
             raise ConfigError(f"{msg} (variant {v.name})", hint=e.hint) from e

@@ -16,7 +16,7 @@ from pathlib import Path
 from qgate.artifact import Artifact, typed_config
 from qgate.chat import encode_messages
 from qgate.errors import ConfigError, InputError
-from qgate.quantize.schemes import KVCacheConfig, weight_format
+from qgate.quantize.schemes import FallbackConfig, KVCacheConfig, weight_format
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,46 @@ def load_calibration(calib: Artifact, tokenizer, opts: CalibOptions):
     return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
 
 
+def linear_size(ckpt_dir: Path, unquantized: tuple[str, ...] = ()) -> dict:
+    """Bytes and effective bits per weight of the quantized Linear layers (codes, scales and zero points included),
+    plus the `unquantized` layers named (stored in full precision), read from the saved safetensors."""
+    from safetensors import safe_open
+
+    parts = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx")
+    nbytes, params = 0, 0
+    for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            keys = set(st.keys())
+            for k in keys:
+                prefix, _, leaf = k.rpartition(".")
+                if leaf == "weight_shape":
+                    o, i = (int(x) for x in st.get_tensor(k).tolist())
+                    params += o * i
+                    for part in parts:
+                        if f"{prefix}.{part}" in keys:
+                            t = st.get_slice(f"{prefix}.{part}")
+                            nbytes += _numel(t.get_shape()) * _dtype_bytes(t.get_dtype())
+                elif leaf == "weight" and prefix in unquantized:
+                    t = st.get_slice(k)
+                    params += _numel(t.get_shape())
+                    nbytes += _numel(t.get_shape()) * _dtype_bytes(t.get_dtype())
+    return {"linear_bytes": nbytes, "linear_params": params, "bits_per_weight": round(8 * nbytes / params, 4) if params else None}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "F8_E4M3": 1}.get(dtype, 4)
+
+
 def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCacheConfig | None = None,
-             opts: CalibOptions = CalibOptions()) -> Artifact:
+             opts: CalibOptions = CalibOptions(), fallback: FallbackConfig | None = None) -> Artifact:
+    """fallback: layers kept at higher precision (chosen by `qgate search`); recorded in the manifest."""
     import torch
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -80,7 +118,12 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
     tok = AutoTokenizer.from_pretrained(base.path, **TOKENIZER_KWARGS)
     model = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32, **LOAD_KWARGS)
     scheme.check_model(model)  # fail before spending minutes on calibration
-    recipe = scheme.modifiers(kv)
+    recipe = scheme.modifiers(kv, fallback) if fallback else scheme.modifiers(kv)
+    if fallback:
+        names = {n for n, _ in model.named_modules()}
+        unknown = [x for x in fallback.layers if x not in names]
+        if unknown:
+            raise ConfigError(f"fallback layers not in the model: {unknown[:3]}", hint="names are module paths, e.g. model.layers.0.mlp.down_proj")
     kwargs = {}
     if needs_data:
         ds = load_calibration(calib, tok, opts)
@@ -94,8 +137,13 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
     model.save_pretrained(out, save_compressed=True)
     tok.save_pretrained(out)
     config = {"scheme": typed_config(scheme), "kv_cache": typed_config(kv) if kv else None, "calib": typed_config(opts)}
+    if fallback:
+        config["fallback"] = typed_config(fallback)
+    size = linear_size(out, fallback.layers if fallback and fallback.bits == 16 else ())
     meta = {
-        "scheme": scheme.name, "weight_format": weight_format(scheme), "kv_cache_dtype": kv.dtype if kv else None,
+        "scheme": scheme.name, "weight_format": weight_format(scheme, fallback), "kv_cache_dtype": kv.dtype if kv else None,
+        "fallback_layers": list(fallback.layers) if fallback else [], "fallback_bits": fallback.bits if fallback else None,
+        "bits_per_weight": size["bits_per_weight"], "linear_bytes": size["linear_bytes"],
         "calibration_samples": kwargs.get("num_calibration_samples", 0), "quantize_seconds": round(seconds, 1),
         "weights_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
         "base_model": base.sha256, "calibration_sha256": calib.sha256 if calib else None,

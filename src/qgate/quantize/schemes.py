@@ -32,12 +32,29 @@ class KVCacheConfig:
         return QuantizationArgs(num_bits=8, type=kind, strategy="tensor", dynamic=False, symmetric=True)
 
 
-def _weight_scheme(num_bits: int, group_size: int, symmetric: bool, actorder: str | None = None):
+@dataclass(frozen=True)
+class FallbackConfig:
+    """Per-layer precision overrides (what `qgate search` chooses): these Linear layers keep `bits` instead of the
+    scheme's; 8: group-wise int8 weights (W8A16) with the scheme's group size, 16: not quantized at all."""
+
+    layers: tuple[str, ...] = ()
+    bits: int = 8
+    VERSION: ClassVar[int] = 1
+
+    def __post_init__(self):
+        if self.bits not in (8, 16):
+            raise ConfigError(f"search.fallback_bits must be 8 (W8A16) or 16 (unquantized), got {self.bits}")
+        if len(set(self.layers)) != len(self.layers) or not all(isinstance(x, str) and x for x in self.layers):
+            raise ConfigError(f"fallback layers must be unique module names, got {list(self.layers)[:5]}")
+
+
+def _weight_scheme(num_bits: int, group_size: int, symmetric: bool, actorder: str | None = None,
+                   targets: tuple[str, ...] = ("Linear",)):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy="group",
                             group_size=group_size, actorder=actorder)
-    return QuantizationScheme(targets=["Linear"], weights=args)
+    return QuantizationScheme(targets=list(targets), weights=args)
 
 
 @dataclass(frozen=True)
@@ -68,6 +85,18 @@ class _GroupWise:
                 hint=f"use a group_size dividing all widths {sorted(widths)}: {ok or 'none of 32..256; add the layers to ignore'}",
             )
 
+    def groups(self, fallback: FallbackConfig | None, symmetric: bool, actorder: str | None = None) -> tuple[dict, list[str]]:
+        """(config_groups, ignore): the scheme on every Linear; fallback layers named exactly, which compressed-tensors
+        matches before the class name, so they take the W8 group (or join the ignore list when unquantized)."""
+        groups = {"group_0": _weight_scheme(self.num_bits, self.group_size, symmetric, actorder)}
+        ignore = list(self.ignore)
+        if fallback and fallback.layers:
+            if fallback.bits == 16:
+                ignore += list(fallback.layers)
+            else:
+                groups["group_1"] = _weight_scheme(8, self.group_size, symmetric, actorder, fallback.layers)
+        return groups, ignore
+
 
 @dataclass(frozen=True)
 class AWQConfig(_GroupWise):
@@ -82,15 +111,14 @@ class AWQConfig(_GroupWise):
         if self.n_grid < 2:
             raise ConfigError(f"AWQConfig.n_grid must be >= 2, got {self.n_grid}")
 
-    def modifiers(self, kv: KVCacheConfig | None) -> list:
+    def modifiers(self, kv: KVCacheConfig | None, fallback: FallbackConfig | None = None) -> list:
         """AWQ's smoothing transform, then the group-wise quantization it searched scales for."""
         from llmcompressor.modifiers.quantization import QuantizationModifier
         from llmcompressor.modifiers.transform.awq import AWQModifier
 
-        groups = {"group_0": _weight_scheme(4, self.group_size, self.symmetric)}
+        groups, ignore = self.groups(fallback, self.symmetric)
         return [AWQModifier(duo_scaling=self.duo_scaling, n_grid=self.n_grid),
-                QuantizationModifier(config_groups=groups, ignore=list(self.ignore),
-                                     kv_cache_scheme=kv.scheme_args() if kv else None)]
+                QuantizationModifier(config_groups=groups, ignore=ignore, kv_cache_scheme=kv.scheme_args() if kv else None)]
 
 
 @dataclass(frozen=True)
@@ -114,11 +142,11 @@ class GPTQConfig(_GroupWise):
     def name(self) -> str:
         return f"gptq-w{self.num_bits}a16"
 
-    def modifiers(self, kv: KVCacheConfig | None) -> list:
+    def modifiers(self, kv: KVCacheConfig | None, fallback: FallbackConfig | None = None) -> list:
         from llmcompressor.modifiers.quantization import GPTQModifier
 
-        groups = {"group_0": _weight_scheme(self.num_bits, self.group_size, self.symmetric, self.actorder)}
-        return [GPTQModifier(config_groups=groups, ignore=list(self.ignore), dampening_frac=self.dampening_frac,
+        groups, ignore = self.groups(fallback, self.symmetric, self.actorder)
+        return [GPTQModifier(config_groups=groups, ignore=ignore, dampening_frac=self.dampening_frac,
                              kv_cache_scheme=kv.scheme_args() if kv else None)]
 
 
@@ -135,9 +163,11 @@ class FP8Config:
     def check_model(self, model) -> None:
         return None
 
-    def modifiers(self, kv: KVCacheConfig | None) -> list:
+    def modifiers(self, kv: KVCacheConfig | None, fallback: FallbackConfig | None = None) -> list:
         from llmcompressor.modifiers.quantization import QuantizationModifier
 
+        if fallback and fallback.layers:
+            raise ConfigError("fp8-dynamic has no per-layer fallback; search a group-wise int scheme (awq-w4a16, gptq-w4a16)")
         return [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=list(self.ignore),
                                      kv_cache_scheme=kv.scheme_args() if kv else None)]
 
@@ -155,11 +185,13 @@ def scheme_config(name: str, where: str = "options", **overrides: Any):
     return build_config(cls, {k: v for k, v in overrides.items() if v is not None}, where, fixed)
 
 
-def weight_format(cfg) -> str:
-    """'w4a16' / 'w8a16' / 'fp8': what an engine needs to know to pick a kernel path."""
+def weight_format(cfg, fallback: FallbackConfig | None = None) -> str:
+    """'w4a16' / 'w8a16' / 'fp8', or 'w4a16+w8a16' (mixed, per layer): what an engine needs to pick a kernel path."""
     if isinstance(cfg, FP8Config):
         return "fp8"
+    if fallback and fallback.layers and cfg.num_bits < fallback.bits:
+        return f"w{cfg.num_bits}a16+" + ("w8a16" if fallback.bits == 8 else "unquantized")
     return f"w{cfg.num_bits}a16"
 
 
-__all__ = ["AWQConfig", "GPTQConfig", "FP8Config", "KVCacheConfig", "SCHEMES", "scheme_config", "weight_format"]
+__all__ = ["AWQConfig", "GPTQConfig", "FP8Config", "FallbackConfig", "KVCacheConfig", "SCHEMES", "scheme_config", "weight_format"]

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
-from qgate.artifact import Artifact, sha256_tree
-from qgate.errors import PromotionRefused, RegistryError
+from qgate.artifact import Artifact
+from qgate.errors import RegistryError
+from qgate.registry.checks import check_version
 from qgate.registry.lease import registry_lock
 
 DEFAULT_STORE = Path(".qgate/mlflow")
@@ -249,6 +249,13 @@ def _version_tags(gate: Artifact, candidate: Artifact, report: dict, verdict: st
         tags |= {"qgate.profile_sha256": profile.sha256, "qgate.profile_artifact": f"runs:/{run_id}/traffic-profile"}
     if recipe is not None:
         tags["qgate.recipe"] = json.dumps(recipe, sort_keys=True)
+    if candidate.meta.get("bits_per_weight") is not None:
+        tags["qgate.bits_per_weight"] = f"{candidate.meta['bits_per_weight']:.3f}"
+    if search := candidate.meta.get("search"):   # what a search traded: which layers fell back, at what size
+        layers = ",".join(candidate.meta.get("fallback_layers", [])) or "-"
+        tags |= {"qgate.search.fallback_layers": layers if len(layers) < 4000 else f"{search['chosen_k']} layers (see the report)",
+                 "qgate.search.fallback_count": str(search["chosen_k"]), "qgate.search.found": str(search["found"]).lower(),
+                 "qgate.search.points_tried": str(search["points_tried"])}
     tags |= {f"qgate.{r['gate']}.{r['metric']}": f"{r['observed']:.6g}" for r in report["results"] if r["threshold"] is not None}
     return tags
 
@@ -263,54 +270,6 @@ def _version(client, model_name: str, version: str | None, alias: str | None, st
     except mlflow.exceptions.MlflowException as e:
         what = f"alias @{alias}" if alias is not None else f"version {version}"
         raise RegistryError(f"model {model_name!r} {what} not found in {tracking_uri(store, create=False)}") from e
-
-
-def check_version(mv) -> str:
-    """The served-artifact contract: its gate passed and its stored files still hash to what was gated.
-    Returns the sha256; raises PromotionRefused (exit 2) otherwise."""
-    import mlflow
-
-    name, version, tags = mv.name, mv.version, mv.tags
-    if tags.get("qgate.gate_passed") != "true":
-        raise PromotionRefused(
-            f"{name} v{version}: gate did not pass (failed: {tags.get('qgate.gate_failed_checks', 'no qgate gate evidence')})",
-            hint=f"see {tags.get('qgate.gate_report_artifact', 'its gate report')}; only a version whose gate passed may serve",
-        )
-    expected = tags.get("qgate.artifact_sha256")
-    with tempfile.TemporaryDirectory() as tmp:
-        _check_stored_report(mv, Path(tmp) / "report")
-        local = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(Path(tmp) / "model"))
-        actual = sha256_tree(Path(local))
-    if actual != expected:
-        raise PromotionRefused(f"{name} v{version}: stored artifact sha256 {actual[:12]} != gated {str(expected)[:12]}",
-                               hint="the registered files changed after gating; re-gate and re-register")
-    return actual
-
-
-def _check_stored_report(mv, dst: Path) -> None:
-    """Tags can be edited by anyone with write access (the UI has a tag editor); the gate report stored with the
-    version's run is the evidence. It must hash to the registered sha256, say passed, and name this artifact."""
-    import mlflow
-
-    name, version, tags = mv.name, mv.version, mv.tags
-    uri = tags.get("qgate.gate_report_artifact", "")
-    if not uri.startswith("runs:/") or not uri.endswith("/report.html"):
-        raise PromotionRefused(f"{name} v{version}: no stored gate report (tag qgate.gate_report_artifact is {uri or 'missing'})",
-                               hint="register versions with qgate register / qgate run, which store the report with them")
-    dst.mkdir(parents=True)
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri.removesuffix("/report.html"), dst_path=str(dst)))
-    actual = sha256_tree(local)
-    if actual != tags.get("qgate.gate_report_sha256"):
-        raise PromotionRefused(f"{name} v{version}: stored gate report sha256 {actual[:12]} != registered "
-                               f"{str(tags.get('qgate.gate_report_sha256'))[:12]}",
-                               hint="the gate report was changed after registration; re-gate and re-register")
-    report = json.loads((local / "report.json").read_text())
-    if report.get("passed") is not True:
-        raise PromotionRefused(f"{name} v{version}: its stored gate report says {report.get('verdict')}, although its tags say "
-                               f"passed", hint="the version's tags were edited; only a version whose gate passed may serve")
-    if report.get("candidate", {}).get("sha256") != tags.get("qgate.artifact_sha256"):
-        raise PromotionRefused(f"{name} v{version}: its stored gate report is for another artifact "
-                               f"({str(report.get('candidate', {}).get('sha256'))[:12]})", hint="re-gate this version's artifact")
 
 
 @refusals("move an alias")

@@ -1,0 +1,150 @@
+"""Search for the smallest variant that passes the shadow gate: per-layer fallback from a uniform scheme.
+
+    ckpt = search_checkpoint(base, calib, shadow, scheme, SearchConfig(), gate_cfg, out, cache_dir)
+    ckpt.meta["search"]     # every gated point, the chosen one, the sensitivity that ranked the layers
+
+1. Rank the scheme's layers by estimated KL per parameter (search/sensitivity.py: one Fisher pass).
+2. Gate points k = number of most-sensitive layers moved to W8A16 (or left unquantized): each point is quantized
+   for real by llm-compressor with per-layer config groups and scored by the same shadow gate as every variant.
+   search/plan.py picks k: doubling until a point passes, then bisecting, within max_steps and the size budget.
+3. Return the smallest passing point's checkpoint (or, when none passed, the point closest to passing, marked so),
+   with the search's evidence beside it: qgate-search.json and qgate-search.png.
+
+Each gated point's result is cached by content hash, so a killed search resumes where it stopped. Points are chosen
+on the shadow split, so the chosen one has been looked at more than once: the full gate that follows (contract,
+eval tasks on other data) is the independent check, and the report says how many points were tried.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from qgate.artifact import MANIFEST, Artifact, sha256_json, typed_config
+from qgate.cache import read_cached, write_cached
+from qgate.search.plan import SearchConfig, fallback_order, max_count, next_count, predicted_bits, start_count
+
+
+def _metric(results: list[dict], name: str) -> tuple[float, list | None]:
+    for r in results:
+        if r["gate"] == "shadow" and r["metric"] == name:
+            return r["observed"], r["ci"]
+    return float("nan"), None
+
+
+def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme, cfg: SearchConfig, gate_cfg, out: Path,
+                      cache_dir: Path, kv=None, opts=None, echo: Callable[[str], None] = print) -> Artifact:
+    from qgate.gates.run import shadow_check
+    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.schemes import FallbackConfig
+    from qgate.search.plot import plot_points
+    from qgate.search.sensitivity import SensitivityConfig, fisher_sensitivity
+
+    t_start = time.perf_counter()
+    opts = opts or CalibOptions()
+    out, cache_dir = Path(out), Path(cache_dir)
+    scfg = SensitivityConfig(samples=cfg.samples, max_seq_length=opts.max_seq_length, seed=opts.seed)
+    skey = sha256_json({"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "cfg": typed_config(scfg)})
+    spath = cache_dir / f"sensitivity-{skey[:24]}.json"
+    if (data := read_cached(spath)) is not None:
+        sens = json.loads(data)
+        echo(f"    sensitivity: cached ({sens['sequences']} sequences, {sens['tokens']} tokens)")
+    else:
+        sens = fisher_sensitivity(base, calib, scheme, scfg)
+        write_cached(spath, json.dumps(sens).encode())
+        echo(f"    sensitivity: {len(sens['layers'])} layers from {sens['sequences']} sequences in {sens['seconds']}s")
+    order = fallback_order(sens["layers"])
+    kmax = max_count(order, cfg.max_bits_per_weight, scheme.num_bits, cfg.fallback_bits, scheme.group_size)
+    k0 = start_count(order, cfg.start_share)
+    tried: dict[int, bool] = {}
+    points: list[dict] = []
+    work = out / "_points"
+    kept: dict[int, Artifact] = {}
+    gate_runs = 0
+    while len(points) < cfg.max_steps and (k := next_count(tried, k0, kmax)) is not None and k not in tried:
+        fb = FallbackConfig(tuple(r["layer"] for r in order[:k]), cfg.fallback_bits)
+        key = sha256_json({"base": base.sha256, "calib": calib.sha256, "shadow": shadow.sha256, "scheme": typed_config(scheme),
+                           "kv": typed_config(kv) if kv else None, "opts": opts.__dict__, "fallback": typed_config(fb),
+                           "shadow_cfg": typed_config(gate_cfg.shadow)})
+        ppath = cache_dir / f"search-point-{key[:24]}.json"
+        t = time.perf_counter()
+        if (data := read_cached(ppath)) is not None:
+            point = json.loads(data) | {"cached": True}
+        else:
+            ckpt = quantize(base, calib, scheme, work / f"k{k:04d}", kv=kv, opts=opts, fallback=fb)
+            chk = shadow_check(ckpt, base, shadow, gate_cfg, cache_dir)
+            gate_runs += 1
+            kl, kl_ci = _metric(chk["results"], "kl_p99")
+            top1, top1_ci = _metric(chk["results"], "top1_agreement")
+            point = {"k": k, "verdict": chk["verdict"], "layers": list(fb.layers), "weights_bytes": ckpt.meta["weights_bytes"],
+                     "bits_per_weight": ckpt.meta["bits_per_weight"], "kl_p99": kl, "kl_p99_ci": kl_ci, "top1": top1,
+                     "top1_ci": top1_ci, "quantize_seconds": ckpt.meta["quantize_seconds"],
+                     "seconds": round(time.perf_counter() - t, 1), "checkpoint_sha256": ckpt.sha256}
+            write_cached(ppath, json.dumps(point).encode())
+            kept[k] = ckpt
+        tried[k] = point["verdict"] == "pass"
+        points.append(point)
+        echo(f"    k={k:>3} fallback layers: {point['verdict'].upper():12s} KL p99 {point['kl_p99']:.4g}  top-1 "
+             f"{point['top1']:.4f}  {point['bits_per_weight']:.2f} bits/weight{' (cached)' if point.get('cached') else ''}")
+        _prune(kept, points)
+    passing = [p for p in points if p["verdict"] == "pass"]
+    chosen = min(passing, key=lambda p: (p["weights_bytes"], p["k"])) if passing else \
+        min(points, key=lambda p: (p["kl_p99"] if p["kl_p99"] == p["kl_p99"] else float("inf"), -p["k"]))
+    ck = chosen["k"]
+    ckpt = kept.get(ck)
+    if ckpt is None:   # gated in an earlier, killed run: quantize it again (seeded: the same bytes)
+        ckpt = quantize(base, calib, scheme, work / f"k{ck:04d}", kv=kv, opts=opts,
+                        fallback=FallbackConfig(tuple(chosen["layers"]), cfg.fallback_bits))
+    for f in ckpt.path.iterdir():
+        if f.name != MANIFEST:
+            shutil.move(str(f), str(out / f.name))
+    shutil.rmtree(work, ignore_errors=True)
+    rank = {r["layer"]: i + 1 for i, r in enumerate(sens["layers"])}
+    fell = [{"layer": r["layer"], "params": r["params"], "kl": r["kl"], "kl_per_mparam": r["kl_per_mparam"],
+             "kl_rank": rank[r["layer"]]} for r in order[:ck]]
+    summary = {
+        "found": bool(passing), "chosen_k": ck, "chosen_verdict": chosen["verdict"], "fallback_bits": cfg.fallback_bits,
+        "gate_runs": gate_runs, "points_tried": len(points), "seconds": round(time.perf_counter() - t_start, 1),
+        "start_k": k0, "max_k": kmax, "layers_total": len(order), "budget_bits_per_weight": cfg.max_bits_per_weight,
+        "bits_per_weight": chosen["bits_per_weight"], "weights_bytes": chosen["weights_bytes"],
+        "uniform_bits_per_weight": round(predicted_bits(order, 0, scheme.num_bits, cfg.fallback_bits, scheme.group_size), 3),
+        "points": [{k: v for k, v in p.items() if k != "layers"} for p in points], "fallback": fell,
+        "sensitivity": {k: v for k, v in sens.items() if k != "layers"} | {"top": sens["layers"][:20]},
+        "note": None if passing else f"no point passed the shadow gate within {cfg.max_steps} steps and "
+                                     f"{cfg.max_bits_per_weight or 'no'} bits/weight budget; the point closest to passing is kept",
+    }
+    (out / "qgate-search.json").write_text(json.dumps(summary | {"sensitivity_all": sens["layers"]}, indent=2))
+    plot_points(points, gate_cfg.shadow.kl_p99_max, gate_cfg.shadow.top1_agreement_min, ck, out / "qgate-search.png")
+    config = ckpt.config | {"search": typed_config(cfg)}
+    return Artifact.create("checkpoint", out, config, ckpt.parents + (shadow.sha256,), ckpt.meta | {"search": summary})
+
+
+def _prune(kept: dict[int, Artifact], points: list[dict]) -> None:
+    """Keep on disk only the checkpoint that would be chosen now (checkpoints are hundreds of MB each)."""
+    passing = [p for p in points if p["verdict"] == "pass" and p["k"] in kept]
+    keep = min(passing, key=lambda p: (p["weights_bytes"], p["k"]))["k"] if passing else max(kept, default=None)
+    for k in [k for k in kept if k != keep]:
+        shutil.rmtree(kept.pop(k).path, ignore_errors=True)
+
+
+def run_search(spec, variant: str, echo: Callable[[str], None] = print, wait: float = 0.0) -> Artifact:
+    """`qgate search`: the model, calibration and baseline stages of `spec`, then the search for `variant`, under the
+    workdir lock. `qgate run` on the same spec reuses the result."""
+    from qgate.errors import ConfigError
+    from qgate.gates.run import baseline_floor
+    from qgate.locks import workdir_lock
+    from qgate.naming import suggest
+    from qgate.pipeline.runner import Runner, calibrate_stage, model_stage, search_stage
+
+    names = [v.name for v in spec.variants]
+    if variant not in names:
+        raise ConfigError(f"variant {variant!r} is not in the spec{suggest(variant, names)}", hint=f"variants: {', '.join(names)}")
+    v = spec.variants[names.index(variant)]
+    with workdir_lock(spec.path(spec.workdir), f"qgate search {spec.name} {variant}", wait=wait, echo=echo):
+        r = Runner(spec, echo)
+        base = model_stage(r, spec)
+        calib, shadow, _ = calibrate_stage(r, spec, spec.path(spec.traffic))
+        baseline_floor(base, shadow, spec.gate_config(), r.workdir / "cache")
+        return search_stage(r, spec, v, base, calib, shadow, r.workdir / "cache")

@@ -1,0 +1,115 @@
+"""Per-layer sensitivity: the KL divergence one layer's quantization error adds, to second order (diagonal Fisher).
+
+    ranking = fisher_sensitivity(base_art, calib_art, AWQConfig(group_size=64), SensitivityConfig(samples=32))
+
+For a small weight perturbation d, KL(p_w || p_{w+d}) ~= 1/2 d^T F d, with F the Fisher information of the model's own
+next-token distribution. F's diagonal is estimated from gradients of log p(y|x) at labels y *sampled from the model*
+(the true Fisher; the data's own next tokens would give the empirical Fisher, biased where the model is confident).
+Labels at different positions are drawn independently and each score has zero mean, so the squared gradient of one
+sequence's summed log-likelihood is an unbiased estimate of the Fisher summed over its positions. A layer's score is
+
+    1/2 * sum_i F_ii * d_i^2 / tokens,   d = RTN(W) - W at the scheme's bits, group size and symmetry,
+
+the expected per-token KL (nats) if that layer alone were quantized. One forward and one backward pass per calibration
+sequence scores every layer at once.
+
+Cost: one forward + one backward per sequence (about three forwards) and one set of weight gradients. For a 7B model in
+bf16 on one 80 GB GPU: 14 GB of weights, 14 GB of gradients and one sequence's activations; 32 sequences of 512 tokens
+take about a minute. RTN is a pessimistic stand-in for AWQ or GPTQ error; the ranking, not the scale, is what is used,
+and every point the search tries is then quantized for real and gated.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+from qgate.artifact import Artifact
+from qgate.chat import encode_messages
+from qgate.errors import ConfigError, InputError
+
+
+@dataclass(frozen=True)
+class SensitivityConfig:
+    samples: int = 32            # calibration sequences
+    max_seq_length: int = 256
+    seed: int = 0                # the labels sampled from the model
+    VERSION: ClassVar[int] = 1
+
+    def __post_init__(self):
+        if self.samples < 1 or self.max_seq_length < 8:
+            raise ConfigError(f"search.samples >= 1 and max_seq_length >= 8 are required, got {self.samples}, {self.max_seq_length}")
+
+
+def rtn_error(w, bits: int, group_size: int, symmetric: bool):
+    """RTN(W) - W for group-wise integer quantization. w: [O, I] with I divisible by group_size."""
+    import torch
+
+    o, i = w.shape
+    g = w.reshape(o, i // group_size, group_size)                              # [O, G, g]
+    if symmetric:
+        qmax = 2 ** (bits - 1)
+        scale = (g.abs().amax(-1, keepdim=True) / (qmax - 0.5)).clamp_min(1e-12)   # [O, G, 1]
+        q = torch.clamp(torch.round(g / scale), -qmax, qmax - 1) * scale
+    else:
+        lo, hi = g.amin(-1, keepdim=True).clamp_max(0), g.amax(-1, keepdim=True).clamp_min(0)
+        scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-12)
+        zp = torch.round(-lo / scale)
+        q = (torch.clamp(torch.round(g / scale) + zp, 0, 2 ** bits - 1) - zp) * scale
+    return (q - g).reshape(o, i)
+
+
+def quantized_linears(model, scheme) -> dict:
+    """name -> Linear for every layer the scheme quantizes (its ignore list left out)."""
+    import torch
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+            and not any(n == x or n.endswith("." + x) for x in scheme.ignore)}
+
+
+def fisher_sensitivity(base: Artifact, calib: Artifact, scheme, cfg: SensitivityConfig = SensitivityConfig()) -> dict:
+    """{"layers": [{"layer", "params", "kl", "kl_per_mparam"} sorted by kl, descending], "tokens", "sequences", "seconds"}."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qgate.progress import progress
+    from qgate.trust import LOAD_KWARGS, TOKENIZER_KWARGS, check_loadable
+
+    if not hasattr(scheme, "group_size"):
+        raise ConfigError(f"search needs a group-wise integer scheme (awq-w4a16, gptq-w4a16), not {scheme.name}")
+    check_loadable(base.path)
+    tok = AutoTokenizer.from_pretrained(base.path, **TOKENIZER_KWARGS)
+    model = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32, **LOAD_KWARGS).eval()
+    scheme.check_model(model)
+    rows = [json.loads(x) for x in (calib.path / "data.jsonl").read_text().splitlines() if x.strip()][: cfg.samples]
+    if not rows:
+        raise InputError(f"{calib.path}: calibration set is empty")
+    layers = quantized_linears(model, scheme)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    deltas = {}
+    for name, mod in layers.items():
+        mod.weight.requires_grad_(True)
+        deltas[name] = rtn_error(mod.weight.detach(), scheme.num_bits, scheme.group_size, scheme.symmetric) ** 2  # [O, I]
+    acc = {name: 0.0 for name in layers}
+    gen = torch.Generator().manual_seed(cfg.seed)
+    tokens, t0 = 0, time.perf_counter()
+    for row in progress(rows, desc="search: layer sensitivity", unit="seq"):
+        ids = torch.tensor([encode_messages(tok, row["messages"], cfg.max_seq_length)])   # [1, T]
+        logits = model(input_ids=ids).logits[0].float()                               # [T, V]
+        with torch.no_grad():
+            labels = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]   # [T], from the model itself
+        loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        with torch.no_grad():
+            for name, mod in layers.items():
+                acc[name] += float((mod.weight.grad ** 2 * deltas[name]).sum())
+        tokens += ids.shape[1]
+    out = [{"layer": n, "params": layers[n].weight.numel(), "kl": 0.5 * acc[n] / tokens} for n in layers]
+    for r in out:
+        r["kl_per_mparam"] = r["kl"] / (r["params"] / 1e6)
+    out.sort(key=lambda r: -r["kl"])
+    return {"layers": out, "tokens": tokens, "sequences": len(rows), "seconds": round(time.perf_counter() - t0, 1),
+            "method": "diagonal Fisher (labels sampled from the model) x RTN error", "config": cfg.__dict__}

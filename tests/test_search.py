@@ -1,0 +1,251 @@
+"""Search: a tiny model with two layers made sensitive on purpose.
+
+The value path of one attention block (v_proj -> o_proj) keeps full-scale weights plus one outlier in every int4 group,
+while every other layer's weights are shrunk 10x: those two layers carry the signal and quantize worst."""
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import tiny
+from qgate.errors import ConfigError
+from qgate.search.plan import SearchConfig, fallback_order, max_count, next_count, predicted_bits, start_count
+
+PLANTED = ("model.layers.1.self_attn.v_proj", "model.layers.1.self_attn.o_proj")
+
+
+def _plant(src: Path, outlier: float = 1.0, shrink: float = 0.1) -> None:
+    """Planted layers: each row's every 32-weight group gets one weight of magnitude `outlier` (weights are N(0, 0.08)),
+    so its int4 step grows several-fold. Every other decoder Linear is scaled by `shrink`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name in PLANTED:
+            w = model.get_submodule(name).weight                  # [O, I]
+            o, i = w.shape
+            g = w.view(o, i // 32, 32)                            # [O, G, 32]
+            idx = torch.randint(0, 32, (o, i // 32, 1), generator=gen)
+            g.scatter_(2, idx, outlier * torch.sign(g.gather(2, idx)))
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear) and name.startswith("model.layers.") and name not in PLANTED:
+                mod.weight.mul_(shrink)
+    model.save_pretrained(src)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    from qgate.calibrate.sample import SampleConfig, sample_traffic
+    from qgate.models import ModelSource, import_model
+
+    d = tmp_path_factory.mktemp("planted")
+    src = tiny.make_model(d / "src", seed=1, layers=3)
+    _plant(src)
+    base = import_model(ModelSource(hf_dir=str(src)), d / "base")
+    arts = sample_traffic(tiny.make_traffic(d / "traffic.jsonl", n=300), d / "calib",
+                          SampleConfig(calib_size=32, shadow_size=48, seed=0))
+    return d, base, arts
+
+
+def _gate(kl_mean_max: float):
+    from qgate.gates.run import GateConfig
+    from qgate.gates.shadow import ShadowConfig
+
+    return GateConfig(shadow=ShadowConfig(max_new_tokens=16, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=kl_mean_max,
+                                          top1_agreement_min=None), eval=None)
+
+
+# --- the plan: pure functions -------------------------------------------------------------------------------------
+
+LAYERS = [{"layer": f"l{i}", "params": p, "kl": kl, "kl_per_mparam": kl / (p / 1e6)}
+          for i, (p, kl) in enumerate([(1000, 8.0), (3000, 9.0), (1000, 1.0), (1000, 0.5), (3000, 0.3)])]
+
+
+def test_layers_fall_back_in_order_of_kl_per_parameter():
+    order = fallback_order(LAYERS)
+    assert [r["layer"] for r in order] == ["l0", "l1", "l2", "l3", "l4"]   # l1 has more KL but 3x the bytes
+    assert start_count(order, 0.5) == 2 and start_count(order, 0.4) == 1 and start_count(order, 1.0) == 5
+
+
+def test_size_budget_bounds_the_fallback_count():
+    order = fallback_order(LAYERS)
+    assert predicted_bits(order, 0, 4, 8, 64) == pytest.approx(5.0)          # 4 bits + a 32-bit scale and zero per 64
+    assert predicted_bits(order, 5, 4, 8, 64) == pytest.approx(9.0)
+    assert predicted_bits(order, 1, 4, 8, 64) == pytest.approx(5.0 + 4 * 1000 / 9000)
+    assert max_count(order, None, 4, 8, 64) == 5
+    assert max_count(order, 5.5, 4, 8, 64) == 1                              # l0 adds 0.44 bits, l1 another 1.33
+    assert max_count(order, 4.0, 4, 8, 64) == 0
+
+
+@pytest.mark.parametrize("passes_from,expected", [(3, [2, 4, 3]), (1, [2, 1, 0]), (0, [2, 1, 0]), (9, [2, 4, 8, 10, 9]), (11, [2, 4, 8, 10])])
+def test_plan_doubles_then_bisects_to_the_smallest_passing_count(passes_from, expected):
+    tried, seen = {}, []
+    while (k := next_count(tried, start=2, max_count=10)) is not None:
+        seen.append(k)
+        tried[k] = k >= passes_from
+    assert seen == expected
+
+
+def test_search_config_is_validated():
+    with pytest.raises(ConfigError, match="fallback_bits must be 8 or 16"):
+        SearchConfig(fallback_bits=4)
+    with pytest.raises(ConfigError, match="max_steps"):
+        SearchConfig(max_steps=0)
+
+
+# --- sensitivity and the search on the planted model -------------------------------------------------------------
+
+def test_rtn_error_is_within_half_a_step():
+    import torch
+
+    from qgate.search.sensitivity import rtn_error
+
+    w = torch.randn(16, 128)
+    for bits, sym in ((4, False), (4, True), (8, False)):
+        err = rtn_error(w, bits, 32, sym).reshape(16, 4, 32)
+        g = w.reshape(16, 4, 32)
+        step = (g.amax(-1) - g.amin(-1)) / (2 ** bits - 1) if not sym else g.abs().amax(-1) / (2 ** (bits - 1) - 0.5)
+        assert (err.abs().amax(-1) <= step * 0.5 + 1e-6).all()
+        assert err.abs().mean() > 0
+
+
+def test_sensitivity_ranks_the_planted_layers_first(planted):
+    from qgate.quantize.schemes import scheme_config
+    from qgate.search.sensitivity import SensitivityConfig, fisher_sensitivity
+
+    _, base, arts = planted
+    sens = fisher_sensitivity(base, arts["calib"], scheme_config("awq-w4a16", group_size=32), SensitivityConfig(samples=16, max_seq_length=64))
+    names = [r["layer"] for r in sens["layers"]]
+    assert len(names) == 21 and "lm_head" not in names
+    assert set(names[:2]) == set(PLANTED)
+    assert sens["layers"][1]["kl"] > 20 * sens["layers"][2]["kl"] > 0      # not a near tie
+    assert sens["tokens"] > 16 * 5
+
+
+def test_search_falls_back_the_planted_layers_and_passes_where_uniform_w4_fails(planted):
+    from qgate.artifact import sha256_tree
+    from qgate.engines.build import unsupported
+    from qgate.gates.run import baseline_floor, shadow_check
+    from qgate.pipeline.search import search_checkpoint
+    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.schemes import scheme_config
+
+    d, base, arts = planted
+    scheme, opts, gate = scheme_config("awq-w4a16", group_size=32), CalibOptions(max_seq_length=64), _gate(0.001)
+    baseline_floor(base, arts["shadow"], gate, d / "cache")
+    uniform = quantize(base, arts["calib"], scheme, d / "uniform", opts=opts)
+    u = shadow_check(uniform, base, arts["shadow"], gate, d / "cache")
+    assert u["verdict"] == "fail"
+    msgs = []
+    art = search_checkpoint(base, arts["calib"], arts["shadow"], scheme, SearchConfig(samples=16, max_steps=4), gate,
+                            d / "searched", d / "cache", opts=opts, echo=msgs.append)
+    s = art.meta["search"]
+    assert s["found"] and s["chosen_verdict"] == "pass" and 1 <= s["chosen_k"] <= 4
+    assert set(art.meta["fallback_layers"][:2]) == set(PLANTED)                  # fallen back first
+    assert s["gate_runs"] == s["points_tried"] <= 4 and sha256_tree(art.path) == art.sha256
+    # the checkpoint is mixed: the fallback layers are W8 in their own config group, the rest W4
+    qc = json.loads((art.path / "config.json").read_text())["quantization_config"]
+    by_bits = {g["weights"]["num_bits"]: g["targets"] for g in qc["config_groups"].values()}
+    assert set(PLANTED) <= set(by_bits[8]) and by_bits[4] == ["Linear"]
+    assert uniform.meta["bits_per_weight"] < art.meta["bits_per_weight"] < 8
+    assert art.meta["weight_format"] == "w4a16+w8a16" and unsupported(art, "cpu") is None
+    # the evidence travels with it, and the chosen point passes when gated again from disk
+    saved = json.loads((art.path / "qgate-search.json").read_text())
+    assert saved["chosen_k"] == s["chosen_k"] and len(saved["sensitivity_all"]) == 21
+    assert (art.path / "qgate-search.png").stat().st_size > 10_000 and not (art.path / "_points").exists()
+    assert shadow_check(art, base, arts["shadow"], gate, d / "cache")["verdict"] == "pass"
+    assert any("PASS" in m for m in msgs) and any("FAIL" in m or "k=" in m for m in msgs)
+    # a re-run reuses every gated point from the cache: no new gate runs, the same choice
+    again = search_checkpoint(base, arts["calib"], arts["shadow"], scheme, SearchConfig(samples=16, max_steps=4), gate,
+                              d / "searched-again", d / "cache", opts=opts, echo=msgs.append)
+    assert again.meta["search"]["gate_runs"] == 0 and again.meta["fallback_layers"] == art.meta["fallback_layers"]
+    assert again.sha256 == art.sha256 or sha256_tree(again.path, exclude=("qgate-artifact.json", "qgate-search.json",
+                                                                           "qgate-search.png")) == \
+        sha256_tree(art.path, exclude=("qgate-artifact.json", "qgate-search.json", "qgate-search.png"))
+
+
+def test_cpu_engine_builds_the_mixed_layout_exactly(planted):
+    """W4 layers and W8 fallback layers in one onnxruntime-genai model: the engine computes what the checkpoint says."""
+    from qgate.artifact import Artifact
+    from qgate.engines.build import build_engine, unsupported
+    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.shadow import ShadowConfig
+
+    d, base, arts = planted
+    ckpt = Artifact.load(d / "searched")
+    eng = build_engine(ckpt, "cpu", d / "searched-cpu", accuracy_level=1)
+    assert "disable_qkv_fusion=true" in eng.meta["builder_cmd"]
+    cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=16, max_prompt_tokens=48, kl_p99_max=None, top1_agreement_min=None), eval=None)
+    rep = run_gates(eng, base, arts["shadow"], cfg, d / "searched-gate", d / "cache", checkpoint=ckpt)
+    report = json.loads((rep.path / "report.json").read_text())
+    by = {r["metric"]: r["observed"] for r in report["results"] if r["gate"] == "parity"}
+    assert by["engine_vs_checkpoint.kl_mean"] < 0.01 * by["checkpoint_vs_baseline.kl_mean"]
+    assert by["engine_vs_checkpoint.top1_agreement"] > 0.99
+    assert report["search"]["chosen_k"] == ckpt.meta["search"]["chosen_k"]      # the search evidence is in the report
+    html = (rep.path / "report.html").read_text()
+    assert "<h2>Search</h2>" in html and PLANTED[0] in html and "alt='search'" in html
+    unq = dataclasses.replace(ckpt, meta=ckpt.meta | {"weight_format": "w4a16+unquantized"})
+    assert "w4a16+unquantized" in unsupported(unq, "cpu")
+
+
+def test_search_that_cannot_pass_says_so_and_keeps_the_closest_point(planted):
+    from qgate.pipeline.search import search_checkpoint
+    from qgate.quantize.run import CalibOptions
+    from qgate.quantize.schemes import scheme_config
+
+    d, base, arts = planted
+    art = search_checkpoint(base, arts["calib"], arts["shadow"], scheme_config("awq-w4a16", group_size=32),
+                            SearchConfig(samples=16, max_steps=2, max_bits_per_weight=5.3), _gate(1e-7),
+                            d / "hopeless", d / "cache", opts=CalibOptions(max_seq_length=64), echo=lambda m: None)
+    s = art.meta["search"]
+    assert not s["found"] and s["chosen_verdict"] == "fail" and "no point passed" in s["note"]
+    assert s["max_k"] < 21 and all(p["k"] <= s["max_k"] for p in s["points"])   # the size budget was respected
+
+
+def test_spec_search_key_is_strict(tmp_path, workdir):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_pipeline import _spec
+
+    from qgate.pipeline.spec import load_spec
+
+    ok = _spec(tmp_path, workdir, variants=[{"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32},
+                                             "search": {"max_steps": 3}}])
+    assert load_spec(ok).variants[0].search == {"max_steps": 3}
+    bad = _spec(tmp_path, workdir, variants=[{"name": "s", "scheme": "awq-w4a16", "search": {"max_step": 3}}])
+    with pytest.raises(ConfigError, match=r"variants\[0\]\.search.*max_step.*did you mean 'max_steps'"):
+        load_spec(bad)
+    fp8 = _spec(tmp_path, workdir, variants=[{"name": "s", "scheme": "fp8-dynamic", "search": {}}])
+    with pytest.raises(ConfigError, match="no per-layer fallback"):
+        load_spec(fp8)
+
+
+def test_search_cli_names_an_unknown_variant(tmp_path, workdir, capsys):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_pipeline import _spec
+
+    from qgate.cli.main import main
+
+    spec = _spec(tmp_path, workdir)
+    assert main(["search", "--spec", str(spec), "--variant", "awq-cpx"]) == 1
+    err = capsys.readouterr().err
+    assert "variant 'awq-cpx' is not in the spec; did you mean 'awq-cpu'?" in err
+
+
+def test_promotion_policy_smallest_picks_the_fewest_bytes_among_passing():
+    from types import SimpleNamespace as NS
+
+    from qgate.pipeline.runner import best_passing
+
+    def outcome(name, passed, nbytes, kl):
+        return {"variant": name, "report": NS(meta={"passed": passed, "summary": {"shadow.kl_p99": kl}}),
+                "candidate": NS(meta={"weights_bytes": nbytes})}
+
+    outs = [outcome("w4", False, 100, 1.2), outcome("w8", True, 220, 0.01), outcome("searched", True, 130, 0.3)]
+    assert best_passing(NS(promote=NS(choose="smallest")), outs)["variant"] == "searched"
+    assert best_passing(NS(promote=NS(choose="best")), outs)["variant"] == "w8"
+    assert best_passing(NS(promote=NS(choose="first")), outs)["variant"] == "w8"
+    assert best_passing(NS(promote=NS(choose="smallest")), outs[:1]) is None
