@@ -73,11 +73,13 @@ def test_layers_fall_back_in_order_of_kl_per_parameter():
 
 def test_size_budget_bounds_the_fallback_count():
     order = fallback_order(LAYERS)
-    assert predicted_bits(order, 0, 4, 8, 64) == pytest.approx(5.0)          # 4 bits + a 32-bit scale and zero per 64
-    assert predicted_bits(order, 5, 4, 8, 64) == pytest.approx(9.0)
-    assert predicted_bits(order, 1, 4, 8, 64) == pytest.approx(5.0 + 4 * 1000 / 9000)
+    assert predicted_bits(order, 0, 4, 8, 64) == pytest.approx(4 + 36 / 64)   # codes + float32 scale + int4 zero per 64
+    assert predicted_bits(order, 5, 4, 8, 64) == pytest.approx(8 + 40 / 64)
+    assert predicted_bits(order, 0, 4, 8, 64, symmetric=True) == pytest.approx(4.5)
+    step = (8 + 40 / 64) - (4 + 36 / 64)
+    assert predicted_bits(order, 1, 4, 8, 64) == pytest.approx(4 + 36 / 64 + step * 1000 / 9000)
     assert max_count(order, None, 4, 8, 64) == 5
-    assert max_count(order, 5.5, 4, 8, 64) == 1                              # l0 adds 0.44 bits, l1 another 1.33
+    assert max_count(order, 5.5, 4, 8, 64) == 1                              # l0 adds 0.45 bits, l1 another 1.35
     assert max_count(order, 4.0, 4, 8, 64) == 0
 
 

@@ -304,8 +304,18 @@ def _variant_summary(o: dict) -> dict:
             "report": str(o["report"].path / "report.html"),
             "kl_p99": s.get("shadow.kl_p99"), "top1_agreement": s.get("shadow.top1_agreement"),
             "metrics": s, "weights_bytes": o["candidate"].meta.get("weights_bytes"),
-            "bits_per_weight": o["candidate"].meta.get("bits_per_weight"), "search": _search_summary(o["candidate"].meta.get("search")),
+            "bits_per_weight": _bits_per_weight(o["candidate"]), "search": _search_summary(o["candidate"].meta.get("search")),
             "backend": o["candidate"].meta.get("backend", "torch-reference")}
+
+
+def _bits_per_weight(candidate: Artifact) -> float | None:
+    """From the manifest; for checkpoints made before it recorded the figure, measured from the checkpoint's files."""
+    from qgate.quantize.run import linear_size
+
+    if candidate.meta.get("bits_per_weight") is not None:
+        return candidate.meta["bits_per_weight"]
+    ckpt = Path(candidate.meta.get("checkpoint_path") or candidate.path)
+    return linear_size(ckpt)["bits_per_weight"] if ckpt.is_dir() and candidate.meta.get("scheme") else None
 
 
 def _search_summary(search: dict | None) -> dict | None:

@@ -56,7 +56,7 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
         write_cached(spath, json.dumps(sens).encode())
         echo(f"    sensitivity: {len(sens['layers'])} layers from {sens['sequences']} sequences in {sens['seconds']}s")
     order = fallback_order(sens["layers"])
-    kmax = max_count(order, cfg.max_bits_per_weight, scheme.num_bits, cfg.fallback_bits, scheme.group_size)
+    kmax = max_count(order, cfg.max_bits_per_weight, scheme.num_bits, cfg.fallback_bits, scheme.group_size, scheme.symmetric)
     k0 = start_count(order, cfg.start_share)
     tried: dict[int, bool] = {}
     points: list[dict] = []
@@ -109,7 +109,8 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
         "gate_runs": gate_runs, "points_tried": len(points), "seconds": round(time.perf_counter() - t_start, 1),
         "start_k": k0, "max_k": kmax, "layers_total": len(order), "budget_bits_per_weight": cfg.max_bits_per_weight,
         "bits_per_weight": chosen["bits_per_weight"], "weights_bytes": chosen["weights_bytes"],
-        "uniform_bits_per_weight": round(predicted_bits(order, 0, scheme.num_bits, cfg.fallback_bits, scheme.group_size), 3),
+        "uniform_bits_per_weight": round(predicted_bits(order, 0, scheme.num_bits, cfg.fallback_bits, scheme.group_size,
+                                                        scheme.symmetric), 3),
         "points": [{k: v for k, v in p.items() if k != "layers"} for p in points], "fallback": fell,
         "sensitivity": {k: v for k, v in sens.items() if k != "layers"} | {"top": sens["layers"][:20]},
         "note": None if passing else f"no point passed the shadow gate within {cfg.max_steps} steps and "

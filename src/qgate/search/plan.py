@@ -55,22 +55,28 @@ def start_count(order: list[dict], share: float) -> int:
     return len(order)
 
 
-def predicted_bits(order: list[dict], k: int, bits: int, fallback_bits: int, group_size: int) -> float:
-    """Bits per weight of the quantized layers with the first k fallen back: codes plus a 32-bit scale and zero point
-    per group (an upper bound on what is stored; the measured value is reported for every gated point)."""
-    overhead = 64 / group_size
+def predicted_bits(order: list[dict], k: int, bits: int, fallback_bits: int, group_size: int, symmetric: bool = False,
+                   scale_bits: int = 32) -> float:
+    """Bits per weight of the quantized layers with the first k fallen back, as compressed-tensors stores them: the codes,
+    one scale per group (`scale_bits`: the checkpoint's float32) and, when asymmetric, a packed zero point per group
+    of the code width. Unquantized fallback layers keep 32-bit weights. Measured values are reported for every point."""
+    def per_weight(b: int) -> float:
+        if b >= 16:
+            return 32.0
+        return b + (scale_bits + (0 if symmetric else b)) / group_size
+
     params = sum(r["params"] for r in order)
     hi = sum(r["params"] for r in order[:k])
-    fb = (fallback_bits if fallback_bits < 16 else 32) + (overhead if fallback_bits < 16 else 0)
-    return ((params - hi) * (bits + overhead) + hi * fb) / params
+    return ((params - hi) * per_weight(bits) + hi * per_weight(fallback_bits)) / params
 
 
-def max_count(order: list[dict], budget: float | None, bits: int, fallback_bits: int, group_size: int) -> int:
+def max_count(order: list[dict], budget: float | None, bits: int, fallback_bits: int, group_size: int,
+              symmetric: bool = False) -> int:
     """The largest k whose predicted bits per weight stay within `budget` (every layer when None)."""
     if budget is None:
         return len(order)
     k = 0
-    while k < len(order) and predicted_bits(order, k + 1, bits, fallback_bits, group_size) <= budget:
+    while k < len(order) and predicted_bits(order, k + 1, bits, fallback_bits, group_size, symmetric) <= budget:
         k += 1
     return k
 
