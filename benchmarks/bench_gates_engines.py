@@ -1,17 +1,24 @@
-"""Ratios measured in one run on the demo model (SmolLM2-135M-Instruct).
+"""Gate and engine speed on the demo model (SmolLM2-135M-Instruct), every figure a ratio measured in this run.
 
-    qgate run pipelines/promote.yaml && .venv/bin/python benchmarks/bench_gates_engines.py
+    .venv/bin/qgate run pipelines/promote.yaml && .venv/bin/python benchmarks/bench_gates_engines.py
 
-1. Shadow-gate cost: wall time of the shadow gate for a candidate (baseline cached, and cold)
-   divided by the time of the candidate's forward passes alone over the same sequences.
-2. CPU engine decode speed: onnxruntime-genai int4 (the AWQ engine the demo built) vs
-   transformers eager float32 on the baseline, greedy decoding from the same token ids.
-Both runtimes use their default thread counts (all cores); run on an otherwise idle machine.
+Run it alone: two CPU-heavy processes on 2 cores distort each other badly.
+
+1. Warm shadow gate / the candidate's forward-only time on the same tokens, in the same batches (int4 CPU engine and
+   the W8A16 checkpoint on the reference path).
+2. Cold baseline reference (greedy answers + top-k log-probs) / the baseline's teacher-forced forward time on the
+   same tokens.
+3. Decode: greedy tok/s of onnxruntime-genai int4 engines (lm_head fp32 / int8 / int4, accuracy level, threads) /
+   transformers eager fp32, at batch 1 and batch 8, each engine with its shadow-gate KL p99 and top-1 against the
+   baseline: the gate, not a guess, says whether a faster head is acceptable.
+4. Eval scoring items/s (the demo's task set) for the baseline and the int4 engine.
+Pipeline wall time by stage: benchmarks/bench_pipeline.py.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -26,109 +33,188 @@ def load(workdir: Path):
     from qgate.artifact import Artifact
 
     if not (workdir / "summary.json").exists():
-        sys.exit(f"{workdir}: run the demo first: qgate run pipelines/promote.yaml")
-    base = Artifact.load(workdir / "base")
-    shadow = Artifact.load(workdir / "calib" / "shadow")
-    engine = Artifact.load(workdir / "variants" / "awq-w4a16-cpu" / "engine")
-    return base, shadow, engine
+        sys.exit(f"{workdir}: run the demo first: .venv/bin/qgate run pipelines/promote.yaml")
+    get = lambda *p: Artifact.load(workdir.joinpath(*p))   # noqa: E731
+    return {"base": get("base"), "shadow": get("calib", "shadow"), "engine": get("variants", "awq-w4a16-cpu", "engine"),
+            "awq_ckpt": get("variants", "awq-w4a16-cpu", "checkpoint"), "w8": get("variants", "gptq-w8a16", "checkpoint")}
 
 
-def bench_shadow(base, shadow, engine, prompts: int) -> dict:
+def forward_only(runner, seqs: list[list[int]]) -> float:
+    """The runner's logits for every sequence, in the batches the gate uses, and nothing else."""
+    from qgate.gates.scoring import length_batches
+
+    t = time.perf_counter()
+    for batch in length_batches([len(s) for s in seqs]):
+        runner.logits_batch([seqs[i] for i in batch])
+    return time.perf_counter() - t
+
+
+def bench_shadow(arts: dict, cache: Path) -> dict:
     from qgate.engines.runners import load_runner
-    from qgate.gates.shadow import ShadowConfig, baseline_reference, candidate_metrics
+    from qgate.gates.shadow import ShadowConfig, _sequences, baseline_reference, candidate_metrics
 
-    cfg = ShadowConfig(max_prompts=prompts)
-    cand = load_runner(engine)
-    base_runner = load_runner(base)
-    with tempfile.TemporaryDirectory() as cache:
+    cfg = ShadowConfig()
+    base = load_runner(arts["base"])
+    t = time.perf_counter()
+    ref, hit = baseline_reference(lambda: base, arts["base"], arts["shadow"], cfg, cache)
+    cold = time.perf_counter() - t
+    assert not hit
+    seqs = _sequences(ref)
+    out = {"prompts": len(seqs), "tokens": int(ref["seq_lens"].sum()),
+           "answer_tokens": int(ref["seq_lens"].sum() - ref["prompt_lens"].sum()),
+           "cold_reference_s": cold, "baseline_forward_s": forward_only(base, seqs)}
+    out["cold_ratio"] = cold / out["baseline_forward_s"]
+    for name, art in (("int4 CPU engine", arts["engine"]), ("W8A16 reference path", arts["w8"])):
+        cand = load_runner(art)
+        forward_only(cand, seqs[:4])                                            # warm-up
+        fwd = forward_only(cand, seqs)
         t = time.perf_counter()
-        ref, _ = baseline_reference(lambda: base_runner, base, shadow, cfg, Path(cache))
-        candidate_metrics(cand, ref, desc="bench: shadow (cold)")
-        cold = time.perf_counter() - t
-        t = time.perf_counter()
-        ref, hit = baseline_reference(lambda: base_runner, base, shadow, cfg, Path(cache))
-        candidate_metrics(cand, ref, desc="bench: shadow (cached)")
+        _, hit = baseline_reference(lambda: base, arts["base"], arts["shadow"], cfg, cache)
+        candidate_metrics(cand, ref, desc=f"bench: shadow ({name})")
         warm = time.perf_counter() - t
-        if not hit:
-            sys.exit("baseline cache was not reused: the benchmark would time the wrong thing")
-    start, fwd = 0, 0.0
-    for n in ref["seq_lens"]:
-        seq = ref["tokens"][start:start + n].tolist()
-        t = time.perf_counter()
-        cand.logits(seq)
-        fwd += time.perf_counter() - t
-        start += n
-    return {"prompts": len(ref["seq_lens"]), "tokens": int(ref["seq_lens"].sum()), "candidate_forward_s": fwd,
-            "shadow_gate_cached_s": warm, "shadow_gate_cold_s": cold,
-            "ratio_cached": warm / fwd, "ratio_cold": cold / fwd}
+        assert hit, "baseline cache was not reused: the benchmark would time the wrong thing"
+        out[name] = {"forward_s": fwd, "warm_gate_s": warm, "ratio": warm / fwd}
+    return out
 
 
-def bench_decode(base, engine, shadow, prompts: int, new_tokens: int) -> dict:
-    import onnxruntime_genai as og
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _prompts(arts: dict, n: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
 
     from qgate.chat import encode_messages
 
-    tok = AutoTokenizer.from_pretrained(base.path)
-    rows = [json.loads(x) for x in (shadow.path / "data.jsonl").read_text().splitlines()][:prompts]
-    ids = [encode_messages(tok, r["messages"], 256) for r in rows]
-    hf = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32).eval()
-    model = og.Model(str(engine.path / "onnx"))
+    tok = AutoTokenizer.from_pretrained(arts["base"].path)
+    rows = [json.loads(x) for x in (arts["shadow"].path / "data.jsonl").read_text().splitlines()][:n]
+    return [encode_messages(tok, r["messages"], 256) for r in rows]
 
-    def run_hf():
-        n = 0
-        for x in ids:
-            t = torch.tensor([x])
+
+def decode_hf(arts: dict, prompts: list[list[int]], new: int, batch: int) -> float:
+    import torch
+
+    from qgate.engines.runners import load_runner
+
+    runner = load_runner(arts["base"])
+
+    def run():
+        n, t = 0, time.perf_counter()
+        for a in range(0, len(prompts), batch):
+            chunk = prompts[a:a + batch]
+            width = max(map(len, chunk))
+            x = torch.tensor([[2] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
             with torch.inference_mode():
-                out = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                  do_sample=False, pad_token_id=tok.eos_token_id)
-            n += out.shape[1] - t.shape[1]
-        return n
+                out = runner.model.generate(x, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                            pad_token_id=2)
+            n += (out.shape[1] - width) * len(chunk)
+        return n / (time.perf_counter() - t)
 
-    def run_ort():
-        n = 0
-        for x in ids:
+    run()
+    return run()
+
+
+def decode_ort(engine_dir: Path, prompts: list[list[int]], new: int, batch: int, threads: int | None) -> float:
+    import onnxruntime_genai as og
+
+    config = og.Config(str(engine_dir))
+    if threads:
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
+
+    def run():
+        n, t = 0, time.perf_counter()
+        for a in range(0, len(prompts), batch):
+            chunk = prompts[a:a + batch]
+            width = max(map(len, chunk))
             p = og.GeneratorParams(model)
-            p.set_search_options(max_length=len(x) + new_tokens, min_length=len(x) + new_tokens, do_sample=False)
+            p.set_search_options(max_length=width + new, min_length=width + new, do_sample=False, batch_size=len(chunk))
             g = og.Generator(model, p)
-            g.append_tokens(np.asarray(x, np.int32))
+            g.append_tokens(np.asarray([[2] * (width - len(x)) + x for x in chunk], np.int32))   # pad id 2, left
             while not g.is_done():
                 g.generate_next_token()
-                n += 1
-        return n
+                n += len(chunk)
+        return n / (time.perf_counter() - t)
 
-    res = {}
-    for name, fn in (("transformers_fp32", run_hf), ("ort_genai_int4", run_ort)):
-        fn()  # warm-up
-        t = time.perf_counter()
-        n = fn()
-        res[name] = {"tokens": n, "seconds": time.perf_counter() - t, "tok_s": n / (time.perf_counter() - t)}
-    res["speedup"] = res["ort_genai_int4"]["tok_s"] / res["transformers_fp32"]["tok_s"]
+    run()
+    return run()
+
+
+def bench_decode(arts: dict, cache: Path, prompts: int, new: int) -> dict:
+    from qgate.engines.cpu import CpuEngineConfig, build_cpu
+    from qgate.gates.run import GateConfig, shadow_check
+
+    ps = _prompts(arts, prompts)
+    res = {"transformers_fp32": {b: decode_hf(arts, ps, new, b) for b in (1, 8)}, "engines": []}
+    options = [("fp32", 4, None), ("int8", 4, None), ("int4", 4, None), ("fp32", 1, None), ("int8", 4, 1)]
+    with tempfile.TemporaryDirectory() as tmp:
+        built = {}
+        for head, level, threads in options:
+            key = (head, level)
+            if key not in built:
+                built[key] = build_cpu(arts["awq_ckpt"], CpuEngineConfig(accuracy_level=level, lm_head=head), Path(tmp) / f"{head}-{level}")
+                gate = shadow_check(built[key], arts["base"], arts["shadow"], GateConfig(), cache)
+                by = {r["metric"]: r for r in gate["results"]}
+                built[key].meta["bench_gate"] = {"verdict": gate["verdict"], "kl_p99": by["kl_p99"]["observed"],
+                                                 "top1": by["top1_agreement"]["observed"]}
+            eng = built[key]
+            row = {"lm_head": head, "accuracy_level": level, "threads": threads or os.cpu_count(),
+                   "engine_mb": eng.meta["engine_bytes"] / 1e6, **eng.meta["bench_gate"]}
+            for b in (1, 8):
+                row[f"tok_s_b{b}"] = decode_ort(eng.path / "onnx", ps, new, b, threads)
+                row[f"speedup_b{b}"] = row[f"tok_s_b{b}"] / res["transformers_fp32"][b]
+            res["engines"].append(row)
     return res
 
 
+def bench_eval(arts: dict) -> dict:
+    from qgate.engines.runners import load_runner
+    from qgate.gates.evalgate import EvalConfig, run_tasks
+
+    cfg = EvalConfig()
+    out = {}
+    for name, art in (("baseline fp32", arts["base"]), ("int4 CPU engine", arts["engine"])):
+        runner = load_runner(art)
+        t = time.perf_counter()
+        scores = run_tasks(runner, cfg)
+        secs = time.perf_counter() - t
+        items = sum(len(v["per_item"]) if v["kind"] == "mc" else len(v["ll"]) for v in scores.values())
+        out[name] = {"seconds": secs, "items": items}
+    return out
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--workdir", type=Path, default=ROOT / ".qgate/demo")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    args = ap.parse_args()
-    base, shadow, engine = load(args.workdir)
-    s = bench_shadow(base, shadow, engine, args.prompts)
-    d = bench_decode(base, engine, shadow, min(args.prompts, 8), args.new_tokens)
-    print(f"shadow gate, {s['prompts']} prompts / {s['tokens']} tokens, candidate = int4 CPU engine:")
-    print(f"  candidate forward only      {s['candidate_forward_s']:8.2f} s")
-    print(f"  shadow gate, cached baseline{s['shadow_gate_cached_s']:8.2f} s   ratio {s['ratio_cached']:.2f}x")
-    print(f"  shadow gate, cold baseline  {s['shadow_gate_cold_s']:8.2f} s   ratio {s['ratio_cold']:.2f}x")
-    print(f"decode, greedy {args.new_tokens} new tokens x {min(args.prompts, 8)} prompts:")
-    for k in ("transformers_fp32", "ort_genai_int4"):
-        print(f"  {k:20s} {d[k]['tok_s']:8.1f} tok/s")
-    print(f"  int4 CPU engine / transformers eager fp32 = {d['speedup']:.2f}x")
     import torch
 
-    print(f"threads: torch {torch.get_num_threads()}, onnxruntime default (all cores)")
-    print(json.dumps({"shadow": s, "decode": d}, default=float))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir", type=Path, default=ROOT / ".qgate/demo")
+    ap.add_argument("--prompts", type=int, default=16, help="decode prompts")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--skip-eval", action="store_true")
+    args = ap.parse_args()
+    arts = load(args.workdir)
+    print(f"machine: {os.cpu_count()} cores; torch {torch.__version__} threads {torch.get_num_threads()}; "
+          f"onnxruntime default threads (all cores) unless stated", flush=True)
+    with tempfile.TemporaryDirectory() as cache:
+        s = bench_shadow(arts, Path(cache))
+        d = bench_decode(arts, Path(cache), args.prompts, args.new_tokens)
+    e = None if args.skip_eval else bench_eval(arts)
+    print(f"\n1. warm shadow gate, {s['prompts']} prompts / {s['tokens']} tokens, baseline reference cached:")
+    for name in ("int4 CPU engine", "W8A16 reference path"):
+        r = s[name]
+        print(f"   {name:22s} forward only {r['forward_s']:6.2f} s   gate {r['warm_gate_s']:6.2f} s   ratio {r['ratio']:.2f}x  (goal <= 1.10x)")
+    print(f"2. cold baseline reference ({s['answer_tokens']} greedy answer tokens + top-k log-probs): {s['cold_reference_s']:.1f} s"
+          f" / teacher-forced forward {s['baseline_forward_s']:.1f} s = {s['cold_ratio']:.2f}x  (goal <= 2x)")
+    tf = d["transformers_fp32"]
+    print(f"3. decode, greedy {args.new_tokens} new tokens x {args.prompts} prompts; transformers eager fp32: "
+          f"{tf[1]:.1f} tok/s at batch 1, {tf[8]:.1f} at batch 8")
+    print("   lm_head  acc.level threads  engine MB   b1 tok/s  x fp32   b8 tok/s  x fp32   shadow gate: KL p99  top-1  verdict")
+    for r in d["engines"]:
+        print(f"   {r['lm_head']:7s}  {r['accuracy_level']:9d} {r['threads']:7d}  {r['engine_mb']:9.1f}  {r['tok_s_b1']:9.1f}  "
+              f"{r['speedup_b1']:5.2f}x  {r['tok_s_b8']:9.1f}  {r['speedup_b8']:5.2f}x  {r['kl_p99']:18.4f}  {r['top1']:.3f}  {r['verdict']}")
+    if e:
+        print("4. eval scoring (the demo's tasks):")
+        for name, r in e.items():
+            print(f"   {name:22s} {r['items']} items in {r['seconds']:.1f} s = {r['items'] / r['seconds']:.1f} items/s "
+                  f"(requests/s by strategy: benchmarks/bench_eval.py)")
+    print(json.dumps({"shadow": s, "decode": d, "eval": e}, default=float))
 
 
 if __name__ == "__main__":

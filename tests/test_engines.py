@@ -79,6 +79,25 @@ def test_cpu_engine_keeps_int4_kernels_and_full_precision_head(cpu_exact):
     assert cpu_exact.meta["backend"] == "cpu" and cpu_exact.parents[0] == cpu_exact.meta["checkpoint"]
 
 
+@pytest.mark.parametrize("head,bits", [("int8", 8), ("int4", 4)])
+def test_cpu_engine_quantized_head_is_an_option_close_to_the_fp32_head(awq_art, cpu_exact, workdir, head, bits):
+    import onnx
+
+    eng = build_engine(awq_art, "cpu", workdir / f"engine-{head}", accuracy_level=1, lm_head=head)
+    m = onnx.load(str(eng.path / "onnx/model.onnx"), load_external_data=False)
+    lm = [n for n in m.graph.node if n.name.startswith("/lm_head")]
+    assert lm and lm[0].op_type == "MatMulNBits"
+    assert {a.name: a.i for a in lm[0].attribute}["bits"] == bits
+    assert [n.op_type for n in m.graph.node if n.name.startswith("/model/embed_tokens")] == ["Gather"]   # fp32 embedding
+    fp32_head = load_runner(cpu_exact)
+    ids = fp32_head.tokenizer("please help the model serve traffic")["input_ids"]
+    a, b = fp32_head.logits(ids), load_runner(eng).logits(ids)
+    err = np.abs(a - b).max() / np.abs(a).max()
+    assert 0 < err < (0.02 if bits == 8 else 0.2)            # a different head, slightly different logits
+    with pytest.raises(ConfigError, match="engine.lm_head must be one of fp32, int8, int4"):
+        build_engine(awq_art, "cpu", workdir / "engine-bad", lm_head="int2")
+
+
 def test_cpu_engine_refuses_non_int4(w8_art, tmp_path):
     with pytest.raises(ConfigError, match="reference path"):
         build_engine(w8_art, "cpu", tmp_path / "e")

@@ -86,6 +86,15 @@ LM_REQUESTS = (("Question: why the cat\nAnswer:", " traffic"), ("the", " model w
                ("Choose one: cat or dog?", " cat"), ("Choose one: cat or dog?", " dog please"))
 
 
+def log_softmax64(x):
+    """Reference log-softmax in float64 (an oracle for the gates' float32 reductions)."""
+    import numpy as np
+
+    x = np.asarray(x, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
 def check_lm_scores(runner) -> int:
     """RunnerLM's batched and shared-context log-likelihoods equal one-sequence-at-a-time scoring on `runner`.
     Returns how many requests took the shared-context path."""
@@ -95,7 +104,6 @@ def check_lm_scores(runner) -> int:
     import pytest
 
     from qgate.gates.lm import RunnerLM
-    from qgate.gates.shadow import _log_softmax
 
     lm = RunnerLM(runner)
     calls = []
@@ -108,7 +116,7 @@ def check_lm_scores(runner) -> int:
     for (ctx, cont), (ll, greedy) in zip(LM_REQUESTS, got, strict=True):
         ids = [lm.prefix] + lm._encode(ctx + cont)
         n = len(lm._encode(ctx + cont)) - len(lm._encode(ctx))
-        logp = _log_softmax(runner.logits(ids[:-1]))
+        logp = log_softmax64(runner.logits(ids[:-1]))
         rows = np.arange(len(ids) - 1 - n, len(ids) - 1)
         expect = logp[rows, ids[len(ids) - n:]]
         assert ll == pytest.approx(float(expect.sum()), abs=1e-3)

@@ -66,7 +66,8 @@ def _lines(items: Iterable[T], desc: str, total: int | None, unit: str) -> Itera
 
 def _line(desc: str, done: int, total: int | None, unit: str, secs: float) -> str:
     of = f"/{total} ({100 * done / total:.0f}%)" if total else ""
-    return f"    {desc}: {done}{of} {unit}s, {secs:.0f}s"
+    plural = unit + ("es" if unit.endswith(("s", "sh", "ch", "x")) else "s")
+    return f"    {desc}: {done}{of} {plural}, {secs:.0f}s"
 
 
 def _real_std_streams() -> bool:

@@ -19,6 +19,7 @@ def build_cmd(
     out: OutDir,
     profile: Annotated[Path | None, typer.Option(help="Traffic-profile artifact (trtllm: CUDA-graph batch sizes).")] = None,
     accuracy_level: Annotated[int, typer.Option(help="cpu: MatMulNBits accuracy level, 4 int8 activations, 1 exact.")] = CpuEngineConfig().accuracy_level,
+    lm_head: Annotated[str, typer.Option(help="cpu: lm_head precision, fp32, int8 or int4 (faster decode; gate it).")] = CpuEngineConfig().lm_head,
     verify: Annotated[bool, typer.Option(help="trtllm: load, capture CUDA graphs and smoke-generate.")] = True,
 ) -> None:
     """Build (cpu) or bundle and verify (trtllm) an engine."""
@@ -28,6 +29,6 @@ def build_cmd(
 
     ckpt = Artifact.load(checkpoint, "checkpoint")
     prof = Artifact.load(profile, "traffic-profile") if profile else None
-    options = {"accuracy_level": accuracy_level} if backend == "cpu" else {"verify": verify}
+    options = {"accuracy_level": accuracy_level, "lm_head": lm_head} if backend == "cpu" else {"verify": verify}
     art = build_atomically(out, lambda tmp: build_engine(ckpt, backend, tmp, prof, **options))
     typer.echo(f"engine {art.path}  sha256 {art.sha256[:16]}  backend {art.meta.get('backend')}")

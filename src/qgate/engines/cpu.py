@@ -4,7 +4,7 @@
 
 The compressed-tensors checkpoint is repacked into the AutoAWQ layout (no re-quantization)
 and handed to onnxruntime-genai's model builder. lm_head stays full precision unless
-asked otherwise. The builder's console output goes to build.log beside the engine.
+`lm_head: int8|int4` asks the builder to quantize it (the gate decides whether that is acceptable). The builder's console output goes to build.log beside the engine.
 """
 from __future__ import annotations
 
@@ -21,17 +21,20 @@ from qgate.errors import BackendUnavailable, ConfigError, InputError
 
 ENGINE_SUBDIR = "onnx"
 SUPPORTED_FORMATS = ("w4a16", "w4a16+w8a16")
+LM_HEAD = ("fp32", "int8", "int4")   # the vocabulary projection: on a small model, most of the bytes read per token
 
 
 @dataclass(frozen=True)
 class CpuEngineConfig:
     accuracy_level: int = 4          # 4: int8 activations (ORT's CPU default, fastest); 1: fp32, exact
-    quantize_lm_head: bool = False   # True: the builder re-quantizes lm_head to int4 (RTN), smaller, lossier
-    VERSION = 2                      # 2: genai_config keeps the checkpoint's eos/bos/pad ids
+    lm_head: str = "fp32"            # "int8" / "int4": the builder quantizes lm_head (RTN, per block): faster decode, gated
+    VERSION = 3                      # 3: lm_head precision is an option
 
     def __post_init__(self):
         if self.accuracy_level not in (1, 2, 3, 4):
             raise ConfigError(f"engine.accuracy_level must be 1..4, got {self.accuracy_level}")
+        if self.lm_head not in LM_HEAD:
+            raise ConfigError(f"engine.lm_head must be one of {', '.join(LM_HEAD)}, got {self.lm_head!r}")
 
 
 def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path) -> Artifact:
@@ -75,9 +78,12 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path) -> Artifact:
     options = [f"accuracy_level={config.accuracy_level}"]
     if mixed:   # q, k and v may differ in bits; the builder packs them into one MatMul only when they agree
         options.append("disable_qkv_fusion=true")
-    if not config.quantize_lm_head:
-        # Untied lm_head so the embedding Gather and the head MatMul both keep full-precision weights.
-        options += ["nodes_to_exclude=/lm_head/MatMul", "shared_embeddings=false"]
+    # Untied lm_head, so the embedding Gather keeps full-precision weights whatever the head becomes.
+    options.append("shared_embeddings=false")
+    if config.lm_head == "fp32":
+        options.append("nodes_to_exclude=/lm_head/MatMul")
+    elif config.lm_head == "int8":   # the builder's MatMulNBits quantizer, 8 bits for the last MatMul
+        options.append("matmul_mixed_precision=last_matmul:int8")
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(staging), "-o", str(out / ENGINE_SUBDIR),
            "-p", "int4", "-e", "cpu", "-c", str(out / "cache"), "--extra_options", *options]
     t0 = time.perf_counter()

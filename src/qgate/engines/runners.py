@@ -28,6 +28,62 @@ def dequantize_kwargs(path: Path) -> dict:
     return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
 
 
+ATTENTION = "qgate_sdpa_gqa"
+
+
+def _gqa_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+              is_causal: bool | None = None, **kwargs):
+    """transformers' SDPA attention, except that grouped-query K/V go to torch as they are (enable_gqa) even with a
+    padding mask. transformers copies K/V once per query head whenever a mask is present; on a left-padded batch that
+    copy of the whole KV cache per layer and decode step costs 10x the attention itself (benchmarks/
+    bench_gates_engines.py). Same math, same kernel."""
+    import torch
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+        attention_mask = attention_mask[..., : key.shape[-2]]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling,
+        is_causal=bool(query.shape[2] > 1 and attention_mask is None and causal), enable_gqa=groups > 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _gqa_sdpa)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    return ATTENTION
+
+
+def _reserved_cache(cache, capacity: int):
+    """The same cache, each layer's keys and values moved into a buffer reserved for `capacity` positions: a decode step
+    then writes one position instead of copying the whole cache (DynamicLayer's torch.cat per layer and step)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class ReservedLayer(DynamicLayer):
+        def __init__(self, keys, values):
+            super().__init__()
+            n = keys.shape[-2]
+            self.kbuf = keys.new_empty((*keys.shape[:2], capacity, keys.shape[-1]))
+            self.vbuf = values.new_empty((*values.shape[:2], capacity, values.shape[-1]))
+            self.kbuf[:, :, :n], self.vbuf[:, :, :n] = keys, values
+            self.dtype, self.device, self.is_initialized, self.n = keys.dtype, keys.device, True, n
+            self.keys, self.values = self.kbuf[:, :, :n], self.vbuf[:, :, :n]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            m = self.n + key_states.shape[-2]
+            self.kbuf[:, :, self.n:m], self.vbuf[:, :, self.n:m] = key_states, value_states
+            self.n = m
+            self.keys, self.values = self.kbuf[:, :, :m], self.vbuf[:, :, :m]
+            return self.keys, self.values
+
+    cache.layers = [ReservedLayer(layer.keys, layer.values) for layer in cache.layers]
+    return cache
+
+
 class TorchRunner:
     """PyTorch eager reference path (float32 compute; compressed-tensors checkpoints are decompressed on load)."""
 
@@ -41,7 +97,8 @@ class TorchRunner:
 
         check_loadable(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path, **TOKENIZER_KWARGS)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **LOAD_KWARGS, **dequantize_kwargs(path)).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=_register_attention(),
+                                                          **LOAD_KWARGS, **dequantize_kwargs(path)).eval()
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
@@ -100,14 +157,95 @@ class TorchRunner:
         return res
 
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        """Greedy continuation with the KV cache; stops at EOS."""
+        """Greedy continuation with the KV cache; stops at EOS (included)."""
+        return self.greedy_batch([ids], max_new_tokens)[0]
+
+    def greedy_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuations of several prompts at once: left-padded, with the attention mask (generate derives
+        each row's position ids from it) and the KV cache. Each answer stops at its first EOS, which it includes."""
         import torch
 
-        x = torch.tensor([list(ids)], dtype=torch.long)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        width = max(len(p) for p in prompts)
+        x = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
         with torch.inference_mode():
-            out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                                      pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
-        return out[0, x.shape[1]:].tolist()
+            out = self.model.generate(x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        eos = self.model.generation_config.eos_token_id
+        stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        answers = []
+        for row in out[:, width:].tolist():
+            end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+            answers.append(row[:end])
+        return answers
+
+
+    def greedy_scored(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, reduce,
+                      prefill_tokens: int = 1024) -> list[tuple[list[int], tuple]]:
+        """Greedy answers and the logits of every position of prompt + answer that predicts a next token, reduced
+        on the fly: reduce(logits [N, V]) -> a tuple of arrays with leading dimension N. Per prompt: (answer,
+        the reduced arrays over its len(prompt) + len(answer) - 1 positions, in order).
+
+        Left-padded prefills (prefill_tokens padded tokens each) return the prompt positions' logits (what
+        teacher-forced scoring computes) and KV caches, joined so that every row decodes in the same steps; each
+        decode step's logits pick the next token and are kept as that position's scores. So the
+        answers cost the decode steps, not a second pass over the prompts. The answers are those of greedy_batch
+        (the same forwards generate() runs); the logits equal teacher-forced ones up to float rounding, which the
+        noise floor measures."""
+        import numpy as np
+        import torch
+        from transformers import DynamicCache
+
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        eos = self.model.generation_config.eos_token_id
+        stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        width, rows = max(len(p) for p in prompts), len(prompts)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+        pos = torch.tensor([[len(p) - 1] for p in prompts], dtype=torch.long)     # each row's last position
+        answers: list[list[int]] = [[] for _ in prompts]
+        parts: list[list[tuple]] = [[] for _ in prompts]
+        with torch.inference_mode():
+            keys, values, firsts = [], [], []
+            a = 0
+            while a < rows:   # prefill in small left-padded batches of similar length (a [B, W, V] logits tensor is slow)
+                b = a + 1
+                while b < rows and (b + 1 - a) * max(len(p) for p in prompts[a:b + 1]) <= prefill_tokens:
+                    b += 1
+                chunk = prompts[a:b]
+                w = max(len(p) for p in chunk)
+                cm = torch.tensor([[0] * (w - len(p)) + [1] * len(p) for p in chunk], dtype=torch.long)
+                out = self.model(torch.tensor([[pad] * (w - len(p)) + list(p) for p in chunk], dtype=torch.long), attention_mask=cm,
+                                 position_ids=(cm.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+                for i, p in enumerate(chunk):
+                    parts[a + i].append(reduce(out.logits[i, w - len(p):].float()))
+                firsts.append(out.logits[:, -1].argmax(-1))
+                layers = out.past_key_values.layers   # left-pad the cache to the common width; the mask hides the padding
+                keys.append([torch.nn.functional.pad(layer.keys, (0, 0, width - w, 0)) for layer in layers])
+                values.append([torch.nn.functional.pad(layer.values, (0, 0, width - w, 0)) for layer in layers])
+                del out, layers
+                a = b
+            nxt = torch.cat(firsts)
+            cache = _reserved_cache(DynamicCache(
+                ddp_cache_data=[(torch.cat([k[li] for k in keys]), torch.cat([v[li] for v in values])) for li in range(len(keys[0]))],
+                config=self.model.config), width + max_new_tokens)
+            del keys, values
+            live = np.ones(rows, bool)
+            for step in range(max_new_tokens):
+                for i in np.nonzero(live)[0]:
+                    answers[i].append(int(nxt[i]))
+                    live[i] = answers[i][-1] not in stops
+                if step == max_new_tokens - 1 or not live.any():
+                    break
+                mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.long)], -1)
+                pos = pos + 1
+                feed = torch.where(torch.from_numpy(live), nxt, torch.full_like(nxt, pad))[:, None]
+                logits = self.model(feed, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1].float()
+                keep = np.nonzero(live)[0]
+                reduced = reduce(logits[torch.from_numpy(keep)])
+                for j, i in enumerate(keep):
+                    parts[i].append(tuple(a[j:j + 1] for a in reduced))
+                nxt = logits.argmax(-1)
+        return [(a, tuple(np.concatenate(cols) for cols in zip(*ps, strict=True))) for a, ps in zip(answers, parts, strict=True)]
 
 
 class OrtRunner:
@@ -145,7 +283,7 @@ class OrtRunner:
             feed[self.names["past_value_names"] % i] = empty if past is None else past[2 * i + 1]
         outs = ["logits"] + ([self.present[j % 2] % (j // 2) for j in range(2 * self.layers)] if keep_cache else [])
         logits, *present = self.session.run(outs, feed)
-        return logits[0].astype(np.float32), present
+        return logits[0].astype(np.float32, copy=False), present
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         return self._run(ids, None, False)[0]

@@ -3,8 +3,10 @@
     floor = noise_floor(baseline_runner_factory, baseline, shadow, ref, ShadowConfig(), cache_dir)
     check_thresholds(ShadowConfig(kl_p99_max=1e-9), floor)     # ConfigError: tighter than the floor supports
 
-The reference scores one sequence at a time; the second path scores the same tokens in left-padded batches
-of 8 (other GEMM shapes, masking, reduction order). What differs between the two is numerical noise, not
+The reference comes from generation (one left-padded prefill per batch of prompts, then KV-cached decode steps);
+the second path is the gate's own: the baseline scored teacher-forced on the same tokens exactly as a candidate is
+(length-sorted batches, full sequences). What differs is other GEMM shapes, padding, cache reuse and reduction order.
+Its time is the baseline's teacher-forced scoring time, which the perf check compares candidates with. What differs between the two is numerical noise, not
 quantization: a threshold the baseline itself cannot meet against this floor would fail every candidate.
 """
 from __future__ import annotations
@@ -19,41 +21,20 @@ from qgate.cache import read_cached, write_cached
 from qgate.errors import ConfigError
 from qgate.gates.shadow import ShadowConfig, candidate_metrics, kl_top1_checks, scoring_summary
 
-BATCH = 8
-
-
-class BatchedPath:
-    """A runner view whose logits(seq) come from logits_batch over the reference's upcoming sequences."""
-
-    def __init__(self, runner, ref: dict):
-        self.runner, self.tokenizer = runner, runner.tokenizer
-        bounds = np.concatenate([[0], np.cumsum(ref["seq_lens"])])
-        self.seqs = [ref["tokens"][a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-        self.next, self.ready = 0, []
-
-    def logits(self, ids) -> np.ndarray:
-        if not self.ready:
-            chunk = self.seqs[self.next:self.next + BATCH]
-            self.ready = list(self.runner.logits_batch(chunk))
-            self.next += len(chunk)
-        out = self.ready.pop(0)
-        if out.shape[0] != len(ids):
-            raise RuntimeError("noise floor: sequences requested out of order")
-        return out
-
-
 def noise_floor(runner_factory, baseline: Artifact, shadow: Artifact, ref: dict, cfg: ShadowConfig, cache_dir: Path) -> dict:
     """{"kl_mean", "kl_p99", "top1_agreement": {"observed", "ci"}, "path", "cached"}, cached by content hash."""
     key = sha256_json({"baseline": baseline.sha256, "shadow": shadow.sha256, "cfg": cfg.reference_key(),
-                       "positions": cfg.positions, "batch": BATCH, "v": 1})
+                       "positions": cfg.positions, "path": "gate-scoring", "v": 2})
     path = Path(cache_dir) / f"noise-floor-{key[:24]}.json"
     if (data := read_cached(path)) is not None:
         return json.loads(data) | {"cached": True}
-    m = candidate_metrics(BatchedPath(runner_factory(), ref), ref, desc="noise floor: baseline vs itself")
+    m = candidate_metrics(runner_factory(), ref, desc="noise floor: baseline vs itself")
     masks, _ = scoring_summary(ref, cfg)
     checks = kl_top1_checks(m, ref["prompt_of"], masks["gated"], None)
     floor = {r.metric: {"observed": r.observed, "ci": list(r.ci) if r.ci else None} for r in checks}
-    floor["path"] = f"unbatched vs left-padded batches of {BATCH}, {int(masks['gated'].sum())} {cfg.positions} positions"
+    floor["path"] = (f"reference (prefill + KV-cached decode) vs the gate's teacher-forced scoring, {int(masks['gated'].sum())} "
+                     f"{cfg.positions} positions")
+    floor["baseline_score_seconds"] = m["score_seconds"]
     write_cached(path, json.dumps(floor).encode())
     return floor | {"cached": False}
 

@@ -162,11 +162,12 @@ def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: Ga
         parity, t_par = _parity(cand, load_runner, checkpoint or engine_checkpoint(candidate), ref, gated, cfg)
         results += parity
         timings |= t_par
-    speedup = float(ref["score_seconds"]) / m["score_seconds"] if m["score_seconds"] > 0 else float("nan")
+    base_s = float(floor.get("baseline_score_seconds", ref["score_seconds"]))   # the baseline on the same scoring path
+    speedup = base_s / m["score_seconds"] if m["score_seconds"] > 0 else float("nan")
     results.append(GateResult.check("perf", "prefill_speedup", speedup, cfg.perf.min_prefill_speedup, True, int(len(ref["seq_lens"])),
-                                    evidence={"baseline_score_seconds": float(ref["score_seconds"]),
+                                    evidence={"baseline_score_seconds": base_s,
                                               "candidate_score_seconds": m["score_seconds"], "candidate_runtime": cand.kind,
-                                              "baseline_timing_from_cache": shadow_hit}))  # cached: measured in an earlier run
+                                              "baseline_timing_from_cache": bool(floor.get("cached"))}))  # cached: measured in an earlier run
     eval_hit = None
     if cfg.eval is not None:
         t = time.perf_counter()

@@ -22,7 +22,10 @@ is unbounded above when the sample is too small to bound them: such a check cann
 The baseline keeps only its top-k log-probabilities per position (cached by content
 hash). KL is computed over those k tokens plus one bucket for the rest: a lower
 bound on the full-vocabulary KL, equal to it when the tail holds no mass; the tail
-mass is reported so the bound's slack is visible.
+mass is reported so the bound's slack is visible. Both models score in length-sorted
+batches, and logits are reduced in float32 with a stable log-sum-exp (gates/scoring.py):
+the gate costs little more than the candidate's forward passes. The baseline's answers
+are generated in batches with its KV cache.
 """
 from __future__ import annotations
 
@@ -40,10 +43,14 @@ from qgate.cache import read_cached, write_cached
 from qgate.chat import encode_with_sources
 from qgate.errors import ConfigError, InputError
 from qgate.gates.result import GateResult
+from qgate.gates.scoring import MAX_BATCH_TOKENS, kl_with_tail, length_batches, reduce_logits, top_k_logprobs
 from qgate.gates.stats import cluster_bootstrap, quantile_ci, wilson
 
 TEMPLATE, PROMPT, ANSWER = 0, 1, 2        # token classes: chat template, traffic prompt text, baseline answer
 POSITION_SETS = {"answer": (ANSWER,), "answer+prompt": (ANSWER, PROMPT)}
+GREEDY_BATCH_ROWS = 48          # prompts decoded together: a decode step costs far less than rows x one-row steps
+GREEDY_BATCH_TOKENS = 6144      # padded prompt + answer tokens per decode batch (wider batches pay for padding in
+                                # attention and cache copies); benchmarks/bench_gates_engines.py measured 4k-32k
 
 
 @dataclass(frozen=True)
@@ -71,32 +78,58 @@ class ShadowConfig:
                 "top_k": self.top_k, "max_prompts": self.max_prompts}
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    """float64: per-token KL of near-identical models is ~1e-6 nats, below float32 cancellation error."""
-    x = x.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-def _top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """[T, V] logits -> the k most likely ids and their log-probs per position, top-1 first: [T, k] each."""
-    logp = _log_softmax(logits)
-    k = min(k, logp.shape[-1])
-    top = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
-    top_lp = np.take_along_axis(logp, top, axis=-1)
-    order = np.argsort(-top_lp, axis=-1)
-    return np.take_along_axis(top, order, axis=-1).astype(np.int32), np.take_along_axis(top_lp, order, axis=-1).astype(np.float32)
-
-
 def rescore_reference(runner, ref: dict, top_k: int, desc: str = "shadow: reference") -> dict:
     """The same token sequences as `ref`, with `runner` as the reference model (its top-k log-probs)."""
-    idx, lp, start = [], [], 0
-    for n in progress(ref["seq_lens"], desc, unit="prompt"):
-        top_i, top_l = _top_k(runner.logits(ref["tokens"][start:start + n].tolist())[:-1], top_k)
+    idx, lp = [], []
+    for logits in score_sequences(runner, _sequences(ref), desc):
+        top_i, top_l = top_k_logprobs(logits[:-1], top_k)
         idx.append(top_i)
         lp.append(top_l)
-        start += n
     return ref | {"top_idx": np.concatenate(idx), "top_lp": np.concatenate(lp)}
+
+
+def _sequences(ref: dict) -> list[list[int]]:
+    bounds = np.concatenate([[0], np.cumsum(ref["seq_lens"])])
+    return [ref["tokens"][a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def score_sequences(runner, seqs: list[list[int]], desc: str):
+    """Teacher-forced logits [T, V] of each sequence, in input order, computed in length-sorted batches
+    (runner.logits_batch: left-padded with position ids on the reference path). Yields one at a time so at most
+    one batch of logits is alive."""
+    batches = length_batches([len(s) for s in seqs])
+    pending: dict[int, np.ndarray] = {}
+    nxt = 0
+    for batch in progress(batches, f"{desc} ({len(seqs)} prompts)", unit="batch"):
+        for i, out in zip(batch, runner.logits_batch([seqs[i] for i in batch]), strict=True):
+            pending[i] = out
+        while nxt in pending:
+            yield pending.pop(nxt)
+            nxt += 1
+
+
+def greedy_answers(runner, prompts: list[list[int]], max_new_tokens: int, desc: str) -> list[list[int]]:
+    """The runner's greedy answers, in batches of similar prompt length when it can batch (KV cache, left padding)."""
+    if not hasattr(runner, "greedy_batch"):
+        return [runner.greedy(p, max_new_tokens) for p in progress(prompts, desc, unit="prompt")]
+    answers: list[list[int] | None] = [None] * len(prompts)
+    batches = length_batches([len(p) + max_new_tokens for p in prompts], max_tokens=GREEDY_BATCH_TOKENS, max_rows=GREEDY_BATCH_ROWS)
+    for batch in progress(batches, f"{desc} ({len(prompts)} prompts)", unit="batch"):
+        for i, a in zip(batch, runner.greedy_batch([prompts[i] for i in batch], max_new_tokens), strict=True):
+            answers[i] = a
+    return answers  # type: ignore[return-value]
+
+
+def greedy_scored(runner, prompts: list[list[int]], max_new_tokens: int, top_k: int):
+    """(answer, (top-k ids, top-k log-probs) over prompt + answer positions) per prompt, in input order, from
+    runner.greedy_scored in batches of similar length."""
+    results: list = [None] * len(prompts)
+    batches = length_batches([len(p) + max_new_tokens for p in prompts], max_tokens=GREEDY_BATCH_TOKENS, max_rows=GREEDY_BATCH_ROWS)
+    for batch in progress(batches, f"shadow: baseline answers ({len(prompts)} prompts)", unit="batch"):
+        out = runner.greedy_scored([prompts[i] for i in batch], max_new_tokens, lambda x: top_k_logprobs(x, top_k))
+        for i, r in zip(batch, out, strict=True):
+            results[i] = r
+    return results
 
 
 def load_shadow(shadow: Artifact, cfg: ShadowConfig) -> list[dict]:
@@ -108,35 +141,44 @@ def load_shadow(shadow: Artifact, cfg: ShadowConfig) -> list[dict]:
 
 def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg: ShadowConfig, cache_dir: Path) -> tuple[dict, bool]:
     """Baseline answers and top-k log-probs, computed once per (baseline, shadow set, settings)."""
-    key = sha256_json({"baseline": baseline.sha256, "shadow": shadow.sha256, "cfg": cfg.reference_key(), "v": 2})
+    key = sha256_json({"baseline": baseline.sha256, "shadow": shadow.sha256, "cfg": cfg.reference_key(), "v": 3,
+                       "batches": [MAX_BATCH_TOKENS, GREEDY_BATCH_TOKENS, GREEDY_BATCH_ROWS]})
     path = Path(cache_dir) / f"shadow-baseline-{key[:24]}.npz"
     if (data := read_cached(path)) is not None:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             return {k: z[k] for k in z.files}, True
     runner = runner_factory()
     rows = load_shadow(shadow, cfg)
-    seqs, prompt_lens, idx, lp, prompt_of, classes = [], [], [], [], [], []
-    t0, score_s = time.perf_counter(), 0.0
-    for i, row in enumerate(progress(rows, "shadow: baseline answers", unit="prompt")):
-        ids, from_traffic = encode_with_sources(runner.tokenizer, row["messages"], cfg.max_prompt_tokens)
-        answer = runner.greedy(ids, cfg.max_new_tokens)
-        seq = ids + answer
-        classes.append(np.array([PROMPT if f else TEMPLATE for f in from_traffic] + [ANSWER] * len(answer), np.int8))
-        ts = time.perf_counter()
-        logits = runner.logits(seq)
-        score_s += time.perf_counter() - ts
-        top_i, top_l = _top_k(logits[:-1], cfg.top_k)               # position t predicts seq[t+1]
-        idx.append(top_i)
-        lp.append(top_l)
-        seqs.append(np.asarray(seq, np.int32))
-        prompt_lens.append(len(ids))
-        prompt_of.append(np.full(len(seq) - 1, i, np.int32))
+    encoded = [encode_with_sources(runner.tokenizer, row["messages"], cfg.max_prompt_tokens) for row in rows]
+    t0 = time.perf_counter()
+    prompts = [ids for ids, _ in encoded]
+    if hasattr(runner, "greedy_scored"):   # answers and scores in one pass: prefill + KV-cached decode steps
+        answers, idx, lp = [], [], []
+        for ans, (top_i, top_l) in greedy_scored(runner, prompts, cfg.max_new_tokens, cfg.top_k):
+            answers.append(ans)
+            idx.append(top_i)
+            lp.append(top_l)
+        gen_s = time.perf_counter() - t0
+    else:
+        answers = greedy_answers(runner, prompts, cfg.max_new_tokens, "shadow: baseline answers")
+        gen_s = time.perf_counter() - t0
+        idx, lp = [], []
+        for logits in score_sequences(runner, [p + a for p, a in zip(prompts, answers, strict=True)], "shadow: baseline scoring"):
+            top_i, top_l = top_k_logprobs(logits[:-1], cfg.top_k)       # position t predicts seq[t+1]
+            idx.append(top_i)
+            lp.append(top_l)
+    seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
+    classes = [np.array([PROMPT if f else TEMPLATE for f in src] + [ANSWER] * len(a), np.int8)
+               for (_, src), a in zip(encoded, answers, strict=True)]
     ref = {
-        "tokens": np.concatenate(seqs), "seq_lens": np.array([len(s) for s in seqs], np.int32),
-        "prompt_lens": np.array(prompt_lens, np.int32), "top_idx": np.concatenate(idx), "top_lp": np.concatenate(lp),
-        "prompt_of": np.concatenate(prompt_of), "token_class": np.concatenate(classes),
+        "tokens": np.concatenate([np.asarray(s, np.int32) for s in seqs]), "seq_lens": np.array([len(s) for s in seqs], np.int32),
+        "prompt_lens": np.array([len(ids) for ids, _ in encoded], np.int32), "top_idx": np.concatenate(idx),
+        "top_lp": np.concatenate(lp),
+        "prompt_of": np.concatenate([np.full(len(s) - 1, i, np.int32) for i, s in enumerate(seqs)]),
+        "token_class": np.concatenate(classes),
         "seconds": np.array(time.perf_counter() - t0),
-        "score_seconds": np.array(score_s),
+        "generate_seconds": np.array(gen_s),   # with greedy_scored: answers and scores together
+        "score_seconds": np.array(time.perf_counter() - t0 - gen_s),
     }
     buf = io.BytesIO()
     np.savez_compressed(buf, **ref)
@@ -147,30 +189,24 @@ def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg
 def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dict:
     """Per-position KL, tail mass, top-1 agreement; per-prompt first divergence."""
     kls, tails, agree, first_div, gen_lens = [], [], [], [], []
-    start, pos, score_s = 0, 0, 0.0
-    for n, p in progress(list(zip(ref["seq_lens"], ref["prompt_lens"])), desc, unit="prompt"):
-        seq = ref["tokens"][start:start + n]
+    pos = 0
+    seqs = _sequences(ref)
+    ts = time.perf_counter()
+    for seq, logits, p in zip(seqs, score_sequences(runner, seqs, desc), ref["prompt_lens"], strict=True):
+        n = len(seq)
         ti, tl = ref["top_idx"][pos:pos + n - 1], ref["top_lp"][pos:pos + n - 1]   # [T-1, k]
-        ts = time.perf_counter()
-        logits = runner.logits(seq.tolist())
-        score_s += time.perf_counter() - ts
-        lq = _log_softmax(logits[:-1])                                             # [T-1, V]
-        pk = np.exp(tl.astype(np.float64))
-        lq_k = np.take_along_axis(lq, ti, axis=-1).astype(np.float64)
-        p_tail = np.clip(1 - pk.sum(-1), 0, 1)
-        q_tail = np.clip(1 - np.exp(lq_k).sum(-1), 1e-12, 1)
-        kl = (pk * (tl - lq_k)).sum(-1) + np.where(p_tail > 1e-12, p_tail * (np.log(np.maximum(p_tail, 1e-12)) - np.log(q_tail)), 0.0)
-        kls.append(np.maximum(kl, 0.0))
+        cand_top1, lq_k = reduce_logits(logits[:-1], ti)
+        kl, p_tail = kl_with_tail(tl, lq_k)
+        kls.append(kl)
         tails.append(p_tail)
-        cand_top1 = lq.argmax(-1)                                                  # [T-1]
         agree.append(cand_top1 == ti[:, 0])
-        answer = seq[p:]                                # baseline's greedy answer
+        answer = np.asarray(seq[p:])                    # baseline's greedy answer
         cand_next = cand_top1[p - 1:p - 1 + len(answer)]
         miss = np.nonzero(cand_next != answer)[0]
         first_div.append(int(miss[0]) if len(miss) else len(answer))
         gen_lens.append(len(answer))
-        start += n
         pos += n - 1
+    score_s = time.perf_counter() - ts
     return {"kl": np.concatenate(kls), "tail": np.concatenate(tails), "agree": np.concatenate(agree),
             "first_div": np.array(first_div), "gen_lens": np.array(gen_lens), "score_seconds": score_s}
 

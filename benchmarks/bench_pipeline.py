@@ -1,0 +1,68 @@
+"""The README demo's wall time by stage, cold (fresh workdir and store) and warm (the same command again).
+
+    .venv/bin/python benchmarks/bench_pipeline.py                     # the whole demo spec: about 45 min cold
+    .venv/bin/python benchmarks/bench_pipeline.py --variants awq-w4a16-cpu,gptq-w8a16
+
+Runs `qgate run` as the README does (a subprocess, no TTY) in a scratch directory; nothing under .qgate/ is touched.
+Run it alone: two CPU-heavy processes on 2 cores distort each other badly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(spec: Path, workdir: Path) -> tuple[float, dict]:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    t = time.perf_counter()
+    p = subprocess.run([str(Path(sys.executable).parent / "qgate"), "run", str(spec)], capture_output=True, text=True, env=env,
+                       stdin=subprocess.DEVNULL)
+    wall = time.perf_counter() - t
+    if p.returncode != 0:
+        sys.exit(f"qgate run failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    return wall, json.loads((workdir / "summary.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", type=Path, default=ROOT / "pipelines/promote.yaml")
+    ap.add_argument("--variants", help="comma-separated subset of the spec's variants")
+    args = ap.parse_args()
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        spec = yaml.safe_load(args.spec.read_text())
+        if args.variants:
+            keep = args.variants.split(",")
+            spec["variants"] = [v for v in spec["variants"] if v["name"] in keep]
+        spec |= {"workdir": str(tmp / "demo"), "traffic": str((args.spec.parent / spec["traffic"]).resolve()),   # relative to the spec
+                 "registry": spec["registry"] | {"store": str(tmp / "mlflow")}}
+        (tmp / "spec.yaml").write_text(yaml.safe_dump(spec))
+        cold_wall, cold = run(tmp / "spec.yaml", tmp / "demo")
+        warm_wall, warm = run(tmp / "spec.yaml", tmp / "demo")
+    print(f"machine: {os.cpu_count()} cores; torch threads {torch.get_num_threads()}; spec {args.spec.name}, variants "
+          f"{', '.join(v['variant'] for v in cold['variants'])}")
+    print(f"{'stage':36s} {'cold s':>9s} {'warm s':>9s}")
+    for stage, secs in cold["stage_seconds"].items():
+        w = "skipped" if stage in warm.get("stages_skipped", []) else f"{warm['stage_seconds'].get(stage, 0):.1f}"
+        print(f"{stage:36s} {secs:9.1f} {w:>9s}")
+    print(f"{'wall (whole command)':36s} {cold_wall:9.1f} {warm_wall:9.1f}   warm / cold = {warm_wall / cold_wall:.3f}")
+    for v in cold["variants"]:
+        print(f"  {v['variant']:22s} {v['verdict']:12s} KL p99 {v['kl_p99']:.4f}  top-1 {v['top1_agreement']:.3f}")
+    print(json.dumps({"cold_wall": cold_wall, "warm_wall": warm_wall, "cold": cold["stage_seconds"],
+                      "warm_skipped": warm.get("stages_skipped")}))
+
+
+if __name__ == "__main__":
+    main()
