@@ -49,31 +49,39 @@ def forward_only(runner, seqs: list[list[int]]) -> float:
     return time.perf_counter() - t
 
 
-def bench_shadow(arts: dict, cache: Path) -> dict:
+def bench_shadow(arts: dict, cache: Path, repeats: int) -> dict:
     from qgate.engines.runners import load_runner
     from qgate.gates.shadow import ShadowConfig, _sequences, baseline_reference, candidate_metrics
 
     cfg = ShadowConfig()
     base = load_runner(arts["base"])
-    t = time.perf_counter()
-    ref, hit = baseline_reference(lambda: base, arts["base"], arts["shadow"], cfg, cache)
-    cold = time.perf_counter() - t
-    assert not hit
+    colds, fwds = [], []
+    for i in range(repeats):          # cold every time (a fresh cache directory), interleaved with the forward pass
+        t = time.perf_counter()
+        ref, hit = baseline_reference(lambda: base, arts["base"], arts["shadow"], cfg, cache / f"cold-{i}")
+        colds.append(time.perf_counter() - t)
+        assert not hit
+        fwds.append(forward_only(base, _sequences(ref)))
     seqs = _sequences(ref)
     out = {"prompts": len(seqs), "tokens": int(ref["seq_lens"].sum()),
            "answer_tokens": int(ref["seq_lens"].sum() - ref["prompt_lens"].sum()),
-           "cold_reference_s": cold, "baseline_forward_s": forward_only(base, seqs)}
-    out["cold_ratio"] = cold / out["baseline_forward_s"]
+           "cold_reference_s": min(colds), "baseline_forward_s": min(fwds),
+           "cold_ratios": sorted(c / f for c, f in zip(colds, fwds))}
+    out["cold_ratio"] = min(colds) / min(fwds)
     for name, art in (("int4 CPU engine", arts["engine"]), ("W8A16 reference path", arts["w8"])):
         cand = load_runner(art)
         forward_only(cand, seqs[:4])                                            # warm-up
-        fwd = forward_only(cand, seqs)
-        t = time.perf_counter()
-        _, hit = baseline_reference(lambda: base, arts["base"], arts["shadow"], cfg, cache)
-        candidate_metrics(cand, ref, desc=f"bench: shadow ({name})")
-        warm = time.perf_counter() - t
-        assert hit, "baseline cache was not reused: the benchmark would time the wrong thing"
-        out[name] = {"forward_s": fwd, "warm_gate_s": warm, "ratio": warm / fwd}
+        fwd, warm = [], []
+        for _ in range(repeats):          # interleaved, so a slow spell of the machine hits both sides
+            fwd.append(forward_only(cand, seqs))
+            t = time.perf_counter()
+            _, hit = baseline_reference(lambda: base, arts["base"], arts["shadow"], cfg, cache / "cold-0")
+            candidate_metrics(cand, ref, desc=f"bench: shadow ({name})")
+            warm.append(time.perf_counter() - t)
+            assert hit, "baseline cache was not reused: the benchmark would time the wrong thing"
+        ratios = sorted(w / f for w, f in zip(warm, fwd))
+        out[name] = {"forward_s": min(fwd), "warm_gate_s": min(warm), "ratio": min(warm) / min(fwd),
+                     "ratio_median": float(np.median(ratios)), "ratios": ratios}
     return out
 
 
@@ -107,8 +115,8 @@ def decode_hf(arts: dict, prompts: list[list[int]], new: int, batch: int) -> flo
             n += (out.shape[1] - width) * len(chunk)
         return n / (time.perf_counter() - t)
 
-    run()
-    return run()
+    run()                           # warm-up
+    return max(run(), run())        # best of two: a slow spell of a shared machine is not the engine
 
 
 def decode_ort(engine_dir: Path, prompts: list[list[int]], new: int, batch: int, threads: int | None) -> float:
@@ -133,8 +141,8 @@ def decode_ort(engine_dir: Path, prompts: list[list[int]], new: int, batch: int,
                 n += len(chunk)
         return n / (time.perf_counter() - t)
 
-    run()
-    return run()
+    run()                           # warm-up
+    return max(run(), run())        # best of two: a slow spell of a shared machine is not the engine
 
 
 def bench_decode(arts: dict, cache: Path, prompts: int, new: int) -> dict:
@@ -188,20 +196,23 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="decode prompts")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--skip-eval", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved forward/gate pairs for the warm shadow ratio")
     args = ap.parse_args()
     arts = load(args.workdir)
     print(f"machine: {os.cpu_count()} cores; torch {torch.__version__} threads {torch.get_num_threads()}; "
           f"onnxruntime default threads (all cores) unless stated", flush=True)
     with tempfile.TemporaryDirectory() as cache:
-        s = bench_shadow(arts, Path(cache))
-        d = bench_decode(arts, Path(cache), args.prompts, args.new_tokens)
+        s = bench_shadow(arts, Path(cache), args.repeats)
+        d = bench_decode(arts, Path(cache) / "cold-0", args.prompts, args.new_tokens)   # the warm baseline reference
     e = None if args.skip_eval else bench_eval(arts)
     print(f"\n1. warm shadow gate, {s['prompts']} prompts / {s['tokens']} tokens, baseline reference cached:")
     for name in ("int4 CPU engine", "W8A16 reference path"):
         r = s[name]
-        print(f"   {name:22s} forward only {r['forward_s']:6.2f} s   gate {r['warm_gate_s']:6.2f} s   ratio {r['ratio']:.2f}x  (goal <= 1.10x)")
+        print(f"   {name:22s} forward only {r['forward_s']:6.2f} s   gate {r['warm_gate_s']:6.2f} s   ratio {r['ratio']:.2f}x"
+              f" (best of {len(r['ratios'])} interleaved; per pair {', '.join(f'{x:.2f}' for x in r['ratios'])})  (goal <= 1.10x)")
     print(f"2. cold baseline reference ({s['answer_tokens']} greedy answer tokens + top-k log-probs): {s['cold_reference_s']:.1f} s"
-          f" / teacher-forced forward {s['baseline_forward_s']:.1f} s = {s['cold_ratio']:.2f}x  (goal <= 2x)")
+          f" / teacher-forced forward {s['baseline_forward_s']:.1f} s = {s['cold_ratio']:.2f}x (best of {len(s['cold_ratios'])} interleaved;"
+          f" per pair {', '.join(f'{x:.2f}' for x in s['cold_ratios'])})  (goal <= 2x)")
     tf = d["transformers_fp32"]
     print(f"3. decode, greedy {args.new_tokens} new tokens x {args.prompts} prompts; transformers eager fp32: "
           f"{tf[1]:.1f} tok/s at batch 1, {tf[8]:.1f} at batch 8")

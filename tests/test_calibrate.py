@@ -79,8 +79,9 @@ def test_exact_duplicates_are_dropped(tmp_path):
     others = [json.dumps({"prompt": f"distinct prompt {i}"}) for i in range(30)]
     (tmp_path / "t.jsonl").write_text("\n".join([rec, rec2, rec] + others))
     arts = sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=20, shadow_size=11))
-    assert arts["calib"].meta["stats"]["duplicates"] == 2
-    assert arts["profile"].meta["requests"] == 31
+    assert arts["calib"].meta["stats"]["duplicates"] == 2 and arts["calib"].meta["stats"]["kept"] == 31
+    assert arts["calib"].meta["estimates"]["exact"]
+    assert arts["profile"].meta["requests"] == 33     # the profile is of the traffic served: repeats included
 
 
 def test_pii_is_scrubbed_in_written_sets(tmp_path):

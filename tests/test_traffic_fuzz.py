@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qgate.calibrate.reader import Reject, Request, read_traffic, traffic_files
+from qgate.calibrate.reader import Reject, Request, read_traffic
+from qgate.calibrate.sources import traffic_files
 from qgate.calibrate.sample import SampleConfig, sample_traffic
 from qgate.errors import InputError
 

@@ -1,22 +1,35 @@
 """Traffic profile: what the traffic looked like, so drift can be measured later.
 
-    prof = TrafficProfiler(); prof.add(request, text); profile = prof.result()
+    prof = TrafficProfiler(); prof.add(route, tenant, words(text), ts, latency_ms); prof.merge(other); prof.result()
     (drift between two profiles: calibrate/drift.py)
 
-Tokens here are model-independent words (lowercased \\w+ runs and punctuation), so
-profiles taken before and after a model change still compare.
+Tokens here are model-independent words (lowercased \\w+ runs and punctuation), so profiles taken before and
+after a model change still compare. Every request the model would serve is profiled, repeats included.
+Memory is bounded whatever the log's size, and profiles of partitions merge:
+- length buckets and routes are exact counters (routes are strata: a handful of labels);
+- tenants and word counts are heavy-hitter sketches (calibrate/sketches.py), exact up to 12,288 distinct items and
+  within `max_error` counts beyond; `result()["estimates"]` says which;
+- concurrency is an exact histogram of in-flight counts (bounded by the peak concurrency, not by the log), computed
+  per partition in time order (a 10,000-request reorder window absorbs late writes; requests further out of order
+  are counted in `out_of_order`). An in-flight count is an integer, so a histogram is exact where a quantile sketch
+  (KLL) would be approximate and, with its random compactions, not reproducible run to run.
 """
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 import re
 from collections import Counter
 
 import numpy as np
 
+from qgate.calibrate.sketches import HeavyHitters
+
 LENGTH_EDGES = (0, 16, 64, 256, 1024)   # words; the last bucket is open-ended
 TOP_UNIGRAMS = 2000
+TOP_TENANTS = 50
+REORDER_WINDOW = 10_000
 _WORD = re.compile(r"\w+|[^\w\s]")
 
 
@@ -34,75 +47,148 @@ def length_bucket(n_words: int) -> str:
 BUCKETS = tuple(length_bucket(e) for e in LENGTH_EDGES)
 
 
+class Concurrency:
+    """In-flight requests over time, streamed in timestamp order: a histogram of the in-flight count at each arrival
+    (from ts + latency_ms), and of arrivals per second (the proxy when a log has no latencies)."""
+
+    def __init__(self) -> None:
+        self.window: list[tuple[float, int, float | None]] = []   # reorder buffer: (ts, seq, latency_ms)
+        self.seq = 0
+        self.ends: list[float] = []          # end times of requests still in flight
+        self.last_ts = -math.inf
+        self.second: int | None = None       # the second being counted, and its arrivals
+        self.in_second = 0
+        self.in_flight: Counter = Counter()  # in-flight count at an arrival -> arrivals
+        self.per_second: Counter = Counter() # arrivals in a second -> seconds
+        self.timed = 0                       # requests with a timestamp
+        self.no_latency = 0
+        self.out_of_order = 0
+
+    def add(self, ts: float | None, latency_ms: float | None) -> None:
+        if ts is None:
+            return
+        self.timed += 1
+        self.no_latency += latency_ms is None
+        heapq.heappush(self.window, (ts, self.seq, latency_ms))
+        self.seq += 1
+        if len(self.window) > REORDER_WINDOW:
+            self._arrive(*heapq.heappop(self.window))
+
+    def _arrive(self, ts: float, _seq: int, latency_ms: float | None) -> None:
+        if ts < self.last_ts:
+            self.out_of_order += 1
+        self.last_ts = max(self.last_ts, ts)
+        while self.ends and self.ends[0] <= ts:
+            heapq.heappop(self.ends)
+        if latency_ms is not None:
+            heapq.heappush(self.ends, ts + latency_ms / 1000.0)
+            self.in_flight[len(self.ends)] += 1
+        sec = math.floor(ts)
+        if sec != self.second:
+            self._close_second()
+            self.second = sec
+        self.in_second += 1
+
+    def _close_second(self) -> None:
+        if self.in_second:
+            self.per_second[self.in_second] += 1
+        self.in_second = 0
+
+    def finish(self) -> None:
+        """End of a partition: drain the window; in-flight state does not carry over to the next partition."""
+        while self.window:
+            self._arrive(*heapq.heappop(self.window))
+        self._close_second()
+        self.ends, self.second, self.last_ts = [], None, -math.inf
+
+    def merge(self, other: Concurrency) -> None:
+        for o in (self, other):
+            o.finish()
+        self.in_flight.update(other.in_flight)
+        self.per_second.update(other.per_second)
+        self.timed += other.timed
+        self.no_latency += other.no_latency
+        self.out_of_order += other.out_of_order
+
+    def result(self) -> dict:
+        self.finish()
+        if not self.timed:
+            return {"method": "none", "p50": 1, "p90": 1, "p99": 1, "max": 1, "samples": 0}
+        if self.no_latency == 0:
+            hist, method = self.in_flight, "in-flight from ts+latency_ms"
+        else:
+            hist, method = self.per_second, "arrivals per second (no latency_ms in log)"
+        values = np.array(sorted(hist), dtype=np.int64)
+        cum = np.cumsum([hist[v] for v in values])
+        q = lambda p: int(max(1, values[np.searchsorted(cum, math.ceil(p / 100 * cum[-1]))]))  # noqa: E731  nearest rank
+        return {"method": method, "p50": q(50), "p90": q(90), "p99": q(99), "max": int(values[-1]), "samples": int(cum[-1]),
+                "out_of_order": self.out_of_order, "histogram": {str(int(v)): int(hist[v]) for v in values}}
+
+
 class TrafficProfiler:
-    """Accumulates a profile over a stream in bounded memory (unigram counts are pruned)."""
+    """Accumulates a profile over a stream in bounded memory; profiles of partitions merge."""
 
     def __init__(self) -> None:
         self.n = 0
         self.lengths: Counter = Counter()
         self.routes: Counter = Counter()
-        self.tenants: Counter = Counter()
-        self.unigrams: Counter = Counter()
+        self.tenants = HeavyHitters()
+        self.unigrams = HeavyHitters()
         self.total_words = 0
         # the vocabulary again, split in two halves of the requests: how far two samples of this same traffic differ,
         # with words of one request co-varying as they do (calibrate/drift.py scales it to the sizes compared)
-        self.split: list[Counter] = [Counter(), Counter()]
+        self.split = [HeavyHitters(), HeavyHitters()]
         self.split_n = [0, 0]
-        self.events: list[tuple[float, float | None]] = []   # (ts, latency_ms); capped below
-        self._max_events = 200_000
+        self.split_words = [0, 0]
+        self.concurrency = Concurrency()
 
     def add(self, route: str, tenant: str, tokens: list[str], ts: float | None, latency_ms: float | None) -> None:
         self.n += 1
         self.lengths[length_bucket(len(tokens))] += 1
         self.routes[route] += 1
-        self.tenants[tenant] += 1
-        self.unigrams.update(tokens)
+        self.tenants.add_counts(Counter({tenant: 1}))
+        counts = Counter(tokens)
+        self.unigrams.add_counts(counts)
         self.total_words += len(tokens)
         half = hashlib.blake2b(" ".join(tokens).encode(), digest_size=1).digest()[0] & 1   # by content: order-independent
-        self.split[half].update(tokens)
+        self.split[half].add_counts(counts)
         self.split_n[half] += 1
-        if len(self.unigrams) > 20 * TOP_UNIGRAMS:  # keep memory bounded on huge logs
-            self.unigrams = Counter(dict(self.unigrams.most_common(5 * TOP_UNIGRAMS)))
-            self.split = [Counter(dict(c.most_common(5 * TOP_UNIGRAMS))) for c in self.split]
-        if ts is not None and len(self.events) < self._max_events:
-            self.events.append((ts, latency_ms))
+        self.split_words[half] += len(tokens)
+        self.concurrency.add(ts, latency_ms)
+
+    def finish_partition(self) -> None:
+        self.concurrency.finish()
+
+    def merge(self, other: TrafficProfiler) -> None:
+        self.n += other.n
+        self.lengths.update(other.lengths)
+        self.routes.update(other.routes)
+        self.tenants.merge(other.tenants)
+        self.unigrams.merge(other.unigrams)
+        self.total_words += other.total_words
+        for i in (0, 1):
+            self.split[i].merge(other.split[i])
+            self.split_n[i] += other.split_n[i]
+            self.split_words[i] += other.split_words[i]
+        self.concurrency.merge(other.concurrency)
 
     def result(self) -> dict:
+        sketches = {"tenants": self.tenants, "unigrams": self.unigrams, "unigrams_half_0": self.split[0],
+                    "unigrams_half_1": self.split[1]}
         return {
-            "version": 1,
+            "version": 2,
             "requests": self.n,
             "length_words": {b: self.lengths.get(b, 0) for b in BUCKETS},
-            "routes": dict(self.routes.most_common()),
-            "tenants": dict(self.tenants.most_common(50)),
-            "unigrams": {"total": self.total_words, "top": dict(self.unigrams.most_common(TOP_UNIGRAMS)),
-                         "split_halves": [{"requests": n, "total": sum(c.values()), "top": dict(c.most_common(TOP_UNIGRAMS))}
-                                          for n, c in zip(self.split_n, self.split, strict=True)]},
-            "concurrency": concurrency(self.events),
+            "routes": dict(sorted(self.routes.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "tenants": dict(self.tenants.top(TOP_TENANTS)),
+            "unigrams": {"total": self.total_words, "top": dict(self.unigrams.top(TOP_UNIGRAMS)),
+                         "split_halves": [{"requests": n, "total": w, "top": dict(c.top(TOP_UNIGRAMS))}
+                                          for n, w, c in zip(self.split_n, self.split_words, self.split, strict=True)]},
+            "concurrency": self.concurrency.result(),
+            "estimates": {name: {"exact": sk.max_error() == 0, "max_count_error": sk.max_error(),
+                                 "method": "frequent-items sketch (Apache DataSketches), counts within +-max_count_error"}
+                          for name, sk in sketches.items()},
         }
-
-
-def concurrency(events: list[tuple[float, float | None]]) -> dict:
-    """In-flight requests over time.
-
-    With latencies, concurrency is exact: requests whose [ts, ts+latency) covers each arrival.
-    Without, it is the peak-arrivals-per-second proxy, and says so in `method`.
-    """
-    if not events:
-        return {"method": "none", "p50": 1, "p90": 1, "p99": 1, "max": 1, "samples": 0}
-    ts = np.array(sorted(e[0] for e in events))
-    if all(e[1] is not None for e in events):
-        spans = sorted((e[0], e[0] + e[1] / 1000.0) for e in events)
-        starts = np.array([s for s, _ in spans])
-        ends = np.sort(np.array([e for _, e in spans]))
-        in_flight = np.arange(1, len(starts) + 1) - np.searchsorted(ends, starts, side="right")
-        method = "in-flight from ts+latency_ms"
-    else:
-        seconds = np.floor(ts - ts[0]).astype(np.int64)
-        in_flight = np.bincount(seconds)
-        in_flight = in_flight[in_flight > 0]
-        method = "arrivals per second (no latency_ms in log)"
-    q = lambda p: int(max(1, math.ceil(float(np.percentile(in_flight, p)))))  # noqa: E731
-    return {"method": method, "p50": q(50), "p90": q(90), "p99": q(99), "max": int(in_flight.max()), "samples": int(len(in_flight))}
 
 
 def _js(a: dict, b: dict) -> float:

@@ -10,12 +10,14 @@ Memory is bounded by `max_line_bytes` (JSONL) or one Parquet batch, however long
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from qgate.calibrate.sources import PARQUET, Partition
 from qgate.errors import InputError
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -43,58 +45,28 @@ class Reject:
     excerpt: str                   # raw text, not yet scrubbed: the caller scrubs it before writing it anywhere
 
 
-JSONL = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
-PARQUET = (".parquet", ".pq")
-SUFFIXES = JSONL + PARQUET
+def read_traffic(source: str | Path | Partition, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Request | Reject]:
+    """Records in file order. A local file is checked now, at the call, not at the first record."""
+    part = source if isinstance(source, Partition) else Partition(str(source))
+    if not part.remote:
+        path = Path(part.location)
+        if not path.is_file():
+            what = "is a directory, not a file" if path.is_dir() else "not found"
+            raise InputError(f"{path}: traffic log {what}", hint="pass --traffic with a JSONL or Parquet file")
+    return _read_parquet(part) if part.name.endswith(PARQUET) else _read_jsonl(part, max_line_bytes)
 
 
-def is_traffic_file(p: Path) -> bool:
-    return p.name.endswith(SUFFIXES)
-
-
-def traffic_files(where: str | Path) -> list[Path]:
-    """A traffic source as files, in a stable order: one file, a glob (`logs/2026-11-*.jsonl`), or a directory of
-    partitions (every JSONL or Parquet file under it, recursively, hidden files and rejects skipped)."""
-    s = str(where)
-    if any(c in s for c in "*?["):
-        import glob
-
-        files = sorted(Path(p) for p in glob.glob(s, recursive=True) if Path(p).is_file())
-        if not files:
-            raise InputError(f"{s}: no traffic files match this pattern", hint="check the glob; quote it so the shell does not expand it")
-        return files
-    path = Path(where)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and is_traffic_file(p) and not p.name.startswith((".", "rejects"))
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
-        if not files:
-            raise InputError(f"{path}: directory holds no traffic partitions ({', '.join(SUFFIXES)})")
-        return files
-    if not path.is_file():
-        raise InputError(f"{path}: traffic log not found", hint="pass a JSONL or Parquet file, a directory of partitions or a glob")
-    return [path]
-
-
-def read_traffic(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Request | Reject]:
-    """Records in file order. Checks the file exists now, at the call, not at the first record."""
-    path = Path(path)
-    if not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "not found"
-        raise InputError(f"{path}: traffic log {what}", hint="pass --traffic with a JSONL or Parquet file")
-    return _read_parquet(path) if path.name.endswith(PARQUET) else _read_jsonl(path, max_line_bytes)
-
-
-def _open(path: Path):
-    """A binary stream of the file's JSONL bytes, decompressing `.gz` and `.zst` on the fly."""
-    if path.name.endswith(".gz"):
+def _open_decoded(part: Partition, raw):
+    """The file's JSONL bytes from its raw stream, decompressing `.gz` and `.zst` on the fly."""
+    if part.name.endswith(".gz"):
         import gzip
 
-        return gzip.open(path, "rb")
-    if path.name.endswith(".zst"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if part.name.endswith(".zst"):
         from backports.zstd import ZstdFile   # the standard library's compression.zstd (3.14), backported: reads
                                               # every frame and raises EOFError on a truncated one
-        return ZstdFile(path, "rb")
-    return open(path, "rb")
+        return ZstdFile(raw, "rb")
+    return contextlib.nullcontext(raw)
 
 
 def _lines(f, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
@@ -114,12 +86,12 @@ def _lines(f, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
         yield n, raw
 
 
-def _read_jsonl(path: Path, max_line_bytes: int) -> Iterator[Request | Reject]:
+def _read_jsonl(part: Partition, max_line_bytes: int) -> Iterator[Request | Reject]:
     import orjson
 
     n = 0
     try:
-        with _open(path) as f:
+        with part.open() as raw_stream, _open_decoded(part, raw_stream) as f:
             for n, raw in _lines(f, max_line_bytes):
                 if raw is None:
                     yield Reject(n, f"line longer than {max_line_bytes} bytes (not read)", "")
@@ -136,28 +108,30 @@ def _read_jsonl(path: Path, max_line_bytes: int) -> Iterator[Request | Reject]:
                     continue
                 yield parse_record(n, obj, raw)
     except Exception as e:  # gzip/zstd raise several types for a corrupt or truncated stream
-        if not path.name.endswith((".gz", ".zst")):
+        if not part.name.endswith((".gz", ".zst")):
             raise
         yield Reject(n + 1, f"compressed stream corrupt or truncated after line {n} ({type(e).__name__}: {e}); "
                             "the rest of the file is unread", "")
 
 
-def _read_parquet(path: Path) -> Iterator[Request | Reject]:
+def _read_parquet(part: Partition) -> Iterator[Request | Reject]:
     import pyarrow.parquet as pq
 
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises several types for a corrupt file
-        raise InputError(f"{path}: not a readable Parquet file ({e})") from e
-    n = 0
-    try:
-        for batch in pf.iter_batches(batch_size=PARQUET_BATCH):
-            for row in batch.to_pylist():
-                n += 1
-                yield parse_record(n, row, _row_text(row))
-    except (OSError, ValueError) as e:   # a corrupt page or a column pyarrow cannot convert
-        raise InputError(f"{path}: Parquet file unreadable after row {n} ({e})",
-                         hint="re-export the partition; the rows before it were read") from e
+    path = part.location
+    with part.open_random_access() as f:
+        try:
+            pf = pq.ParquetFile(f)
+        except Exception as e:  # pyarrow raises several types for a corrupt file
+            raise InputError(f"{path}: not a readable Parquet file ({e})") from e
+        n = 0
+        try:
+            for batch in pf.iter_batches(batch_size=PARQUET_BATCH):
+                for row in batch.to_pylist():
+                    n += 1
+                    yield parse_record(n, row, _row_text(row))
+        except (OSError, ValueError) as e:   # a corrupt page or a column pyarrow cannot convert
+            raise InputError(f"{path}: Parquet file unreadable after row {n} ({e})",
+                             hint="re-export the partition; the rows before it were read") from e
 
 
 def _row_text(row: dict) -> bytes:

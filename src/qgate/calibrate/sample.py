@@ -1,29 +1,29 @@
-"""Sample a calibration set and a disjoint shadow set from a traffic log.
+"""Sample a calibration set and a disjoint shadow set from a traffic log of any size.
 
-    arts = sample_traffic(Path("traffic.jsonl"), Path("runs/calib"), SampleConfig(calib_size=256, shadow_size=64))
+    arts = sample_traffic("s3://bucket/logs/", Path("runs/calib"), SampleConfig(calib_size=256, shadow_size=64), engine="ray")
 
-One streaming pass: parse, scrub PII, dedup exactly, profile, and keep per stratum
-(route x prompt-length bucket) the records with the smallest seeded hash priority.
-That choice does not depend on record order, so the same log and seed give the
-same sets. Quotas are then allocated to strata in proportion to their size.
+Each partition (file) is scanned once, on its own (calibrate/state.py): parse, scrub PII, profile, and keep per
+stratum (route x prompt-length bucket) the distinct prompts with the smallest seeded hash priority, with an HLL
+sketch of every distinct prompt. The states merge in partition order on this machine, so a serial run and a Ray run
+give the same sets, and the choice does not depend on record order. Quotas go to strata in proportion to their
+distinct prompts: counted exactly while a stratum's sample is not full, estimated by its sketch beyond (the
+calibration set's `estimates` says which, with bounds). Memory is bounded by the sample size, not the log.
 Output: calib/ and shadow/ (calibration-set artifacts), profile/ (traffic-profile),
-rejects.jsonl (every malformed record with its line number and reason).
+rejects.jsonl (every malformed record with its file, line number and reason).
 """
 from __future__ import annotations
 
-import hashlib
-import heapq
 import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-
-from qgate.artifact import Artifact, sha256_file, sha256_json, typed_config
-from qgate.calibrate.profile import TrafficProfiler, length_bucket, words
-from qgate.calibrate.reader import MAX_LINE_BYTES, Reject, Request, read_traffic, traffic_files
-from qgate.calibrate.scrub import scrub
+from qgate.artifact import Artifact, typed_config
+from qgate.calibrate.reader import MAX_LINE_BYTES
+from qgate.calibrate.sources import is_uri, list_partitions, traffic_sha256
+from qgate.calibrate.state import SampleState, scan_partition
 from qgate.errors import ConfigError, InputError
+from qgate.execute import check_engine, map_ordered
 from qgate.progress import progress
 
 
@@ -47,138 +47,106 @@ class SampleConfig:
             raise ConfigError(f"calibrate.max_reject_fraction must be in (0, 1], got {self.max_reject_fraction}")
 
 
-def _priority(seed: int, key: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8, key=seed.to_bytes(8, "little")).digest(), "big")
-
-
-def _allocate(sizes: dict[str, int], total: int) -> dict[str, int]:
-    """Largest-remainder proportional allocation, capped by each stratum's size."""
+def _allocate(sizes: dict[str, int], total: int, caps: dict[str, int]) -> dict[str, int]:
+    """Largest-remainder allocation in proportion to `sizes`, each stratum capped by the rows it has (`caps`)."""
     n = sum(sizes.values())
-    total = min(total, n)
+    total = min(total, sum(caps.values()))
     exact = {k: total * v / n for k, v in sizes.items()}
-    alloc = {k: min(sizes[k], int(x)) for k, x in exact.items()}
-    for k in sorted(sizes, key=lambda k: (alloc[k] - exact[k], k)):
-        if sum(alloc.values()) >= total:
-            break
-        if alloc[k] < sizes[k]:
+    alloc = {k: min(caps[k], int(x)) for k, x in exact.items()}
+    while sum(alloc.values()) < total:
+        open_ = [k for k in sizes if alloc[k] < caps[k]]
+        for k in sorted(open_, key=lambda k: (alloc[k] - exact[k], k)):
+            if sum(alloc.values()) >= total:
+                break
             alloc[k] += 1
     return alloc
 
 
-def _records(files: list[Path], max_line_bytes: int):
-    """(file, record) over every file; each file is opened when reached, so memory stays one record."""
-    for f in files:
-        for item in read_traffic(f, max_line_bytes):
-            yield f, item
-
-
-def traffic_sha256(files: list[Path]) -> str:
-    """One file: its sha256. Several: the hash of their names and hashes, in order."""
-    return sha256_file(files[0]) if len(files) == 1 else sha256_json([[f.name, sha256_file(f)] for f in files])
-
-
-def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig) -> dict[str, Artifact]:
-    """traffic: a file, a glob or a directory of partitions (see reader.traffic_files)."""
-    files = traffic_files(traffic)           # a missing log fails here, before anything is created
-    many = len(files) > 1
-    traffic = Path(str(traffic))
+def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine: str = "serial") -> dict[str, Artifact]:
+    """traffic: a file, a glob, a directory of partitions or an object-store URI (calibrate/sources.py).
+    engine: "serial", or "ray" to scan partitions as Ray tasks (execute.py); both give the same artifacts."""
+    check_engine(engine)
+    parts = list_partitions(traffic)          # a missing log fails here, before anything is created
+    many = len(parts) > 1
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    need = config.calib_size + config.shadow_size
-    heaps: dict[str, list] = {}      # stratum -> max-heap (negated priority) of the `need` smallest
-    sizes: Counter = Counter()       # stratum -> unique records seen
-    seen: set[bytes] = set()         # 16-byte digests of normalized prompts: exact dedup
-    stats: Counter = Counter()
-    pii: Counter = Counter()
-    profiler = TrafficProfiler()
-    with open(out / "rejects.jsonl", "w") as rej:
-        for path, item in progress(_records(files, config.max_line_bytes), "calibrate: reading traffic", unit="record"):
-            stats["records"] += 1
-            if isinstance(item, Reject):
-                stats["rejected"] += 1
-                excerpt, _ = scrub(item.excerpt)     # a rejected record is still production traffic: no PII in rejects
-                rej.write(json.dumps({"file": str(path), "line": item.line, "reason": item.reason, "excerpt": excerpt}) + "\n")
-                continue
-            msgs, found = _scrub_messages(item)
-            pii.update(found)
-            text = "\n".join(c for _, c in msgs)
-            toks = words(text)
-            if len(toks) < config.min_words:
-                stats["too_short"] += 1
-                continue
-            digest = hashlib.blake2b(" ".join(text.split()).encode(), digest_size=16).digest()
-            if digest in seen:
-                stats["duplicates"] += 1
-                continue
-            seen.add(digest)
-            stats["kept"] += 1
-            profiler.add(item.route, item.tenant, toks, item.ts, item.latency_ms)
-            stratum = f"{item.route}|{length_bucket(len(toks))}"
-            sizes[stratum] += 1
-            row = {"messages": [{"role": r, "content": c} for r, c in msgs], "route": item.route, "stratum": stratum,
-                   "line": item.line} | ({"file": path.name} if many else {})
-            entry = (-_priority(config.seed, digest), (path.name, item.line), row)
-            heap = heaps.setdefault(stratum, [])
-            if len(heap) < need:
-                heapq.heappush(heap, entry)
-            elif entry[0] > heap[0][0]:
-                heapq.heapreplace(heap, entry)
-    _check_counts(traffic, stats, sizes, config)
-    calib, shadow = _split(heaps, sizes, config)
+    state = SampleState.empty(config)
+    scans = map_ordered(scan_partition, [(p, config, many, engine == "serial" and not many) for p in parts], engine)
+    if many:
+        scans = progress(scans, f"calibrate: scanning {len(parts)} partitions ({engine})", unit="partition", total=len(parts))
+    with open(out / "rejects.jsonl", "wb") as rej:
+        for st, rejects in scans:   # in partition order: the merged state is the same whatever ran the scans
+            rej.write(rejects)
+            state.merge(st)
+    source_name = str(traffic) if not many else f"{traffic} ({len(parts)} files)"
+    calib, shadow, counts = _select(state, config, source_name)
     params = typed_config(config)
     profile_dir = out / "profile"
     profile_dir.mkdir(exist_ok=True)
-    source_name = str(traffic) if not many else f"{traffic} ({len(files)} files)"
-    profile = profiler.result() | {"source": source_name, "stats": dict(stats), "pii_scrubbed": dict(pii)}
+    profile = state.profiler.result() | {"source": source_name, "stats": counts["stats"], "pii_scrubbed": dict(state.pii)}
+    profile["estimates"]["unique_prompts"] = counts["estimates"]["unique_prompts"]
     (profile_dir / "profile.json").write_text(json.dumps(profile, indent=2))
-    source = traffic_sha256(files)
+    source = traffic_sha256(parts)
     prof_art = Artifact.create("traffic-profile", profile_dir, params, (source,), {"requests": profile["requests"]})
     arts = {"profile": prof_art}
     for name, rows in (("calib", calib), ("shadow", shadow)):
         d = out / name
         d.mkdir(exist_ok=True)
         (d / "data.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        meta = {"split": name, "n": len(rows), "strata": dict(Counter(r["stratum"] for r in rows)), "stats": dict(stats)}
+        meta = {"split": name, "n": len(rows), "strata": dict(Counter(r["stratum"] for r in rows)), "stats": counts["stats"],
+                "estimates": counts["estimates"]} | ({"remote_source": True} if is_uri(traffic) else {})
         arts[name] = Artifact.create("calibration-set", d, params, (source, prof_art.sha256), meta)
     return arts
 
 
-def _scrub_messages(item: Request) -> tuple[list[tuple[str, str]], Counter]:
-    found: Counter = Counter()
-    msgs = []
-    for role, content in item.messages:
-        clean, c = scrub(content)
-        found.update(c)
-        msgs.append((role, clean))
-    return msgs, found
+def _select(state: SampleState, config: SampleConfig, source: str) -> tuple[list, list, dict]:
+    """Calibration and shadow rows, and the counts: exact where the samples hold every distinct prompt, else the
+    sketches' estimates with their bounds."""
+    # a prompt under two routes sits in two strata: its first occurrence (file, line) keeps it
+    first: dict[bytes, tuple] = {}
+    for stratum, bk in state.strata.items():
+        for digest, (_, where, _) in bk.rows.items():
+            if digest not in first or where < first[digest][0]:
+                first[digest] = (where, stratum)
+    ranked = {s: [row for d, _, row in bk.ranked() if first[d][1] == s] for s, bk in state.strata.items()}
+    exact = all(bk.exact() for bk in state.strata.values())
+    sizes = {}
+    for s, bk in state.strata.items():
+        est = state.distinct[s].estimate()["estimate"]
+        sizes[s] = len(ranked[s]) if bk.exact() else max(len(ranked[s]), round(est))
+    kept_est = state.kept.estimate()
+    unique = len(first) if exact else min(state.stats["usable"], max(len(first), round(kept_est["estimate"])))
+    stats = {k: v for k, v in (("records", state.stats["records"]), ("rejected", state.stats["rejected"]),
+                                ("too_short", state.stats["too_short"]), ("kept", unique),
+                                ("duplicates", state.stats["usable"] - unique)) if v}
+    estimates = {"exact": exact, "unique_prompts": {"value": unique, "exact": exact} | (
+        {} if exact else {k: round(kept_est[k], 1) for k in ("estimate", "lower", "upper")}
+        | {"rse": kept_est["rse"], "method": "HLL sketch (Apache DataSketches), bounds at 2 standard deviations"}),
+        "strata_estimated": sorted(s for s, bk in state.strata.items() if not bk.exact())}
+    _check_counts(source, stats, sum(len(r) for r in ranked.values()), config)
+    shadow_q = _allocate(sizes, config.shadow_size, {s: len(r) for s, r in ranked.items()})
+    rest = {s: sizes[s] - shadow_q[s] for s in sizes}
+    calib_q = _allocate(rest, config.calib_size, {s: len(ranked[s]) - shadow_q[s] for s in ranked})
+    calib, shadow = [], []
+    for s in sorted(ranked):   # shadow first (it is the held-out evidence), then calibration, from disjoint ranks
+        shadow += ranked[s][: shadow_q[s]]
+        calib += ranked[s][shadow_q[s]: shadow_q[s] + calib_q[s]]
+    return calib, shadow, {"stats": stats, "estimates": estimates}
 
 
-def _check_counts(traffic: Path, stats: Counter, sizes: Counter, config: SampleConfig) -> None:
-    if stats["records"] == 0:
+def _check_counts(traffic: str, stats: dict, available: int, config: SampleConfig) -> None:
+    records, rejected = stats.get("records", 0), stats.get("rejected", 0)
+    if records == 0:
         raise InputError(f"{traffic}: no records", hint="is this the right file?")
-    frac = stats["rejected"] / stats["records"]
+    frac = rejected / records
     if frac > config.max_reject_fraction:
         raise InputError(
-            f"{traffic}: {stats['rejected']} of {stats['records']} records are malformed ({frac:.0%})",
+            f"{traffic}: {rejected} of {records} records are malformed ({frac:.0%})",
             hint="see rejects.jsonl for line numbers and reasons; expected OpenAI chat 'messages' or 'prompt' records",
         )
-    unique = sum(sizes.values())
-    if unique < config.calib_size + config.shadow_size:
+    if available < config.calib_size + config.shadow_size:   # exact: a sample holds every prompt until it is full
         raise InputError(
-            f"{traffic}: only {unique} unique usable prompts, need calib_size + shadow_size = "
+            f"{traffic}: only {available} unique usable prompts, need calib_size + shadow_size = "
             f"{config.calib_size + config.shadow_size}",
             hint="lower calibrate.calib_size / calibrate.shadow_size or supply more traffic",
         )
-
-
-def _split(heaps: dict[str, list], sizes: Counter, config: SampleConfig) -> tuple[list, list]:
-    """Shadow first (it is the held-out evidence), then calibration, from disjoint ranks per stratum."""
-    shadow_q = _allocate(dict(sizes), config.shadow_size)
-    rest = {k: sizes[k] - shadow_q[k] for k in sizes}
-    calib_q = _allocate(rest, config.calib_size)
-    calib, shadow = [], []
-    for stratum in sorted(heaps):
-        ranked = [e[2] for e in sorted(heaps[stratum], key=lambda e: (-e[0], e[1]))]
-        shadow += ranked[: shadow_q[stratum]]
-        calib += ranked[shadow_q[stratum]: shadow_q[stratum] + calib_q[stratum]]
-    return calib, shadow

@@ -16,18 +16,21 @@ _D = SampleConfig()
 
 @app.command("sample")
 def sample_cmd(
-    traffic: Annotated[Path, typer.Option("--traffic", help="Traffic log: JSONL or Parquet, OpenAI chat records.")],
+    traffic: Annotated[str, typer.Option("--traffic", help="Traffic: a JSONL/Parquet file, a quoted glob, a directory of "
+                                                            "partitions, or a URI such as s3://bucket/logs/.")],
     out: OutDir,
     calib_size: Annotated[int, typer.Option(help="Calibration prompts.")] = _D.calib_size,
     shadow_size: Annotated[int, typer.Option(help="Held-out shadow prompts (disjoint).")] = _D.shadow_size,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = _D.seed,
+    engine: Annotated[str, typer.Option(help="serial, or ray: scan partitions as Ray tasks (local Ray, or RAY_ADDRESS); "
+                                             "the same sets either way.")] = "serial",
 ) -> None:
     """Stratified, deduplicated, PII-scrubbed calibration + shadow split with a traffic profile."""
     from qgate.artifact import Artifact, build_atomically
     from qgate.calibrate.sample import sample_traffic
 
     cfg = SampleConfig(calib_size=calib_size, shadow_size=shadow_size, seed=seed)
-    build_atomically(out, lambda tmp: sample_traffic(traffic, tmp, cfg)["calib"])
+    build_atomically(out, lambda tmp: sample_traffic(traffic, tmp, cfg, engine=engine)["calib"])
     arts = {name: Artifact.load(Path(out) / name) for name in ("calib", "shadow", "profile")}
     stats = arts["calib"].meta["stats"]
     typer.echo(f"read {stats.get('records', 0)} records: {stats.get('rejected', 0)} rejected (see {Path(out) / 'rejects.jsonl'}), "

@@ -17,7 +17,7 @@ from qgate.errors import EXIT_DRIFT
 
 app = typer.Typer(no_args_is_help=True, help="Drift: has the traffic moved since production was calibrated? Recalibrate if so.")
 Spec = Annotated[Path, typer.Option("--spec", help="Pipeline YAML: model, variants, gates, registry and its `drift:` policy.")]
-Recent = Annotated[str, typer.Option("--traffic", help="Recent traffic: a JSONL/Parquet file, a quoted glob, or a directory of partitions.")]
+Recent = Annotated[str, typer.Option("--traffic", help="Recent traffic: a JSONL/Parquet file, a quoted glob, a directory of partitions, or a URI such as s3://bucket/logs/.")]
 
 
 def _out(text: str) -> None:

@@ -14,7 +14,9 @@ from qgate.cli.output import Output
 def run_cmd(spec: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. pipelines/promote.yaml.")],
             json_out: Json = False, junit: Junit = None,
             wait: Annotated[float, typer.Option(help="Seconds to wait for another job on the same workdir to finish "
-                                                     "(default: exit 1 at once, naming the job that holds it).")] = 0.0) -> None:
+                                                     "(default: exit 1 at once, naming the job that holds it).")] = 0.0,
+            parallel: Annotated[str, typer.Option(help="serial, or ray: traffic partitions and variants (each with its "
+                                                       "spec `resources`) run as Ray tasks; the same artifacts either way.")] = "serial") -> None:
     """Calibrate, quantize each variant, build engines, gate, register, and promote the best passing variant."""
     quiet_libraries()
     from qgate.errors import LockHeld, PromotionRefused
@@ -29,7 +31,7 @@ def run_cmd(spec: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. pipel
     o.say(f"pipeline {s.name}: workdir {workdir}" + (f"; library logs: {log_file}" if log_file else ""))
     summary, refused = None, None
     try:
-        summary = run_pipeline(s, echo=lambda m: typer.echo(m, file=console_err()), wait=wait)
+        summary = run_pipeline(s, echo=lambda m: typer.echo(m, file=console_err()), wait=wait, parallel=parallel)
     except PromotionRefused as e:
         refused = e
     finally:

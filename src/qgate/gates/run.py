@@ -125,6 +125,16 @@ def baseline_floor(baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_
     return ref, floor, hit
 
 
+def warm_baseline(baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_dir: Path) -> dict:
+    """Every baseline cache the gates read (shadow reference, noise floor, eval scores), computed once before variants
+    fan out, so parallel gates share them instead of each computing its own. Returns the noise floor."""
+    runner = _LazyRunner(baseline)
+    _, floor, _ = baseline_floor(baseline, shadow, cfg, Path(cache_dir), runner)
+    if cfg.eval is not None:
+        _cached_eval(runner, baseline, cfg.eval, Path(cache_dir))
+    return floor
+
+
 def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_dir: Path) -> dict:
     """The shadow gate alone, on a given shadow set: what a drift job re-runs for production on today's traffic."""
     from qgate.engines.runners import load_runner

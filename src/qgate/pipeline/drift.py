@@ -26,11 +26,10 @@ from qgate.pipeline.spec import PipelineSpec, VariantSpec
 
 def _dirs(spec: PipelineSpec, recent: str | Path, echo) -> tuple[Runner, Runner]:
     """(main runner: model import and caches shared with `qgate run`; drift runner: one workdir per recent traffic)."""
-    from qgate.calibrate.reader import traffic_files
-    from qgate.calibrate.sample import traffic_sha256
+    from qgate.calibrate.sources import list_partitions, traffic_sha256
 
     main = Runner(spec, echo)
-    sha = traffic_sha256(traffic_files(recent))
+    sha = traffic_sha256(list_partitions(recent))
     return main, Runner(spec, echo, workdir=main.workdir / "drift" / sha[:16])
 
 

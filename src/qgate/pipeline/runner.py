@@ -20,16 +20,21 @@ from qgate.errors import PromotionRefused
 from qgate.pipeline.spec import PipelineSpec, VariantSpec
 
 
+WORKER_LOG = "ray-workers.log"
+
+
 class StageLedger:
     """stages.json in the workdir: stage name -> the key it ran with, what it produced, and how long it took.
 
     Nothing in it is trusted on its word: an entry is used only if its paths stay inside the workdir and the
     artifact there still hashes to the recorded sha256. Anything else is reported and the stage runs again."""
 
-    def __init__(self, workdir: Path, echo: Callable[[str], None] = print):
+    def __init__(self, workdir: Path, echo: Callable[[str], None] = print, persist: bool = True):
         self.workdir = Path(workdir)
         self.path = self.workdir / "stages.json"
         self.echo = echo
+        self.persist = persist    # False in a Ray task: the driver records what it returns, one writer per ledger
+        self.recorded: list[tuple[str, str, dict]] = []
         self.data = {}
         if self.path.exists():
             try:
@@ -63,17 +68,21 @@ class StageLedger:
             values["paths"] = [os.path.relpath(p, self.workdir) if Path(p).is_relative_to(self.workdir) else str(p)
                                for p in values["paths"]]
         self.data[name] = {"key": key, **values}
+        self.recorded.append((name, key, values))
+        if not self.persist:
+            return
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=2, default=str))
         tmp.replace(self.path)
 
 
 class Runner:
-    def __init__(self, spec: PipelineSpec, echo: Callable[[str], None] = print, workdir: Path | None = None):
+    def __init__(self, spec: PipelineSpec, echo: Callable[[str], None] = print, workdir: Path | None = None,
+                 persist_ledger: bool = True):
         self.spec = spec
         self.workdir = Path(workdir) if workdir is not None else spec.path(spec.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.ledger = StageLedger(self.workdir, echo)
+        self.ledger = StageLedger(self.workdir, echo, persist=persist_ledger)
         self.echo = echo
         self.ran: list[str] = []
         self.skipped: list[str] = []
@@ -140,14 +149,15 @@ def model_stage(r: Runner, spec: PipelineSpec) -> Artifact:
     return r.stage("model", {"src": source_fingerprint(msrc)}, r.workdir / "base", lambda out: import_model(msrc, out))
 
 
-def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path) -> tuple[Artifact, Artifact, Artifact]:
-    """(calibration set, shadow set, traffic profile) sampled from `traffic` (a file, glob or directory)."""
-    from qgate.calibrate.reader import traffic_files
-    from qgate.calibrate.sample import SampleConfig, sample_traffic, traffic_sha256
+def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path, engine: str = "serial") -> tuple[Artifact, Artifact, Artifact]:
+    """(calibration set, shadow set, traffic profile) sampled from `traffic` (a file, glob, directory or URI); the
+    engine does not enter the key: serial and Ray scans give the same sets."""
+    from qgate.calibrate.sample import SampleConfig, sample_traffic
+    from qgate.calibrate.sources import list_partitions, traffic_sha256
 
     scfg = SampleConfig(**spec.calibrate.model_dump())
-    key = {"traffic": traffic_sha256(traffic_files(traffic)), "cfg": scfg.__dict__}
-    calib = r.stage("calibrate", key, r.workdir / "calib", lambda out: sample_traffic(traffic, out, scfg)["calib"])
+    key = {"traffic": traffic_sha256(list_partitions(traffic)), "cfg": scfg.__dict__}
+    calib = r.stage("calibrate", key, r.workdir / "calib", lambda out: sample_traffic(traffic, out, scfg, engine=engine)["calib"])
     return calib, Artifact.load(r.workdir / "calib" / "shadow"), Artifact.load(r.workdir / "calib" / "profile")
 
 
@@ -171,8 +181,45 @@ def search_stage(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact, 
 
 
 def gate_variants(r: Runner, spec: PipelineSpec, base: Artifact, calib: Artifact, shadow: Artifact, profile: Artifact,
-                  variants: list[VariantSpec], cache_dir: Path, step: Callable[[Artifact], Artifact] = lambda a: a) -> list[dict]:
-    """Per variant: quantize, build its engine, gate it. Returns one outcome per variant."""
+                  variants: list[VariantSpec], cache_dir: Path, step: Callable[[Artifact], Artifact] = lambda a: a,
+                  parallel: str = "serial") -> list[dict]:
+    """Per variant: quantize, build its engine, gate it. Returns one outcome per variant, in spec order.
+    parallel="ray": each variant's chain is a Ray task with the variant's `resources` (execute.py); the tasks skip
+    what the ledger already holds and return what they built, which this process records."""
+    if parallel == "serial":
+        return [variant_chain(r, spec, v, base, calib, shadow, profile, cache_dir, step) for v in variants]
+    from qgate.execute import map_ordered
+
+    calls = [(spec, v.name, base, calib, shadow, profile, cache_dir, r.workdir) for v in variants]
+    r.echo(f"  > {len(calls)} variant(s) as Ray tasks; their library logs: {r.workdir / 'logs' / WORKER_LOG}")
+    outcomes = []
+    for outcome, records, ran, skipped in map_ordered(_variant_task, calls, parallel, [dict(v.resources) for v in variants]):
+        for name, key, values in records:
+            r.ledger.record(name, key, **values)
+        r.ran += ran
+        r.skipped += skipped
+        for _ in range(3):   # quantize (or search), engine, gate
+            step(None)
+        outcomes.append(outcome)
+    return outcomes
+
+
+def _variant_task(spec: PipelineSpec, name: str, base: Artifact, calib: Artifact, shadow: Artifact, profile: Artifact,
+                  cache_dir: Path, workdir: Path) -> tuple[dict, list, list, list]:
+    """One variant's chain in a Ray worker: (outcome, ledger records, stages run, stages skipped)."""
+    from qgate.progress import console_err, quiet_console
+
+    v = next(x for x in spec.variants if x.name == name)
+    quiet_console(Path(workdir) / "logs" / WORKER_LOG)   # libraries' output to the log; Ray forwards only qgate's lines
+    err = console_err()
+    r = Runner(spec, lambda m: print(f"[{name}] {m}", file=err, flush=True), workdir=workdir, persist_ledger=False)
+    outcome = variant_chain(r, spec, v, base, calib, shadow, profile, cache_dir)
+    return outcome, r.ledger.recorded, r.ran, r.skipped
+
+
+def variant_chain(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact, calib: Artifact, shadow: Artifact,
+                  profile: Artifact, cache_dir: Path, step: Callable[[Artifact], Artifact] = lambda a: a) -> dict:
+    """Quantize (or search), build the engine, gate: one variant's outcome."""
     from qgate.engines.build import build_engine, engine_config, unsupported
     from qgate.gates.run import run_gates
     from qgate.quantize.run import CalibOptions, quantize
@@ -182,38 +229,34 @@ def gate_variants(r: Runner, spec: PipelineSpec, base: Artifact, calib: Artifact
     gate_cfg = spec.gate_config()
     gate_key = typed_config(gate_cfg)   # every gate setting, defaults included
     if gate_cfg.eval is not None:       # and the shipped eval data: a larger task set re-gates
-        from qgate.artifact import sha256_tree
         from qgate.gates.evalgate import TASK_DIR
 
         gate_key = {"cfg": gate_key, "tasks": sha256_tree(TASK_DIR)}
     opts = CalibOptions(**spec.quantize.model_dump())
-    outcomes = []
-    for v in variants:
-        scheme = scheme_config(v.scheme, **v.options)
-        kv = KVCacheConfig(v.kv_cache) if v.kv_cache else None
-        key = {"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "kv": v.kv_cache, "opts": opts.__dict__}
-        if v.search is not None:   # the checkpoint is the smallest point that passed the shadow gate
-            ckpt = step(search_stage(r, spec, v, base, calib, shadow, cache_dir))
-        else:
-            ckpt = step(r.stage(f"quantize:{v.name}", key, w / "variants" / v.name / "checkpoint",
-                                lambda out: quantize(base, calib, scheme, out, kv=kv, opts=opts)))
-        cand, notes = ckpt, ()
-        why = unsupported(ckpt, v.engine.backend) if v.engine is not None else None
-        if why:
-            notes = (f"engine {v.engine.backend} not built: {why}; gated on the PyTorch reference path",)
-            r.echo(f"  ! {v.name}: {notes[0]}")
-        elif v.engine is not None:
-            ecfg = typed_config(engine_config(v.engine.backend, **v.engine.options))
-            key = {"ckpt": ckpt.sha256, "engine": [v.engine.backend, ecfg], "profile": profile.sha256}
-            cand = r.stage(f"engine:{v.name}", key, w / "variants" / v.name / "engine",
-                           lambda out: build_engine(ckpt, v.engine.backend, out, profile, **v.engine.options))
-        step(cand)
-        key = {"cand": cand.sha256, "base": base.sha256, "shadow": shadow.sha256, "gates": gate_key} | ({"notes": notes} if notes else {})
-        report = step(r.stage(f"gate:{v.name}", key, w / "variants" / v.name / "gate",
-                              lambda out: run_gates(cand, base, shadow, gate_cfg, out, cache_dir, name=v.name, checkpoint=ckpt,
-                                                    notes=notes)))
-        outcomes.append({"variant": v.name, "candidate": cand, "report": report, "recipe": recipe(v)})
-    return outcomes
+    scheme = scheme_config(v.scheme, **v.options)
+    kv = KVCacheConfig(v.kv_cache) if v.kv_cache else None
+    key = {"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "kv": v.kv_cache, "opts": opts.__dict__}
+    if v.search is not None:   # the checkpoint is the smallest point that passed the shadow gate
+        ckpt = step(search_stage(r, spec, v, base, calib, shadow, cache_dir))
+    else:
+        ckpt = step(r.stage(f"quantize:{v.name}", key, w / "variants" / v.name / "checkpoint",
+                            lambda out: quantize(base, calib, scheme, out, kv=kv, opts=opts)))
+    cand, notes = ckpt, ()
+    why = unsupported(ckpt, v.engine.backend) if v.engine is not None else None
+    if why:
+        notes = (f"engine {v.engine.backend} not built: {why}; gated on the PyTorch reference path",)
+        r.echo(f"  ! {v.name}: {notes[0]}")
+    elif v.engine is not None:
+        ecfg = typed_config(engine_config(v.engine.backend, **v.engine.options))
+        key = {"ckpt": ckpt.sha256, "engine": [v.engine.backend, ecfg], "profile": profile.sha256}
+        cand = r.stage(f"engine:{v.name}", key, w / "variants" / v.name / "engine",
+                       lambda out: build_engine(ckpt, v.engine.backend, out, profile, **v.engine.options))
+    step(cand)
+    key = {"cand": cand.sha256, "base": base.sha256, "shadow": shadow.sha256, "gates": gate_key} | ({"notes": notes} if notes else {})
+    report = step(r.stage(f"gate:{v.name}", key, w / "variants" / v.name / "gate",
+                          lambda out: run_gates(cand, base, shadow, gate_cfg, out, cache_dir, name=v.name, checkpoint=ckpt,
+                                                notes=notes)))
+    return {"variant": v.name, "candidate": cand, "report": report, "recipe": recipe(v)}
 
 
 def register_outcomes(r: Runner, spec: PipelineSpec, outcomes: list[dict], profile: Artifact) -> str:
@@ -246,16 +289,19 @@ def best_passing(spec: PipelineSpec, outcomes: list[dict]) -> dict | None:
     return passing[0] if passing else None
 
 
-def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print, wait: float = 0.0) -> dict:
-    """Under the workdir lock: a second job on the same workdir waits `wait` seconds, then raises LockHeld (exit 1)."""
+def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print, wait: float = 0.0, parallel: str = "serial") -> dict:
+    """Under the workdir lock: a second job on the same workdir waits `wait` seconds, then raises LockHeld (exit 1).
+    parallel: "serial" (default) or "ray": traffic partitions are scanned and variants run as Ray tasks."""
+    from qgate.execute import check_engine
     from qgate.locks import workdir_lock
 
+    check_engine(parallel)
     with workdir_lock(spec.path(spec.workdir), f"qgate run {spec.name}", wait=wait, echo=echo):
-        return _run(spec, echo)
+        return _run(spec, echo, parallel)
 
 
-def _run(spec: PipelineSpec, echo: Callable[[str], None]) -> dict:
-    from qgate.gates.run import baseline_floor
+def _run(spec: PipelineSpec, echo: Callable[[str], None], parallel: str = "serial") -> dict:
+    from qgate.gates.run import warm_baseline
     from qgate.registry.mlflow_store import promote
 
     r = Runner(spec, echo)
@@ -268,14 +314,14 @@ def _run(spec: PipelineSpec, echo: Callable[[str], None]) -> dict:
         return art
 
     base = step(model_stage(r, spec))
-    calib, shadow, profile = calibrate_stage(r, spec, spec.path(spec.traffic))
+    calib, shadow, profile = calibrate_stage(r, spec, spec.traffic_source(), engine=parallel)
     step(calib)
     gate_cfg = spec.gate_config()
     echo("  > baseline shadow reference and noise floor (cached per baseline) ...")
-    _, floor, _ = baseline_floor(base, shadow, gate_cfg, w / "cache")   # a threshold the baseline cannot meet fails here
+    floor = warm_baseline(base, shadow, gate_cfg, w / "cache")   # once, before any fan-out; an impossible threshold fails here
     echo(f"  + noise floor: KL p99 {floor['kl_p99']['observed']:.3g}, top-1 {floor['top1_agreement']['observed']:.4f} "
          f"({floor['path']})")
-    outcomes = gate_variants(r, spec, base, calib, shadow, profile, list(spec.variants), w / "cache", step)
+    outcomes = gate_variants(r, spec, base, calib, shadow, profile, list(spec.variants), w / "cache", step, parallel)
     uri = register_outcomes(r, spec, outcomes, profile)
     bar.update(1)
     bar.close()

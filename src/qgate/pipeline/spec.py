@@ -52,6 +52,16 @@ class VariantSpec(_Strict):
     kv_cache: Literal["fp8", "int8"] | None = None
     engine: EngineSpec | None = None   # None: gate the checkpoint on the PyTorch reference path
     search: dict[str, Any] | None = None   # per-layer fallback search (search/plan.py SearchConfig); `qgate search`
+    resources: dict[str, float] = Field(default_factory=dict)   # Ray task resources under `qgate run --parallel ray`:
+                                                                # num_cpus, num_gpus, memory (bytes) or custom ones
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [k for k, x in v.items() if x < 0]
+        if bad:
+            raise ValueError(f"resources must be >= 0 ({', '.join(bad)})")
+        return v
 
     @field_validator("name")
     @classmethod
@@ -98,6 +108,13 @@ class PipelineSpec(_Strict):
 
     def path(self, p: str) -> Path:
         return (self.root / p).resolve()
+
+    def traffic_source(self, traffic: str | None = None) -> str:
+        """The traffic to sample: an object-store URI as written, a local path relative to the spec file."""
+        from qgate.calibrate.sources import is_uri
+
+        t = traffic if traffic is not None else self.traffic
+        return t if is_uri(t) else str(self.path(t))
 
     def gate_config(self):
         from qgate.gates.contract import ContractConfig

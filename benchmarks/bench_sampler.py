@@ -1,0 +1,122 @@
+"""Sampler throughput and memory as the log grows, serial and on local Ray, every figure a ratio measured in this run.
+
+    .venv/bin/python benchmarks/bench_sampler.py [--records 100000,1000000,5000000] [--partitions 8]
+
+Run it alone: two CPU-heavy processes on 2 cores distort each other badly.
+Each size is a synthetic log of distinct chat prompts (the worst case for a seen-set) written as gzip JSONL partitions.
+Every measurement runs in a child process of its own, so each peak RSS is its own.
+1. Throughput: a serial `sample_traffic` in records/s, as a ratio to a raw orjson parse of the same files
+   (gzip decompression and line splitting included in both). Goal: at least 0.5.
+2. Peak RSS of the serial sampler per size, as a ratio to the smallest size. Goal: flat within 10% beyond 100k.
+3. `--engine ray` against serial on one size (local Ray, one task per partition, Ray's start-up included), with the
+   core count; both must give the same calibration set.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def write_log(d: Path, n: int, partitions: int) -> Path:
+    rng = random.Random(n)
+    vocab = [f"w{i}" for i in range(5000)]
+    routes = ("chat", "code", "summarize")
+    d.mkdir(parents=True, exist_ok=True)
+    per = -(-n // partitions)
+    for p in range(partitions):
+        with gzip.open(d / f"part-{p:04d}.jsonl.gz", "wt", compresslevel=1) as f:
+            for i in range(p * per, min(n, (p + 1) * per)):
+                text = f"request {i}: " + " ".join(rng.choices(vocab, k=rng.randint(4, 40)))
+                f.write(json.dumps({"ts": 1.7e9 + i * 0.01, "latency_ms": 300 + rng.random() * 900, "route": routes[i % 3],
+                                    "tenant": f"t{rng.randint(0, 500)}", "messages": [{"role": "user", "content": text}]}) + "\n")
+    return d
+
+
+def child(mode: str, where: str, out: str) -> None:
+    t = time.perf_counter()
+    if mode == "orjson":
+        import orjson
+
+        records = 0
+        for part in sorted(Path(where).iterdir()):
+            with gzip.open(part, "rb") as f:
+                for line in f:
+                    orjson.loads(line)
+                    records += 1
+        result = {"records": records}
+    else:
+        from qgate.calibrate.sample import SampleConfig, sample_traffic
+
+        arts = sample_traffic(where, Path(out), SampleConfig(calib_size=256, shadow_size=64), engine=mode)
+        result = {"records": arts["calib"].meta["stats"]["records"], "calib_sha256": arts["calib"].sha256,
+                  "exact": arts["calib"].meta["estimates"]["exact"]}
+    result |= {"seconds": time.perf_counter() - t, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    print(json.dumps(result))
+
+
+def measure(mode: str, where: Path, out: Path) -> dict:
+    r = subprocess.run([sys.executable, __file__, "--child", mode, str(where), str(out)], capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"{mode} on {where} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--records", default="100000,1000000,5000000")
+    ap.add_argument("--ray-records", type=int, default=1_000_000, help="the size on which Ray and serial are compared")
+    ap.add_argument("--partitions", type=int, default=8)
+    ap.add_argument("--child", nargs=3)
+    args = ap.parse_args()
+    if args.child:
+        return child(*args.child)
+    sizes = [int(x) for x in args.records.split(",")]
+    print(f"machine: {os.cpu_count()} cores; one child process per measurement; sample 256 calib + 64 shadow; "
+          f"{args.partitions} gzip JSONL partitions per log; the sampler is pure Python (one thread per process)", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        serial, raw = {}, {}
+        for n in sizes:
+            t = time.perf_counter()
+            logs = write_log(tmp / f"log{n}", n, args.partitions)
+            print(f"  wrote {n:,} records in {time.perf_counter() - t:.0f} s", flush=True)
+            raw[n] = measure("orjson", logs, tmp / "unused")
+            serial[n] = measure("serial", logs, tmp / f"out{n}")
+            s, r = serial[n], raw[n]
+            assert s["records"] == r["records"] == n, (s["records"], r["records"], n)
+            print(f"  {n:>9,} records: sampler {s['seconds']:7.1f} s {n / s['seconds']:8.0f} rec/s, peak RSS {s['peak_mb']:5.0f} MB "
+                  f"(estimated counts: {not s['exact']}); orjson {r['seconds']:6.1f} s {n / r['seconds']:8.0f} rec/s", flush=True)
+            if n == args.ray_records:
+                ray = measure("ray", logs, tmp / "out-ray")
+                print(f"  {n:>9,} records on ray: {ray['seconds']:7.1f} s {n / ray['seconds']:8.0f} rec/s "
+                      f"(driver peak RSS {ray['peak_mb']:.0f} MB)", flush=True)
+            if n != sizes[-1]:
+                for p in (tmp / f"log{n}").iterdir():
+                    p.unlink()
+        lo = sizes[0]
+        print("\n1. sampler throughput / raw orjson parse of the same files (goal >= 0.5):")
+        for n in sizes:
+            print(f"     {n:>9,} records: {raw[n]['seconds'] / serial[n]['seconds']:.2f}x")
+        print(f"2. peak RSS / peak RSS at {lo:,} records (goal: within 1.10x):")
+        for n in sizes[1:]:
+            print(f"     {n:>9,} records ({n // lo}x the log): {serial[n]['peak_mb'] / serial[lo]['peak_mb']:.3f}x "
+                  f"({serial[n]['peak_mb']:.0f} MB / {serial[lo]['peak_mb']:.0f} MB)")
+        if args.ray_records in serial:
+            s = serial[args.ray_records]
+            print(f"3. sampler wall time serial / ray on {args.ray_records:,} records ({args.partitions} partitions, "
+                  f"{os.cpu_count()} cores): {s['seconds'] / ray['seconds']:.2f}x; same calibration set: "
+                  f"{ray['calib_sha256'] == s['calib_sha256']}")
+        print("   variant fan-out on Ray vs serial: benchmarks/bench_pipeline.py --parallel serial,ray")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Scale-out: sampling state in bounded memory that merges across partitions, traffic in object storage (a real
+S3-compatible server on localhost), and the same results from serial and Ray execution."""
+import gzip
+import hashlib
+import json
+import random
+import socket
+import tracemalloc
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from qgate.calibrate.sample import SampleConfig, sample_traffic
+from qgate.calibrate.sketches import DistinctCount, HeavyHitters
+from qgate.calibrate.sources import Partition, list_partitions
+from qgate.calibrate.state import SampleState, scan_partition
+from qgate.errors import ConfigError, InputError
+
+ROUTES = ("chat", "code-assist", "summarize")
+
+
+def _records(n: int, seed: int = 0, dup_every: int = 7) -> list[bytes]:
+    """n requests; every dup_every-th repeats an earlier prompt (sometimes under another route), as real logs do."""
+    rng = random.Random(seed)
+    vocab = [f"w{i}" for i in range(400)]
+    out, prompts = [], []
+    for i in range(n):
+        if prompts and i % dup_every == 0:
+            text = rng.choice(prompts)
+        else:
+            text = " ".join(rng.choice(vocab) for _ in range(rng.randint(2, 60)))
+            prompts.append(text)
+        out.append(json.dumps({"ts": 1_700_000_000 + i * 0.2, "latency_ms": 400 + rng.random() * 900, "route": rng.choice(ROUTES),
+                               "tenant": f"t{rng.randint(0, 30)}", "messages": [{"role": "user", "content": text}]}).encode())
+    return out
+
+
+def _write_parts(d, records: list[bytes], cuts: list[int]):
+    d.mkdir(parents=True, exist_ok=True)
+    bounds = [0, *sorted(cuts), len(records)]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        body = b"\n".join(records[a:b]) + b"\n" if b > a else b""
+        (d / f"part-{i:03d}.jsonl.gz").write_bytes(gzip.compress(body)) if i % 2 else (d / f"part-{i:03d}.jsonl").write_bytes(body)
+    return d
+
+
+def _sets(arts) -> dict:
+    """What a sample selects, without where it was read from (file and line differ between one file and partitions)."""
+    def rows(a):
+        return [{k: r[k] for k in ("messages", "route", "stratum")} for r in map(json.loads, (a.path / "data.jsonl").read_text().splitlines())]
+    return {"calib": rows(arts["calib"]), "shadow": rows(arts["shadow"])}
+
+
+def test_partitions_merge_to_exactly_the_single_pass_sample(tmp_path):
+    records = _records(6000)
+    (tmp_path / "one.jsonl").write_bytes(b"\n".join(records) + b"\n")
+    parts = _write_parts(tmp_path / "parts", records, [1000, 2500, 2600, 5999])
+    cfg = SampleConfig(calib_size=40, shadow_size=20, seed=5)       # small: every stratum's sample fills, sketches estimate
+    one = sample_traffic(tmp_path / "one.jsonl", tmp_path / "o1", cfg)
+    many = sample_traffic(parts, tmp_path / "o2", cfg)
+    assert _sets(one) == _sets(many) and len(_sets(one)["calib"]) == 40 and len(_sets(one)["shadow"]) == 20
+    assert one["calib"].meta["stats"] == many["calib"].meta["stats"]
+    est = many["calib"].meta["estimates"]
+    assert not est["exact"] and est["strata_estimated"], "the sketches were not exercised"
+    u = est["unique_prompts"]
+    truth = len({json.loads(r)["messages"][0]["content"].strip() for r in records})
+    assert u["lower"] <= truth <= u["upper"] and abs(u["estimate"] - truth) / truth < 0.05
+    stats = many["calib"].meta["stats"]
+    assert stats["records"] == 6000 == stats["kept"] + stats["duplicates"]
+    calib = {json.dumps(r["messages"]) for r in _sets(many)["calib"]}
+    assert not calib & {json.dumps(r["messages"]) for r in _sets(many)["shadow"]}    # disjoint, even across routes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cuts=st.lists(st.integers(0, 400), max_size=6), seed=st.integers(0, 3))
+def test_any_partitioning_merges_to_the_same_state(cuts, seed, tmp_path_factory):
+    """Bottom-k samples, HLL registers and exact counters are set functions of the records: how the log is cut into
+    partitions, and so which machine scanned what, cannot change the sample."""
+    d = tmp_path_factory.mktemp("p")
+    records = _records(400, seed=seed, dup_every=5)
+    cfg = SampleConfig(calib_size=12, shadow_size=6, seed=seed)
+    whole = _write_parts(d / "whole", records, [])
+    cut = _write_parts(d / "cut", records, cuts)
+
+    def state(where):
+        total = SampleState.empty(cfg)
+        for p in list_partitions(where):
+            total.merge(scan_partition(p, cfg, tag_file=False)[0])
+        return total
+
+    a, b = state(whole), state(cut)
+    assert {s: [row["messages"] for _, _, row in bk.ranked()] for s, bk in a.strata.items()} == \
+           {s: [row["messages"] for _, _, row in bk.ranked()] for s, bk in b.strata.items()}
+    assert a.kept.estimate() == b.kept.estimate()
+    assert {s: d.estimate() for s, d in a.distinct.items()} == {s: d.estimate() for s, d in b.distinct.items()}
+    assert (a.stats, a.profiler.n, a.profiler.routes) == (b.stats, b.profiler.n, b.profiler.routes)
+
+
+def test_sampler_memory_is_bounded_by_the_sample_not_the_log(tmp_path):
+    cfg = SampleConfig(calib_size=30, shadow_size=10)
+
+    def peak(n):
+        path = tmp_path / f"log{n}.jsonl"
+        path.write_bytes(b"\n".join(_records(n, dup_every=10 ** 9)) + b"\n")   # all distinct: a seen-set would grow
+        tracemalloc.start()
+        st_, _ = scan_partition(Partition(str(path)), cfg, tag_file=False)
+        p = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert sum(len(bk.rows) for bk in st_.strata.values()) <= len(st_.strata) * 40
+        return p
+
+    small, large = peak(11_000), peak(33_000)          # both beyond the profile's 10,000-request reorder window
+    assert large < 1.3 * small, f"peak {small / 2**20:.1f} MiB for 11k records, {large / 2**20:.1f} MiB for 33k"
+
+
+def test_sketches_round_trip_and_bound_their_error():
+    import pickle
+
+    d, h = DistinctCount(), HeavyHitters(lg_max=8)         # 256 counters: forced to estimate
+    rng = random.Random(0)
+    truth: dict[str, int] = {}
+    for i in range(50_000):
+        d.add(hashlib.blake2b(str(i).encode(), digest_size=16).digest())   # content digests, as the sampler adds
+        w = f"w{min(int(rng.paretovariate(1.2)), 5000)}"
+        truth[w] = truth.get(w, 0) + 1
+    from collections import Counter
+
+    h.add_counts(Counter({k: v for k, v in truth.items()}))
+    e = pickle.loads(pickle.dumps(d)).estimate()
+    assert e["lower"] <= 50_000 <= e["upper"] and e["upper"] - e["lower"] < 0.08 * 50_000
+    h2 = pickle.loads(pickle.dumps(h))
+    assert h2.max_error() > 0 and h2.total() == sum(truth.values())
+    for word, count in h2.top(10):
+        assert abs(count - truth[word]) <= h2.max_error()
+    assert h2.top(1)[0][0] == max(truth, key=truth.get)
+
+
+def test_profile_states_which_counts_are_estimates(tmp_path):
+    records = _records(800)
+    (tmp_path / "t.jsonl").write_bytes(b"\n".join(records) + b"\n")
+    arts = sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=20, shadow_size=10))
+    prof = json.loads((arts["profile"].path / "profile.json").read_text())
+    assert prof["requests"] == 800 and prof["version"] == 2
+    assert prof["estimates"]["unigrams"] == {"exact": True, "max_count_error": 0, "method": prof["estimates"]["unigrams"]["method"]}
+    assert prof["estimates"]["unique_prompts"]["value"] == arts["calib"].meta["stats"]["kept"]
+    conc = prof["concurrency"]
+    assert conc["method"].startswith("in-flight") and conc["samples"] == 800 and conc["out_of_order"] == 0
+    assert sum(conc["histogram"].values()) == 800 and 1 <= conc["p50"] <= conc["p99"] <= conc["max"]
+
+
+def test_unknown_engine_and_missing_ray_are_clear(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "t.jsonl").write_bytes(b"\n".join(_records(100)) + b"\n")
+    with pytest.raises(ConfigError, match="unknown execution engine 'spark'"):
+        sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=5, shadow_size=5), engine="spark")
+    monkeypatch.setitem(sys.modules, "ray", None)
+    from qgate.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match="ray"):
+        sample_traffic(tmp_path / "t.jsonl", tmp_path / "o2", SampleConfig(calib_size=5, shadow_size=5), engine="ray")
+
+
+def test_a_missing_bucket_prefix_fails_at_the_call(s3):
+    with pytest.raises(InputError, match="not found|no traffic"):
+        list_partitions(f"s3://{s3}/no-such-prefix/")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A real S3-compatible server (moto in server mode) on localhost, found through the standard AWS variables."""
+    import os
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="traffic")
+    yield "traffic"
+    for k, v in old.items():
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    server.stop()
+
+
+def test_s3_partitions_and_ray_give_the_local_serial_sample(tmp_path, s3):
+    """The object-store path against a real S3 endpoint, and the Ray engine (local Ray) on both local and S3
+    partitions: every combination selects the same sets as one serial pass over local files."""
+    import os
+
+    import boto3
+
+    records = _records(3000, seed=2)
+    parts = _write_parts(tmp_path / "parts", records, [700, 1900])
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    for f in sorted(parts.iterdir()):
+        client.upload_file(str(f), s3, f"logs/2026-11-22/{f.name}")
+    client.put_object(Bucket=s3, Key="logs/2026-11-22/_SUCCESS", Body=b"")            # not traffic: skipped
+    cfg = SampleConfig(calib_size=30, shadow_size=15, seed=1)
+    ref = sample_traffic(parts, tmp_path / "local-serial", cfg)
+    uri = f"s3://{s3}/logs/2026-11-22/"
+    assert [p.name for p in list_partitions(uri)] == [p.name for p in list_partitions(parts)]
+    runs = {"s3-serial": sample_traffic(uri, tmp_path / "s3-serial", cfg),
+            "local-ray": sample_traffic(parts, tmp_path / "local-ray", cfg, engine="ray"),
+            "s3-ray": sample_traffic(uri, tmp_path / "s3-ray", cfg, engine="ray")}
+    for name, arts in runs.items():
+        assert _sets(arts) == _sets(ref), name
+        assert arts["calib"].sha256 == ref["calib"].sha256 and arts["shadow"].sha256 == ref["shadow"].sha256, name
+        assert arts["calib"].meta["stats"] == ref["calib"].meta["stats"], name
+        assert arts["profile"].parents == ref["profile"].parents, name     # the same content hash of the traffic
+    import ray
+
+    assert ray.is_initialized() and ray.cluster_resources().get("CPU", 0) >= 1     # the scans were Ray tasks
+    glob_uri = f"s3://{s3}/logs/2026-11-*/part-00[01]*"
+    assert [p.name for p in list_partitions(glob_uri)] == ["part-000.jsonl", "part-001.jsonl.gz"]
+
+
+def test_variants_fanned_out_on_ray_match_the_serial_run(tmp_path, workdir, monkeypatch):
+    """`qgate run --parallel ray`: the variants' chains run as Ray tasks with their declared resources; the
+    baseline caches are computed once before the fan-out; calibration sets, checkpoints, engines and every check's
+    verdict and observation equal the serial run's, and the driver alone writes the ledger."""
+    import yaml
+    from test_pipeline import _spec
+
+    from qgate.cli.main import main
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    runs = {}
+    for mode in ("serial", "ray"):
+        d = tmp_path / mode
+        d.mkdir()
+        spec = _spec(d, workdir)
+        data = yaml.safe_load(spec.read_text())
+        for v in data["variants"]:
+            v["resources"] = {"num_cpus": 1}
+        spec.write_text(yaml.safe_dump(data, sort_keys=False))
+        assert main(["run", str(spec), "--parallel", mode]) == 0
+        runs[mode] = d / "work"
+    ledgers = {m: json.loads((w / "stages.json").read_text()) for m, w in runs.items()}
+    assert set(ledgers["ray"]) == set(ledgers["serial"])
+    for name in ledgers["serial"]:
+        if name.startswith(("model", "calibrate", "quantize:", "engine:")):
+            assert ledgers["ray"][name]["sha256"] == ledgers["serial"][name]["sha256"], name
+    reports = {m: {v: json.loads((w / "variants" / v / "gate" / "report.json").read_text()) for v in ("awq-cpu", "w8")}
+               for m, w in runs.items()}
+    for v in ("awq-cpu", "w8"):
+        a, b = reports["serial"][v], reports["ray"][v]
+        assert a["verdict"] == b["verdict"]
+        assert [(r["gate"], r["metric"], r["verdict"], r["observed"]) for r in a["results"] if r["gate"] != "perf"] == \
+               [(r["gate"], r["metric"], r["verdict"], r["observed"]) for r in b["results"] if r["gate"] != "perf"]
+    summary = json.loads((runs["ray"] / "summary.json").read_text())
+    assert summary["promoted"]["variant"] == "w8"
+    assert main(["run", str(tmp_path / "ray" / "spec.yaml"), "--parallel", "ray"]) == 0   # re-run: every stage skipped
+    assert json.loads((runs["ray"] / "summary.json").read_text())["stages_run"] == []
