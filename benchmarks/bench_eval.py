@@ -24,6 +24,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 
 
+PPL_BEFORE = 120   # perplexity documents in the earlier set (the first 120 of today's file)
 BEFORE = {"bigbench_general_knowledge": None, "bigbench_social_iqa": None, "bigbench_misconceptions": 150}  # items
 
 
@@ -127,6 +128,10 @@ def main() -> None:
     diff = max(abs(a - b) for a, b in zip(one, many, strict=True))
     print(f"perplexity ({len(docs)} documents): one at a time {t_one:.1f} s ({len(docs) / t_one:.1f} docs/s), batched across "
           f"documents {t_many:.1f} s ({len(docs) / t_many:.1f} docs/s): {t_one / t_many:.2f}x; max |difference| {diff:.2e}")
+    before = base + t_one * PPL_BEFORE / len(docs)      # the earlier set's first 120 documents, one at a time (its method)
+    after = secs + t_many
+    print(f"whole eval (multiple choice + perplexity): before {n_before} items + {PPL_BEFORE} documents {before:.1f} s, after "
+          f"{n_now} items + {len(docs)} documents {after:.1f} s: {after / before:.2f}x the time")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
     .venv/bin/python benchmarks/bench_sampler.py [--records 100000,1000000,5000000] [--partitions 8]
 
 Run it alone: two CPU-heavy processes on 2 cores distort each other badly.
-Each size is a synthetic log of distinct chat prompts (the worst case for a seen-set) written as gzip JSONL partitions.
+Each size is a synthetic log written as gzip JSONL partitions: the demo traffic's real records (ShareGPT prompts with
+their system prompt, routes and tenants), repeated with a request id in letters appended to the user turn, so every prompt
+is distinct (the worst case for a seen-set) and the text is what production logs hold (a numeric id would put a
+digit in every prompt; two thirds of the real ones have none, which the PII scrubber's rules use).
 Every measurement runs in a child process of its own, so each peak RSS is its own.
 1. Throughput: a serial `sample_traffic` in records/s, as a ratio to a raw orjson parse of the same files
    (gzip decompression and line splitting included in both). Goal: at least 0.5.
@@ -25,19 +28,35 @@ import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def write_log(d: Path, n: int, partitions: int) -> Path:
+def demo_records() -> list[dict]:
+    from qgate.calibrate.reader import Request, read_traffic
+
+    return [{"route": r.route, "tenant": r.tenant, "messages": [{"role": role, "content": c} for role, c in r.messages]}
+            for r in read_traffic(ROOT / "data/demo/traffic.jsonl") if isinstance(r, Request)]
+
+
+def letters(i: int) -> str:
+    out = ""
+    while True:
+        i, r = divmod(i, 26)
+        out += chr(97 + r)
+        if not i:
+            return out
+
+
+def write_log(d: Path, n: int, partitions: int, demo: list[dict]) -> Path:
     rng = random.Random(n)
-    vocab = [f"w{i}" for i in range(5000)]
-    routes = ("chat", "code", "summarize")
     d.mkdir(parents=True, exist_ok=True)
     per = -(-n // partitions)
     for p in range(partitions):
         with gzip.open(d / f"part-{p:04d}.jsonl.gz", "wt", compresslevel=1) as f:
             for i in range(p * per, min(n, (p + 1) * per)):
-                text = f"request {i}: " + " ".join(rng.choices(vocab, k=rng.randint(4, 40)))
-                f.write(json.dumps({"ts": 1.7e9 + i * 0.01, "latency_ms": 300 + rng.random() * 900, "route": routes[i % 3],
-                                    "tenant": f"t{rng.randint(0, 500)}", "messages": [{"role": "user", "content": text}]}) + "\n")
+                rec = demo[i % len(demo)]
+                msgs = rec["messages"][:-1] + [{"role": "user", "content": f"{rec['messages'][-1]['content']} (ref {letters(i)})"}]
+                f.write(json.dumps({"ts": 1.7e9 + i * 0.01, "latency_ms": 300 + rng.random() * 900, "route": rec["route"],
+                                    "tenant": rec["tenant"], "messages": msgs}) + "\n")
     return d
 
 
@@ -82,12 +101,15 @@ def main() -> None:
     sizes = [int(x) for x in args.records.split(",")]
     print(f"machine: {os.cpu_count()} cores; one child process per measurement; sample 256 calib + 64 shadow; "
           f"{args.partitions} gzip JSONL partitions per log; the sampler is pure Python (one thread per process)", flush=True)
+    demo = demo_records()
+    print(f"  {len(demo):,} real demo records as templates, {sum(len(m['content']) for r in demo for m in r['messages']) / len(demo):.0f} "
+          f"characters per record", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         serial, raw = {}, {}
         for n in sizes:
             t = time.perf_counter()
-            logs = write_log(tmp / f"log{n}", n, args.partitions)
+            logs = write_log(tmp / f"log{n}", n, args.partitions, demo)
             print(f"  wrote {n:,} records in {time.perf_counter() - t:.0f} s", flush=True)
             raw[n] = measure("orjson", logs, tmp / "unused")
             serial[n] = measure("serial", logs, tmp / f"out{n}")

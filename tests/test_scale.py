@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qgate.calibrate.sample import SampleConfig, sample_traffic
+from qgate.calibrate import sketches
 from qgate.calibrate.sketches import DistinctCount, HeavyHitters
 from qgate.calibrate.sources import Partition, list_partitions
 from qgate.calibrate.state import SampleState, scan_partition
@@ -114,19 +115,21 @@ def test_sampler_memory_is_bounded_by_the_sample_not_the_log(tmp_path):
     assert large < 1.3 * small, f"peak {small / 2**20:.1f} MiB for 11k records, {large / 2**20:.1f} MiB for 33k"
 
 
-def test_sketches_round_trip_and_bound_their_error():
+def test_sketches_round_trip_and_bound_their_error(monkeypatch):
     import pickle
 
     d, h = DistinctCount(), HeavyHitters(lg_max=8)         # 256 counters: forced to estimate
     rng = random.Random(0)
     truth: dict[str, int] = {}
+    stream = []
     for i in range(50_000):
         d.add(hashlib.blake2b(str(i).encode(), digest_size=16).digest())   # content digests, as the sampler adds
         w = f"w{min(int(rng.paretovariate(1.2)), 5000)}"
         truth[w] = truth.get(w, 0) + 1
-    from collections import Counter
-
-    h.add_counts(Counter({k: v for k, v in truth.items()}))
+        stream.append(w)
+    monkeypatch.setattr(sketches, "PENDING_MAX", 64)      # many batch updates, as on a long log
+    for i in range(0, len(stream), 500):
+        h.add(stream[i:i + 500])
     e = pickle.loads(pickle.dumps(d)).estimate()
     assert e["lower"] <= 50_000 <= e["upper"] and e["upper"] - e["lower"] < 0.08 * 50_000
     h2 = pickle.loads(pickle.dumps(h))
@@ -264,3 +267,33 @@ def test_variants_fanned_out_on_ray_match_the_serial_run(tmp_path, workdir, monk
     assert summary["promoted"]["variant"] == "w8"
     assert main(["run", str(tmp_path / "ray" / "spec.yaml"), "--parallel", "ray"]) == 0   # re-run: every stage skipped
     assert json.loads((runs["ray"] / "summary.json").read_text())["stages_run"] == []
+
+
+def _slow_or_bad(i: int, marks: str) -> int:
+    import pathlib
+    import time
+
+    if i == 1:
+        raise ValueError(f"bad partition {i}")
+    time.sleep(0.3)
+    (pathlib.Path(marks) / str(i)).write_text("done")
+    return i
+
+
+def test_a_failing_ray_task_raises_its_own_error_and_leaves_nothing_running(tmp_path):
+    """A task's exception reaches the caller as itself; tasks already submitted are waited for, not cancelled (a
+    cancel racing a finishing task aborted the whole driver in Ray 2.60), and later calls are never submitted."""
+    import sys
+    import time
+
+    ray_cloudpickle = pytest.importorskip("ray.cloudpickle")
+    from qgate.execute import map_ordered
+
+    ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])     # workers cannot import this test module
+    with pytest.raises(ValueError, match="bad partition 1"):
+        list(map_ordered(_slow_or_bad, [(i, str(tmp_path)) for i in range(40)], engine="ray"))
+    ran = sorted(p.name for p in tmp_path.iterdir())
+    time.sleep(1.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ran      # nothing was left running behind the caller
+    assert "0" in ran and len(ran) < 20                             # the window was awaited; later calls never ran
+    assert list(map_ordered(_slow_or_bad, [(0, str(tmp_path)), (2, str(tmp_path))], engine="ray")) == [0, 2]  # driver alive

@@ -36,13 +36,19 @@ def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "s
     ray = ray_session()
     per_call = resources if isinstance(resources, list) else [resources or {}] * len(calls)
     task = ray.remote(fn)
-    refs = [task.options(**_ray_options(res)).remote(*args) for args, res in zip(calls, per_call, strict=True)]
+    # Tasks are submitted in a window ahead of the one awaited: after a failure nothing more is submitted, and the
+    # driver waits for the few already submitted instead of cancelling them (ray.cancel racing a finishing task
+    # aborts the driver in Ray 2.60: "Tried to complete task that was not pending").
+    window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    submitted: list = []
     try:
-        for ref in refs:
-            yield _get(ray, ref)
+        for i in range(len(calls)):
+            while len(submitted) < min(len(calls), i + window):
+                args, res = calls[len(submitted)], per_call[len(submitted)]
+                submitted.append(task.options(**_ray_options(res)).remote(*args))
+            yield _get(ray, submitted[i])
     finally:
-        for ref in refs:   # a failure or an abandoned generator cancels what has not run
-            ray.cancel(ref, force=False)
+        ray.wait(submitted, num_returns=len(submitted), timeout=None)   # nothing left running behind the caller
 
 
 def ray_session():

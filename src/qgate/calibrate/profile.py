@@ -133,7 +133,6 @@ class TrafficProfiler:
         self.lengths: Counter = Counter()
         self.routes: Counter = Counter()
         self.tenants = HeavyHitters()
-        self.unigrams = HeavyHitters()
         self.total_words = 0
         # the vocabulary again, split in two halves of the requests: how far two samples of this same traffic differ,
         # with words of one request co-varying as they do (calibrate/drift.py scales it to the sizes compared)
@@ -146,25 +145,24 @@ class TrafficProfiler:
         self.n += 1
         self.lengths[length_bucket(len(tokens))] += 1
         self.routes[route] += 1
-        self.tenants.add_counts(Counter({tenant: 1}))
-        counts = Counter(tokens)
-        self.unigrams.add_counts(counts)
+        self.tenants.add((tenant,))
         self.total_words += len(tokens)
         half = hashlib.blake2b(" ".join(tokens).encode(), digest_size=1).digest()[0] & 1   # by content: order-independent
-        self.split[half].add_counts(counts)
+        self.split[half].add(tokens)
         self.split_n[half] += 1
         self.split_words[half] += len(tokens)
         self.concurrency.add(ts, latency_ms)
 
     def finish_partition(self) -> None:
         self.concurrency.finish()
+        for sk in (self.tenants, *self.split):
+            sk.flush()
 
     def merge(self, other: TrafficProfiler) -> None:
         self.n += other.n
         self.lengths.update(other.lengths)
         self.routes.update(other.routes)
         self.tenants.merge(other.tenants)
-        self.unigrams.merge(other.unigrams)
         self.total_words += other.total_words
         for i in (0, 1):
             self.split[i].merge(other.split[i])
@@ -173,7 +171,10 @@ class TrafficProfiler:
         self.concurrency.merge(other.concurrency)
 
     def result(self) -> dict:
-        sketches = {"tenants": self.tenants, "unigrams": self.unigrams, "unigrams_half_0": self.split[0],
+        unigrams = HeavyHitters()            # the vocabulary is the two halves merged: each word is counted once
+        for half in self.split:
+            unigrams.merge(half)
+        sketches = {"tenants": self.tenants, "unigrams": unigrams, "unigrams_half_0": self.split[0],
                     "unigrams_half_1": self.split[1]}
         return {
             "version": 2,
@@ -181,7 +182,7 @@ class TrafficProfiler:
             "length_words": {b: self.lengths.get(b, 0) for b in BUCKETS},
             "routes": dict(sorted(self.routes.items(), key=lambda kv: (-kv[1], kv[0]))),
             "tenants": dict(self.tenants.top(TOP_TENANTS)),
-            "unigrams": {"total": self.total_words, "top": dict(self.unigrams.top(TOP_UNIGRAMS)),
+            "unigrams": {"total": self.total_words, "top": dict(unigrams.top(TOP_UNIGRAMS)),
                          "split_halves": [{"requests": n, "total": w, "top": dict(c.top(TOP_UNIGRAMS))}
                                           for n, w, c in zip(self.split_n, self.split_words, self.split, strict=True)]},
             "concurrency": self.concurrency.result(),

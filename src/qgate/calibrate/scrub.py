@@ -22,6 +22,8 @@ from collections import Counter
 
 REGIONS = ("US", "GB", "DE", "FR")   # national phone formats recognised without a +country code
 
+DIGIT = object()            # a rule's precondition: the text holds a decimal digit (what \d matches)
+_ANY_DIGIT = re.compile(r"\d")
 _SECRET = re.compile(
     r"-----BEGIN (?:[A-Z]+ )?PRIVATE KEY-----[\s\S]*?-----END (?:[A-Z]+ )?PRIVATE KEY-----"
     r"|\b(?:sk-[A-Za-z0-9_-]{16,}|[sr]k_(?:live|test)_[A-Za-z0-9]{16,}|(?:AKIA|ASIA)[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{30,}"
@@ -178,24 +180,46 @@ def _phones(text: str) -> tuple[str, int]:
     return text, hits
 
 
+# Every literal a _SECRET alternative starts with (checked with `in`, far cheaper than the regex on text without any).
+_SECRET_HINTS = ("-----BEGIN ", "sk-", "sk_live_", "sk_test_", "rk_live_", "rk_test_", "AKIA", "ASIA", "ghp_", "gho_", "ghu_",
+                 "ghs_", "ghr_", "github_pat_", "glpat-", "xoxa-", "xoxb-", "xoxp-", "xoxr-", "xoxs-", "AIza", "hf_", "npm_", "eyJ")
+
+
+def _may_hold_secret(text: str) -> bool:
+    return any(h in text for h in _SECRET_HINTS) or "bearer" in text.lower()
+
+
 RULES = (  # order matters: secrets and emails before digit patterns eat their parts; IBANs before cards; IPs before phones
-    ("secret", _SECRET, "<SECRET>"),
-    ("email", _EMAIL, "<EMAIL>"),
-    ("iban", _IBAN, _iban),
-    ("card", _CARD, _card),
-    ("national_id", _SSN, "<NATIONAL_ID>"),
-    ("national_id", _NINO, "<NATIONAL_ID>"),
-    ("national_id", _AADHAAR, _aadhaar),
-    ("ip", _IPV4, "<IP>"),
-    ("ip", _IPV6, _ipv6),
-    ("phone", None, _phones),
+    # (type, pattern, replacement, what a text must hold for the rule to match at all: DIGIT, a substring or a test)
+    ("secret", _SECRET, "<SECRET>", _may_hold_secret),
+    ("email", _EMAIL, "<EMAIL>", "@"),
+    ("iban", _IBAN, _iban, DIGIT),
+    ("card", _CARD, _card, DIGIT),
+    ("national_id", _SSN, "<NATIONAL_ID>", DIGIT),
+    ("national_id", _NINO, "<NATIONAL_ID>", DIGIT),
+    ("national_id", _AADHAAR, _aadhaar, DIGIT),
+    ("ip", _IPV4, "<IP>", DIGIT),
+    ("ip", _IPV6, _ipv6, ":"),
+    ("phone", None, _phones, DIGIT),
 )
-TYPES = tuple(dict.fromkeys(name for name, _, _ in RULES))
+TYPES = tuple(dict.fromkeys(rule[0] for rule in RULES))
 
 
-def scrub(text: str) -> tuple[str, Counter]:
+def scrub(text: str, prefilter: bool = True) -> tuple[str, Counter]:
+    """`prefilter=False` runs every rule on every text: the same result, slower (the tests hold the two equal)."""
     counts: Counter = Counter()
-    for name, pattern, repl in RULES:
+    has_digit = _ANY_DIGIT.search(text) is not None   # two thirds of real prompts have none: seven rules skipped
+    for name, pattern, repl, needs in RULES:
+        if not prefilter:
+            pass
+        elif needs is DIGIT:
+            if not has_digit:
+                continue
+        elif callable(needs):
+            if not needs(text):
+                continue
+        elif needs not in text:
+            continue
         if pattern is None:
             text, hits = repl(text)
         else:

@@ -2,7 +2,7 @@
 anywhere and merged on one machine.
 
     d = DistinctCount(); d.add(digest); d.merge(other); d.estimate()    # {"estimate", "lower", "upper", "rse"}
-    h = HeavyHitters(); h.add_counts(Counter(words)); h.top(2000)         # [(word, count)], count error <= h.max_error()
+    h = HeavyHitters(); h.add(words); h.top(2000)                         # [(word, count)], count error <= h.max_error()
 
 DistinctCount is an HLL sketch: registers merge by maximum, so the registers of a merged sketch equal those of one
 sketch fed everything, in any order. Estimates are always the composite estimator, which depends on the registers
@@ -18,6 +18,7 @@ from collections import Counter
 
 HLL_LG_K = 12            # per stratum: 4,096 registers (HLL_8: 4 KiB); relative standard error 1.04 / 64 = 1.6%
 HEAVY_LG_MAX = 14        # up to 16,384 counters (12,288 kept exactly before the first purge)
+PENDING_MAX = 1 << 12    # distinct strings counted in a plain Counter before they go to the sketch in one sorted batch
 STD_DEVS = 2             # bounds at about 95%
 
 
@@ -62,27 +63,40 @@ class DistinctCount:
 
 
 class HeavyHitters:
-    """Approximate counts of the most frequent strings, in memory bounded by 2^lg_max counters."""
+    """Approximate counts of the most frequent strings, in memory bounded by 2^lg_max counters plus PENDING_MAX
+    strings counted exactly before each batch update (one sketch call per string per batch, not per occurrence)."""
 
     def __init__(self, lg_max: int = HEAVY_LG_MAX):
         from datasketches import frequent_strings_sketch
 
         self.lg_max = lg_max
         self.sketch = frequent_strings_sketch(lg_max)
+        self.pending: Counter = Counter()
 
-    def add_counts(self, counts: Counter) -> None:
-        for item, n in sorted(counts.items()):   # sorted: the same updates in the same order on every machine
+    def add(self, items) -> None:
+        """Count each string in `items` (an iterable of str, or a Counter of counts)."""
+        self.pending.update(items)
+        if len(self.pending) >= PENDING_MAX:
+            self.flush()
+
+    def flush(self) -> None:
+        for item, n in sorted(self.pending.items()):   # sorted: the same updates in the same order on every machine
             self.sketch.update(item, n)
+        self.pending.clear()
 
     def merge(self, other: HeavyHitters) -> None:
+        self.flush()
+        other.flush()
         self.sketch.merge(other.sketch)
 
     def total(self) -> int:
+        self.flush()
         return int(self.sketch.total_weight)
 
     def _items(self) -> list[tuple]:
         from datasketches import frequent_items_error_type
 
+        self.flush()
         return self.sketch.get_frequent_items(frequent_items_error_type.NO_FALSE_NEGATIVES, 0)   # every counter kept
 
     def max_error(self) -> int:
@@ -96,6 +110,7 @@ class HeavyHitters:
         return rows[:n]
 
     def __getstate__(self) -> dict:
+        self.flush()
         return {"lg_max": self.lg_max, "bytes": self.sketch.serialize()}
 
     def __setstate__(self, state: dict) -> None:
@@ -103,3 +118,4 @@ class HeavyHitters:
 
         self.lg_max = state["lg_max"]
         self.sketch = frequent_strings_sketch.deserialize(state["bytes"])
+        self.pending = Counter()

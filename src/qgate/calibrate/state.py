@@ -16,6 +16,7 @@ import heapq
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from qgate.calibrate.profile import TrafficProfiler, length_bucket, words
 from qgate.calibrate.reader import Reject, Request, read_traffic
@@ -25,6 +26,7 @@ from qgate.calibrate.sources import Partition
 
 
 TOTAL_LG_K = 16   # the log's distinct prompts: 64 KiB, relative standard error 0.4%, exact-ish below ~16k prompts
+CACHED_SCRUB_CHARS = 2048   # message contents up to this long are scrubbed once per process (system prompts repeat)
 
 
 def priority(seed: int, digest: bytes) -> int:
@@ -95,10 +97,12 @@ class SampleState:
         digest = hashlib.blake2b(" ".join(text.split()).encode(), digest_size=16).digest()
         stratum = f"{item.route}|{length_bucket(len(toks))}"
         self.kept.add(digest)
-        self.distinct.setdefault(stratum, DistinctCount()).add(digest)
+        if stratum not in self.strata:
+            self.strata[stratum], self.distinct[stratum] = BottomK(self.need), DistinctCount()
+        self.distinct[stratum].add(digest)
         row = {"messages": [{"role": r, "content": c} for r, c in msgs], "route": item.route, "stratum": stratum,
                "line": item.line} | ({"file": part_name} if tag_file else {})
-        self.strata.setdefault(stratum, BottomK(self.need)).offer(priority(self.seed, digest), digest, (part_name, item.line), row)
+        self.strata[stratum].offer(priority(self.seed, digest), digest, (part_name, item.line), row)
 
     def merge(self, other: SampleState) -> None:
         for stratum, bk in other.strata.items():
@@ -142,7 +146,16 @@ def _scrub_messages(item: Request) -> tuple[list[tuple[str, str]], Counter]:
     found: Counter = Counter()
     msgs = []
     for role, content in item.messages:
-        clean, c = scrub(content)
-        found.update(c)
+        if len(content) <= CACHED_SCRUB_CHARS:
+            clean, c = _scrub_short(content)
+        else:
+            clean, c = scrub(content)
+        if c:
+            found.update(c)
         msgs.append((role, clean))
     return msgs, found
+
+
+@lru_cache(maxsize=4096)
+def _scrub_short(content: str) -> tuple[str, Counter]:
+    return scrub(content)     # callers only read the Counter
