@@ -27,6 +27,11 @@ def is_traffic_file(p: Path) -> bool:
     return p.name.endswith(SUFFIXES)
 
 
+def _skipped(rel_parts: tuple[str, ...] | list[str]) -> bool:
+    """A file under a partition directory that is not traffic: hidden (itself or a folder on its way) or rejects."""
+    return any(part.startswith(".") for part in rel_parts) or rel_parts[-1].startswith("rejects")
+
+
 def traffic_files(where: str | Path) -> list[Path]:
     """A traffic source as files, in a stable order: one file, a glob (`logs/2026-11-*.jsonl`), or a directory of
     partitions (every JSONL or Parquet file under it, recursively, hidden files and rejects skipped)."""
@@ -40,8 +45,7 @@ def traffic_files(where: str | Path) -> list[Path]:
         return files
     path = Path(where)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and is_traffic_file(p) and not p.name.startswith((".", "rejects"))
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = sorted(p for p in path.rglob("*") if p.is_file() and is_traffic_file(p) and not _skipped(p.relative_to(path).parts))
         if not files:
             raise InputError(f"{path}: directory holds no traffic partitions ({', '.join(SUFFIXES)})")
         return files
@@ -145,14 +149,13 @@ def list_partitions(where: str | Path) -> list[Partition]:
     for i in infos:
         if i.type != fs.FileType.File or not is_traffic_file(Path(i.path)):
             continue
-        rel = i.path[len(base):].lstrip("/")
-        if any(part.startswith(".") for part in rel.split("/")) or i.base_name.startswith("rejects"):
+        if _skipped(i.path[len(base):].lstrip("/").split("/")):
             continue
         if pattern and not fnmatch.fnmatchcase(i.path, path_pattern):
             continue
         files.append(Partition(f"{scheme}://{i.path}"))
     if not files:
-        raise InputError(f"{uri}: no traffic partitions here ({', '.join(('.jsonl', '.jsonl.gz', '.jsonl.zst', '.parquet'))})")
+        raise InputError(f"{uri}: no traffic partitions here ({', '.join(SUFFIXES)})")
     return sorted(files)
 
 
