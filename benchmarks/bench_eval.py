@@ -7,7 +7,9 @@ Run alone (two CPU-heavy processes slow torch 3-20x). Prints thread counts, then
 wall time and requests/s on the same requests, and ratios measured in this one run:
   full-16     16 sequences per forward, right-padded, logits for every position (the scoring before pooling)
   whole-2048  token budget 2048 per forward, left-padded, logits only for the continuation positions
-  shared-2048 as whole-2048, and the choices of one question reuse its context's KV cache (the current default)
+  shared-2048 as whole-2048, and the choices of one question reuse its context's KV cache
+Then the current default tasks: whole-2048, shared contexts only, and shared contexts plus shared prefixes (a task's
+instructions computed once per batch: the current default).
 Then: the earlier default tasks (369 items) with full-16, against the current default tasks with shared-2048;
 and the perplexity set scored one document at a time against rolling windows batched across documents.
 """
@@ -36,7 +38,7 @@ def requests_for(tasks: dict[str, int | None]) -> tuple[list, int]:
 
     reqs, items = [], 0
     for name, limit in tasks.items():
-        ((_, task),) = get_task_dict([task_config(name)], TaskManager()).items()
+        ((_, task),) = get_task_dict([task_config(name)], TaskManager(include_defaults=False)).items()
         task.build_all_requests(limit=limit, rank=0, world_size=1)
         reqs += [SimpleNamespace(args=r.args) for r in task.instances]
         n = len({r.doc_id for r in task.instances})
@@ -113,8 +115,14 @@ def main() -> None:
     print("current default tasks:")
     now, n_now = requests_for({t: None for t in DEFAULT_TASKS if t != "chatterbot_ppl"})
     whole, _ = timed(RunnerLM(NoSharing(runner)), now)
-    secs, _ = timed(RunnerLM(runner), now)
-    print(f"  whole-2048 {whole:.1f} s, shared-2048 {secs:.1f} s ({len(now) / secs:.1f} req/s): sharing {whole / secs:.2f}x")
+    lm = RunnerLM(runner)
+    lm.MIN_PREFIX = 10**9
+    ctx_only, s0 = timed(lm, now)
+    secs, s1 = timed(RunnerLM(runner), now)
+    diff = max(abs(a[0] - b[0]) for a, b in zip(s0, s1, strict=True))
+    print(f"  whole-2048 {whole:.1f} s, shared contexts only {ctx_only:.1f} s, shared contexts and prefixes (default) {secs:.1f} s "
+          f"({len(now) / secs:.1f} req/s): sharing {whole / secs:.2f}x, prefixes {ctx_only / secs:.2f}x; "
+          f"max |log-likelihood difference| {diff:.2e}")
     print(f"multiple-choice eval wall time: before {n_before} items {base:.1f} s (full-16), after {n_now} items {secs:.1f} s "
           f"(shared-2048): {secs / base:.2f}x the time for {n_now / n_before:.2f}x the items")
     docs = [SimpleNamespace(args=(d["text"],)) for d in map(json.loads, open(task_config("chatterbot_ppl")["dataset_kwargs"]["data_files"]["test"]))]

@@ -196,6 +196,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="decode prompts")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--skip-eval", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true", help="figures 1, 2 (and 4) only: the decode sweep builds engines")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved forward/gate pairs for the warm shadow ratio")
     args = ap.parse_args()
     arts = load(args.workdir)
@@ -203,7 +204,7 @@ def main() -> None:
           f"onnxruntime default threads (all cores) unless stated", flush=True)
     with tempfile.TemporaryDirectory() as cache:
         s = bench_shadow(arts, Path(cache), args.repeats)
-        d = bench_decode(arts, Path(cache) / "cold-0", args.prompts, args.new_tokens)   # the warm baseline reference
+        d = None if args.skip_decode else bench_decode(arts, Path(cache) / "cold-0", args.prompts, args.new_tokens)
     e = None if args.skip_eval else bench_eval(arts)
     print(f"\n1. warm shadow gate, {s['prompts']} prompts / {s['tokens']} tokens, baseline reference cached:")
     for name in ("int4 CPU engine", "W8A16 reference path"):
@@ -213,13 +214,14 @@ def main() -> None:
     print(f"2. cold baseline reference ({s['answer_tokens']} greedy answer tokens + top-k log-probs): {s['cold_reference_s']:.1f} s"
           f" / teacher-forced forward {s['baseline_forward_s']:.1f} s = {s['cold_ratio']:.2f}x (best of {len(s['cold_ratios'])} interleaved;"
           f" per pair {', '.join(f'{x:.2f}' for x in s['cold_ratios'])})  (goal <= 2x)")
-    tf = d["transformers_fp32"]
-    print(f"3. decode, greedy {args.new_tokens} new tokens x {args.prompts} prompts; transformers eager fp32: "
-          f"{tf[1]:.1f} tok/s at batch 1, {tf[8]:.1f} at batch 8")
-    print("   lm_head  acc.level threads  engine MB   b1 tok/s  x fp32   b8 tok/s  x fp32   shadow gate: KL p99  top-1  verdict")
-    for r in d["engines"]:
-        print(f"   {r['lm_head']:7s}  {r['accuracy_level']:9d} {r['threads']:7d}  {r['engine_mb']:9.1f}  {r['tok_s_b1']:9.1f}  "
-              f"{r['speedup_b1']:5.2f}x  {r['tok_s_b8']:9.1f}  {r['speedup_b8']:5.2f}x  {r['kl_p99']:18.4f}  {r['top1']:.3f}  {r['verdict']}")
+    if d:
+        tf = d["transformers_fp32"]
+        print(f"3. decode, greedy {args.new_tokens} new tokens x {args.prompts} prompts; transformers eager fp32: "
+              f"{tf[1]:.1f} tok/s at batch 1, {tf[8]:.1f} at batch 8")
+        print("   lm_head  acc.level threads  engine MB   b1 tok/s  x fp32   b8 tok/s  x fp32   shadow gate: KL p99  top-1  verdict")
+        for r in d["engines"]:
+            print(f"   {r['lm_head']:7s}  {r['accuracy_level']:9d} {r['threads']:7d}  {r['engine_mb']:9.1f}  {r['tok_s_b1']:9.1f}  "
+                  f"{r['speedup_b1']:5.2f}x  {r['tok_s_b8']:9.1f}  {r['speedup_b8']:5.2f}x  {r['kl_p99']:18.4f}  {r['top1']:.3f}  {r['verdict']}")
     if e:
         print("4. eval scoring (the demo's tasks):")
         for name, r in e.items():

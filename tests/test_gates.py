@@ -71,6 +71,12 @@ def test_candidate_identical_to_baseline_passes_with_zero_disagreement(base_art,
     assert by["identical_generation"]["observed"] == 1.0
     assert by["bigbench_general_knowledge.recovery"]["evidence"]["flip_rate"] == 0.0
     assert abs(by["chatterbot_ppl.bpb_increase"]["observed"]) < 1e-6
+    # the baseline cache keeps each item's chosen answer and gold index, and acc is exactly their agreement
+    (cached,) = (workdir / "cache-self").glob("eval-baseline-*.json")
+    gk = json.loads(cached.read_text())["bigbench_general_knowledge"]
+    assert len(gk["chosen"]) == len(gk["gold"]) == len(gk["per_item"]) == 12
+    assert [float(c == g) for c, g in zip(gk["chosen"], gk["gold"], strict=True)] == gk["per_item"]
+    assert by["bigbench_general_knowledge.recovery"]["evidence"]["label_bias"]["share"] >= 1 / 12
 
 
 def test_second_candidate_reuses_cached_baseline(base_art, w8_art, awq_art, calib_arts, workdir, monkeypatch):
@@ -200,6 +206,36 @@ def test_pooled_tasks_decide_what_each_small_task_cannot():
     assert pooled[0].mde < min(r.mde for r in alone)
 
 
+def test_label_biased_tasks_are_flagged_and_the_pooled_check_states_its_power_without_them():
+    """Task "bias": the baseline picks choice 0 on 95% of 400 items, so it is right exactly where gold is 0. Task
+    "know": 200 items with varied answers. The pooled check names "bias" and gives recovery and mde over "know" alone."""
+    rng = np.random.default_rng(1)
+    gold_b = (rng.random(400) < 0.5).astype(int)
+    chosen_b = np.where(rng.random(400) < 0.95, 0, 1)
+    gold_k = rng.integers(0, 4, 200)
+    chosen_k = np.where(rng.random(200) < 0.7, gold_k, (gold_k + 1) % 4)
+    base = {"bias": {"kind": "mc", "per_item": (chosen_b == gold_b).astype(float).tolist(), "chosen": chosen_b.tolist(),
+                     "gold": gold_b.tolist()},
+            "know": {"kind": "mc", "per_item": (chosen_k == gold_k).astype(float).tolist(), "chosen": chosen_k.tolist(),
+                     "gold": gold_k.tolist()}}
+    c_know = (chosen_k == gold_k).copy()
+    c_know[np.nonzero(c_know)[0][:10]] = False   # the candidate loses 10 of the items it knew
+    cand = {"bias": {"kind": "mc", "per_item": base["bias"]["per_item"]}, "know": {"kind": "mc", "per_item": c_know.astype(float).tolist()}}
+    pooled, bias, know = eval_gate(base, cand, _eval_cfg(("bias", "know"), min_recovery=0.9, pool=True))
+    lb = bias.evidence["label_bias"]
+    assert lb["flagged"] and lb["index"] == 0 and 0.93 < lb["share"] < 0.97 and 0.45 < lb["gold_share"] < 0.55
+    assert "choice 0 on 9" in bias.evidence["caveat"]
+    assert not know.evidence["label_bias"]["flagged"] and "caveat" not in know.evidence
+    inf = pooled.evidence["informative"]
+    assert pooled.n == 600 and inf["n"] == 200 and pooled.evidence["label_biased_tasks"] == ["bias"]
+    assert inf["observed"] == pytest.approx(c_know.mean() / (chosen_k == gold_k).mean())
+    assert inf["mde"] > pooled.mde   # fewer items that can show a loss: less power than the pooled n suggests
+    assert "400 items come from tasks the baseline answers by label bias (bias)" in pooled.evidence["caveat"]
+    # a task with no chosen answers recorded (an older cache) is neither flagged nor counted against the pool
+    old = {t: {"kind": "mc", "per_item": base[t]["per_item"]} for t in base}
+    assert "caveat" not in eval_gate(old, cand, _eval_cfg(("bias", "know"), pool=True))[0].evidence
+
+
 def test_eval_gate_fails_significant_regression_even_with_lenient_recovery():
     base = {"t": {"kind": "mc", "per_item": [1.0] * 60 + [0.0] * 40}}
     cand = {"t": {"kind": "mc", "per_item": [0.0] * 15 + [1.0] * 45 + [0.0] * 40}}
@@ -220,8 +256,20 @@ def test_runner_lm_batched_and_shared_context_scores_match_single_sequences(base
     from qgate.engines.runners import load_runner
 
     runner = load_runner(base_art)
-    shared = tiny.check_lm_scores(runner)
-    assert shared == 5   # the choices of both multiple-choice contexts went through the shared-context path
+    shared, prefix = tiny.check_lm_scores(runner)
+    assert shared == 9   # the choices of all four multiple-choice contexts went through the shared-context path
+    assert prefix >= 8   # and the instructions two of them share were computed once
+
+
+def test_prefix_runs_group_contexts_by_what_they_share():
+    from qgate.gates.lm import prefix_runs
+
+    a, b, c = (1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 9), (1, 2, 3, 4)
+    runs = prefix_runs([a, (7, 8), b, c, (7, 9, 9)], 3)
+    assert sorted(runs) == [(0, [(7, 8), (7, 9, 9)]), (3, sorted([a, b, c]))]
+    assert prefix_runs([a, b], 5) == [(0, [a, b])]            # sharing 4 tokens is below the minimum
+    assert prefix_runs([a, a[:5]], 2) == [(4, [a[:5], a])]      # each member keeps a token after the prefix
+    assert prefix_runs([], 2) == []
 
 
 def test_encode_with_sources_marks_traffic_tokens_not_template(base_art):

@@ -83,7 +83,10 @@ LM_REQUESTS = (("Question: why the cat\nAnswer:", " traffic"), ("the", " model w
                # two multiple-choice questions: choices of different lengths share their context's KV cache
                ("Q: which is served?\nA:", " the model"), ("Q: which is served?\nA:", " weights"),
                ("Q: which is served?\nA:", " low latency token traffic"),
-               ("Choose one: cat or dog?", " cat"), ("Choose one: cat or dog?", " dog please"))
+               ("Choose one: cat or dog?", " cat"), ("Choose one: cat or dog?", " dog please"),
+               # two questions after the same instructions: the instructions are computed once for both
+               *((f"Decide whether the statement is plausible or implausible, then answer.\nStatement: {s}\nAnswer:", c)
+                 for s in ("the cat served the model", "weights quantize") for c in (" plausible", " implausible")))
 
 
 def log_softmax64(x):
@@ -95,9 +98,9 @@ def log_softmax64(x):
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
-def check_lm_scores(runner) -> int:
-    """RunnerLM's batched and shared-context log-likelihoods equal one-sequence-at-a-time scoring on `runner`.
-    Returns how many requests took the shared-context path."""
+def check_lm_scores(runner) -> tuple[int, int]:
+    """RunnerLM's batched, shared-context and shared-prefix log-likelihoods equal one-sequence-at-a-time scoring on
+    `runner`. Returns how many requests took the shared-context path, and the longest prefix computed once."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -106,9 +109,10 @@ def check_lm_scores(runner) -> int:
     from qgate.gates.lm import RunnerLM
 
     lm = RunnerLM(runner)
-    calls = []
+    calls, prefixes = [], [0]
     inner = runner.continuation_logits
-    runner.continuation_logits = lambda groups: calls.append(sum(len(k) for _, k in groups)) or inner(groups)
+    runner.continuation_logits = lambda groups, prefix=(): (calls.append(sum(len(k) for _, k in groups)),
+                                                             prefixes.append(len(prefix)))[0] or inner(groups, prefix)
     try:
         got = lm.loglikelihood([SimpleNamespace(args=r) for r in LM_REQUESTS], disable_tqdm=True)
     finally:
@@ -121,4 +125,4 @@ def check_lm_scores(runner) -> int:
         expect = logp[rows, ids[len(ids) - n:]]
         assert ll == pytest.approx(float(expect.sum()), abs=1e-3)
         assert greedy == bool((logp[rows].argmax(-1) == ids[len(ids) - n:]).all())
-    return sum(calls)
+    return sum(calls), max(prefixes)

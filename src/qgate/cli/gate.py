@@ -85,6 +85,8 @@ def print_verdict(art, o: Output | None = None) -> dict:
             o.say("      " + describe(d))
         for d in r["evidence"].get("accepted", []):
             o.say("      accepted (gates.contract.allow): " + describe(d))
+        if r["evidence"].get("caveat"):
+            o.say("      caveat: " + r["evidence"]["caveat"])
     verdict = report["verdict"].upper()
     if report["verdict"] == "inconclusive" and report["passed"]:
         typer.echo(f"warning: inconclusive checks passed under on_inconclusive: warn: {', '.join(art.meta['inconclusive'])}",

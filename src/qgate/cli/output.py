@@ -39,6 +39,7 @@ class Check(BaseModel):
     mde: float | None = Field(description="minimum detectable effect at this n")
     n_to_decide: int | None = Field(description="inconclusive checks: roughly how many items would decide it")
     decided_on: str
+    caveat: str | None = Field(default=None, description="what weakens this check's evidence, e.g. a label-biased task")
 
 
 class GateDoc(_Doc):
@@ -178,4 +179,4 @@ def write_junit(path: Path, suites: dict[str, list[dict]], on_inconclusive: str 
 
 
 def checks(results: list[dict]) -> list[Check]:
-    return [Check.model_validate(r) for r in results]
+    return [Check.model_validate(r | {"caveat": r.get("evidence", {}).get("caveat")}) for r in results]

@@ -102,6 +102,8 @@ def _print_table(spec, o: Output) -> None:
                 ci = f" [{c['ci'][0]:.3f}, {c['ci'][1]:.3f}]" if c["ci"] else ""
                 mde = f"  mde {c['mde']:.3f}" if c["mde"] is not None else ""
                 typer_echo(f"{'':22s} {c['verdict'].upper():12s} {c['metric']} {c['observed']:.3f}{ci}  n={c['n']}{mde}")
+                if c.get("caveat"):
+                    typer_echo(f"{'':35s} caveat: {c['caveat']}")
     if any(v["verdict"] == "inconclusive" and v["passed"] for v in summary["variants"]):
         typer_echo("* inconclusive, passed under gates.on_inconclusive: warn")
     secs = summary.get("stage_seconds") or {}

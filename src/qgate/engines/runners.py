@@ -123,23 +123,32 @@ class TorchRunner:
             out = self.model(x, attention_mask=mask, position_ids=pos, logits_to_keep=k).logits.float().numpy()  # [B, k, V]
         return [out[i, max(k - len(s), 0):] for i, s in enumerate(seqs)]
 
-    def continuation_logits(self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]) -> list[list[np.ndarray]]:
-        """For each (context, continuations): per continuation, the logits [len(cont), V] that predict its tokens.
+    def continuation_logits(self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
+                            prefix: Sequence[int] = ()) -> list[list[np.ndarray]]:
+        """For each (context, continuations): per continuation, the logits [len(cont), V] that predict its tokens,
+        where every context follows `prefix`.
 
-        The context runs once (left-padded batch, KV cache kept) and every continuation reuses its cache: a
-        multiple-choice question costs one context pass, not one per choice. Contexts must be non-empty.
+        The prefix runs once, the contexts once each (left-padded batch after the prefix's KV cache), and every
+        continuation reuses its context's cache: a multiple-choice question costs one context pass, not one per
+        choice, and a task's shared instructions one pass per batch. Contexts must be non-empty.
         """
         import torch
 
         pad = self.tokenizer.pad_token_id or 0
+        p = len(prefix)
         cw = max(len(c) for c, _ in groups)
         x = torch.tensor([[pad] * (cw - len(c)) + list(c) for c, _ in groups], dtype=torch.long)
-        cmask = torch.tensor([[0] * (cw - len(c)) + [1] * len(c) for c, _ in groups], dtype=torch.long)
+        smask = torch.tensor([[0] * (cw - len(c)) + [1] * len(c) for c, _ in groups], dtype=torch.long)
+        cmask = torch.cat([torch.ones(len(groups), p, dtype=torch.long), smask], -1)   # padding sits between prefix and context
         rows = [(g, list(k)) for g, (_, conts) in enumerate(groups) for k in conts]
         kw = max(len(k) for _, k in rows)
         with torch.inference_mode():
-            out = self.model(x, attention_mask=cmask, position_ids=(cmask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
-                             logits_to_keep=1)
+            cache = None
+            if p:
+                cache = self.model(torch.tensor([list(prefix)], dtype=torch.long), use_cache=True, logits_to_keep=1).past_key_values
+                cache.reorder_cache(torch.zeros(len(groups), dtype=torch.long))   # [1, ...] -> [G, ...]
+            out = self.model(x, attention_mask=cmask, position_ids=p + (smask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+                             past_key_values=cache, logits_to_keep=1)
             first = out.logits[:, -1].float().numpy()                         # [G, V]: predicts each continuation's first token
             rest = None
             if kw > 1:   # continuations right-padded; causal attention keeps the padding out of the rows we read
@@ -148,7 +157,7 @@ class TorchRunner:
                 cache.reorder_cache(idx)                                      # [G, ...] -> [R, ...], one row per continuation
                 y = torch.tensor([k + [pad] * (kw - len(k)) for _, k in rows], dtype=torch.long)
                 kmask = torch.tensor([[1] * len(k) + [0] * (kw - len(k)) for _, k in rows], dtype=torch.long)
-                pos = cmask.sum(-1)[idx, None] + torch.arange(kw)[None]       # [R, kw]
+                pos = p + smask.sum(-1)[idx, None] + torch.arange(kw)[None]   # [R, kw]
                 rest = self.model(y, attention_mask=torch.cat([cmask[idx], kmask], -1), position_ids=pos,
                                   past_key_values=cache, logits_to_keep=kw).logits.float().numpy()   # [R, kw, V]
         res: list[list[np.ndarray]] = [[] for _ in groups]
@@ -291,11 +300,14 @@ class OrtRunner:
     def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list[np.ndarray]:
         return [self.logits(s)[-(keep_last or len(s)):] for s in seqs]
 
-    def continuation_logits(self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]) -> list[list[np.ndarray]]:
-        """As TorchRunner.continuation_logits: each context runs once, each continuation after its KV cache."""
+    def continuation_logits(self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
+                            prefix: Sequence[int] = ()) -> list[list[np.ndarray]]:
+        """As TorchRunner.continuation_logits: the prefix runs once, each context after the prefix's KV cache, each
+        continuation after its context's."""
+        head = self._run(prefix, None, True)[1] if prefix else None
         res = []
         for ctx, conts in groups:
-            first, cache = self._run(ctx, None, True)
+            first, cache = self._run(ctx, head, True)
             res.append([first[-1:] if len(k) == 1 else np.concatenate([first[-1:], self._run(k[:-1], cache, False)[0]])
                         for k in conts])
         return res

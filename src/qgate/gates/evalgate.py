@@ -9,6 +9,9 @@ significant loss fails the task whatever the recovery. With `pool: true` the ite
 every multiple-choice task are pooled into one gated check (`mc_pooled.recovery`), so
 its power comes from all of them; the per-task rows are then reported, not gated. Perplexity tasks: relative
 increase in bits per byte, with a paired bootstrap interval over documents.
+Label bias: a task whose baseline picks one answer position on LABEL_BIAS of its items or more is flagged
+(`evidence.caveat`), and the pooled check also states its recovery and mde over the items of the other tasks: items
+a model answers by position add n without adding power against a loss of knowledge.
 Task YAMLs are lm-eval configs shipped under gates/tasks/; no `!function` code runs.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from qgate.gates.stats import mcnemar_exact, paired_bootstrap, paired_mean_ci
 from qgate.naming import Registry
 
 TASK_DIR = Path(__file__).parent / "tasks"
+LABEL_BIAS = 0.9   # a task whose baseline picks one answer position this often is answered by bias, not by item
 TASKS: Registry[Path] = Registry("eval task")
 for _f in sorted(TASK_DIR.glob("*.yaml")):
     TASKS.register(_f.stem, _f)
@@ -44,7 +48,7 @@ class EvalConfig:
     alpha: float = 0.05                  # McNemar: a significant loss fails the task
     max_bpb_increase: float | None = 0.05   # perplexity tasks: relative increase, on the CI upper bound
     pool: bool = False                   # one gated check over all multiple-choice items; per-task rows report-only
-    VERSION = 2
+    VERSION = 3                          # 3: chosen answer per item, label-bias diagnostic
 
     def __post_init__(self):
         for t in self.tasks:
@@ -76,13 +80,15 @@ def run_tasks(runner, cfg: EvalConfig) -> dict:
 
     from qgate.gates.lm import RunnerLM
 
-    task_dict = get_task_dict([task_config(t) for t in cfg.tasks], TaskManager())
+    task_dict = get_task_dict([task_config(t) for t in cfg.tasks], TaskManager(include_defaults=False))
     res = evaluator.evaluate(lm=RunnerLM(runner), task_dict=task_dict, limit=cfg.limit, log_samples=True, verbosity="ERROR")
     out = {}
     for name in cfg.tasks:
         samples = sorted(res["samples"][name], key=lambda s: s["doc_id"])
-        if "acc" in samples[0]:
-            out[name] = {"kind": "mc", "per_item": [float(s["acc"]) for s in samples]}
+        if "acc" in samples[0]:   # filtered_resps: one (log-likelihood, is greedy) per choice; acc takes the argmax
+            out[name] = {"kind": "mc", "per_item": [float(s["acc"]) for s in samples],
+                         "chosen": [int(np.argmax([float(r[0]) for r in s["filtered_resps"]])) for s in samples],
+                         "gold": [int(s["target"]) for s in samples]}
         else:  # bits_per_byte samples are (loglikelihood, bytes)
             out[name] = {"kind": "ppl", "ll": [float(s["bits_per_byte"][0]) for s in samples],
                          "bytes": [int(s["bits_per_byte"][1]) for s in samples]}
@@ -91,6 +97,24 @@ def run_tasks(runner, cfg: EvalConfig) -> dict:
 
 def _bpb(ll: np.ndarray, nbytes: np.ndarray) -> float:
     return float(-ll.sum() / nbytes.sum() / np.log(2))
+
+
+def label_bias(scores: dict) -> dict | None:
+    """How far the model answers a multiple-choice task by answer position rather than by item: the share of items on
+    which it picks its most-chosen choice index, beside the share of items whose gold answer is that index. At
+    LABEL_BIAS or more, the task's items barely depend on the model's knowledge, so losing it cannot show there.
+    None for scores cached before the chosen index was kept."""
+    if "chosen" not in scores or not scores["chosen"]:
+        return None
+    chosen, gold = np.asarray(scores["chosen"]), np.asarray(scores["gold"])
+    index = int(np.bincount(chosen).argmax())
+    share = float((chosen == index).mean())
+    return {"index": index, "share": share, "gold_share": float((gold == index).mean()), "flagged": share >= LABEL_BIAS}
+
+
+def _bias_caveat(b: dict) -> str:
+    return (f"label bias: the baseline picks choice {b['index']} on {b['share']:.0%} of items (the gold answer is choice "
+            f"{b['index']} on {b['gold_share']:.0%}), so these items carry little evidence of a loss")
 
 
 def _mc_check(name: str, bc: np.ndarray, cc: np.ndarray, min_recovery: float | None, alpha: float,
@@ -108,15 +132,18 @@ def _mc_check(name: str, bc: np.ndarray, cc: np.ndarray, min_recovery: float | N
 
 
 def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
-    results, pooled_b, pooled_c, pooled_tasks = [], [], [], []
+    results, pooled_b, pooled_c, pooled_tasks, biased = [], [], [], [], []
     for name in cfg.tasks:
         b, c = base[name], cand[name]
         if b["kind"] == "mc":
             bc, cc = np.array(b["per_item"]) > 0.5, np.array(c["per_item"]) > 0.5
-            results.append(_mc_check(name, bc, cc, None if cfg.pool else cfg.min_recovery, cfg.alpha))
+            bias = label_bias(b)
+            ev = {} if bias is None else {"label_bias": bias} | ({"caveat": _bias_caveat(bias)} if bias["flagged"] else {})
+            results.append(_mc_check(name, bc, cc, None if cfg.pool else cfg.min_recovery, cfg.alpha, ev))
             pooled_b.append(bc)
             pooled_c.append(cc)
             pooled_tasks.append(name)
+            biased.append(bool(bias and bias["flagged"]))
         else:
             bll, cll, nb = np.array(b["ll"]), np.array(c["ll"]), np.array(b["bytes"])
             base_bpb, cand_bpb = _bpb(bll, nb), _bpb(cll, nb)
@@ -125,6 +152,22 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
             results.append(GateResult.check("eval", f"{name}.bpb_increase", cand_bpb / base_bpb - 1, cfg.max_bpb_increase,
                                             False, len(nb), ci, None, ev))
     if cfg.pool and pooled_b:
+        ev: dict = {"tasks": pooled_tasks}
+        if any(biased):
+            keep = [i for i, f in enumerate(biased) if not f]
+            n_biased = sum(len(pooled_b[i]) for i, f in enumerate(biased) if f)
+            names = ", ".join(t for t, f in zip(pooled_tasks, biased, strict=True) if f)
+            ev["label_biased_tasks"] = [t for t, f in zip(pooled_tasks, biased, strict=True) if f]
+            if keep:
+                rest = _mc_check("informative", np.concatenate([pooled_b[i] for i in keep]),
+                                 np.concatenate([pooled_c[i] for i in keep]), cfg.min_recovery, cfg.alpha)
+                ev["informative"] = {"n": rest.n, "observed": rest.observed, "ci": list(rest.ci) if rest.ci else None,
+                                     "mde": rest.mde}
+                tail = (f"over the other {rest.n} items the recovery is {rest.observed:.3f}, mde "
+                        + (f"{rest.mde:.3f}" if rest.mde is not None else "unknown"))
+            else:
+                tail = "no pooled task is free of it, so this check's power against a real loss is unknown"
+            ev["caveat"] = f"{n_biased} items come from tasks the baseline answers by label bias ({names}); {tail}"
         results.insert(0, _mc_check("mc_pooled", np.concatenate(pooled_b), np.concatenate(pooled_c), cfg.min_recovery,
-                                    cfg.alpha, {"tasks": pooled_tasks}))
+                                    cfg.alpha, ev))
     return results

@@ -11,8 +11,36 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from qgate.progress import progress
 
 
+def prefix_runs(contexts: list[tuple[int, ...]], min_prefix: int) -> list[tuple[int, list[tuple[int, ...]]]]:
+    """Contexts grouped into runs that share their first p >= min_prefix tokens (lexicographic order puts them side
+    by side; a run's prefix shrinks to what all its members share), as (p, contexts). Every member keeps at least one
+    token after the prefix. Contexts that share nothing long enough form one run with p = 0."""
+    runs: list[tuple[int, list[tuple[int, ...]]]] = []
+    alone: list[tuple[int, ...]] = []
+    for c in sorted(contexts):
+        if runs:
+            p, members = runs[-1]
+            head = members[0]
+            lcp = 0
+            limit = min(p, len(c) - 1)
+            while lcp < limit and head[lcp] == c[lcp]:
+                lcp += 1
+            if lcp >= min_prefix:
+                members.append(c)
+                runs[-1] = (lcp, members)
+                continue
+            if len(members) == 1:   # a run of one shares nothing
+                runs.pop()
+                alone.append(head)
+        runs.append((len(c) - 1, [c]))
+    if runs and len(runs[-1][1]) == 1:
+        alone.append(runs.pop()[1][0])
+    return runs + ([(0, alone)] if alone else [])
+
+
 class RunnerLM(LM):
     BATCH_TOKENS = 2048   # padded tokens per runner.logits_batch call (benchmarks/bench_eval.py: fastest of 2k-8k on 2 cores)
+    MIN_PREFIX = 8        # leading tokens a run of contexts must share to compute them once per batch
 
     def __init__(self, runner, max_length: int = 1024):
         super().__init__()
@@ -28,27 +56,30 @@ class RunnerLM(LM):
         """(context ids, continuation ids) -> (sum log p(continuation), continuation is the greedy path).
 
         Continuations that share a context (the choices of one multiple-choice question) reuse its KV cache when
-        the runner supports it; the rest are scored as whole sequences in token-budgeted batches.
+        the runner supports it, and contexts that share a leading prefix (a task's instructions, few-shot examples)
+        compute it once per batch; the rest are scored as whole sequences in token-budgeted batches.
         """
         out: list = [None] * len(pairs)
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, (c, k) in enumerate(pairs):
             groups.setdefault(tuple(c), []).append(i)
-        shared = []
+        shared: list[tuple[int, tuple[int, ...], list[int]]] = []   # (shared prefix length, context, request indices)
         if hasattr(self.runner, "continuation_logits"):
-            for c, ix in groups.items():
-                if len(ix) < 2 or len(c) < 2 or len(c) + max(len(pairs[i][1]) for i in ix) > self.max_length:
-                    continue   # nothing to share, or too long to fit: scored whole (and truncated like lm-eval does)
-                ix = sorted(ix, key=lambda i: len(pairs[i][1]))
-                sub: list[int] = []
-                for i in ix:   # a question with many long choices is split to stay within the token budget
-                    if sub and (len(sub) + 1) * len(pairs[i][1]) > self.BATCH_TOKENS:
-                        shared.append((c, sub))
-                        sub = []
-                    sub.append(i)
-                shared.append((c, sub))
+            fits = {c: ix for c, ix in groups.items()
+                    if len(ix) >= 2 and len(c) >= 2 and len(c) + max(len(pairs[i][1]) for i in ix) <= self.max_length}
+            # else nothing to share, or too long to fit: scored whole (and truncated like lm-eval does)
+            for p, contexts in prefix_runs(list(fits), self.MIN_PREFIX):
+                for c in contexts:
+                    ix = sorted(fits[c], key=lambda i: len(pairs[i][1]))
+                    sub: list[int] = []
+                    for i in ix:   # a question with many long choices is split to stay within the token budget
+                        if sub and (len(sub) + 1) * len(pairs[i][1]) > self.BATCH_TOKENS:
+                            shared.append((p, c, sub))
+                            sub = []
+                        sub.append(i)
+                    shared.append((p, c, sub))
         self._score_shared(pairs, shared, out)
-        done = {i for _, ix in shared for i in ix}
+        done = {i for _, _, ix in shared for i in ix}
         self._score_whole(pairs, [i for i in range(len(pairs)) if i not in done], out)
         return out
 
@@ -63,21 +94,26 @@ class RunnerLM(LM):
         picked = x[torch.arange(len(target)), t]
         return float((picked - torch.logsumexp(x, -1)).sum()), bool((x.argmax(-1) == t).all())
 
-    def _score_shared(self, pairs, shared: list[tuple[tuple[int, ...], list[int]]], out: list) -> None:
-        shared = sorted(shared, key=lambda g: len(g[0]))
+    def _score_shared(self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], out: list) -> None:
+        """Batches of contexts with one shared prefix each: suffixes and continuation rows within the token budget."""
+        shared = sorted(shared, key=lambda g: (g[1][:g[0]], len(g[1]) - g[0]))   # one prefix per run, suffixes by length
         start = 0
-        while start < len(shared):   # contexts and continuation rows each within the token budget
-            end, rows = start + 1, len(shared[start][1])
+        while start < len(shared):
+            p, c0, ix0 = shared[start]
+            end, rows = start + 1, len(ix0)
             while end < len(shared):
-                c, ix = shared[end]
-                kmax = max(len(pairs[i][1]) for s in shared[start:end + 1] for i in s[1])
-                if (end - start + 1) * len(c) > self.BATCH_TOKENS or (rows + len(ix)) * kmax > self.BATCH_TOKENS:
+                q, c, ix = shared[end]
+                if q != p or c[:p] != c0[:p]:
+                    break
+                kmax = max(len(pairs[i][1]) for s in shared[start:end + 1] for i in s[2])
+                if (end - start + 1) * (len(c) - p) > self.BATCH_TOKENS or (rows + len(ix)) * kmax > self.BATCH_TOKENS:
                     break
                 end, rows = end + 1, rows + len(ix)
             chunk = shared[start:end]
             start = end
-            batch = self.runner.continuation_logits([(list(c), [pairs[i][1] for i in ix]) for c, ix in chunk])
-            for (_, ix), per_cont in zip(chunk, batch, strict=True):
+            batch = self.runner.continuation_logits([(list(c[p:]), [pairs[i][1] for i in ix]) for _, c, ix in chunk],
+                                                    prefix=list(c0[:p]))
+            for (_, _, ix), per_cont in zip(chunk, batch, strict=True):
                 for i, logits in zip(ix, per_cont, strict=True):
                     out[i] = self._finish(logits, pairs[i][1])
 

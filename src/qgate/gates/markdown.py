@@ -52,6 +52,10 @@ def version_description(report: dict, meta: dict, report_uri: str) -> str:
     if scored:
         parts += [f"Shadow gate: {scored.get('prompts')} held-out traffic prompts, {scored.get('gated_positions')} gated "
                   f"{scored.get('positions')} positions (chat-template tokens excluded).", ""]
+    caveats = [f"- `{r['gate']}.{r['metric']}`: {r['evidence']['caveat']}" for r in report["results"]
+               if r["threshold"] is not None and r["evidence"].get("caveat")]
+    if caveats:
+        parts += ["**Caveats**", "", *caveats, ""]
     if info:
         parts += ["Reported, not gated: " + "; ".join(f"`{r['gate']}.{r['metric']}` {_num(r['observed'])}" for r in info), ""]
     parts += ["**Lineage**", "", "| | |", "|---|---|"] + [f"| {k} | `{v}` |" for k, v in lineage]

@@ -87,6 +87,7 @@ def _row(r: dict) -> str:
     verdict = r["verdict"]
     note = f"~{r['n_to_decide']} items would decide it" if r.get("n_to_decide") else r["evidence"].get("error", "")
     note = note or r["evidence"].get("unbounded_because", "")
+    note = "; ".join(x for x in (note, r["evidence"].get("caveat", "")) if x)
     cells = (verdict.upper(), r["gate"], html.escape(r["metric"]), num(r["observed"]), ci, thr, r["decided_on"], r["n"],
              num(r.get("mde")) if r["threshold"] is not None else "", num(r["p_value"]), html.escape(note))
     return f"<tr class={verdict}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"

@@ -51,7 +51,7 @@ class GateConfig:
     perf: PerfConfig = field(default_factory=PerfConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
     on_inconclusive: str = "block"     # "block": an inconclusive check blocks promotion; "warn": it passes with a warning
-    VERSION = 3                        # 3: contract, parity and noise floor in the report
+    VERSION = 4                        # 3: contract, parity and noise floor in the report; 4: label-bias caveats
 
     def __post_init__(self):
         if self.on_inconclusive not in ("block", "warn"):
@@ -65,7 +65,7 @@ def _describe(art: Artifact, name: str | None = None) -> dict:
 
 
 def _cached_eval(runner_factory, baseline: Artifact, cfg: EvalConfig, cache_dir: Path) -> tuple[dict, bool]:
-    key = sha256_json({"baseline": baseline.sha256, "tasks": cfg.tasks, "limit": cfg.limit, "data": sha256_tree(TASK_DIR), "v": 2})   # 2: shared-context scoring
+    key = sha256_json({"baseline": baseline.sha256, "tasks": cfg.tasks, "limit": cfg.limit, "data": sha256_tree(TASK_DIR), "v": 3})   # 3: chosen answers, shared prefixes
     path = cache_dir / f"eval-baseline-{key[:24]}.json"
     if (data := read_cached(path)) is not None:
         return json.loads(data), True

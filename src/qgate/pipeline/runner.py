@@ -344,7 +344,7 @@ def _variant_summary(o: dict) -> dict:
     meta = o["report"].meta
     report = json.loads((o["report"].path / "report.json").read_text())
     checks = [{k: r[k] for k in ("gate", "metric", "verdict", "observed", "ci", "n", "mde", "n_to_decide")}
-              for r in report["results"] if r["threshold"] is not None]
+              | {"caveat": r["evidence"].get("caveat")} for r in report["results"] if r["threshold"] is not None]
     return {"variant": o["variant"], "version": o.get("version"), "passed": meta["passed"], "verdict": meta["verdict"],
             "failed_checks": meta.get("failed", []), "inconclusive_checks": meta.get("inconclusive", []), "checks": checks,
             "report": str(o["report"].path / "report.html"),
