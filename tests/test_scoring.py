@@ -37,8 +37,8 @@ def test_float32_reductions_match_a_float64_oracle_at_large_logit_magnitudes():
     assert kl.max() < 1e-6 and (tail >= 0).all()
 
 
-@pytest.mark.parametrize("max_new", [1, 12])
-def test_greedy_scored_matches_generate_and_teacher_forcing(base_art, calib_arts, max_new):
+@pytest.mark.parametrize("max_new,early_stops", [(1, False), (12, False), (12, True)])
+def test_greedy_scored_matches_generate_and_teacher_forcing(base_art, calib_arts, max_new, early_stops):
     import json
 
     from qgate.chat import encode_messages
@@ -48,7 +48,14 @@ def test_greedy_scored_matches_generate_and_teacher_forcing(base_art, calib_arts
     rows = [json.loads(x) for x in (calib_arts["shadow"].path / "data.jsonl").read_text().splitlines()][:9]
     prompts = [encode_messages(runner.tokenizer, r["messages"], 64) for r in rows]
     assert len({len(p) for p in prompts}) > 2                      # different lengths: real left padding
-    out = runner.greedy_scored(prompts, max_new, lambda x: top_k_logprobs(x, 16), prefill_tokens=96)  # several prefills
+    reduce = lambda x: top_k_logprobs(x, 16)   # noqa: E731
+    if early_stops:   # stop tokens that end some answers early and at different steps: finished rows leave the batch
+        first = runner.greedy_batch(prompts, max_new)
+        runner.model.generation_config.eos_token_id = [first[i][3 * i + 3] for i in range(3)]   # 3 of 9 stop by step 9
+    out = runner.greedy_scored(prompts, max_new, reduce, prefill_tokens=96)  # several prefills
+    if early_stops:
+        lens = sorted(len(a) for a, _ in out)
+        assert lens[0] <= 4 and sum(n < max_new for n in lens) >= 3 and lens[-1] == max_new, lens
     for p, (answer, (ids, lp)) in zip(prompts, out, strict=True):
         assert answer == runner.greedy(p, max_new)                 # generate(), one prompt at a time
         assert 1 <= len(answer) <= max_new

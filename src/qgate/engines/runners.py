@@ -29,6 +29,7 @@ def dequantize_kwargs(path: Path) -> dict:
 
 
 ATTENTION = "qgate_sdpa_gqa"
+COMPACT_BELOW = 0.75   # greedy_scored: drop finished answers from the decode batch once fewer than this share still run
 
 
 def _gqa_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -79,6 +80,10 @@ def _reserved_cache(cache, capacity: int):
             self.n = m
             self.keys, self.values = self.kbuf[:, :, :m], self.vbuf[:, :, :m]
             return self.keys, self.values
+
+        def batch_select_indices(self, indices):
+            self.kbuf, self.vbuf = self.kbuf[indices], self.vbuf[indices]
+            self.keys, self.values = self.kbuf[:, :, :self.n], self.vbuf[:, :, :self.n]
 
     cache.layers = [ReservedLayer(layer.keys, layer.values) for layer in cache.layers]
     return cache
@@ -238,21 +243,29 @@ class TorchRunner:
                 ddp_cache_data=[(torch.cat([k[li] for k in keys]), torch.cat([v[li] for v in values])) for li in range(len(keys[0]))],
                 config=self.model.config), width + max_new_tokens)
             del keys, values
-            live = np.ones(rows, bool)
+            live = np.ones(rows, bool)      # per prompt
+            active = np.arange(rows)        # the prompts still in the decode batch, in batch order
             for step in range(max_new_tokens):
-                for i in np.nonzero(live)[0]:
-                    answers[i].append(int(nxt[i]))
-                    live[i] = answers[i][-1] not in stops
+                for j, i in enumerate(active):
+                    if live[i]:
+                        answers[i].append(int(nxt[j]))
+                        live[i] = answers[i][-1] not in stops
                 if step == max_new_tokens - 1 or not live.any():
                     break
-                mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.long)], -1)
+                on = live[active]
+                if on.mean() < COMPACT_BELOW:   # finished answers leave the batch: a decode step costs its rows
+                    sel = torch.from_numpy(np.nonzero(on)[0])
+                    for layer in cache.layers:
+                        layer.batch_select_indices(sel)
+                    mask, pos, nxt, active, on = mask[sel], pos[sel], nxt[sel], active[on], on[on]
+                mask = torch.cat([mask, torch.ones(len(active), 1, dtype=torch.long)], -1)
                 pos = pos + 1
-                feed = torch.where(torch.from_numpy(live), nxt, torch.full_like(nxt, pad))[:, None]
+                feed = torch.where(torch.from_numpy(on), nxt, torch.full_like(nxt, pad))[:, None]
                 logits = self.model(feed, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1].float()
-                keep = np.nonzero(live)[0]
+                keep = np.nonzero(on)[0]
                 reduced = reduce(logits[torch.from_numpy(keep)])
-                for j, i in enumerate(keep):
-                    parts[i].append(tuple(a[j:j + 1] for a in reduced))
+                for j, r in enumerate(keep):
+                    parts[active[r]].append(tuple(a[j:j + 1] for a in reduced))
                 nxt = logits.argmax(-1)
         return [(a, tuple(np.concatenate(cols) for cols in zip(*ps, strict=True))) for a, ps in zip(answers, parts, strict=True)]
 
