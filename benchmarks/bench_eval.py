@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 PPL_BEFORE = 120   # perplexity documents in the earlier set (the first 120 of today's file)
-BEFORE = {"bigbench_general_knowledge": None, "bigbench_social_iqa": None, "bigbench_misconceptions": 150}  # items
+BEFORE = {"bigbench_general_knowledge": None, "bigbench_social_iqa": 150, "bigbench_misconceptions": 150}  # items
 
 
 def requests_for(tasks: dict[str, int | None]) -> tuple[list, int]:

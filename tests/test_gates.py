@@ -270,6 +270,8 @@ def test_prefix_runs_group_contexts_by_what_they_share():
     assert prefix_runs([a, b], 5) == [(0, [a, b])]            # sharing 4 tokens is below the minimum
     assert prefix_runs([a, a[:5]], 2) == [(4, [a[:5], a])]      # each member keeps a token after the prefix
     assert prefix_runs([], 2) == []
+    assert prefix_runs([a, b, c, (7, 8)], 3, min_saved=7) == [(0, sorted([a, b, c, (7, 8)]))]   # saves 2 x 3 < 7 tokens
+    assert prefix_runs([a, b, c], 3, min_saved=6)[0] == (3, sorted([a, b, c]))
 
 
 def test_encode_with_sources_marks_traffic_tokens_not_template(base_art):

@@ -109,6 +109,7 @@ def check_lm_scores(runner) -> tuple[int, int]:
     from qgate.gates.lm import RunnerLM
 
     lm = RunnerLM(runner)
+    lm.MIN_SAVED = 0   # the two instructed questions share a prefix however few tokens that saves
     calls, prefixes = [], [0]
     inner = runner.continuation_logits
     runner.continuation_logits = lambda groups, prefix=(): (calls.append(sum(len(k) for _, k in groups)),

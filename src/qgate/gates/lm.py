@@ -11,10 +11,11 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from qgate.progress import progress
 
 
-def prefix_runs(contexts: list[tuple[int, ...]], min_prefix: int) -> list[tuple[int, list[tuple[int, ...]]]]:
+def prefix_runs(contexts: list[tuple[int, ...]], min_prefix: int, min_saved: int = 0) -> list[tuple[int, list[tuple[int, ...]]]]:
     """Contexts grouped into runs that share their first p >= min_prefix tokens (lexicographic order puts them side
     by side; a run's prefix shrinks to what all its members share), as (p, contexts). Every member keeps at least one
-    token after the prefix. Contexts that share nothing long enough form one run with p = 0."""
+    token after the prefix. Contexts that share nothing long enough, or whose run would save fewer than min_saved
+    tokens ((members - 1) x p: a small run costs batches of its own), form one run with p = 0."""
     runs: list[tuple[int, list[tuple[int, ...]]]] = []
     alone: list[tuple[int, ...]] = []
     for c in sorted(contexts):
@@ -35,12 +36,15 @@ def prefix_runs(contexts: list[tuple[int, ...]], min_prefix: int) -> list[tuple[
         runs.append((len(c) - 1, [c]))
     if runs and len(runs[-1][1]) == 1:
         alone.append(runs.pop()[1][0])
-    return runs + ([(0, alone)] if alone else [])
+    kept = [(p, m) for p, m in runs if (len(m) - 1) * p >= min_saved]
+    alone += [c for p, m in runs if (len(m) - 1) * p < min_saved for c in m]
+    return kept + ([(0, sorted(alone))] if alone else [])
 
 
 class RunnerLM(LM):
     BATCH_TOKENS = 2048   # padded tokens per runner.logits_batch call (benchmarks/bench_eval.py: fastest of 2k-8k on 2 cores)
     MIN_PREFIX = 8        # leading tokens a run of contexts must share to compute them once per batch
+    MIN_SAVED = 512       # and the tokens that saves: smaller runs would cost more in small batches than they save
 
     def __init__(self, runner, max_length: int = 1024):
         super().__init__()
@@ -68,7 +72,7 @@ class RunnerLM(LM):
             fits = {c: ix for c, ix in groups.items()
                     if len(ix) >= 2 and len(c) >= 2 and len(c) + max(len(pairs[i][1]) for i in ix) <= self.max_length}
             # else nothing to share, or too long to fit: scored whole (and truncated like lm-eval does)
-            for p, contexts in prefix_runs(list(fits), self.MIN_PREFIX):
+            for p, contexts in prefix_runs(list(fits), self.MIN_PREFIX, self.MIN_SAVED):
                 for c in contexts:
                     ix = sorted(fits[c], key=lambda i: len(pairs[i][1]))
                     sub: list[int] = []
