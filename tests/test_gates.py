@@ -234,6 +234,15 @@ def test_label_biased_tasks_are_flagged_and_the_pooled_check_states_its_power_wi
     # a task with no chosen answers recorded (an older cache) is neither flagged nor counted against the pool
     old = {t: {"kind": "mc", "per_item": base[t]["per_item"]} for t in base}
     assert "caveat" not in eval_gate(old, cand, _eval_cfg(("bias", "know"), pool=True))[0].evidence
+    # every reader gets the caveat: the registry description / CI job summary, and the --json check
+    from qgate.cli.output import checks
+    from qgate.gates.markdown import version_description
+
+    report = {"candidate": {"name": "c"}, "verdict": pooled.verdict, "inputs": {}, "results": [r.to_dict() for r in (pooled, bias, know)]}
+    md = version_description(report, {}, "runs:/x")
+    assert "**Caveats**" in md and "`eval.mc_pooled.recovery`: 400 items come from" in md
+    assert "bias.recovery" not in md.split("**Caveats**")[1].split("**Lineage**")[0]   # report-only rows: in the full report
+    assert checks(report["results"])[0].caveat == pooled.evidence["caveat"] and checks(report["results"])[2].caveat is None
 
 
 def test_eval_gate_fails_significant_regression_even_with_lenient_recovery():
