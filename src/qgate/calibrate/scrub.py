@@ -205,20 +205,19 @@ RULES = (  # order matters: secrets and emails before digit patterns eat their p
 TYPES = tuple(dict.fromkeys(rule[0] for rule in RULES))
 
 
+def _may_match(needs, text: str, has_digit: bool) -> bool:
+    """Whether `text` holds what a rule's pattern needs (RULES' last column) to match at all."""
+    if needs is DIGIT:
+        return has_digit
+    return needs(text) if callable(needs) else needs in text
+
+
 def scrub(text: str, prefilter: bool = True) -> tuple[str, Counter]:
     """`prefilter=False` runs every rule on every text: the same result, slower (the tests hold the two equal)."""
     counts: Counter = Counter()
     has_digit = _ANY_DIGIT.search(text) is not None   # two thirds of real prompts have none: seven rules skipped
     for name, pattern, repl, needs in RULES:
-        if not prefilter:
-            pass
-        elif needs is DIGIT:
-            if not has_digit:
-                continue
-        elif callable(needs):
-            if not needs(text):
-                continue
-        elif needs not in text:
+        if prefilter and not _may_match(needs, text, has_digit):
             continue
         if pattern is None:
             text, hits = repl(text)

@@ -157,7 +157,6 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
         if any(biased):
             keep = [i for i, f in enumerate(biased) if not f]
             n_biased = sum(len(pooled_b[i]) for i, f in enumerate(biased) if f)
-            names = ", ".join(t for t, f in zip(pooled_tasks, biased, strict=True) if f)
             ev["label_biased_tasks"] = [t for t, f in zip(pooled_tasks, biased, strict=True) if f]
             if keep:
                 rest = _mc_check("informative", np.concatenate([pooled_b[i] for i in keep]),
@@ -168,7 +167,8 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
                         + (f"{rest.mde:.3f}" if rest.mde is not None else "unknown"))
             else:
                 tail = "no pooled task is free of it, so this check's power against a real loss is unknown"
-            ev["caveat"] = f"{n_biased} items come from tasks the baseline answers by label bias ({names}); {tail}"
+            ev["caveat"] = (f"{n_biased} items come from tasks the baseline answers by label bias "
+                            f"({', '.join(ev['label_biased_tasks'])}); {tail}")
         results.insert(0, _mc_check("mc_pooled", np.concatenate(pooled_b), np.concatenate(pooled_c), cfg.min_recovery,
                                     cfg.alpha, ev))
     return results

@@ -17,7 +17,6 @@ def prefix_runs(contexts: list[tuple[int, ...]], min_prefix: int, min_saved: int
     token after the prefix. Contexts that share nothing long enough, or whose run would save fewer than min_saved
     tokens ((members - 1) x p: a small run costs batches of its own), form one run with p = 0."""
     runs: list[tuple[int, list[tuple[int, ...]]]] = []
-    alone: list[tuple[int, ...]] = []
     for c in sorted(contexts):
         if runs:
             p, members = runs[-1]
@@ -30,15 +29,10 @@ def prefix_runs(contexts: list[tuple[int, ...]], min_prefix: int, min_saved: int
                 members.append(c)
                 runs[-1] = (lcp, members)
                 continue
-            if len(members) == 1:   # a run of one shares nothing
-                runs.pop()
-                alone.append(head)
         runs.append((len(c) - 1, [c]))
-    if runs and len(runs[-1][1]) == 1:
-        alone.append(runs.pop()[1][0])
-    kept = [(p, m) for p, m in runs if (len(m) - 1) * p >= min_saved]
-    alone += [c for p, m in runs if (len(m) - 1) * p < min_saved for c in m]
-    return kept + ([(0, sorted(alone))] if alone else [])
+    worth = [len(m) > 1 and (len(m) - 1) * p >= min_saved for p, m in runs]   # a run of one shares nothing
+    alone = sorted(c for (_, m), w in zip(runs, worth, strict=True) if not w for c in m)
+    return [r for r, w in zip(runs, worth, strict=True) if w] + ([(0, alone)] if alone else [])
 
 
 class RunnerLM(LM):

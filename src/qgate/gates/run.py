@@ -65,7 +65,7 @@ def _describe(art: Artifact, name: str | None = None) -> dict:
 
 
 def _cached_eval(runner_factory, baseline: Artifact, cfg: EvalConfig, cache_dir: Path) -> tuple[dict, bool]:
-    key = sha256_json({"baseline": baseline.sha256, "tasks": cfg.tasks, "limit": cfg.limit, "data": sha256_tree(TASK_DIR), "v": 3})   # 3: chosen answers, shared prefixes
+    key = sha256_json({"baseline": baseline.sha256, "tasks": cfg.tasks, "limit": cfg.limit, "data": sha256_tree(TASK_DIR), "v": cfg.VERSION})
     path = cache_dir / f"eval-baseline-{key[:24]}.json"
     if (data := read_cached(path)) is not None:
         return json.loads(data), True
