@@ -98,7 +98,11 @@ def test_any_partitioning_merges_to_the_same_state(cuts, seed, tmp_path_factory)
     assert (a.stats, a.profiler.n, a.profiler.routes) == (b.stats, b.profiler.n, b.profiler.routes)
 
 
-def test_sampler_memory_is_bounded_by_the_sample_not_the_log(tmp_path):
+def test_sampler_memory_is_bounded_by_the_sample_not_the_log(tmp_path, monkeypatch):
+    """Memory is the sample, the sketches and one block of lines: with 64 KiB blocks both logs span many blocks."""
+    from qgate.calibrate import batches
+
+    monkeypatch.setattr(batches, "BLOCK_BYTES", 1 << 16)
     cfg = SampleConfig(calib_size=30, shadow_size=10)
 
     def peak(n):
@@ -144,7 +148,10 @@ def test_profile_states_which_counts_are_estimates(tmp_path):
     (tmp_path / "t.jsonl").write_bytes(b"\n".join(records) + b"\n")
     arts = sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=20, shadow_size=10))
     prof = json.loads((arts["profile"].path / "profile.json").read_text())
-    assert prof["requests"] == 800 and prof["version"] == 2
+    assert prof["requests"] == 800 and prof["version"] == 3
+    halves = prof["unigrams"]["split_halves"]   # by content digest: every request in one half, every word counted once
+    assert sum(h["requests"] for h in halves) == 800 and min(h["requests"] for h in halves) > 300
+    assert sum(h["total"] for h in halves) == prof["unigrams"]["total"] == sum(prof["unigrams"]["top"].values())
     assert prof["estimates"]["unigrams"] == {"exact": True, "max_count_error": 0, "method": prof["estimates"]["unigrams"]["method"]}
     assert prof["estimates"]["unique_prompts"]["value"] == arts["calib"].meta["stats"]["kept"]
     conc = prof["concurrency"]

@@ -19,24 +19,17 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
-import re
 from collections import Counter
 
 import numpy as np
 
 from qgate.calibrate.sketches import HeavyHitters
+from qgate.calibrate.words import words  # noqa: F401  (profile.words: the definition the profile counts)
 
 LENGTH_EDGES = (0, 16, 64, 256, 1024)   # words; the last bucket is open-ended
 TOP_UNIGRAMS = 2000
 TOP_TENANTS = 50
 REORDER_WINDOW = 10_000
-_WORD = re.compile(r"\w+|[^\w\s]")
-
-
-def words(text: str) -> list[str]:
-    return _WORD.findall(text.lower())
-
-
 def length_bucket(n_words: int) -> str:
     for lo, hi in zip(LENGTH_EDGES, LENGTH_EDGES[1:]):
         if n_words < hi:
@@ -142,16 +135,30 @@ class TrafficProfiler:
         self.concurrency = Concurrency()
 
     def add(self, route: str, tenant: str, tokens: list[str], ts: float | None, latency_ms: float | None) -> None:
-        self.n += 1
-        self.lengths[length_bucket(len(tokens))] += 1
-        self.routes[route] += 1
-        self.tenants.add((tenant,))
-        self.total_words += len(tokens)
+        """One request (the sampler adds whole batches: `add_batch`)."""
         half = hashlib.blake2b(" ".join(tokens).encode(), digest_size=1).digest()[0] & 1   # by content: order-independent
-        self.split[half].add(tokens)
-        self.split_n[half] += 1
-        self.split_words[half] += len(tokens)
-        self.concurrency.add(ts, latency_ms)
+        self.add_batch([route], [tenant], np.array([len(tokens)]), np.array([half]), (Counter(tokens),) * 2,
+                       np.array([np.nan if ts is None else ts]), np.array([np.nan if latency_ms is None else latency_ms]))
+
+    def add_batch(self, routes: list[str], tenants: list[str], n_words: np.ndarray, halves: np.ndarray,
+                  bags: tuple[Counter, Counter], ts: np.ndarray, latency_ms: np.ndarray) -> None:
+        """Requests in arrival order: their labels, word counts, split half (0 or 1, by content) and the words of
+        each half (bags[h]: a Counter), and their ts and latency_ms (NaN where absent)."""
+        self.n += len(routes)
+        buckets, k = np.unique(np.searchsorted(LENGTH_EDGES, n_words, side="right") - 1, return_counts=True)
+        self.lengths.update({BUCKETS[b]: int(c) for b, c in zip(buckets.tolist(), k.tolist(), strict=True)})
+        self.routes.update(routes)
+        self.tenants.add(tenants)
+        self.total_words += int(n_words.sum())
+        for h in (0, 1):
+            sel = halves == h
+            if sel.any():
+                self.split[h].add(bags[h])
+                self.split_n[h] += int(sel.sum())
+                self.split_words[h] += int(n_words[sel].sum())
+        for t, lat in zip(ts.tolist(), latency_ms.tolist(), strict=True):
+            if t == t:                        # NaN: no timestamp
+                self.concurrency.add(t, None if lat != lat else lat)
 
     def finish_partition(self) -> None:
         self.concurrency.finish()
@@ -177,7 +184,7 @@ class TrafficProfiler:
         sketches = {"tenants": self.tenants, "unigrams": unigrams, "unigrams_half_0": self.split[0],
                     "unigrams_half_1": self.split[1]}
         return {
-            "version": 2,
+            "version": 3,   # 3: a request's split half comes from its content digest (2: from its words)
             "requests": self.n,
             "length_words": {b: self.lengths.get(b, 0) for b in BUCKETS},
             "routes": dict(sorted(self.routes.items(), key=lambda kv: (-kv[1], kv[0]))),

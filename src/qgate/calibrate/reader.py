@@ -56,7 +56,7 @@ def read_traffic(source: str | Path | Partition, max_line_bytes: int = MAX_LINE_
     return _read_parquet(part) if part.name.endswith(PARQUET) else _read_jsonl(part, max_line_bytes)
 
 
-def _open_decoded(part: Partition, raw):
+def open_decoded(part: Partition, raw):
     """The file's JSONL bytes from its raw stream, decompressing `.gz` and `.zst` on the fly."""
     if part.name.endswith(".gz"):
         import gzip
@@ -69,7 +69,7 @@ def _open_decoded(part: Partition, raw):
     return contextlib.nullcontext(raw)
 
 
-def _lines(f, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+def lines_of(f, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
     """(line number, bytes) per line; bytes is None for a line longer than max_line_bytes, which is skipped in
     chunks without ever being held whole."""
     n = 0
@@ -87,31 +87,41 @@ def _lines(f, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
 
 
 def _read_jsonl(part: Partition, max_line_bytes: int) -> Iterator[Request | Reject]:
-    import orjson
-
     n = 0
     try:
-        with part.open() as raw_stream, _open_decoded(part, raw_stream) as f:
-            for n, raw in _lines(f, max_line_bytes):
-                if raw is None:
-                    yield Reject(n, f"line longer than {max_line_bytes} bytes (not read)", "")
-                    continue
-                if n == 1 and raw.startswith(_BOM):
-                    raw = raw[len(_BOM):]
-                raw = raw.strip()
-                if not raw:
-                    continue
-                try:
-                    obj = orjson.loads(raw)    # strict UTF-8, nesting limited to 1,024 levels, integers to 64 bits
-                except orjson.JSONDecodeError as e:
-                    yield Reject(n, f"invalid JSON ({e.msg} at column {e.colno})", _excerpt(raw))
-                    continue
-                yield parse_record(n, obj, raw)
+        with part.open() as raw_stream, open_decoded(part, raw_stream) as f:
+            for n, raw in lines_of(f, max_line_bytes):
+                item = parse_line(n, raw, max_line_bytes)
+                if item is not None:
+                    yield item
     except Exception as e:  # gzip/zstd raise several types for a corrupt or truncated stream
         if not part.name.endswith((".gz", ".zst")):
             raise
-        yield Reject(n + 1, f"compressed stream corrupt or truncated after line {n} ({type(e).__name__}: {e}); "
-                            "the rest of the file is unread", "")
+        yield truncated(n, e)
+
+
+def truncated(n: int, e: Exception) -> Reject:
+    """The Reject that ends a compressed stream which failed after line n."""
+    return Reject(n + 1, f"compressed stream corrupt or truncated after line {n} ({type(e).__name__}: {e}); "
+                         "the rest of the file is unread", "")
+
+
+def parse_line(n: int, raw: bytes | None, max_line_bytes: int) -> Request | Reject | None:
+    """Line n of a JSONL log (None: longer than max_line_bytes, not read) as a record; None for a blank line."""
+    import orjson
+
+    if raw is None:
+        return Reject(n, f"line longer than {max_line_bytes} bytes (not read)", "")
+    if n == 1 and raw.startswith(_BOM):
+        raw = raw[len(_BOM):]
+    raw = raw.strip()
+    if not raw:
+        return None
+    try:
+        obj = orjson.loads(raw)    # strict UTF-8, nesting limited to 1,024 levels, integers to 64 bits
+    except orjson.JSONDecodeError as e:
+        return Reject(n, f"invalid JSON ({e.msg} at column {e.colno})", _excerpt(raw))
+    return parse_record(n, obj, raw)
 
 
 def _read_parquet(part: Partition) -> Iterator[Request | Reject]:

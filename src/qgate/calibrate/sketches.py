@@ -18,7 +18,7 @@ from collections import Counter
 
 HLL_LG_K = 12            # per stratum: 4,096 registers (HLL_8: 4 KiB); relative standard error 1.04 / 64 = 1.6%
 HEAVY_LG_MAX = 14        # up to 16,384 counters (12,288 kept exactly before the first purge)
-PENDING_MAX = 1 << 12    # distinct strings counted in a plain Counter before they go to the sketch in one sorted batch
+PENDING_MAX = 1 << 12    # distinct strings counted in a plain Counter before they go to the sketch in one batch
 STD_DEVS = 2             # bounds at about 95%
 
 
@@ -34,6 +34,12 @@ class DistinctCount:
     def add(self, key: bytes) -> None:
         """key: a content digest; its first 8 bytes (collisions ~n^2 / 2^65, none at any log size) are sketched."""
         self.sketch.update(int.from_bytes(key[:8], "little", signed=True))
+
+    def add_keys(self, keys: list[int]) -> None:
+        """What `add` sketches for many digests: each one's first 8 bytes as a little-endian signed integer."""
+        update = self.sketch.update
+        for k in keys:
+            update(k)
 
     def merge(self, other: DistinctCount) -> None:
         from datasketches import hll_union, tgt_hll_type
@@ -80,7 +86,7 @@ class HeavyHitters:
             self.flush()
 
     def flush(self) -> None:
-        for item, n in sorted(self.pending.items()):   # sorted: the same updates in the same order on every machine
+        for item, n in self.pending.items():   # in first-seen order: the same updates in the same order on every machine
             self.sketch.update(item, n)
         self.pending.clear()
 

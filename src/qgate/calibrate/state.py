@@ -7,7 +7,9 @@ Per stratum (route x prompt-length bucket) the state keeps the `calib_size + sha
 smallest seeded priority (a bottom-k sample keyed by content digest: it deduplicates what it keeps), and an HLL
 distinct-count sketch of every prompt. Bottom-k of a union is the bottom-k of the parts' bottom-k's, and a digest
 seen more than once keeps its first occurrence by (file name, line), so merging partitions in any grouping gives
-exactly the sets one pass gives. Memory: strata x sample size rows, plus 4 KiB per stratum and the profile sketches.
+exactly the sets one pass gives. Memory: strata x sample size rows, plus 4 KiB per stratum and the profile sketches,
+plus one block of lines. A partition is read as column batches (calibrate/batches.py): scrubbing, word counts and the
+profile run over whole columns, and only hashing is per request (`benchmarks/bench_sampler.py` measures the rate).
 """
 from __future__ import annotations
 
@@ -16,17 +18,18 @@ import heapq
 import json
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import lru_cache
 
-from qgate.calibrate.profile import TrafficProfiler, length_bucket, words
-from qgate.calibrate.reader import Reject, Request, read_traffic
-from qgate.calibrate.scrub import scrub
+import numpy as np
+
+from qgate.calibrate.batches import Batch, prefetched, read_batches
+from qgate.calibrate.profile import BUCKETS, LENGTH_EDGES, TrafficProfiler
+from qgate.calibrate.scrub import HINT, rule_hints, scrub
 from qgate.calibrate.sketches import DistinctCount
 from qgate.calibrate.sources import Partition
+from qgate.calibrate.words import batch_words, text_words, words
 
 
 TOTAL_LG_K = 16   # the log's distinct prompts: 64 KiB, relative standard error 0.4%, exact-ish below ~16k prompts
-CACHED_SCRUB_CHARS = 2048   # message contents up to this long are scrubbed once per process (system prompts repeat)
 
 
 def priority(seed: int, digest: bytes) -> int:
@@ -84,25 +87,71 @@ class SampleState:
     def empty(cls, config) -> SampleState:
         return cls(need=config.calib_size + config.shadow_size, seed=config.seed)
 
-    def add(self, part_name: str, item: Request, tag_file: bool, min_words: int) -> None:
-        msgs, found = _scrub_messages(item)
-        self.pii.update(found)
-        text = "\n".join(c for _, c in msgs)
-        toks = words(text)
-        if len(toks) < min_words:
-            self.stats["too_short"] += 1
+    def add_batch(self, part_name: str, batch: Batch, tag_file: bool, min_words: int) -> None:
+        """A batch of requests in line order (calibrate/batches.py): scrubbed, profiled, sketched and offered to the
+        bottom-k samples. Hashing is per request; scrubbing is per turn that a PII hint matches; the rest runs over
+        the batch's columns."""
+        n = len(batch.lines)
+        if n == 0:
             return
-        self.stats["usable"] += 1
-        self.profiler.add(item.route, item.tenant, toks, item.ts, item.latency_ms)
-        digest = hashlib.blake2b(" ".join(text.split()).encode(), digest_size=16).digest()
-        stratum = f"{item.route}|{length_bucket(len(toks))}"
-        self.kept.add(digest)
-        if stratum not in self.strata:
-            self.strata[stratum], self.distinct[stratum] = BottomK(self.need), DistinctCount()
-        self.distinct[stratum].add(digest)
-        row = {"messages": [{"role": r, "content": c} for r, c in msgs], "route": item.route, "stratum": stratum,
-               "line": item.line} | ({"file": part_name} if tag_file else {})
-        self.strata[stratum].offer(priority(self.seed, digest), digest, (part_name, item.line), row)
+        import pyarrow.compute as pc
+
+        # each distinct turn once (a system prompt repeats in every request of its app): its id per turn
+        enc = pc.dictionary_encode(batch.contents)
+        turn_ids, distinct = enc.indices.to_numpy(zero_copy_only=False), enc.dictionary
+        repeats = np.bincount(turn_ids, minlength=len(distinct))
+        clean, scrubbed, found = _scrub_batch(distinct, repeats)
+        self.pii.update(found)
+        ids = turn_ids.tolist()
+        starts = batch.starts.tolist()
+        digests, halves = _digests(clean, ids, starts)
+        n_words, bags = _words(batch, turn_ids, distinct, clean, scrubbed, halves)
+        usable = n_words >= min_words
+        rows = np.flatnonzero(usable)
+        self.stats["usable"] += len(rows)
+        self.stats["too_short"] += n - len(rows)
+        if len(rows) < n:    # a too-short request is not profiled: take its words back out of its half
+            for i in np.flatnonzero(~usable).tolist():
+                bags[halves[i]].subtract(Counter(w for t in ids[starts[i]:starts[i + 1]] for w in words(clean[t])))
+            for bag in bags:
+                bag += Counter()     # drops the zero counts
+        self.profiler.add_batch([batch.routes[i] for i in rows.tolist()], [batch.tenants[i] for i in rows.tolist()],
+                                n_words[rows], halves[rows], bags, batch.ts[rows], batch.latency[rows])
+        self._sample(part_name, batch, rows, n_words, digests, [clean[t] for t in ids], tag_file)
+
+    def _sample(self, part_name: str, batch: Batch, rows: np.ndarray, n_words: np.ndarray, digests: list[bytes],
+                texts: list[str], tag_file: bool) -> None:
+        """The usable requests (`rows`) into the distinct-count sketches, and per stratum the few that can be in its
+        bottom-k (the batch's k smallest distinct priorities) offered to it."""
+        starts = batch.starts.tolist()
+        key = self.seed.to_bytes(8, "little")
+        prio = np.frombuffer(b"".join(hashlib.blake2b(digests[i], digest_size=8, key=key).digest() for i in rows.tolist()),
+                             dtype=">u8").astype(np.uint64)
+        buckets = np.searchsorted(LENGTH_EDGES, n_words[rows], side="right") - 1
+        routes = [batch.routes[i] for i in rows.tolist()]
+        route_id = {r: k for k, r in enumerate(dict.fromkeys(routes))}
+        code = np.array([route_id[r] for r in routes], dtype=np.int64) * len(BUCKETS) + buckets
+        keys = np.frombuffer(b"".join(digests[i] for i in rows.tolist()), "<i8")[::2].tolist()   # DistinctCount.add's key
+        self.kept.add_keys(keys)
+        order = np.argsort(code, kind="stable")
+        cuts = np.flatnonzero(np.diff(code[order])) + 1
+        for js in np.split(order, cuts) if len(order) else []:
+            st = f"{routes[js[0]]}|{BUCKETS[buckets[js[0]]]}"
+            if st not in self.strata:
+                self.strata[st], self.distinct[st] = BottomK(self.need), DistinctCount()
+            bk = self.strata[st]
+            self.distinct[st].add_keys([keys[j] for j in js.tolist()])
+            ps = np.unique(prio[js])
+            if len(ps) > bk.k:        # more distinct digests than the sample keeps: only the k smallest can be kept
+                js = js[prio[js] <= ps[bk.k - 1]]
+                bk.dropped = True
+            for j in js.tolist():
+                i = int(rows[j])
+                a, b = starts[i], starts[i + 1]
+                line = int(batch.lines[i])
+                row = {"messages": [{"role": r, "content": c} for r, c in zip(batch.roles[a:b], texts[a:b], strict=True)],
+                       "route": batch.routes[i], "stratum": st, "line": line} | ({"file": part_name} if tag_file else {})
+                bk.offer(int(prio[j]), digests[i], (part_name, line), row)
 
     def merge(self, other: SampleState) -> None:
         for stratum, bk in other.strata.items():
@@ -124,38 +173,96 @@ def scan_partition(part: Partition, config, tag_file: bool, show_progress: bool 
     still production traffic), each with the file, its line number and the reason."""
     from qgate.progress import progress
 
+    import pyarrow as pa
+
+    pool = pa.default_memory_pool()
     st = SampleState.empty(config)
     rejects: list[bytes] = []
-    items = read_traffic(part, config.max_line_bytes)
+    batches = prefetched(read_batches(part, config.max_line_bytes))
     if show_progress:
-        items = progress(items, f"calibrate: reading {part.name}", unit="record")
-    for item in items:
-        st.stats["records"] += 1
-        if isinstance(item, Reject):
-            st.stats["rejected"] += 1
+        batches = progress(batches, f"calibrate: reading {part.name}", unit="block")
+    for batch in batches:
+        st.stats["records"] += batch.records
+        st.stats["rejected"] += len(batch.rejects)
+        for item in batch.rejects:
             excerpt, _ = scrub(item.excerpt)
             rejects.append(json.dumps({"file": part.location, "line": item.line, "reason": item.reason, "excerpt": excerpt}).encode() + b"\n")
-            continue
-        st.add(part.name, item, tag_file, config.min_words)
+        st.add_batch(part.name, batch, tag_file, config.min_words)
+        del batch
+        pool.release_unused()    # the batch's arrow buffers: else the allocator keeps every high-water mark
     st.profiler.finish_partition()
     st.partitions.append({"name": part.name, "records": st.stats["records"]})
     return st, b"".join(rejects)
 
 
-def _scrub_messages(item: Request) -> tuple[list[tuple[str, str]], Counter]:
+def _digests(clean: list[str], turn_ids: list[int], starts: list[int]) -> tuple[list[bytes], np.ndarray]:
+    """Per request: the content digest of its turns joined by newlines with whitespace runs as one space, and its
+    split half for the profile (0 or 1, by content: duplicates fall in one half, whatever the order). Each distinct
+    turn is normalized once: the normalized join is the normalized turns joined by spaces, the blank ones left out."""
+    norm = [" ".join(t.split()).encode() for t in clean]
+    blake2b = hashlib.blake2b
+    digests = []
+    for a, b in zip(starts, starts[1:]):
+        if b == a + 1:
+            digests.append(blake2b(norm[turn_ids[a]], digest_size=16).digest())
+            continue
+        h = blake2b(digest_size=16)
+        sep = b""
+        for t in turn_ids[a:b]:
+            if norm[t]:
+                h.update(sep)
+                h.update(norm[t])
+                sep = b" "
+        digests.append(h.digest())
+    return digests, np.frombuffer(b"".join(d[:1] for d in digests), np.uint8) & 1
+
+
+def _words(batch: Batch, turn_ids: np.ndarray, distinct, clean: list[str], scrubbed: np.ndarray,
+           halves: np.ndarray) -> tuple[np.ndarray, tuple[Counter, Counter]]:
+    """Per request its number of words (profile.words of its turns), and the words of each half's requests. Each
+    distinct turn is counted once, weighted by its repeats in each half: by `batch_words` over the column when it is
+    ASCII and the scrubber left it as it was, else by `text_words` on its scrubbed text."""
+    import pyarrow as pa
+
+    turn_half = halves[np.repeat(np.arange(len(batch.lines)), np.diff(batch.starts))]
+    weights = np.zeros((len(distinct), 2), np.int64)
+    np.add.at(weights, (turn_ids, turn_half), 1)
+    fast = pc_is_ascii(distinct) & ~scrubbed
+    per_distinct = np.zeros(len(distinct), np.int64)
+    sel = np.flatnonzero(fast)
+    per_distinct[sel], bags = batch_words(distinct.take(pa.array(sel, pa.int64())), weights[sel])
+    sel = np.flatnonzero(~fast)
+    per_distinct[sel], slow = text_words([clean[d] for d in sel.tolist()], weights[sel])
+    for bag, more in zip(bags, slow, strict=True):
+        bag.update(more)
+    turn_words = per_distinct[turn_ids]
+    cum = np.concatenate(([0], np.cumsum(turn_words)))
+    return cum[batch.starts[1:]] - cum[batch.starts[:-1]], tuple(bags)
+
+
+def pc_is_ascii(texts) -> np.ndarray:
+    import pyarrow.compute as pc
+
+    return pc.string_is_ascii(texts).to_numpy(zero_copy_only=False) if len(texts) else np.zeros(0, bool)
+
+
+def _scrub_batch(distinct, repeats: np.ndarray) -> tuple[list[str], np.ndarray, Counter]:
+    """The distinct turns scrubbed: (texts, which changed, PII counts over every turn, repeats included). Only the
+    turns scrub.HINT matches can change, so only they are scrubbed, each by the rules whose hint it matches."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    texts = distinct.to_pylist()
+    changed = np.zeros(len(texts), bool)
     found: Counter = Counter()
-    msgs = []
-    for role, content in item.messages:
-        if len(content) <= CACHED_SCRUB_CHARS:
-            clean, c = _scrub_short(content)
-        else:
-            clean, c = scrub(content)
-        if c:
-            found.update(c)
-        msgs.append((role, clean))
-    return msgs, found
-
-
-@lru_cache(maxsize=4096)
-def _scrub_short(content: str) -> tuple[str, Counter]:
-    return scrub(content)     # callers only read the Counter
+    if not texts:
+        return texts, changed, found
+    flagged = np.flatnonzero(pc.match_substring_regex(distinct, HINT).to_numpy(zero_copy_only=False))
+    for t, rules in zip(flagged.tolist(), rule_hints(distinct.take(pa.array(flagged))), strict=True):
+        content = texts[t]
+        clean, c = scrub(content, rules=rules)
+        for kind, k in c.items():
+            found[kind] += k * int(repeats[t])
+        if clean != content:
+            texts[t], changed[t] = clean, True
+    return texts, changed, found
