@@ -206,3 +206,11 @@ def test_words_on_real_text_with_every_script():
     counts, [bag] = text_words(texts)
     assert list(counts) == [len(words(t)) for t in texts]
     assert bag == Counter(w for t in texts for w in words(t))
+
+
+def test_the_code_point_classes_are_res_own():
+    """text_words' table (built from str.isalnum and str.isspace) classes every BMP code point as re's \\w and \\s do."""
+    from qgate.calibrate.words import _bmp_classes, _class_of
+
+    table = _bmp_classes()
+    assert [c for c in range(0x10000) if table[c] != _class_of(chr(c))] == []

@@ -46,7 +46,8 @@ def batch_words(texts, weights: np.ndarray | None = None) -> tuple[np.ndarray, l
     off -= off[0]
     counts, word, other = _token_starts(_CLASS[body], off[:-1], np.diff(off))
     spaced = pa.StringArray.from_buffers(n, pa.py_buffer(off.astype(np.int32)), pa.py_buffer(np.where(word, body, np.uint8(32)).tobytes()))
-    return counts, _bags(spaced, body[other], np.searchsorted(off, np.flatnonzero(other), side="right") - 1, weights)
+    return counts, _bags(pc.ascii_split_whitespace(spaced), body[other], np.searchsorted(off, np.flatnonzero(other), side="right") - 1,
+                         weights)
 
 
 def _token_starts(cls: np.ndarray, begin: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -62,30 +63,32 @@ def _token_starts(cls: np.ndarray, begin: np.ndarray, lens: np.ndarray) -> tuple
     return np.searchsorted(tokens, begin + lens) - np.searchsorted(tokens, begin), word, other
 
 
-def _bags(spaced, marks: np.ndarray, mark_text: np.ndarray, weights: np.ndarray | None) -> list[Counter]:
-    """Counters of the words of `spaced` (texts whose words are separated by spaces only) and of the other
+def _bags(split, marks: np.ndarray, mark_text: np.ndarray, weights: np.ndarray | None) -> list[Counter]:
+    """Counters of the words in `split` (a list array: each text's words) and of the other
     characters (`marks`: their code points, `mark_text`: the text each is in), each text counted weights[i, j] times
-    in Counter j (once, in one Counter, without weights)."""
+    in Counter j (once, in one Counter, without weights). Texts counted once are tallied by value_counts; only the
+    repeated ones (a shared system prompt) need a weighted group-by."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    split = pc.split_pattern(spaced, " ")
     if weights is None:
-        vc = pc.value_counts(pc.list_flatten(split))
-        keys, columns = vc.field("values").to_pylist(), [vc.field("counts").to_pylist()]
-        mark_w = [np.ones(len(marks), np.int64)]
-    else:
-        parents = pc.list_parent_indices(split).to_numpy()
-        k = weights.shape[1]
-        grouped = pa.table({"w": pc.list_flatten(split)} | {f"c{j}": weights[parents, j] for j in range(k)}) \
-            .group_by("w", use_threads=False).aggregate([(f"c{j}", "sum") for j in range(k)])
-        keys, columns = grouped.column("w").to_pylist(), [grouped.column(f"c{j}_sum").to_pylist() for j in range(k)]
-        mark_w = [weights[mark_text, j] for j in range(k)]
+        weights = np.ones((len(split), 1), np.int64)
     uniq, inv = np.unique(marks, return_inverse=True)
     bags = []
-    for col, mw in zip(columns, mark_w, strict=True):
-        bag = Counter({w: c for w, c in zip(keys, col, strict=True) if c and w})   # "" between adjacent spaces
-        per_mark = np.bincount(inv, weights=mw, minlength=len(uniq)).astype(np.int64)
+    for w in weights.T:
+        bag: Counter = Counter()
+        once = np.flatnonzero(w == 1)
+        if len(once):
+            vc = pc.value_counts(pc.list_flatten(split if len(once) == len(w) else split.take(pa.array(once))))
+            bag.update(dict(zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist(), strict=True)))
+        more = np.flatnonzero(w > 1)
+        if len(more):
+            sub = split.take(pa.array(more))
+            t = pa.table({"w": pc.list_flatten(sub), "n": w[more][pc.list_parent_indices(sub).to_numpy()]})
+            g = t.group_by("w", use_threads=False).aggregate([("n", "sum")])
+            bag.update(dict(zip(g.column("w").to_pylist(), g.column("n_sum").to_pylist(), strict=True)))
+        bag.pop("", None)                        # where a text starts or ends with a space
+        per_mark = np.bincount(inv, weights=w[mark_text], minlength=len(uniq)).astype(np.int64)
         bag.update({chr(m): c for m, c in zip(uniq.tolist(), per_mark.tolist(), strict=True) if c})
         bags.append(bag)
     return bags
@@ -97,14 +100,17 @@ def _class_of(ch: str) -> int:
 
 @functools.lru_cache(maxsize=1)
 def _bmp_classes() -> np.ndarray:
-    """_class_of for every code point below 0x10000 (built once per process, ~0.1 s)."""
-    return np.array([_class_of(chr(c)) for c in range(0x10000)], np.uint8)
+    """_class_of for every code point below 0x10000, built once per process from what re's \\w and \\s are made of
+    (str.isalnum() or "_", and str.isspace(): the tests check the two agree everywhere)."""
+    chars = [chr(c) for c in range(0x10000)]
+    return np.array([1 if ch.isalnum() or ch == "_" else 0 if ch.isspace() else 2 for ch in chars], np.uint8)
 
 
 def text_words(texts: list[str], weights: np.ndarray | None = None) -> tuple[np.ndarray, list[Counter]]:
     """`batch_words` for any text (not only ASCII): the code points of the lowercased texts, classed as `_WORD`
     classes them (each distinct code point asked once), counted the same way."""
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     if not texts:
         return np.zeros(0, np.int64), [Counter() for _ in range(1 if weights is None else weights.shape[1])]
@@ -120,4 +126,6 @@ def text_words(texts: list[str], weights: np.ndarray | None = None) -> tuple[np.
     counts, word, other = _token_starts(cls, begin, lens)
     spaced = np.where(word, cp, np.uint32(32)).tobytes().decode("utf-32-le")
     arr = pa.array([spaced[b:b + n] for b, n in zip(begin.tolist(), lens.tolist(), strict=True)], pa.string())
-    return counts, _bags(arr, cp[other], np.searchsorted(begin, np.flatnonzero(other), side="right") - 1, weights)
+    # only spaces separate the words here, and no word character is Unicode whitespace: arrow's split is exact
+    return counts, _bags(pc.utf8_split_whitespace(arr), cp[other], np.searchsorted(begin, np.flatnonzero(other), side="right") - 1,
+                         weights)
