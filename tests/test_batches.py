@@ -214,3 +214,47 @@ def test_the_code_point_classes_are_res_own():
 
     table = _bmp_classes()
     assert [c for c in range(0x10000) if table[c] != _class_of(chr(c))] == []
+
+
+# ---- Parquet: the same vectorized checks, the row reader as the oracle --------------------------------------------
+
+@FUZZ
+@given(good=st.lists(_record, min_size=1, max_size=30))
+def test_parquet_batches_give_exactly_what_the_row_reader_gives(tmp_path_factory, good):
+    import pyarrow.parquet as pq
+    from hypothesis import assume
+
+    try:
+        table = pa.Table.from_pylist(good)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):   # rows Parquet cannot hold as one table
+        assume(False)
+    path = tmp_path_factory.mktemp("pq") / "t.parquet"
+    pq.write_table(table, path)
+    assert _records_of(Partition(str(path))) == _oracle(path)
+
+
+def test_parquet_timestamps_take_the_columnar_path_when_their_zone_is_known(tmp_path, monkeypatch):
+    """Zoned timestamps become epoch seconds exactly as datetime.timestamp() gives them; naive ones (local time to the
+    row reader) and NaN latencies go through parse_record, with its verdicts."""
+    import datetime as dt
+
+    import pyarrow.parquet as pq
+
+    columnar = []
+    real = batches._columns
+    monkeypatch.setattr(batches, "_columns", lambda t: columnar.append(r := real(t)) or r)
+    zone = dt.timezone(dt.timedelta(hours=2))
+    base = [{"prompt": f"prompt number {i}", "latency_ms": float(i)} for i in range(50)]
+    cases = {
+        "zoned": [r | {"ts": dt.datetime(2026, 11, 23, 12, 0, i % 60, 123457 * i % 1_000_000, tzinfo=zone)} for i, r in enumerate(base)],
+        "naive": [r | {"ts": dt.datetime(2026, 11, 23, 12, 0, i % 60)} for i, r in enumerate(base)],
+        "nan": [r | {"latency_ms": float("nan") if i % 7 == 0 else r["latency_ms"]} for i, r in enumerate(base)],
+    }
+    for name, rows in cases.items():
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        columnar.clear()
+        got = _records_of(Partition(str(path)))
+        assert got == _oracle(path), name
+        assert (columnar[0] is not None) == (name != "naive"), name
+    assert len(_oracle(tmp_path / "nan.parquet")[1]) == 8        # the NaN latencies are rejected, by parse_record

@@ -14,7 +14,8 @@ can be, and line by line with the reader's own rules (orjson, `parse_record`) wh
 - single rows those checks do not accept outright (a missing or blank user turn, a null or non-text content, a NUL
   character, an over-long label, a negative latency) get whatever `parse_record` says of them.
 So the vectorized checks only have to be sufficient for acceptance, never exact; the tests hold the two paths equal.
-Parquet partitions go through the same assembly from `read_traffic`'s records.
+A Parquet partition is read in row groups of 16,384 rows through the same vectorized checks (rows that fail them,
+and tables with column types they do not cover, get `parse_record` on the row as `read_traffic` gives it).
 Memory: one block (BLOCK_BYTES plus at most `max_line_bytes`), whatever the partition's size.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qgate.calibrate.reader import (MAX_LABEL_CHARS, PARQUET_BATCH, ROLES, Reject, Request, lines_of, open_decoded,
-                                    parse_line, read_traffic, truncated)
+                                    parquet_tables, parse_line, parse_record, read_traffic, row_text, table_rows, truncated)
 from qgate.calibrate.sources import PARQUET, Partition
 
 BLOCK_BYTES = 4 << 20     # decompressed JSONL bytes per block: large enough that pyarrow's per-call cost vanishes
@@ -82,7 +83,8 @@ class Batch:
 def read_batches(part: Partition, max_line_bytes: int) -> Iterator[Batch]:
     """The partition's records as batches, in file order."""
     if part.name.endswith(PARQUET):
-        yield from _item_batches(read_traffic(part, max_line_bytes), PARQUET_BATCH * 16)
+        for first, table in parquet_tables(part, PARQUET_BATCH * 16):
+            yield _parquet_batch(part, first, table)
         return
     read_traffic(part, max_line_bytes)      # a missing local file fails here, at the call, as read_traffic's does
     n = 0
@@ -116,15 +118,21 @@ def prefetched(batches: Iterator[Batch]) -> Iterator[Batch]:
             yield batch
 
 
-def _item_batches(items, size: int) -> Iterator[Batch]:
-    chunk = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) >= size:
-            yield Batch.from_items(chunk)
-            chunk = []
-    if chunk:
-        yield Batch.from_items(chunk)
+def _parquet_batch(part: Partition, first: int, table) -> Batch:
+    """Rows `first`... of a Parquet file: columnar where the vectorized checks accept them, else parse_record's."""
+    cols = None if any(_depth(f.type) > _MAX_DEPTH for f in table.schema) else _columns(table)
+    if cols is None:
+        rows = table_rows(part, first, table)
+        return Batch.from_items([parse_record(first + i, r, row_text(r)) for i, r in enumerate(rows)])
+    ok, batch = cols
+    batch.lines += first
+    bad = np.flatnonzero(~ok)
+    if not len(bad):
+        return batch
+    import pyarrow as pa
+
+    rows = table_rows(part, first, table.take(pa.array(bad)))
+    return _merge(batch, Batch.from_items([parse_record(first + i, r, row_text(r)) for i, r in zip(bad.tolist(), rows, strict=True)]))
 
 
 def _blocks(f, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
@@ -306,6 +314,21 @@ def _number_or_null(col) -> bool:
     return col is None or pa.types.is_floating(col.type) or pa.types.is_integer(col.type) or pa.types.is_null(col.type)
 
 
+_PER_SECOND = {"s": 1, "ms": 1_000, "us": 1_000_000}
+
+
+def _epoch_seconds(col):
+    """A Parquet timestamp column with a time zone as float epoch seconds (what datetime.timestamp() gives for each
+    value, exactly: integer microseconds at most, divided once). A naive one is local time to `parse_record`: it and
+    other types stay as they are (and go the row path unless numeric)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if col is None or not pa.types.is_timestamp(col.type) or col.type.tz is None or col.type.unit not in _PER_SECOND:
+        return col
+    return pc.divide(col.cast(pa.int64()).cast(pa.float64(), safe=False), float(_PER_SECOND[col.type.unit]))
+
+
 def _columns(table) -> tuple[np.ndarray, Batch] | None:
     """(rows accepted outright, the batch of those rows) from a parsed block; None when a column's type is one the
     vectorized checks do not cover."""
@@ -315,7 +338,7 @@ def _columns(table) -> tuple[np.ndarray, Batch] | None:
     names = set(table.column_names)
     col = lambda name: table.column(name).combine_chunks() if name in names else None   # noqa: E731
     messages, prompt = col("messages"), col("prompt")
-    route, tenant, ts, latency = col("route"), col("tenant"), col("ts"), col("latency_ms")
+    route, tenant, ts, latency = col("route"), col("tenant"), _epoch_seconds(col("ts")), col("latency_ms")
     if not all(_string_or_null(c) for c in (prompt, route, tenant)) or not all(_number_or_null(c) for c in (ts, latency)):
         return None
     n = table.num_rows
@@ -415,7 +438,8 @@ def _columns(table) -> tuple[np.ndarray, Batch] | None:
         if c is None or pa.types.is_null(c.type):
             nums[name] = np.full(len(rows), np.nan)
             continue
-        v = c.take(pa.array(rows)).cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False)
+        # an integer beyond 2**53 rounds to the nearest float, as float(int) does in parse_record
+        v = c.take(pa.array(rows)).cast(pa.float64(), safe=False).fill_null(np.nan).to_numpy(zero_copy_only=False)
         present = c.take(pa.array(rows)).is_valid().to_numpy(zero_copy_only=False)
         good &= ~present | np.isfinite(v)
         if name == "latency_ms":

@@ -125,6 +125,23 @@ def parse_line(n: int, raw: bytes | None, max_line_bytes: int) -> Request | Reje
 
 
 def _read_parquet(part: Partition) -> Iterator[Request | Reject]:
+    for first, table in parquet_tables(part, PARQUET_BATCH):
+        for i, row in enumerate(table_rows(part, first, table)):
+            yield parse_record(first + i, row, row_text(row))
+
+
+def table_rows(part: Partition, first: int, table) -> list[dict]:
+    """A Parquet table's rows as Python objects (what parse_record reads)."""
+    try:
+        return table.to_pylist()
+    except (OSError, ValueError) as e:   # a column pyarrow cannot convert
+        raise InputError(f"{part.location}: Parquet file unreadable after row {first - 1} ({e})",
+                         hint="re-export the partition; the rows before it were read") from e
+
+
+def parquet_tables(part: Partition, rows: int) -> Iterator[tuple[int, object]]:
+    """(number of the first row, a pyarrow Table of up to `rows` rows) in file order."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = part.location
@@ -135,16 +152,15 @@ def _read_parquet(part: Partition) -> Iterator[Request | Reject]:
             raise InputError(f"{path}: not a readable Parquet file ({e})") from e
         n = 0
         try:
-            for batch in pf.iter_batches(batch_size=PARQUET_BATCH):
-                for row in batch.to_pylist():
-                    n += 1
-                    yield parse_record(n, row, _row_text(row))
+            for batch in pf.iter_batches(batch_size=rows):
+                yield n + 1, pa.Table.from_batches([batch])
+                n += batch.num_rows
         except (OSError, ValueError) as e:   # a corrupt page or a column pyarrow cannot convert
             raise InputError(f"{path}: Parquet file unreadable after row {n} ({e})",
                              hint="re-export the partition; the rows before it were read") from e
 
 
-def _row_text(row: dict) -> bytes:
+def row_text(row: dict) -> bytes:
     import orjson
 
     try:
