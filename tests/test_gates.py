@@ -364,3 +364,18 @@ def test_noise_floor_is_measured_cached_reported_and_guards_thresholds(base_art,
     with pytest.raises(ConfigError, match=r"top1_agreement_min: 0.96 is tighter"):
         check_thresholds(ShadowConfig(kl_p99_max=0.5, top1_agreement_min=0.96), synthetic)
     check_thresholds(ShadowConfig(kl_p99_max=0.05, top1_agreement_min=0.9), synthetic)
+
+
+def test_lm_eval_templates_compile_once_and_render_as_before():
+    """run_tasks makes lm-eval compile each Jinja template once instead of once per document: same text out."""
+    import lm_eval.utils as lm_utils
+
+    from qgate.gates.evalgate import _compile_templates_once
+
+    template, docs = "Q: {{question}}\nA: {{choices[label]}}", [{"question": f"q{i}", "choices": ["x", "y"], "label": i % 2} for i in range(50)]
+    want = [lm_utils.env.from_string(template).render(**d) for d in docs]
+    _compile_templates_once()
+    _compile_templates_once()     # idempotent: one wrapper, not a wrapper of a wrapper
+    assert getattr(lm_utils.apply_template, "compiles_once", False)
+    assert [lm_utils.apply_template(template, d) for d in docs] == want
+    assert want[1] == "Q: q1\nA: y"
