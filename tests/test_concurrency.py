@@ -71,3 +71,36 @@ def test_parallel_registrations_and_promotions_on_the_embedded_store(gated, w8_a
     results = run_workers("promote", str(store), "race", tmp_path / "go", [["1", "3", "5"], ["2", "4", "6"]], env)
     aliases = client.get_registered_model("race").aliases
     check_promotion_chain(results, None, str(aliases["production"]), str(aliases.get("previous-production")))
+
+
+def test_a_lease_whose_create_answer_was_lost_is_still_held_by_its_creator():
+    """A tracking server racing another job's release can store the lease model and still answer the create with an
+    error: the lease is decided by the holder id it stores, so its creator proceeds (instead of waiting on itself),
+    and releases it after."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
+
+    from qgate.registry.lease import server_lease
+
+    class Flaky:
+        def __init__(self):
+            self.models, self.calls = {}, 0
+
+        def create_registered_model(self, name, description=None, tags=None):
+            self.calls += 1
+            self.models[name] = description
+            if self.calls == 1:
+                raise MlflowException("Registered Model not found", error_code=RESOURCE_DOES_NOT_EXIST)
+
+        def get_registered_model(self, name):
+            if name not in self.models:
+                raise MlflowException("not found", error_code=RESOURCE_DOES_NOT_EXIST)
+            return type("M", (), {"description": self.models[name]})()
+
+        def delete_registered_model(self, name):
+            del self.models[name]
+
+    client = Flaky()
+    with server_lease(client, "m", wait=2.0) as me:
+        assert json.loads(client.models["qgate-lease.m"])["id"] == me["id"] and client.calls == 1
+    assert client.models == {}

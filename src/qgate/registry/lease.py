@@ -56,9 +56,12 @@ def server_lease(client, model_name: str, wait: float = WAIT, ttl: float = LEASE
                                            tags={"qgate.lease": f"held by qgate for {model_name}; deleted when released"})
             break
         except MlflowException as e:
-            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            # RESOURCE_DOES_NOT_EXIST: seen from a server whose create raced another job's release of the lease
+            if e.error_code not in ("RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST"):
                 raise
         holder = _holder(client, name)
+        if holder is not None and holder.get("id") == me["id"]:
+            break                                        # the create went through though its answer did not
         if holder is not None and time.time() - float(holder.get("t", 0)) > ttl:
             with contextlib.suppress(MlflowException):   # its holder died: take it over
                 client.delete_registered_model(name)
