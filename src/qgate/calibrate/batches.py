@@ -120,7 +120,7 @@ def prefetched(batches: Iterator[Batch]) -> Iterator[Batch]:
 
 def _parquet_batch(part: Partition, first: int, table) -> Batch:
     """Rows `first`... of a Parquet file: columnar where the vectorized checks accept them, else parse_record's."""
-    cols = None if any(_depth(f.type) > _MAX_DEPTH for f in table.schema) else _columns(table)
+    cols = _columns(table)
     if cols is None:
         rows = table_rows(part, first, table)
         return Batch.from_items([parse_record(first + i, r, row_text(r)) for i, r in enumerate(rows)])
@@ -237,9 +237,9 @@ def _fast_block(block: bytes, first: int, max_line_bytes: int) -> Batch | None:
     if cols is None:
         return None
     ok, batch = cols
+    batch.lines += first
     bad = np.flatnonzero(~ok)
     if not len(bad):
-        batch.lines += first
         return batch
     # rows the vectorized checks did not accept outright: the line-by-line rules decide them
     slow = []
@@ -247,7 +247,6 @@ def _fast_block(block: bytes, first: int, max_line_bytes: int) -> Batch | None:
         item = parse_line(first + i, block[starts[i]:ends[i] + 1], max_line_bytes)
         if item is not None:
             slow.append(item)
-    batch.lines += first
     return _merge(batch, Batch.from_items(slow))
 
 
@@ -279,20 +278,14 @@ def _merge(a: Batch, b: Batch) -> Batch:
     """The two batches' requests interleaved in line order (b holds few)."""
     import pyarrow as pa
 
-    lines = np.concatenate([a.lines, b.lines])
-    order = np.argsort(lines, kind="stable")
-    contents = pa.concat_arrays([a.contents, b.contents])
-    roles = a.roles + b.roles
-    turn_off = len(a.roles)
-    spans = [(int(a.starts[i]), int(a.starts[i + 1])) for i in range(len(a.lines))] + \
-            [(turn_off + int(b.starts[i]), turn_off + int(b.starts[i + 1])) for i in range(len(b.lines))]
-    sizes = np.array([spans[i][1] - spans[i][0] for i in order.tolist()], dtype=np.int64)
-    take = ranges(np.array([spans[i][0] for i in order.tolist()], dtype=np.int64), sizes)
-    return Batch(lines=lines[order], routes=[(a.routes + b.routes)[i] for i in order.tolist()],
-                 tenants=[(a.tenants + b.tenants)[i] for i in order.tolist()], ts=np.concatenate([a.ts, b.ts])[order],
-                 latency=np.concatenate([a.latency, b.latency])[order], roles=[roles[i] for i in take.tolist()],
-                 contents=contents.take(pa.array(take)), starts=np.concatenate(([0], np.cumsum(sizes))).astype(np.int64),
-                 rejects=sorted(a.rejects + b.rejects, key=lambda r: r.line))
+    both = _concat(a, b)
+    order = np.argsort(both.lines, kind="stable")
+    sizes = np.diff(both.starts)[order]
+    take = ranges(both.starts[:-1][order], sizes)
+    return Batch(lines=both.lines[order], routes=[both.routes[i] for i in order.tolist()],
+                 tenants=[both.tenants[i] for i in order.tolist()], ts=both.ts[order], latency=both.latency[order],
+                 roles=[both.roles[i] for i in take.tolist()], contents=both.contents.take(pa.array(take, pa.int64())),
+                 starts=np.concatenate(([0], np.cumsum(sizes))).astype(np.int64), rejects=sorted(both.rejects, key=lambda r: r.line))
 
 
 def ranges(lo: np.ndarray, size: np.ndarray) -> np.ndarray:
@@ -418,7 +411,6 @@ def _columns(table) -> tuple[np.ndarray, Batch] | None:
                     roles += [next(mr) for _ in range(k)]
                     pos += k
             contents = pa.array(pieces, pa.string())
-    contents = contents.cast(pa.string())
     # per row: its last kept turn (the last user turn, or the prompt) is not blank by Python's strip(); a prompt has
     # no NUL (messages rows were checked above, over all their turns)
     good = np.ones(len(rows), bool)
@@ -438,9 +430,10 @@ def _columns(table) -> tuple[np.ndarray, Batch] | None:
         if c is None or pa.types.is_null(c.type):
             nums[name] = np.full(len(rows), np.nan)
             continue
+        sub = c.take(pa.array(rows))
         # an integer beyond 2**53 rounds to the nearest float, as float(int) does in parse_record
-        v = c.take(pa.array(rows)).cast(pa.float64(), safe=False).fill_null(np.nan).to_numpy(zero_copy_only=False)
-        present = c.take(pa.array(rows)).is_valid().to_numpy(zero_copy_only=False)
+        v = sub.cast(pa.float64(), safe=False).fill_null(np.nan).to_numpy(zero_copy_only=False)
+        present = sub.is_valid().to_numpy(zero_copy_only=False)
         good &= ~present | np.isfinite(v)
         if name == "latency_ms":
             good &= ~present | (v >= 0)

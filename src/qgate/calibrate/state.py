@@ -117,12 +117,12 @@ class SampleState:
                 bag += Counter()     # drops the zero counts
         self.profiler.add_batch([batch.routes[i] for i in rows.tolist()], [batch.tenants[i] for i in rows.tolist()],
                                 n_words[rows], halves[rows], bags, batch.ts[rows], batch.latency[rows])
-        self._sample(part_name, batch, rows, n_words, digests, [clean[t] for t in ids], tag_file)
+        self._sample(part_name, batch, rows, n_words, digests, clean, ids, tag_file)
 
     def _sample(self, part_name: str, batch: Batch, rows: np.ndarray, n_words: np.ndarray, digests: list[bytes],
-                texts: list[str], tag_file: bool) -> None:
+                clean: list[str], ids: list[int], tag_file: bool) -> None:
         """The usable requests (`rows`) into the distinct-count sketches, and per stratum the few that can be in its
-        bottom-k (the batch's k smallest distinct priorities) offered to it."""
+        bottom-k (the batch's k smallest distinct priorities) offered to it. Turn t's scrubbed text is clean[ids[t]]."""
         starts = batch.starts.tolist()
         key = self.seed.to_bytes(8, "little")
         prio = np.frombuffer(b"".join(hashlib.blake2b(digests[i], digest_size=8, key=key).digest() for i in rows.tolist()),
@@ -149,7 +149,7 @@ class SampleState:
                 i = int(rows[j])
                 a, b = starts[i], starts[i + 1]
                 line = int(batch.lines[i])
-                row = {"messages": [{"role": r, "content": c} for r, c in zip(batch.roles[a:b], texts[a:b], strict=True)],
+                row = {"messages": [{"role": r, "content": clean[t]} for r, t in zip(batch.roles[a:b], ids[a:b], strict=True)],
                        "route": batch.routes[i], "stratum": st, "line": line} | ({"file": part_name} if tag_file else {})
                 bk.offer(int(prio[j]), digests[i], (part_name, line), row)
 

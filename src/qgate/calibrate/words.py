@@ -22,10 +22,14 @@ def words(text: str) -> list[str]:
     return _WORD.findall(text.lower())
 
 
-# ASCII byte -> 1 (a word character: \w), 0 (whitespace: \s) or 2 (any other: a token of its own), read off _WORD's
-# own classes, so counting over these classes gives `words()` exactly on ASCII text
-_CLASS = np.array([1 if re.match(r"\w", chr(b)) else 0 if re.match(r"\s", chr(b)) else 2 for b in range(128)] + [0] * 128,
-                  dtype=np.uint8)   # (batch_words reads ASCII only: the upper half is never indexed)
+def _class_of(ch: str) -> int:
+    """1 for a word character (re's \\w), 0 for whitespace (\\s), 2 for any other: a token of its own. Counting
+    over these classes gives `words()` exactly."""
+    return 1 if re.match(r"\w", ch) else 0 if re.match(r"\s", ch) else 2
+
+
+# per ASCII byte (batch_words reads ASCII only: the upper half is never indexed)
+_CLASS = np.array([_class_of(chr(b)) for b in range(128)] + [0] * 128, dtype=np.uint8)
 
 
 def batch_words(texts, weights: np.ndarray | None = None) -> tuple[np.ndarray, list[Counter]]:
@@ -94,10 +98,6 @@ def _bags(split, marks: np.ndarray, mark_text: np.ndarray, weights: np.ndarray |
     return bags
 
 
-def _class_of(ch: str) -> int:
-    return 1 if re.match(r"\w", ch) else 0 if re.match(r"\s", ch) else 2
-
-
 @functools.lru_cache(maxsize=1)
 def _bmp_classes() -> np.ndarray:
     """_class_of for every code point below 0x10000, built once per process from what re's \\w and \\s are made of
@@ -107,8 +107,8 @@ def _bmp_classes() -> np.ndarray:
 
 
 def text_words(texts: list[str], weights: np.ndarray | None = None) -> tuple[np.ndarray, list[Counter]]:
-    """`batch_words` for any text (not only ASCII): the code points of the lowercased texts, classed as `_WORD`
-    classes them (each distinct code point asked once), counted the same way."""
+    """`batch_words` for any text (not only ASCII): the code points of the lowercased texts, classed by `_class_of`
+    (a table below 0x10000, each distinct code point above asked once), counted the same way."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
