@@ -1,5 +1,5 @@
 """Eval scoring throughput: requests per second for the shipped multiple-choice tasks, by batching strategy,
-and the multiple-choice eval wall time before and after the larger pooled task set.
+and the eval wall time before and after the larger pooled task set.
 
     .venv/bin/python benchmarks/bench_eval.py [--model .qgate/demo/base]
 
@@ -8,9 +8,9 @@ wall time and requests/s on the same requests, and ratios measured in this one r
   full-16     16 sequences per forward, right-padded, logits for every position (the scoring before pooling)
   whole-2048  token budget 2048 per forward, left-padded, logits only for the continuation positions
   shared-2048 as whole-2048, and the choices of one question reuse its context's KV cache
-Then the current default tasks: whole-2048, shared contexts only, and shared contexts plus shared prefixes (a task's
-instructions computed once per batch: the current default).
-Then: the earlier default tasks (369 items) with full-16, against the current default tasks with shared-2048;
+Then the current default tasks, shared contexts and prefixes, with every choice of a batch padded to its longest
+(the runner before length groups) against choices padded only within groups of similar length (the default).
+Then: the earlier default tasks (369 items) with full-16, against the current default tasks with the default scoring;
 and the perplexity set scored one document at a time against rolling windows batched across documents.
 """
 from __future__ import annotations
@@ -114,17 +114,16 @@ def main() -> None:
     print(f"max |log-likelihood difference| across strategies: {worst:.2e}")
     print("current default tasks:")
     now, n_now = requests_for({t: None for t in DEFAULT_TASKS if t != "chatterbot_ppl"})
-    whole, _ = timed(RunnerLM(NoSharing(runner)), now)
-    lm = RunnerLM(runner)
-    lm.MIN_PREFIX = 10**9
-    ctx_only, s0 = timed(lm, now)
+    forward_cost = runner.FORWARD_COST
+    runner.FORWARD_COST = 10**9          # one group: every continuation of a batch padded to the longest
+    padded, s0 = timed(RunnerLM(runner), now)
+    runner.FORWARD_COST = forward_cost
     secs, s1 = timed(RunnerLM(runner), now)
     diff = max(abs(a[0] - b[0]) for a, b in zip(s0, s1, strict=True))
-    print(f"  whole-2048 {whole:.1f} s, shared contexts only {ctx_only:.1f} s, shared contexts and prefixes (default) {secs:.1f} s "
-          f"({len(now) / secs:.1f} req/s): sharing {whole / secs:.2f}x, prefixes {ctx_only / secs:.2f}x; "
-          f"max |log-likelihood difference| {diff:.2e}")
+    print(f"  choices padded to the batch's longest {padded:.1f} s, within length groups (default) {secs:.1f} s "
+          f"({len(now) / secs:.1f} req/s): {padded / secs:.2f}x; max |log-likelihood difference| {diff:.2e}")
     print(f"multiple-choice eval wall time: before {n_before} items {base:.1f} s (full-16), after {n_now} items {secs:.1f} s "
-          f"(shared-2048): {secs / base:.2f}x the time for {n_now / n_before:.2f}x the items")
+          f"(default): {secs / base:.2f}x the time for {n_now / n_before:.2f}x the items")
     docs = [SimpleNamespace(args=(d["text"],)) for d in map(json.loads, open(task_config("chatterbot_ppl")["dataset_kwargs"]["data_files"]["test"]))]
     lm = RunnerLM(runner)
     t = time.perf_counter()

@@ -146,3 +146,29 @@ def test_run_without_a_tty_is_quiet_machine_readable_and_logs_libraries_to_a_fil
     assert sum("shadow: candidate" in ln for ln in lines) <= 12          # progress lines at most every 10%
     assert ET.parse(tmp_path / "junit.xml").getroot().find("testsuite").get("name") == "w8"
     assert "Promoted **w8**" in (tmp_path / "summary.md").read_text()
+
+
+def test_libraries_that_call_tqdm_directly_print_no_bars_without_a_tty(monkeypatch):
+    import io
+    import sys
+
+    import tqdm.std
+    from tqdm.auto import tqdm as bar
+
+    from qgate.cli.options import quiet_libraries
+
+    init = tqdm.std.tqdm.__init__
+    monkeypatch.setattr(tqdm.std.tqdm, "__init__", getattr(init, "_qgate_original", init))   # unquieted; restored after
+    monkeypatch.setenv("TQDM_DISABLE", "0")
+    out = io.StringIO()
+    for _ in bar(range(5), desc="before", file=out):
+        pass
+    assert "5/5" in out.getvalue()                        # bars print until qgate quiets them
+    monkeypatch.setattr(sys, "stderr", io.StringIO())     # not a TTY, as in CI or cron
+    quiet_libraries()
+    out = io.StringIO()
+    for _ in bar(range(5), desc="Converting and de-quantizing GGUF tensors...", file=out):   # as transformers' GGUF loader does
+        pass
+    for _ in bar(range(5), desc="explicit", file=out, disable=False):
+        pass
+    assert out.getvalue() == ""

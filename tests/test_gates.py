@@ -270,6 +270,38 @@ def test_runner_lm_batched_and_shared_context_scores_match_single_sequences(base
     assert prefix >= 8   # and the instructions two of them share were computed once
 
 
+@pytest.mark.parametrize("forward_cost", [0, 10**6])
+def test_runner_lm_scores_match_with_every_continuation_length_alone_or_all_padded_together(base_art, forward_cost):
+    from qgate.engines.runners import load_runner
+
+    runner = load_runner(base_art)
+    runner.FORWARD_COST = forward_cost    # 0: one forward per continuation length; huge: one padded forward per batch
+    assert tiny.check_lm_scores(runner)[0] == 9
+
+
+def test_length_groups_is_the_cheapest_grouping():
+    import itertools
+    import random
+
+    from qgate.engines.runners import length_groups
+
+    def cost(groups, lengths, fc):
+        return sum(fc + sum(1 for x in lengths if lo <= x <= hi) * hi for lo, hi in groups)
+
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.choice([1, 2, 3, 5, 8, 13, 20]) for _ in range(rng.randint(1, 30))]
+        fc = rng.choice([0, 3, 24, 500])
+        got = length_groups(lengths, fc)
+        ls = sorted(set(lengths))
+        assert [x for lo, hi in got for x in ls if lo <= x <= hi] == ls     # every length in exactly one group
+        best = min(cost([(ls[a], ls[b - 1]) for a, b in zip((0, *cuts), (*cuts, len(ls)))], lengths, fc)
+                   for k in range(len(ls)) for cuts in itertools.combinations(range(1, len(ls)), k))
+        assert cost(got, lengths, fc) == best
+    assert length_groups([], 24) == []
+    assert length_groups([1, 1, 9], 0) == [(1, 1), (9, 9)] and length_groups([1, 1, 9], 10**6) == [(1, 9)]
+
+
 def test_prefix_runs_group_contexts_by_what_they_share():
     from qgate.gates.lm import prefix_runs
 

@@ -79,6 +79,23 @@ def _real_std_streams() -> bool:
         return False
 
 
+def silence_tqdm() -> None:
+    """Every tqdm bar disabled, in this process and its children: libraries that call tqdm directly (transformers'
+    GGUF loader) or pass disable=False. TQDM_DISABLE alone is not enough: tqdm reads it once, when first imported."""
+    os.environ["TQDM_DISABLE"] = "1"
+    import tqdm.std
+
+    if not getattr(tqdm.std.tqdm.__init__, "_qgate_quiet", False):
+        init = tqdm.std.tqdm.__init__
+
+        def quiet_init(self, *args, **kwargs):
+            kwargs["disable"] = True
+            init(self, *args, **kwargs)
+        quiet_init._qgate_quiet = True
+        quiet_init._qgate_original = init
+        tqdm.std.tqdm.__init__ = quiet_init
+
+
 def quiet_console(log_file: Path) -> Path:
     """Send fds 1 and 2 to `log_file` and keep the console for qgate's own lines. Returns the log's path."""
     import logging
@@ -93,19 +110,9 @@ def quiet_console(log_file: Path) -> Path:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         _CONSOLE["log"] = log
-    os.environ["TQDM_DISABLE"] = "1"
     os.environ["QGATE_PLAIN_PROGRESS"] = "1"
     os.environ["MLFLOW_CONFIGURE_LOGGING"] = "false"
-    import tqdm.std
-
-    if not getattr(tqdm.std.tqdm.__init__, "_qgate_quiet", False):   # libraries that pass disable=False explicitly too
-        init = tqdm.std.tqdm.__init__
-
-        def quiet_init(self, *args, **kwargs):
-            kwargs["disable"] = True
-            init(self, *args, **kwargs)
-        quiet_init._qgate_quiet = True
-        tqdm.std.tqdm.__init__ = quiet_init
+    silence_tqdm()
     logging.captureWarnings(True)
     root = logging.getLogger()
     root.setLevel(logging.INFO)

@@ -19,10 +19,15 @@ def quiet_libraries() -> None:
     """Keep the console for qgate's own progress: libraries log warnings and worse only."""
     import logging
     import os
+    import sys
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "ERROR")  # read at first import; its per-layer METRIC lines (level 38) too
+    if not sys.stderr.isatty():   # no TTY: no carriage-return bars from libraries that call tqdm directly (GGUF import)
+        from qgate.progress import silence_tqdm
+
+        silence_tqdm()
     for name in ("transformers", "datasets", "lm_eval", "lm-eval", "mlflow", "alembic", "llmcompressor", "onnxruntime"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:

@@ -70,11 +70,13 @@ class RunnerLM(LM):
                 for c in contexts:
                     ix = sorted(fits[c], key=lambda i: len(pairs[i][1]))
                     sub: list[int] = []
+                    fed = 0
                     for i in ix:   # a question with many long choices is split to stay within the token budget
-                        if sub and (len(sub) + 1) * len(pairs[i][1]) > self.BATCH_TOKENS:
+                        if sub and fed + len(pairs[i][1]) > self.BATCH_TOKENS:
                             shared.append((p, c, sub))
-                            sub = []
+                            sub, fed = [], 0
                         sub.append(i)
+                        fed += len(pairs[i][1])
                     shared.append((p, c, sub))
         self._score_shared(pairs, shared, out)
         done = {i for _, _, ix in shared for i in ix}
@@ -93,20 +95,21 @@ class RunnerLM(LM):
         return float((picked - torch.logsumexp(x, -1)).sum()), bool((x.argmax(-1) == t).all())
 
     def _score_shared(self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], out: list) -> None:
-        """Batches of contexts with one shared prefix each: suffixes and continuation rows within the token budget."""
+        """Batches of contexts with one shared prefix each: padded suffixes, and continuation tokens (which the runner
+        pads only within groups of similar length), within the token budget."""
         shared = sorted(shared, key=lambda g: (g[1][:g[0]], len(g[1]) - g[0]))   # one prefix per run, suffixes by length
         start = 0
         while start < len(shared):
             p, c0, ix0 = shared[start]
-            end, rows = start + 1, len(ix0)
+            end, fed = start + 1, sum(len(pairs[i][1]) for i in ix0)
             while end < len(shared):
                 q, c, ix = shared[end]
                 if q != p or c[:p] != c0[:p]:
                     break
-                kmax = max(len(pairs[i][1]) for s in shared[start:end + 1] for i in s[2])
-                if (end - start + 1) * (len(c) - p) > self.BATCH_TOKENS or (rows + len(ix)) * kmax > self.BATCH_TOKENS:
+                more = sum(len(pairs[i][1]) for i in ix)
+                if (end - start + 1) * (len(c) - p) > self.BATCH_TOKENS or fed + more > self.BATCH_TOKENS:
                     break
-                end, rows = end + 1, rows + len(ix)
+                end, fed = end + 1, fed + more
             chunk = shared[start:end]
             start = end
             batch = self.runner.continuation_logits([(list(c[p:]), [pairs[i][1] for i in ix]) for _, c, ix in chunk],
