@@ -8,7 +8,7 @@ from qgate.gates.evalgate import EvalConfig, eval_gate, task_config
 from qgate.gates.result import GateResult, overall
 from qgate.gates.run import GateConfig, run_gates
 from qgate.gates.shadow import ShadowConfig, baseline_reference, candidate_metrics
-from qgate.gates.stats import cluster_bootstrap, mcnemar_exact, paired_mean_ci, quantile_ci
+from qgate.gates.stats import cluster_bootstrap, mcnemar_exact, paired_binary_ci, quantile_ci
 
 FAST = GateConfig(shadow=ShadowConfig(max_new_tokens=20, max_prompt_tokens=64), eval=EvalConfig(limit=12))  # 24 x 20 answer tokens: enough to bound p99
 
@@ -167,8 +167,24 @@ def test_mcnemar_and_paired_ci_known_values():
     t = mcnemar_exact(base, cand)
     assert (t["lost"], t["gained"], t["flip_rate"]) == (8, 0, 0.4)
     assert abs(t["p_value"] - 2 * 0.5 ** 8) < 1e-12
-    m, lo, hi = paired_mean_ci(cand.astype(float) - base.astype(float))
+    m, lo, hi = paired_binary_ci(base, cand)
     assert m == -0.4 and hi < 0 < 1 + lo
+
+
+def test_paired_accuracy_interval_never_has_zero_width_and_covers():
+    same = np.array([1] * 31 + [0] * 38, bool)                     # 69 items, no discordant pair
+    m, lo, hi = paired_binary_ci(same, same)
+    assert m == 0 and -0.04 < lo < -0.02 and 0.02 < hi < 0.04     # about +-2/(n+2), not [0, 0]
+    rng = np.random.default_rng(1)
+    hits = 0
+    for _ in range(2000):                                          # true loss 2 points: 3% lost, 1% gained
+        u = rng.random(300)
+        base = u < 0.5
+        cand = base.copy()
+        cand[u < 0.03], cand[(u >= 0.5) & (u < 0.51)] = False, True
+        _, lo, hi = paired_binary_ci(base, cand)
+        hits += lo <= -0.02 <= hi
+    assert 0.93 <= hits / 2000 <= 0.975                           # nominal 95%
 
 
 def test_cluster_bootstrap_covers_truth():

@@ -26,7 +26,7 @@ import yaml
 
 from qgate.errors import ConfigError
 from qgate.gates.result import GateResult
-from qgate.gates.stats import mcnemar_exact, paired_bootstrap, paired_mean_ci
+from qgate.gates.stats import mcnemar_exact, paired_binary_ci, paired_bootstrap
 from qgate.naming import Registry
 
 TASK_DIR = Path(__file__).parent / "tasks"
@@ -140,7 +140,7 @@ def _bias_caveat(b: dict) -> str:
 def _mc_check(name: str, bc: np.ndarray, cc: np.ndarray, min_recovery: float | None, alpha: float,
               evidence: dict | None = None) -> GateResult:
     test = mcnemar_exact(bc, cc)
-    delta, lo, hi = paired_mean_ci(cc.astype(float) - bc.astype(float))
+    delta, lo, hi = paired_binary_ci(bc, cc)
     base_acc, cand_acc = float(bc.mean()), float(cc.mean())
     rec = cand_acc / base_acc if base_acc > 0 else float("nan")
     ci = ((base_acc + lo) / base_acc, (base_acc + hi) / base_acc) if base_acc > 0 else None

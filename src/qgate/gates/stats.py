@@ -1,4 +1,4 @@
-"""Paired statistics for gates: cluster bootstrap, clustered quantile intervals, exact McNemar, paired means.
+"""Paired statistics for gates: cluster bootstrap, clustered quantile intervals, exact McNemar, paired accuracy differences.
 
     lo, hi = cluster_bootstrap(values, clusters, np.mean)
     lo, hi, ev = quantile_ci(values, clusters, 0.99)      # hi is inf when the sample cannot bound the tail
@@ -97,17 +97,20 @@ def mcnemar_exact(base_correct: np.ndarray, cand_correct: np.ndarray) -> dict:
     return {"lost": lost, "gained": gained, "n": n, "flip_rate": (lost + gained) / n if n else float("nan"), "p_value": p}
 
 
-def paired_mean_ci(diff: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
-    """Mean of paired differences with a t-interval."""
-    from scipy.stats import t
-
-    diff = np.asarray(diff, float)
-    n = len(diff)
-    m = float(diff.mean()) if n else float("nan")
-    if n < 2:
-        return m, m, m
-    half = float(t.ppf(0.5 + level / 2, n - 1) * diff.std(ddof=1) / np.sqrt(n))
-    return m, m - half, m + half
+def paired_binary_ci(base_correct: np.ndarray, cand_correct: np.ndarray, z: float = 1.959964) -> tuple[float, float, float]:
+    """Observed difference in accuracy (candidate - baseline) of paired right/wrong items, with the Agresti-Min
+    interval: the Wald interval after adding 0.5 to each cell of the paired 2x2 table (Agresti & Min, 2005,
+    Biometrics 61:515). Unlike a t-interval on the differences, it never has zero width: with no discordant item
+    among n it still spans about +-2/(n+2), since n agreements cannot rule out a loss smaller than that."""
+    b, c = np.asarray(base_correct, bool), np.asarray(cand_correct, bool)
+    n = len(b)
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    gained, lost = float(np.sum(~b & c)) + 0.5, float(np.sum(b & ~c)) + 0.5
+    m = n + 2.0
+    d = (gained - lost) / m
+    half = z * np.sqrt(max((gained + lost) - (gained - lost) ** 2 / m, 0.0)) / m
+    return float(c.mean() - b.mean()), float(max(d - half, -1.0)), float(min(d + half, 1.0))
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
