@@ -12,6 +12,9 @@ Then the current default tasks, shared contexts and prefixes, with every choice 
 (the runner before length groups) against choices padded only within groups of similar length (the default).
 Then: the earlier default tasks (369 items) with full-16, against the current default tasks with the default scoring;
 and the perplexity set scored one document at a time against rolling windows batched across documents.
+Last, the roofline: the positions the default scoring ran through the model (padding included), against plain
+forwards in 8 x 256 batches (no cache, last logits only): how close the scoring runs to what
+the model costs on this machine. `--roofline` runs only the current default tasks and this comparison.
 """
 from __future__ import annotations
 
@@ -84,9 +87,40 @@ class FullLogits:
         return out
 
 
+class Positions:
+    """Counts the input positions every forward of a model runs (padding included)."""
+
+    def __init__(self, model):
+        self.n, self.forwards = 0, 0
+        model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, _module, args, kwargs):
+        x = args[0] if args else kwargs["input_ids"]
+        self.n += x.numel()
+        self.forwards += 1
+
+
+def roofline(runner, positions: int, secs: float) -> None:
+    """Plain forwards (8 x 256, last logits only), up to as many positions as the scoring ran, timed."""
+    import torch
+
+    x = torch.randint(0, runner.tokenizer.vocab_size, (8, 256))
+    reps = max(1, min(10, round(positions / x.numel())))   # throughput is steady: 10 forwards time it
+    with torch.inference_mode():
+        runner.model(x, logits_to_keep=1)
+        t = time.perf_counter()
+        for _ in range(reps):
+            runner.model(x, logits_to_keep=1)
+        plain = (time.perf_counter() - t) / (reps * x.numel())
+    print(f"roofline: the default scoring ran {positions:,} positions in {secs:.1f} s ({positions / secs:.0f} positions/s); "
+          f"plain forwards {1 / plain:.0f} positions/s over {reps * x.numel():,}: the scoring runs at "
+          f"{positions * plain / secs:.2f}x the plain forward's throughput")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, default=ROOT / ".qgate/demo/base")
+    ap.add_argument("--roofline", action="store_true", help="only the current default tasks and the roofline")
     args = ap.parse_args()
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import torch
@@ -100,6 +134,12 @@ def main() -> None:
     quiet_libraries()
     print(f"torch threads {torch.get_num_threads()}, interop {torch.get_num_interop_threads()}, cpus {os.cpu_count()}")
     runner = load_runner(Artifact.load(args.model, "checkpoint"))
+    if args.roofline:
+        now, _ = requests_for({t: None for t in DEFAULT_TASKS if t != "chatterbot_ppl"})
+        count = Positions(runner.model)
+        secs, _ = timed(RunnerLM(runner), now)
+        print(f"  {len(now)} requests in {secs:.1f} s ({len(now) / secs:.1f} req/s), {count.forwards} forwards")
+        return roofline(runner, count.n, secs)
     print("earlier default tasks:")
     reqs, n_before = requests_for(BEFORE)
     results = {}
@@ -118,7 +158,9 @@ def main() -> None:
     runner.FORWARD_COST = 10**9          # one group: every continuation of a batch padded to the longest
     padded, s0 = timed(RunnerLM(runner), now)
     runner.FORWARD_COST = forward_cost
+    count = Positions(runner.model)
     secs, s1 = timed(RunnerLM(runner), now)
+    ran = count.n
     diff = max(abs(a[0] - b[0]) for a, b in zip(s0, s1, strict=True))
     print(f"  choices padded to the batch's longest {padded:.1f} s, within length groups (default) {secs:.1f} s "
           f"({len(now) / secs:.1f} req/s): {padded / secs:.2f}x; max |log-likelihood difference| {diff:.2e}")
@@ -139,6 +181,7 @@ def main() -> None:
     after = secs + t_many
     print(f"whole eval (multiple choice + perplexity): before {n_before} items + {PPL_BEFORE} documents {before:.1f} s, after "
           f"{n_now} items + {len(docs)} documents {after:.1f} s: {after / before:.2f}x the time")
+    roofline(runner, ran, secs)
 
 
 if __name__ == "__main__":

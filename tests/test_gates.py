@@ -8,7 +8,7 @@ from qgate.gates.evalgate import EvalConfig, eval_gate, task_config
 from qgate.gates.result import GateResult, overall
 from qgate.gates.run import GateConfig, run_gates
 from qgate.gates.shadow import ShadowConfig, baseline_reference, candidate_metrics
-from qgate.gates.stats import cluster_bootstrap, mcnemar_exact, paired_binary_ci, quantile_ci
+from qgate.gates.stats import cluster_bootstrap, holm, mcnemar_exact, paired_binary_ci, quantile_ci
 
 FAST = GateConfig(shadow=ShadowConfig(max_new_tokens=20, max_prompt_tokens=64), eval=EvalConfig(limit=12))  # 24 x 20 answer tokens: enough to bound p99
 
@@ -62,18 +62,28 @@ def test_topk_kl_is_a_lower_bound_and_exact_with_full_vocab(base_art, w8_art, ca
 
 
 def test_candidate_identical_to_baseline_passes_with_zero_disagreement(base_art, calib_arts, workdir):
+    """With enough items. On 12 items a task, no flips cannot show that recovery is above 0.9 (an interval that
+    stays open with zero flips), so each task is inconclusive, not a pass on a zero-width interval."""
     art = run_gates(base_art, base_art, calib_arts["shadow"], FAST, workdir / "gate-self", workdir / "cache-self")
     report = json.loads((art.path / "report.json").read_text())
     by = {r["metric"]: r for r in report["results"]}
-    assert report["passed"] is True and art.meta["passed"] is True
+    mc = [r for r in report["results"] if r["metric"].endswith(".recovery")]
+    assert len(mc) == 6 and all(r["verdict"] == "inconclusive" and r["ci"][0] < 0.9 < 1.0 < r["ci"][1] for r in mc)
+    assert {r["verdict"] for r in report["results"]} == {"pass", "info", "inconclusive"} and report["verdict"] == "inconclusive"
+    pooled = GateConfig(shadow=FAST.shadow, eval=EvalConfig(limit=40, pool=True))        # 240 items, one check
+    art = run_gates(base_art, base_art, calib_arts["shadow"], pooled, workdir / "gate-self-pooled", workdir / "cache-self")
+    pooled_report = json.loads((art.path / "report.json").read_text())
+    assert pooled_report["passed"] is True and art.meta["passed"] is True
+    assert {r["metric"]: r for r in pooled_report["results"]}["mc_pooled.recovery"]["ci"][0] > 0.9
     # the reference comes from generation (prefill + KV-cached decode), the candidate from teacher forcing: ~1e-6 nats
     assert by["kl_p99"]["observed"] < 1e-5 and by["top1_agreement"]["observed"] == 1.0
     assert by["identical_generation"]["observed"] == 1.0
     assert by["bigbench_general_knowledge.recovery"]["evidence"]["flip_rate"] == 0.0
     assert abs(by["chatterbot_ppl.bpb_increase"]["observed"]) < 1e-6
     # the baseline cache keeps each item's chosen answer and gold index, and acc is exactly their agreement
-    (cached,) = (workdir / "cache-self").glob("eval-baseline-*.json")
-    gk = json.loads(cached.read_text())["bigbench_general_knowledge"]
+    caches = [json.loads(p.read_text())["bigbench_general_knowledge"] for p in (workdir / "cache-self").glob("eval-baseline-*.json")]
+    assert sorted(len(c["per_item"]) for c in caches) == [12, 40]            # one per limit
+    (gk,) = [c for c in caches if len(c["per_item"]) == 12]
     assert len(gk["chosen"]) == len(gk["gold"]) == len(gk["per_item"]) == 12
     assert [float(c == g) for c, g in zip(gk["chosen"], gk["gold"], strict=True)] == gk["per_item"]
     assert by["bigbench_general_knowledge.recovery"]["evidence"]["label_bias"]["share"] >= 1 / 12
@@ -220,6 +230,35 @@ def test_pooled_tasks_decide_what_each_small_task_cannot():
     assert pooled[0].evidence["lost"] == 12 and pooled[0].evidence["tasks"] == ["a", "b", "c"]
     assert [r.verdict for r in pooled[1:]] == ["info"] * 3
     assert pooled[0].mde < min(r.mde for r in alone)
+
+
+def test_pooling_does_not_hide_a_loss_concentrated_in_one_task():
+    """Six 300-item tasks. "lossy" loses 20 items and gains none; each other task gains 4: pooled, 20 lost and 20
+    gained pass, but the lossy task's McNemar loss survives Holm's correction over six tasks and fails it. A task
+    losing 9 and gaining 1 (p = 0.021 alone, 0.13 after correction) stays report-only."""
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    rng = np.random.default_rng(0)
+    names = ("lossy", "b", "c", "d", "e", "f")
+    base, cand = {}, {}
+    for t, (lost, gained) in zip(names, [(20, 0)] + [(0, 4)] * 5, strict=True):
+        b = rng.random(300) < 0.5
+        c = b.copy()
+        c[np.nonzero(b)[0][:lost]], c[np.nonzero(~b)[0][:gained]] = False, True
+        base[t], cand[t] = {"kind": "mc", "per_item": b.astype(float).tolist()}, {"kind": "mc", "per_item": c.astype(float).tolist()}
+    res = {r.metric: r for r in eval_gate(base, cand, _eval_cfg(names, min_recovery=0.85, pool=True))}
+    assert res["mc_pooled.recovery"].verdict == "pass" and res["mc_pooled.recovery"].evidence["lost"] == 20
+    lossy = res["lossy.recovery"]
+    assert lossy.verdict == "fail" and lossy.decided_on == "mcnemar-holm"
+    assert lossy.evidence["p_holm"] == pytest.approx(6 * lossy.p_value) and lossy.evidence["p_holm"] < 1e-4
+    assert [res[f"{t}.recovery"].verdict for t in names[1:]] == ["info"] * 5
+    c = np.array(cand["lossy"]["per_item"]) > 0.5                  # 9 lost, 1 gained: significant alone, not after correction
+    b = np.array(base["lossy"]["per_item"]) > 0.5
+    c[:] = b
+    c[np.nonzero(b)[0][:9]], c[np.nonzero(~b)[0][:1]] = False, True
+    cand["lossy"] = {"kind": "mc", "per_item": c.astype(float).tolist()}
+    res = {r.metric: r for r in eval_gate(base, cand, _eval_cfg(names, min_recovery=0.85, pool=True))}
+    assert res["lossy.recovery"].p_value < 0.05 < res["lossy.recovery"].evidence["p_holm"]
+    assert res["lossy.recovery"].verdict == "info" and res["mc_pooled.recovery"].verdict == "pass"
 
 
 def test_label_biased_tasks_are_flagged_and_the_pooled_check_states_its_power_without_them():

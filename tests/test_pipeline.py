@@ -27,7 +27,7 @@ def _spec(tmp_path, workdir, **over):
         ],
         "gates": {"shadow": {"max_new_tokens": 16, "max_prompt_tokens": 48, "kl_p99_max": None, "kl_mean_max": 0.005,
                              "top1_agreement_min": 0.8},
-                  "eval": {"tasks": ["bigbench_general_knowledge", "chatterbot_ppl"], "limit": 10, "min_recovery": 0.5,
+                  "eval": {"tasks": ["bigbench_general_knowledge", "chatterbot_ppl"], "limit": 69, "min_recovery": 0.5,
                            "max_bpb_increase": 0.2}},
         "registry": {"model_name": "tiny-llm", "store": "mlflow"},
     }

@@ -119,6 +119,31 @@ def test_sampler_memory_is_bounded_by_the_sample_not_the_log(tmp_path, monkeypat
     assert large < 1.3 * small, f"peak {small / 2**20:.1f} MiB for 11k records, {large / 2**20:.1f} MiB for 33k"
 
 
+def test_a_serial_scan_of_many_partitions_holds_one_partition_state_at_a_time(tmp_path, monkeypatch):
+    """A partition's state is merged and dropped before the next partition is scanned, so memory is the merged sample
+    plus one scan's, not two scans' (the loop and the progress lines used to keep the previous one alive)."""
+    import gc
+    import weakref
+
+    from qgate.calibrate import sample
+
+    monkeypatch.setenv("QGATE_PLAIN_PROGRESS", "1")      # the line-based progress (a CI log), as without a TTY
+    alive, real = [], sample.scan_partition
+
+    def scan(*args):
+        gc.collect()
+        alive.append(sum(r() is not None for r in refs))    # earlier partitions' states still alive at this scan
+        st_, rejects = real(*args)
+        refs.append(weakref.ref(st_))
+        return st_, rejects
+
+    refs: list = []
+    monkeypatch.setattr(sample, "scan_partition", scan)
+    sample_traffic(_write_parts(tmp_path / "parts", _records(600), [150, 300, 450]), tmp_path / "out",
+                   SampleConfig(calib_size=20, shadow_size=8))
+    assert alive == [0, 0, 0, 0]
+
+
 def test_sketches_round_trip_and_bound_their_error(monkeypatch):
     import pickle
 

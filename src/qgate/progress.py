@@ -54,6 +54,7 @@ def _lines(items: Iterable[T], desc: str, total: int | None, unit: str) -> Itera
     last_done, done = 0, 0
     for item in items:
         yield item
+        del item        # the consumer has it: holding it through the next step would keep two alive
         done += 1
         now = time.monotonic()
         # a line only when 30 s have passed and another 10% is done: a fast step logs just its final line

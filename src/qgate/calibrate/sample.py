@@ -78,6 +78,7 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
         for st, rejects in scans:   # in partition order: the merged state is the same whatever ran the scans
             rej.write(rejects)
             state.merge(st)
+            del st, rejects         # not alive beside the next partition's scan: memory is one sample plus one scan
     source_name = str(traffic) if not many else f"{traffic} ({len(parts)} files)"
     calib, shadow, counts = _select(state, config, source_name)
     params = typed_config(config)

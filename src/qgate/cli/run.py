@@ -99,9 +99,9 @@ def _print_table(spec, o: Output) -> None:
                 typer_echo(f"{'':22s} {what}: {', '.join(v[f'{what}_checks'])}")
         for c in v.get("checks", []):
             if c["gate"] == "eval":
-                ci = f" [{c['ci'][0]:.3f}, {c['ci'][1]:.3f}]" if c["ci"] else ""
-                mde = f"  mde {c['mde']:.3f}" if c["mde"] is not None else ""
-                typer_echo(f"{'':22s} {c['verdict'].upper():12s} {c['metric']} {c['observed']:.3f}{ci}  n={c['n']}{mde}")
+                ci = f" [{c['ci'][0]:.4g}, {c['ci'][1]:.4g}]" if c["ci"] else ""     # significant digits: bpb rises are ~0.002
+                mde = f"  mde {c['mde']:.3g}" if c["mde"] is not None else ""
+                typer_echo(f"{'':22s} {c['verdict'].upper():12s} {c['metric']} {c['observed']:.4g}{ci}  n={c['n']}{mde}")
                 if c.get("caveat"):
                     typer_echo(f"{'':35s} caveat: {c['caveat']}")
     if any(v["verdict"] == "inconclusive" and v["passed"] for v in summary["variants"]):

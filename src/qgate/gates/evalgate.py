@@ -7,7 +7,9 @@ Multiple-choice tasks: recovery ratio (candidate accuracy / baseline accuracy) w
 paired confidence interval, and an exact McNemar test on the items that flipped; a
 significant loss fails the task whatever the recovery. With `pool: true` the items of
 every multiple-choice task are pooled into one gated check (`mc_pooled.recovery`), so
-its power comes from all of them; the per-task rows are then reported, not gated. Perplexity tasks: relative
+its power comes from all of them; the per-task rows are then reported, not gated, except that a task whose McNemar
+loss stays significant after Holm's correction over the pooled tasks fails: pooling must not hide a loss concentrated
+in one capability (one task of six losing 36 items and gaining 5, say) behind the others. Perplexity tasks: relative
 increase in bits per byte, with a paired bootstrap interval over documents.
 Label bias: a task whose baseline picks one answer position on LABEL_BIAS of its items or more is flagged
 (`evidence.caveat`), and the pooled check also states its recovery and mde over the items of the other tasks: items
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +28,7 @@ import yaml
 
 from qgate.errors import ConfigError
 from qgate.gates.result import GateResult
-from qgate.gates.stats import mcnemar_exact, paired_binary_ci, paired_bootstrap
+from qgate.gates.stats import holm, mcnemar_exact, paired_binary_ci, paired_bootstrap
 from qgate.naming import Registry
 
 TASK_DIR = Path(__file__).parent / "tasks"
@@ -172,6 +174,7 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
             results.append(GateResult.check("eval", f"{name}.bpb_increase", cand_bpb / base_bpb - 1, cfg.max_bpb_increase,
                                             False, len(nb), ci, None, ev))
     if cfg.pool and pooled_b:
+        _fail_task_losses(results, cfg.alpha)
         ev: dict = {"tasks": pooled_tasks}
         if any(biased):
             keep = [i for i, f in enumerate(biased) if not f]
@@ -191,3 +194,14 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
         results.insert(0, _mc_check("mc_pooled", np.concatenate(pooled_b), np.concatenate(pooled_c), cfg.min_recovery,
                                     cfg.alpha, ev))
     return results
+
+
+def _fail_task_losses(results: list[GateResult], alpha: float) -> None:
+    """Pooled mode: fail each report-only task row whose McNemar loss is significant after Holm's correction over
+    the multiple-choice tasks (family-wise error alpha), in place."""
+    rows = [i for i, r in enumerate(results) if r.metric.endswith(".recovery")]
+    adjusted = holm([results[i].p_value for i in rows])
+    for i, p in zip(rows, adjusted, strict=True):
+        r = results[i]
+        r = replace(r, evidence=r.evidence | {"p_holm": p, "holm_tasks": len(rows)})
+        results[i] = r.failed("mcnemar-holm") if p < alpha and r.evidence["lost"] > r.evidence["gained"] else r

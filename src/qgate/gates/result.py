@@ -33,7 +33,7 @@ class GateResult:
     ci: tuple[float, float] | None = None
     p_value: float | None = None
     passed: bool = False
-    decided_on: str = "point"       # "ci" / "point" / "mcnemar" / "report-only" / "not-run"
+    decided_on: str = "point"       # "ci" / "point" / "mcnemar" / "mcnemar-holm" / "report-only" / "not-run"
     evidence: dict = field(default_factory=dict)
     verdict: str = "fail"
     mde: float | None = None        # minimum detectable effect at this n (metric units)

@@ -51,8 +51,9 @@ class GateConfig:
     perf: PerfConfig = field(default_factory=PerfConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
     on_inconclusive: str = "block"     # "block": an inconclusive check blocks promotion; "warn": it passes with a warning
-    VERSION = 5                        # 3: contract, parity and noise floor in the report; 4: label-bias caveats;
-                                       # 5: Agresti-Min intervals on multiple-choice checks
+    VERSION = 6                        # 3: contract, parity and noise floor in the report; 4: label-bias caveats;
+                                       # 5: Agresti-Min intervals on multiple-choice checks; 6: pooled mode fails a
+                                       # task whose McNemar loss survives Holm's correction
 
     def __post_init__(self):
         if self.on_inconclusive not in ("block", "warn"):

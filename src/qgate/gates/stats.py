@@ -110,7 +110,19 @@ def paired_binary_ci(base_correct: np.ndarray, cand_correct: np.ndarray, z: floa
     m = n + 2.0
     d = (gained - lost) / m
     half = z * np.sqrt(max((gained + lost) - (gained - lost) ** 2 / m, 0.0)) / m
-    return float(c.mean() - b.mean()), float(max(d - half, -1.0)), float(min(d + half, 1.0))
+    base = float(b.mean())    # the candidate's accuracy lies in [0, 1], so the difference in [-base, 1 - base]
+    return float(c.mean()) - base, float(max(d - half, -base)), float(min(d + half, 1.0 - base))
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (step-down; family-wise error at most alpha when each is compared to
+    alpha), in the order given."""
+    m = len(p_values)
+    adjusted, running = [1.0] * m, 0.0
+    for rank, i in enumerate(sorted(range(m), key=lambda i: p_values[i])):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
