@@ -9,6 +9,7 @@ are compared on identical inputs (onnxruntime-genai's own tokenizer adds no BOS)
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -96,8 +97,9 @@ def length_groups(lengths: Sequence[int], forward_cost: float) -> list[tuple[int
     alone than as padding in the next group."""
     if not lengths:
         return []
-    ls = sorted(set(lengths))
-    count = [sum(1 for x in lengths if x == v) for v in ls]
+    counts = Counter(lengths)
+    ls = sorted(counts)
+    count = [counts[v] for v in ls]
     best = [0.0] + [float("inf")] * len(ls)          # best[j]: cost of ls[:j]
     cut = [0] * (len(ls) + 1)
     for j in range(1, len(ls) + 1):
