@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from qgate.calibrate import batches
 from qgate.calibrate.batches import PY_SPACE, Batch, read_batches
+from qgate.calibrate import state
 from qgate.calibrate.words import batch_words, text_words, words
 from qgate.calibrate.reader import read_traffic
 from qgate.calibrate.scrub import HINT, RULE_HINTS, rule_hints, scrub
@@ -199,6 +200,30 @@ def test_vectorized_words_equal_python_words(texts, ascii_texts):
             for r, wt in zip(ref, weights[:, j].tolist()):
                 want.update({w: c * wt for w, c in Counter(r).items()})
             assert bags[j] == +want
+
+
+_spacey = st.text(st.sampled_from(["a", "B", "é", "😀", " ", "\t", "\n", "\r", "\x0b", "\x0c", "\x1c", "\x1f", "\x85",
+                                   "\xa0", "\u1680", "\u2000", "\u200a", "\u200b", "\u2028", "\u3000", "\ufeff"]), max_size=12)
+
+
+@FUZZ
+@given(requests=st.lists(st.lists(_spacey, min_size=1, max_size=4), min_size=1, max_size=12), scrub_some=st.booleans())
+def test_vectorized_digests_equal_the_content_digest(requests, scrub_some):
+    """Per request, the columnar digest (whitespace runs by RE2, turns joined by pyarrow) is `content_digest` of its
+    turns: blank and whitespace-only turns, every kind of Python whitespace and its near misses (U+200B, U+FEFF are
+    not whitespace), repeated turns, and scrubbed turns patched into the distinct column."""
+    turns = [t for r in requests for t in r]
+    enc = pc.dictionary_encode(pa.array(turns, pa.string()))
+    ids, distinct = enc.indices.to_numpy(zero_copy_only=False), enc.dictionary
+    clean = distinct.to_pylist()
+    scrubbed = np.array([scrub_some and i % 2 == 1 for i in range(len(clean))], bool)
+    for i in np.flatnonzero(scrubbed).tolist():
+        clean[i] = f" [EMAIL]\t{clean[i]}"
+    starts = np.cumsum([0] + [len(r) for r in requests], dtype=np.int64)
+    digests, halves = state._digests(state._patched(distinct, {i: clean[i] for i in np.flatnonzero(scrubbed).tolist()}), ids, starts)
+    want = [state.content_digest([clean[t] for t in ids[a:b].tolist()]) for a, b in zip(starts[:-1], starts[1:])]
+    assert digests == want
+    assert halves.tolist() == [d[0] & 1 for d in want]
 
 
 def test_words_on_real_text_with_every_script():

@@ -2,17 +2,22 @@
 S3-compatible server on localhost), and the same results from serial and Ray execution."""
 import gzip
 import hashlib
+import heapq
 import json
+import math
 import random
 import socket
 import tracemalloc
+from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qgate.calibrate.sample import SampleConfig, sample_traffic
 from qgate.calibrate import sketches
+from qgate.calibrate.profile import Concurrency
 from qgate.calibrate.sketches import DistinctCount, HeavyHitters
 from qgate.calibrate.sources import Partition, list_partitions
 from qgate.calibrate.state import SampleState, scan_partition
@@ -329,3 +334,92 @@ def test_a_failing_ray_task_raises_its_own_error_and_leaves_nothing_running(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ran      # nothing was left running behind the caller
     assert "0" in ran and len(ran) < 20                             # the window was awaited; later calls never ran
     assert list(map_ordered(_slow_or_bad, [(0, str(tmp_path)), (2, str(tmp_path))], engine="ray")) == [0, 2]  # driver alive
+
+
+class _StreamedConcurrency:
+    """The in-flight count one request at a time, as `Concurrency` was first written: the reference its batches
+    (vectorized where requests come in timestamp order) must equal."""
+
+    def __init__(self, window: int):
+        self.size, self.window, self.seq, self.ends = window, [], 0, []
+        self.last_ts, self.second, self.in_second = float("-inf"), None, 0
+        self.in_flight, self.per_second, self.timed, self.no_latency, self.out_of_order = Counter(), Counter(), 0, 0, 0
+
+    def add(self, ts, latency_ms):
+        if ts is None:
+            return
+        self.timed += 1
+        self.no_latency += latency_ms is None
+        heapq.heappush(self.window, (ts, self.seq, latency_ms))
+        self.seq += 1
+        if len(self.window) > self.size:
+            self._arrive(*heapq.heappop(self.window))
+
+    def _arrive(self, ts, _seq, latency_ms):
+        if ts < self.last_ts:
+            self.out_of_order += 1
+        self.last_ts = max(self.last_ts, ts)
+        while self.ends and self.ends[0] <= ts:
+            heapq.heappop(self.ends)
+        if latency_ms is not None:
+            heapq.heappush(self.ends, ts + latency_ms / 1000.0)
+            self.in_flight[len(self.ends)] += 1
+        sec = math.floor(ts)
+        if sec != self.second:
+            self._close()
+            self.second = sec
+        self.in_second += 1
+
+    def _close(self):
+        if self.in_second:
+            self.per_second[self.in_second] += 1
+        self.in_second = 0
+
+    def finish(self):
+        while self.window:
+            self._arrive(*heapq.heappop(self.window))
+        self._close()
+        self.ends, self.second, self.last_ts = [], None, float("-inf")
+
+
+_TIMES = st.one_of(st.none(), st.sampled_from([0.0, 0.5, 0.999, 1.0, 1.25, 2.0, 7.0]), st.floats(0, 20, allow_nan=False))
+_LATENCIES = st.one_of(st.none(), st.sampled_from([0.0, 1.0, 500.0, 1000.0]), st.floats(0, 5000, allow_nan=False))
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.lists(st.tuples(_TIMES, _LATENCIES), max_size=40), min_size=1, max_size=4),
+       window=st.integers(1, 12), mostly_sorted=st.booleans())
+def test_concurrency_batches_equal_one_request_at_a_time(parts, window, mostly_sorted):
+    """The in-flight and per-second histograms, out-of-order count and state between batches equal the one-at-a-time
+    reference, for batches sorted (the vectorized path, ties and zero latencies included) or not, and across two
+    partitions (`finish` in between)."""
+    ref, got = _StreamedConcurrency(window), Concurrency(window)
+    for k, batch in enumerate(parts):
+        if mostly_sorted:
+            batch = sorted(batch, key=lambda r: -1.0 if r[0] is None else r[0])
+        for ts, lat in batch:
+            ref.add(ts, lat)
+        got.add_batch(np.array([np.nan if t is None else t for t, _ in batch], dtype=np.float64),
+                      np.array([np.nan if la is None else la for _, la in batch], dtype=np.float64))
+        assert (got.in_flight, got.per_second, got.out_of_order, got.timed, got.no_latency) == \
+               (ref.in_flight, ref.per_second, ref.out_of_order, ref.timed, ref.no_latency)
+        assert sorted(got.ends) == sorted(ref.ends) and (got.second, got.in_second, got.last_ts) == (ref.second, ref.in_second, ref.last_ts)
+        if k == 1:
+            ref.finish()
+            got.finish()
+    ref.finish()
+    got.finish()
+    assert (got.in_flight, got.per_second, got.out_of_order) == (ref.in_flight, ref.per_second, ref.out_of_order)
+
+
+def test_concurrency_in_order_log_is_vectorized(monkeypatch):
+    """A log in timestamp order never takes the one-by-one path (the speed the sampler's benchmark depends on), and
+    its in-flight counts are right: 1,000 requests 0.1 s apart lasting 0.35 s each have 4 in flight (3 at the start)."""
+    c = Concurrency(100)
+    monkeypatch.setattr(Concurrency, "_arrive", lambda *a: pytest.fail("one-by-one path taken"))
+    ts = np.arange(1000) * 0.1
+    for part in np.array_split(np.arange(1000), 7):
+        c.add_batch(ts[part], np.full(len(part), 350.0))
+    c.finish()
+    assert c.in_flight == Counter({1: 1, 2: 1, 3: 1, 4: 997}) and c.out_of_order == 0
+    assert sum(k * v for k, v in c.per_second.items()) == 1000

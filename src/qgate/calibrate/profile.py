@@ -42,12 +42,18 @@ BUCKETS = tuple(length_bucket(e) for e in LENGTH_EDGES)
 
 class Concurrency:
     """In-flight requests over time, streamed in timestamp order: a histogram of the in-flight count at each arrival
-    (from ts + latency_ms), and of arrivals per second (the proxy when a log has no latencies)."""
+    (from ts + latency_ms), and of arrivals per second (the proxy when a log has no latencies).
 
-    def __init__(self) -> None:
-        self.window: list[tuple[float, int, float | None]] = []   # reorder buffer: (ts, seq, latency_ms)
-        self.seq = 0
-        self.ends: list[float] = []          # end times of requests still in flight
+    Requests enter a reorder buffer of `window` requests; once it is full, the earliest (by timestamp, then log
+    order) leaves it and arrives. Requests that come in timestamp order (a production log, nearly always) are
+    vectorized; the others go one by one through a heap (the tests hold both equal to a one-request-at-a-time
+    reference on shuffled, tied and latency-less timestamps)."""
+
+    def __init__(self, window: int = REORDER_WINDOW) -> None:
+        self.size = window
+        self.win_ts = np.zeros(0)            # reorder buffer, in arrival order (timestamp, then log order)
+        self.win_lat = np.zeros(0)           # latency_ms, NaN where absent
+        self.ends: list[float] = []          # end times of requests still in flight (a heap)
         self.last_ts = -math.inf
         self.second: int | None = None       # the second being counted, and its arrivals
         self.in_second = 0
@@ -57,23 +63,81 @@ class Concurrency:
         self.no_latency = 0
         self.out_of_order = 0
 
-    def add(self, ts: float | None, latency_ms: float | None) -> None:
-        if ts is None:
+    def add_batch(self, ts: np.ndarray, latency_ms: np.ndarray) -> None:
+        """Requests in log order (float64 arrays, NaN where absent), as if they came one at a time."""
+        timed = ~np.isnan(ts)
+        ts, lat = ts[timed], latency_ms[timed]
+        if not len(ts):
             return
-        self.timed += 1
-        self.no_latency += latency_ms is None
-        heapq.heappush(self.window, (ts, self.seq, latency_ms))
-        self.seq += 1
-        if len(self.window) > REORDER_WINDOW:
-            self._arrive(*heapq.heappop(self.window))
+        self.timed += len(ts)
+        self.no_latency += int(np.isnan(lat).sum())
+        if np.all(ts[1:] >= ts[:-1]) and (not len(self.win_ts) or self.win_ts[-1] <= ts[0]):
+            # every request ranks after the whole buffer: it leaves in order, first in first out
+            all_ts, all_lat = np.concatenate((self.win_ts, ts)), np.concatenate((self.win_lat, lat))
+            cut = max(0, len(all_ts) - self.size)
+            self.win_ts, self.win_lat = all_ts[cut:], all_lat[cut:]
+            return self._arrive_run(all_ts[:cut], all_lat[:cut])
+        window = [(t, k, la) for k, (t, la) in enumerate(zip(self.win_ts.tolist(), self.win_lat.tolist(), strict=True))]
+        seq, gone = len(window), []
+        for t, la in zip(ts.tolist(), lat.tolist(), strict=True):
+            heapq.heappush(window, (t, seq, la))
+            seq += 1
+            if len(window) > self.size:
+                gone.append(heapq.heappop(window))
+        self._set_window(window)
+        self._arrive_run(np.array([g[0] for g in gone]), np.array([g[2] for g in gone]))
 
-    def _arrive(self, ts: float, _seq: int, latency_ms: float | None) -> None:
+    def _set_window(self, window: list[tuple]) -> None:
+        window.sort()
+        self.win_ts = np.array([w[0] for w in window], dtype=np.float64)
+        self.win_lat = np.array([w[2] for w in window], dtype=np.float64)
+
+    def _arrive_run(self, ts: np.ndarray, lat: np.ndarray) -> None:
+        """Arrivals in this order: `_arrive` of each, vectorized when they come in timestamp order, none before the
+        last arrival. Then at arrival i every end <= ts[i] has left (the earlier ones too: the times only grow), so
+        in flight are the ends > ts[i] of the requests before it, and itself."""
+        if not len(ts):
+            return
+        if ts[0] < self.last_ts or np.any(ts[1:] < ts[:-1]):
+            for t, la in zip(ts.tolist(), lat.tolist(), strict=True):
+                self._arrive(t, la)
+            return
+        has = ~np.isnan(lat)
+        end = ts + lat / 1000.0                                   # NaN where no latency: in no comparison
+        prior = np.sort(np.array(self.ends, dtype=np.float64))
+        before = np.cumsum(has) - has                             # requests with a latency before i
+        ends_sorted = np.sort(end[has])
+        le_all = np.searchsorted(ends_sorted, ts, side="right")  # ends <= ts[i], over the whole run
+        # those at or after i: end_j >= ts_j >= ts[i], so only end_j == ts_j == ts[i], within i's tie group
+        zero = np.cumsum(has & (end == ts))
+        group_end = np.searchsorted(ts, ts, side="right") - 1
+        le_later = zero[group_end] - np.concatenate(([0], zero))[np.arange(len(ts))]
+        in_flight = (len(prior) - np.searchsorted(prior, ts, side="right")) + before - (le_all - le_later) + 1
+        counts = np.unique(in_flight[has], return_counts=True)
+        self.in_flight.update(dict(zip(counts[0].tolist(), counts[1].tolist(), strict=True)))
+        last = ts[-1]
+        earlier = has.copy()
+        earlier[-1] = False                                       # the last one's own end stays, whatever it is
+        keep = np.concatenate((prior[prior > last], end[earlier][end[earlier] > last], end[-1:][has[-1:]]))
+        self.ends = np.sort(keep).tolist()                        # sorted: a heap
+        self.last_ts = float(last)
+        secs, k = np.unique(np.floor(ts).astype(np.int64), return_counts=True)
+        k = k.tolist()
+        if secs[0] == self.second:
+            k[0] += self.in_second
+        else:
+            self._close_second()
+        for c in k[:-1]:
+            self.per_second[c] += 1
+        self.second, self.in_second = int(secs[-1]), k[-1]
+
+    def _arrive(self, ts: float, latency_ms: float) -> None:
         if ts < self.last_ts:
             self.out_of_order += 1
         self.last_ts = max(self.last_ts, ts)
         while self.ends and self.ends[0] <= ts:
             heapq.heappop(self.ends)
-        if latency_ms is not None:
+        if latency_ms == latency_ms:          # not NaN
             heapq.heappush(self.ends, ts + latency_ms / 1000.0)
             self.in_flight[len(self.ends)] += 1
         sec = math.floor(ts)
@@ -89,8 +153,8 @@ class Concurrency:
 
     def finish(self) -> None:
         """End of a partition: drain the window; in-flight state does not carry over to the next partition."""
-        while self.window:
-            self._arrive(*heapq.heappop(self.window))
+        self._arrive_run(self.win_ts, self.win_lat)
+        self.win_ts, self.win_lat = np.zeros(0), np.zeros(0)
         self._close_second()
         self.ends, self.second, self.last_ts = [], None, -math.inf
 
@@ -156,9 +220,7 @@ class TrafficProfiler:
                 self.split[h].add(bags[h])
                 self.split_n[h] += int(sel.sum())
                 self.split_words[h] += int(n_words[sel].sum())
-        for t, lat in zip(ts.tolist(), latency_ms.tolist(), strict=True):
-            if t == t:                        # NaN: no timestamp
-                self.concurrency.add(t, None if lat != lat else lat)
+        self.concurrency.add_batch(ts, latency_ms)
 
     def finish_partition(self) -> None:
         self.concurrency.finish()

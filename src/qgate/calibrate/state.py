@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qgate.calibrate.batches import Batch, prefetched, read_batches
+from qgate.calibrate.batches import PY_SPACE, Batch, prefetched, read_batches
 from qgate.calibrate.profile import BUCKETS, LENGTH_EDGES, TrafficProfiler
 from qgate.calibrate.scrub import HINT, rule_hints, scrub
 from qgate.calibrate.sketches import DistinctCount
@@ -29,6 +29,9 @@ from qgate.calibrate.sources import Partition
 from qgate.calibrate.words import batch_words, text_words, words
 
 
+_OTHER_SPACE = PY_SPACE.replace(r"\x1c-\x20", r"\x1c-\x1f")     # Python's whitespace but " "
+# a text that " ".join(t.split()) changes: whitespace other than one " " between two other characters
+UNSQUEEZED = f"[{PY_SPACE}][{PY_SPACE}]|^[{PY_SPACE}]|[{PY_SPACE}]$|[{_OTHER_SPACE}]"
 TOTAL_LG_K = 16   # the log's distinct prompts: 64 KiB, relative standard error 0.4%, exact-ish below ~16k prompts
 
 
@@ -104,7 +107,8 @@ class SampleState:
         self.pii.update(found)
         ids = turn_ids.tolist()
         starts = batch.starts.tolist()
-        digests, halves = _digests(clean, ids, starts)
+        digests, halves = _digests(_patched(distinct, {i: clean[i] for i in np.flatnonzero(scrubbed).tolist()}), turn_ids,
+                                   batch.starts)
         n_words, bags = _words(batch, turn_ids, distinct, clean, scrubbed, halves)
         usable = n_words >= min_words
         rows = np.flatnonzero(usable)
@@ -195,25 +199,29 @@ def scan_partition(part: Partition, config, tag_file: bool, show_progress: bool 
     return st, b"".join(rejects)
 
 
-def _digests(clean: list[str], turn_ids: list[int], starts: list[int]) -> tuple[list[bytes], np.ndarray]:
-    """Per request: the content digest of its turns joined by newlines with whitespace runs as one space, and its
-    split half for the profile (0 or 1, by content: duplicates fall in one half, whatever the order). Each distinct
-    turn is normalized once: the normalized join is the normalized turns joined by spaces, the blank ones left out."""
-    norm = [" ".join(t.split()).encode() for t in clean]
+def content_digest(turns: list[str]) -> bytes:
+    """A request's content digest (the definition): its turns with every whitespace run as one space, the blank ones
+    left out, joined by spaces, blake2b-128. Whitespace and how text is split into turns do not change it."""
+    return hashlib.blake2b(" ".join(w for t in turns for w in t.split()).encode(), digest_size=16).digest()
+
+
+def _digests(clean, turn_ids: np.ndarray, starts: np.ndarray) -> tuple[list[bytes], np.ndarray]:
+    """Per request: `content_digest` of its turns (clean: pyarrow strings, the batch's distinct turns scrubbed;
+    turn_ids: each turn's index in it), and its split half for the profile (0 or 1, by content: duplicates fall in
+    one half, whatever the order). The normalizing and joining run over columns; only the hash is per request."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    odd = np.flatnonzero(pc.match_substring_regex(clean, UNSQUEEZED).to_numpy(zero_copy_only=False))
+    norm = _patched(clean, {i: " ".join(t.split()) for i, t in zip(odd.tolist(), clean.take(pa.array(odd)).to_pylist(), strict=True)})
+    norm = norm.take(pa.array(turn_ids))
+    filled = pc.binary_length(norm).to_numpy(zero_copy_only=False) > 0
+    offsets = np.concatenate(([0], np.cumsum(filled)))[starts].astype(np.int32)
+    joined = pc.binary_join(pa.ListArray.from_arrays(pa.array(offsets), norm.filter(pa.array(filled))), " ")
+    off = np.frombuffer(joined.buffers()[1], np.int32, len(joined) + 1, joined.offset).tolist()
+    data = memoryview(joined.buffers()[2] or b"")
     blake2b = hashlib.blake2b
-    digests = []
-    for a, b in zip(starts, starts[1:]):
-        if b == a + 1:
-            digests.append(blake2b(norm[turn_ids[a]], digest_size=16).digest())
-            continue
-        h = blake2b(digest_size=16)
-        sep = b""
-        for t in turn_ids[a:b]:
-            if norm[t]:
-                h.update(sep)
-                h.update(norm[t])
-                sep = b" "
-        digests.append(h.digest())
+    digests = [blake2b(data[a:b], digest_size=16).digest() for a, b in zip(off, off[1:])]
     return digests, np.frombuffer(b"".join(d[:1] for d in digests), np.uint8) & 1
 
 
@@ -238,6 +246,17 @@ def _words(batch: Batch, turn_ids: np.ndarray, distinct, clean: list[str], scrub
     turn_words = per_distinct[turn_ids]
     cum = np.concatenate(([0], np.cumsum(turn_words)))
     return cum[batch.starts[1:]] - cum[batch.starts[:-1]], tuple(bags)
+
+
+def _patched(texts, new: dict[int, str]):
+    """pyarrow strings with texts[i] replaced by new[i]."""
+    import pyarrow as pa
+
+    if not new:
+        return texts
+    index = np.arange(len(texts))
+    index[list(new)] = len(texts) + np.arange(len(new))
+    return pa.concat_arrays([texts, pa.array(list(new.values()), pa.string())]).take(pa.array(index))
 
 
 def pc_is_ascii(texts) -> np.ndarray:

@@ -154,13 +154,14 @@ def _mc_check(name: str, bc: np.ndarray, cc: np.ndarray, min_recovery: float | N
 
 
 def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
-    results, pooled_b, pooled_c, pooled_tasks, biased = [], [], [], [], []
+    results, pooled_b, pooled_c, pooled_tasks, biased, mc_rows = [], [], [], [], [], []
     for name in cfg.tasks:
         b, c = base[name], cand[name]
         if b["kind"] == "mc":
             bc, cc = np.array(b["per_item"]) > 0.5, np.array(c["per_item"]) > 0.5
             bias = label_bias(b)
             ev = {} if bias is None else {"label_bias": bias} | ({"caveat": _bias_caveat(bias)} if bias["flagged"] else {})
+            mc_rows.append(len(results))
             results.append(_mc_check(name, bc, cc, None if cfg.pool else cfg.min_recovery, cfg.alpha, ev))
             pooled_b.append(bc)
             pooled_c.append(cc)
@@ -174,7 +175,7 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
             results.append(GateResult.check("eval", f"{name}.bpb_increase", cand_bpb / base_bpb - 1, cfg.max_bpb_increase,
                                             False, len(nb), ci, None, ev))
     if cfg.pool and pooled_b:
-        _fail_task_losses(results, cfg.alpha)
+        _fail_task_losses(results, mc_rows, cfg.alpha)
         ev: dict = {"tasks": pooled_tasks}
         if any(biased):
             keep = [i for i, f in enumerate(biased) if not f]
@@ -196,10 +197,9 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
     return results
 
 
-def _fail_task_losses(results: list[GateResult], alpha: float) -> None:
-    """Pooled mode: fail each report-only task row whose McNemar loss is significant after Holm's correction over
-    the multiple-choice tasks (family-wise error alpha), in place."""
-    rows = [i for i, r in enumerate(results) if r.metric.endswith(".recovery")]
+def _fail_task_losses(results: list[GateResult], rows: list[int], alpha: float) -> None:
+    """Pooled mode: fail each report-only task row (results[i] for i in rows: the multiple-choice tasks) whose McNemar
+    loss is significant after Holm's correction over those tasks (family-wise error alpha), in place."""
     adjusted = holm([results[i].p_value for i in rows])
     for i, p in zip(rows, adjusted, strict=True):
         r = results[i]
