@@ -128,9 +128,13 @@ class SampleState:
         """The usable requests (`rows`) into the distinct-count sketches, and per stratum the few that can be in its
         bottom-k (the batch's k smallest distinct priorities) offered to it. Turn t's scrubbed text is clean[ids[t]]."""
         starts = batch.starts.tolist()
-        key = self.seed.to_bytes(8, "little")
-        prio = np.frombuffer(b"".join(hashlib.blake2b(digests[i], digest_size=8, key=key).digest() for i in rows.tolist()),
-                             dtype=">u8").astype(np.uint64)
+        keyed = hashlib.blake2b(digest_size=8, key=self.seed.to_bytes(8, "little"))   # `priority`: copies skip the key block
+        out = []
+        for i in rows.tolist():
+            h = keyed.copy()
+            h.update(digests[i])
+            out.append(h.digest())
+        prio = np.frombuffer(b"".join(out), dtype=">u8").astype(np.uint64)
         buckets = np.searchsorted(LENGTH_EDGES, n_words[rows], side="right") - 1
         routes = [batch.routes[i] for i in rows.tolist()]
         route_id = {r: k for k, r in enumerate(dict.fromkeys(routes))}
