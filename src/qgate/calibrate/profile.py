@@ -109,16 +109,18 @@ class Concurrency:
         ends_sorted = np.sort(end[has])
         le_all = np.searchsorted(ends_sorted, ts, side="right")  # ends <= ts[i], over the whole run
         # those at or after i: end_j >= ts_j >= ts[i], so only end_j == ts_j == ts[i], within i's tie group
-        zero = np.cumsum(has & (end == ts))
+        zero = has & (end == ts)
+        upto = np.cumsum(zero)
         group_end = np.searchsorted(ts, ts, side="right") - 1
-        le_later = zero[group_end] - np.concatenate(([0], zero))[np.arange(len(ts))]
+        le_later = upto[group_end] - upto + zero                   # zero-length ones from i to its group's end
         in_flight = (len(prior) - np.searchsorted(prior, ts, side="right")) + before - (le_all - le_later) + 1
         counts = np.unique(in_flight[has], return_counts=True)
         self.in_flight.update(dict(zip(counts[0].tolist(), counts[1].tolist(), strict=True)))
         last = ts[-1]
         earlier = has.copy()
         earlier[-1] = False                                       # the last one's own end stays, whatever it is
-        keep = np.concatenate((prior[prior > last], end[earlier][end[earlier] > last], end[-1:][has[-1:]]))
+        others = end[earlier]
+        keep = np.concatenate((prior[prior > last], others[others > last], end[-1:][has[-1:]]))
         self.ends = np.sort(keep).tolist()                        # sorted: a heap
         self.last_ts = float(last)
         secs, k = np.unique(np.floor(ts).astype(np.int64), return_counts=True)

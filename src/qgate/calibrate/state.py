@@ -35,8 +35,16 @@ UNSQUEEZED = f"[{PY_SPACE}][{PY_SPACE}]|^[{PY_SPACE}]|[{PY_SPACE}]$|[{_OTHER_SPA
 TOTAL_LG_K = 16   # the log's distinct prompts: 64 KiB, relative standard error 0.4%, exact-ish below ~16k prompts
 
 
-def priority(seed: int, digest: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(digest, digest_size=8, key=seed.to_bytes(8, "little")).digest(), "big")
+def priorities(seed: int, digests: list[bytes]) -> np.ndarray:
+    """Each digest's seeded priority (uint64): blake2b-64 keyed by the seed, big-endian. Each hash runs on a copy of
+    one keyed state, so the key block is compressed once, not per digest."""
+    keyed = hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little"))
+    out = []
+    for d in digests:
+        h = keyed.copy()
+        h.update(d)
+        out.append(h.digest())
+    return np.frombuffer(b"".join(out), dtype=">u8").astype(np.uint64)
 
 
 class BottomK:
@@ -128,13 +136,7 @@ class SampleState:
         """The usable requests (`rows`) into the distinct-count sketches, and per stratum the few that can be in its
         bottom-k (the batch's k smallest distinct priorities) offered to it. Turn t's scrubbed text is clean[ids[t]]."""
         starts = batch.starts.tolist()
-        keyed = hashlib.blake2b(digest_size=8, key=self.seed.to_bytes(8, "little"))   # `priority`: copies skip the key block
-        out = []
-        for i in rows.tolist():
-            h = keyed.copy()
-            h.update(digests[i])
-            out.append(h.digest())
-        prio = np.frombuffer(b"".join(out), dtype=">u8").astype(np.uint64)
+        prio = priorities(self.seed, [digests[i] for i in rows.tolist()])
         buckets = np.searchsorted(LENGTH_EDGES, n_words[rows], side="right") - 1
         routes = [batch.routes[i] for i in rows.tolist()]
         route_id = {r: k for k, r in enumerate(dict.fromkeys(routes))}
