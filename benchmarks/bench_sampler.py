@@ -11,6 +11,9 @@ Every measurement runs in a child process of its own, so each peak RSS is its ow
 1. Throughput: a serial `sample_traffic` in records/s, as a ratio to a raw orjson parse of the same files
    (gzip decompression and line splitting included in both). Goal: at least 0.5. Also on 100k records that all carry
    one 8,000-character system prompt, as production apps do (the sampler handles each distinct turn once per block).
+   Beside it, on the --ray-records size, the sampler's own reading alone (decompression, the columnar parse and the
+   record checks: `read_batches` on one thread, nothing sampled), as the same ratio: the ceiling of the sampler's
+   throughput while its parser is this one.
 2. Peak RSS of the serial sampler per size, as a ratio to the smallest size. Goal: flat within 10% beyond 100k.
 3. `--engine ray` against serial on one size (local Ray, one task per partition, Ray's start-up included), with the
    core count; both must give the same calibration set.
@@ -75,6 +78,13 @@ def child(mode: str, where: str, out: str) -> None:
                     orjson.loads(line)
                     records += 1
         result = {"records": records}
+    elif mode == "parse":
+        from qgate.calibrate.batches import read_batches
+        from qgate.calibrate.sample import SampleConfig
+        from qgate.calibrate.sources import list_partitions
+
+        records = sum(b.records for part in list_partitions(where) for b in read_batches(part, SampleConfig().max_line_bytes))
+        result = {"records": records}
     else:
         from qgate.calibrate.sample import SampleConfig, sample_traffic
 
@@ -122,6 +132,9 @@ def main() -> None:
             print(f"  {n:>9,} records: sampler {s['seconds']:7.1f} s {n / s['seconds']:8.0f} rec/s, peak RSS {s['peak_mb']:5.0f} MB "
                   f"(estimated counts: {not s['exact']}); orjson {r['seconds']:6.1f} s {n / r['seconds']:8.0f} rec/s", flush=True)
             if n == args.ray_records:
+                parse = measure("parse", logs, tmp / "unused")
+                assert parse["records"] == n, (parse["records"], n)
+                print(f"  {n:>9,} records, reading alone: {parse['seconds']:7.1f} s {n / parse['seconds']:8.0f} rec/s", flush=True)
                 ray = measure("ray", logs, tmp / "out-ray")
                 print(f"  {n:>9,} records on ray: {ray['seconds']:7.1f} s {n / ray['seconds']:8.0f} rec/s "
                       f"(driver peak RSS {ray['peak_mb']:.0f} MB)", flush=True)
@@ -139,6 +152,10 @@ def main() -> None:
             print(f"     {n:>9,} records: {raw[n]['seconds'] / serial[n]['seconds']:.2f}x")
         print(f"     {lo:>9,} records, one shared {len(system):,}-character system prompt: "
               f"{raw_shared['seconds'] / serial_shared['seconds']:.2f}x")
+        if args.ray_records in serial:
+            n = args.ray_records
+            print(f"     {n:>9,} records, the sampler's reading alone (no sampling): {raw[n]['seconds'] / parse['seconds']:.2f}x; "
+                  f"the sampling adds {serial[n]['seconds'] - parse['seconds']:.1f} s on the main thread beside the reading thread")
         print(f"2. peak RSS / peak RSS at {lo:,} records (goal: within 1.10x):")
         for n in sizes[1:]:
             print(f"     {n:>9,} records ({n // lo}x the log): {serial[n]['peak_mb'] / serial[lo]['peak_mb']:.3f}x "
