@@ -80,8 +80,15 @@ class ShadowConfig:
 
 def rescore_reference(runner, ref: dict, top_k: int, desc: str = "shadow: reference") -> dict:
     """The same token sequences as `ref`, with `runner` as the reference model (its top-k log-probs)."""
-    tops = score_sequences(runner, _sequences(ref), desc, lambda _, logits: top_k_logprobs(logits[:-1], top_k))
-    return ref | {"top_idx": np.concatenate([i for i, _ in tops]), "top_lp": np.concatenate([lp for _, lp in tops])}
+    top_idx, top_lp = top_k_reference(runner, _sequences(ref), top_k, desc)
+    return ref | {"top_idx": top_idx, "top_lp": top_lp}
+
+
+def top_k_reference(runner, seqs: list[list[int]], top_k: int, desc: str) -> tuple[np.ndarray, np.ndarray]:
+    """`runner`'s top-k ids and log-probs at every position but each sequence's last (position t predicts seq[t+1]),
+    concatenated in sequence order: [sum(T - 1), k] each."""
+    tops = score_sequences(runner, seqs, desc, lambda _, logits: top_k_logprobs(logits[:-1], top_k))
+    return np.concatenate([ids for ids, _ in tops]), np.concatenate([lps for _, lps in tops])
 
 
 def _sequences(ref: dict) -> list[list[int]]:
@@ -155,19 +162,19 @@ def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg
             idx.append(top_i)
             lp.append(top_l)
         gen_s = time.perf_counter() - t0
+        top_idx, top_lp = np.concatenate(idx), np.concatenate(lp)
     else:
         answers = greedy_answers(runner, prompts, cfg.max_new_tokens, "shadow: baseline answers")
         gen_s = time.perf_counter() - t0
-        tops = score_sequences(runner, [p + a for p, a in zip(prompts, answers, strict=True)], "shadow: baseline scoring",
-                               lambda _, logits: top_k_logprobs(logits[:-1], cfg.top_k))   # position t predicts seq[t+1]
-        idx, lp = [i for i, _ in tops], [lp for _, lp in tops]
+        top_idx, top_lp = top_k_reference(runner, [p + a for p, a in zip(prompts, answers, strict=True)], cfg.top_k,
+                                          "shadow: baseline scoring")
     seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
     classes = [np.array([PROMPT if f else TEMPLATE for f in src] + [ANSWER] * len(a), np.int8)
                for (_, src), a in zip(encoded, answers, strict=True)]
     ref = {
         "tokens": np.concatenate([np.asarray(s, np.int32) for s in seqs]), "seq_lens": np.array([len(s) for s in seqs], np.int32),
-        "prompt_lens": np.array([len(ids) for ids, _ in encoded], np.int32), "top_idx": np.concatenate(idx),
-        "top_lp": np.concatenate(lp),
+        "prompt_lens": np.array([len(ids) for ids, _ in encoded], np.int32), "top_idx": top_idx,
+        "top_lp": top_lp,
         "prompt_of": np.concatenate([np.full(len(s) - 1, i, np.int32) for i, s in enumerate(seqs)]),
         "token_class": np.concatenate(classes),
         "seconds": np.array(time.perf_counter() - t0),
