@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 
 from qgate.artifact import Artifact
-from qgate.cache import read_cached, write_cached
+from qgate.cache import read_cached, read_cached_arrays, write_cached
 from qgate.pipeline.runner import Runner
 
 
@@ -23,6 +23,30 @@ def test_cache_roundtrip_and_every_kind_of_damage(tmp_path, capsys):
     assert read_cached(path) is None and "has no checksum" in capsys.readouterr().err
     assert read_cached(tmp_path / "missing") is None
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_cached_arrays_are_views_of_the_checked_file_equal_to_np_load(tmp_path, capsys):
+    import io
+
+    arrays = {"f32": np.arange(12, dtype=np.float32).reshape(3, 4), "i8": np.array([-1, 2], np.int8), "scalar": np.array(1.5),
+              "fortran": np.asfortranarray(np.arange(6, dtype=">i4").reshape(2, 3)), "empty": np.zeros((0, 5), np.int64)}
+    for name, save in (("plain", np.savez), ("zipped", np.savez_compressed)):
+        buf = io.BytesIO()
+        save(buf, **arrays)
+        path = tmp_path / f"{name}.npz"
+        write_cached(path, buf.getvalue())
+        got = read_cached_arrays(path)
+        assert sorted(got) == sorted(arrays)
+        for k, a in arrays.items():
+            assert got[k].dtype == a.dtype and got[k].shape == a.shape and np.array_equal(got[k], a), (name, k)
+        assert got["f32"].flags.writeable is (name == "zipped")   # stored members are views of the mapped file
+    path = tmp_path / "plain.npz"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1                          # one bit flipped
+    path.write_bytes(bytes(data))
+    assert read_cached_arrays(path) is None and not path.exists()
+    assert "does not match its checksum" in capsys.readouterr().err
+    assert read_cached_arrays(tmp_path / "missing.npz") is None
 
 
 def test_truncated_baseline_cache_is_recomputed_not_used(base_art, calib_arts, tmp_path, capsys):

@@ -19,12 +19,12 @@ import numpy as np
 from qgate.artifact import Artifact, sha256_json
 from qgate.cache import read_cached, write_cached
 from qgate.errors import ConfigError
-from qgate.gates.shadow import ShadowConfig, candidate_metrics, kl_top1_checks, scoring_summary
+from qgate.gates.shadow import REFERENCE_VERSION, ShadowConfig, candidate_metrics, kl_top1_checks, scoring_summary
 
 def noise_floor(runner_factory, baseline: Artifact, shadow: Artifact, ref: dict, cfg: ShadowConfig, cache_dir: Path) -> dict:
     """{"kl_mean", "kl_p99", "top1_agreement": {"observed", "ci"}, "path", "cached"}, cached by content hash."""
     key = sha256_json({"baseline": baseline.sha256, "shadow": shadow.sha256, "cfg": cfg.reference_key(),
-                       "positions": cfg.positions, "path": "gate-scoring", "v": 2})
+                       "positions": cfg.positions, "path": "gate-scoring", "v": 2, "reference": REFERENCE_VERSION})
     path = Path(cache_dir) / f"noise-floor-{key[:24]}.json"
     if (data := read_cached(path)) is not None:
         return json.loads(data) | {"cached": True}

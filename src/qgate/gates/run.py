@@ -51,9 +51,10 @@ class GateConfig:
     perf: PerfConfig = field(default_factory=PerfConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
     on_inconclusive: str = "block"     # "block": an inconclusive check blocks promotion; "warn": it passes with a warning
-    VERSION = 6                        # 3: contract, parity and noise floor in the report; 4: label-bias caveats;
+    VERSION = 7                        # 3: contract, parity and noise floor in the report; 4: label-bias caveats;
                                        # 5: Agresti-Min intervals on multiple-choice checks; 6: pooled mode fails a
-                                       # task whose McNemar loss survives Holm's correction
+                                       # task whose McNemar loss survives Holm's correction; 7: shadow log-probs
+                                       # by numpy's exp and pairwise sum (gates/scoring.py), KL within 1.1e-6 of float64
 
     def __post_init__(self):
         if self.on_inconclusive not in ("block", "warn"):

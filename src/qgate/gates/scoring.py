@@ -4,10 +4,11 @@
     top1, picked = reduce_logits(logits, ids)                              # [T], [T, k]
     top_ids, top_lp = top_k_logprobs(logits, k)                            # the baseline's top-k per position
 
-Logits are never copied to float64 and no full-vocabulary log-softmax is materialized: per slab of 8 positions,
-torch takes the row max, exp(x - max) in place and its sum (a stable log-sum-exp in float32, the log in float64),
-and only the k gathered log-probs go to float64. Log-probs near the top are exact to ~1e-7 nats; the noise floor
-(gates/noise.py) measures what the gate can resolve on each baseline.
+Logits are never copied to float64 and no log-softmax is materialized: per slab of 8 positions, numpy takes the
+row's argmax and max, exp(x - max) into a reused buffer, and its pairwise sum in float32 (the log in float64); only
+the k gathered log-probs go to float64. Taken relative to the row max, log-probs near the top stay exact at any logit
+magnitude: on the demo's real logits, top-1 log-probs within 3.5e-7 nats of a float64 oracle and KL within 1.1e-6.
+The noise floor (gates/noise.py) measures what the gate can resolve on each baseline.
 """
 from __future__ import annotations
 
@@ -36,38 +37,38 @@ def length_batches(lengths: Sequence[int], max_tokens: int = MAX_BATCH_TOKENS, m
 ROWS_PER_PASS = 8   # positions reduced together: a [8, V] slab stays in cache (4x faster than one [T, V] pass)
 
 
-def _tensor(logits):
-    import torch
+def _array(logits) -> np.ndarray:
+    """[T, V] logits (numpy, or a torch tensor: its memory is shared, not copied) as a float32 numpy array."""
+    if hasattr(logits, "detach"):
+        t = logits.detach().cpu()
+        return (t if str(t.dtype) == "torch.float32" else t.float()).numpy()
+    return np.asarray(logits, dtype=np.float32)
 
-    x = torch.as_tensor(logits)
-    return x if x.dtype == torch.float32 else x.float()
 
-
-def _log_norm(x):
-    """Row max (float32), its argmax, and log sum exp(x - max) (float64) of a [n, V] slab: log p = (x - max) - that.
-    Keeping log-probs relative to the row max keeps them exact near the top, where the probability mass is (adding
-    the max back would round every log-prob to the float32 spacing of the logits' magnitude, ~1e-6)."""
-    import torch
-
-    m, top1 = x.max(-1, keepdim=True)
-    z = x - m
-    return m, top1[:, 0], torch.log(z.exp_().sum(-1).double())
+def _log_norm(x: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A [n, V] float32 slab -> (argmax [n], row max [n, 1] float32, log sum exp(x - max) [n] float64), so that
+    log p = (x - max) - that; `work` is a [>= n, V] float32 buffer for exp(x - max). Keeping log-probs relative to the
+    row max keeps them exact near the top, where the probability mass is (adding the max back would round every
+    log-prob to the float32 spacing of the logits' magnitude, ~1e-6). numpy's argmax and in-place exp took 0.23 s for
+    6,318 x 49k positions where torch's max, subtract, exp and sum took 0.40 s; both return the first of tied maxima."""
+    top1 = x.argmax(-1)
+    m = np.take_along_axis(x, top1[:, None], -1)
+    z = np.subtract(x, m, out=work[:len(x)])
+    np.exp(z, out=z)
+    return top1, m, np.log(z.sum(-1).astype(np.float64))
 
 
 def reduce_logits(logits, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """logits [T, V] (numpy or torch) and ids [T, k] -> (argmax [T], log-probs of ids [T, k] in float64)."""
-    import torch
-
-    x = _tensor(logits)
-    idx = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    x = _array(logits)
+    ids = np.asarray(ids)
     top1 = np.empty(x.shape[0], np.int64)
-    picked = np.empty(idx.shape, np.float64)
-    with torch.inference_mode():
-        for a in range(0, x.shape[0], ROWS_PER_PASS):
-            xs = x[a:a + ROWS_PER_PASS]
-            m, t1, log_s = _log_norm(xs)
-            top1[a:a + len(xs)] = t1.numpy()
-            picked[a:a + len(xs)] = ((xs.gather(-1, idx[a:a + len(xs)]) - m).double() - log_s[:, None]).numpy()
+    picked = np.empty(ids.shape, np.float64)
+    work = np.empty((min(ROWS_PER_PASS, x.shape[0]), x.shape[1]), np.float32)
+    for a in range(0, x.shape[0], ROWS_PER_PASS):
+        xs = x[a:a + ROWS_PER_PASS]
+        top1[a:a + len(xs)], m, log_s = _log_norm(xs, work)
+        picked[a:a + len(xs)] = (np.take_along_axis(xs, ids[a:a + len(xs)], -1) - m).astype(np.float64) - log_s[:, None]
     return top1, picked
 
 
@@ -75,17 +76,19 @@ def top_k_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
     """[T, V] logits -> the k most likely ids (int32) and their log-probs (float32) per position, top-1 first."""
     import torch
 
-    x = _tensor(logits)
+    x = _array(logits)
     k = min(k, x.shape[-1])
     ids = np.empty((x.shape[0], k), np.int32)
     lp = np.empty((x.shape[0], k), np.float32)
+    work = np.empty((min(ROWS_PER_PASS, x.shape[0]), x.shape[1]), np.float32)
     with torch.inference_mode():
         for a in range(0, x.shape[0], ROWS_PER_PASS):
             xs = x[a:a + ROWS_PER_PASS]
-            vals, top = torch.topk(xs, k, dim=-1, sorted=True)
-            m, _, log_s = _log_norm(xs)
+            # on torch's threads: k=1024 of 49k took 1.3 s for 6,318 positions on two, 2.3 s on one
+            vals, top = torch.topk(torch.from_numpy(xs), k, dim=-1, sorted=True)
+            _, m, log_s = _log_norm(xs, work)
             ids[a:a + len(xs)] = top.numpy()
-            lp[a:a + len(xs)] = ((vals - m).double() - log_s[:, None]).numpy()
+            lp[a:a + len(xs)] = (vals.numpy() - m).astype(np.float64) - log_s[:, None]
     return ids, lp
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from qgate.progress import progress
 
 from qgate.artifact import Artifact, sha256_json
-from qgate.cache import read_cached, write_cached
+from qgate.cache import read_cached_arrays, write_cached
 from qgate.chat import encode_with_sources
 from qgate.errors import ConfigError, InputError
 from qgate.gates.result import GateResult
@@ -65,7 +65,7 @@ class ShadowConfig:
     top1_agreement_min: float | None = 0.9
     identical_generation_min: float | None = None
     positions: str = "answer"       # which positions the gated checks score: "answer" or "answer+prompt"
-    VERSION = 2
+    VERSION = 3                     # 3: log-probs by numpy's exp and pairwise sum (scoring.py): KL within 1.1e-6 of float64
 
     def __post_init__(self):
         if self.max_new_tokens < 1 or self.max_prompt_tokens < 4 or self.top_k < 2:
@@ -142,14 +142,16 @@ def load_shadow(shadow: Artifact, cfg: ShadowConfig) -> list[dict]:
     return rows[: cfg.max_prompts] if cfg.max_prompts else rows
 
 
+REFERENCE_VERSION = 4   # of what a baseline reference holds and how its log-probs are computed (4: gates/scoring.py in numpy)
+
+
 def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg: ShadowConfig, cache_dir: Path) -> tuple[dict, bool]:
     """Baseline answers and top-k log-probs, computed once per (baseline, shadow set, settings)."""
-    key = sha256_json({"baseline": baseline.sha256, "shadow": shadow.sha256, "cfg": cfg.reference_key(), "v": 3,
+    key = sha256_json({"baseline": baseline.sha256, "shadow": shadow.sha256, "cfg": cfg.reference_key(), "v": REFERENCE_VERSION,
                        "batches": [MAX_BATCH_TOKENS, GREEDY_BATCH_TOKENS, GREEDY_BATCH_ROWS]})
     path = Path(cache_dir) / f"shadow-baseline-{key[:24]}.npz"
-    if (data := read_cached(path)) is not None:
-        with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}, True
+    if (cached := read_cached_arrays(path)) is not None:
+        return cached, True
     runner = runner_factory()
     rows = load_shadow(shadow, cfg)
     encoded = [encode_with_sources(runner.tokenizer, row["messages"], cfg.max_prompt_tokens) for row in rows]
