@@ -78,6 +78,40 @@ def test_partitions_merge_to_exactly_the_single_pass_sample(tmp_path):
     assert not calib & {json.dumps(r["messages"]) for r in _sets(many)["shadow"]}    # disjoint, even across routes
 
 
+def test_each_stratum_keeps_the_k_smallest_priorities_of_its_distinct_prompts(tmp_path, monkeypatch):
+    """The bottom-k samples against their definition, computed request by request with the sampler's own building
+    blocks (scrub, words, content digest, seeded priority): per stratum, the k distinct digests with the smallest
+    (priority, digest), each at its first line. Small blocks make many batches, so what each batch offers is filtered
+    against samples that are already full."""
+    from qgate.calibrate import batches
+    from qgate.calibrate.profile import length_bucket, words
+    from qgate.calibrate.reader import Request, read_traffic
+    from qgate.calibrate.scrub import scrub
+    from qgate.calibrate.state import content_digest, priorities
+
+    monkeypatch.setattr(batches, "BLOCK_BYTES", 8 << 10)
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(b"\n".join(_records(3000, seed=2, dup_every=3)) + b"\n")
+    cfg = SampleConfig(calib_size=10, shadow_size=5, seed=9)
+    st_, _ = scan_partition(Partition(str(path)), cfg, tag_file=False)
+    expected: dict[str, dict[bytes, tuple]] = {}
+    for r in read_traffic(path):
+        if not isinstance(r, Request):
+            continue
+        turns = [scrub(c)[0] for _, c in r.messages]
+        n = sum(len(words(t)) for t in turns)
+        if n < cfg.min_words:
+            continue
+        d = content_digest(turns)
+        expected.setdefault(f"{r.route}|{length_bucket(n)}", {}).setdefault(d, (int(priorities(cfg.seed, [d])[0]), r.line))
+    assert sum(len(v) for v in expected.values()) > 3 * len(expected) * 15     # most distinct prompts are left out
+    for stratum, seen in expected.items():
+        want = sorted(seen.items(), key=lambda kv: (kv[1][0], kv[0]))[:15]
+        got = st_.strata[stratum].ranked()
+        assert [(d, line) for d, (_, line) in want] == [(d, where[1]) for d, where, _ in got], stratum
+    assert set(st_.strata) == set(expected)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cuts=st.lists(st.integers(0, 400), max_size=6), seed=st.integers(0, 3))
 def test_any_partitioning_merges_to_the_same_state(cuts, seed, tmp_path_factory):

@@ -155,6 +155,10 @@ class SampleState:
             if len(ps) > bk.k:        # more distinct digests than the sample keeps: only the k smallest can be kept
                 js = js[prio[js] <= ps[bk.k - 1]]
                 bk.dropped = True
+            if len(bk.rows) >= bk.k:  # full: a digest can only enter at or below the largest kept priority (ties by digest)
+                below = prio[js] <= -bk.heap[0][0]
+                if not below.all():
+                    js, bk.dropped = js[below], True
             for j in js.tolist():
                 i = int(rows[j])
                 a, b = starts[i], starts[i + 1]
