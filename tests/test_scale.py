@@ -195,7 +195,7 @@ def test_sketches_round_trip_and_bound_their_error(monkeypatch):
         w = f"w{min(int(rng.paretovariate(1.2)), 5000)}"
         truth[w] = truth.get(w, 0) + 1
         stream.append(w)
-    monkeypatch.setattr(sketches, "PENDING_MAX", 64)      # many batch updates, as on a long log
+    monkeypatch.setattr(sketches, "PENDING_ROWS", 64)     # many batch updates, as on a long log
     for i in range(0, len(stream), 500):
         h.add(stream[i:i + 500])
     e = pickle.loads(pickle.dumps(d)).estimate()

@@ -24,7 +24,7 @@ from collections import Counter
 import numpy as np
 
 from qgate.calibrate.sketches import HeavyHitters
-from qgate.calibrate.words import words  # noqa: F401  (profile.words: the definition the profile counts)
+from qgate.calibrate.words import word_table, words  # noqa: F401  (profile.words: the definition the profile counts)
 
 LENGTH_EDGES = (0, 16, 64, 256, 1024)   # words; the last bucket is open-ended
 TOP_UNIGRAMS = 2000
@@ -203,13 +203,13 @@ class TrafficProfiler:
     def add(self, route: str, tenant: str, tokens: list[str], ts: float | None, latency_ms: float | None) -> None:
         """One request (the sampler adds whole batches: `add_batch`)."""
         half = hashlib.blake2b(" ".join(tokens).encode(), digest_size=1).digest()[0] & 1   # by content: order-independent
-        self.add_batch([route], [tenant], np.array([len(tokens)]), np.array([half]), (Counter(tokens),) * 2,
+        self.add_batch([route], [tenant], np.array([len(tokens)]), np.array([half]), (word_table(Counter(tokens)),) * 2,
                        np.array([np.nan if ts is None else ts]), np.array([np.nan if latency_ms is None else latency_ms]))
 
     def add_batch(self, routes: list[str], tenants: list[str], n_words: np.ndarray, halves: np.ndarray,
-                  bags: tuple[Counter, Counter], ts: np.ndarray, latency_ms: np.ndarray) -> None:
+                  bags: tuple, ts: np.ndarray, latency_ms: np.ndarray) -> None:
         """Requests in arrival order: their labels, word counts, split half (0 or 1, by content) and the words of
-        each half (bags[h]: a Counter), and their ts and latency_ms (NaN where absent)."""
+        each half (bags[h]: a `words.word_table`), and their ts and latency_ms (NaN where absent)."""
         self.n += len(routes)
         buckets, k = np.unique(np.searchsorted(LENGTH_EDGES, n_words, side="right") - 1, return_counts=True)
         self.lengths.update({BUCKETS[b]: int(c) for b, c in zip(buckets.tolist(), k.tolist(), strict=True)})
@@ -219,7 +219,7 @@ class TrafficProfiler:
         for h in (0, 1):
             sel = halves == h
             if sel.any():
-                self.split[h].add(bags[h])
+                self.split[h].add_table(bags[h])
                 self.split_n[h] += int(sel.sum())
                 self.split_words[h] += int(n_words[sel].sum())
         self.concurrency.add_batch(ts, latency_ms)

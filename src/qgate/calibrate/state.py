@@ -26,7 +26,7 @@ from qgate.calibrate.profile import BUCKETS, LENGTH_EDGES, TrafficProfiler
 from qgate.calibrate.scrub import HINT, rule_hints, scrub
 from qgate.calibrate.sketches import DistinctCount
 from qgate.calibrate.sources import Partition
-from qgate.calibrate.words import batch_words, text_words, words
+from qgate.calibrate.words import batch_words, text_words, word_table, words
 
 
 _OTHER_SPACE = PY_SPACE.replace(r"\x1c-\x20", r"\x1c-\x1f")     # Python's whitespace but " "
@@ -105,6 +105,7 @@ class SampleState:
         n = len(batch.lines)
         if n == 0:
             return
+        import pyarrow as pa
         import pyarrow.compute as pc
 
         # each distinct turn once (a system prompt repeats in every request of its app): its id per turn
@@ -123,10 +124,10 @@ class SampleState:
         self.stats["usable"] += len(rows)
         self.stats["too_short"] += n - len(rows)
         if len(rows) < n:    # a too-short request is not profiled: take its words back out of its half
+            short: tuple[Counter, Counter] = (Counter(), Counter())
             for i in np.flatnonzero(~usable).tolist():
-                bags[halves[i]].subtract(Counter(w for t in ids[starts[i]:starts[i + 1]] for w in words(clean[t])))
-            for bag in bags:
-                bag += Counter()     # drops the zero counts
+                short[halves[i]].update(w for t in ids[starts[i]:starts[i + 1]] for w in words(clean[t]))
+            bags = tuple(pa.concat_tables([bag, word_table({w: -c for w, c in sub.items()})]) for bag, sub in zip(bags, short, strict=True))
         self.profiler.add_batch([batch.routes[i] for i in rows.tolist()], [batch.tenants[i] for i in rows.tolist()],
                                 n_words[rows], halves[rows], bags, batch.ts[rows], batch.latency[rows])
         self._sample(part_name, batch, rows, n_words, digests, clean, ids, tag_file)
@@ -236,7 +237,7 @@ def _digests(clean, turn_ids: np.ndarray, starts: np.ndarray) -> tuple[list[byte
 
 
 def _words(batch: Batch, turn_ids: np.ndarray, distinct, clean: list[str], scrubbed: np.ndarray,
-           halves: np.ndarray) -> tuple[np.ndarray, tuple[Counter, Counter]]:
+           halves: np.ndarray) -> tuple[np.ndarray, tuple]:
     """Per request its number of words (profile.words of its turns), and the words of each half's requests. Each
     distinct turn is counted once, weighted by its repeats in each half: by `batch_words` over the column when it is
     ASCII and the scrubber left it as it was, else by `text_words` on its scrubbed text."""
@@ -251,11 +252,9 @@ def _words(batch: Batch, turn_ids: np.ndarray, distinct, clean: list[str], scrub
     per_distinct[sel], bags = batch_words(distinct.take(pa.array(sel, pa.int64())), weights[sel])
     sel = np.flatnonzero(~fast)
     per_distinct[sel], slow = text_words([clean[d] for d in sel.tolist()], weights[sel])
-    for bag, more in zip(bags, slow, strict=True):
-        bag.update(more)
     turn_words = per_distinct[turn_ids]
     cum = np.concatenate(([0], np.cumsum(turn_words)))
-    return cum[batch.starts[1:]] - cum[batch.starts[:-1]], tuple(bags)
+    return cum[batch.starts[1:]] - cum[batch.starts[:-1]], tuple(pa.concat_tables(b) for b in zip(bags, slow, strict=True))
 
 
 def _patched(texts, new: dict[int, str]):

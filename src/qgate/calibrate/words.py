@@ -2,10 +2,13 @@
 
     words("Hi, there!")                      # ["hi", ",", "there", "!"]
     counts, [bag] = batch_words(pa.array(["Hi, there!", "ok"]))   # the same over a column of ASCII texts, at once
-    counts, bags = text_words(texts, weights)                       # any text; Counter j counts text i weights[i, j] times
+    counts, bags = text_words(texts, weights)                       # any text; bag j counts text i weights[i, j] times
+    bag_counter(bag)                                                # Counter({"hi": 1, ",": 1, ...}): a bag is (w, n) rows
 
 `words` is the definition; `batch_words` (ASCII, over pyarrow buffers) and `text_words` (any text, over code points)
-give exactly its counts and Counters (the tests hold them equal on hostile text), tens of times faster per word.
+give exactly its counts and bags of words (the tests hold them equal on hostile text), tens of times faster per
+word. A bag stays a pyarrow table of (word, count) rows until the sketch it feeds sums its rows (sketches.HeavyHitters):
+turning each block's words into Python strings cost more than counting them.
 """
 from __future__ import annotations
 
@@ -32,10 +35,10 @@ def _class_of(ch: str) -> int:
 _CLASS = np.array([_class_of(chr(b)) for b in range(128)] + [0] * 128, dtype=np.uint8)
 
 
-def batch_words(texts, weights: np.ndarray | None = None) -> tuple[np.ndarray, list[Counter]]:
-    """`words()` of every text in a pyarrow array of ASCII strings, at once: (count per text, [Counter]). With
-    `weights` (int [texts, k]), k Counters: Counter j counts text i's words weights[i, j] times (a distinct text
-    stands for its repeats); without, one Counter of all the words. Vectorized: the classes of the bytes give each
+def batch_words(texts, weights: np.ndarray | None = None) -> tuple[np.ndarray, list]:
+    """`words()` of every text in a pyarrow array of ASCII strings, at once: (count per text, [bag]), a bag being a
+    `word_table`. With `weights` (int [texts, k]), k bags: bag j counts text i's words weights[i, j] times (a distinct
+    text stands for its repeats); without, one bag of all the words. Vectorized: the classes of the bytes give each
     text's count, and the words split from one buffer in which every non-word byte is a space."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -43,7 +46,7 @@ def batch_words(texts, weights: np.ndarray | None = None) -> tuple[np.ndarray, l
     low = pc.ascii_lower(texts)
     n = len(low)
     if n == 0:
-        return np.zeros(0, np.int64), [Counter() for _ in range(1 if weights is None else weights.shape[1])]
+        return np.zeros(0, np.int64), [word_table({}) for _ in range(1 if weights is None else weights.shape[1])]
     off = np.frombuffer(low.buffers()[1], np.int32, n + 1, low.offset * 4).astype(np.int64)
     data = low.buffers()[2]
     body = np.frombuffer(data, np.uint8)[off[0]:off[-1]] if data is not None else np.zeros(0, np.uint8)
@@ -67,10 +70,10 @@ def _token_starts(cls: np.ndarray, begin: np.ndarray, lens: np.ndarray) -> tuple
     return np.searchsorted(tokens, begin + lens) - np.searchsorted(tokens, begin), word, other
 
 
-def _bags(split, marks: np.ndarray, mark_text: np.ndarray, weights: np.ndarray | None) -> list[Counter]:
-    """Counters of the words in `split` (a list array: each text's words) and of the other
-    characters (`marks`: their code points, `mark_text`: the text each is in), each text counted weights[i, j] times
-    in Counter j (once, in one Counter, without weights). Texts counted once are tallied by value_counts; only the
+def _bags(split, marks: np.ndarray, mark_text: np.ndarray, weights: np.ndarray | None) -> list:
+    """Word counts of the words in `split` (a list array: each text's words) and of the other characters (`marks`:
+    their code points, `mark_text`: the text each is in), each text counted weights[i, j] times in bag j (once, in
+    one bag, without weights). A bag is a `word_table`; texts counted once are tallied by value_counts, and only the
     repeated ones (a shared system prompt) need a weighted group-by."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -78,24 +81,40 @@ def _bags(split, marks: np.ndarray, mark_text: np.ndarray, weights: np.ndarray |
     if weights is None:
         weights = np.ones((len(split), 1), np.int64)
     uniq, inv = np.unique(marks, return_inverse=True)
+    chars = pa.array([chr(m) for m in uniq.tolist()], pa.string())
+    schema = pa.schema([("w", pa.string()), ("n", pa.int64())])
     bags = []
     for w in weights.T:
-        bag: Counter = Counter()
+        pieces = []
         once = np.flatnonzero(w == 1)
         if len(once):
             vc = pc.value_counts(pc.list_flatten(split if len(once) == len(w) else split.take(pa.array(once))))
-            bag.update(dict(zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist(), strict=True)))
+            pieces.append(pa.table({"w": vc.field("values"), "n": vc.field("counts")}))
         more = np.flatnonzero(w > 1)
         if len(more):
             sub = split.take(pa.array(more))
             t = pa.table({"w": pc.list_flatten(sub), "n": w[more][pc.list_parent_indices(sub).to_numpy()]})
-            g = t.group_by("w", use_threads=False).aggregate([("n", "sum")])
-            bag.update(dict(zip(g.column("w").to_pylist(), g.column("n_sum").to_pylist(), strict=True)))
-        bag.pop("", None)                        # the pieces between adjacent spaces
-        per_mark = np.bincount(inv, weights=w[mark_text], minlength=len(uniq)).astype(np.int64)
-        bag.update({chr(m): c for m, c in zip(uniq.tolist(), per_mark.tolist(), strict=True) if c})
-        bags.append(bag)
+            pieces.append(t.group_by("w", use_threads=False).aggregate([("n", "sum")]).rename_columns(["w", "n"]))
+        pieces.append(pa.table({"w": chars, "n": np.bincount(inv, weights=w[mark_text], minlength=len(uniq)).astype(np.int64)}))
+        bag = pa.concat_tables([p.cast(schema) for p in pieces])
+        bags.append(bag.filter(pc.and_(pc.not_equal(bag["w"], ""), pc.not_equal(bag["n"], 0))))   # "": between adjacent spaces
     return bags
+
+
+def word_table(counts: dict):
+    """A bag of words as the vectorized counters give it: a pyarrow table of (w, n) rows, a word possibly in more
+    than one row (its count is their sum)."""
+    import pyarrow as pa
+
+    return pa.table({"w": pa.array(list(counts), pa.string()), "n": pa.array(list(counts.values()), pa.int64())})
+
+
+def bag_counter(bag) -> Counter:
+    """A bag (`word_table`) as a Counter of words, zero counts left out."""
+    out: Counter = Counter()
+    for w, n in zip(bag["w"].to_pylist(), bag["n"].to_pylist(), strict=True):
+        out[w] += n
+    return +out
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,14 +125,14 @@ def _bmp_classes() -> np.ndarray:
     return np.array([1 if ch.isalnum() or ch == "_" else 0 if ch.isspace() else 2 for ch in chars], np.uint8)
 
 
-def text_words(texts: list[str], weights: np.ndarray | None = None) -> tuple[np.ndarray, list[Counter]]:
+def text_words(texts: list[str], weights: np.ndarray | None = None) -> tuple[np.ndarray, list]:
     """`batch_words` for any text (not only ASCII): the code points of the lowercased texts, classed by `_class_of`
     (a table below 0x10000, each distinct code point above asked once), counted the same way."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     if not texts:
-        return np.zeros(0, np.int64), [Counter() for _ in range(1 if weights is None else weights.shape[1])]
+        return np.zeros(0, np.int64), [word_table({}) for _ in range(1 if weights is None else weights.shape[1])]
     low = [t.lower() for t in texts]
     lens = np.array([len(t) for t in low], dtype=np.int64)
     begin = np.concatenate(([0], np.cumsum(lens + 1)[:-1]))         # the texts joined by newlines (a word boundary)
