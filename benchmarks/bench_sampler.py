@@ -1,4 +1,5 @@
-"""Sampler throughput and memory as the log grows, serial and on local Ray, every figure a ratio measured in this run.
+"""Sampler throughput and memory as the log grows, serial, in local processes and on local Ray, every figure a ratio
+measured in this run.
 
     .venv/bin/python benchmarks/bench_sampler.py [--records 100000,1000000,5000000] [--partitions 8]
 
@@ -15,8 +16,8 @@ Every measurement runs in a child process of its own, so each peak RSS is its ow
    record checks: `read_batches` on one thread, nothing sampled), as the same ratio: the ceiling of the sampler's
    throughput while its parser is this one.
 2. Peak RSS of the serial sampler per size, as a ratio to the smallest size. Goal: flat within 10% beyond 100k.
-3. `--engine ray` against serial on one size (local Ray, one task per partition, Ray's start-up included), with the
-   core count; both must give the same calibration set.
+3. `--engine processes` (one spawned worker per core) and `--engine ray` (local Ray, one task per partition, Ray's
+   start-up included) against serial on one size, with the core count; all must give the same calibration set.
 """
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def child(mode: str, where: str, out: str) -> None:
         arts = sample_traffic(where, Path(out), SampleConfig(calib_size=256, shadow_size=64), engine=mode)
         result = {"records": arts["calib"].meta["stats"]["records"], "calib_sha256": arts["calib"].sha256,
                   "exact": arts["calib"].meta["estimates"]["exact"]}
-    result |= {"seconds": time.perf_counter() - t, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    result |= {"seconds": time.perf_counter() - t, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               "worker_peak_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
     print(json.dumps(result))
 
 
@@ -112,7 +114,8 @@ def main() -> None:
     if args.child:
         return child(*args.child)
     sizes = [int(x) for x in args.records.split(",")]
-    print(f"machine: {os.cpu_count()} cores; one child process per measurement; sample 256 calib + 64 shadow; "
+    cores = len(os.sched_getaffinity(0))
+    print(f"machine: {cores} cores; one child process per measurement; sample 256 calib + 64 shadow; "
           f"{args.partitions} gzip JSONL partitions per log; the sampler reads columnar (pyarrow, its threads, and one "
           f"reading thread) and hashes per request in Python; the orjson parse is one thread", flush=True)
     demo = demo_records()
@@ -135,6 +138,9 @@ def main() -> None:
                 parse = measure("parse", logs, tmp / "unused")
                 assert parse["records"] == n, (parse["records"], n)
                 print(f"  {n:>9,} records, reading alone: {parse['seconds']:7.1f} s {n / parse['seconds']:8.0f} rec/s", flush=True)
+                procs = measure("processes", logs, tmp / "out-processes")
+                print(f"  {n:>9,} records in processes: {procs['seconds']:7.1f} s {n / procs['seconds']:8.0f} rec/s "
+                      f"(driver peak RSS {procs['peak_mb']:.0f} MB, largest worker {procs['worker_peak_mb']:.0f} MB)", flush=True)
                 ray = measure("ray", logs, tmp / "out-ray")
                 print(f"  {n:>9,} records on ray: {ray['seconds']:7.1f} s {n / ray['seconds']:8.0f} rec/s "
                       f"(driver peak RSS {ray['peak_mb']:.0f} MB)", flush=True)
@@ -156,15 +162,16 @@ def main() -> None:
             n = args.ray_records
             print(f"     {n:>9,} records, the sampler's reading alone (no sampling): {raw[n]['seconds'] / parse['seconds']:.2f}x; "
                   f"the sampling adds {serial[n]['seconds'] - parse['seconds']:.1f} s on the main thread beside the reading thread")
+            print(f"     {n:>9,} records, --engine processes ({cores} workers): {raw[n]['seconds'] / procs['seconds']:.2f}x")
         print(f"2. peak RSS / peak RSS at {lo:,} records (goal: within 1.10x):")
         for n in sizes[1:]:
             print(f"     {n:>9,} records ({n // lo}x the log): {serial[n]['peak_mb'] / serial[lo]['peak_mb']:.3f}x "
                   f"({serial[n]['peak_mb']:.0f} MB / {serial[lo]['peak_mb']:.0f} MB)")
         if args.ray_records in serial:
             s = serial[args.ray_records]
-            print(f"3. sampler wall time serial / ray on {args.ray_records:,} records ({args.partitions} partitions, "
-                  f"{os.cpu_count()} cores): {s['seconds'] / ray['seconds']:.2f}x; same calibration set: "
-                  f"{ray['calib_sha256'] == s['calib_sha256']}")
+            print(f"3. sampler wall time on {args.ray_records:,} records ({args.partitions} partitions, {cores} cores), serial / "
+                  f"processes: {s['seconds'] / procs['seconds']:.2f}x, serial / ray: {s['seconds'] / ray['seconds']:.2f}x; "
+                  f"same calibration set: {procs['calib_sha256'] == ray['calib_sha256'] == s['calib_sha256']}")
         print("   variant fan-out on Ray vs serial: benchmarks/bench_pipeline.py --parallel serial,ray")
 
 

@@ -21,7 +21,7 @@ from qgate.calibrate.profile import Concurrency
 from qgate.calibrate.sketches import DistinctCount, HeavyHitters
 from qgate.calibrate.sources import Partition, list_partitions
 from qgate.calibrate.state import SampleState, scan_partition
-from qgate.errors import ConfigError, InputError
+from qgate.errors import ConfigError, InputError, QgateError
 
 ROUTES = ("chat", "code-assist", "summarize")
 
@@ -270,8 +270,8 @@ def s3():
 
 
 def test_s3_partitions_and_ray_give_the_local_serial_sample(tmp_path, s3):
-    """The object-store path against a real S3 endpoint, and the Ray engine (local Ray) on both local and S3
-    partitions: every combination selects the same sets as one serial pass over local files."""
+    """The object-store path against a real S3 endpoint, and the processes and Ray (local Ray) engines on both local
+    and S3 partitions: every combination selects the same sets as one serial pass over local files."""
     import os
 
     import boto3
@@ -287,6 +287,8 @@ def test_s3_partitions_and_ray_give_the_local_serial_sample(tmp_path, s3):
     uri = f"s3://{s3}/logs/2026-11-22/"
     assert [p.name for p in list_partitions(uri)] == [p.name for p in list_partitions(parts)]
     runs = {"s3-serial": sample_traffic(uri, tmp_path / "s3-serial", cfg),
+            "local-processes": sample_traffic(parts, tmp_path / "local-processes", cfg, engine="processes"),
+            "s3-processes": sample_traffic(uri, tmp_path / "s3-processes", cfg, engine="processes"),
             "local-ray": sample_traffic(parts, tmp_path / "local-ray", cfg, engine="ray"),
             "s3-ray": sample_traffic(uri, tmp_path / "s3-ray", cfg, engine="ray")}
     for name, arts in runs.items():
@@ -368,6 +370,38 @@ def test_a_failing_ray_task_raises_its_own_error_and_leaves_nothing_running(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ran      # nothing was left running behind the caller
     assert "0" in ran and len(ran) < 20                             # the window was awaited; later calls never ran
     assert list(map_ordered(_slow_or_bad, [(0, str(tmp_path)), (2, str(tmp_path))], engine="ray")) == [0, 2]  # driver alive
+
+
+def _bad_input(i: int) -> int:
+    import os
+
+    if i == 2:
+        raise InputError(f"part-{i}.jsonl:7: bad record", hint="fix the writer")
+    if i == 9:
+        os._exit(1)           # a worker killed mid-call (the OOM killer, a segfault in a native library)
+    return i * i
+
+
+def test_the_processes_engine_keeps_order_raises_each_error_as_itself_and_places_no_gpus(tmp_path):
+    """Results in input order from worker processes; a worker's QgateError arrives with its hint; calls not yet
+    started after a failure never run; GPU resources, and variant fan-out (which needs them), are refused."""
+    from qgate.execute import map_ordered
+    from qgate.pipeline.runner import run_pipeline
+
+    assert list(map_ordered(_bad_input, [(i,) for i in (3, 0, 1)], engine="processes")) == [9, 0, 1]
+    with pytest.raises(InputError) as err:
+        list(map_ordered(_bad_input, [(i,) for i in range(5)], engine="processes"))
+    assert err.value.message == "part-2.jsonl:7: bad record" and err.value.hint == "fix the writer"
+    with pytest.raises(ValueError, match="bad partition 1"):
+        list(map_ordered(_slow_or_bad, [(i, str(tmp_path)) for i in range(40)], engine="processes"))
+    ran = sorted(p.name for p in tmp_path.iterdir())
+    assert "0" in ran and len(ran) < 10                 # the window was awaited; later calls never ran
+    with pytest.raises(QgateError, match="worker process of the processes engine died while running _bad_input"):
+        list(map_ordered(_bad_input, [(i,) for i in (0, 9, 1)], engine="processes"))
+    with pytest.raises(ConfigError, match="cannot place num_gpus\n"):
+        list(map_ordered(_bad_input, [(1,)], engine="processes", resources={"num_gpus": 1}))
+    with pytest.raises(ConfigError, match="unknown execution engine 'processes'; choose one of serial, ray"):
+        run_pipeline(None, parallel="processes")
 
 
 class _StreamedConcurrency:

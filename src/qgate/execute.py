@@ -1,12 +1,14 @@
-"""The one seam where work is fanned out: the same function on the same arguments, serially or as Ray tasks.
+"""The one seam where work is fanned out: the same function on the same arguments, serially, in local processes or
+as Ray tasks.
 
     for result in map_ordered(scan_partition, [(p, cfg) for p in parts], engine="ray"):   # results in input order
 
-`engine="serial"` (the default everywhere) calls the function in this process. `engine="ray"` runs each call as a Ray
-task with the given resources (`{"num_cpus": 1, "num_gpus": 1, "memory": ...}` or custom resources) and yields the
-results in input order as they complete, so the driver holds one result at a time. Ray starts locally unless
-RAY_ADDRESS points at a cluster; an exception raised in a task is raised again here as itself, so a bad partition
-reads the same under both engines.
+`engine="serial"` (the default everywhere) calls the function in this process. `engine="processes"` runs the calls
+in one spawned process per core of this machine (no extra needed; CPU work only: it places no GPUs). `engine="ray"`
+runs each call as a Ray task with the given resources (`{"num_cpus": 1, "num_gpus": 1, "memory": ...}` or custom
+resources); Ray starts locally unless RAY_ADDRESS points at a cluster. Both yield the results in input order as they
+complete, from a window of calls submitted ahead, so the driver holds a few results at a time; an exception raised
+in a call is raised again here as itself, so a bad partition reads the same under every engine.
 """
 from __future__ import annotations
 
@@ -14,14 +16,14 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from qgate.errors import BackendUnavailable, ConfigError
+from qgate.errors import BackendUnavailable, ConfigError, QgateError
 
-ENGINES = ("serial", "ray")
+ENGINES = ("serial", "processes", "ray")
 
 
-def check_engine(engine: str) -> str:
-    if engine not in ENGINES:
-        raise ConfigError(f"unknown execution engine {engine!r}; choose one of {', '.join(ENGINES)}")
+def check_engine(engine: str, allowed: tuple[str, ...] = ENGINES) -> str:
+    if engine not in allowed:
+        raise ConfigError(f"unknown execution engine {engine!r}; choose one of {', '.join(allowed)}")
     return engine
 
 
@@ -32,6 +34,9 @@ def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "s
     if check_engine(engine) == "serial":
         for args in calls:
             yield fn(*args)
+        return
+    if engine == "processes":
+        yield from _in_processes(fn, calls, resources)
         return
     ray = ray_session()
     per_call = resources if isinstance(resources, list) else [resources or {}] * len(calls)
@@ -49,6 +54,42 @@ def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "s
             yield _get(ray, submitted[i])
     finally:
         ray.wait(submitted, num_returns=len(submitted), timeout=None)   # nothing left running behind the caller
+
+
+def _in_processes(fn: Callable[..., Any], calls: list[tuple], resources) -> Iterator[Any]:
+    """The calls in spawned worker processes, one per core (a forked child would inherit the reading threads and
+    locks of this one). After a failure nothing more is submitted, calls not yet started are cancelled, and the
+    running ones are waited for before the error is raised."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    for res in resources if isinstance(resources, list) else [resources or {}]:
+        if set(res) - {"num_cpus", "memory"}:
+            raise ConfigError(f"the processes engine runs CPU work on this machine only; it cannot place "
+                              f"{', '.join(sorted(set(res) - {'num_cpus', 'memory'}))}",
+                              hint="use the ray engine for tasks that need GPUs or custom resources")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = max(1, min(len(calls), cores))
+    window = 2 * workers
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        submitted: list = []
+        try:
+            for i in range(len(calls)):
+                while len(submitted) < min(len(calls), i + window):
+                    submitted.append(pool.submit(fn, *calls[len(submitted)]))
+                try:
+                    result = submitted[i].result()
+                except BrokenProcessPool as e:
+                    raise QgateError(f"a worker process of the processes engine died while running {getattr(fn, '__name__', fn)} "
+                                     f"(call {i + 1} of {len(calls)}): killed, or out of memory",
+                                     hint="re-run with the serial engine to see the failure in this process") from e
+                submitted[i] = None      # not held beside the next results
+                yield result
+        finally:
+            for f in submitted:
+                if f is not None:
+                    f.cancel()
 
 
 def ray_session():

@@ -4,8 +4,8 @@
 
 Each partition (file) is scanned once, on its own (calibrate/state.py): parse, scrub PII, profile, and keep per
 stratum (route x prompt-length bucket) the distinct prompts with the smallest seeded hash priority, with an HLL
-sketch of every distinct prompt. The states merge in partition order on this machine, so a serial run and a Ray run
-give the same sets, and the choice does not depend on record order. Quotas go to strata in proportion to their
+sketch of every distinct prompt. The states merge in partition order on this machine, so serial, local-process and
+Ray runs give the same sets, and the choice does not depend on record order. Quotas go to strata in proportion to their
 distinct prompts: counted exactly while a stratum's sample is not full, estimated by its sketch beyond (the
 calibration set's `estimates` says which, with bounds). Memory is bounded by the sample size, not the log.
 Output: calib/ and shadow/ (calibration-set artifacts), profile/ (traffic-profile),
@@ -64,7 +64,8 @@ def _allocate(sizes: dict[str, int], total: int, caps: dict[str, int]) -> dict[s
 
 def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine: str = "serial") -> dict[str, Artifact]:
     """traffic: a file, a glob, a directory of partitions or an object-store URI (calibrate/sources.py).
-    engine: "serial", or "ray" to scan partitions as Ray tasks (execute.py); both give the same artifacts."""
+    engine: "serial"; "processes" to scan partitions in one local process per core; or "ray" to scan them as Ray
+    tasks (execute.py). Every engine gives the same artifacts."""
     check_engine(engine)
     parts = list_partitions(traffic)          # a missing log fails here, before anything is created
     many = len(parts) > 1

@@ -295,7 +295,7 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print, wait: 
     from qgate.execute import check_engine
     from qgate.locks import workdir_lock
 
-    check_engine(parallel)
+    check_engine(parallel, ("serial", "ray"))   # variants need the resources they declare: Ray places them
     with workdir_lock(spec.path(spec.workdir), f"qgate run {spec.name}", wait=wait, echo=echo):
         return _run(spec, echo, parallel)
 
