@@ -223,6 +223,40 @@ def test_profile_states_which_counts_are_estimates(tmp_path):
     assert sum(conc["histogram"].values()) == 800 and 1 <= conc["p50"] <= conc["p99"] <= conc["max"]
 
 
+def test_too_short_prompts_leave_the_profile_even_when_a_partition_has_nothing_else(tmp_path):
+    """A partition of only too-short prompts, and one mixing them with usable ones: the profile counts exactly the
+    usable requests' words (the too-short ones are taken back out of each block's bags)."""
+    from qgate.calibrate.profile import words
+
+    rng = random.Random(3)
+    vocab = [f"v{i}" for i in range(50)]
+
+    def rec(n_words: int, i: int) -> bytes:
+        text = " ".join(rng.choice(vocab) for _ in range(n_words)) + f" id{i}"
+        return json.dumps({"route": "chat", "tenant": f"t{i % 3}", "messages": [{"role": "user", "content": text}]}).encode()
+
+    short = [rec(rng.randint(0, 3), i) for i in range(300)]                        # at most 4 words: all too short
+    mixed = [rec(rng.choice([1, 2, 8, 20]), 300 + i) for i in range(1500)]
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "a.jsonl").write_bytes(b"\n".join(short) + b"\n")
+    (parts / "b.jsonl").write_bytes(b"\n".join(mixed) + b"\n")
+    cfg = SampleConfig(calib_size=20, shadow_size=10, min_words=5)
+    arts = sample_traffic(parts, tmp_path / "out", cfg)
+    prof = json.loads((arts["profile"].path / "profile.json").read_text())
+    truth = Counter()
+    usable = 0
+    for r in short + mixed:
+        ws = words(json.loads(r)["messages"][0]["content"])
+        if len(ws) >= 5:
+            truth.update(ws)
+            usable += 1
+    assert 0 < usable < 1500 and prof["requests"] == usable
+    assert arts["calib"].meta["stats"]["too_short"] == 1800 - usable
+    assert prof["unigrams"]["total"] == sum(truth.values()) and prof["estimates"]["unigrams"]["max_count_error"] == 0
+    assert prof["unigrams"]["top"] == dict(sorted(truth.items(), key=lambda kv: (-kv[1], kv[0]))[:len(prof["unigrams"]["top"])])
+
+
 def test_unknown_engine_and_missing_ray_are_clear(tmp_path, monkeypatch):
     import sys
 

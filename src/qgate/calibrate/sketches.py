@@ -91,6 +91,8 @@ class HeavyHitters:
 
     def add_table(self, table) -> None:
         """Count the rows of a pyarrow table of (w: string, n: int64): w counted n times (calibrate.words.word_table)."""
+        if table.num_rows == 0:
+            return
         self.pending.append(table)
         self.pending_rows += table.num_rows
         if self.pending_rows >= PENDING_ROWS:
@@ -110,7 +112,7 @@ class HeavyHitters:
         sums = sums.append_column("first", pa.array(np.arange(sums.num_rows)))
         sums = sums.take(pc.sort_indices(sums, [("n_sum", "descending"), ("first", "ascending")]))
         self.pending, self.pending_rows = [], 0
-        if pc.min(sums["n_sum"]).as_py() < 0:
+        if sums.num_rows and pc.min(sums["n_sum"]).as_py() < 0:
             raise ValueError("HeavyHitters: a string's pending count is negative (more taken out than was added)")
         update = self.sketch.update
         for item, n in zip(sums["w"].to_pylist(), sums["n_sum"].to_pylist(), strict=True):
