@@ -73,30 +73,23 @@ def _token_starts(cls: np.ndarray, begin: np.ndarray, lens: np.ndarray) -> tuple
 def _bags(split, marks: np.ndarray, mark_text: np.ndarray, weights: np.ndarray | None) -> list:
     """Word counts of the words in `split` (a list array: each text's words) and of the other characters (`marks`:
     their code points, `mark_text`: the text each is in), each text counted weights[i, j] times in bag j (once, in
-    one bag, without weights). A bag is a `word_table`; texts counted once are tallied by value_counts, and only the
-    repeated ones (a shared system prompt) need a weighted group-by."""
+    one bag, without weights). A bag is a `word_table`. One group-by over every word occurrence sums all the bags'
+    weights at once (a distinct text stands for its repeats, as a shared system prompt does)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     if weights is None:
         weights = np.ones((len(split), 1), np.int64)
+    parent = pc.list_parent_indices(split).to_numpy()
+    columns = {"w": pc.list_flatten(split)} | {f"n{j}": weights[parent, j] for j in range(weights.shape[1])}
+    sums = pa.table(columns).group_by("w", use_threads=False).aggregate([(f"n{j}", "sum") for j in range(weights.shape[1])])
     uniq, inv = np.unique(marks, return_inverse=True)
     chars = pa.array([chr(m) for m in uniq.tolist()], pa.string())
     schema = pa.schema([("w", pa.string()), ("n", pa.int64())])
     bags = []
-    for w in weights.T:
-        pieces = []
-        once = np.flatnonzero(w == 1)
-        if len(once):
-            vc = pc.value_counts(pc.list_flatten(split if len(once) == len(w) else split.take(pa.array(once))))
-            pieces.append(pa.table({"w": vc.field("values"), "n": vc.field("counts")}))
-        more = np.flatnonzero(w > 1)
-        if len(more):
-            sub = split.take(pa.array(more))
-            t = pa.table({"w": pc.list_flatten(sub), "n": w[more][pc.list_parent_indices(sub).to_numpy()]})
-            pieces.append(t.group_by("w", use_threads=False).aggregate([("n", "sum")]).rename_columns(["w", "n"]))
-        pieces.append(pa.table({"w": chars, "n": np.bincount(inv, weights=w[mark_text], minlength=len(uniq)).astype(np.int64)}))
-        bag = pa.concat_tables([p.cast(schema) for p in pieces])
+    for j, w in enumerate(weights.T):
+        bag = pa.concat_tables([pa.table({"w": sums["w"], "n": sums[f"n{j}_sum"]}).cast(schema),
+                                pa.table({"w": chars, "n": np.bincount(inv, weights=w[mark_text], minlength=len(uniq)).astype(np.int64)})])
         bags.append(bag.filter(pc.and_(pc.not_equal(bag["w"], ""), pc.not_equal(bag["n"], 0))))   # "": between adjacent spaces
     return bags
 
