@@ -257,6 +257,69 @@ def test_too_short_prompts_leave_the_profile_even_when_a_partition_has_nothing_e
     assert prof["unigrams"]["top"] == dict(sorted(truth.items(), key=lambda kv: (-kv[1], kv[0]))[:len(prof["unigrams"]["top"])])
 
 
+def test_hive_style_partitions_are_named_by_their_path_below_the_root(tmp_path):
+    """Hive-style logs repeat file names in every directory: a sampled row's (file, line) must find its record, and a
+    prompt logged in two partitions is attributed to its first occurrence in partition order."""
+    records = _records(120, seed=4, dup_every=10**9)          # 120 distinct prompts
+    dup = records[30]                                          # also the first line of the later day
+    (tmp_path / "dt=01").mkdir()
+    (tmp_path / "dt=02").mkdir()
+    (tmp_path / "dt=01/part-0000.jsonl").write_bytes(b"\n".join(records[:60]) + b"\n")
+    (tmp_path / "dt=02/part-0000.jsonl").write_bytes(b"\n".join([dup, *records[60:]]) + b"\n")
+    assert [p.name for p in list_partitions(tmp_path)] == ["dt=01/part-0000.jsonl", "dt=02/part-0000.jsonl"]
+    assert [p.name for p in list_partitions(f"{tmp_path}/dt=*/part-*.jsonl")] == ["dt=01/part-0000.jsonl", "dt=02/part-0000.jsonl"]
+    assert [p.name for p in list_partitions(tmp_path / "dt=02/part-0000.jsonl")] == ["part-0000.jsonl"]
+    arts = sample_traffic(tmp_path, tmp_path / "out", SampleConfig(calib_size=90, shadow_size=30, seed=3))   # every prompt
+    rows = [json.loads(r) for a in ("calib", "shadow") for r in (arts[a].path / "data.jsonl").read_text().splitlines()]
+    assert len(rows) == 120 and {r["file"] for r in rows} == {"dt=01/part-0000.jsonl", "dt=02/part-0000.jsonl"}
+    for r in rows:
+        logged = json.loads((tmp_path / r["file"]).read_text().splitlines()[r["line"] - 1])
+        assert logged["messages"] == r["messages"], r
+    want_dup = json.loads(dup)["messages"]
+    assert [(r["file"], r["line"]) for r in rows if r["messages"] == want_dup] == [("dt=01/part-0000.jsonl", 31)]
+
+
+def test_each_partition_is_read_once_and_the_source_hash_is_of_what_was_read(tmp_path, monkeypatch):
+    """The scans hash the bytes they read (the rest of a corrupt compressed stream too, and a Parquet file in one
+    sequential pass): the artifacts' source hash equals the files' own sha256s, and no JSONL partition is opened
+    twice (on object storage a second pass is a second download)."""
+    import os
+    import zlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from qgate.artifact import sha256_json
+    from qgate.calibrate import sources
+
+    d = tmp_path / "logs"
+    _write_parts(d, _records(3000, seed=6), [1000, 2000])    # part-000.jsonl, part-001.jsonl.gz, part-002.jsonl
+    # a gzip partition corrupt near its start, with far more bytes after it than one buffered read takes
+    noise = [json.dumps({"messages": [{"role": "user", "content": os.urandom(300).hex()}]}).encode() for _ in range(8000)]
+    body = zlib.compressobj(1, zlib.DEFLATED, 31)
+    gz = bytearray(body.compress(b"\n".join(noise) + b"\n") + body.flush())
+    assert len(gz) > 2 * sources._CHUNK
+    gz[4000:4016] = b"\xff" * 16
+    (d / "part-003.jsonl.gz").write_bytes(bytes(gz))
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": f"parquet prompt {i} about w{i % 7}"}] for i in range(300)]}),
+                   d / "part-004.parquet")
+    opened: Counter = Counter()
+    real_open = sources.Partition.open
+
+    def counting_open(self, digest=None):
+        opened[self.name] += 1
+        return real_open(self, digest)
+
+    monkeypatch.setattr(sources.Partition, "open", counting_open)
+    arts = sample_traffic(d, tmp_path / "out", SampleConfig(calib_size=40, shadow_size=20))
+    names = sorted(p.name for p in d.iterdir())
+    assert opened == Counter(names), opened            # the Parquet file: row groups by random access, then one pass
+    want = sha256_json([[n, hashlib.sha256((d / n).read_bytes()).hexdigest()] for n in names])
+    assert arts["profile"].parents == (want,) and arts["calib"].parents[0] == want
+    rejects = [json.loads(r) for r in (tmp_path / "out/rejects.jsonl").read_text().splitlines()]
+    assert rejects[-1]["file"].endswith("part-003.jsonl.gz") and "compressed stream corrupt" in rejects[-1]["reason"]
+
+
 def test_unknown_engine_and_missing_ray_are_clear(tmp_path, monkeypatch):
     import sys
 
@@ -333,8 +396,8 @@ def test_s3_partitions_and_ray_give_the_local_serial_sample(tmp_path, s3):
     import ray
 
     assert ray.is_initialized() and ray.cluster_resources().get("CPU", 0) >= 1     # the scans were Ray tasks
-    glob_uri = f"s3://{s3}/logs/2026-11-*/part-00[01]*"
-    assert [p.name for p in list_partitions(glob_uri)] == ["part-000.jsonl", "part-001.jsonl.gz"]
+    glob_uri = f"s3://{s3}/logs/2026-11-*/part-00[01]*"    # named below the glob's root: the date says which day
+    assert [p.name for p in list_partitions(glob_uri)] == ["2026-11-22/part-000.jsonl", "2026-11-22/part-001.jsonl.gz"]
 
 
 def test_variants_fanned_out_on_ray_match_the_serial_run(tmp_path, workdir, monkeypatch):

@@ -8,6 +8,9 @@ sketch of every distinct prompt. The states merge in partition order on this mac
 Ray runs give the same sets, and the choice does not depend on record order. Quotas go to strata in proportion to their
 distinct prompts: counted exactly while a stratum's sample is not full, estimated by its sketch beyond (the
 calibration set's `estimates` says which, with bounds). Memory is bounded by the sample size, not the log.
+Each partition is read once: its scan hashes the bytes it reads, and the source's content hash (the artifacts' parent)
+is made of those, so it describes exactly what was sampled. A sampled row's `file` (logs of several files) is the
+partition's path below the source's root, and `line` its line there.
 Output: calib/ and shadow/ (calibration-set artifacts), profile/ (traffic-profile),
 rejects.jsonl (every malformed record with its file, line number and reason).
 """
@@ -20,7 +23,7 @@ from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
 from qgate.calibrate.reader import MAX_LINE_BYTES
-from qgate.calibrate.sources import is_uri, list_partitions, traffic_sha256
+from qgate.calibrate.sources import combined_sha256, is_uri, list_partitions
 from qgate.calibrate.state import SampleState, scan_partition
 from qgate.errors import ConfigError, InputError
 from qgate.execute import check_engine, map_ordered
@@ -88,7 +91,7 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
     profile = state.profiler.result() | {"source": source_name, "stats": counts["stats"], "pii_scrubbed": dict(state.pii)}
     profile["estimates"]["unique_prompts"] = counts["estimates"]["unique_prompts"]
     (profile_dir / "profile.json").write_text(json.dumps(profile, indent=2))
-    source = traffic_sha256(parts)
+    source = combined_sha256([(p["name"], p["sha256"]) for p in state.partitions])   # hashed by the scans themselves
     prof_art = Artifact.create("traffic-profile", profile_dir, params, (source,), {"requests": profile["requests"]})
     arts = {"profile": prof_art}
     for name, rows in (("calib", calib), ("shadow", shadow)):

@@ -1,7 +1,10 @@
 """Where traffic lives: a local file, a glob, a directory of partitions, or an object-store URI, as partitions.
 
     parts = list_partitions("s3://bucket/logs/2026-11-*/")   # [Partition], in name order
-    with parts[0].open() as f: ...                            # a binary stream (decompression is the reader's job)
+    with parts[0].open(hashlib.sha256()) as f: ...           # a binary stream, every byte read fed to the hash
+                                                              # (decompression is the reader's job)
+A partition is named by its path below the source's root (`dt=2026-11-01/part-0000.jsonl.gz`): Hive-style logs repeat
+file names in every directory, and a sampled row's `file` must say which one it came from.
 
 URIs with a scheme (s3://, gs://, hdfs://, abfs://, file://) go through pyarrow's filesystems, which read credentials
 and the endpoint from the environment as the AWS CLI does (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION,
@@ -32,6 +35,11 @@ def _skipped(rel_parts: tuple[str, ...] | list[str]) -> bool:
     return any(part.startswith(".") for part in rel_parts) or rel_parts[-1].startswith("rejects")
 
 
+def _glob_root(pattern: str) -> str:
+    """The directory part of a glob before its first wildcard: what partition names are relative to."""
+    return pattern.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0].rsplit("/", 1)[0]
+
+
 def traffic_files(where: str | Path) -> list[Path]:
     """A traffic source as files, in a stable order: one file, a glob (`logs/2026-11-*.jsonl`), or a directory of
     partitions (every JSONL or Parquet file under it, recursively, hidden files and rejects skipped)."""
@@ -60,12 +68,14 @@ def is_uri(where: str | Path) -> bool:
 
 @dataclass(frozen=True, order=True)
 class Partition:
-    """One traffic file. `location` is a local path or a URI; `name` is its file name (what manifests record)."""
+    """One traffic file. `location` is a local path or a URI; `name` is what manifests and sampled rows record: its
+    path below the source's root (`rel`, posix), or its file name when the source is the file itself."""
     location: str
+    rel: str = ""
 
     @property
     def name(self) -> str:
-        return self.location.rstrip("/").rsplit("/", 1)[-1]
+        return self.rel or self.location.rstrip("/").rsplit("/", 1)[-1]
 
     @property
     def remote(self) -> bool:
@@ -80,12 +90,15 @@ class Partition:
             raise InputError(f"{self.location}: cannot open this URI ({e})",
                              hint="check the scheme and credentials (AWS_* variables for s3://)") from e
 
-    def open(self):
-        """A binary stream of the file's bytes."""
+    def open(self, digest=None):
+        """A binary stream of the file's bytes; with `digest` (a hashlib object), every byte read from the file is
+        fed to it once, in order, so a reader that reads to the end hashes the very bytes it read."""
         if not self.remote:
-            return open(self.location, "rb")
-        filesystem, path = self._fs()
-        return io.BufferedReader(_Raw(filesystem.open_input_stream(path, compression=None)), _CHUNK)
+            raw = open(self.location, "rb") if digest is None else _Raw(io.FileIO(self.location, "rb"), digest)
+        else:
+            filesystem, path = self._fs()
+            raw = _Raw(filesystem.open_input_stream(path, compression=None), digest)
+        return raw if isinstance(raw, io.BufferedReader) else io.BufferedReader(raw, _CHUNK)
 
     def open_random_access(self):
         """A seekable file (Parquet reads its footer first)."""
@@ -96,17 +109,23 @@ class Partition:
 
     def sha256(self) -> str:
         h = hashlib.sha256()
-        with self.open() as f:
-            while block := f.read(_CHUNK):
-                h.update(block)
+        with self.open(h) as f:
+            drain(f)
         return h.hexdigest()
 
 
-class _Raw(io.RawIOBase):
-    """A pyarrow input stream as a raw file, so io.BufferedReader gives it a bounded readline()."""
+def drain(f) -> None:
+    """Read a stream to its end (what a hashing stream has not yet hashed)."""
+    while f.read(_CHUNK):
+        pass
 
-    def __init__(self, stream):
-        self.stream = stream
+
+class _Raw(io.RawIOBase):
+    """A pyarrow input stream or a local file as a raw file, so io.BufferedReader gives it a bounded readline();
+    every byte read is fed to `digest` when one is given."""
+
+    def __init__(self, stream, digest=None):
+        self.stream, self.digest = stream, digest
 
     def readable(self) -> bool:
         return True
@@ -114,6 +133,8 @@ class _Raw(io.RawIOBase):
     def readinto(self, b) -> int:
         data = self.stream.read(len(b))
         b[:len(data)] = data
+        if self.digest is not None:
+            self.digest.update(data)
         return len(data)
 
     def close(self) -> None:
@@ -122,15 +143,24 @@ class _Raw(io.RawIOBase):
 
 
 def list_partitions(where: str | Path) -> list[Partition]:
-    """Every traffic file of a source, in a stable order. Fails at the call when there is none."""
+    """Every traffic file of a source, in a stable order, each named by its path below the source's root (a
+    directory, or a glob's part before its first wildcard). Fails at the call when there is none."""
     if not is_uri(where):
-        return [Partition(str(p)) for p in traffic_files(where)]
+        s = str(where)
+        files = traffic_files(where)
+        if any(c in s for c in "*?["):
+            root = Path(_glob_root(s) or ("/" if s.startswith("/") else "."))
+        elif Path(where).is_dir():
+            root = Path(where)
+        else:
+            return [Partition(str(files[0]))]
+        return [Partition(str(p), p.relative_to(root).as_posix()) for p in files]
     from pyarrow import fs
 
     uri = str(where)
     scheme = uri.split("://", 1)[0]
     pattern = any(c in uri for c in "*?[")
-    base_uri = uri.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0].rsplit("/", 1)[0] if pattern else uri
+    base_uri = _glob_root(uri) if pattern else uri
     try:
         filesystem, base = fs.FileSystem.from_uri(base_uri)
         info = filesystem.get_file_info(base)
@@ -153,14 +183,20 @@ def list_partitions(where: str | Path) -> list[Partition]:
             continue
         if pattern and not fnmatch.fnmatchcase(i.path, path_pattern):
             continue
-        files.append(Partition(f"{scheme}://{i.path}"))
+        files.append(Partition(f"{scheme}://{i.path}", i.path[len(base):].lstrip("/")))
     if not files:
         raise InputError(f"{uri}: no traffic partitions here ({', '.join(SUFFIXES)})")
     return sorted(files)
 
 
 def traffic_sha256(parts: list[Partition]) -> str:
-    """One file: its sha256. Several: the hash of their names and hashes, in order."""
+    """The content hash of a traffic source, reading every partition (a scan that hashed them gives
+    `combined_sha256` of what it read instead, without a second pass)."""
+    return combined_sha256([(p.name, p.sha256()) for p in parts])
+
+
+def combined_sha256(named: list[tuple[str, str]]) -> str:
+    """(partition name, sha256) in partition order: one file's sha256, or the hash of the names and hashes."""
     from qgate.artifact import sha256_json
 
-    return parts[0].sha256() if len(parts) == 1 else sha256_json([[p.name, p.sha256()] for p in parts])
+    return named[0][1] if len(named) == 1 else sha256_json([list(x) for x in named])

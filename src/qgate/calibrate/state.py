@@ -184,8 +184,9 @@ class SampleState:
 
 
 def scan_partition(part: Partition, config, tag_file: bool, show_progress: bool = False) -> tuple[SampleState, bytes]:
-    """One pass over one file: its sampling state, and its rejects as JSONL bytes (scrubbed: a rejected record is
-    still production traffic), each with the file, its line number and the reason."""
+    """One pass over one file: its sampling state (with the file's sha256 in `partitions`), and its rejects as JSONL
+    bytes (scrubbed: a rejected record is still production traffic), each with the file, its line number and the
+    reason."""
     from qgate.progress import progress
 
     import pyarrow as pa
@@ -193,7 +194,8 @@ def scan_partition(part: Partition, config, tag_file: bool, show_progress: bool 
     pool = pa.default_memory_pool()
     st = SampleState.empty(config)
     rejects: list[bytes] = []
-    batches = prefetched(read_batches(part, config.max_line_bytes))
+    digest = hashlib.sha256()    # of the bytes this scan read: the source's lineage hash needs no second pass
+    batches = prefetched(read_batches(part, config.max_line_bytes, digest))
     if show_progress:
         batches = progress(batches, f"calibrate: reading {part.name}", unit="block")
     for batch in batches:
@@ -206,7 +208,7 @@ def scan_partition(part: Partition, config, tag_file: bool, show_progress: bool 
         del batch
         pool.release_unused()    # the batch's arrow buffers: else the allocator keeps every high-water mark
     st.profiler.finish_partition()
-    st.partitions.append({"name": part.name, "records": st.stats["records"]})
+    st.partitions.append({"name": part.name, "records": st.stats["records"], "sha256": digest.hexdigest()})
     return st, b"".join(rejects)
 
 
