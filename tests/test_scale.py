@@ -19,7 +19,7 @@ from qgate.calibrate.sample import SampleConfig, sample_traffic
 from qgate.calibrate import sketches
 from qgate.calibrate.profile import Concurrency
 from qgate.calibrate.sketches import DistinctCount, HeavyHitters
-from qgate.calibrate.sources import Partition, list_partitions
+from qgate.calibrate.sources import Partition, list_partitions, traffic_sha256
 from qgate.calibrate.state import SampleState, scan_partition
 from qgate.errors import ConfigError, InputError, QgateError
 
@@ -396,6 +396,9 @@ def test_s3_partitions_and_ray_give_the_local_serial_sample(tmp_path, s3):
     import ray
 
     assert ray.is_initialized() and ray.cluster_resources().get("CPU", 0) >= 1     # the scans were Ray tasks
+    # the pipeline's cache key hashes the source on the scan's engine: the same value as the scans' own hashes
+    assert traffic_sha256(list_partitions(uri), "ray") == traffic_sha256(list_partitions(parts), "processes") \
+        == traffic_sha256(list_partitions(parts)) == ref["profile"].parents[0]
     glob_uri = f"s3://{s3}/logs/2026-11-*/part-00[01]*"    # named below the glob's root: the date says which day
     assert [p.name for p in list_partitions(glob_uri)] == ["2026-11-22/part-000.jsonl", "2026-11-22/part-001.jsonl.gz"]
 

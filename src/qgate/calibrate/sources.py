@@ -189,10 +189,17 @@ def list_partitions(where: str | Path) -> list[Partition]:
     return sorted(files)
 
 
-def traffic_sha256(parts: list[Partition]) -> str:
-    """The content hash of a traffic source, reading every partition (a scan that hashed them gives
-    `combined_sha256` of what it read instead, without a second pass)."""
-    return combined_sha256([(p.name, p.sha256()) for p in parts])
+def traffic_sha256(parts: list[Partition], engine: str = "serial") -> str:
+    """The content hash of a traffic source, reading every partition, on an execution engine (execute.py: on Ray the
+    partitions are hashed in parallel, by the workers). A scan hashes what it reads: `combined_sha256` of its
+    partitions' hashes is the same value, without this pass."""
+    from qgate.execute import map_ordered
+
+    return combined_sha256(list(zip([p.name for p in parts], map_ordered(partition_sha256, [(p,) for p in parts], engine), strict=True)))
+
+
+def partition_sha256(part: Partition) -> str:
+    return part.sha256()
 
 
 def combined_sha256(named: list[tuple[str, str]]) -> str:

@@ -156,7 +156,7 @@ def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path, engine: 
     from qgate.calibrate.sources import list_partitions, traffic_sha256
 
     scfg = SampleConfig(**spec.calibrate.model_dump())
-    key = {"traffic": traffic_sha256(list_partitions(traffic)), "cfg": scfg.__dict__}
+    key = {"traffic": traffic_sha256(list_partitions(traffic), engine), "cfg": scfg.__dict__}
     calib = r.stage("calibrate", key, r.workdir / "calib", lambda out: sample_traffic(traffic, out, scfg, engine=engine)["calib"])
     return calib, Artifact.load(r.workdir / "calib" / "shadow"), Artifact.load(r.workdir / "calib" / "profile")
 
