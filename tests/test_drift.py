@@ -176,6 +176,46 @@ def test_drift_check_exit_codes_reports_and_registry_tags(fresh, monkeypatch, ca
     assert "traffic log not found" in capsys.readouterr().err
 
 
+def test_a_drift_check_reads_the_recent_log_twice_and_every_engine_gives_one_report(fresh, monkeypatch, tmp_path):
+    """The job hashes the recent traffic once (its workdir and the calibrate stage's key) and scans it once: on object
+    storage every extra pass is a download of the whole log. `--engine processes` gives the serial check's report."""
+    from collections import Counter
+    from pathlib import Path
+
+    from qgate.calibrate import sources
+    from qgate.pipeline.drift import drift_check
+    from qgate.pipeline.spec import load_spec
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root, _ = fresh
+    twin = tmp_path / "twin"
+    shutil.copytree(root, twin)                 # the same deployed state, checked with the processes engine
+    opened: Counter = Counter()
+    real_open = sources.Partition.open
+
+    def counting_open(self, digest=None):
+        opened[self.name] += 1
+        return real_open(self, digest)
+
+    monkeypatch.setattr(sources.Partition, "open", counting_open)
+    serial = drift_check(load_spec(root / "spec.yaml"), str(root / "shifted.jsonl"), echo=lambda m: None, record=False)
+    assert opened == Counter({"shifted.jsonl": 2}), opened
+    monkeypatch.setattr(sources.Partition, "open", real_open)
+    assert main(["drift", "check", "--spec", str(twin / "spec.yaml"), "--traffic", str(twin / "shifted.jsonl"),
+                 "--no-record", "--engine", "processes"]) == 3
+    report = json.loads(next((twin / "work/drift").glob("*/report/drift.json")).read_text())
+    assert serial["verdict"] == report["verdict"] == "drift"
+    assert [(r["facet"], r["js"], r["verdict"]) for r in serial["traffic"]] == [(r["facet"], r["js"], r["verdict"]) for r in report["traffic"]]
+    assert serial["recent"]["shadow_sha256"] == report["recent"]["shadow_sha256"]
+
+    def profile(rep):   # the same profile but for its source's path (the twin lives elsewhere)
+        return {k: v for k, v in json.loads((Path(rep["recent"]["workdir"]) / "calib/profile/profile.json").read_text()).items()
+                if k != "source"}
+    assert profile(serial) == profile(report)
+    assert main(["drift", "check", "--spec", str(twin / "spec.yaml"), "--traffic", str(twin / "shifted.jsonl"),
+                 "--engine", "spark"]) == 1
+
+
 def test_quality_drift_when_production_points_at_a_worse_version(fresh, monkeypatch, capsys):
     """awq passes a lenient gate and is promoted by hand; on the same traffic, the spec's real gate fails it: quality drift
     alone, no traffic drift. A drift run then finds no recalibrated variant that passes and leaves production alone."""

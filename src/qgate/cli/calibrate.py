@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from qgate.calibrate.sample import SampleConfig
-from qgate.cli.options import OutDir
+from qgate.cli.options import OutDir, ScanEngine
 
 app = typer.Typer(no_args_is_help=True, help="Calibration sets from production traffic logs.")
 _D = SampleConfig()
@@ -22,8 +22,7 @@ def sample_cmd(
     calib_size: Annotated[int, typer.Option(help="Calibration prompts.")] = _D.calib_size,
     shadow_size: Annotated[int, typer.Option(help="Held-out shadow prompts (disjoint).")] = _D.shadow_size,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = _D.seed,
-    engine: Annotated[str, typer.Option(help="serial; processes: scan partitions in one local process per core; or ray: "
-                                             "scan them as Ray tasks (local Ray, or RAY_ADDRESS). The same sets every way.")] = "serial",
+    engine: ScanEngine = "serial",
 ) -> None:
     """Stratified, deduplicated, PII-scrubbed calibration + shadow split with a traffic profile."""
     from qgate.artifact import Artifact, build_atomically

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from qgate.cli.options import quiet_libraries
+from qgate.cli.options import ScanEngine, quiet_libraries
 from qgate.errors import EXIT_DRIFT
 
 app = typer.Typer(no_args_is_help=True, help="Drift: has the traffic moved since production was calibrated? Recalibrate if so.")
@@ -48,12 +48,13 @@ def _load(spec: Path):
 def check_cmd(spec: Spec, traffic: Recent,
               record: Annotated[bool, typer.Option("--record/--no-record", help="Tag the production version and log the report in MLflow.")] = True,
               wait: Annotated[float, typer.Option(help="Seconds to wait for a running drift job on this model.")] = 0.0,
+              engine: ScanEngine = "serial",
               ) -> None:
     """Compare recent traffic with production's calibration profile and re-gate production on it. Exit 3 on drift."""
     from qgate.pipeline.drift import drift_check
 
     s = _load(spec)
-    report = drift_check(s, traffic, echo=_err, record=record, wait=wait)
+    report = drift_check(s, traffic, echo=_err, record=record, wait=wait, engine=engine)
     _out(f"drift check: {report['verdict'].upper()}  report {report['report']}")
     if report["drift"]:
         raise typer.Exit(EXIT_DRIFT)
@@ -62,12 +63,13 @@ def check_cmd(spec: Spec, traffic: Recent,
 @app.command("run")
 def run_cmd(spec: Spec, traffic: Recent,
             wait: Annotated[float, typer.Option(help="Seconds to wait for another drift run on this model to finish.")] = 0.0,
+            engine: ScanEngine = "serial",
             ) -> None:
     """The scheduled job: check; on drift recalibrate, gate and register every variant, then promote per drift.auto_promote."""
     from qgate.pipeline.drift import drift_run
 
     s = _load(spec)
-    result = drift_run(s, traffic, echo=_err, wait=wait)
+    result = drift_run(s, traffic, echo=_err, wait=wait, engine=engine)
     check = result["check"]
     _out(f"drift check: {check['verdict'].upper()}  report {check['report']}")
     for v in result["variants"]:

@@ -24,27 +24,33 @@ from qgate.pipeline.runner import (Runner, best_passing, calibrate_stage, gate_v
 from qgate.pipeline.spec import PipelineSpec, VariantSpec
 
 
-def _dirs(spec: PipelineSpec, recent: str | Path, echo) -> tuple[Runner, Runner]:
-    """(main runner: model import and caches shared with `qgate run`; drift runner: one workdir per recent traffic)."""
+def _traffic_sha(recent: str | Path, engine: str) -> str:
+    """The recent traffic's content hash, once per job (a full read of the log, on the scan's engine)."""
     from qgate.calibrate.sources import list_partitions, traffic_sha256
 
+    return traffic_sha256(list_partitions(recent), engine)
+
+
+def _dirs(spec: PipelineSpec, sha: str, echo) -> tuple[Runner, Runner]:
+    """(main runner: model import and caches shared with `qgate run`; drift runner: one workdir per recent traffic)."""
     main = Runner(spec, echo)
-    sha = traffic_sha256(list_partitions(recent))
     return main, Runner(spec, echo, workdir=main.workdir / "drift" / sha[:16])
 
 
 def drift_check(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None] = print, record: bool = True,
-                wait: float = 0.0) -> dict:
-    """Traffic and quality drift of production on `recent`; under the model's drift lock (a running drift job refuses it)."""
+                wait: float = 0.0, engine: str = "serial") -> dict:
+    """Traffic and quality drift of production on `recent`; under the model's drift lock (a running drift job refuses it).
+    engine: how the recent traffic's partitions are hashed and scanned (execute.py)."""
     from qgate.locks import job_lock, workdir_lock
 
-    main, _ = _dirs(spec, recent, echo)
+    sha = _traffic_sha(recent, engine)
+    main, _ = _dirs(spec, sha, echo)
     what = f"qgate drift check for {spec.registry.model_name}"
     with job_lock(_lock_path(spec, main), what, wait=wait, echo=echo), workdir_lock(main.workdir, what, wait=wait, echo=echo):
-        return _check(spec, recent, echo, record)
+        return _check(spec, recent, sha, engine, echo, record)
 
 
-def _check(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None], record: bool) -> dict:
+def _check(spec: PipelineSpec, recent: str | Path, sha: str, engine: str, echo: Callable[[str], None], record: bool) -> dict:
     from qgate.calibrate.drift import traffic_drift
     from qgate.gates.run import shadow_check
     from qgate.pipeline.drift_report import write_drift_report
@@ -52,12 +58,12 @@ def _check(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None], 
 
     cfg = spec.drift_config()
     store = spec.path(spec.registry.store)
-    main, r = _dirs(spec, recent, echo)
+    main, r = _dirs(spec, sha, echo)
     model = spec.registry.model_name
     prod = production_evidence(model, cfg.alias, store, main.workdir / "drift" / "production")
     echo(f"  production: {model} v{prod['version']} ({prod['variant']}) @{cfg.alias}, calibrated on "
          f"{prod['profile']['requests']} requests")
-    _, shadow, profile = calibrate_stage(r, spec, recent)
+    _, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha)
     new = json.loads((profile.path / "profile.json").read_text())
     rows = traffic_drift(prod["profile"], new, cfg)
     for row in rows:
@@ -116,18 +122,21 @@ def _lock_path(spec: PipelineSpec, main: Runner) -> Path:
     return where / f"drift-{spec.registry.model_name}.lock"
 
 
-def drift_run(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None] = print, wait: float = 0.0) -> dict:
+def drift_run(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None] = print, wait: float = 0.0,
+              engine: str = "serial") -> dict:
     """Check; on drift, recalibrate production's recipe and every spec variant on the recent traffic, gate and register them,
-    then promote the best passing one (drift.auto_promote) or leave that to a person. Raises PromotionRefused when none passes."""
+    then promote the best passing one (drift.auto_promote) or leave that to a person. Raises PromotionRefused when none passes.
+    engine: how the recent traffic's partitions are hashed and scanned (execute.py)."""
     from qgate.locks import job_lock, workdir_lock
     from qgate.registry.mlflow_store import promote
 
     cfg = spec.drift_config()
-    main, r = _dirs(spec, recent, echo)
+    sha = _traffic_sha(recent, engine)
+    main, r = _dirs(spec, sha, echo)
     model = spec.registry.model_name
     what = f"qgate drift run for {model}"
     with job_lock(_lock_path(spec, main), what, wait=wait, echo=echo), workdir_lock(main.workdir, what, wait=wait, echo=echo):
-        report = _check(spec, recent, echo, record=True)
+        report = _check(spec, recent, sha, engine, echo, record=True)
         result = {"check": report, "action": "none", "promoted": None, "variants": []}
         if not report["drift"]:
             return result
@@ -135,10 +144,10 @@ def drift_run(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None
 
         prod = production_evidence(model, cfg.alias, spec.path(spec.registry.store), main.workdir / "drift" / "production")
         variants = _variants(prod, spec, echo)
-        main, r = _dirs(spec, recent, echo)   # fresh ledgers: the check has recorded its calibrate stage since
+        main, r = _dirs(spec, sha, echo)   # fresh ledgers: the check has recorded its calibrate stage since
         echo(f"  > recalibrating {len(variants)} variant(s) on the recent traffic: {', '.join(v.name for v in variants)}")
         base = model_stage(main, spec)
-        calib, shadow, profile = calibrate_stage(r, spec, recent)
+        calib, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha)
         outcomes = gate_variants(r, spec, base, calib, shadow, profile, variants, main.workdir / "cache")
         register_outcomes(r, spec, outcomes, profile)
         result["variants"] = [{"variant": o["variant"], "version": o["version"], "verdict": o["report"].meta["verdict"],
