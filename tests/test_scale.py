@@ -496,8 +496,9 @@ def test_the_processes_engine_keeps_order_raises_each_error_as_itself_and_places
         list(map_ordered(_slow_or_bad, [(i, str(tmp_path)) for i in range(40)], engine="processes"))
     ran = sorted(p.name for p in tmp_path.iterdir())
     assert "0" in ran and len(ran) < 10                 # the window was awaited; later calls never ran
-    with pytest.raises(QgateError, match="worker process of the processes engine died while running _bad_input"):
+    with pytest.raises(QgateError, match="worker process of the processes engine died while running _bad_input") as died:
         list(map_ordered(_bad_input, [(i,) for i in (0, 9, 1)], engine="processes"))
+    assert "serial engine" in died.value.hint and 'if __name__ == "__main__":' in died.value.hint
     with pytest.raises(ConfigError, match="cannot place num_gpus\n"):
         list(map_ordered(_bad_input, [(1,)], engine="processes", resources={"num_gpus": 1}))
     with pytest.raises(ConfigError, match="unknown execution engine 'processes'; choose one of serial, ray"):

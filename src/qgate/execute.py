@@ -83,7 +83,9 @@ def _in_processes(fn: Callable[..., Any], calls: list[tuple], resources) -> Iter
                 except BrokenProcessPool as e:
                     raise QgateError(f"a worker process of the processes engine died while running {getattr(fn, '__name__', fn)} "
                                      f"(call {i + 1} of {len(calls)}): killed, or out of memory",
-                                     hint="re-run with the serial engine to see the failure in this process") from e
+                                     hint="re-run with the serial engine to see the failure in this process; a script that "
+                                          "calls qgate with this engine needs an `if __name__ == \"__main__\":` guard (each "
+                                          "worker imports the script, and one without it starts the job again)") from e
                 submitted[i] = None      # not held beside the next results
                 yield result
         finally:
