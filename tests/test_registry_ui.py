@@ -49,7 +49,7 @@ def test_version_page_renders_the_gate_evidence(gated, w8_art, tmp_path, monkeyp
             try:
                 if requests.get(f"{url}/health", timeout=1).ok:
                     break
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):   # not listening yet, or slow to answer while starting
                 time.sleep(0.5)
         page = f"{url}/#/models/tiny-llm/versions/{version}"
         run = _chromium("--dump-dom", page)
