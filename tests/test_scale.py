@@ -6,6 +6,7 @@ import heapq
 import json
 import math
 import random
+import shutil
 import socket
 import tracemalloc
 from collections import Counter
@@ -268,6 +269,10 @@ def test_hive_style_partitions_are_named_by_their_path_below_the_root(tmp_path):
     (tmp_path / "dt=02/part-0000.jsonl").write_bytes(b"\n".join([dup, *records[60:]]) + b"\n")
     assert [p.name for p in list_partitions(tmp_path)] == ["dt=01/part-0000.jsonl", "dt=02/part-0000.jsonl"]
     assert [p.name for p in list_partitions(f"{tmp_path}/dt=*/part-*.jsonl")] == ["dt=01/part-0000.jsonl", "dt=02/part-0000.jsonl"]
+    (tmp_path / "dt=02/rejects.jsonl").write_text("{}\n")                # not traffic, even under a matched directory
+    for dirs in (f"{tmp_path}/dt=*/", f"{tmp_path}/dt=*"):              # a glob naming directories: their partitions
+        assert [p.name for p in list_partitions(dirs)] == ["dt=01/part-0000.jsonl", "dt=02/part-0000.jsonl"], dirs
+    (tmp_path / "dt=02/rejects.jsonl").unlink()
     assert [p.name for p in list_partitions(tmp_path / "dt=02/part-0000.jsonl")] == ["part-0000.jsonl"]
     arts = sample_traffic(tmp_path, tmp_path / "out", SampleConfig(calib_size=90, shadow_size=30, seed=3))   # every prompt
     rows = [json.loads(r) for a in ("calib", "shadow") for r in (arts[a].path / "data.jsonl").read_text().splitlines()]
@@ -318,6 +323,77 @@ def test_each_partition_is_read_once_and_the_source_hash_is_of_what_was_read(tmp
     assert arts["profile"].parents == (want,) and arts["calib"].parents[0] == want
     rejects = [json.loads(r) for r in (tmp_path / "out/rejects.jsonl").read_text().splitlines()]
     assert rejects[-1]["file"].endswith("part-003.jsonl.gz") and "compressed stream corrupt" in rejects[-1]["reason"]
+
+
+def _artifact_bytes(out) -> dict:
+    """Every file a sample wrote, but the profile's `source` (the path it was read from) and the artifacts' manifests."""
+    files = {}
+    for p in sorted(out.rglob("*")):
+        if p.is_file() and p.name != "qgate-artifact.json":
+            data = json.loads(p.read_text()) if p.name == "profile.json" else p.read_bytes()
+            files[str(p.relative_to(out))] = {k: v for k, v in data.items() if k != "source"} if isinstance(data, dict) else data
+    return files
+
+
+def test_a_scan_cache_rescans_only_new_or_changed_partitions_and_changes_nothing(tmp_path, monkeypatch):
+    """A sliding window of partitions: unchanged partitions come from the cache, new, rewritten and corrupt-cached ones
+    are scanned; every run writes exactly what an uncached run writes (the word sketches past their capacity
+    included), and the cache keeps only the current window's partitions."""
+    from qgate.calibrate import sample
+    from qgate.calibrate.state_json import state_to_json
+
+    rng = random.Random(3)
+    records = [json.dumps({"ts": 1.7e9 + i, "latency_ms": 500, "route": rng.choice(ROUTES),
+                           "messages": [{"role": "user", "content": f"{rng.choice(('fix', 'explain', 'summarize'))} w{rng.randint(0, 50)} "
+                                         + " ".join(f"u{i}x{j}" for j in range(32))}]}).encode() for i in range(4000)]
+    records.insert(1234, b'{"messages": "not a list"}')
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def day(i: int, recs=None) -> None:
+        (logs / f"day={i:02d}").mkdir(exist_ok=True)
+        (logs / f"day={i:02d}/part-0.jsonl").write_bytes(b"\n".join(recs or records[i * 800:(i + 1) * 800]) + b"\n")
+
+    scanned: list[str] = []
+    real_scan = sample.scan_partition_json
+
+    def counting_scan(part, *a, **k):
+        scanned.append(part.name)
+        return real_scan(part, *a, **k)
+
+    monkeypatch.setattr(sample, "scan_partition_json", counting_scan)
+    cfg, cache = SampleConfig(calib_size=30, shadow_size=10, seed=4), tmp_path / "scans"
+
+    def run(name: str, cached: bool = True, engine: str = "serial"):
+        scanned.clear()
+        sample_traffic(logs, tmp_path / name, cfg, engine=engine, scan_cache=cache if cached else None)
+        return _artifact_bytes(tmp_path / name), sorted(scanned)
+
+    for i in range(3):
+        day(i)
+    cold, first = run("cold")
+    assert first == ["day=00/part-0.jsonl", "day=01/part-0.jsonl", "day=02/part-0.jsonl"]
+    prof = json.loads((tmp_path / "cold/profile/profile.json").read_text())
+    assert not prof["estimates"]["unigrams_half_0"]["exact"]    # each partition's sketches purged: cached past capacity
+    assert run("warm") == (cold, []) and run("plain", cached=False)[0] == cold
+    monkeypatch.setattr(sample, "scan_partition_json", real_scan)          # workers cannot import a local function
+    assert run("processes", cached=False, engine="processes")[0] == cold   # scans that crossed a process boundary
+    monkeypatch.setattr(sample, "scan_partition_json", counting_scan)
+    shutil.rmtree(logs / "day=00")                               # the window slides by a day
+    day(3)
+    slid, new = run("slid")
+    assert new == ["day=03/part-0.jsonl"] and slid == run("slid-plain", cached=False)[0]
+    assert len(list(cache.glob("scan-*.json"))) == 3             # day 0's scan is gone with it
+    day(1, records[800:1599])                                    # a partition rewritten: one record fewer
+    entry = sorted(cache.glob("scan-*.json"))[0]
+    entry.write_bytes(entry.read_bytes().replace(b'"need"', b'"need" ', 1))   # and an entry edited by hand
+    again, rescanned = run("again")
+    assert "day=01/part-0.jsonl" in rescanned and len(rescanned) == 2
+    assert again == run("again-plain", cached=False)[0]
+    st, _ = scan_partition(sample.list_partitions(logs)[0], cfg, True)
+    st.extra = 1
+    with pytest.raises(RuntimeError, match="extra"):
+        state_to_json(st)                                        # a field the cache would drop is refused
 
 
 def test_unknown_engine_and_missing_ray_are_clear(tmp_path, monkeypatch):
@@ -401,6 +477,7 @@ def test_s3_partitions_and_ray_give_the_local_serial_sample(tmp_path, s3):
         == traffic_sha256(list_partitions(parts)) == ref["profile"].parents[0]
     glob_uri = f"s3://{s3}/logs/2026-11-*/part-00[01]*"    # named below the glob's root: the date says which day
     assert [p.name for p in list_partitions(glob_uri)] == ["2026-11-22/part-000.jsonl", "2026-11-22/part-001.jsonl.gz"]
+    assert [p.name for p in list_partitions(f"s3://{s3}/logs/2026-11-*/")] == [f"2026-11-22/{p.name}" for p in list_partitions(parts)]
 
 
 def test_variants_fanned_out_on_ray_match_the_serial_run(tmp_path, workdir, monkeypatch):

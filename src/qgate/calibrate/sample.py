@@ -23,8 +23,10 @@ from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
 from qgate.calibrate.reader import MAX_LINE_BYTES
+from qgate.calibrate.scan_cache import ScanCache
 from qgate.calibrate.sources import combined_sha256, is_uri, list_partitions
-from qgate.calibrate.state import SampleState, scan_partition
+from qgate.calibrate.state import SampleState
+from qgate.calibrate.state_json import scan_partition_json, state_from_json
 from qgate.errors import ConfigError, InputError
 from qgate.execute import check_engine, map_ordered
 from qgate.progress import progress
@@ -65,24 +67,35 @@ def _allocate(sizes: dict[str, int], total: int, caps: dict[str, int]) -> dict[s
     return alloc
 
 
-def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine: str = "serial") -> dict[str, Artifact]:
+def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine: str = "serial",
+                   scan_cache: Path | None = None) -> dict[str, Artifact]:
     """traffic: a file, a glob, a directory of partitions or an object-store URI (calibrate/sources.py).
     engine: "serial"; "processes" to scan partitions in one local process per core; or "ray" to scan them as Ray
-    tasks (execute.py). Every engine gives the same artifacts."""
+    tasks (execute.py). Every engine gives the same artifacts.
+    scan_cache: a directory of earlier scans (calibrate/scan_cache.py): partitions unchanged since are not read
+    again, the artifacts are the same, and entries this run did not use are removed afterwards."""
     check_engine(engine)
     parts = list_partitions(traffic)          # a missing log fails here, before anything is created
     many = len(parts) > 1
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = SampleState.empty(config)
-    scans = map_ordered(scan_partition, [(p, config, many, engine == "serial" and not many) for p in parts], engine)
+    cache = ScanCache(scan_cache, config, many) if scan_cache is not None else None
+    keys = [cache.key(p) for p in parts] if cache else [None] * len(parts)
+    fresh = [i for i, k in enumerate(keys) if not (cache and cache.has(k))]
+    scans = map_ordered(scan_partition_json, [(parts[i], config, many, engine == "serial" and not many) for i in fresh], engine)
+    states = _in_order(parts, keys, set(fresh), scans, cache, config, many)
     if many:
-        scans = progress(scans, f"calibrate: scanning {len(parts)} partitions ({engine})", unit="partition", total=len(parts))
+        reused = f"; {len(parts) - len(fresh)} unchanged since an earlier scan, reused" if len(fresh) < len(parts) else ""
+        states = progress(states, f"calibrate: scanning {len(fresh)} of {len(parts)} partitions ({engine}{reused})",
+                          unit="partition", total=len(parts))
     with open(out / "rejects.jsonl", "wb") as rej:
-        for st, rejects in scans:   # in partition order: the merged state is the same whatever ran the scans
+        for st, rejects in states:  # in partition order: the merged state is the same whatever ran the scans
             rej.write(rejects)
             state.merge(st)
             del st, rejects         # not alive beside the next partition's scan: memory is one sample plus one scan
+    if cache:
+        cache.prune()
     source_name = str(traffic) if not many else f"{traffic} ({len(parts)} files)"
     calib, shadow, counts = _select(state, config, source_name)
     params = typed_config(config)
@@ -102,6 +115,21 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
                 "estimates": counts["estimates"]} | ({"remote_source": True} if is_uri(traffic) else {})
         arts[name] = Artifact.create("calibration-set", d, params, (source, prof_art.sha256), meta)
     return arts
+
+
+def _in_order(parts: list, keys: list, fresh: set[int], scans, cache: ScanCache | None, config: SampleConfig, many: bool):
+    """(state, rejects) of every partition, in partition order: the next fresh scan (then saved to the cache), or the
+    cached one (scanned here after all when its entry turns out cut short or edited). Every state is rebuilt from its
+    JSON form (calibrate/state_json.py), whichever way it came."""
+    for i, (part, key) in enumerate(zip(parts, keys, strict=True)):
+        hit = None if i in fresh else cache.load(key)
+        doc, rejects = next(scans) if i in fresh else hit or scan_partition_json(part, config, many)
+        if cache and hit is None:
+            cache.save(key, doc, rejects)
+        st = state_from_json(doc)
+        del doc
+        yield st, rejects
+        del st, rejects
 
 
 def _select(state: SampleState, config: SampleConfig, source: str) -> tuple[list, list, dict]:

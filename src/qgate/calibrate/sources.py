@@ -40,20 +40,27 @@ def _glob_root(pattern: str) -> str:
     return pattern.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0].rsplit("/", 1)[0]
 
 
+def _partitions_under(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file() and is_traffic_file(p) and not _skipped(p.relative_to(path).parts))
+
+
 def traffic_files(where: str | Path) -> list[Path]:
-    """A traffic source as files, in a stable order: one file, a glob (`logs/2026-11-*.jsonl`), or a directory of
-    partitions (every JSONL or Parquet file under it, recursively, hidden files and rejects skipped)."""
+    """A traffic source as files, in a stable order: one file, a glob (`logs/2026-11-*.jsonl`; a directory it
+    matches, as in `logs/2026-11-*/`, stands for the partitions under it), or a directory of partitions (every JSONL
+    or Parquet file under it, recursively, hidden files and rejects skipped)."""
     s = str(where)
     if any(c in s for c in "*?["):
         import glob
 
-        files = sorted(Path(p) for p in glob.glob(s, recursive=True) if Path(p).is_file())
-        if not files:
+        found: set[Path] = set()
+        for m in map(Path, glob.glob(s, recursive=True)):
+            found.update([m] if m.is_file() else _partitions_under(m) if m.is_dir() else [])
+        if not found:
             raise InputError(f"{s}: no traffic files match this pattern", hint="check the glob; quote it so the shell does not expand it")
-        return files
+        return sorted(found)
     path = Path(where)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and is_traffic_file(p) and not _skipped(p.relative_to(path).parts))
+        files = _partitions_under(path)
         if not files:
             raise InputError(f"{path}: directory holds no traffic partitions ({', '.join(SUFFIXES)})")
         return files
@@ -175,6 +182,8 @@ def list_partitions(where: str | Path) -> list[Partition]:
     except Exception as e:
         raise InputError(f"{uri}: cannot list this URI ({e})") from e
     _, path_pattern = uri.split("://", 1)
+    if path_pattern.endswith("/"):      # directories the pattern matches stand for everything under them
+        path_pattern += "*"
     files = []
     for i in infos:
         if i.type != fs.FileType.File or not is_traffic_file(Path(i.path)):

@@ -23,13 +23,16 @@ def sample_cmd(
     shadow_size: Annotated[int, typer.Option(help="Held-out shadow prompts (disjoint).")] = _D.shadow_size,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = _D.seed,
     engine: ScanEngine = "serial",
+    scan_cache: Annotated[Path | None, typer.Option(help="Keep each partition's scan here; a later run reuses the scans of "
+                                                         "partitions unchanged since (same size and modification time) and "
+                                                         "removes the ones it did not use.")] = None,
 ) -> None:
     """Stratified, deduplicated, PII-scrubbed calibration + shadow split with a traffic profile."""
     from qgate.artifact import Artifact, build_atomically
     from qgate.calibrate.sample import sample_traffic
 
     cfg = SampleConfig(calib_size=calib_size, shadow_size=shadow_size, seed=seed)
-    build_atomically(out, lambda tmp: sample_traffic(traffic, tmp, cfg, engine=engine)["calib"])
+    build_atomically(out, lambda tmp: sample_traffic(traffic, tmp, cfg, engine=engine, scan_cache=scan_cache)["calib"])
     arts = {name: Artifact.load(Path(out) / name) for name in ("calib", "shadow", "profile")}
     stats = arts["calib"].meta["stats"]
     typer.echo(f"read {stats.get('records', 0)} records: {stats.get('rejected', 0)} rejected (see {Path(out) / 'rejects.jsonl'}), "

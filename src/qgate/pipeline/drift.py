@@ -37,6 +37,12 @@ def _dirs(spec: PipelineSpec, sha: str, echo) -> tuple[Runner, Runner]:
     return main, Runner(spec, echo, workdir=main.workdir / "drift" / sha[:16])
 
 
+def _scans(main: Runner) -> Path:
+    """Scans of recent-traffic partitions, shared by every window the drift job checks: a sliding window of
+    partitions rescans only the new ones (calibrate/scan_cache.py)."""
+    return main.workdir / "drift" / "scans"
+
+
 def drift_check(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None] = print, record: bool = True,
                 wait: float = 0.0, engine: str = "serial") -> dict:
     """Traffic and quality drift of production on `recent`; under the model's drift lock (a running drift job refuses it).
@@ -63,7 +69,7 @@ def _check(spec: PipelineSpec, recent: str | Path, sha: str, engine: str, echo: 
     prod = production_evidence(model, cfg.alias, store, main.workdir / "drift" / "production")
     echo(f"  production: {model} v{prod['version']} ({prod['variant']}) @{cfg.alias}, calibrated on "
          f"{prod['profile']['requests']} requests")
-    _, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha)
+    _, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(main))
     new = json.loads((profile.path / "profile.json").read_text())
     rows = traffic_drift(prod["profile"], new, cfg)
     for row in rows:
@@ -147,7 +153,7 @@ def drift_run(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None
         main, r = _dirs(spec, sha, echo)   # fresh ledgers: the check has recorded its calibrate stage since
         echo(f"  > recalibrating {len(variants)} variant(s) on the recent traffic: {', '.join(v.name for v in variants)}")
         base = model_stage(main, spec)
-        calib, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha)
+        calib, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(main))
         outcomes = gate_variants(r, spec, base, calib, shadow, profile, variants, main.workdir / "cache")
         register_outcomes(r, spec, outcomes, profile)
         result["variants"] = [{"variant": o["variant"], "version": o["version"], "verdict": o["report"].meta["verdict"],

@@ -150,16 +150,19 @@ def model_stage(r: Runner, spec: PipelineSpec) -> Artifact:
 
 
 def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path, engine: str = "serial",
-                    traffic_sha: str | None = None) -> tuple[Artifact, Artifact, Artifact]:
+                    traffic_sha: str | None = None, scan_cache: Path | None = None) -> tuple[Artifact, Artifact, Artifact]:
     """(calibration set, shadow set, traffic profile) sampled from `traffic` (a file, glob, directory or URI); the
     engine does not enter the key: serial and Ray scans give the same sets. traffic_sha: the traffic's
-    `traffic_sha256`, when the caller has it already (hashing a large log is a full read)."""
+    `traffic_sha256`, when the caller has it already (hashing a large log is a full read). scan_cache: where scans of
+    unchanged partitions are kept for the next run (default <workdir>/cache/scans; calibrate/scan_cache.py)."""
     from qgate.calibrate.sample import SampleConfig, sample_traffic
     from qgate.calibrate.sources import list_partitions, traffic_sha256
 
     scfg = SampleConfig(**spec.calibrate.model_dump())
     key = {"traffic": traffic_sha or traffic_sha256(list_partitions(traffic), engine), "cfg": scfg.__dict__}
-    calib = r.stage("calibrate", key, r.workdir / "calib", lambda out: sample_traffic(traffic, out, scfg, engine=engine)["calib"])
+    scans = scan_cache or r.workdir / "cache" / "scans"
+    calib = r.stage("calibrate", key, r.workdir / "calib",
+                    lambda out: sample_traffic(traffic, out, scfg, engine=engine, scan_cache=scans)["calib"])
     return calib, Artifact.load(r.workdir / "calib" / "shadow"), Artifact.load(r.workdir / "calib" / "profile")
 
 

@@ -1,0 +1,110 @@
+"""Scan states of unchanged partitions, kept between runs: a scheduled job over a sliding window of partitions scans
+only the partitions it has not seen.
+
+    cache = ScanCache(Path("work/cache/scans"), SampleConfig(), tag_file=True)
+    key = cache.key(part)                    # None when the store gives no modification time (nothing is cached)
+    hit = cache.load(key)                    # (state as JSON, rejects) or None
+    cache.save(key, doc, rejects); cache.prune()     # prune: entries this cache object did not touch
+
+A partition counts as unchanged when its location, its name below the source's root, its size and its modification
+time are (a file rewritten in place keeping both is not noticed). The key also holds the scan's settings, the
+versions of the libraries whose behaviour defines a scan, and the hash of qgate.calibrate's own source, so any
+change to parsing, scrubbing, words or sampling misses instead of reusing an old scan. An entry is the scan's state
+in the JSON form every engine merges (calibrate/state_json.py), checked against its sha256 (cache.py), never a
+pickle: a cached partition gives the same artifacts as a fresh scan, byte for byte.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+from qgate.calibrate.state_json import FORMAT
+
+_LIBS = ("pyarrow", "datasketches", "phonenumbers", "orjson", "backports.zstd")
+
+
+@functools.lru_cache(maxsize=1)
+def code_sha256() -> str:
+    """The source of qgate.calibrate and the versions of the libraries a scan's result depends on."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    h = hashlib.sha256()
+    for p in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    for lib in _LIBS:
+        try:
+            h.update(f"{lib}={version(lib)}\0".encode())
+        except PackageNotFoundError:
+            h.update(f"{lib}=none\0".encode())
+    return h.hexdigest()
+
+
+def _identity(part) -> dict | None:
+    """(size, modification time) of a partition without reading it; None when the store does not say."""
+    if not part.remote:
+        st = os.stat(part.location)
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    from pyarrow import fs
+
+    filesystem, path = part._fs()
+    info = filesystem.get_file_info(path)
+    if info.type != fs.FileType.File or info.mtime is None:
+        return None
+    return {"size": info.size, "mtime": info.mtime.isoformat()}
+
+
+class ScanCache:
+    def __init__(self, root: Path, config, tag_file: bool):
+        self.root = Path(root)
+        self.settings = {"need": config.calib_size + config.shadow_size, "seed": config.seed, "min_words": config.min_words,
+                         "max_line_bytes": config.max_line_bytes, "tag_file": tag_file}
+        self.used: set[str] = set()
+
+    def key(self, part) -> str | None:
+        from qgate.artifact import sha256_json
+
+        ident = _identity(part)
+        if ident is None:
+            return None
+        return sha256_json({"format": FORMAT, "code": code_sha256(), "scan": self.settings,
+                            "partition": {"location": part.location, "name": part.name} | ident})
+
+    def _path(self, key: str) -> Path:
+        return self.root / f"scan-{key[:32]}.json"
+
+    def has(self, key: str | None) -> bool:
+        return key is not None and self._path(key).exists()
+
+    def load(self, key: str) -> tuple[dict, bytes] | None:
+        """(state as JSON, rejects bytes), or None when the entry is missing, cut short or edited (then removed)."""
+        from qgate.cache import read_cached
+
+        data = read_cached(self._path(key))
+        if data is None:
+            return None
+        self.used.add(key)
+        doc = json.loads(data)
+        return doc["state"], doc["rejects"].encode()
+
+    def save(self, key: str | None, doc: dict, rejects: bytes) -> None:
+        """doc: a scan's state as `state_json.state_to_json` gives it."""
+        from qgate.cache import write_cached
+
+        if key is None:
+            return
+        write_cached(self._path(key), json.dumps({"format": FORMAT, "state": doc, "rejects": rejects.decode()}).encode())
+        self.used.add(key)
+
+    def prune(self) -> int:
+        """Remove the entries this object neither loaded nor saved (a sliding window's dropped partitions)."""
+        keep = {self._path(k).name for k in self.used}
+        gone = 0
+        for p in self.root.glob("scan-*.json"):
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
+                p.with_name(p.name + ".sha256").unlink(missing_ok=True)
+                gone += 1
+        return gone
