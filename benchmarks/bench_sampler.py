@@ -18,6 +18,7 @@ Every measurement runs in a child process of its own, so each peak RSS is its ow
 2. Peak RSS of the serial sampler per size, as a ratio to the smallest size. Goal: flat within 10% beyond 100k.
 3. `--engine processes` (one spawned worker per core) and `--engine ray` (local Ray, one task per partition, Ray's
    start-up included) against serial on one size, with the core count; all must give the same calibration set.
+   On the same size, a scan cache filled by one run and reused by the next (every partition unchanged).
 """
 from __future__ import annotations
 
@@ -86,6 +87,16 @@ def child(mode: str, where: str, out: str) -> None:
 
         records = sum(b.records for part in list_partitions(where) for b in read_batches(part, SampleConfig().max_line_bytes))
         result = {"records": records}
+    elif mode == "cached":
+        from qgate.calibrate.sample import SampleConfig, sample_traffic
+
+        cfg, times, shas = SampleConfig(calib_size=256, shadow_size=64), [], []
+        for run in ("cold", "warm"):
+            t0 = time.perf_counter()
+            arts = sample_traffic(where, Path(out) / run, cfg, scan_cache=Path(out) / "scans")
+            times.append(time.perf_counter() - t0)
+            shas.append({k: a.sha256 for k, a in arts.items() if k != "profile"})   # the profile names its output path
+        result = {"records": arts["calib"].meta["stats"]["records"], "cold": times[0], "warm": times[1], "same": shas[0] == shas[1]}
     else:
         from qgate.calibrate.sample import SampleConfig, sample_traffic
 
@@ -141,6 +152,9 @@ def main() -> None:
                 procs = measure("processes", logs, tmp / "out-processes")
                 print(f"  {n:>9,} records in processes: {procs['seconds']:7.1f} s {n / procs['seconds']:8.0f} rec/s "
                       f"(driver peak RSS {procs['peak_mb']:.0f} MB, largest worker {procs['worker_peak_mb']:.0f} MB)", flush=True)
+                cached = measure("cached", logs, tmp / "out-cached")
+                print(f"  {n:>9,} records with a scan cache: cold {cached['cold']:7.1f} s, warm (every partition unchanged) "
+                      f"{cached['warm']:5.2f} s, same artifacts: {cached['same']}", flush=True)
                 ray = measure("ray", logs, tmp / "out-ray")
                 print(f"  {n:>9,} records on ray: {ray['seconds']:7.1f} s {n / ray['seconds']:8.0f} rec/s "
                       f"(driver peak RSS {ray['peak_mb']:.0f} MB)", flush=True)
@@ -163,6 +177,8 @@ def main() -> None:
             print(f"     {n:>9,} records, the sampler's reading alone (no sampling): {raw[n]['seconds'] / parse['seconds']:.2f}x; "
                   f"the sampling adds {serial[n]['seconds'] - parse['seconds']:.1f} s on the main thread beside the reading thread")
             print(f"     {n:>9,} records, --engine processes ({cores} workers): {raw[n]['seconds'] / procs['seconds']:.2f}x")
+            print(f"     {n:>9,} records, every partition's scan reused from --scan-cache: {raw[n]['seconds'] / cached['warm']:.2f}x "
+                  f"({cached['cold'] / cached['warm']:.0f}x faster than the cold run that filled the cache)")
         print(f"2. peak RSS / peak RSS at {lo:,} records (goal: within 1.10x):")
         for n in sizes[1:]:
             print(f"     {n:>9,} records ({n // lo}x the log): {serial[n]['peak_mb'] / serial[lo]['peak_mb']:.3f}x "

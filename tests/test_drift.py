@@ -200,6 +200,7 @@ def test_a_drift_check_reads_the_recent_log_twice_and_every_engine_gives_one_rep
     monkeypatch.setattr(sources.Partition, "open", counting_open)
     serial = drift_check(load_spec(root / "spec.yaml"), str(root / "shifted.jsonl"), echo=lambda m: None, record=False)
     assert opened == Counter({"shifted.jsonl": 2}), opened
+    assert len(list((root / "work/drift/scans").glob("scan-*.json"))) == 1   # kept for the next window that holds it
     monkeypatch.setattr(sources.Partition, "open", real_open)
     assert main(["drift", "check", "--spec", str(twin / "spec.yaml"), "--traffic", str(twin / "shifted.jsonl"),
                  "--no-record", "--engine", "processes"]) == 3

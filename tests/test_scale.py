@@ -168,17 +168,21 @@ def test_a_serial_scan_of_many_partitions_holds_one_partition_state_at_a_time(tm
     from qgate.calibrate import sample
 
     monkeypatch.setenv("QGATE_PLAIN_PROGRESS", "1")      # the line-based progress (a CI log), as without a TTY
-    alive, real = [], sample.scan_partition
+    alive, real_scan, real_load = [], sample.scan_partition_json, sample.state_from_json
 
     def scan(*args):
         gc.collect()
-        alive.append(sum(r() is not None for r in refs))    # earlier partitions' states still alive at this scan
-        st_, rejects = real(*args)
+        alive.append(sum(r() is not None for r in refs))    # earlier partitions' merged states still alive at this scan
+        return real_scan(*args)
+
+    def load(doc):                                          # every state the merge gets is built here from its JSON form
+        st_ = real_load(doc)
         refs.append(weakref.ref(st_))
-        return st_, rejects
+        return st_
 
     refs: list = []
-    monkeypatch.setattr(sample, "scan_partition", scan)
+    monkeypatch.setattr(sample, "scan_partition_json", scan)
+    monkeypatch.setattr(sample, "state_from_json", load)
     sample_traffic(_write_parts(tmp_path / "parts", _records(600), [150, 300, 450]), tmp_path / "out",
                    SampleConfig(calib_size=20, shadow_size=8))
     assert alive == [0, 0, 0, 0]

@@ -127,7 +127,7 @@ def _in_order(parts: list, keys: list, fresh: set[int], scans, cache: ScanCache 
         if cache and hit is None:
             cache.save(key, doc, rejects)
         st = state_from_json(doc)
-        del doc
+        del doc, hit                # the JSON form is not alive beside the next partition's
         yield st, rejects
         del st, rejects
 
