@@ -67,3 +67,21 @@ def gated(base_art, w8_art, awq_art, calib_arts, workdir):
     bad = run_gates(awq_art, base_art, calib_arts["shadow"], strict, workdir / "reg-bad", workdir / "cache-reg")
     assert ok.meta["passed"] and not bad.meta["passed"]
     return ok, bad
+
+
+@pytest.fixture
+def partition_opens(monkeypatch):
+    """A Counter of how many times each traffic partition is opened for reading in this process (by its name)."""
+    from collections import Counter
+
+    from qgate.calibrate import sources
+
+    opened: Counter = Counter()
+    real_open = sources.Partition.open
+
+    def counting_open(self, digest=None):
+        opened[self.name] += 1
+        return real_open(self, digest)
+
+    monkeypatch.setattr(sources.Partition, "open", counting_open)
+    return opened

@@ -176,13 +176,13 @@ def test_drift_check_exit_codes_reports_and_registry_tags(fresh, monkeypatch, ca
     assert "traffic log not found" in capsys.readouterr().err
 
 
-def test_a_drift_check_reads_the_recent_log_twice_and_every_engine_gives_one_report(fresh, monkeypatch, tmp_path):
+def test_a_drift_check_reads_the_recent_log_twice_and_every_engine_gives_one_report(fresh, monkeypatch, tmp_path,
+                                                                                    partition_opens):
     """The job hashes the recent traffic once (its workdir and the calibrate stage's key) and scans it once: on object
     storage every extra pass is a download of the whole log. `--engine processes` gives the serial check's report."""
     from collections import Counter
     from pathlib import Path
 
-    from qgate.calibrate import sources
     from qgate.pipeline.drift import drift_check
     from qgate.pipeline.spec import load_spec
 
@@ -190,18 +190,9 @@ def test_a_drift_check_reads_the_recent_log_twice_and_every_engine_gives_one_rep
     root, _ = fresh
     twin = tmp_path / "twin"
     shutil.copytree(root, twin)                 # the same deployed state, checked with the processes engine
-    opened: Counter = Counter()
-    real_open = sources.Partition.open
-
-    def counting_open(self, digest=None):
-        opened[self.name] += 1
-        return real_open(self, digest)
-
-    monkeypatch.setattr(sources.Partition, "open", counting_open)
     serial = drift_check(load_spec(root / "spec.yaml"), str(root / "shifted.jsonl"), echo=lambda m: None, record=False)
-    assert opened == Counter({"shifted.jsonl": 2}), opened
+    assert partition_opens == Counter({"shifted.jsonl": 2}), partition_opens
     assert len(list((root / "work/drift/scans").glob("scan-*.json"))) == 1   # kept for the next window that holds it
-    monkeypatch.setattr(sources.Partition, "open", real_open)
     assert main(["drift", "check", "--spec", str(twin / "spec.yaml"), "--traffic", str(twin / "shifted.jsonl"),
                  "--no-record", "--engine", "processes"]) == 3
     report = json.loads(next((twin / "work/drift").glob("*/report/drift.json")).read_text())

@@ -288,7 +288,7 @@ def test_hive_style_partitions_are_named_by_their_path_below_the_root(tmp_path):
     assert [(r["file"], r["line"]) for r in rows if r["messages"] == want_dup] == [("dt=01/part-0000.jsonl", 31)]
 
 
-def test_each_partition_is_read_once_and_the_source_hash_is_of_what_was_read(tmp_path, monkeypatch):
+def test_each_partition_is_read_once_and_the_source_hash_is_of_what_was_read(tmp_path, partition_opens):
     """The scans hash the bytes they read (the rest of a corrupt compressed stream too, and a Parquet file in one
     sequential pass): the artifacts' source hash equals the files' own sha256s, and no JSONL partition is opened
     twice (on object storage a second pass is a second download)."""
@@ -312,17 +312,9 @@ def test_each_partition_is_read_once_and_the_source_hash_is_of_what_was_read(tmp
     (d / "part-003.jsonl.gz").write_bytes(bytes(gz))
     pq.write_table(pa.table({"messages": [[{"role": "user", "content": f"parquet prompt {i} about w{i % 7}"}] for i in range(300)]}),
                    d / "part-004.parquet")
-    opened: Counter = Counter()
-    real_open = sources.Partition.open
-
-    def counting_open(self, digest=None):
-        opened[self.name] += 1
-        return real_open(self, digest)
-
-    monkeypatch.setattr(sources.Partition, "open", counting_open)
     arts = sample_traffic(d, tmp_path / "out", SampleConfig(calib_size=40, shadow_size=20))
     names = sorted(p.name for p in d.iterdir())
-    assert opened == Counter(names), opened            # the Parquet file: row groups by random access, then one pass
+    assert partition_opens == Counter(names), partition_opens            # the Parquet file: row groups by random access, then one pass
     want = sha256_json([[n, hashlib.sha256((d / n).read_bytes()).hexdigest()] for n in names])
     assert arts["profile"].parents == (want,) and arts["calib"].parents[0] == want
     rejects = [json.loads(r) for r in (tmp_path / "out/rejects.jsonl").read_text().splitlines()]
