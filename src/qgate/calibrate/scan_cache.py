@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from pathlib import Path
 
 from qgate.calibrate.state_json import FORMAT
@@ -42,20 +41,6 @@ def code_sha256() -> str:
     return h.hexdigest()
 
 
-def _identity(part) -> dict | None:
-    """(size, modification time) of a partition without reading it; None when the store does not say."""
-    if not part.remote:
-        st = os.stat(part.location)
-        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    from pyarrow import fs
-
-    filesystem, path = part._fs()
-    info = filesystem.get_file_info(path)
-    if info.type != fs.FileType.File or info.mtime is None:
-        return None
-    return {"size": info.size, "mtime": info.mtime.isoformat()}
-
-
 class ScanCache:
     def __init__(self, root: Path, config, tag_file: bool):
         self.root = Path(root)
@@ -66,7 +51,7 @@ class ScanCache:
     def key(self, part) -> str | None:
         from qgate.artifact import sha256_json
 
-        ident = _identity(part)
+        ident = part.identity()
         if ident is None:
             return None
         return sha256_json({"format": FORMAT, "code": code_sha256(), "scan": self.settings,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import io
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +114,23 @@ class Partition:
             return open(self.location, "rb")
         filesystem, path = self._fs()
         return filesystem.open_input_file(path)
+
+    def identity(self) -> dict | None:
+        """The file's size and modification time, read without opening it; None when the store does not give them
+        (or the file is gone: reading it then says so)."""
+        if not self.remote:
+            try:
+                st = os.stat(self.location)
+            except OSError:
+                return None
+            return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        from pyarrow import fs
+
+        filesystem, path = self._fs()
+        info = filesystem.get_file_info(path)
+        if info.type != fs.FileType.File or info.mtime is None:
+            return None
+        return {"size": info.size, "mtime": info.mtime.isoformat()}
 
     def sha256(self) -> str:
         h = hashlib.sha256()
