@@ -20,6 +20,9 @@ _STATE_FIELDS = {"need", "seed", "strata", "distinct", "kept", "stats", "pii", "
 _PROFILER_FIELDS = {"n", "lengths", "routes", "tenants", "total_words", "split", "split_n", "split_words", "concurrency"}
 _CONCURRENCY_FIELDS = {"size", "win_ts", "win_lat", "ends", "last_ts", "second", "in_second", "in_flight", "per_second",
                        "timed", "no_latency", "out_of_order"}
+_BOTTOMK_FIELDS = {"k", "rows", "heap", "dropped"}
+_HLL_FIELDS = {"lg_k", "sketch"}
+_HEAVY_FIELDS = {"lg_max", "sketch", "pending", "pending_rows"}
 
 
 def scan_partition_json(part, config, tag_file: bool, show_progress: bool = False) -> tuple[dict, bytes]:
@@ -52,6 +55,8 @@ def state_to_json(st) -> dict:
     _check_fields(conc, _CONCURRENCY_FIELDS)
     if len(conc.win_ts) or conc.ends or conc.in_second or any(h.pending for h in (prof.tenants, *prof.split)):
         raise RuntimeError("state_json: the state is mid-partition (unflushed sketches or concurrency window)")
+    for bk in st.strata.values():
+        _check_fields(bk, _BOTTOMK_FIELDS)
     return {
         "need": st.need, "seed": st.seed,
         "strata": {s: {"k": bk.k, "dropped": bk.dropped,
@@ -69,10 +74,12 @@ def state_to_json(st) -> dict:
 
 
 def _hll(d) -> dict:
+    _check_fields(d, _HLL_FIELDS)
     return {"lg_k": d.lg_k, "sketch": _b64(d.sketch.serialize_compact())}
 
 
 def _heavy(h) -> dict:
+    _check_fields(h, _HEAVY_FIELDS)
     return {"lg_max": h.lg_max, "sketch": _b64(h.sketch.serialize())}
 
 
