@@ -4,8 +4,10 @@
 
 Each partition (file) is scanned once, on its own (calibrate/state.py): parse, scrub PII, profile, and keep per
 stratum (route x prompt-length bucket) the distinct prompts with the smallest seeded hash priority, with an HLL
-sketch of every distinct prompt. The states merge in partition order on this machine, so serial, local-process and
-Ray runs give the same sets, and the choice does not depend on record order. Quotas go to strata in proportion to their
+sketch of every distinct prompt. The states merge in partition order on this machine, each rebuilt from one JSON form
+(calibrate/state_json.py) whichever process scanned it or whether a scan cache kept it (calibrate/scan_cache.py), so
+serial, local-process, Ray and cached runs write the same artifacts, and the choice does not depend on record order.
+Quotas go to strata in proportion to their
 distinct prompts: counted exactly while a stratum's sample is not full, estimated by its sketch beyond (the
 calibration set's `estimates` says which, with bounds). Memory is bounded by the sample size, not the log.
 Each partition is read once: its scan hashes the bytes it reads, and the source's content hash (the artifacts' parent)
