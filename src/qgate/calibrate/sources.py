@@ -101,12 +101,14 @@ class Partition:
     def open(self, digest=None):
         """A binary stream of the file's bytes; with `digest` (a hashlib object), every byte read from the file is
         fed to it once, in order, so a reader that reads to the end hashes the very bytes it read."""
+        if not self.remote and digest is None:
+            return open(self.location, "rb")
         if not self.remote:
-            raw = open(self.location, "rb") if digest is None else _Raw(io.FileIO(self.location, "rb"), digest)
+            stream = io.FileIO(self.location, "rb")
         else:
             filesystem, path = self._fs()
-            raw = _Raw(filesystem.open_input_stream(path, compression=None), digest)
-        return raw if isinstance(raw, io.BufferedReader) else io.BufferedReader(raw, _CHUNK)
+            stream = filesystem.open_input_stream(path, compression=None)
+        return io.BufferedReader(_Raw(stream, digest), _CHUNK)
 
     def open_random_access(self):
         """A seekable file (Parquet reads its footer first)."""

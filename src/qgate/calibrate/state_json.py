@@ -62,25 +62,28 @@ def state_to_json(st) -> dict:
         "strata": {s: {"k": bk.k, "dropped": bk.dropped,
                        "rows": [[d.hex(), prio, list(where), row] for d, (prio, where, row) in bk.rows.items()]}
                    for s, bk in st.strata.items()},
-        "distinct": {s: _hll(d) for s, d in st.distinct.items()}, "kept": _hll(st.kept),
+        "distinct": {s: _sketch(d, _HLL_FIELDS) for s, d in st.distinct.items()}, "kept": _sketch(st.kept, _HLL_FIELDS),
         "stats": _pairs(st.stats), "pii": _pairs(st.pii), "partitions": st.partitions,
         "profiler": {"n": prof.n, "lengths": _pairs(prof.lengths), "routes": _pairs(prof.routes),
-                     "tenants": _heavy(prof.tenants), "total_words": prof.total_words,
-                     "split": [_heavy(h) for h in prof.split], "split_n": prof.split_n, "split_words": prof.split_words,
+                     "tenants": _sketch(prof.tenants, _HEAVY_FIELDS), "total_words": prof.total_words,
+                     "split": [_sketch(h, _HEAVY_FIELDS) for h in prof.split], "split_n": prof.split_n,
+                     "split_words": prof.split_words,
                      "concurrency": {"size": conc.size, "in_flight": _pairs(conc.in_flight),
                                      "per_second": _pairs(conc.per_second), "timed": conc.timed,
                                      "no_latency": conc.no_latency, "out_of_order": conc.out_of_order}},
     }
 
 
-def _hll(d) -> dict:
-    _check_fields(d, _HLL_FIELDS)
-    return {"lg_k": d.lg_k, "sketch": _b64(d.sketch.serialize_compact())}
+def _sketch(obj, fields: set[str]) -> dict:
+    """A sketch's own pickling state (what the processes and Ray engines ship), its bytes in base64."""
+    _check_fields(obj, fields)
+    return {k: _b64(v) if k == "bytes" else v for k, v in obj.__getstate__().items()}
 
 
-def _heavy(h) -> dict:
-    _check_fields(h, _HEAVY_FIELDS)
-    return {"lg_max": h.lg_max, "sketch": _b64(h.sketch.serialize())}
+def _unsketch(cls, doc: dict):
+    out = cls.__new__(cls)
+    out.__setstate__({k: base64.b64decode(v) if k == "bytes" else v for k, v in doc.items()})
+    return out
 
 
 def state_from_json(doc: dict):
@@ -89,16 +92,6 @@ def state_from_json(doc: dict):
     from qgate.calibrate.profile import Concurrency, TrafficProfiler
     from qgate.calibrate.sketches import DistinctCount, HeavyHitters
     from qgate.calibrate.state import BottomK, SampleState
-
-    def distinct(d: dict) -> DistinctCount:
-        out = DistinctCount.__new__(DistinctCount)
-        out.__setstate__({"lg_k": d["lg_k"], "bytes": base64.b64decode(d["sketch"])})
-        return out
-
-    def heavy(d: dict) -> HeavyHitters:
-        out = HeavyHitters.__new__(HeavyHitters)
-        out.__setstate__({"lg_max": d["lg_max"], "bytes": base64.b64decode(d["sketch"])})
-        return out
 
     st = SampleState(need=doc["need"], seed=doc["seed"])
     for s, b in doc["strata"].items():
@@ -110,15 +103,16 @@ def state_from_json(doc: dict):
             bk.heap.append((-prio, -int.from_bytes(d, "big"), d))
         heapq.heapify(bk.heap)
         st.strata[s] = bk
-    st.distinct = {s: distinct(d) for s, d in doc["distinct"].items()}
-    st.kept = distinct(doc["kept"])
+    st.distinct = {s: _unsketch(DistinctCount, d) for s, d in doc["distinct"].items()}
+    st.kept = _unsketch(DistinctCount, doc["kept"])
     st.stats, st.pii = Counter(dict(doc["stats"])), Counter(dict(doc["pii"]))
     st.partitions = doc["partitions"]
     p = doc["profiler"]
     prof = TrafficProfiler()
     prof.n, prof.lengths, prof.routes = p["n"], Counter(dict(p["lengths"])), Counter(dict(p["routes"]))
-    prof.tenants, prof.total_words = heavy(p["tenants"]), p["total_words"]
-    prof.split, prof.split_n, prof.split_words = [heavy(h) for h in p["split"]], p["split_n"], p["split_words"]
+    prof.tenants, prof.total_words = _unsketch(HeavyHitters, p["tenants"]), p["total_words"]
+    prof.split = [_unsketch(HeavyHitters, h) for h in p["split"]]
+    prof.split_n, prof.split_words = p["split_n"], p["split_words"]
     c = p["concurrency"]
     conc = Concurrency(c["size"])
     conc.in_flight, conc.per_second = Counter(dict(c["in_flight"])), Counter(dict(c["per_second"]))
