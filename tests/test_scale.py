@@ -290,8 +290,9 @@ def test_hive_style_partitions_are_named_by_their_path_below_the_root(tmp_path):
 
 def test_each_partition_is_read_once_and_the_source_hash_is_of_what_was_read(tmp_path, partition_opens):
     """The scans hash the bytes they read (the rest of a corrupt compressed stream too, and a Parquet file in one
-    sequential pass): the artifacts' source hash equals the files' own sha256s, and no JSONL partition is opened
-    twice (on object storage a second pass is a second download)."""
+    sequential pass): the artifacts' source hash equals the files' own sha256s, and no intact JSONL partition is
+    opened twice (on object storage a second pass is a second download). A corrupt gzip is opened once more, without
+    hashing, for the standard library's exact tail (reader._Gunzip)."""
     import os
     import zlib
 
@@ -314,7 +315,8 @@ def test_each_partition_is_read_once_and_the_source_hash_is_of_what_was_read(tmp
                    d / "part-004.parquet")
     arts = sample_traffic(d, tmp_path / "out", SampleConfig(calib_size=40, shadow_size=20))
     names = sorted(p.name for p in d.iterdir())
-    assert partition_opens == Counter(names), partition_opens            # the Parquet file: row groups by random access, then one pass
+    # the Parquet file: row groups by random access, then one pass
+    assert partition_opens == Counter(names) + Counter({"part-003.jsonl.gz": 1}), partition_opens
     want = sha256_json([[n, hashlib.sha256((d / n).read_bytes()).hexdigest()] for n in names])
     assert arts["profile"].parents == (want,) and arts["calib"].parents[0] == want
     rejects = [json.loads(r) for r in (tmp_path / "out/rejects.jsonl").read_text().splitlines()]
