@@ -192,6 +192,9 @@ def test_a_drift_check_reads_the_recent_log_twice_and_every_engine_gives_one_rep
     shutil.copytree(root, twin)                 # the same deployed state, checked with the processes engine
     serial = drift_check(load_spec(root / "spec.yaml"), str(root / "shifted.jsonl"), echo=lambda m: None, record=False)
     assert partition_opens == Counter({"shifted.jsonl": 2}), partition_opens
+    again = drift_check(load_spec(root / "spec.yaml"), str(root / "shifted.jsonl"), echo=lambda m: None, record=False)
+    assert partition_opens == Counter({"shifted.jsonl": 2}), partition_opens   # hashed from its cached scan: not read
+    assert again["recent"] == serial["recent"] and again["traffic"] == serial["traffic"]
     assert len(list((root / "work/drift/scans").glob("scan-*.json"))) == 1   # kept for the next window that holds it
     assert main(["drift", "check", "--spec", str(twin / "spec.yaml"), "--traffic", str(twin / "shifted.jsonl"),
                  "--no-record", "--engine", "processes"]) == 3

@@ -383,10 +383,15 @@ def test_a_scan_cache_rescans_only_new_or_changed_partitions_and_changes_nothing
     slid, new = run("slid")
     assert new == ["day=03/part-0.jsonl"] and slid == run("slid-plain", cached=False)[0]
     assert len(list(cache.glob("scan-*.json"))) == 3             # day 0's scan is gone with it
+    known = ScanCache(cache, cfg, tag_file=True).sha256          # a stage key's hash reads no cached partition
+    assert [known(p) for p in sample.list_partitions(logs)] == [p.sha256() for p in sample.list_partitions(logs)]
     day(1, records[800:1599])                                    # a partition rewritten: one record fewer
     day3 = next(p for p in sample.list_partitions(logs) if p.name.startswith("day=03"))
     [entry] = cache.glob(f"scan-{ScanCache(cache, cfg, tag_file=True).key(day3)[:32]}.json")
     entry.write_bytes(entry.read_bytes().replace(b'"need"', b'"need" ', 1))   # and another's entry edited by hand
+    parts = sample.list_partitions(logs)
+    assert [known(p) is None for p in parts] == [True, False, True]   # rewritten, unchanged, entry edited
+    assert traffic_sha256(parts, known=known) == traffic_sha256(parts)
     again, rescanned = run("again")
     assert rescanned == ["day=01/part-0.jsonl", "day=03/part-0.jsonl"]
     assert again == run("again-plain", cached=False)[0]

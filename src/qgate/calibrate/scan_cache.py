@@ -4,6 +4,7 @@ only the partitions it has not seen.
     cache = ScanCache(Path("work/cache/scans"), SampleConfig(), tag_file=True)
     key = cache.key(part)                    # None when the store gives no modification time (nothing is cached)
     hit = cache.load(key)                    # (state as JSON, rejects) or None
+    cache.sha256(part)                       # the partition's sha256 from its cached scan (None: not cached)
     cache.save(key, doc, rejects); cache.prune()     # prune: entries this cache object did not touch
 
 A partition counts as unchanged when its location, its name below the source's root, its size and its modification
@@ -62,6 +63,16 @@ class ScanCache:
 
     def has(self, key: str | None) -> bool:
         return key is not None and self._path(key).exists()
+
+    def sha256(self, part) -> str | None:
+        """The partition's sha256 as its cached scan recorded it (of the bytes that scan read), None without a valid
+        entry: a source hash built from these reads only the partitions this cache has not seen. It trusts the
+        partition's identity exactly as far as reusing its scan does."""
+        from qgate.cache import read_cached
+
+        key = self.key(part)
+        data = read_cached(self._path(key)) if self.has(key) else None
+        return None if data is None else json.loads(data)["state"]["partitions"][-1]["sha256"]
 
     def load(self, key: str) -> tuple[dict, bytes] | None:
         """(state as JSON, rejects bytes), or None when the entry is missing, cut short or edited (then removed)."""

@@ -16,6 +16,7 @@ import fnmatch
 import hashlib
 import io
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,13 +219,20 @@ def list_partitions(where: str | Path) -> list[Partition]:
     return sorted(files)
 
 
-def traffic_sha256(parts: list[Partition], engine: str = "serial") -> str:
+def traffic_sha256(parts: list[Partition], engine: str = "serial", known: Callable[[Partition], str | None] | None = None) -> str:
     """The content hash of a traffic source, reading every partition, on an execution engine (execute.py: on Ray the
     partitions are hashed in parallel, by the workers). A scan hashes what it reads: `combined_sha256` of its
-    partitions' hashes is the same value, without this pass."""
-    from qgate.execute import map_ordered
+    partitions' hashes is the same value, without this pass. known: a partition's sha256 when it is known without
+    reading it (ScanCache.sha256), else None; only the others are read."""
+    from qgate.execute import check_engine, map_ordered
 
-    return combined_sha256(list(zip([p.name for p in parts], map_ordered(partition_sha256, [(p,) for p in parts], engine), strict=True)))
+    check_engine(engine)     # a bad name fails even when no partition needs reading
+    shas = [known(p) if known else None for p in parts]
+    todo = [i for i, sha in enumerate(shas) if sha is None]
+    if todo:
+        for i, sha in zip(todo, map_ordered(partition_sha256, [(parts[i],) for i in todo], engine), strict=True):
+            shas[i] = sha
+    return combined_sha256(list(zip([p.name for p in parts], shas, strict=True)))
 
 
 def partition_sha256(part: Partition) -> str:

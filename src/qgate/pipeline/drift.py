@@ -20,15 +20,14 @@ from pathlib import Path
 
 from qgate.errors import PromotionRefused
 from qgate.pipeline.runner import (Runner, best_passing, calibrate_stage, gate_variants, model_stage, recipe,
-                                   register_outcomes)
+                                   register_outcomes, cached_traffic_sha)
 from qgate.pipeline.spec import PipelineSpec, VariantSpec
 
 
-def _traffic_sha(recent: str | Path, engine: str) -> str:
-    """The recent traffic's content hash, once per job (a full read of the log, on the scan's engine)."""
-    from qgate.calibrate.sources import list_partitions, traffic_sha256
-
-    return traffic_sha256(list_partitions(recent), engine)
+def _traffic_sha(spec: PipelineSpec, recent: str | Path, engine: str) -> str:
+    """The recent traffic's content hash, once per job, on the scan's engine: a read of the partitions the drift
+    scan cache has not seen unchanged (runner.cached_traffic_sha)."""
+    return cached_traffic_sha(spec, recent, engine, _scans(spec))
 
 
 def _dirs(spec: PipelineSpec, sha: str, echo) -> tuple[Runner, Runner]:
@@ -37,10 +36,10 @@ def _dirs(spec: PipelineSpec, sha: str, echo) -> tuple[Runner, Runner]:
     return main, Runner(spec, echo, workdir=main.workdir / "drift" / sha[:16])
 
 
-def _scans(main: Runner) -> Path:
+def _scans(spec: PipelineSpec) -> Path:
     """Scans of recent-traffic partitions, shared by every window the drift job checks: a sliding window of
-    partitions rescans only the new ones (calibrate/scan_cache.py)."""
-    return main.workdir / "drift" / "scans"
+    partitions rescans (and re-hashes) only the new ones (calibrate/scan_cache.py)."""
+    return spec.path(spec.workdir) / "drift" / "scans"
 
 
 def drift_check(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None] = print, record: bool = True,
@@ -49,7 +48,7 @@ def drift_check(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], No
     engine: how the recent traffic's partitions are hashed and scanned (execute.py)."""
     from qgate.locks import job_lock, workdir_lock
 
-    sha = _traffic_sha(recent, engine)
+    sha = _traffic_sha(spec, recent, engine)
     main, _ = _dirs(spec, sha, echo)
     what = f"qgate drift check for {spec.registry.model_name}"
     with job_lock(_lock_path(spec, main), what, wait=wait, echo=echo), workdir_lock(main.workdir, what, wait=wait, echo=echo):
@@ -69,7 +68,7 @@ def _check(spec: PipelineSpec, recent: str | Path, sha: str, engine: str, echo: 
     prod = production_evidence(model, cfg.alias, store, main.workdir / "drift" / "production")
     echo(f"  production: {model} v{prod['version']} ({prod['variant']}) @{cfg.alias}, calibrated on "
          f"{prod['profile']['requests']} requests")
-    _, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(main))
+    _, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(spec))
     new = json.loads((profile.path / "profile.json").read_text())
     rows = traffic_drift(prod["profile"], new, cfg)
     for row in rows:
@@ -137,7 +136,7 @@ def drift_run(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None
     from qgate.registry.mlflow_store import promote
 
     cfg = spec.drift_config()
-    sha = _traffic_sha(recent, engine)
+    sha = _traffic_sha(spec, recent, engine)
     main, r = _dirs(spec, sha, echo)
     model = spec.registry.model_name
     what = f"qgate drift run for {model}"
@@ -153,7 +152,7 @@ def drift_run(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None
         main, r = _dirs(spec, sha, echo)   # fresh ledgers: the check has recorded its calibrate stage since
         echo(f"  > recalibrating {len(variants)} variant(s) on the recent traffic: {', '.join(v.name for v in variants)}")
         base = model_stage(main, spec)
-        calib, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(main))
+        calib, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(spec))
         outcomes = gate_variants(r, spec, base, calib, shadow, profile, variants, main.workdir / "cache")
         register_outcomes(r, spec, outcomes, profile)
         result["variants"] = [{"variant": o["variant"], "version": o["version"], "verdict": o["report"].meta["verdict"],
