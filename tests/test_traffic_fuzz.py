@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qgate.calibrate.reader import Reject, Request, read_traffic
-from qgate.calibrate.sources import traffic_files
+from qgate.calibrate.sources import list_partitions
 from qgate.calibrate.sample import SampleConfig, sample_traffic
 from qgate.errors import InputError
 
@@ -137,7 +137,7 @@ def test_gzip_and_zstd_logs_sample_exactly_like_plain_ones(tmp_path):
     (part / "a.jsonl.gz").write_bytes(gzip.compress(raw[: len(raw) // 2]))
     (part / "b.jsonl.zst").write_bytes(zstd_compress(raw[len(raw) // 2:]))
     (part / "notes.txt").write_text("not traffic")
-    assert [p.name for p in traffic_files(part)] == ["a.jsonl.gz", "b.jsonl.zst"]
+    assert [p.name for p in list_partitions(part)] == ["a.jsonl.gz", "b.jsonl.zst"]
 
 
 @pytest.mark.parametrize("suffix", [".gz", ".zst"])

@@ -46,10 +46,11 @@ def _partitions_under(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file() and is_traffic_file(p) and not _skipped(p.relative_to(path).parts))
 
 
-def traffic_files(where: str | Path) -> list[Path]:
-    """A traffic source as files, in a stable order: one file, a glob (`logs/2026-11-*.jsonl`; a directory it
-    matches, as in `logs/2026-11-*/`, stands for the partitions under it), or a directory of partitions (every JSONL
-    or Parquet file under it, recursively, hidden files and rejects skipped)."""
+def _local_partitions(where: str | Path) -> list[Partition]:
+    """A local traffic source's partitions in a stable order, each named by its path below the source's root: one
+    file (named by itself), a glob (`logs/2026-11-*.jsonl`; a directory it matches, as in `logs/2026-11-*/`, stands for
+    the partitions under it; the root is the glob's part before its first wildcard), or a directory of partitions
+    (every JSONL or Parquet file under it, recursively, hidden files and rejects skipped)."""
     s = str(where)
     if any(c in s for c in "*?["):
         import glob
@@ -59,16 +60,17 @@ def traffic_files(where: str | Path) -> list[Path]:
             found.update([m] if m.is_file() else _partitions_under(m) if m.is_dir() else [])
         if not found:
             raise InputError(f"{s}: no traffic files match this pattern", hint="check the glob; quote it so the shell does not expand it")
-        return sorted(found)
+        root = Path(_glob_root(s) or ("/" if s.startswith("/") else "."))
+        return [Partition(str(p), p.relative_to(root).as_posix()) for p in sorted(found)]
     path = Path(where)
     if path.is_dir():
         files = _partitions_under(path)
         if not files:
             raise InputError(f"{path}: directory holds no traffic partitions ({', '.join(SUFFIXES)})")
-        return files
+        return [Partition(str(p), p.relative_to(path).as_posix()) for p in files]
     if not path.is_file():
         raise InputError(f"{path}: traffic log not found", hint="pass a JSONL or Parquet file, a directory of partitions or a glob")
-    return [path]
+    return [Partition(str(path))]
 
 
 def is_uri(where: str | Path) -> bool:
@@ -174,15 +176,7 @@ def list_partitions(where: str | Path) -> list[Partition]:
     """Every traffic file of a source, in a stable order, each named by its path below the source's root (a
     directory, or a glob's part before its first wildcard). Fails at the call when there is none."""
     if not is_uri(where):
-        s = str(where)
-        files = traffic_files(where)
-        if any(c in s for c in "*?["):
-            root = Path(_glob_root(s) or ("/" if s.startswith("/") else "."))
-        elif Path(where).is_dir():
-            root = Path(where)
-        else:
-            return [Partition(str(files[0]))]
-        return [Partition(str(p), p.relative_to(root).as_posix()) for p in files]
+        return _local_partitions(where)
     from pyarrow import fs
 
     uri = str(where)
