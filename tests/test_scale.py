@@ -10,6 +10,7 @@ import shutil
 import socket
 import tracemalloc
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -674,3 +675,35 @@ def test_concurrency_in_order_log_is_vectorized(monkeypatch):
     c.finish()
     assert c.in_flight == Counter({1: 1, 2: 1, 3: 1, 4: 997}) and c.out_of_order == 0
     assert sum(k * v for k, v in c.per_second.items()) == 1000
+
+
+def test_a_local_file_a_ray_task_cannot_find_is_explained(tmp_path, monkeypatch):
+    """On a cluster each Ray task reads its partition on its own node: a local file this machine reads but a task
+    could not find fails with why and what to do, not as "not found"; a file missing here too keeps its own error."""
+    from qgate.calibrate import sample
+    from qgate.calibrate.sources import explained
+
+    logs = tmp_path / "logs"
+    _write_parts(logs, _records(300, seed=2), [100, 200])
+    monkeypatch.chdir(tmp_path)
+    parts = list_partitions("logs")
+    assert all(Path(p.location).is_absolute() for p in parts) and [p.name for p in parts][0] == "part-000.jsonl"
+
+    def as_on_another_node(fn, calls, engine="serial", resources=None):   # what the worker raises, re-raised here
+        yield fn(*calls[0])
+        raise InputError(f"{calls[1][0].location}: traffic log not found", hint="pass a JSONL or Parquet file")
+
+    monkeypatch.setattr(sample, "map_ordered", as_on_another_node)
+    with pytest.raises(InputError, match="a Ray task could not find this local file") as e:
+        sample_traffic("logs", tmp_path / "out", SampleConfig(calib_size=20, shadow_size=10), engine="ray")
+    assert str(e.value).startswith(parts[1].location) and "s3://" in e.value.hint
+    with pytest.raises(InputError, match="traffic log not found"):         # the processes engine: the file's own error
+        sample_traffic("logs", tmp_path / "out2", SampleConfig(calib_size=20, shadow_size=10), engine="processes")
+    gone = Partition(str(tmp_path / "gone.jsonl"))
+
+    def missing():
+        raise FileNotFoundError(f"[Errno 2] No such file or directory: '{gone.location}'")
+        yield
+
+    with pytest.raises(FileNotFoundError):                                  # missing on this machine too: as it was
+        list(explained(missing(), [gone], "ray"))

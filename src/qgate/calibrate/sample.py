@@ -26,7 +26,7 @@ from pathlib import Path
 from qgate.artifact import Artifact, typed_config
 from qgate.calibrate.reader import MAX_LINE_BYTES
 from qgate.calibrate.scan_cache import ScanCache
-from qgate.calibrate.sources import combined_sha256, is_uri, list_partitions
+from qgate.calibrate.sources import combined_sha256, explained, is_uri, list_partitions
 from qgate.calibrate.state import SampleState
 from qgate.calibrate.state_json import scan_partition_json, state_from_json
 from qgate.errors import ConfigError, InputError
@@ -85,7 +85,8 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
     cache = ScanCache(scan_cache, config, many) if scan_cache is not None else None
     keys = [cache.key(p) for p in parts] if cache else [None] * len(parts)
     fresh = [i for i, k in enumerate(keys) if not (cache and cache.has(k))]
-    scans = map_ordered(scan_partition_json, [(parts[i], config, many, engine == "serial" and not many) for i in fresh], engine)
+    scans = explained(map_ordered(scan_partition_json, [(parts[i], config, many, engine == "serial" and not many) for i in fresh],
+                                  engine), [parts[i] for i in fresh], engine)
     states = _in_order(parts, keys, set(fresh), scans, cache, config, many)
     if many:
         reused = f"; {len(parts) - len(fresh)} unchanged since an earlier scan, reused" if len(fresh) < len(parts) else ""

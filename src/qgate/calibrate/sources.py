@@ -16,7 +16,7 @@ import fnmatch
 import hashlib
 import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +47,8 @@ def _partitions_under(path: Path) -> list[Path]:
 
 
 def _local_partitions(where: str | Path) -> list[Partition]:
-    """A local traffic source's partitions in a stable order, each named by its path below the source's root: one
+    """A local traffic source's partitions in a stable order, each at its absolute path (a Ray task, a worker
+    process or a later run may have another working directory) and named by its path below the source's root: one
     file (named by itself), a glob (`logs/2026-11-*.jsonl`; a directory it matches, as in `logs/2026-11-*/`, stands for
     the partitions under it; the root is the glob's part before its first wildcard), or a directory of partitions
     (every JSONL or Parquet file under it, recursively, hidden files and rejects skipped)."""
@@ -61,16 +62,16 @@ def _local_partitions(where: str | Path) -> list[Partition]:
         if not found:
             raise InputError(f"{s}: no traffic files match this pattern", hint="check the glob; quote it so the shell does not expand it")
         root = Path(_glob_root(s) or ("/" if s.startswith("/") else "."))
-        return [Partition(str(p), p.relative_to(root).as_posix()) for p in sorted(found)]
+        return [Partition(os.path.abspath(p), p.relative_to(root).as_posix()) for p in sorted(found)]
     path = Path(where)
     if path.is_dir():
         files = _partitions_under(path)
         if not files:
             raise InputError(f"{path}: directory holds no traffic partitions ({', '.join(SUFFIXES)})")
-        return [Partition(str(p), p.relative_to(path).as_posix()) for p in files]
+        return [Partition(os.path.abspath(p), p.relative_to(path).as_posix()) for p in files]
     if not path.is_file():
         raise InputError(f"{path}: traffic log not found", hint="pass a JSONL or Parquet file, a directory of partitions or a glob")
-    return [Partition(str(path))]
+    return [Partition(os.path.abspath(path))]
 
 
 def is_uri(where: str | Path) -> bool:
@@ -224,13 +225,31 @@ def traffic_sha256(parts: list[Partition], engine: str = "serial", known: Callab
     shas = [known(p) if known else None for p in parts]
     todo = [i for i, sha in enumerate(shas) if sha is None]
     if todo:
-        for i, sha in zip(todo, map_ordered(partition_sha256, [(parts[i],) for i in todo], engine), strict=True):
+        hashed = explained(map_ordered(partition_sha256, [(parts[i],) for i in todo], engine), [parts[i] for i in todo], engine)
+        for i, sha in zip(todo, hashed, strict=True):
             shas[i] = sha
     return combined_sha256(list(zip([p.name for p in parts], shas, strict=True)))
 
 
 def partition_sha256(part: Partition) -> str:
     return part.sha256()
+
+
+def explained(results: Iterator, parts: list[Partition], engine: str) -> Iterator:
+    """`results` of calls that each read one of `parts`, passed through; on Ray, a local partition that a task could
+    not find while this machine reads it fails with why: each task reads its partition on the node it runs on."""
+    try:
+        yield from results
+    except (InputError, FileNotFoundError) as e:
+        here = [p for p in parts if engine == "ray" and not p.remote and p.location in str(e) and os.path.isfile(p.location)]
+        if not here:
+            raise
+        where = max(here, key=lambda p: len(p.location)).location
+        raise InputError(f"{where}: a Ray task could not find this local file, which this machine reads: each task reads "
+                         "its partition on the node it runs on",
+                         hint="put the traffic where every node of the cluster sees it (an object-store URI such as "
+                              "s3://bucket/logs/, or a filesystem mounted at the same path on every node), or scan it on "
+                              "this machine with --engine processes") from e
 
 
 def combined_sha256(named: list[tuple[str, str]]) -> str:
