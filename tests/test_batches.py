@@ -25,7 +25,7 @@ from qgate.calibrate import batches
 from qgate.calibrate.batches import PY_SPACE, Batch, read_batches
 from qgate.calibrate import state
 from qgate.calibrate.words import bag_counter, batch_words, text_words, words
-from qgate.calibrate.reader import read_traffic
+from qgate.calibrate.reader import open_decoded, read_traffic
 from qgate.calibrate.scrub import HINT, RULE_HINTS, rule_hints, scrub
 from qgate.calibrate.sources import Partition
 
@@ -119,6 +119,12 @@ def test_a_truncated_gzip_log_keeps_its_whole_lines(tmp_path):
             while chunk := f.read1(1 << 16):
                 whole += chunk
     assert len(got[0]) == whole.count(b"\n") > 0
+    with Partition(str(path)).open() as raw, open_decoded(Partition(str(path)), raw) as f:
+        out, size = b"", 1 << 21    # a block's read (ISA-L fails in it), then small ones, as readline makes
+        with contextlib.suppress(EOFError):
+            while chunk := f.read1(size):
+                out, size = out + chunk, 1000
+    assert out == whole
     assert [(r.line, r.reason[:40]) for r in got[1]] == [(r.line, r.reason[:40]) for r in want[1]]
     assert "truncated" in got[1][-1].reason
 

@@ -77,7 +77,9 @@ class _Gunzip(io.RawIOBase):
     def __init__(self, part: Partition, raw):
         from isal import igzip
 
-        self.part, self.fast, self.given, self.rest = part, igzip.GzipFile(fileobj=raw, mode="rb"), 0, None
+        self.part, self.fast, self.given = part, igzip.GzipFile(fileobj=raw, mode="rb"), 0
+        self.rest: Iterator[bytes] | None = None
+        self.pending = b""          # the part of the standard library's last chunk not yet read
 
     def readable(self) -> bool:
         return True
@@ -92,9 +94,17 @@ class _Gunzip(io.RawIOBase):
                 self.given += len(data)
                 buf[:len(data)] = data
                 return len(data)
-        data = next(self.rest, b"")
-        buf[:len(data)] = data
-        return len(data)
+        if not self.pending:
+            self.pending = next(self.rest, b"")
+        n = min(len(buf), len(self.pending))
+        buf[:n], self.pending = self.pending[:n], self.pending[n:]
+        return n
+
+    def close(self) -> None:
+        if self.rest is not None:
+            self.rest.close()       # the second reader's file, if it was opened
+        self.fast.close()
+        super().close()
 
     def _rest(self, error: Exception) -> Iterator[bytes]:
         """The standard library's bytes after the first `given`, then its error (ISA-L's, should it read on)."""
