@@ -5,6 +5,7 @@ import hashlib
 import heapq
 import json
 import math
+import os
 import random
 import shutil
 import socket
@@ -707,3 +708,34 @@ def test_a_local_file_a_ray_task_cannot_find_is_explained(tmp_path, monkeypatch)
 
     with pytest.raises(FileNotFoundError):                                  # missing on this machine too: as it was
         list(explained(missing(), [gone], "ray"))
+
+
+_OTHER_CODE = """
+import sys
+import ray
+ray.init(runtime_env={"py_modules": [sys.argv[1]]}, include_dashboard=False, logging_level="ERROR")
+from qgate.errors import ConfigError
+from qgate.execute import map_ordered
+try:
+    print("RAN", list(map_ordered(sys.argv.append, [("ran on the worker",)], "ray")))
+except ConfigError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_a_ray_worker_with_other_qgate_code_runs_nothing(tmp_path):
+    """Ray tasks run on whatever the cluster's nodes have installed: a worker whose qgate source (or a dependency's
+    version) is not the driver's refuses the call before running it, so a scan or a variant chain is never made by
+    code other than what the artifacts record. Here the workers import an edited copy of qgate (runtime_env)."""
+    import subprocess
+    import sys
+
+    import qgate
+
+    copy = tmp_path / "mods" / "qgate"
+    shutil.copytree(Path(qgate.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "calibrate" / "words.py").write_text((copy / "calibrate" / "words.py").read_text() + "\n# edited on the cluster\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", _OTHER_CODE, str(copy)], capture_output=True, text=True, timeout=600, env=env)
+    assert "REFUSED a Ray worker on" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "qgate source" in out.stdout and "nothing was run there" in out.stdout and "RAN" not in out.stdout

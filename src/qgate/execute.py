@@ -6,12 +6,15 @@ as Ray tasks.
 `engine="serial"` (the default everywhere) calls the function in this process. `engine="processes"` runs the calls
 in one spawned process per core of this machine (no extra needed; CPU work only: it places no GPUs). `engine="ray"`
 runs each call as a Ray task with the given resources (`{"num_cpus": 1, "num_gpus": 1, "memory": ...}` or custom
-resources); Ray starts locally unless RAY_ADDRESS points at a cluster. Both yield the results in input order as they
-complete, from a window of calls submitted ahead, so the driver holds a few results at a time; an exception raised
-in a call is raised again here as itself, so a bad partition reads the same under every engine.
+resources); Ray starts locally unless RAY_ADDRESS points at a cluster, whose nodes must have this machine's qgate
+and dependencies: a worker that does not (`environment`) refuses the call before running it. Both yield the results
+in input order as they complete, from a window of calls submitted ahead, so the driver holds a few results at a
+time; an exception raised in a call is raised again here as itself, so a bad partition reads the same under every
+engine.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -40,7 +43,8 @@ def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "s
         return
     ray = ray_session()
     per_call = resources if isinstance(resources, list) else [resources or {}] * len(calls)
-    task = ray.remote(fn)
+    here = environment()
+    task = ray.remote(_checked)
     # Tasks are submitted in a window ahead of the one awaited: after a failure nothing more is submitted, and the
     # driver waits for the few already submitted instead of cancelling them (ray.cancel racing a finishing task
     # aborts the driver in Ray 2.60: "Tried to complete task that was not pending").
@@ -50,10 +54,56 @@ def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "s
         for i in range(len(calls)):
             while len(submitted) < min(len(calls), i + window):
                 args, res = calls[len(submitted)], per_call[len(submitted)]
-                submitted.append(task.options(**_ray_options(res)).remote(*args))
+                submitted.append(task.options(**_ray_options(res)).remote(here, fn, *args))
             yield _get(ray, submitted[i])
     finally:
         ray.wait(submitted, num_returns=len(submitted), timeout=None)   # nothing left running behind the caller
+
+
+@functools.lru_cache(maxsize=4)
+def environment(names: tuple[str, ...] | None = None) -> dict[str, str]:
+    """What a result made in this process depends on: Python's version, the sha256 of qgate's source files, and the
+    versions of the distributions named (by default qgate's own dependencies, extras left out)."""
+    import hashlib
+    import re
+    import sys
+    from importlib.metadata import PackageNotFoundError, requires, version
+    from pathlib import Path
+
+    import qgate
+
+    if names is None:
+        try:
+            reqs = requires("qgate") or ()
+        except PackageNotFoundError:    # run from a source tree: its source is still compared
+            reqs = ()
+        names = tuple(re.split(r"[\s;<>=!~\[(]", r, maxsplit=1)[0] for r in reqs if "extra ==" not in r)
+    root = Path(qgate.__file__).parent
+    source = hashlib.sha256()
+    for p in sorted(root.rglob("*.py")):
+        source.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    out = {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "qgate source": source.hexdigest()[:16]}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def _checked(expected: dict[str, str], fn: Callable[..., Any], *args) -> Any:
+    """fn(*args) in a Ray worker whose environment is the caller's (`environment`), else nothing run: a chain or a
+    scan made by other code or other library versions is not what the gates judged and the artifacts record."""
+    import socket
+
+    got = environment(tuple(k for k in expected if k not in ("python", "qgate source")))
+    diff = [f"{k} {got[k]} there, {v} here" for k, v in expected.items() if got.get(k) != v]
+    if diff:
+        raise ConfigError(f"a Ray worker on {socket.gethostname()} runs other code than this machine: {'; '.join(diff)}; "
+                          f"nothing was run there",
+                          hint="give the cluster's nodes the driver's qgate and dependencies (one container image for "
+                               "both, or the same `pip install`), then run again")
+    return fn(*args)
 
 
 def _in_processes(fn: Callable[..., Any], calls: list[tuple], resources) -> Iterator[Any]:
