@@ -739,3 +739,9 @@ def test_a_ray_worker_with_other_qgate_code_runs_nothing(tmp_path):
     out = subprocess.run([sys.executable, "-c", _OTHER_CODE, str(copy)], capture_output=True, text=True, timeout=600, env=env)
     assert "REFUSED a Ray worker on" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "qgate source" in out.stdout and "nothing was run there" in out.stdout and "RAN" not in out.stdout
+    from importlib.metadata import version
+
+    from qgate.execute import environment
+
+    here = environment()    # releases, not builds: this machine's torch is a +cpu build
+    assert "+" in version("torch") and here["torch"] == version("torch").split("+")[0] and here["pyarrow"] == version("pyarrow")

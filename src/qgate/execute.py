@@ -63,7 +63,9 @@ def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "s
 @functools.lru_cache(maxsize=4)
 def environment(names: tuple[str, ...] | None = None) -> dict[str, str]:
     """What a result made in this process depends on: Python's version, the sha256 of qgate's source files, and the
-    versions of the distributions named (by default qgate's own dependencies, extras left out)."""
+    versions of the distributions named (by default qgate's own dependencies, extras left out), without their local
+    build labels: a CPU driver's torch 2.13.0+cpu and a GPU node's 2.13.0+cu128 are one release built for two kinds of
+    hardware, and the chains run on the nodes."""
     import hashlib
     import re
     import sys
@@ -85,7 +87,7 @@ def environment(names: tuple[str, ...] | None = None) -> dict[str, str]:
     out = {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "qgate source": source.hexdigest()[:16]}
     for name in names:
         try:
-            out[name] = version(name)
+            out[name] = version(name).split("+", 1)[0]
         except PackageNotFoundError:
             out[name] = "not installed"
     return out
