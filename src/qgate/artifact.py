@@ -31,13 +31,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def sha256_tree(path: Path, exclude: tuple[str, ...] = UNHASHED) -> str:
-    """Content hash of a file or a directory: relative paths and file bytes, in sorted order."""
+def sha256_tree(path: Path, exclude: tuple[str, ...] = UNHASHED, suffix: str = "") -> str:
+    """Content hash of a file or a directory: relative paths and file bytes, in sorted order. suffix: only the files
+    whose names end with it (".py": a package's source, without the bytecode its imports leave beside it)."""
     path = Path(path)
     if path.is_file():
         return sha256_file(path)
     h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(suffix)):
         rel = f.relative_to(path).as_posix()
         if rel in exclude or "/.cache/" in f"/{rel}":
             continue

@@ -60,19 +60,32 @@ def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "s
         ray.wait(submitted, num_returns=len(submitted), timeout=None)   # nothing left running behind the caller
 
 
+def versions(names: tuple[str, ...]) -> dict[str, str]:
+    """Each named distribution's installed version ("not installed" for one that is not)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
 @functools.lru_cache(maxsize=4)
 def environment(names: tuple[str, ...] | None = None) -> dict[str, str]:
     """What a result made in this process depends on: Python's version, the sha256 of qgate's source files, and the
     versions of the distributions named (by default qgate's own dependencies, extras left out), without their local
     build labels: a CPU driver's torch 2.13.0+cpu and a GPU node's 2.13.0+cu128 are one release built for two kinds of
     hardware, and the chains run on the nodes."""
-    import hashlib
     import re
     import sys
-    from importlib.metadata import PackageNotFoundError, requires, version
+    from importlib.metadata import PackageNotFoundError, requires
     from pathlib import Path
 
     import qgate
+    from qgate.artifact import sha256_tree
 
     if names is None:
         try:
@@ -80,17 +93,9 @@ def environment(names: tuple[str, ...] | None = None) -> dict[str, str]:
         except PackageNotFoundError:    # run from a source tree: its source is still compared
             reqs = ()
         names = tuple(re.split(r"[\s;<>=!~\[(]", r, maxsplit=1)[0] for r in reqs if "extra ==" not in r)
-    root = Path(qgate.__file__).parent
-    source = hashlib.sha256()
-    for p in sorted(root.rglob("*.py")):
-        source.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
-    out = {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "qgate source": source.hexdigest()[:16]}
-    for name in names:
-        try:
-            out[name] = version(name).split("+", 1)[0]
-        except PackageNotFoundError:
-            out[name] = "not installed"
-    return out
+    out = {"python": f"{sys.version_info.major}.{sys.version_info.minor}",
+           "qgate source": sha256_tree(Path(qgate.__file__).parent, suffix=".py")[:16]}
+    return out | {name: v.split("+", 1)[0] for name, v in versions(names).items()}
 
 
 def _checked(expected: dict[str, str], fn: Callable[..., Any], *args) -> Any:

@@ -28,18 +28,10 @@ _LIBS = ("pyarrow", "datasketches", "phonenumbers", "orjson", "backports.zstd")
 @functools.lru_cache(maxsize=1)
 def code_sha256() -> str:
     """The source of qgate.calibrate and the versions of the libraries a scan's result depends on."""
-    import hashlib
-    from importlib.metadata import PackageNotFoundError, version
+    from qgate.artifact import sha256_json, sha256_tree
+    from qgate.execute import versions
 
-    h = hashlib.sha256()
-    for p in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
-    for lib in _LIBS:
-        try:
-            h.update(f"{lib}={version(lib)}\0".encode())
-        except PackageNotFoundError:
-            h.update(f"{lib}=none\0".encode())
-    return h.hexdigest()
+    return sha256_json({"source": sha256_tree(Path(__file__).parent, suffix=".py"), "libs": versions(_LIBS)})
 
 
 class ScanCache:
