@@ -19,7 +19,8 @@ Every measurement runs in a child process of its own, so each peak RSS is its ow
 2. Peak RSS of the serial sampler per size, as a ratio to the smallest size. Goal: flat within 10% beyond 100k.
 3. `--engine processes` (one spawned worker per core) and `--engine ray` (local Ray, one task per partition, Ray's
    start-up included) against serial on one size, with the core count; all must give the same calibration set.
-   On the same size, a scan cache filled by one run and reused by the next (every partition unchanged).
+   On the same size, a scan cache filled by one run and reused by the next (every partition unchanged), and the
+   traffic hash a pipeline's calibrate stage is keyed by, from that cache against reading every partition.
 """
 from __future__ import annotations
 
@@ -98,7 +99,17 @@ def child(mode: str, where: str, out: str) -> None:
             arts = sample_traffic(where, Path(out) / run, cfg, scan_cache=Path(out) / "scans")
             times.append(time.perf_counter() - t0)
             shas.append({k: a.sha256 for k, a in arts.items() if k != "profile"})   # the profile names its output path
-        result = {"records": arts["calib"].meta["stats"]["records"], "cold": times[0], "warm": times[1], "same": shas[0] == shas[1]}
+        from qgate.calibrate.scan_cache import ScanCache
+        from qgate.calibrate.sources import list_partitions, traffic_sha256
+
+        parts = list_partitions(where)
+        t0 = time.perf_counter()
+        read = traffic_sha256(parts)                                   # a stage key that reads every partition
+        t1 = time.perf_counter()
+        known = traffic_sha256(parts, known=ScanCache(Path(out) / "scans", cfg, len(parts) > 1).sha256)   # from the cache
+        t2 = time.perf_counter()
+        result = {"records": arts["calib"].meta["stats"]["records"], "cold": times[0], "warm": times[1], "same": shas[0] == shas[1],
+                  "key_read": t1 - t0, "key_cached": t2 - t1, "key_same": read == known == arts["profile"].parents[0]}
     else:
         from qgate.calibrate.sample import SampleConfig, sample_traffic
 
@@ -157,7 +168,9 @@ def main() -> None:
                       f"(driver peak RSS {procs['peak_mb']:.0f} MB, largest worker {procs['worker_peak_mb']:.0f} MB)", flush=True)
                 cached = measure("cached", logs, tmp / "out-cached")
                 print(f"  {n:>9,} records with a scan cache: cold {cached['cold']:7.1f} s, warm (every partition unchanged) "
-                      f"{cached['warm']:5.2f} s, same artifacts: {cached['same']}", flush=True)
+                      f"{cached['warm']:5.2f} s, same artifacts: {cached['same']}; a stage key's traffic hash: reading every "
+                      f"partition {cached['key_read']:.2f} s, from the cache {cached['key_cached'] * 1000:.1f} ms, "
+                      f"same hash: {cached['key_same']}", flush=True)
                 ray = measure("ray", logs, tmp / "out-ray")
                 print(f"  {n:>9,} records on ray: {ray['seconds']:7.1f} s {n / ray['seconds']:8.0f} rec/s "
                       f"(driver peak RSS {ray['peak_mb']:.0f} MB)", flush=True)
@@ -183,7 +196,8 @@ def main() -> None:
                   f"the sampling adds {serial[n]['seconds'] - parse['seconds']:.1f} s on the main thread beside the reading thread")
             print(f"     {n:>9,} records, --engine processes ({cores} workers): {raw[n]['seconds'] / procs['seconds']:.2f}x")
             print(f"     {n:>9,} records, every partition's scan reused from --scan-cache: {raw[n]['seconds'] / cached['warm']:.2f}x "
-                  f"({cached['cold'] / cached['warm']:.0f}x faster than the cold run that filled the cache)")
+                  f"({cached['cold'] / cached['warm']:.0f}x faster than the cold run that filled the cache); the traffic hash "
+                  f"of a stage key from the cache: {cached['key_read'] / cached['key_cached']:.0f}x faster than reading the partitions")
         print(f"2. peak RSS / peak RSS at {lo:,} records (goal: within 1.10x):")
         for n in sizes[1:]:
             print(f"     {n:>9,} records ({n // lo}x the log): {serial[n]['peak_mb'] / serial[lo]['peak_mb']:.3f}x "

@@ -387,16 +387,25 @@ def test_a_scan_cache_rescans_only_new_or_changed_partitions_and_changes_nothing
     assert len(list(cache.glob("scan-*.json"))) == 3             # day 0's scan is gone with it
     known = ScanCache(cache, cfg, tag_file=True).sha256          # a stage key's hash reads no cached partition
     assert [known(p) for p in sample.list_partitions(logs)] == [p.sha256() for p in sample.list_partitions(logs)]
+    opened: list[str] = []
+    real_read = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: opened.append(self.name) or real_read(self))
+    assert [known(p) for p in sample.list_partitions(logs)] and {n[:4] for n in opened} == {"sha-"}   # no scan is read
+    monkeypatch.setattr(Path, "read_bytes", real_read)
     day(1, records[800:1599])                                    # a partition rewritten: one record fewer
-    day3 = next(p for p in sample.list_partitions(logs) if p.name.startswith("day=03"))
+    day2, day3 = (next(p for p in sample.list_partitions(logs) if p.name.startswith(d)) for d in ("day=02", "day=03"))
     [entry] = cache.glob(f"scan-{ScanCache(cache, cfg, tag_file=True).key(day3)[:32]}.json")
-    entry.write_bytes(entry.read_bytes().replace(b'"need"', b'"need" ', 1))   # and another's entry edited by hand
+    entry.write_bytes(entry.read_bytes().replace(b'"need"', b'"need" ', 1))   # and another's scan edited by hand
+    [sha2] = cache.glob(f"sha-{ScanCache(cache, cfg, tag_file=True).key(day2)[:32]}.json")
+    sha2.write_bytes(sha2.read_bytes().replace(b'"sha256"', b'"sha256" ', 1))  # and a third's recorded sha256
     parts = sample.list_partitions(logs)
-    assert [known(p) is None for p in parts] == [True, False, True]   # rewritten, unchanged, entry edited
+    assert [known(p) is None for p in parts] == [True, True, False]   # rewritten, sha256 edited, unchanged (its scan edited)
+    assert known(parts[2]) == parts[2].sha256()
     assert traffic_sha256(parts, known=known) == traffic_sha256(parts)
     again, rescanned = run("again")
-    assert rescanned == ["day=01/part-0.jsonl", "day=03/part-0.jsonl"]
+    assert rescanned == ["day=01/part-0.jsonl", "day=03/part-0.jsonl"]    # an edited sha256 alone costs no scan
     assert again == run("again-plain", cached=False)[0]
+    assert [known(p) for p in parts] == [p.sha256() for p in parts]  # every recorded sha256 whole again
     st, _ = scan_partition(sample.list_partitions(logs)[0], cfg, True)
     st.extra = 1
     with pytest.raises(RuntimeError, match="extra"):
