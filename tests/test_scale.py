@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import tracemalloc
@@ -735,7 +736,8 @@ except ConfigError as e:
 def test_a_ray_worker_with_other_qgate_code_runs_nothing(tmp_path):
     """Ray tasks run on whatever the cluster's nodes have installed: a worker whose qgate source (or a dependency's
     version) is not the driver's refuses the call before running it, so a scan or a variant chain is never made by
-    code other than what the artifacts record. Here the workers import an edited copy of qgate (runtime_env)."""
+    code other than what the artifacts record. Here the workers import an edited copy of qgate (runtime_env), then a
+    copy that fails to import at all, which Ray reports in its own words: qgate names the node and the fix."""
     import subprocess
     import sys
 
@@ -748,6 +750,10 @@ def test_a_ray_worker_with_other_qgate_code_runs_nothing(tmp_path):
     out = subprocess.run([sys.executable, "-c", _OTHER_CODE, str(copy)], capture_output=True, text=True, timeout=600, env=env)
     assert "REFUSED a Ray worker on" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "qgate source" in out.stdout and "nothing was run there" in out.stdout and "RAN" not in out.stdout
+    (copy / "__init__.py").write_text('raise ImportError("no module named qgate.calibrate (a broken install)")\n')
+    out = subprocess.run([sys.executable, "-c", _OTHER_CODE, str(copy)], capture_output=True, text=True, timeout=600, env=env)
+    assert re.search(r"REFUSED a Ray worker on [0-9a-f.:]+ could not import qgate's code \(ImportError: no module named "
+                     r"qgate\.calibrate \(a broken install\)\); nothing was run there", out.stdout), out.stdout + out.stderr[-3000:]
     from importlib.metadata import version
 
     from qgate.execute import environment

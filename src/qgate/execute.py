@@ -107,10 +107,13 @@ def _checked(expected: dict[str, str], fn: Callable[..., Any], *args) -> Any:
     diff = [f"{k} {got[k]} there, {v} here" for k, v in expected.items() if got.get(k) != v]
     if diff:
         raise ConfigError(f"a Ray worker on {socket.gethostname()} runs other code than this machine: {'; '.join(diff)}; "
-                          f"nothing was run there",
-                          hint="give the cluster's nodes the driver's qgate and dependencies (one container image for "
-                               "both, or the same `pip install`), then run again")
+                          f"nothing was run there", hint=_SAME_CODE)
     return fn(*args)
+
+
+_SAME_CODE = ("give the cluster's nodes the driver's qgate and dependencies (one container image for both, or the same "
+              "`pip install`), then run again")
+_NO_IMPORT = "failed to import on the worker"    # Ray's words (2.x) when a worker cannot unpickle the task's function
 
 
 def _in_processes(fn: Callable[..., Any], calls: list[tuple], resources) -> Iterator[Any]:
@@ -178,6 +181,13 @@ def _get(ray, ref):
         return ray.get(ref)
     except RayTaskError as e:
         cause = getattr(e, "cause", None)
+        if isinstance(cause, RuntimeError) and _NO_IMPORT in str(cause):   # a node without (a working) qgate
+            import re
+
+            why = [line for line in str(cause).splitlines() if line.strip()][-1]
+            node = re.search(r"\bip=([^\s,)]+)", str(e))     # Ray names the worker "ray::fn() (pid=..., ip=...)"
+            raise ConfigError(f"a Ray worker on {node[1] if node else 'a cluster node'} could not import qgate's code ({why}); "
+                              f"nothing was run there", hint=_SAME_CODE) from None
         if isinstance(cause, Exception):
             raise cause from None
         raise
