@@ -351,6 +351,11 @@ def test_one_drift_run_per_model_and_a_killed_holder_is_taken_over(fresh, monkey
         assert me["stale_taken_over"]["pid"] == holder.pid
     assert "stale lock" in seen[0] and f"pid {holder.pid}" in seen[0]
     assert not lock.with_name(lock.name + ".owner.json").exists()
+    with pytest.raises(ValueError), job_lock(lock, "a job that fails"):
+        raise ValueError("an error, not a kill")
+    seen.clear()
+    with job_lock(lock, "after the failure", echo=seen.append) as me:    # not reported as a stale lock
+        assert me["stale_taken_over"] is None and seen == []
 
 
 def test_drift_policy_keys_are_strict(fresh):

@@ -536,6 +536,50 @@ def test_variants_fanned_out_on_ray_match_the_serial_run(tmp_path, workdir, monk
     assert json.loads((runs["ray"] / "summary.json").read_text())["stages_run"] == []
 
 
+def test_a_variant_failing_on_ray_keeps_every_stage_that_finished(tmp_path, workdir, monkeypatch, capsys):
+    """`--parallel ray` with a variant whose chain fails after its checkpoint (a TensorRT-LLM bundle cannot be verified
+    without CUDA) listed before one that passes: the run fails with that variant's own error, and the ledger holds
+    every stage that finished, the failed chain's checkpoint and the whole chain that ran beside it, so a re-run
+    rebuilds nothing (before, the driver dropped what the tasks returned once one had failed)."""
+    import yaml
+    from test_pipeline import _spec
+
+    from qgate.cli.main import main
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    spec = _spec(tmp_path, workdir)
+    data = yaml.safe_load(spec.read_text())
+    data["variants"] = [{"name": "trt", "scheme": "gptq-w8a16", "options": {"group_size": 32}, "engine": {"backend": "trtllm"},
+                         "resources": {"num_cpus": 1}},
+                        {"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}, "resources": {"num_cpus": 1}}]
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert main(["run", str(spec), "--parallel", "ray"]) == 1
+    err = capsys.readouterr().err
+    assert "TensorRT-LLM bundle written to" in err and "not verified" in err
+    ledger = json.loads((tmp_path / "work" / "stages.json").read_text())
+    assert {"quantize:trt", "quantize:w8", "gate:w8"} <= set(ledger) and "engine:trt" not in ledger
+    built = {d: (tmp_path / "work/variants" / d).stat().st_ino for d in ("trt/checkpoint", "w8/checkpoint", "w8/gate")}
+    assert main(["run", str(spec), "--parallel", "ray"]) == 1
+    assert "stale lock" not in capsys.readouterr().err                  # the failed run released its lock cleanly
+    assert {d: (tmp_path / "work/variants" / d).stat().st_ino for d in built} == built   # nothing was built again
+
+
+class _TwoArgs(Exception):
+    def __init__(self, what: str, where: str):   # pickles, but cannot be rebuilt from its message alone
+        super().__init__(f"{what} at {where}")
+
+
+def test_a_failed_chains_error_reaches_the_driver_whatever_its_class():
+    """A chain's error travels back beside its finished stages: as itself when it survives a pickle round trip, else
+    as a QgateError with its type and message (never a serialization error that would lose the stages too)."""
+    from qgate.pipeline.runner import _portable
+
+    same = InputError("part-1.jsonl:7: bad record", hint="fix the writer")
+    assert _portable(same) is same
+    odd = _portable(_TwoArgs("CUDA out of memory", "layer 3"))
+    assert type(odd) is QgateError and str(odd) == "_TwoArgs: CUDA out of memory at layer 3"
+
+
 def _slow_or_bad(i: int, marks: str) -> int:
     import pathlib
     import time
@@ -564,6 +608,38 @@ def test_a_failing_ray_task_raises_its_own_error_and_leaves_nothing_running(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ran      # nothing was left running behind the caller
     assert "0" in ran and len(ran) < 20                             # the window was awaited; later calls never ran
     assert list(map_ordered(_slow_or_bad, [(0, str(tmp_path)), (2, str(tmp_path))], engine="ray")) == [0, 2]  # driver alive
+
+
+def _slow_or_flagged(i: int, marks: str):
+    """A call that returns its failure as a result (as a variant chain does), instead of raising it."""
+    import pathlib
+    import time
+
+    if i == 1:
+        return ("failed", i)
+    time.sleep(0.3)
+    (pathlib.Path(marks) / str(i)).write_text("done")
+    return i
+
+
+@pytest.mark.parametrize("engine", ["serial", "processes", "ray"])
+def test_a_result_that_stops_the_submitting_loses_none_of_the_work_in_flight(tmp_path, engine):
+    """stop_after: after a result it flags, no more calls are made, and the calls already running finish and are
+    yielded, in order: a variant fan-out records every chain that finished beside a failed one."""
+    import sys
+
+    from qgate.execute import map_ordered
+
+    if engine == "ray":
+        pytest.importorskip("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
+    got = list(map_ordered(_slow_or_flagged, [(i, str(tmp_path)) for i in range(40)], engine=engine,
+                           stop_after=lambda r: isinstance(r, tuple)))
+    assert got[:2] == [0, ("failed", 1)] and got[2:] == list(range(2, len(got))) and len(got) < 12
+    if engine == "serial":
+        assert len(got) == 2                                         # nothing else was running
+    else:
+        assert len(got) > 2                                          # the calls in flight were yielded, not dropped
+    assert sorted(int(p.name) for p in tmp_path.iterdir()) == [0] + got[2:]   # and no call beyond them ran
 
 
 def _bad_input(i: int) -> int:

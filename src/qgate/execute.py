@@ -31,15 +31,21 @@ def check_engine(engine: str, allowed: tuple[str, ...] = ENGINES) -> str:
 
 
 def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "serial",
-                resources: list[dict] | dict | None = None) -> Iterator[Any]:
-    """fn(*args) for each args in calls, in order. resources: one dict for every task, or one per call."""
+                resources: list[dict] | dict | None = None, stop_after: Callable[[Any], bool] | None = None) -> Iterator[Any]:
+    """fn(*args) for each args in calls, in order. resources: one dict for every task, or one per call.
+    stop_after: a result for which it is true ends the submitting, as an exception does, but the calls already
+    submitted still run and their results are yielded (a caller that returns its failures as results loses none of
+    the work in flight)."""
     calls = list(calls)
+    stop = stop_after or (lambda _: False)
     if check_engine(engine) == "serial":
         for args in calls:
-            yield fn(*args)
+            yield (result := fn(*args))
+            if stop(result):
+                return
         return
     if engine == "processes":
-        yield from _in_processes(fn, calls, resources)
+        yield from _in_processes(fn, calls, resources, stop)
         return
     ray = ray_session()
     per_call = resources if isinstance(resources, list) else [resources or {}] * len(calls)
@@ -50,12 +56,16 @@ def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "s
     # aborts the driver in Ray 2.60: "Tried to complete task that was not pending").
     window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
     submitted: list = []
+    stopped, i = False, 0
     try:
-        for i in range(len(calls)):
-            while len(submitted) < min(len(calls), i + window):
+        while i < (len(submitted) if stopped else len(calls)):
+            while not stopped and len(submitted) < min(len(calls), i + window):
                 args, res = calls[len(submitted)], per_call[len(submitted)]
                 submitted.append(task.options(**_ray_options(res)).remote(here, fn, *args))
-            yield _get(ray, submitted[i])
+            result = _get(ray, submitted[i])
+            stopped = stopped or stop(result)
+            yield result
+            i += 1
     finally:
         ray.wait(submitted, num_returns=len(submitted), timeout=None)   # nothing left running behind the caller
 
@@ -116,7 +126,7 @@ _SAME_CODE = ("give the cluster's nodes the driver's qgate and dependencies (one
 _NO_IMPORT = "failed to import on the worker"    # Ray's words (2.x) when a worker cannot unpickle the task's function
 
 
-def _in_processes(fn: Callable[..., Any], calls: list[tuple], resources) -> Iterator[Any]:
+def _in_processes(fn: Callable[..., Any], calls: list[tuple], resources, stop: Callable[[Any], bool]) -> Iterator[Any]:
     """The calls in spawned worker processes, one per core (a forked child would inherit the reading threads and
     locks of this one). After a failure nothing more is submitted, calls not yet started are cancelled, and the
     running ones are waited for before the error is raised."""
@@ -134,9 +144,10 @@ def _in_processes(fn: Callable[..., Any], calls: list[tuple], resources) -> Iter
     window = 2 * workers
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         submitted: list = []
+        stopped, i = False, 0
         try:
-            for i in range(len(calls)):
-                while len(submitted) < min(len(calls), i + window):
+            while i < (len(submitted) if stopped else len(calls)):
+                while not stopped and len(submitted) < min(len(calls), i + window):
                     submitted.append(pool.submit(fn, *calls[len(submitted)]))
                 try:
                     result = submitted[i].result()
@@ -147,7 +158,9 @@ def _in_processes(fn: Callable[..., Any], calls: list[tuple], resources) -> Iter
                                           "calls qgate with this engine needs an `if __name__ == \"__main__\":` guard (each "
                                           "worker imports the script, and one without it starts the job again)") from e
                 submitted[i] = None      # not held beside the next results
+                stopped = stopped or stop(result)
                 yield result
+                i += 1
         finally:
             for f in submitted:
                 if f is not None:

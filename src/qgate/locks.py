@@ -58,8 +58,8 @@ def job_lock(path: Path, what: str, wait: float = 0.0, echo: Callable[[str], Non
         tmp.write_text(json.dumps(me))
         tmp.replace(owner_file)
         yield me
+    finally:   # a job that ends with an error ends cleanly too: only a killed holder leaves its owner file behind
         owner_file.unlink(missing_ok=True)
-    finally:
         lock.release()
 
 

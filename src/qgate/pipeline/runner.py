@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 from qgate.artifact import MANIFEST, Artifact, build_atomically, sha256_json, sha256_tree, typed_config
-from qgate.errors import PromotionRefused
+from qgate.errors import PromotionRefused, QgateError
 from qgate.pipeline.spec import PipelineSpec, VariantSpec
 
 
@@ -201,36 +201,64 @@ def gate_variants(r: Runner, spec: PipelineSpec, base: Artifact, calib: Artifact
                   parallel: str = "serial") -> list[dict]:
     """Per variant: quantize, build its engine, gate it. Returns one outcome per variant, in spec order.
     parallel="ray": each variant's chain is a Ray task with the variant's `resources` (execute.py); the tasks skip
-    what the ledger already holds and return what they built, which this process records."""
+    what the ledger already holds and return what they built, which this process records. A chain that fails
+    returns the stages it finished with its error: nothing more is submitted, the chains already running finish and
+    their stages are recorded too (hours of GPU work a re-run skips), then the first failure is raised."""
     if parallel == "serial":
         return [variant_chain(r, spec, v, base, calib, shadow, profile, cache_dir, step) for v in variants]
     from qgate.execute import map_ordered
 
     calls = [(spec, v.name, base, calib, shadow, profile, cache_dir, r.workdir) for v in variants]
     r.echo(f"  > {len(calls)} variant(s) as Ray tasks; their library logs: {r.workdir / 'logs' / WORKER_LOG}")
-    outcomes = []
-    for outcome, records, ran, skipped in map_ordered(_variant_task, calls, parallel, [dict(v.resources) for v in variants]):
+    outcomes, failed = [], None
+    for v, (outcome, records, ran, skipped, error) in zip(variants, map_ordered(
+            _variant_task, calls, parallel, [dict(v.resources) for v in variants], stop_after=lambda res: res[4] is not None)):
         for name, key, values in records:
             r.ledger.record(name, key, **values)
         r.ran += ran
         r.skipped += skipped
+        if error is not None:
+            r.echo(f"  ! {v.name} failed: {error}; variants already running finish, and every finished stage is kept")
+            failed = failed or error
+            continue
         for _ in range(3):   # quantize (or search), engine, gate
             step(None)
         outcomes.append(outcome)
+    if failed is not None:
+        raise failed
     return outcomes
 
 
 def _variant_task(spec: PipelineSpec, name: str, base: Artifact, calib: Artifact, shadow: Artifact, profile: Artifact,
-                  cache_dir: Path, workdir: Path) -> tuple[dict, list, list, list]:
-    """One variant's chain in a Ray worker: (outcome, ledger records, stages run, stages skipped)."""
+                  cache_dir: Path, workdir: Path) -> tuple[dict | None, list, list, list, Exception | None]:
+    """One variant's chain in a Ray worker: (outcome, ledger records, stages run, stages skipped, None), or, when it
+    fails, (None, the stages it finished, ..., its error): the driver records them before raising the error."""
     from qgate.progress import console_err, quiet_console
 
     v = next(x for x in spec.variants if x.name == name)
     quiet_console(Path(workdir) / "logs" / WORKER_LOG)   # libraries' output to the log; Ray forwards only qgate's lines
     err = console_err()
     r = Runner(spec, lambda m: print(f"[{name}] {m}", file=err, flush=True), workdir=workdir, persist_ledger=False)
-    outcome = variant_chain(r, spec, v, base, calib, shadow, profile, cache_dir)
-    return outcome, r.ledger.recorded, r.ran, r.skipped
+    try:
+        outcome = variant_chain(r, spec, v, base, calib, shadow, profile, cache_dir)
+    except Exception as e:   # noqa: BLE001  returned, not raised: the stages before it are recorded by the driver
+        import traceback
+
+        traceback.print_exc()     # into the worker log, where the libraries' output is
+        return None, r.ledger.recorded, r.ran, r.skipped, _portable(e)
+    return outcome, r.ledger.recorded, r.ran, r.skipped, None
+
+
+def _portable(e: Exception) -> Exception:
+    """The error itself when it survives the trip to the driver (a pickle round trip), else a QgateError with its
+    type and message: an exception whose class takes other arguments must not lose the stages returned beside it."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:   # noqa: BLE001  any pickling failure: the message still reaches the driver
+        return QgateError(f"{type(e).__name__}: {e}")
 
 
 def variant_chain(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact, calib: Artifact, shadow: Artifact,
