@@ -536,6 +536,29 @@ def test_variants_fanned_out_on_ray_match_the_serial_run(tmp_path, workdir, monk
     assert json.loads((runs["ray"] / "summary.json").read_text())["stages_run"] == []
 
 
+def test_a_pipeline_samples_exactly_the_partitions_its_stage_key_hashed(tmp_path, workdir, monkeypatch):
+    """The calibrate stage lists its traffic once: a partition that lands after the stage key was hashed (a live log
+    directory or bucket) is not sampled under that key, so the artifacts' source hash is the key's traffic hash (a
+    second listing keyed one set of partitions and sampled another)."""
+    from test_pipeline import _spec
+
+    from qgate.pipeline import runner
+    from qgate.pipeline.spec import load_spec
+
+    logs = _write_parts(tmp_path / "logs", _records(300, seed=5), [150])
+    spec = load_spec(_spec(tmp_path, workdir, traffic="logs"))
+    real, keyed = runner.cached_traffic_sha, []
+
+    def then_a_file_lands(*a, **k):
+        keyed.append(real(*a, **k))
+        (logs / "part-late.jsonl").write_bytes(b"\n".join(_records(40, seed=6)) + b"\n")
+        return keyed[-1]
+
+    monkeypatch.setattr(runner, "cached_traffic_sha", then_a_file_lands)
+    _, _, profile = runner.calibrate_stage(runner.Runner(spec, echo=lambda m: None), spec, spec.traffic_source())
+    assert profile.parents[0] == keyed[0] and profile.meta["requests"] <= 300
+
+
 def test_a_variant_failing_on_ray_keeps_every_stage_that_finished(tmp_path, workdir, monkeypatch, capsys):
     """`--parallel ray` with a variant whose chain fails after its checkpoint (a TensorRT-LLM bundle cannot be verified
     without CUDA) listed before one that passes: the run fails with that variant's own error, and the ledger holds

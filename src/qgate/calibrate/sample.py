@@ -70,14 +70,16 @@ def _allocate(sizes: dict[str, int], total: int, caps: dict[str, int]) -> dict[s
 
 
 def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine: str = "serial",
-                   scan_cache: Path | None = None) -> dict[str, Artifact]:
+                   scan_cache: Path | None = None, parts: list | None = None) -> dict[str, Artifact]:
     """traffic: a file, a glob, a directory of partitions or an object-store URI (calibrate/sources.py).
     engine: "serial"; "processes" to scan partitions in one local process per core; or "ray" to scan them as Ray
     tasks (execute.py). Every engine gives the same artifacts.
     scan_cache: a directory of earlier scans (calibrate/scan_cache.py): partitions unchanged since are not read
-    again, the artifacts are the same, and entries this run did not use are removed afterwards."""
+    again, the artifacts are the same, and entries this run did not use are removed afterwards.
+    parts: `list_partitions(traffic)` when the caller has listed it already (a pipeline keys its stage by them)."""
     check_engine(engine)
-    parts = list_partitions(traffic)          # a missing log fails here, before anything is created
+    if parts is None:
+        parts = list_partitions(traffic)      # a missing log fails here, before anything is created
     many = len(parts) > 1
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

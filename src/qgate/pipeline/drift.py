@@ -24,10 +24,14 @@ from qgate.pipeline.runner import (Runner, best_passing, calibrate_stage, gate_v
 from qgate.pipeline.spec import PipelineSpec, VariantSpec
 
 
-def _traffic_sha(spec: PipelineSpec, recent: str | Path, engine: str) -> str:
-    """The recent traffic's content hash, once per job, on the scan's engine: a read of the partitions the drift
+def _traffic(spec: PipelineSpec, recent: str | Path, engine: str) -> tuple[str, list]:
+    """(the recent traffic's content hash, its partitions), once per job: listed once, so every stage of the job
+    samples the partitions it was keyed by, and hashed on the scan's engine, reading only the partitions the drift
     scan cache has not seen unchanged (runner.cached_traffic_sha)."""
-    return cached_traffic_sha(spec, recent, engine, _scans(spec))
+    from qgate.calibrate.sources import list_partitions
+
+    parts = list_partitions(recent)
+    return cached_traffic_sha(spec, parts, engine, _scans(spec)), parts
 
 
 def _dirs(spec: PipelineSpec, sha: str, echo) -> tuple[Runner, Runner]:
@@ -48,14 +52,15 @@ def drift_check(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], No
     engine: how the recent traffic's partitions are hashed and scanned (execute.py)."""
     from qgate.locks import job_lock, workdir_lock
 
-    sha = _traffic_sha(spec, recent, engine)
+    sha, parts = _traffic(spec, recent, engine)
     main, _ = _dirs(spec, sha, echo)
     what = f"qgate drift check for {spec.registry.model_name}"
     with job_lock(_lock_path(spec, main), what, wait=wait, echo=echo), workdir_lock(main.workdir, what, wait=wait, echo=echo):
-        return _check(spec, recent, sha, engine, echo, record)
+        return _check(spec, recent, sha, parts, engine, echo, record)
 
 
-def _check(spec: PipelineSpec, recent: str | Path, sha: str, engine: str, echo: Callable[[str], None], record: bool) -> dict:
+def _check(spec: PipelineSpec, recent: str | Path, sha: str, parts: list, engine: str, echo: Callable[[str], None],
+           record: bool) -> dict:
     from qgate.calibrate.drift import traffic_drift
     from qgate.gates.run import shadow_check
     from qgate.pipeline.drift_report import write_drift_report
@@ -68,7 +73,7 @@ def _check(spec: PipelineSpec, recent: str | Path, sha: str, engine: str, echo: 
     prod = production_evidence(model, cfg.alias, store, main.workdir / "drift" / "production")
     echo(f"  production: {model} v{prod['version']} ({prod['variant']}) @{cfg.alias}, calibrated on "
          f"{prod['profile']['requests']} requests")
-    _, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(spec))
+    _, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(spec), parts=parts)
     new = json.loads((profile.path / "profile.json").read_text())
     rows = traffic_drift(prod["profile"], new, cfg)
     for row in rows:
@@ -136,12 +141,12 @@ def drift_run(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None
     from qgate.registry.mlflow_store import promote
 
     cfg = spec.drift_config()
-    sha = _traffic_sha(spec, recent, engine)
+    sha, parts = _traffic(spec, recent, engine)
     main, r = _dirs(spec, sha, echo)
     model = spec.registry.model_name
     what = f"qgate drift run for {model}"
     with job_lock(_lock_path(spec, main), what, wait=wait, echo=echo), workdir_lock(main.workdir, what, wait=wait, echo=echo):
-        report = _check(spec, recent, sha, engine, echo, record=True)
+        report = _check(spec, recent, sha, parts, engine, echo, record=True)
         result = {"check": report, "action": "none", "promoted": None, "variants": []}
         if not report["drift"]:
             return result
@@ -152,7 +157,8 @@ def drift_run(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None
         main, r = _dirs(spec, sha, echo)   # fresh ledgers: the check has recorded its calibrate stage since
         echo(f"  > recalibrating {len(variants)} variant(s) on the recent traffic: {', '.join(v.name for v in variants)}")
         base = model_stage(main, spec)
-        calib, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(spec))
+        calib, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(spec),
+                                                 parts=parts)
         outcomes = gate_variants(r, spec, base, calib, shadow, profile, variants, main.workdir / "cache")
         register_outcomes(r, spec, outcomes, profile)
         result["variants"] = [{"variant": o["variant"], "version": o["version"], "verdict": o["report"].meta["verdict"],

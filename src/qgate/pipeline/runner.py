@@ -149,31 +149,37 @@ def model_stage(r: Runner, spec: PipelineSpec) -> Artifact:
     return r.stage("model", {"src": source_fingerprint(msrc)}, r.workdir / "base", lambda out: import_model(msrc, out))
 
 
-def cached_traffic_sha(spec: PipelineSpec, traffic: str | Path, engine: str, scans: Path) -> str:
-    """The traffic's `traffic_sha256`, the calibrate stage's key: partitions the scan cache `scans` holds unchanged
-    give the sha256 their scans recorded, so only new or changed ones are read (a sliding window hashes one day)."""
+def cached_traffic_sha(spec: PipelineSpec, parts: list, engine: str, scans: Path) -> str:
+    """The `traffic_sha256` of a traffic's partitions (as `list_partitions` gave them), the calibrate stage's key:
+    partitions the scan cache `scans` holds unchanged give the sha256 their scans recorded, so only new or changed
+    ones are read (a sliding window hashes one day)."""
     from qgate.calibrate.sample import SampleConfig
     from qgate.calibrate.scan_cache import ScanCache
-    from qgate.calibrate.sources import list_partitions, traffic_sha256
+    from qgate.calibrate.sources import traffic_sha256
 
-    parts = list_partitions(traffic)
     cache = ScanCache(scans, SampleConfig(**spec.calibrate.model_dump()), len(parts) > 1)
     return traffic_sha256(parts, engine, known=cache.sha256)
 
 
 def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path, engine: str = "serial",
-                    traffic_sha: str | None = None, scan_cache: Path | None = None) -> tuple[Artifact, Artifact, Artifact]:
+                    traffic_sha: str | None = None, scan_cache: Path | None = None,
+                    parts: list | None = None) -> tuple[Artifact, Artifact, Artifact]:
     """(calibration set, shadow set, traffic profile) sampled from `traffic` (a file, glob, directory or URI); the
-    engine does not enter the key: serial and Ray scans give the same sets. traffic_sha: the traffic's
-    `traffic_sha256`, when the caller has it already (`cached_traffic_sha`). scan_cache: where scans of
-    unchanged partitions are kept for the next run (default <workdir>/cache/scans; calibrate/scan_cache.py)."""
+    engine does not enter the key: serial and Ray scans give the same sets. traffic_sha and parts: the traffic's
+    `traffic_sha256` (`cached_traffic_sha`) and the partitions it was hashed from, when the caller has them already.
+    The traffic is listed once: the partitions sampled are the ones the key was hashed from, even when files arrive
+    in between (a second listing would key one set and sample another). scan_cache: where scans of unchanged
+    partitions are kept for the next run (default <workdir>/cache/scans; calibrate/scan_cache.py)."""
     from qgate.calibrate.sample import SampleConfig, sample_traffic
+    from qgate.calibrate.sources import list_partitions
 
     scfg = SampleConfig(**spec.calibrate.model_dump())
     scans = scan_cache or r.workdir / "cache" / "scans"
-    key = {"traffic": traffic_sha or cached_traffic_sha(spec, traffic, engine, scans), "cfg": scfg.__dict__}
+    if parts is None:
+        parts = list_partitions(traffic)
+    key = {"traffic": traffic_sha or cached_traffic_sha(spec, parts, engine, scans), "cfg": scfg.__dict__}
     calib = r.stage("calibrate", key, r.workdir / "calib",
-                    lambda out: sample_traffic(traffic, out, scfg, engine=engine, scan_cache=scans)["calib"])
+                    lambda out: sample_traffic(traffic, out, scfg, engine=engine, scan_cache=scans, parts=parts)["calib"])
     return calib, Artifact.load(r.workdir / "calib" / "shadow"), Artifact.load(r.workdir / "calib" / "profile")
 
 
