@@ -86,6 +86,10 @@ def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch
     ({"variants": [{"name": "w8", "scheme": "gptq-w8a16"},
                    {"name": "c", "scheme": "awq-w4a16", "engine": {"backend": "cpu", "options": {"acuracy_level": 1}}}]},
      "variants[1].engine.options.acuracy_level: unknown key; did you mean 'accuracy_level'"),
+    ({"variants": [{"name": "w8", "scheme": "gptq-w8a16", "engine": {"backend": "cpu"}}]},   # at load, not after quantizing
+     "variants[0].engine: the cpu engine takes w4a16 or w4a16+w8a16 checkpoints; scheme gptq-w8a16 makes w8a16"),
+    ({"variants": [{"name": "t", "scheme": "awq-w4a16", "engine": {"backend": "trtllm", "options": {"verify": False}}}]},
+     "variants[0].engine: the gates run checkpoints and cpu engines, not TensorRT-LLM bundles"),
     ({"calibrate": {"calib_size": 1, "extra": 2}}, "calibrate.extra: unknown key"),
     ({"calibrate": {"calib_sise": 1}}, "calibrate.calib_sise: unknown key; did you mean 'calib_size'"),
     ({"registy": {"model_name": "x"}}, "registy: unknown key; did you mean 'registry'"),

@@ -204,6 +204,24 @@ def load_spec(path: Path) -> PipelineSpec:
     return spec
 
 
+def _check_engine(v: VariantSpec, where: str) -> None:
+    """An engine the pipeline could build and gate for this variant, or a ConfigError now: the gates run checkpoints
+    and cpu engines, and the cpu engine takes 4-bit weights (a searched variant's W8 or unquantized layers are
+    handled at build time: it is gated on the reference path and its report says so)."""
+    from qgate.engines.cpu import SUPPORTED_FORMATS
+    from qgate.quantize.schemes import scheme_config, weight_format
+
+    keep = "drop `engine:` to gate the checkpoint on the PyTorch reference path"
+    if v.engine.backend == "trtllm":
+        raise ConfigError(f"{where}: the gates run checkpoints and cpu engines, not TensorRT-LLM bundles, so this variant "
+                          f"could never be gated",
+                          hint=f"{keep}, then bundle the promoted checkpoint with `qgate engine build --backend trtllm`")
+    fmt = weight_format(scheme_config(v.scheme, **v.options))
+    if v.engine.backend == "cpu" and fmt not in SUPPORTED_FORMATS:
+        raise ConfigError(f"{where}: the cpu engine takes {' or '.join(SUPPORTED_FORMATS)} checkpoints; scheme {v.scheme} "
+                          f"makes {fmt}", hint=f"{keep}, or choose a 4-bit scheme (awq-w4a16, gptq-w4a16)")
+
+
 def _check_semantics(spec: PipelineSpec) -> None:
     """Fail at load time, not an hour in: scheme names, option names, thresholds, unique variant names."""
     from qgate.engines.build import engine_config
@@ -220,6 +238,7 @@ def _check_semantics(spec: PipelineSpec) -> None:
                 KVCacheConfig(v.kv_cache)
             if v.engine:
                 engine_config(v.engine.backend, where=key_path("variants", i, "engine", "options"), **v.engine.options)
+                _check_engine(v, key_path("variants", i, "engine"))
             if v.search is not None:
                 search_config(v, where=key_path("variants", i, "search"))
         except ConfigError as e:
