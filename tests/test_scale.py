@@ -559,6 +559,34 @@ def test_a_pipeline_samples_exactly_the_partitions_its_stage_key_hashed(tmp_path
     assert profile.parents[0] == keyed[0] and profile.meta["requests"] <= 300
 
 
+def test_a_variant_no_ray_node_can_hold_is_refused_before_any_work(tmp_path, workdir, monkeypatch):
+    """A variant asking for a GPU on a local Ray instance without one would wait forever (Ray only logs that the
+    task cannot be scheduled): the run refuses it before the model import, naming the key and what the node has. On
+    a cluster (RAY_ADDRESS), where an autoscaler may add such a node, it says what the task waits for instead."""
+    import yaml
+    from test_pipeline import _spec
+
+    from qgate.pipeline import runner
+    from qgate.pipeline.runner import placeable, run_pipeline
+    from qgate.pipeline.spec import load_spec
+
+    path = _spec(tmp_path, workdir)
+    data = yaml.safe_load(path.read_text())
+    data["variants"][1]["resources"] = {"num_gpus": 1}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    spec = load_spec(path)
+    monkeypatch.setattr(runner, "_run", lambda *a, **k: pytest.fail("the run started: it would wait forever"))
+    with pytest.raises(ConfigError, match=r"variants\[1\]\.resources: variant w8 asks one node for CPU 1, GPU 1; the largest "
+                                          r"node of this Ray instance has CPU \d+, memory [\d.]+ GiB, so its task would wait forever"):
+        run_pipeline(spec, echo=lambda m: None, parallel="ray")
+    assert not (tmp_path / "work").exists()                        # refused before anything was made
+    said: list[str] = []
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")        # the same nodes, as a cluster's: a warning
+    placeable(spec.variants, said.append)                        # (the first variant asks for nothing: it fits)
+    assert len(said) == 1 and said[0].startswith("  ! variants[1].resources: variant w8 asks one node for CPU 1, GPU 1") \
+        and "of this Ray cluster has" in said[0] and "waits until such a node joins" in said[0]
+
+
 def test_a_variant_failing_on_ray_keeps_every_stage_that_finished(tmp_path, workdir, monkeypatch):
     """`--parallel ray` with a variant whose chain fails after its checkpoint, listed before one that passes: the
     run fails with that variant's own error, and the ledger holds every stage that finished, the failed chain's

@@ -180,6 +180,23 @@ def ray_session():
     return ray
 
 
+def unplaceable(resources: list[dict]) -> tuple[list[tuple[int, dict]], dict, bool]:
+    """([(index, what the task asks of one node)] for each task that no alive node of the Ray cluster can hold now,
+    the largest node's resources, whether that cluster is a local instance with no autoscaler to add nodes: there
+    such a task would wait forever). A task asks for one CPU unless it says otherwise, as Ray's tasks do."""
+    ray = ray_session()
+    nodes = [{k: v for k, v in n["Resources"].items() if not k.startswith(("node:", "object_store_memory"))}
+             for n in ray.nodes() if n.get("Alive")]
+    names = {"num_cpus": "CPU", "num_gpus": "GPU"}
+    out = []
+    for i, res in enumerate(resources):
+        need = {"CPU": 1.0} | {names.get(k, k): float(v) for k, v in res.items() if v}
+        if not any(all(node.get(k, 0.0) >= v for k, v in need.items()) for node in nodes):
+            out.append((i, need))
+    largest = max(nodes, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)), default={})
+    return out, largest, not os.environ.get("RAY_ADDRESS")
+
+
 def _ray_options(res: dict) -> dict:
     known = {"num_cpus", "num_gpus", "memory"}
     opts = {k: v for k, v in res.items() if k in known}

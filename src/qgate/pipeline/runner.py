@@ -346,8 +346,33 @@ def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print, wait: 
     from qgate.locks import workdir_lock
 
     check_engine(parallel, ("serial", "ray"))   # variants need the resources they declare: Ray places them
+    if parallel == "ray":
+        placeable(spec.variants, echo)
     with workdir_lock(spec.path(spec.workdir), f"qgate run {spec.name}", wait=wait, echo=echo):
         return _run(spec, echo, parallel)
+
+
+def placeable(variants: list[VariantSpec], echo: Callable[[str], None]) -> None:
+    """Before any work: a variant whose `resources` no node of the Ray cluster has now. On a local Ray instance
+    nothing will add one, so its task would wait forever: a ConfigError. On a cluster an autoscaler may add one:
+    a warning that says what the task waits for."""
+    from qgate.errors import ConfigError
+    from qgate.execute import unplaceable
+    from qgate.naming import key_path
+
+    short, largest, local = unplaceable([dict(v.resources) for v in variants])
+    for i, need in short:
+        v = variants[i]
+        what = (f"{key_path('variants', i, 'resources')}: variant {v.name} asks one node for {_amounts(need)}; the largest "
+                f"node of this Ray {'instance' if local else 'cluster'} has {_amounts(largest) or 'nothing'}")
+        if local:
+            raise ConfigError(f"{what}, so its task would wait forever",
+                              hint="lower the variant's resources, or set RAY_ADDRESS to a cluster whose nodes have them")
+        echo(f"  ! {what}: its task waits until such a node joins (an autoscaler adds one); Ctrl-C stops the run")
+
+
+def _amounts(res: dict) -> str:
+    return ", ".join(f"{k} {v / 2**30:.1f} GiB" if k.endswith("memory") else f"{k} {v:g}" for k, v in sorted(res.items()))
 
 
 def _run(spec: PipelineSpec, echo: Callable[[str], None], parallel: str = "serial") -> dict:
