@@ -697,6 +697,30 @@ def test_a_result_that_stops_the_submitting_loses_none_of_the_work_in_flight(tmp
     assert sorted(int(p.name) for p in tmp_path.iterdir()) == [0] + got[2:]   # and no call beyond them ran
 
 
+_INTERRUPTED = """
+import os, signal, threading, time
+from qgate.execute import map_ordered
+threading.Timer(12, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+t = time.perf_counter()
+try:
+    list(map_ordered(time.sleep, [(120,), (120,)], "ray"))
+except KeyboardInterrupt:
+    print("INTERRUPTED after", round(time.perf_counter() - t))
+"""
+
+
+def test_ctrl_c_during_a_ray_fan_out_returns_at_once(tmp_path):
+    """A failed task makes the driver wait for the tasks in flight (their work is kept), but Ctrl-C does not: the
+    tasks end with the driver's job, and a user who stops a run of hour-long chains gets the prompt back now."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", _INTERRUPTED], capture_output=True, text=True, timeout=300, env=env)
+    took = re.search(r"INTERRUPTED after (\d+)", out.stdout)
+    assert took and int(took[1]) < 60, out.stdout + out.stderr[-3000:]    # the tasks sleep 120 s
+
+
 def _bad_input(i: int) -> int:
     import os
 

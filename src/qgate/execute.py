@@ -66,8 +66,12 @@ def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "s
             stopped = stopped or stop(result)
             yield result
             i += 1
+    except KeyboardInterrupt:    # Ctrl-C: the tasks end with this driver's job; waiting for them could take hours
+        submitted = []
+        raise
     finally:
-        ray.wait(submitted, num_returns=len(submitted), timeout=None)   # nothing left running behind the caller
+        if submitted:
+            ray.wait(submitted, num_returns=len(submitted), timeout=None)   # nothing left running behind the caller
 
 
 def versions(names: tuple[str, ...]) -> dict[str, str]:
