@@ -635,11 +635,14 @@ def test_a_failed_chains_error_reaches_the_driver_whatever_its_class():
     assert type(odd) is QgateError and str(odd) == "_TwoArgs: CUDA out of memory at layer 3"
 
 
-def _slow_or_bad(i: int, marks: str) -> int:
+def _slow_or_bad(i: int, marks: str, returned: bool = False):
+    """Call 1 fails: raised, or `returned` as a result (as a variant chain returns its failure)."""
     import pathlib
     import time
 
     if i == 1:
+        if returned:
+            return ("failed", i)
         raise ValueError(f"bad partition {i}")
     time.sleep(0.3)
     (pathlib.Path(marks) / str(i)).write_text("done")
@@ -665,18 +668,6 @@ def test_a_failing_ray_task_raises_its_own_error_and_leaves_nothing_running(tmp_
     assert list(map_ordered(_slow_or_bad, [(0, str(tmp_path)), (2, str(tmp_path))], engine="ray")) == [0, 2]  # driver alive
 
 
-def _slow_or_flagged(i: int, marks: str):
-    """A call that returns its failure as a result (as a variant chain does), instead of raising it."""
-    import pathlib
-    import time
-
-    if i == 1:
-        return ("failed", i)
-    time.sleep(0.3)
-    (pathlib.Path(marks) / str(i)).write_text("done")
-    return i
-
-
 @pytest.mark.parametrize("engine", ["serial", "processes", "ray"])
 def test_a_result_that_stops_the_submitting_loses_none_of_the_work_in_flight(tmp_path, engine):
     """stop_after: after a result it flags, no more calls are made, and the calls already running finish and are
@@ -687,7 +678,7 @@ def test_a_result_that_stops_the_submitting_loses_none_of_the_work_in_flight(tmp
 
     if engine == "ray":
         pytest.importorskip("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
-    got = list(map_ordered(_slow_or_flagged, [(i, str(tmp_path)) for i in range(40)], engine=engine,
+    got = list(map_ordered(_slow_or_bad, [(i, str(tmp_path), True) for i in range(40)], engine=engine,
                            stop_after=lambda r: isinstance(r, tuple)))
     assert got[:2] == [0, ("failed", 1)] and got[2:] == list(range(2, len(got))) and len(got) < 12
     if engine == "serial":

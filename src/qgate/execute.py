@@ -56,22 +56,33 @@ def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "s
     # aborts the driver in Ray 2.60: "Tried to complete task that was not pending").
     window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
     submitted: list = []
-    stopped, i = False, 0
     try:
-        while i < (len(submitted) if stopped else len(calls)):
-            while not stopped and len(submitted) < min(len(calls), i + window):
-                args, res = calls[len(submitted)], per_call[len(submitted)]
-                submitted.append(task.options(**_ray_options(res)).remote(here, fn, *args))
-            result = _get(ray, submitted[i])
-            stopped = stopped or stop(result)
-            yield result
-            i += 1
+        yield from _windowed(len(calls), window, lambda j: task.options(**_ray_options(per_call[j])).remote(here, fn, *calls[j]),
+                             lambda i, ref: _get(ray, ref), stop, submitted)
     except KeyboardInterrupt:    # Ctrl-C: the tasks end with this driver's job; waiting for them could take hours
-        submitted = []
+        submitted.clear()
         raise
     finally:
-        if submitted:
-            ray.wait(submitted, num_returns=len(submitted), timeout=None)   # nothing left running behind the caller
+        pending = [ref for ref in submitted if ref is not None]
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=None)   # nothing left running behind the caller
+
+
+def _windowed(count: int, window: int, submit: Callable[[int], Any], get: Callable[[int, Any], Any],
+              stop: Callable[[Any], bool], submitted: list) -> Iterator[Any]:
+    """The results of calls 0..count-1 in order, each call submitted (`submit(j)`: its handle, appended to
+    `submitted`) up to `window` ahead of the one awaited (`get(i, handle)`). After a result `stop` flags nothing more
+    is submitted, and the calls already submitted are still awaited and yielded. A yielded call's handle becomes None
+    (its result is not held beside the next ones); the caller cleans up the others (an error leaves them as they are)."""
+    stopped, i = False, 0
+    while i < (len(submitted) if stopped else count):
+        while not stopped and len(submitted) < min(count, i + window):
+            submitted.append(submit(len(submitted)))
+        result = get(i, submitted[i])
+        submitted[i] = None
+        stopped = stopped or stop(result)
+        yield result
+        i += 1
 
 
 def versions(names: tuple[str, ...]) -> dict[str, str]:
@@ -146,25 +157,21 @@ def _in_processes(fn: Callable[..., Any], calls: list[tuple], resources, stop: C
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = max(1, min(len(calls), cores))
     window = 2 * workers
+
+    def get(i: int, future) -> Any:
+        try:
+            return future.result()
+        except BrokenProcessPool as e:
+            raise QgateError(f"a worker process of the processes engine died while running {getattr(fn, '__name__', fn)} "
+                             f"(call {i + 1} of {len(calls)}): killed, or out of memory",
+                             hint="re-run with the serial engine to see the failure in this process; a script that "
+                                  "calls qgate with this engine needs an `if __name__ == \"__main__\":` guard (each "
+                                  "worker imports the script, and one without it starts the job again)") from e
+
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         submitted: list = []
-        stopped, i = False, 0
         try:
-            while i < (len(submitted) if stopped else len(calls)):
-                while not stopped and len(submitted) < min(len(calls), i + window):
-                    submitted.append(pool.submit(fn, *calls[len(submitted)]))
-                try:
-                    result = submitted[i].result()
-                except BrokenProcessPool as e:
-                    raise QgateError(f"a worker process of the processes engine died while running {getattr(fn, '__name__', fn)} "
-                                     f"(call {i + 1} of {len(calls)}): killed, or out of memory",
-                                     hint="re-run with the serial engine to see the failure in this process; a script that "
-                                          "calls qgate with this engine needs an `if __name__ == \"__main__\":` guard (each "
-                                          "worker imports the script, and one without it starts the job again)") from e
-                submitted[i] = None      # not held beside the next results
-                stopped = stopped or stop(result)
-                yield result
-                i += 1
+            yield from _windowed(len(calls), window, lambda j: pool.submit(fn, *calls[j]), get, stop, submitted)
         finally:
             for f in submitted:
                 if f is not None:
