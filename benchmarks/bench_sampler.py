@@ -20,7 +20,8 @@ Every measurement runs in a child process of its own, so each peak RSS is its ow
 3. `--engine processes` (one spawned worker per core) and `--engine ray` (local Ray, one task per partition, Ray's
    start-up included) against serial on one size, with the core count; all must give the same calibration set.
    On the same size, a scan cache filled by one run and reused by the next (every partition unchanged), and the
-   traffic hash a pipeline's calibrate stage is keyed by, from that cache against reading every partition.
+   traffic hash a pipeline's calibrate stage is keyed by, from that cache against reading every partition. And the
+   same records as one file, which the processes and Ray engines scan in blocks (fewer files than workers).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -174,6 +176,12 @@ def main() -> None:
                 ray = measure("ray", logs, tmp / "out-ray")
                 print(f"  {n:>9,} records on ray: {ray['seconds']:7.1f} s {n / ray['seconds']:8.0f} rec/s "
                       f"(driver peak RSS {ray['peak_mb']:.0f} MB)", flush=True)
+                one = write_log(tmp / "one", n, 1, demo)      # one file: fewer than the workers, so scanned in blocks
+                single = {mode: measure(mode, one, tmp / f"out-one-{mode}") for mode in ("serial", "processes", "ray")}
+                print(f"  {n:>9,} records in one file: " + ", ".join(f"{m} {r['seconds']:.1f} s" for m, r in single.items())
+                      + f" (processes: driver peak RSS {single['processes']['peak_mb']:.0f} MB, largest worker "
+                      f"{single['processes']['worker_peak_mb']:.0f} MB)", flush=True)
+                shutil.rmtree(one)
             if n != sizes[-1]:
                 for p in (tmp / f"log{n}").iterdir():
                     p.unlink()
@@ -207,6 +215,10 @@ def main() -> None:
             print(f"3. sampler wall time on {args.ray_records:,} records ({args.partitions} partitions, {cores} cores), serial / "
                   f"processes: {s['seconds'] / procs['seconds']:.2f}x, serial / ray: {s['seconds'] / ray['seconds']:.2f}x; "
                   f"same calibration set: {procs['calib_sha256'] == ray['calib_sha256'] == s['calib_sha256']}")
+            one_s = single["serial"]["seconds"]
+            print(f"   the same records in one file, its blocks scanned by the workers (calibrate/split_scan.py), serial / "
+                  f"processes: {one_s / single['processes']['seconds']:.2f}x, serial / ray: {one_s / single['ray']['seconds']:.2f}x; "
+                  f"same calibration set as one serial pass: {len({r['calib_sha256'] for r in single.values()}) == 1}")
         print("   variant fan-out on Ray vs serial: benchmarks/bench_pipeline.py --parallel serial,ray")
 
 

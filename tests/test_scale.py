@@ -10,6 +10,7 @@ import random
 import re
 import shutil
 import socket
+import sys
 import tracemalloc
 from collections import Counter
 from pathlib import Path
@@ -452,6 +453,8 @@ def s3():
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()   # a local Ray's workers keep the environment it started with: restart it with these
     boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="traffic")
     yield "traffic"
     for k, v in old.items():

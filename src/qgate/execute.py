@@ -32,11 +32,12 @@ def check_engine(engine: str, allowed: tuple[str, ...] = ENGINES) -> str:
 
 def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "serial",
                 resources: list[dict] | dict | None = None, stop_after: Callable[[Any], bool] | None = None) -> Iterator[Any]:
-    """fn(*args) for each args in calls, in order. resources: one dict for every task, or one per call.
+    """fn(*args) for each args in calls, in order. calls may be a lazy iterator: each is taken when it is submitted
+    (a window ahead of the result awaited), so a long stream of calls is never held whole. resources: one dict for
+    every task, or one per call (then calls is a list of the same length).
     stop_after: a result for which it is true ends the submitting, as an exception does, but the calls already
     submitted still run and their results are yielded (a caller that returns its failures as results loses none of
     the work in flight)."""
-    calls = list(calls)
     stop = stop_after or (lambda _: False)
     if check_engine(engine) == "serial":
         for args in calls:
@@ -48,16 +49,16 @@ def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "s
         yield from _in_processes(fn, calls, resources, stop)
         return
     ray = ray_session()
-    per_call = resources if isinstance(resources, list) else [resources or {}] * len(calls)
+    of_call = (lambda j: resources[j]) if isinstance(resources, list) else (lambda j: resources or {})
     here = environment()
     task = ray.remote(_checked)
     # Tasks are submitted in a window ahead of the one awaited: after a failure nothing more is submitted, and the
     # driver waits for the few already submitted instead of cancelling them (ray.cancel racing a finishing task
     # aborts the driver in Ray 2.60: "Tried to complete task that was not pending").
-    window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    window = 2 * workers("ray")
     submitted: list = []
     try:
-        yield from _windowed(len(calls), window, lambda j: task.options(**_ray_options(per_call[j])).remote(here, fn, *calls[j]),
+        yield from _windowed(calls, window, lambda j, args: task.options(**_ray_options(of_call(j))).remote(here, fn, *args),
                              lambda i, ref: _get(ray, ref), stop, submitted)
     except KeyboardInterrupt:    # Ctrl-C: the tasks end with this driver's job; waiting for them could take hours
         submitted.clear()
@@ -68,19 +69,27 @@ def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "s
             ray.wait(pending, num_returns=len(pending), timeout=None)   # nothing left running behind the caller
 
 
-def _windowed(count: int, window: int, submit: Callable[[int], Any], get: Callable[[int, Any], Any],
+def _windowed(calls: Iterable[tuple], window: int, submit: Callable[[int, tuple], Any], get: Callable[[int, Any], Any],
               stop: Callable[[Any], bool], submitted: list) -> Iterator[Any]:
-    """The results of calls 0..count-1 in order, each call submitted (`submit(j)`: its handle, appended to
-    `submitted`) up to `window` ahead of the one awaited (`get(i, handle)`). After a result `stop` flags nothing more
-    is submitted, and the calls already submitted are still awaited and yielded. A yielded call's handle becomes None
-    (its result is not held beside the next ones); the caller cleans up the others (an error leaves them as they are)."""
-    stopped, i = False, 0
-    while i < (len(submitted) if stopped else count):
-        while not stopped and len(submitted) < min(count, i + window):
-            submitted.append(submit(len(submitted)))
+    """The results of the calls in order, each call taken from `calls` and submitted (`submit(j, args)`: its handle,
+    appended to `submitted`) up to `window` ahead of the one awaited (`get(i, handle)`). After a result `stop` flags
+    nothing more is submitted, and the calls already submitted are still awaited and yielded. A yielded call's handle
+    becomes None (its result is not held beside the next ones); the caller cleans up the others (an error leaves them
+    as they are)."""
+    todo = iter(calls)
+    more, i = True, 0
+    while True:
+        while more and len(submitted) < i + window:
+            args = next(todo, None)
+            if args is None:
+                more = False
+            else:
+                submitted.append(submit(len(submitted), args))
+        if i == len(submitted):
+            return
         result = get(i, submitted[i])
         submitted[i] = None
-        stopped = stopped or stop(result)
+        more = more and not stop(result)
         yield result
         i += 1
 
@@ -141,7 +150,7 @@ _SAME_CODE = ("give the cluster's nodes the driver's qgate and dependencies (one
 _NO_IMPORT = "failed to import on the worker"    # Ray's words (2.x) when a worker cannot unpickle the task's function
 
 
-def _in_processes(fn: Callable[..., Any], calls: list[tuple], resources, stop: Callable[[Any], bool]) -> Iterator[Any]:
+def _in_processes(fn: Callable[..., Any], calls: Iterable[tuple], resources, stop: Callable[[Any], bool]) -> Iterator[Any]:
     """The calls in spawned worker processes, one per core (a forked child would inherit the reading threads and
     locks of this one). After a failure nothing more is submitted, calls not yet started are cancelled, and the
     running ones are waited for before the error is raised."""
@@ -154,16 +163,16 @@ def _in_processes(fn: Callable[..., Any], calls: list[tuple], resources, stop: C
             raise ConfigError(f"the processes engine runs CPU work on this machine only; it cannot place "
                               f"{', '.join(sorted(set(res) - {'num_cpus', 'memory'}))}",
                               hint="use the ray engine for tasks that need GPUs or custom resources")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = max(1, min(len(calls), cores))
+    workers = local_cores() if not isinstance(calls, list) else max(1, min(len(calls), local_cores()))
     window = 2 * workers
 
     def get(i: int, future) -> Any:
         try:
             return future.result()
         except BrokenProcessPool as e:
+            of = f" of {len(calls)}" if isinstance(calls, list) else ""
             raise QgateError(f"a worker process of the processes engine died while running {getattr(fn, '__name__', fn)} "
-                             f"(call {i + 1} of {len(calls)}): killed, or out of memory",
+                             f"(call {i + 1}{of}): killed, or out of memory",
                              hint="re-run with the serial engine to see the failure in this process; a script that "
                                   "calls qgate with this engine needs an `if __name__ == \"__main__\":` guard (each "
                                   "worker imports the script, and one without it starts the job again)") from e
@@ -171,11 +180,26 @@ def _in_processes(fn: Callable[..., Any], calls: list[tuple], resources, stop: C
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         submitted: list = []
         try:
-            yield from _windowed(len(calls), window, lambda j: pool.submit(fn, *calls[j]), get, stop, submitted)
+            yield from _windowed(calls, window, lambda j, args: pool.submit(fn, *args), get, stop, submitted)
         finally:
             for f in submitted:
                 if f is not None:
                     f.cancel()
+
+
+def local_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def workers(engine: str) -> int:
+    """How many calls `map_ordered` runs at once on this engine: 1 serially, a process per core of this machine, or
+    the CPUs of the Ray cluster (connecting to it)."""
+    if check_engine(engine) == "serial":
+        return 1
+    if engine == "processes":
+        return local_cores()
+    return max(1, int(ray_session().cluster_resources().get("CPU", 1)))
 
 
 def ray_session():

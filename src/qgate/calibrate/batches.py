@@ -87,9 +87,17 @@ def read_batches(part: Partition, max_line_bytes: int, digest=None) -> Iterator[
     """The partition's records as batches, in file order. digest: a hashlib object that is fed the whole file's
     bytes once the last batch is out: a JSONL file as it is read (the rest of it after a corrupt compressed stream),
     a Parquet file (read by row group, footer first) in one sequential pass after its rows."""
+    for unit in read_units(part, max_line_bytes, digest):
+        yield unit_batch(part, unit, max_line_bytes)
+
+
+def read_units(part: Partition, max_line_bytes: int, digest=None) -> Iterator[tuple[str, int, object]]:
+    """What `read_batches` parses, unparsed: (kind, first line or row, payload) in file order, each turned into its
+    batch by `unit_batch`, in this process or another (a unit pickles). Kinds: "jsonl" (a block of whole lines),
+    "parquet" (a table of rows), "items" (records already decided: an over-long line, a cut compressed stream)."""
     if part.name.endswith(PARQUET):
         for first, table in parquet_tables(part, PARQUET_BATCH * 16):
-            yield _parquet_batch(part, first, table)
+            yield "parquet", first, table
         if digest is not None:
             with part.open(digest) as f:
                 drain(f)
@@ -100,25 +108,36 @@ def read_batches(part: Partition, max_line_bytes: int, digest=None) -> Iterator[
         try:
             for first, block in _blocks(f, max_line_bytes):
                 if block is None:           # one over-long line, skipped unread
-                    yield Batch.from_items([parse_line(first, None, max_line_bytes)])
+                    yield "items", first, [parse_line(first, None, max_line_bytes)]
                     n = first
                     continue
-                yield _parse_block(block, first, max_line_bytes)
+                yield "jsonl", first, block
                 n = first + block.count(b"\n") - (1 if block.endswith(b"\n") else 0)
         except Exception as e:  # gzip/zstd raise several types for a corrupt or truncated stream
             if not part.name.endswith((".gz", ".zst")):
                 raise
-            yield Batch.from_items([truncated(n, e)])
+            yield "items", n, [truncated(n, e)]
         if digest is not None:
             drain(raw_stream)
+
+
+def unit_batch(part: Partition, unit: tuple[str, int, object], max_line_bytes: int) -> Batch:
+    """The batch of one unit of `read_units`."""
+    kind, first, payload = unit
+    if kind == "jsonl":
+        return _parse_block(payload, first, max_line_bytes)
+    if kind == "parquet":
+        return _parquet_batch(part, first, payload)
+    return Batch.from_items(payload)
 
 
 _END = object()
 
 
-def prefetched(batches: Iterator[Batch]) -> Iterator[Batch]:
-    """The batches, each read and parsed on a thread while the caller works on the one before (decompression and
-    pyarrow's parser release the GIL, so they run beside the caller's Python). Errors arrive in order."""
+def prefetched(batches: Iterator) -> Iterator:
+    """The batches (or units), each read and parsed on a thread while the caller works on the one before
+    (decompression and pyarrow's parser release the GIL, so they run beside the caller's Python). Errors arrive in
+    order."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1, thread_name_prefix="qgate-read") as pool:

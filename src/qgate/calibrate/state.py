@@ -73,6 +73,22 @@ class BottomK:
             return
         self.rows[digest] = (prio, where, row)
 
+    def limit(self) -> int | None:
+        """The largest priority a digest not kept yet could still enter with (ties broken by digest), once the sample
+        is full; None while it is not. It never grows: a full sample only swaps in smaller priorities."""
+        return -self.heap[0][0] if len(self.rows) >= self.k else None
+
+    def cut(self, limit: int) -> None:
+        """Leave out every digest whose priority is above `limit`, a full sample's `limit()` that these rows are
+        later merged into: none of them could enter it, each is a distinct digest it does not keep."""
+        gone = [d for d, (prio, _, _) in self.rows.items() if prio > limit]
+        if gone:
+            for d in gone:
+                del self.rows[d]
+            self.heap = [e for e in self.heap if e[2] in self.rows]
+            heapq.heapify(self.heap)
+            self.dropped = True
+
     def exact(self) -> bool:
         """Every distinct digest offered is kept: len(rows) is the stratum's exact distinct count."""
         return not self.dropped
@@ -98,10 +114,11 @@ class SampleState:
     def empty(cls, config) -> SampleState:
         return cls(need=config.calib_size + config.shadow_size, seed=config.seed)
 
-    def add_batch(self, part_name: str, batch: Batch, tag_file: bool, min_words: int) -> None:
+    def add_batch(self, part_name: str, batch: Batch, tag_file: bool, min_words: int, profiler=None) -> None:
         """A batch of requests in line order (calibrate/batches.py): scrubbed, profiled, sketched and offered to the
         bottom-k samples. Hashing is per request; scrubbing is per turn that a PII hint matches; the rest runs over
-        the batch's columns."""
+        the batch's columns. profiler: what the profile's inputs go to (`TrafficProfiler.add_batch`'s arguments),
+        this state's own profiler unless given (a block scanned elsewhere hands them back: calibrate/split_scan.py)."""
         n = len(batch.lines)
         if n == 0:
             return
@@ -128,9 +145,23 @@ class SampleState:
             for i in np.flatnonzero(~usable).tolist():
                 short[halves[i]].update(w for t in ids[starts[i]:starts[i + 1]] for w in words(clean[t]))
             bags = tuple(pa.concat_tables([bag, word_table({w: -c for w, c in sub.items()})]) for bag, sub in zip(bags, short, strict=True))
-        self.profiler.add_batch([batch.routes[i] for i in rows.tolist()], [batch.tenants[i] for i in rows.tolist()],
-                                n_words[rows], halves[rows], bags, batch.ts[rows], batch.latency[rows])
+        (self.profiler if profiler is None else profiler).add_batch(
+            [batch.routes[i] for i in rows.tolist()], [batch.tenants[i] for i in rows.tolist()], n_words[rows], halves[rows],
+            bags, batch.ts[rows], batch.latency[rows])
         self._sample(part_name, batch, rows, n_words, digests, clean, ids, tag_file)
+
+    def finish_partition(self, part: Partition, sha256: str) -> None:
+        """The end of a one-partition state: its profile's sketches flushed and concurrency drained, and the file
+        named with its record count and the sha256 of the bytes the scan read."""
+        self.profiler.finish_partition()
+        self.partitions.append({"name": part.name, "records": self.stats["records"], "sha256": sha256})
+
+    def take_batch(self, part: Partition, batch: Batch, tag_file: bool, min_words: int, profiler=None) -> bytes:
+        """A partition's next batch, its records and rejects counted: `add_batch`, and its `reject_lines`."""
+        self.stats["records"] += batch.records
+        self.stats["rejected"] += len(batch.rejects)
+        self.add_batch(part.name, batch, tag_file, min_words, profiler)
+        return reject_lines(part, batch)
 
     def _sample(self, part_name: str, batch: Batch, rows: np.ndarray, n_words: np.ndarray, digests: list[bytes],
                 clean: list[str], ids: list[int], tag_file: bool) -> None:
@@ -169,6 +200,13 @@ class SampleState:
                 bk.offer(int(prio[j]), digests[i], (part_name, line), row)
 
     def merge(self, other: SampleState) -> None:
+        self.merge_sample(other)
+        self.profiler.merge(other.profiler)
+        self.partitions += other.partitions
+
+    def merge_sample(self, other: SampleState) -> None:
+        """Everything but the profile and the partitions: the samples, sketches and counts, which merge exactly in
+        any grouping (the profile's word sketches and concurrency depend on the order of their updates)."""
         for stratum, bk in other.strata.items():
             mine = self.strata.setdefault(stratum, BottomK(self.need))
             for digest, (prio, where, row) in bk.rows.items():
@@ -179,8 +217,6 @@ class SampleState:
         self.kept.merge(other.kept)
         self.stats.update(other.stats)
         self.pii.update(other.pii)
-        self.profiler.merge(other.profiler)
-        self.partitions += other.partitions
 
 
 def scan_partition(part: Partition, config, tag_file: bool, show_progress: bool = False) -> tuple[SampleState, bytes]:
@@ -199,17 +235,21 @@ def scan_partition(part: Partition, config, tag_file: bool, show_progress: bool 
     if show_progress:
         batches = progress(batches, f"calibrate: reading {part.name}", unit="block")
     for batch in batches:
-        st.stats["records"] += batch.records
-        st.stats["rejected"] += len(batch.rejects)
-        for item in batch.rejects:
-            excerpt, _ = scrub(item.excerpt)
-            rejects.append(json.dumps({"file": part.location, "line": item.line, "reason": item.reason, "excerpt": excerpt}).encode() + b"\n")
-        st.add_batch(part.name, batch, tag_file, config.min_words)
+        rejects.append(st.take_batch(part, batch, tag_file, config.min_words))
         del batch
         pool.release_unused()    # the batch's arrow buffers: else the allocator keeps every high-water mark
-    st.profiler.finish_partition()
-    st.partitions.append({"name": part.name, "records": st.stats["records"], "sha256": digest.hexdigest()})
+    st.finish_partition(part, digest.hexdigest())
     return st, b"".join(rejects)
+
+
+def reject_lines(part: Partition, batch: Batch) -> bytes:
+    """The batch's rejected records as rejects.jsonl lines, each with the file, its line number, the reason and an
+    excerpt (scrubbed: a rejected record is still production traffic)."""
+    out = []
+    for item in batch.rejects:
+        excerpt, _ = scrub(item.excerpt)
+        out.append(json.dumps({"file": part.location, "line": item.line, "reason": item.reason, "excerpt": excerpt}).encode() + b"\n")
+    return b"".join(out)
 
 
 def content_digest(turns: list[str]) -> bytes:

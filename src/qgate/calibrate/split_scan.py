@@ -1,0 +1,72 @@
+"""One partition scanned in blocks by many workers: a log that comes as one big file (or fewer files than workers).
+
+    doc, rejects = scan_partition_split(part, config, tag_file, engine="processes")   # what scan_partition_json gives
+
+This machine reads the file once (decompression, line splitting and its sha256: a small share of a scan's work) and
+hands each block to a worker (`execute.map_ordered`, a window of blocks ahead), which parses, scrubs, counts words,
+hashes and samples it into a state of its own. The samples, distinct-count sketches and counts of the blocks merge
+exactly (`SampleState.merge_sample`); the profile's word sketches and concurrency depend on the order of their
+updates, so each worker hands the profile's inputs back instead (labels, word counts, bags of words, times: a small
+share of a block), and this machine feeds them to the partition's profile in block order. The partition's state is
+therefore the one `scan_partition` gives in one pass, and every artifact is the same (the tests compare them).
+Memory on this machine: the blocks in flight (two per worker, BLOCK_BYTES each) and their results.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from qgate.calibrate.batches import prefetched, read_units, unit_batch
+from qgate.calibrate.sources import Partition
+from qgate.calibrate.state import SampleState
+from qgate.calibrate.state_json import state_to_json
+from qgate.execute import map_ordered
+
+
+class _ProfileInputs:
+    """A stand-in for the profiler that keeps what it is given (`TrafficProfiler.add_batch`'s arguments)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def add_batch(self, *args) -> None:
+        self.calls.append(args)
+
+
+def scan_block(part: Partition, unit: tuple, config, tag_file: bool, limits: dict[str, int]) -> tuple[SampleState, list[tuple], bytes]:
+    """One unit of `batches.read_units`, on a worker: its sampling state (its profile left empty), the inputs its
+    profile would have been given, and its rejects' lines. limits: per stratum, the priority above which no row can
+    enter the partition's sample any more (`BottomK.limit` when the block was handed out): such rows stay here, so
+    once the samples are full a block sends back little more than its profile's inputs."""
+    st = SampleState.empty(config)
+    inputs = _ProfileInputs()
+    rejects = st.take_batch(part, unit_batch(part, unit, config.max_line_bytes), tag_file, config.min_words, inputs)
+    for stratum, bk in st.strata.items():
+        if stratum in limits:
+            bk.cut(limits[stratum])
+    return st, inputs.calls, rejects
+
+
+def _limits(st: SampleState) -> dict[str, int]:
+    return {s: lim for s, bk in st.strata.items() if (lim := bk.limit()) is not None}
+
+
+def scan_partition_split(part: Partition, config, tag_file: bool, engine: str, show_progress: bool = False) -> tuple[dict, bytes]:
+    """`state_json.scan_partition_json` of one partition, its blocks scanned by the engine's workers."""
+    from qgate.progress import progress
+
+    st = SampleState.empty(config)
+    digest = hashlib.sha256()    # of the bytes read here: the source's lineage hash, as a one-pass scan takes it
+    rejects: list[bytes] = []
+    units = prefetched(read_units(part, config.max_line_bytes, digest))   # inflating on a thread, beside the merging
+    calls = ((part, unit, config, tag_file, _limits(st)) for unit in units)
+    results = map_ordered(scan_block, calls, engine)
+    if show_progress:
+        results = progress(results, f"calibrate: reading {part.name} in blocks ({engine})", unit="block")
+    for block, inputs, lines in results:
+        st.merge_sample(block)
+        for args in inputs:
+            st.profiler.add_batch(*args)
+        rejects.append(lines)
+        del block, inputs, lines
+    st.finish_partition(part, digest.hexdigest())
+    return state_to_json(st), b"".join(rejects)
