@@ -133,3 +133,24 @@ def test_rows_a_full_sample_could_not_take_are_cut_and_the_block_says_so():
     for prio in (5, 6, 7):
         bk.offer(prio, bytes([prio]) * 16, ("f", prio), {})
     assert bk.limit() == 7
+
+
+def test_hostile_logs_scanned_in_blocks_equal_one_pass(tmp_path, monkeypatch):
+    """Empty, all-malformed, a cut gzip stream, zstd, a line over max_line_bytes (skipped unread), CRLF: the same
+    state, counts and rejects as one pass, block by block."""
+    from backports import zstd
+
+    monkeypatch.setattr(batches, "BLOCK_BYTES", 1 << 14)
+    recs = _records(800, seed=1)
+    body = b"\n".join(recs) + b"\n"
+    logs = {"empty.jsonl": b"", "bad.jsonl": b"{x\n[1]\n\n", "cut.jsonl.gz": gzip.compress(body)[:-2000],
+            "z.jsonl.zst": zstd.compress(body), "crlf.jsonl": body.replace(b"\n", b"\r\n"),
+            "long.jsonl": recs[0] + b'\n{"prompt": "' + b"a " * 600_000 + b'"}\n' + body}
+    cfg = SampleConfig(calib_size=10, shadow_size=5, max_line_bytes=1 << 20)
+    for name, data in logs.items():
+        (tmp_path / name).write_bytes(data)
+        part = list_partitions(tmp_path / name)[0]
+        one, one_rejects = scan_partition_json(part, cfg, False)
+        split, split_rejects = scan_partition_split(part, cfg, False, "serial")
+        assert _comparable(split) == _comparable(one) and split_rejects == one_rejects, name
+        assert dict(one["stats"]).get("rejected", 0) == {"bad.jsonl": 2, "cut.jsonl.gz": 1, "long.jsonl": 1}.get(name, 0), name
