@@ -1,4 +1,5 @@
 import json
+import re
 import random
 
 import pytest
@@ -173,6 +174,15 @@ def test_drift_cli_exit_codes(tmp_path, capsys):
     for name, traffic in (("a", a), ("b", b), ("a2", a)):
         assert main(["calibrate", "sample", "--traffic", str(traffic), "--out", str(tmp_path / name),
                      "--calib-size", "10", "--shadow-size", "5"]) == 0
+    out = capsys.readouterr().out      # the sampling summary: which counts are estimates; one row per stratum
+    assert f"read 120 records: 0 rejected (see {tmp_path / 'a2' / 'rejects.jsonl'}), 0 too short, 0 duplicates (estimated)\n" in out
+    assert "unique prompts: 120, an HLL estimate (120-120 at 2 standard deviations); 2 strata counted by their sketches\n" in out
+    assert re.search(r"^calib +\S+/a2/calib +10 prompts in 2 strata +sha256 [0-9a-f]{16}$", out, re.M)
+    assert re.findall(r"^  (\w+)\|0-16 +(\d+) +(\d+)$", out, re.M)[-2:] == [("chat", "7", "4"), ("code", "3", "1")]
+    assert main(["calibrate", "sample", "--traffic", str(a), "--out", str(tmp_path / "all"), "--calib-size", "100",
+                 "--shadow-size", "20"]) == 0      # a sample that holds every prompt: exact counts
+    out = capsys.readouterr().out
+    assert "0 duplicates\n" in out and "unique prompts: 120\n" in out and "estimate" not in out
     assert main(["calibrate", "drift", "--reference", str(tmp_path / "a/profile"), "--current", str(tmp_path / "a2/profile")]) == 0
     assert main(["calibrate", "drift", "--reference", str(tmp_path / "a/profile"), "--current", str(tmp_path / "b/profile")]) == 3
     assert "route      JS" in capsys.readouterr().out

@@ -34,11 +34,37 @@ def sample_cmd(
     cfg = SampleConfig(calib_size=calib_size, shadow_size=shadow_size, seed=seed)
     build_atomically(out, lambda tmp: sample_traffic(traffic, tmp, cfg, engine=engine, scan_cache=scan_cache)["calib"])
     arts = {name: Artifact.load(Path(out) / name) for name in ("calib", "shadow", "profile")}
-    stats = arts["calib"].meta["stats"]
-    typer.echo(f"read {stats.get('records', 0)} records: {stats.get('rejected', 0)} rejected (see {Path(out) / 'rejects.jsonl'}), "
-               f"{stats.get('duplicates', 0)} duplicates")
+    for line in _summary(arts, Path(out) / "rejects.jsonl"):
+        typer.echo(line)
+
+
+_TABLE_ROWS = 20
+
+
+def _summary(arts: dict, rejects: Path) -> list[str]:
+    """What a sampling run read and kept: counts (saying which are estimates), each artifact, and the strata."""
+    calib, shadow = arts["calib"].meta, arts["shadow"].meta
+    stats, est = calib["stats"], calib["estimates"]
+    unique = est["unique_prompts"]
+    lines = [f"read {stats.get('records', 0):,} records: {stats.get('rejected', 0):,} rejected (see {rejects}), "
+             f"{stats.get('too_short', 0):,} too short, {stats.get('duplicates', 0):,} duplicates"
+             + ("" if unique["exact"] else " (estimated)"),
+             f"unique prompts: {unique['value']:,}" + ("" if unique["exact"] else
+                                                      f", an HLL estimate ({unique['lower']:,.0f}-{unique['upper']:,.0f} at 2 "
+                                                      f"standard deviations); {len(est['strata_estimated'])} strata counted by "
+                                                      "their sketches")]
+    width = max(len(str(a.path)) for a in arts.values())
     for name, art in arts.items():
-        typer.echo(f"{name:8s} {art.path}  sha256 {art.sha256[:16]}  {art.meta}")
+        what = f"{art.meta['requests']:,} requests profiled" if name == "profile" else \
+            f"{art.meta['n']:,} prompts in {len(art.meta['strata'])} strata"
+        lines.append(f"{name:8s} {str(art.path):{width}s}  {what:28s} sha256 {art.sha256[:16]}")
+    strata = sorted(set(calib["strata"]) | set(shadow["strata"]), key=lambda s: (-calib["strata"].get(s, 0), s))
+    lines.append(f"  {'stratum (route|words)':32s} {'calib':>6s} {'shadow':>6s}")
+    for s in strata[:_TABLE_ROWS]:
+        lines.append(f"  {s:32s} {calib['strata'].get(s, 0):6d} {shadow['strata'].get(s, 0):6d}")
+    if len(strata) > _TABLE_ROWS:
+        lines.append(f"  ... {len(strata) - _TABLE_ROWS} more strata in {arts['calib'].path / 'qgate-artifact.json'}")
+    return lines
 
 
 @app.command("drift")
