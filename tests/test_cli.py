@@ -38,3 +38,23 @@ def test_abort_and_interrupt_exit_130(monkeypatch, capsys):
     monkeypatch.setattr(cli_main, "_dispatch", boom)
     assert main(["--help"]) == 130
     assert capsys.readouterr().err.strip() == "aborted"
+
+
+def test_a_checkpoint_is_summarized_in_one_readable_line():
+    """`model import` and `quantize` print what the checkpoint is, its size and hash, not its raw metadata."""
+    from types import SimpleNamespace
+
+    from qgate.cli.output import checkpoint_line
+
+    base = SimpleNamespace(path="runs/base", sha256="ab" * 32, meta={
+        "architecture": "LlamaForCausalLM", "hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152,
+        "scheme": "baseline", "weights_bytes": 538_090_408})
+    assert checkpoint_line(base) == ("checkpoint runs/base  baseline LlamaForCausalLM, 30 layers, hidden 576, vocab 49,152; "
+                                     "538.1 MB of weights  sha256 abababababababab")
+    quant = SimpleNamespace(path="runs/awq", sha256="cd" * 32, meta={
+        "scheme": "awq-w4a16", "weight_format": "pack-quantized", "kv_cache_dtype": "fp8", "fallback_layers": ["a", "b"],
+        "fallback_bits": 8, "bits_per_weight": 4.5612, "weights_bytes": 174_000_000, "calibration_samples": 256,
+        "quantize_seconds": 688.04})
+    assert checkpoint_line(quant) == ("checkpoint runs/awq  awq-w4a16 (pack-quantized); KV cache fp8; 2 layers at 8 bits; "
+                                      "4.56 bits/weight, 174.0 MB of weights; 256 calibration samples; quantized in 688 s  "
+                                      "sha256 cdcdcdcdcdcdcdcd")

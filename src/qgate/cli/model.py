@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from qgate.cli.options import OutDir, quiet_libraries
+from qgate.cli.output import checkpoint_line
 
 app = typer.Typer(no_args_is_help=True, help="Base models.")
 
@@ -27,4 +28,4 @@ def import_cmd(
 
     src = ModelSource(hf_dir=str(hf) if hf else None, gguf_package=gguf_package, gguf_file=gguf_file, allow_pickle=allow_pickle)
     art = build_atomically(out, lambda tmp: import_model(src, tmp))
-    typer.echo(f"checkpoint {art.path}  sha256 {art.sha256[:16]}  {art.meta}")
+    typer.echo(checkpoint_line(art))

@@ -1,4 +1,5 @@
-"""What CI reads: `--json` documents on stdout (schema below), JUnit XML, and the GitHub job summary.
+"""What CI reads: `--json` documents on stdout (schema below), JUnit XML, and the GitHub job summary; and the one-line
+summaries people read of a checkpoint (`checkpoint_line`).
 
     out = Output(json_mode)            # out.say(text): stdout, or stderr when stdout carries JSON
     out.emit(GateDoc(...))             # the one JSON document, when --json
@@ -180,3 +181,24 @@ def write_junit(path: Path, suites: dict[str, list[dict]], on_inconclusive: str 
 
 def checks(results: list[dict]) -> list[Check]:
     return [Check.model_validate(r | {"caveat": r.get("evidence", {}).get("caveat")}) for r in results]
+
+
+def checkpoint_line(art) -> str:
+    """A checkpoint artifact in one line: what it is (architecture, or scheme and formats), its size, and its hash."""
+    m = art.meta
+    mb = f"{m.get('weights_bytes', 0) / 1e6:,.1f} MB of weights"
+    if m.get("scheme") == "baseline":
+        what = (f"baseline {m.get('architecture')}, {m.get('num_hidden_layers')} layers, hidden {m.get('hidden_size')}, "
+                f"vocab {m.get('vocab_size'):,}; {mb}" if m.get("vocab_size") else f"baseline; {mb}")
+    else:
+        parts = [f"{m.get('scheme')} ({m.get('weight_format')})"]
+        if m.get("kv_cache_dtype"):
+            parts.append(f"KV cache {m['kv_cache_dtype']}")
+        if m.get("fallback_layers"):
+            parts.append(f"{len(m['fallback_layers'])} layers at {m.get('fallback_bits')} bits")
+        parts.append(f"{m.get('bits_per_weight', float('nan')):.2f} bits/weight, {mb}")
+        if m.get("calibration_samples"):
+            parts.append(f"{m['calibration_samples']} calibration samples")
+        parts.append(f"quantized in {m.get('quantize_seconds', 0):.0f} s")
+        what = "; ".join(parts)
+    return f"checkpoint {art.path}  {what}  sha256 {art.sha256[:16]}"

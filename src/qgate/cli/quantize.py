@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from qgate.cli.options import ModelDir, OutDir, quiet_libraries
+from qgate.cli.output import checkpoint_line
 from qgate.quantize.run import CalibOptions
 from qgate.quantize.schemes import SCHEMES
 
@@ -33,4 +34,4 @@ def quantize_cmd(
     base = Artifact.load(model, "checkpoint")
     cal = Artifact.load(calib, "calibration-set") if calib else None
     art = build_atomically(out, lambda tmp: quantize(base, cal, cfg, tmp, kv=kv, opts=CalibOptions(max_seq_length=max_seq_length)))
-    typer.echo(f"checkpoint {art.path}  sha256 {art.sha256[:16]}  {art.meta}")
+    typer.echo(checkpoint_line(art))
