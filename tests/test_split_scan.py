@@ -75,24 +75,47 @@ def test_a_partition_scanned_in_blocks_gives_the_one_pass_state(tmp_path, small_
 
 
 @pytest.mark.parametrize("engine", ["processes", "ray"])
-def test_fewer_files_than_workers_are_scanned_in_blocks_with_the_same_artifacts(tmp_path, small_units, monkeypatch, engine):
-    """`--engine processes` or `ray` on one file: it is read here and its blocks scanned by the workers, and the
-    calibration, shadow and profile artifacts, the profile itself and the rejects equal a serial pass's; a scan
-    cache filled by the split scan gives them again."""
-    log = _log(tmp_path, "jsonl")
+def test_a_file_too_big_for_its_share_of_the_workers_is_scanned_in_blocks_with_the_same_artifacts(tmp_path, small_units,
+                                                                                                 monkeypatch, engine):
+    """`--engine processes` or `ray` on a big file and a small one: the big one is read here and its blocks scanned by
+    the workers, the small one scanned whole by a worker, and the calibration, shadow and profile artifacts, the
+    profile itself and the rejects equal a serial pass's; a scan cache filled that way gives them again."""
+    # the small file is scanned in a worker process, which this test's smaller word sketches would not reach
+    monkeypatch.setattr(sketches.HeavyHitters.__init__, "__defaults__", (sketches.HEAVY_LG_MAX,))
+    log = tmp_path / "logs"
+    log.mkdir()
+    _log(log, "jsonl")
+    (log / "z-small.jsonl").write_bytes(b"\n".join(_records(40, seed=9)) + b"\n")
     cfg = SampleConfig(calib_size=12, shadow_size=6, seed=3)
-    split_calls = []
+    split_calls, whole = [], []
     monkeypatch.setattr(sample, "scan_partition_split", lambda *a, **k: split_calls.append(a[0].name) or scan_partition_split(*a, **k))
+    real_map = sample.map_ordered
+    monkeypatch.setattr(sample, "map_ordered", lambda fn, calls, engine: whole.append([c[0].name for c in calls]) or real_map(fn, calls, engine))
     serial = sample_traffic(log, tmp_path / "serial", cfg)
-    assert not split_calls
+    assert not split_calls and whole == [["traffic.jsonl.gz", "z-small.jsonl"]]
+    whole.clear()
     runs = {engine: sample_traffic(log, tmp_path / engine, cfg, engine=engine, scan_cache=tmp_path / "scans")}
-    assert split_calls == ["traffic.jsonl.gz"]
+    assert split_calls == ["traffic.jsonl.gz"] and whole == [["z-small.jsonl"]]
     runs["from the cache"] = sample_traffic(log, tmp_path / "cached", cfg, scan_cache=tmp_path / "scans")
-    assert split_calls == ["traffic.jsonl.gz"]                              # nothing scanned again
+    assert split_calls == ["traffic.jsonl.gz"] and whole == [["z-small.jsonl"]]      # nothing scanned again
     for name, arts in runs.items():
         assert {k: a.sha256 for k, a in arts.items()} == {k: a.sha256 for k, a in serial.items()}, name
         for f in ("profile/profile.json", "rejects.jsonl", "calib/data.jsonl", "shadow/data.jsonl"):
             assert (arts["calib"].path.parent / f).read_bytes() == (tmp_path / "serial" / f).read_bytes(), (name, f)
+
+
+def test_files_go_in_blocks_when_one_would_hold_up_the_rest():
+    """A file with more than 1/workers of the bytes is scanned in blocks, the runs between such files whole; without
+    every size, all files go in blocks only when there are fewer than workers; serially nothing is split."""
+    from qgate.calibrate.split_scan import phases
+
+    assert phases([90, 5, 5], 2) == [("blocks", [0]), ("parts", [1, 2])]
+    assert phases([5, 90, 5, 5], 4) == [("parts", [0]), ("blocks", [1]), ("parts", [2, 3])]
+    assert phases([10, 10], 2) == [("parts", [0, 1])]                    # each worker takes one: nothing waits
+    assert phases([10, 11, 10], 2) == [("parts", [0, 1, 2])]
+    assert phases([7], 2) == phases([None], 2) == [("blocks", [0])]
+    assert phases([None, 3], 2) == [("parts", [0, 1])] and phases([None, 3], 3) == [("blocks", [0]), ("blocks", [1])]
+    assert phases([90, 5], 1) == [("parts", [0, 1])] and phases([], 4) == []
 
 
 def _count(i: int) -> int:

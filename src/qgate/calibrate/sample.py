@@ -30,7 +30,7 @@ from qgate.calibrate.sources import combined_sha256, explained, is_uri, list_par
 from qgate.calibrate.state import SampleState
 from qgate.calibrate.state_json import scan_partition_json, state_from_json
 from qgate.errors import ConfigError, InputError
-from qgate.calibrate.split_scan import scan_partition_split
+from qgate.calibrate.split_scan import phases, scan_partition_split
 from qgate.execute import check_engine, map_ordered, workers
 from qgate.progress import progress
 
@@ -74,8 +74,9 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
                    scan_cache: Path | None = None, parts: list | None = None) -> dict[str, Artifact]:
     """traffic: a file, a glob, a directory of partitions or an object-store URI (calibrate/sources.py).
     engine: "serial"; "processes" to scan partitions in one local process per core; or "ray" to scan them as Ray
-    tasks (execute.py). With fewer partitions to scan than workers, each is read here and its blocks are scanned by
-    the workers instead (calibrate/split_scan.py). Every engine gives the same artifacts.
+    tasks (execute.py). A partition too big for its share of the workers (one file, or one much larger than the rest)
+    is read here and its blocks are scanned by the workers instead (calibrate/split_scan.py). Every engine gives the
+    same artifacts.
     scan_cache: a directory of earlier scans (calibrate/scan_cache.py): partitions unchanged since are not read
     again, the artifacts are the same, and entries this run did not use are removed afterwards.
     parts: `list_partitions(traffic)` when the caller has listed it already (a pipeline keys its stage by them)."""
@@ -89,11 +90,7 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
     cache = ScanCache(scan_cache, config, many) if scan_cache is not None else None
     keys = [cache.key(p) for p in parts] if cache else [None] * len(parts)
     fresh = [i for i, k in enumerate(keys) if not (cache and cache.has(k))]
-    if engine != "serial" and fresh and len(fresh) < workers(engine):   # too few files to keep the workers busy
-        scans = (scan_partition_split(parts[i], config, many, engine, show_progress=not many) for i in fresh)
-    else:
-        scans = map_ordered(scan_partition_json, [(parts[i], config, many, engine == "serial" and not many) for i in fresh], engine)
-    scans = explained(scans, [parts[i] for i in fresh], engine)
+    scans = explained(_scans([parts[i] for i in fresh], config, many, engine), [parts[i] for i in fresh], engine)
     states = _in_order(parts, keys, set(fresh), scans, cache, config, many)
     if many:
         reused = f"; {len(parts) - len(fresh)} unchanged since an earlier scan, reused" if len(fresh) < len(parts) else ""
@@ -125,6 +122,16 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
                 "estimates": counts["estimates"]} | ({"remote_source": True} if is_uri(traffic) else {})
         arts[name] = Artifact.create("calibration-set", d, params, (source, prof_art.sha256), meta)
     return arts
+
+
+def _scans(todo: list, config: SampleConfig, many: bool, engine: str):
+    """(state JSON, rejects) of each partition in `todo`, in order: runs of them scanned whole by the engine's workers,
+    and a partition too big for its share of the workers scanned in blocks (calibrate/split_scan.py)."""
+    for how, idx in phases([p.size for p in todo], workers(engine)) if todo else []:
+        if how == "blocks":
+            yield scan_partition_split(todo[idx[0]], config, many, engine, show_progress=not many)
+        else:
+            yield from map_ordered(scan_partition_json, [(todo[i], config, many, engine == "serial" and not many) for i in idx], engine)
 
 
 def _in_order(parts: list, keys: list, fresh: set[int], scans, cache: ScanCache | None, config: SampleConfig, many: bool):

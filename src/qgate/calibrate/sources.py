@@ -17,7 +17,7 @@ import hashlib
 import io
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from qgate.errors import InputError
@@ -62,16 +62,16 @@ def _local_partitions(where: str | Path) -> list[Partition]:
         if not found:
             raise InputError(f"{s}: no traffic files match this pattern", hint="check the glob; quote it so the shell does not expand it")
         root = Path(_glob_root(s) or ("/" if s.startswith("/") else "."))
-        return [Partition(os.path.abspath(p), p.relative_to(root).as_posix()) for p in sorted(found)]
+        return [Partition(os.path.abspath(p), p.relative_to(root).as_posix(), p.stat().st_size) for p in sorted(found)]
     path = Path(where)
     if path.is_dir():
         files = _partitions_under(path)
         if not files:
             raise InputError(f"{path}: directory holds no traffic partitions ({', '.join(SUFFIXES)})")
-        return [Partition(os.path.abspath(p), p.relative_to(path).as_posix()) for p in files]
+        return [Partition(os.path.abspath(p), p.relative_to(path).as_posix(), p.stat().st_size) for p in files]
     if not path.is_file():
         raise InputError(f"{path}: traffic log not found", hint="pass a JSONL or Parquet file, a directory of partitions or a glob")
-    return [Partition(os.path.abspath(path))]
+    return [Partition(os.path.abspath(path), "", path.stat().st_size)]
 
 
 def is_uri(where: str | Path) -> bool:
@@ -84,6 +84,7 @@ class Partition:
     path below the source's root (`rel`, posix), or its file name when the source is the file itself."""
     location: str
     rel: str = ""
+    size: int | None = field(default=None, compare=False)   # bytes, as listed (None: not known); not part of its identity
 
     @property
     def name(self) -> str:
@@ -190,7 +191,7 @@ def list_partitions(where: str | Path) -> list[Partition]:
     except Exception as e:
         raise InputError(f"{uri}: cannot list this URI ({e})", hint="check the scheme, bucket and credentials (AWS_* variables for s3://)") from e
     if info.type == fs.FileType.File and not pattern:
-        return [Partition(uri)]
+        return [Partition(uri, "", info.size)]
     if info.type == fs.FileType.NotFound:
         raise InputError(f"{uri}: traffic not found", hint="check the bucket and prefix")
     try:
@@ -208,7 +209,7 @@ def list_partitions(where: str | Path) -> list[Partition]:
             continue
         if pattern and not fnmatch.fnmatchcase(i.path, path_pattern):
             continue
-        files.append(Partition(f"{scheme}://{i.path}", i.path[len(base):].lstrip("/")))
+        files.append(Partition(f"{scheme}://{i.path}", i.path[len(base):].lstrip("/"), i.size))
     if not files:
         raise InputError(f"{uri}: no traffic partitions here ({', '.join(SUFFIXES)})")
     return sorted(files)

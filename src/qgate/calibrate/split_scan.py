@@ -1,6 +1,11 @@
 """One partition scanned in blocks by many workers: a log that comes as one big file (or fewer files than workers).
 
     doc, rejects = scan_partition_split(part, config, tag_file, engine="processes")   # what scan_partition_json gives
+    phases([p.size for p in parts], workers=8)   # [("parts", [0, 1]), ("blocks", [2]), ...]: which files go which way
+
+A file too big for its share of the workers (more than 1/workers of the bytes to scan: scanned whole, it would
+still be running after the others) is scanned in blocks; the files between such files are scanned whole, a worker
+each, as before.
 
 This machine reads the file once (decompression, line splitting and its sha256: a small share of a scan's work) and
 hands each block to a worker (`execute.map_ordered`, a window of blocks ahead), which parses, scrubs, counts words,
@@ -44,6 +49,28 @@ def scan_block(part: Partition, unit: tuple, config, tag_file: bool, limits: dic
         if stratum in limits:
             bk.cut(limits[stratum])
     return st, inputs.calls, rejects
+
+
+def phases(sizes: list[int | None], workers: int) -> list[tuple[str, list[int]]]:
+    """The files to scan (their sizes in bytes, None where the listing gave none), in order, as runs: ("parts",
+    indices) scanned whole, one worker each, or ("blocks", [index]) scanned in blocks by every worker. Without every
+    size, all files go in blocks when there are fewer than workers, else whole."""
+    if workers <= 1 or not sizes:
+        return [("parts", list(range(len(sizes))))] if sizes else []
+    if any(s is None for s in sizes):
+        big = [len(sizes) < workers] * len(sizes)
+    else:
+        total = sum(sizes)
+        big = [len(sizes) < workers or s * workers > total for s in sizes]
+    out: list[tuple[str, list[int]]] = []
+    for i, b in enumerate(big):
+        if b:
+            out.append(("blocks", [i]))
+        elif out and out[-1][0] == "parts":
+            out[-1][1].append(i)
+        else:
+            out.append(("parts", [i]))
+    return out
 
 
 def _limits(st: SampleState) -> dict[str, int]:

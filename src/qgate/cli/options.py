@@ -14,9 +14,9 @@ Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on s
                                                "human text goes to stderr.")]
 Junit = Annotated[Path | None, typer.Option("--junit", help="Write each gate check as a JUnit test case to this file.")]
 ScanEngine = Annotated[str, typer.Option("--engine", help="How traffic partitions are scanned: serial; processes (one local "
-                                                       "process per core); or ray (local Ray, or RAY_ADDRESS). A log of "
-                                                       "fewer files than workers is read here and its blocks scanned by "
-                                                       "the workers. The same sets every way.")]
+                                                       "process per core); or ray (local Ray, or RAY_ADDRESS). A file "
+                                                       "too big for its share of the workers is read here and its blocks "
+                                                       "scanned by the workers. The same sets every way.")]
 
 
 def quiet_libraries() -> None:
