@@ -2,9 +2,10 @@
 
     arts = sample_traffic("s3://bucket/logs/", Path("runs/calib"), SampleConfig(calib_size=256, shadow_size=64), engine="ray")
 
-Each partition (file) is scanned once, on its own (calibrate/state.py): parse, scrub PII, profile, and keep per
-stratum (route x prompt-length bucket) the distinct prompts with the smallest seeded hash priority, with an HLL
-sketch of every distinct prompt. The states merge in partition order on this machine, each rebuilt from one JSON form
+Each partition (file) is scanned once, on its own (calibrate/state.py), or in blocks by every worker when it is too
+big for its share of them (calibrate/split_scan.py): parse, scrub PII, profile, and keep per stratum (route x
+prompt-length bucket) the distinct prompts with the smallest seeded hash priority, with an HLL sketch of every
+distinct prompt. The states merge in partition order on this machine, each rebuilt from one JSON form
 (calibrate/state_json.py) whichever process scanned it or whether a scan cache kept it (calibrate/scan_cache.py), so
 serial, local-process, Ray and cached runs write the same artifacts, and the choice does not depend on record order.
 Quotas go to strata in proportion to their
