@@ -105,15 +105,19 @@ def test_a_file_too_big_for_its_share_of_the_workers_is_scanned_in_blocks_with_t
 
 
 def test_files_go_in_blocks_when_one_would_hold_up_the_rest():
-    """A file with more than 1/workers of the bytes is scanned in blocks, the runs between such files whole; without
-    every size, all files go in blocks only when there are fewer than workers; serially nothing is split."""
+    """A file that would hold up the others is scanned in blocks, the runs between such files whole (the module's cost
+    model); without every size, all files go in blocks only when there are fewer than workers; serially nothing is
+    split."""
     from qgate.calibrate.split_scan import phases
 
     assert phases([90, 5, 5], 2) == [("blocks", [0]), ("parts", [1, 2])]
+    assert phases([70, 5, 5, 5, 5, 5, 5], 2) == [("parts", list(range(7)))]   # the other worker scans the rest meanwhile
+    assert phases([70, 5, 5, 5, 5, 5, 5], 4) == [("blocks", [0]), ("parts", list(range(1, 7)))]
     assert phases([5, 90, 5, 5], 4) == [("parts", [0]), ("blocks", [1]), ("parts", [2, 3])]
     assert phases([10, 10], 2) == [("parts", [0, 1])]                    # each worker takes one: nothing waits
     assert phases([10, 11, 10], 2) == [("parts", [0, 1, 2])]
-    assert phases([7], 2) == phases([None], 2) == [("blocks", [0])]
+    assert phases([10, 10, 10, 10, 300], 16) == [("parts", [0, 1, 2, 3]), ("blocks", [4])]
+    assert phases([7], 2) == phases([None], 2) == [("blocks", [0])] and phases([0], 2) == [("parts", [0])]
     assert phases([None, 3], 2) == [("parts", [0, 1])] and phases([None, 3], 3) == [("blocks", [0]), ("blocks", [1])]
     assert phases([90, 5], 1) == [("parts", [0, 1])] and phases([], 4) == []
 
