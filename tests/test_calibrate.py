@@ -179,6 +179,9 @@ def test_drift_cli_exit_codes(tmp_path, capsys):
     assert "unique prompts: 120, an HLL estimate (120-120 at 2 standard deviations); 2 strata counted by their sketches\n" in out
     assert re.search(r"^calib +\S+/a2/calib +10 prompts in 2 strata +sha256 [0-9a-f]{16}$", out, re.M)
     assert re.findall(r"^  (\w+)\|0-16 +(\d+) +(\d+)$", out, re.M)[-2:] == [("chat", "7", "4"), ("code", "3", "1")]
+    assert f"picture of the traffic: {tmp_path / 'a2' / 'profile.png'}\n" in out
+    png = (tmp_path / "a2" / "profile.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 990   # 11 in at 90 dpi
     assert main(["calibrate", "sample", "--traffic", str(a), "--out", str(tmp_path / "all"), "--calib-size", "100",
                  "--shadow-size", "20"]) == 0      # a sample that holds every prompt: exact counts
     out = capsys.readouterr().out

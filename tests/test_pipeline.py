@@ -48,6 +48,7 @@ def test_pipeline_end_to_end_promotes_the_passing_variant_and_skips_on_rerun(tmp
     assert by["w8"]["passed"] and not by["awq-cpu"]["passed"]
     assert by["awq-cpu"]["backend"] == "cpu" and "kl_mean" in by["awq-cpu"]["failed_checks"]
     assert summary["promoted"]["variant"] == "w8"
+    assert (tmp_path / "work/calib/profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"   # the traffic, pictured
     client = MlflowClient(summary["tracking_uri"])
     assert str(client.get_model_version_by_alias("tiny-llm", "production").version) == by["w8"]["version"]
     assert len(client.search_model_versions("name='tiny-llm'")) == 2
