@@ -118,7 +118,8 @@ def child(mode: str, where: str, out: str) -> None:
         arts = sample_traffic(where, Path(out), SampleConfig(calib_size=256, shadow_size=64), engine=mode)
         result = {"records": arts["calib"].meta["stats"]["records"], "calib_sha256": arts["calib"].sha256,
                   "exact": arts["calib"].meta["estimates"]["exact"]}
-    result |= {"seconds": time.perf_counter() - t, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    result |= {"seconds": time.perf_counter() - t, "peak_mb": me.ru_maxrss / 1024, "cpu_seconds": me.ru_utime + me.ru_stime,
                "worker_peak_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
     print(json.dumps(result))
 
@@ -219,6 +220,10 @@ def main() -> None:
             print(f"   the same records in one file, its blocks scanned by the workers (calibrate/split_scan.py), serial / "
                   f"processes: {one_s / single['processes']['seconds']:.2f}x, serial / ray: {one_s / single['ray']['seconds']:.2f}x; "
                   f"same calibration set as one serial pass: {len({r['calib_sha256'] for r in single.values()}) == 1}")
+            drv = single["processes"]["cpu_seconds"]
+            print(f"   its driver (reading, merging, feeding the profile) used {drv:.1f} s of CPU: with enough workers one file "
+                  f"could go at most {n / drv:,.0f} records/s, {raw[n]['seconds'] / drv:.2f}x the orjson parse (a bound from "
+                  f"this CPU time, not a measured rate: {cores} cores here)")
         print("   variant fan-out on Ray vs serial: benchmarks/bench_pipeline.py --parallel serial,ray")
 
 
