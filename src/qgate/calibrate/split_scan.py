@@ -1,4 +1,4 @@
-"""One partition scanned in blocks by many workers: a log that comes as one big file (or fewer files than workers).
+"""One partition scanned in blocks by many workers: a log that comes as one big file, or one far larger than the rest.
 
     doc, rejects = scan_partition_split(part, config, tag_file, engine="processes")   # what scan_partition_json gives
     phases([p.size for p in parts], workers=8)   # [("parts", [0, 1]), ("blocks", [2]), ...]: which files go which way
