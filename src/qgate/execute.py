@@ -163,8 +163,8 @@ def _in_processes(fn: Callable[..., Any], calls: Iterable[tuple], resources, sto
             raise ConfigError(f"the processes engine runs CPU work on this machine only; it cannot place "
                               f"{', '.join(sorted(set(res) - {'num_cpus', 'memory'}))}",
                               hint="use the ray engine for tasks that need GPUs or custom resources")
-    workers = local_cores() if not isinstance(calls, list) else max(1, min(len(calls), local_cores()))
-    window = 2 * workers
+    procs = local_cores() if not isinstance(calls, list) else max(1, min(len(calls), local_cores()))
+    window = 2 * procs
 
     def get(i: int, future) -> Any:
         try:
@@ -177,7 +177,7 @@ def _in_processes(fn: Callable[..., Any], calls: Iterable[tuple], resources, sto
                                   "calls qgate with this engine needs an `if __name__ == \"__main__\":` guard (each "
                                   "worker imports the script, and one without it starts the job again)") from e
 
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
         submitted: list = []
         try:
             yield from _windowed(calls, window, lambda j, args: pool.submit(fn, *args), get, stop, submitted)

@@ -1,7 +1,7 @@
 """The traffic profile as a picture: what the sampled traffic looks like, at a glance.
 
-    plot_sample(Path("runs/calib"))   # runs/calib/profile.png from the sample's profile/profile.json
-    plot_profile(profile_dict, Path("profile.png"))
+    plot_profile(json.loads(Path("runs/calib/profile/profile.json").read_text()), Path("profile.png"))
+    sample_traffic(..., picture=True)   # writes runs/calib/profile.png with the sample (calibrate/sample.py)
 
 Four panels: prompt lengths (words, the strata's buckets), routes, in-flight concurrency (the distribution the
 TensorRT-LLM bundle's CUDA-graph batch sizes come from, with its p50/p90/p99) and the most frequent words. Counts the
@@ -13,14 +13,6 @@ from pathlib import Path
 
 TOP_ROUTES = 8
 TOP_WORDS = 15
-
-
-def plot_sample(out: Path) -> Path:
-    """The picture of a `sample_traffic` output directory's profile, beside its artifacts (not inside one: a picture
-    depends on the plotting library's version, the artifacts only on the traffic and the settings)."""
-    import json
-
-    return plot_profile(json.loads((Path(out) / "profile" / "profile.json").read_text()), Path(out) / "profile.png")
 
 
 def plot_profile(profile: dict, path: Path) -> Path:

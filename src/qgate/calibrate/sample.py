@@ -72,7 +72,7 @@ def _allocate(sizes: dict[str, int], total: int, caps: dict[str, int]) -> dict[s
 
 
 def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine: str = "serial",
-                   scan_cache: Path | None = None, parts: list | None = None) -> dict[str, Artifact]:
+                   scan_cache: Path | None = None, parts: list | None = None, picture: bool = False) -> dict[str, Artifact]:
     """traffic: a file, a glob, a directory of partitions or an object-store URI (calibrate/sources.py).
     engine: "serial"; "processes" to scan partitions in one local process per core; or "ray" to scan them as Ray
     tasks (execute.py). A partition too big for its share of the workers (one file, or one much larger than the rest)
@@ -80,7 +80,8 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
     same artifacts.
     scan_cache: a directory of earlier scans (calibrate/scan_cache.py): partitions unchanged since are not read
     again, the artifacts are the same, and entries this run did not use are removed afterwards.
-    parts: `list_partitions(traffic)` when the caller has listed it already (a pipeline keys its stage by them)."""
+    parts: `list_partitions(traffic)` when the caller has listed it already (a pipeline keys its stage by them).
+    picture: also write out/profile.png (calibrate/profile_plot.py), beside the artifacts, not in them."""
     check_engine(engine)
     if parts is None:
         parts = list_partitions(traffic)      # a missing log fails here, before anything is created
@@ -122,6 +123,10 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
         meta = {"split": name, "n": len(rows), "strata": dict(Counter(r["stratum"] for r in rows)), "stats": counts["stats"],
                 "estimates": counts["estimates"]} | ({"remote_source": True} if is_uri(traffic) else {})
         arts[name] = Artifact.create("calibration-set", d, params, (source, prof_art.sha256), meta)
+    if picture:
+        from qgate.calibrate.profile_plot import plot_profile
+
+        plot_profile(profile, out / "profile.png")
     return arts
 
 

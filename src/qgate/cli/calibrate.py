@@ -29,16 +29,11 @@ def sample_cmd(
 ) -> None:
     """Stratified, deduplicated, PII-scrubbed calibration + shadow split with a traffic profile."""
     from qgate.artifact import Artifact, build_atomically
-    from qgate.calibrate.profile_plot import plot_sample
     from qgate.calibrate.sample import sample_traffic
 
     cfg = SampleConfig(calib_size=calib_size, shadow_size=shadow_size, seed=seed)
-    def sample(tmp: Path):
-        calib = sample_traffic(traffic, tmp, cfg, engine=engine, scan_cache=scan_cache)["calib"]
-        plot_sample(tmp)
-        return calib
-
-    build_atomically(out, sample)
+    build_atomically(out, lambda tmp: sample_traffic(traffic, tmp, cfg, engine=engine, scan_cache=scan_cache,
+                                                     picture=True)["calib"])
     arts = {name: Artifact.load(Path(out) / name) for name in ("calib", "shadow", "profile")}
     for line in _summary(arts, Path(out) / "rejects.jsonl"):
         typer.echo(line)

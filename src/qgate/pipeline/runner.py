@@ -170,7 +170,6 @@ def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path, engine: 
     The traffic is listed once: the partitions sampled are the ones the key was hashed from, even when files arrive
     in between (a second listing would key one set and sample another). scan_cache: where scans of unchanged
     partitions are kept for the next run (default <workdir>/cache/scans; calibrate/scan_cache.py)."""
-    from qgate.calibrate.profile_plot import plot_sample
     from qgate.calibrate.sample import SampleConfig, sample_traffic
     from qgate.calibrate.sources import list_partitions
 
@@ -179,12 +178,9 @@ def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path, engine: 
     if parts is None:
         parts = list_partitions(traffic)
     key = {"traffic": traffic_sha or cached_traffic_sha(spec, parts, engine, scans), "cfg": scfg.__dict__}
-    def sample(out: Path) -> Artifact:
-        calib = sample_traffic(traffic, out, scfg, engine=engine, scan_cache=scans, parts=parts)["calib"]
-        plot_sample(out)
-        return calib
-
-    calib = r.stage("calibrate", key, r.workdir / "calib", sample)
+    calib = r.stage("calibrate", key, r.workdir / "calib",
+                    lambda out: sample_traffic(traffic, out, scfg, engine=engine, scan_cache=scans, parts=parts,
+                                               picture=True)["calib"])
     return calib, Artifact.load(r.workdir / "calib" / "shadow"), Artifact.load(r.workdir / "calib" / "profile")
 
 
