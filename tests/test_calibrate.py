@@ -119,6 +119,35 @@ def test_mostly_garbage_log_is_an_error_not_a_silent_sample(tmp_path):
         sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=1, shadow_size=1))
 
 
+def test_a_failed_sample_quotes_its_first_rejects_names_the_worst_partitions_and_keeps_every_reject(tmp_path, capsys):
+    """`calibrate sample` on a mostly malformed log exits 1 without creating --out: the error quotes the first rejects
+    (file:line: reason), names the partitions holding most of them, and keeps rejects.jsonl beside --out; the limit
+    is an option, and a run that passes removes the kept file."""
+    from qgate.cli.main import main
+
+    good = [json.dumps({"prompt": f"request {i} about topic {i % 5}"}) for i in range(30)]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "a.jsonl").write_text("\n".join(good[:20] + ['{"msg": 1}'] * 2) + "\n")
+    (logs / "b.jsonl").write_text("\n".join(good[20:] + ["not json"] * 30) + "\n")
+    (logs / "c.jsonl").write_text("\n".join(['["a", "list"]'] * 5) + "\n")
+    out, kept = tmp_path / "out", tmp_path / "out.rejects.jsonl"
+    argv = ["calibrate", "sample", "--traffic", str(logs), "--out", str(out), "--calib-size", "5", "--shadow-size", "2"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"{logs} (3 files): 37 of 67 records are malformed (55%, more than calibrate.max_reject_fraction = 0.5); " \
+           "most in b.jsonl (30 of 40), c.jsonl (5 of 5), a.jsonl (2 of 22)\n" in err, err
+    assert f"the first rejects:\n    {logs / 'a.jsonl'}:21: record has neither 'messages' nor 'prompt'\n" \
+           f"    {logs / 'a.jsonl'}:22: record has neither 'messages' nor 'prompt'\n    {logs / 'b.jsonl'}:11: invalid JSON" in err, err
+    assert f"every reject, with its file, line and reason: {kept}\n" in err
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+    rejects = [json.loads(r) for r in kept.read_text().splitlines()]
+    assert [(r["file"].rsplit("/", 1)[1], r["line"]) for r in rejects] == \
+        [("a.jsonl", 21), ("a.jsonl", 22)] + [("b.jsonl", i) for i in range(11, 41)] + [("c.jsonl", i) for i in range(1, 6)]
+    assert main(argv + ["--max-reject-fraction", "0.6"]) == 0
+    assert not kept.exists() and len((out / "rejects.jsonl").read_text().splitlines()) == 37
+
+
 def test_too_little_traffic_names_the_fix(tmp_path):
     tiny.make_traffic(tmp_path / "t.jsonl", n=20)
     with pytest.raises(InputError, match="calib_size"):

@@ -93,6 +93,8 @@ def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch
      "variants[0].engine: the gates run checkpoints and cpu engines, not TensorRT-LLM bundles"),
     ({"calibrate": {"calib_size": 1, "extra": 2}}, "calibrate.extra: unknown key"),
     ({"calibrate": {"calib_sise": 1}}, "calibrate.calib_sise: unknown key; did you mean 'calib_size'"),
+    ({"calibrate": {"max_reject_fraction": 0}}, "calibrate.max_reject_fraction must be in (0, 1], got 0"),   # at load
+    ({"calibrate": {"shadow_size": 0}}, "calibrate.shadow_size must be >= 1, got 0"),
     ({"registy": {"model_name": "x"}}, "registy: unknown key; did you mean 'registry'"),
 ])
 def test_strict_spec_errors_name_file_key_path_and_suggestion(tmp_path, workdir, patch, message):
@@ -110,6 +112,7 @@ def test_strict_spec_errors_name_file_key_path_and_suggestion(tmp_path, workdir,
 
 def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
     bad = _spec(tmp_path, workdir, surprise=1)
+    capsys.readouterr()                                   # the tiny model's making, when this test runs first
     assert main(["run", str(bad)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "surprise: unknown key" in err and "Traceback" not in err
@@ -118,6 +121,12 @@ def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
     assert "traffic log not found" in err and "calibrate: reading traffic" not in err
     assert not (tmp_path / "o").exists()                  # nothing created for a run that could not start
     assert main(["quantize", "--bogus"]) == 1
+    (tmp_path / "bad.jsonl").write_text("\n".join([json.dumps({"prompt": f"p {i}"}) for i in range(10)] + ["{oops"] * 11))
+    assert main(["run", str(_spec(tmp_path, workdir, traffic="bad.jsonl"))]) == 1   # the calibrate stage fails
+    err = capsys.readouterr().err
+    kept = tmp_path / "work" / "calib.rejects.jsonl"
+    assert "bad.jsonl: 11 of 21 records are malformed (52%" in err and f"reason: {kept}\n" in err, err
+    assert len(kept.read_text().splitlines()) == 11 and not (tmp_path / "work" / "calib").exists()
 
 
 def test_gate_cli_exit_code_2_on_failure(base_art, awq_art, calib_arts, tmp_path, capsys):

@@ -72,7 +72,8 @@ def _allocate(sizes: dict[str, int], total: int, caps: dict[str, int]) -> dict[s
 
 
 def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine: str = "serial",
-                   scan_cache: Path | None = None, parts: list | None = None, picture: bool = False) -> dict[str, Artifact]:
+                   scan_cache: Path | None = None, parts: list | None = None, picture: bool = False,
+                   failed_rejects: Path | None = None) -> dict[str, Artifact]:
     """traffic: a file, a glob, a directory of partitions or an object-store URI (calibrate/sources.py).
     engine: "serial"; "processes" to scan partitions in one local process per core; or "ray" to scan them as Ray
     tasks (execute.py). A partition too big for its share of the workers (one file, or one much larger than the rest)
@@ -81,7 +82,10 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
     scan_cache: a directory of earlier scans (calibrate/scan_cache.py): partitions unchanged since are not read
     again, the artifacts are the same, and entries this run did not use are removed afterwards.
     parts: `list_partitions(traffic)` when the caller has listed it already (a pipeline keys its stage by them).
-    picture: also write out/profile.png (calibrate/profile_plot.py), beside the artifacts, not in them."""
+    picture: also write out/profile.png (calibrate/profile_plot.py), beside the artifacts, not in them.
+    failed_rejects: where rejects.jsonl goes when the traffic fails the sample's checks (too many malformed records,
+    too few prompts), for a caller whose `out` is removed on failure (artifact.build_atomically); the error names it.
+    A successful run removes an earlier run's file there."""
     check_engine(engine)
     if parts is None:
         parts = list_partitions(traffic)      # a missing log fails here, before anything is created
@@ -98,15 +102,23 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
         reused = f"; {len(parts) - len(fresh)} unchanged since an earlier scan, reused" if len(fresh) < len(parts) else ""
         states = progress(states, f"calibrate: scanning {len(fresh)} of {len(parts)} partitions ({engine}{reused})",
                           unit="partition", total=len(parts))
+    quoted: list[bytes] = []         # the first few rejects, quoted by an error
     with open(out / "rejects.jsonl", "wb") as rej:
         for st, rejects in states:  # in partition order: the merged state is the same whatever ran the scans
             rej.write(rejects)
+            if len(quoted) < _QUOTED and rejects:
+                quoted += rejects.splitlines()[:_QUOTED - len(quoted)]
             state.merge(st)
             del st, rejects         # not alive beside the next partition's scan: memory is one sample plus one scan
     if cache:
         cache.prune()
     source_name = str(traffic) if not many else f"{traffic} ({len(parts)} files)"
-    calib, shadow, counts = _select(state, config, source_name)
+    try:
+        calib, shadow, counts = _select(state, config, source_name, [json.loads(r) for r in quoted])
+    except InputError as e:
+        raise _naming_rejects(e, out / "rejects.jsonl", failed_rejects) from None
+    if failed_rejects is not None:
+        Path(failed_rejects).unlink(missing_ok=True)
     params = typed_config(config)
     profile_dir = out / "profile"
     profile_dir.mkdir(exist_ok=True)
@@ -155,9 +167,9 @@ def _in_order(parts: list, keys: list, fresh: set[int], scans, cache: ScanCache 
         del st, rejects
 
 
-def _select(state: SampleState, config: SampleConfig, source: str) -> tuple[list, list, dict]:
+def _select(state: SampleState, config: SampleConfig, source: str, quoted: list[dict]) -> tuple[list, list, dict]:
     """Calibration and shadow rows, and the counts: exact where the samples hold every distinct prompt, else the
-    sketches' estimates with their bounds."""
+    sketches' estimates with their bounds. quoted: the first rejects, quoted when there are too many."""
     # a prompt under two routes sits in two strata: its first occurrence (file, line) keeps it
     first: dict[bytes, tuple] = {}
     for stratum, bk in state.strata.items():
@@ -179,7 +191,7 @@ def _select(state: SampleState, config: SampleConfig, source: str) -> tuple[list
         {} if exact else {k: round(kept_est[k], 1) for k in ("estimate", "lower", "upper")}
         | {"rse": kept_est["rse"], "method": "HLL sketch (Apache DataSketches), bounds at 2 standard deviations"}),
         "strata_estimated": sorted(s for s, bk in state.strata.items() if not bk.exact())}
-    _check_counts(source, stats, sum(len(r) for r in ranked.values()), config)
+    _check_counts(source, stats, sum(len(r) for r in ranked.values()), config, state.partitions, quoted)
     shadow_q = _allocate(sizes, config.shadow_size, {s: len(r) for s, r in ranked.items()})
     rest = {s: sizes[s] - shadow_q[s] for s in sizes}
     calib_q = _allocate(rest, config.calib_size, {s: len(ranked[s]) - shadow_q[s] for s in ranked})
@@ -190,15 +202,18 @@ def _select(state: SampleState, config: SampleConfig, source: str) -> tuple[list
     return calib, shadow, {"stats": stats, "estimates": estimates}
 
 
-def _check_counts(traffic: str, stats: dict, available: int, config: SampleConfig) -> None:
+def _check_counts(traffic: str, stats: dict, available: int, config: SampleConfig, partitions: list[dict],
+                  quoted: list[dict]) -> None:
     records, rejected = stats.get("records", 0), stats.get("rejected", 0)
     if records == 0:
         raise InputError(f"{traffic}: no records", hint="is this the right file?")
     frac = rejected / records
     if frac > config.max_reject_fraction:
         raise InputError(
-            f"{traffic}: {rejected} of {records} records are malformed ({frac:.0%})",
-            hint="see rejects.jsonl for line numbers and reasons; expected OpenAI chat 'messages' or 'prompt' records",
+            f"{traffic}: {rejected} of {records} records are malformed ({frac:.0%}, more than "
+            f"calibrate.max_reject_fraction = {config.max_reject_fraction}){_worst(partitions)}",
+            hint="expected OpenAI chat 'messages' or 'prompt' records, one JSON object per line; the first rejects:"
+                 + "".join(f"\n    {r['file']}:{r['line']}: {r['reason']}" for r in quoted),
         )
     if available < config.calib_size + config.shadow_size:   # exact: a sample holds every prompt until it is full
         raise InputError(
@@ -206,3 +221,30 @@ def _check_counts(traffic: str, stats: dict, available: int, config: SampleConfi
             f"{config.calib_size + config.shadow_size}",
             hint="lower calibrate.calib_size / calibrate.shadow_size or supply more traffic",
         )
+
+
+def _worst(partitions: list[dict], shown: int = 3) -> str:
+    """Where most of the rejects are, when the traffic is several partitions: often one corrupt or foreign file."""
+    if len(partitions) < 2:
+        return ""
+    worst = sorted((p for p in partitions if p["rejected"]), key=lambda p: (-p["rejected"], p["name"]))
+    more = f", and {len(worst) - shown} more" if len(worst) > shown else ""
+    return "; most in " + ", ".join(f"{p['name']} ({p['rejected']} of {p['records']})" for p in worst[:shown]) + more
+
+
+_QUOTED = 3
+
+
+def _naming_rejects(e: InputError, path: Path, keep: Path | None) -> InputError:
+    """`e` with its hint naming the rejects file, moved to `keep` first when the caller gave one."""
+    import shutil
+
+    if not path.exists() or path.stat().st_size == 0:
+        return e
+    if keep is not None:
+        keep = Path(keep).absolute()
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(path, keep)
+        path = keep
+    e.hint = f"{e.hint}\n  every reject, with its file, line and reason: {path}"
+    return e

@@ -108,7 +108,7 @@ class SampleState:
     stats: Counter = field(default_factory=Counter)   # records, rejected, too_short, usable (exact, additive)
     pii: Counter = field(default_factory=Counter)
     profiler: TrafficProfiler = field(default_factory=TrafficProfiler)
-    partitions: list[dict] = field(default_factory=list)   # [{"name", "records"}] in merge order
+    partitions: list[dict] = field(default_factory=list)   # [{"name", "records", "rejected", "sha256"}] in merge order
 
     @classmethod
     def empty(cls, config) -> SampleState:
@@ -152,9 +152,10 @@ class SampleState:
 
     def finish_partition(self, part: Partition, sha256: str) -> None:
         """The end of a one-partition state: its profile's sketches flushed and concurrency drained, and the file
-        named with its record count and the sha256 of the bytes the scan read."""
+        named with its record and reject counts and the sha256 of the bytes the scan read."""
         self.profiler.finish_partition()
-        self.partitions.append({"name": part.name, "records": self.stats["records"], "sha256": sha256})
+        self.partitions.append({"name": part.name, "records": self.stats["records"], "rejected": self.stats["rejected"],
+                                "sha256": sha256})
 
     def take_batch(self, part: Partition, batch: Batch, tag_file: bool, min_words: int, profiler=None) -> bytes:
         """A partition's next batch, its records and rejects counted: `add_batch`, and its `reject_lines`."""

@@ -22,6 +22,8 @@ def sample_cmd(
     calib_size: Annotated[int, typer.Option(help="Calibration prompts.")] = _D.calib_size,
     shadow_size: Annotated[int, typer.Option(help="Held-out shadow prompts (disjoint).")] = _D.shadow_size,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = _D.seed,
+    max_reject_fraction: Annotated[float, typer.Option(help="Fail when more of the records than this are malformed.")] = \
+        _D.max_reject_fraction,
     engine: ScanEngine = "serial",
     scan_cache: Annotated[Path | None, typer.Option(help="Keep each partition's scan here; a later run reuses the scans of "
                                                          "partitions unchanged since (same size and modification time) and "
@@ -31,9 +33,10 @@ def sample_cmd(
     from qgate.artifact import Artifact, build_atomically
     from qgate.calibrate.sample import sample_traffic
 
-    cfg = SampleConfig(calib_size=calib_size, shadow_size=shadow_size, seed=seed)
+    cfg = SampleConfig(calib_size=calib_size, shadow_size=shadow_size, seed=seed, max_reject_fraction=max_reject_fraction)
+    kept = Path(out).with_name(f"{Path(out).name}.rejects.jsonl")   # the evidence of a failed run: `out` is not made
     build_atomically(out, lambda tmp: sample_traffic(traffic, tmp, cfg, engine=engine, scan_cache=scan_cache,
-                                                     picture=True)["calib"])
+                                                     picture=True, failed_rejects=kept)["calib"])
     arts = {name: Artifact.load(Path(out) / name) for name in ("calib", "shadow", "profile")}
     for line in _summary(arts, Path(out) / "rejects.jsonl"):
         typer.echo(line)

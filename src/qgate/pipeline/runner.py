@@ -180,7 +180,7 @@ def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path, engine: 
     key = {"traffic": traffic_sha or cached_traffic_sha(spec, parts, engine, scans), "cfg": scfg.__dict__}
     calib = r.stage("calibrate", key, r.workdir / "calib",
                     lambda out: sample_traffic(traffic, out, scfg, engine=engine, scan_cache=scans, parts=parts,
-                                               picture=True)["calib"])
+                                               picture=True, failed_rejects=r.workdir / "calib.rejects.jsonl")["calib"])
     return calib, Artifact.load(r.workdir / "calib" / "shadow"), Artifact.load(r.workdir / "calib" / "profile")
 
 

@@ -32,6 +32,7 @@ class CalibrateSpec(_Strict):
     calib_size: int = 256
     shadow_size: int = 64
     seed: int = 0
+    max_reject_fraction: float = 0.5   # a log with more malformed records than this fails the calibrate stage
 
 
 class QuantizeSpec(_Strict):
@@ -227,6 +228,9 @@ def _check_semantics(spec: PipelineSpec) -> None:
     from qgate.engines.build import engine_config
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
+    from qgate.calibrate.sample import SampleConfig
+
+    SampleConfig(**spec.calibrate.model_dump())    # sizes, the malformed-records limit
     names = [v.name for v in spec.variants]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
