@@ -398,7 +398,7 @@ def _synthetic(template_kl: float):
     kl = rng.exponential(0.001, 40 * 11)
     pos_cls = np.concatenate([c[1:] for c in cls])
     kl[pos_cls == TEMPLATE] = template_kl       # a default system prompt the candidate reads badly
-    m = {"kl": kl, "agree": pos_cls != TEMPLATE, "tail": np.zeros_like(kl),
+    m = {"kl": kl, "agree": pos_cls != TEMPLATE, "tail": np.zeros_like(kl), "undefined": np.zeros(len(kl), bool),
          "first_div": np.full(40, 5), "gen_lens": np.full(40, 5)}
     return m, ref
 
@@ -466,3 +466,77 @@ def test_lm_eval_templates_compile_once_and_render_as_before():
     assert getattr(lm_utils.apply_template, "compiles_once", False)
     assert [lm_utils.apply_template(template, d) for d in docs] == want
     assert want[1] == "Q: q1\nA: y"
+
+
+def test_logits_that_define_no_distribution_score_as_infinitely_far_not_as_nan(recwarn):
+    """A row with a NaN or +inf logit, or none above -inf, has argmax UNDEFINED (matching no token) and log-probs -inf,
+    so its KL is +inf; a defined row beside them is unchanged, and nothing warns."""
+    from qgate.gates.scoring import UNDEFINED, kl_with_tail, reduce_logits, top_k_logprobs
+    from qgate.gates.stats import quantile
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 40)).astype(np.float32)
+    clean = x.copy()
+    x[1, 3], x[2, 5], x[3, :], x[4, 7] = np.nan, np.inf, -np.inf, -np.inf   # row 4: one -inf logit, still defined
+    ids, lp = top_k_logprobs(clean, 6)
+    top1, picked = reduce_logits(x, ids)
+    assert top1[1:4].tolist() == [UNDEFINED] * 3 and np.isneginf(picked[1:4]).all()
+    same = [0] + list(range(5, 12))
+    ref_top1, ref_picked = reduce_logits(clean, ids)
+    assert (top1[same] == ref_top1[same]).all() and (picked[same] == ref_picked[same]).all()
+    kl, _ = kl_with_tail(lp, picked)
+    assert np.isposinf(kl[1:4]).all() and np.isfinite(kl[[0, 4] + same[1:]]).all() and 0 < kl[4] < np.inf
+    assert np.isnan(top_k_logprobs(x, 6)[1][1:4]).all()     # a baseline's undefined rows: NaN, refused by the gate
+    assert quantile(kl, 0.5) == float(np.quantile(kl[np.isfinite(kl)].tolist() + [1e300] * 3, 0.5))
+    assert quantile(kl, 0.99) == float("inf") and quantile([1.0, 2.0, np.inf], 0.5) == 2.0
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]
+
+
+def test_an_infinite_observation_is_decided_a_nan_one_is_an_error():
+    assert GateResult.check("shadow", "kl_p99", float("inf"), 0.5, False, 10, (1.0, float("inf"))).verdict == "fail"
+    assert GateResult.check("shadow", "x", float("inf"), 0.5, True, 10).verdict == "pass"
+    r = GateResult.check("shadow", "kl_p99", float("nan"), 0.5, False, 10)
+    assert r.verdict == "error" and r.evidence["error"] == "no finite value"
+
+
+def test_a_candidate_with_a_nan_weight_fails_with_evidence_and_a_nan_baseline_is_refused(base_art, calib_arts, workdir):
+    """One NaN weight makes every logit after it NaN. The gate fails the candidate (it crashed drawing the report):
+    defined_logits names how many positions and the first; the KL checks are +inf, not NaN; the report and its
+    pictures are written; an eval item with no defined answer counts as wrong instead of as choice 0. The same model
+    as the baseline is refused, naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from qgate.errors import InputError
+    from qgate.gates.evalgate import NO_ANSWER, label_bias
+    from qgate.models import ModelSource, import_model
+
+    src = workdir / "tiny-nan-src"
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.copytree(workdir / "tiny-src", src)
+    (st,) = src.glob("*.safetensors")
+    t = load_file(st)
+    (k,) = [n for n in t if "layers.0.mlp.down_proj" in n]
+    t[k][0, 0] = float("nan")
+    save_file(t, st, metadata={"format": "pt"})
+    cand = import_model(ModelSource(hf_dir=str(src)), workdir / "tiny-nan")
+    cfg = GateConfig(shadow=FAST.shadow, eval=EvalConfig(tasks=("bigbench_general_knowledge",), limit=12))
+    art = run_gates(cand, base_art, calib_arts["shadow"], cfg, workdir / "gate-nan", workdir / "cache-nan")
+    report = json.loads((art.path / "report.json").read_text())
+    by = {r["metric"]: r for r in report["results"]}
+    assert report["verdict"] == "fail" and art.meta["passed"] is False
+    d = by["defined_logits"]
+    total = report["shadow_scoring"]["total_positions"]
+    assert (d["verdict"], d["observed"], d["n"]) == ("fail", 0.0, total) and d["evidence"] == {
+        "undefined_positions": total, "first": {"prompt": 0, "position": 0}}
+    assert by["kl_p99"]["verdict"] == "fail" and by["kl_p99"]["observed"] == float("inf")
+    assert by["kl_mean"]["observed"] == float("inf") and by["top1_agreement"]["observed"] == 0.0
+    assert "defined_logits" in art.meta["failed"] and (art.path / "shadow.png").stat().st_size > 10_000
+    assert "defined_logits" in (art.path / "report.html").read_text()
+    rec = by["bigbench_general_knowledge.recovery"]
+    assert rec["observed"] == 0.0 and rec["evidence"]["flip_rate"] > 0
+    assert label_bias({"chosen": [NO_ANSWER] * 3, "gold": [0, 1, 2]}) is None
+    assert label_bias({"chosen": [NO_ANSWER, 1, 1], "gold": [0, 1, 2]})["index"] == 1
+    with pytest.raises(InputError, match=r"tiny-nan: the baseline's logits define no distribution at \d+ of \d+ shadow positions"):
+        run_gates(base_art, cand, calib_arts["shadow"], cfg, workdir / "gate-nan-base", workdir / "cache-nan")

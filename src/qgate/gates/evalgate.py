@@ -94,6 +94,15 @@ def _compile_templates_once() -> None:
     lm_utils.apply_template = apply_template
 
 
+NO_ANSWER = -1   # the chosen answer of an item whose every choice has log-likelihood -inf
+
+
+def _chosen(lls: list[float]) -> int:
+    """The answer a model picks: lm-eval's argmax, but no answer when no choice has any probability (logits that
+    define no distribution: gates/lm.py), where the argmax would be the first choice and score by answer position."""
+    return int(np.argmax(lls)) if max(lls) > float("-inf") else NO_ANSWER
+
+
 def run_tasks(runner, cfg: EvalConfig) -> dict:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from lm_eval import evaluator
@@ -108,9 +117,9 @@ def run_tasks(runner, cfg: EvalConfig) -> dict:
     for name in cfg.tasks:
         samples = sorted(res["samples"][name], key=lambda s: s["doc_id"])
         if "acc" in samples[0]:   # filtered_resps: one (log-likelihood, is greedy) per choice; acc takes the argmax
-            out[name] = {"kind": "mc", "per_item": [float(s["acc"]) for s in samples],
-                         "chosen": [int(np.argmax([float(r[0]) for r in s["filtered_resps"]])) for s in samples],
-                         "gold": [int(s["target"]) for s in samples]}
+            chosen = [_chosen([float(r[0]) for r in s["filtered_resps"]]) for s in samples]
+            out[name] = {"kind": "mc", "chosen": chosen, "gold": [int(s["target"]) for s in samples],
+                         "per_item": [float(s["acc"]) if c != NO_ANSWER else 0.0 for s, c in zip(samples, chosen, strict=True)]}
         else:  # bits_per_byte samples are (loglikelihood, bytes)
             out[name] = {"kind": "ppl", "ll": [float(s["bits_per_byte"][0]) for s in samples],
                          "bytes": [int(s["bits_per_byte"][1]) for s in samples]}
@@ -129,7 +138,9 @@ def label_bias(scores: dict) -> dict | None:
     if "chosen" not in scores or not scores["chosen"]:
         return None
     chosen, gold = np.asarray(scores["chosen"]), np.asarray(scores["gold"])
-    index = int(np.bincount(chosen).argmax())
+    if not (chosen >= 0).any():
+        return None
+    index = int(np.bincount(chosen[chosen >= 0]).argmax())
     share = float((chosen == index).mean())
     return {"index": index, "share": share, "gold_share": float((gold == index).mean()), "flagged": share >= LABEL_BIAS}
 

@@ -92,7 +92,10 @@ class RunnerLM(LM):
         x = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
         t = torch.as_tensor(target)
         picked = x[torch.arange(len(target)), t]
-        return float((picked - torch.logsumexp(x, -1)).sum()), bool((x.argmax(-1) == t).all())
+        ll = float((picked - torch.logsumexp(x, -1)).sum())
+        if ll != ll:      # NaN: a position whose logits define no distribution (NaN or +inf) gives the target nothing
+            return float("-inf"), False
+        return ll, bool((x.argmax(-1) == t).all())
 
     def _score_shared(self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], out: list) -> None:
         """Batches of contexts with one shared prefix each: padded suffixes, and continuation tokens (which the runner

@@ -27,16 +27,21 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
     if m is not None:
         fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
         raw = m["kl"][m["gated"]] if "gated" in m else m["kl"]
-        kl = np.maximum(raw, KL_FLOOR)
+        infinite = int(np.sum(~np.isfinite(raw)))     # positions whose candidate logits defined no distribution
+        kl = np.maximum(raw[np.isfinite(raw)], KL_FLOOR)
         ax[0].hist(np.log10(kl), bins=60, color="#4477aa")
         for q, style in ((50, ":"), (99, "--"), (99.9, "-")):
-            ax[0].axvline(np.log10(np.percentile(kl, q)), color="k", ls=style, lw=1, label=f"p{q}")
+            with np.errstate(invalid="ignore"):
+                v = np.percentile(np.maximum(raw, KL_FLOOR), q) if len(raw) else np.nan
+            if np.isfinite(v):     # not where the quantile falls among the infinite ones
+                ax[0].axvline(np.log10(v), color="k", ls=style, lw=1, label=f"p{q}")
         thr = next((r["threshold"] for r in report["results"] if r["metric"] == "kl_p99"), None)
         if thr:
             ax[0].axvline(np.log10(thr), color="#cc3311", lw=2, label="p99 threshold")
         clipped = int(np.sum(raw < KL_FLOOR))
         ax[0].set(xlabel=f"log10 KL(base || cand) per gated token ({clipped} below {KL_FLOOR:g} drawn at the floor)",
-                  ylabel="tokens", title="Token KL on shadow traffic (gated positions)")
+                  ylabel="tokens", title="Token KL on shadow traffic (gated positions)"
+                  + (f"\n{infinite} infinite (not drawn): the candidate's logits are NaN or inf there" if infinite else ""))
         ax[0].legend(fontsize=8)
         ax[0].yaxis.set_major_locator(MaxNLocator(integer=True))
         fd, gl = m["first_div"], m["gen_lens"]

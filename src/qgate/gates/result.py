@@ -46,11 +46,11 @@ class GateResult:
         mde = _mde(ci)
         if threshold is None:
             return cls(gate, metric, observed, None, higher_is_better, n, ci, p_value, True, "report-only", ev, "info", mde)
-        if not math.isfinite(observed):
+        if math.isnan(observed):
             return cls(gate, metric, observed, threshold, higher_is_better, n, ci, p_value, False, "point",
                        ev | {"error": "no finite value"}, "error", mde)
         sign = 1.0 if higher_is_better else -1.0          # work in "higher is better" units
-        if ci is None or any(math.isnan(x) for x in ci):
+        if ci is None or any(math.isnan(x) for x in ci) or math.isinf(observed):   # an infinite KL: on the point
             verdict, how = ("pass" if sign * (observed - threshold) >= 0 else "fail"), "point"
         else:
             good, bad = (ci[0], ci[1]) if higher_is_better else (ci[1], ci[0])   # the CI end nearer failing, the other

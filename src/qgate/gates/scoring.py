@@ -58,8 +58,14 @@ def _log_norm(x: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     return top1, m, np.log(z.sum(-1).astype(np.float64))
 
 
+UNDEFINED = -1   # reduce_logits' argmax for a position whose logits define no distribution
+
+
 def reduce_logits(logits, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """logits [T, V] (numpy or torch) and ids [T, k] -> (argmax [T], log-probs of ids [T, k] in float64)."""
+    """logits [T, V] (numpy or torch) and ids [T, k] -> (argmax [T], log-probs of ids [T, k] in float64).
+    A row with a NaN or +inf logit, or none above -inf, defines no distribution (a broken kernel, an overflowing
+    scale): its argmax is UNDEFINED, which matches no token, and its log-probs are -inf, so it scores as infinitely
+    far from any defined distribution instead of as NaN, which every comparison would pass over."""
     x = _array(logits)
     ids = np.asarray(ids)
     top1 = np.empty(x.shape[0], np.int64)
@@ -67,13 +73,19 @@ def reduce_logits(logits, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     work = np.empty((min(ROWS_PER_PASS, x.shape[0]), x.shape[1]), np.float32)
     for a in range(0, x.shape[0], ROWS_PER_PASS):
         xs = x[a:a + ROWS_PER_PASS]
-        top1[a:a + len(xs)], m, log_s = _log_norm(xs, work)
-        picked[a:a + len(xs)] = (np.take_along_axis(xs, ids[a:a + len(xs)], -1) - m).astype(np.float64) - log_s[:, None]
+        with np.errstate(invalid="ignore"):     # inf - inf in a row that defines no distribution
+            top1[a:a + len(xs)], m, log_s = _log_norm(xs, work)
+            picked[a:a + len(xs)] = (np.take_along_axis(xs, ids[a:a + len(xs)], -1) - m).astype(np.float64) - log_s[:, None]
+        bad = np.isnan(log_s)      # exp(x - max) is NaN somewhere exactly when the row defines no distribution
+        if bad.any():
+            rows = a + np.flatnonzero(bad)
+            top1[rows], picked[rows] = UNDEFINED, -np.inf
     return top1, picked
 
 
 def top_k_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """[T, V] logits -> the k most likely ids (int32) and their log-probs (float32) per position, top-1 first."""
+    """[T, V] logits -> the k most likely ids (int32) and their log-probs (float32) per position, top-1 first; NaN
+    log-probs where a row defines no distribution (see reduce_logits)."""
     import torch
 
     x = _array(logits)
@@ -86,19 +98,23 @@ def top_k_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
             xs = x[a:a + ROWS_PER_PASS]
             # on torch's threads: k=1024 of 49k took 1.3 s for 6,318 positions on two, 2.3 s on one
             vals, top = torch.topk(torch.from_numpy(xs), k, dim=-1, sorted=True)
-            _, m, log_s = _log_norm(xs, work)
+            with np.errstate(invalid="ignore"):
+                _, m, log_s = _log_norm(xs, work)
+                lp[a:a + len(xs)] = (vals.numpy() - m).astype(np.float64) - log_s[:, None]
             ids[a:a + len(xs)] = top.numpy()
-            lp[a:a + len(xs)] = (vals.numpy() - m).astype(np.float64) - log_s[:, None]
     return ids, lp
 
 
 def kl_with_tail(top_lp: np.ndarray, cand_lp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """KL(p || q) over the baseline's top-k ids plus one bucket for the rest of the vocabulary, per position, and
-    the baseline's tail mass. The sums run in float64 over k terms (cheap; they cancel)."""
+    the baseline's tail mass. The sums run in float64 over k terms (cheap; they cancel). A baseline id of probability
+    0 adds nothing (also where the candidate gives it 0 too); a positive one the candidate gives 0 makes the KL +inf."""
     tl = top_lp.astype(np.float64)
     lq = cand_lp.astype(np.float64)
     pk = np.exp(tl)
     p_tail = np.clip(1 - pk.sum(-1), 0, 1)
     q_tail = np.clip(1 - np.exp(lq).sum(-1), 1e-12, 1)
-    kl = (pk * (tl - lq)).sum(-1) + np.where(p_tail > 1e-12, p_tail * (np.log(np.maximum(p_tail, 1e-12)) - np.log(q_tail)), 0.0)
+    with np.errstate(invalid="ignore"):     # -inf - -inf where both give an id probability 0
+        terms = np.where(pk > 0, pk * (tl - lq), 0.0)
+    kl = terms.sum(-1) + np.where(p_tail > 1e-12, p_tail * (np.log(np.maximum(p_tail, 1e-12)) - np.log(q_tail)), 0.0)
     return np.maximum(kl, 0.0), p_tail

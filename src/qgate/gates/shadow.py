@@ -43,8 +43,8 @@ from qgate.cache import read_cached_arrays, write_cached
 from qgate.chat import encode_with_sources
 from qgate.errors import ConfigError, InputError
 from qgate.gates.result import GateResult
-from qgate.gates.scoring import MAX_BATCH_TOKENS, kl_with_tail, length_batches, reduce_logits, top_k_logprobs
-from qgate.gates.stats import cluster_bootstrap, quantile_ci, wilson
+from qgate.gates.scoring import MAX_BATCH_TOKENS, UNDEFINED, kl_with_tail, length_batches, reduce_logits, top_k_logprobs
+from qgate.gates.stats import cluster_bootstrap, quantile, quantile_ci, wilson
 
 TEMPLATE, PROMPT, ANSWER = 0, 1, 2        # token classes: chat template, traffic prompt text, baseline answer
 POSITION_SETS = {"answer": (ANSWER,), "answer+prompt": (ANSWER, PROMPT)}
@@ -170,6 +170,7 @@ def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg
         gen_s = time.perf_counter() - t0
         top_idx, top_lp = top_k_reference(runner, [p + a for p, a in zip(prompts, answers, strict=True)], cfg.top_k,
                                           "shadow: baseline scoring")
+    _check_defined(baseline, top_lp)
     seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
     classes = [np.array([PROMPT if f else TEMPLATE for f in src] + [ANSWER] * len(a), np.int8)
                for (_, src), a in zip(encoded, answers, strict=True)]
@@ -189,8 +190,20 @@ def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg
     return ref, False
 
 
+def _check_defined(baseline: Artifact, top_lp: np.ndarray) -> None:
+    """InputError unless the baseline's logits define a distribution at every shadow position: a reference of NaN
+    log-probs would make every candidate's comparison meaningless."""
+    bad = np.flatnonzero(np.isnan(top_lp).any(-1))
+    if len(bad):
+        raise InputError(f"{baseline.path}: the baseline's logits define no distribution at {len(bad)} of {len(top_lp)} "
+                         f"shadow positions (NaN or +inf logits), the first at position {int(bad[0])}",
+                         hint="the baseline is broken, not the candidate: look for NaN or inf in its weights "
+                              "(safetensors' tensors) and gate against a baseline that scores")
+
+
 def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dict:
-    """Per-position KL, tail mass, top-1 agreement; per-prompt first divergence."""
+    """Per-position KL, tail mass, top-1 agreement and whether the candidate's logits defined no distribution there
+    (its KL is then +inf: gates/scoring.reduce_logits); per-prompt first divergence."""
     seqs = _sequences(ref)
     starts = np.concatenate([[0], np.cumsum(ref["seq_lens"] - 1)])   # sequence i's positions in ref's arrays
 
@@ -201,14 +214,15 @@ def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dic
         kl, p_tail = kl_with_tail(tl, lq_k)
         answer = np.asarray(seqs[i][p:])                                 # baseline's greedy answer
         miss = np.nonzero(cand_top1[p - 1:p - 1 + len(answer)] != answer)[0]
-        return kl, p_tail, cand_top1 == ti[:, 0], int(miss[0]) if len(miss) else len(answer), len(answer)
+        return kl, p_tail, cand_top1 == ti[:, 0], cand_top1 == UNDEFINED, int(miss[0]) if len(miss) else len(answer), len(answer)
 
     ts = time.perf_counter()
     rows = score_sequences(runner, seqs, desc, per_sequence)
     score_s = time.perf_counter() - ts
-    kls, tails, agree, first_div, gen_lens = zip(*rows, strict=True)
+    kls, tails, agree, undefined, first_div, gen_lens = zip(*rows, strict=True)
     return {"kl": np.concatenate(kls), "tail": np.concatenate(tails), "agree": np.concatenate(agree),
-            "first_div": np.array(first_div), "gen_lens": np.array(gen_lens), "score_seconds": score_s}
+            "undefined": np.concatenate(undefined), "first_div": np.array(first_div), "gen_lens": np.array(gen_lens),
+            "score_seconds": score_s}
 
 
 def position_classes(ref: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -257,11 +271,23 @@ def kl_top1_checks(m: dict, clusters: np.ndarray, mask: np.ndarray, cfg, prefix:
                             cluster_bootstrap(kl, cl, np.mean), evidence=evidence)]
     for q, name in ((0.99, "kl_p99"), (0.999, "kl_p999")):
         lo, hi, ev = quantile_ci(kl, cl, q)
-        out.append(GateResult.check(gate, f"{prefix}{name}", float(np.quantile(kl, q)), thr(f"{name}_max"), False, n,
+        out.append(GateResult.check(gate, f"{prefix}{name}", quantile(kl, q), thr(f"{name}_max"), False, n,
                                     (lo, hi), evidence=ev))
     out.append(GateResult.check(gate, f"{prefix}top1_agreement", float(agree.mean()), thr("top1_agreement_min"), True, n,
                                 cluster_bootstrap(agree, cl, np.mean), evidence={"flip_rate": float(1 - agree.mean())}))
     return out
+
+
+def defined_check(m: dict, ref: dict, gate: str = "shadow") -> GateResult:
+    """Every scored position, template and repeats included, must have logits that define a distribution: a NaN or
+    +inf logit anywhere is a broken candidate whatever the KL thresholds allow (a p99 over the rest could pass it)."""
+    bad = np.flatnonzero(m["undefined"])
+    n = len(m["undefined"])
+    ev = {"undefined_positions": int(len(bad))}
+    if len(bad):
+        i = int(ref["prompt_of"][bad[0]])
+        ev["first"] = {"prompt": i, "position": int(bad[0] - np.flatnonzero(ref["prompt_of"] == i)[0])}
+    return GateResult.check(gate, "defined_logits", 1 - len(bad) / n if n else float("nan"), 1.0, True, n, evidence=ev)
 
 
 def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> tuple[list[GateResult], dict, np.ndarray]:
@@ -270,7 +296,7 @@ def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> tuple[list[GateResult]
     clusters = ref["prompt_of"]
     masks, scored = scoring_summary(ref, cfg)
     ev = {"tail_mass_mean": float(m["tail"].mean()), "tail_mass_max": float(m["tail"].max()), "scored": scored}
-    results = kl_top1_checks(m, clusters, masks["gated"], cfg, evidence=ev)
+    results = [defined_check(m, ref)] + kl_top1_checks(m, clusters, masks["gated"], cfg, evidence=ev)
     for part in ("answer", "prompt"):   # the classes the gate did not decide on alone, reported beside it
         if part != cfg.positions:
             results += kl_top1_checks(m, clusters, masks[part], None, prefix=f"{part}.")

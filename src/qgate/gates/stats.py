@@ -11,6 +11,17 @@ import numpy as np
 
 N_BOOT = 1000
 SEED = 0
+_HUGE = np.finfo(float).max
+
+
+def quantile(values, q: float) -> float:
+    """np.quantile's linear interpolation, with +inf values allowed (the KL of a position whose candidate logits
+    define no distribution): interpolating toward one gives +inf, not NaN; on one exactly, the lower neighbour."""
+    x = np.asarray(values, float)
+    if not np.isposinf(x).any():
+        return float(np.quantile(x, q))
+    v = float(np.quantile(np.where(np.isposinf(x), _HUGE, x), q))
+    return float("inf") if v > 1e300 else v
 
 
 def cluster_bootstrap(values: np.ndarray, clusters: np.ndarray, stat: Callable[[np.ndarray], float],
@@ -30,7 +41,7 @@ def cluster_bootstrap(values: np.ndarray, clusters: np.ndarray, stat: Callable[[
         pick = rng.integers(0, len(groups), len(groups))
         stats[b] = stat(np.concatenate([groups[i] for i in pick]))
     a = (1 - level) / 2
-    return float(np.quantile(stats, a)), float(np.quantile(stats, 1 - a))
+    return quantile(stats, a), quantile(stats, 1 - a)
 
 
 def quantile_ci(values: np.ndarray, clusters: np.ndarray, q: float, level: float = 0.95) -> tuple[float, float, dict]:
@@ -49,7 +60,7 @@ def quantile_ci(values: np.ndarray, clusters: np.ndarray, q: float, level: float
     n = len(x)
     if n == 0:
         return float("nan"), float("nan"), {"n": 0}
-    est = float(np.quantile(x, q))
+    est = quantile(x, q)
     above = (x > est).astype(float)
     ids, inv = np.unique(np.asarray(clusters), return_inverse=True)
     k = len(ids)
@@ -61,8 +72,8 @@ def quantile_ci(values: np.ndarray, clusters: np.ndarray, q: float, level: float
     m = max(int(n / deff), 1)                                   # effective n
     a = (1 - level) / 2
     lo_rank, hi_rank = int(binom.ppf(a, m, q)), int(binom.ppf(1 - a, m, q)) + 1   # 1-based ranks among m
-    lo = float(np.quantile(x, max(lo_rank, 1) / m * (1 - 1e-12))) if lo_rank >= 1 else float(x.min())
-    hi = float(np.quantile(x, hi_rank / m)) if hi_rank <= m else float("inf")
+    lo = quantile(x, max(lo_rank, 1) / m * (1 - 1e-12)) if lo_rank >= 1 else float(x.min())
+    hi = quantile(x, hi_rank / m) if hi_rank <= m else float("inf")
     need = int(np.ceil(np.log(a) / np.log(q)))
     ev = {"n": n, "clusters": int(k), "tail_count": int(above.sum()), "tail_clusters": int(np.sum(tot > 0)),
           "design_effect": round(deff, 3), "n_effective": m, "min_n_effective": need, "method": "order-statistic-clustered"}
@@ -81,7 +92,7 @@ def paired_bootstrap(a: np.ndarray, b: np.ndarray, stat: Callable[[np.ndarray, n
         pick = rng.integers(0, len(a), len(a))
         stats[i] = stat(a[pick], b[pick])
     al = (1 - level) / 2
-    return float(np.quantile(stats, al)), float(np.quantile(stats, 1 - al))
+    return quantile(stats, al), quantile(stats, 1 - al)
 
 
 def mcnemar_exact(base_correct: np.ndarray, cand_correct: np.ndarray) -> dict:

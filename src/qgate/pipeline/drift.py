@@ -89,8 +89,9 @@ def _check(spec: PipelineSpec, recent: str | Path, sha: str, parts: list, engine
         for x in quality["results"]:
             if x["threshold"] is not None:
                 then = prod["gated"].get(x["metric"])
-                echo(f"  quality {x['metric']:16s} when gated {then if then is None else f'{then:.4g}'}  recent {x['observed']:.4g} "
-                     f"[{x['ci'][0]:.4g}, {x['ci'][1]:.4g}]  threshold {x['threshold']:g}  {x['verdict'].upper()}")
+                ci = f" [{x['ci'][0]:.4g}, {x['ci'][1]:.4g}]" if x["ci"] else ""     # defined_logits has none
+                echo(f"  quality {x['metric']:16s} when gated {then if then is None else f'{then:.4g}'}  recent {x['observed']:.4g}"
+                     f"{ci}  threshold {x['threshold']:g}  {x['verdict'].upper()}")
         bad = quality["verdict"] in ("fail", "error") or (quality["verdict"] == "inconclusive" and gate_cfg.on_inconclusive == "block")
         if bad:
             reasons.append(f"production's shadow gate is {quality['verdict'].upper()} on the recent traffic")
