@@ -124,3 +124,38 @@ def test_task_files_cannot_run_code_or_read_outside(tmp_path, body, match):
             task_config("zz_evil_test_task")
     finally:
         TASKS._items.pop("zz_evil_test_task")
+
+
+def test_a_checkpoint_missing_weights_is_refused_not_filled_at_random(tmp_path, base_art):
+    """Transformers initializes missing weights at random with only a warning; the runners (and quantize, search)
+    load through trust.load_causal_lm, which names them."""
+    from safetensors.torch import load_file, save_file
+
+    from qgate.engines.runners import TorchRunner
+
+    d = tmp_path / "cand"
+    shutil.copytree(base_art.path, d)
+    state = load_file(d / "model.safetensors")
+    gone = sorted(k for k in state if k.startswith("model.layers.0.mlp."))
+    save_file({k: v for k, v in state.items() if k not in gone}, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(InputError, match=rf"lacks {len(gone)} weight\(s\) its config.json asks for \({re.escape(gone[0])}, "):
+        TorchRunner(d)
+    assert TorchRunner(base_art.path).model is not None      # a complete checkpoint loads
+
+
+def test_a_checkpoint_whose_embeddings_are_cut_below_its_tokenizer_is_refused(tmp_path, base_art):
+    """Ids past the last embedding row crashed the gate's forward pass (IndexError); the runner names the cut."""
+    from safetensors.torch import load_file, save_file
+
+    from qgate.engines.runners import TorchRunner
+
+    d = tmp_path / "cand"
+    shutil.copytree(base_art.path, d)
+    cfg = json.loads((d / "config.json").read_text())
+    rows = cfg["vocab_size"] - 64
+    state = load_file(d / "model.safetensors")
+    save_file({k: v[:rows].contiguous() if "embed_tokens" in k or "lm_head" in k else v for k, v in state.items()},
+              d / "model.safetensors", metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(cfg | {"vocab_size": rows}))
+    with pytest.raises(InputError, match=rf"the model has {rows} token ids but its tokenizer {rows + 64}: ids {rows} and up"):
+        TorchRunner(d)

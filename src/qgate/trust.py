@@ -1,7 +1,7 @@
 """What qgate loads from a model directory: safetensors weights, JSON and tokenizer files; never code, never pickles.
 
     check_loadable(Path("candidate/"))                         # InputError naming the file, before anything is loaded
-    model = AutoModelForCausalLM.from_pretrained(path, **LOAD_KWARGS)
+    model = load_causal_lm(path, dtype=torch.float32)          # InputError if weights are missing
 
 A candidate checkpoint arrives from whoever ran quantization, a registry or a bucket. Three ways such a directory
 can run code or read outside itself, each refused here with the file that did it:
@@ -22,6 +22,23 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 LOAD_KWARGS = {"trust_remote_code": False, "use_safetensors": True}
 TOKENIZER_KWARGS = {"trust_remote_code": False}
 _REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
+
+
+def load_causal_lm(path: Path, **kwargs):
+    """AutoModelForCausalLM.from_pretrained(path, **LOAD_KWARGS, **kwargs), refusing a checkpoint that lacks weights
+    its architecture needs: Transformers initializes missing ones at random with only a warning, and a model that is
+    partly random would be quantized, gated and served as if it were the checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **LOAD_KWARGS, **kwargs)
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise InputError(f"{path}: the checkpoint lacks {len(missing)} weight(s) its config.json asks for "
+                         f"({', '.join(missing[:3])}{more}), which Transformers would initialize at random",
+                         hint="the checkpoint is incomplete or its tensor names do not match its architecture: export it "
+                              "again, and check that its safetensors index lists every shard")
+    return model
 
 
 def pickled_files(path: Path) -> list[Path]:

@@ -116,6 +116,17 @@ def length_groups(lengths: Sequence[int], forward_cost: float) -> list[tuple[int
     return groups[::-1]
 
 
+def check_vocab(path: Path, tokenizer, rows: int) -> None:
+    """InputError unless the model has a row for every id its tokenizer can produce: an id past the last row crashes
+    the forward pass here, and a server on every request that contains it."""
+    from qgate.errors import InputError
+
+    if len(tokenizer) > rows:
+        raise InputError(f"{path}: the model has {rows} token ids but its tokenizer {len(tokenizer)}: ids {rows} and up "
+                         "cannot be embedded", hint="the checkpoint's embeddings (vocab_size) were cut or its tokenizer "
+                                                    "replaced: export both from one model")
+
+
 class TorchRunner:
     """PyTorch eager reference path (float32 compute; compressed-tensors checkpoints are decompressed on load)."""
 
@@ -125,14 +136,15 @@ class TorchRunner:
 
     def __init__(self, path: Path):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        from qgate.trust import LOAD_KWARGS, TOKENIZER_KWARGS, check_loadable
+        from qgate.trust import TOKENIZER_KWARGS, check_loadable, load_causal_lm
 
         check_loadable(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path, **TOKENIZER_KWARGS)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=_register_attention(),
-                                                          **LOAD_KWARGS, **dequantize_kwargs(path)).eval()
+        self.model = load_causal_lm(path, dtype=torch.float32, attn_implementation=_register_attention(),
+                                    **dequantize_kwargs(path)).eval()
+        check_vocab(path, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
@@ -329,6 +341,8 @@ class OrtRunner:
         self.names = dec["inputs"]
         self.present = (dec["outputs"]["present_key_names"], dec["outputs"]["present_value_names"])
         self.max_length = int(gcfg.get("context_length", 2048))
+        if "vocab_size" in gcfg:
+            check_vocab(engine_dir, self.tokenizer, int(gcfg["vocab_size"]))
         self._dtype = np.float16 if "float16" in self.session.get_inputs()[2].type else np.float32
 
     def _run(self, ids: Sequence[int], past: list[np.ndarray] | None, keep_cache: bool):
