@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -123,6 +124,30 @@ def test_report_files_and_evidence(base_art, w8_art, calib_arts, workdir):
         assert {"metric", "observed", "threshold", "higher_is_better", "n", "ci", "p_value", "passed"} <= set(r)
     assert report["inputs"]["calibration_sha256"] == w8_art.meta["calibration_sha256"]
     assert art.parents == (w8_art.sha256, base_art.sha256, calib_arts["shadow"].sha256)
+    # the shadow prompts FAST cuts to their last 64 tokens: counted, and every gated shadow check says what it covers
+    from transformers import AutoTokenizer
+
+    from qgate.chat import render
+
+    tok = AutoTokenizer.from_pretrained(base_art.path)
+    rows = [json.loads(x) for x in (calib_arts["shadow"].path / "data.jsonl").read_text().splitlines()]
+    lens = [len(tok(render(tok, r["messages"]), add_special_tokens=False)["input_ids"]) for r in rows]
+    cut = sum(n > 64 for n in lens)
+    s = report["shadow_scoring"]
+    assert 0 < cut < len(rows) and (s["prompts_cut"], s["longest_prompt_tokens"], s["max_prompt_tokens"]) == (cut, max(lens), 64)
+    caveated = {r["metric"] for r in report["results"] if "caveat" in r["evidence"]}
+    gated = {r["metric"] for r in report["results"] if r["gate"] == "shadow" and r["threshold"] is not None}
+    assert caveated == gated - {"defined_logits"} and caveated >= {"kl_p99", "top1_agreement"}
+    caveat = {r["evidence"]["caveat"] for r in report["results"] if "caveat" in r["evidence"]}
+    assert caveat == {f"{cut} of {len(rows)} shadow prompts are longer than gates.shadow.max_prompt_tokens (64; the longest has "
+                      f"{max(lens)} tokens) and were scored on their last 64 tokens: this evidence covers contexts of up to "
+                      "84 tokens, not those prompts whole"}
+    assert f"{cut} of {len(rows)} prompts were cut</b>" in html
+    whole = run_gates(w8_art, base_art, calib_arts["shadow"], GateConfig(shadow=replace(FAST.shadow, max_prompt_tokens=max(lens)),
+                                                                         eval=None), workdir / "g-w8-whole", workdir / "cache-shared")
+    whole_report = json.loads((whole.path / "report.json").read_text())
+    assert whole_report["shadow_scoring"]["prompts_cut"] == 0 and not any("caveat" in r["evidence"] for r in whole_report["results"])
+    assert "Every prompt was scored whole" in (whole.path / "report.html").read_text()
 
 
 def test_three_verdicts_decided_on_the_confidence_interval():

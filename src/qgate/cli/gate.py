@@ -79,14 +79,16 @@ def print_verdict(art, o: Output | None = None) -> dict:
 
     o = o or Output(False)
     report = json.loads((art.path / "report.json").read_text())
+    said: set[str] = set()
     for r in report["results"]:
         o.say("  " + GateResult.from_dict(r).line())
         for d in r["evidence"].get("differences", []):
             o.say("      " + describe(d))
         for d in r["evidence"].get("accepted", []):
             o.say("      accepted (gates.contract.allow): " + describe(d))
-        if r["evidence"].get("caveat"):
-            o.say("      caveat: " + r["evidence"]["caveat"])
+        if (caveat := r["evidence"].get("caveat")) and caveat not in said:    # once, under the first check it weakens
+            said.add(caveat)
+            o.say("      caveat: " + caveat)
     verdict = report["verdict"].upper()
     if report["verdict"] == "inconclusive" and report["passed"]:
         typer.echo(f"warning: inconclusive checks passed under on_inconclusive: warn: {', '.join(art.meta['inconclusive'])}",

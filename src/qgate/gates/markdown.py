@@ -52,8 +52,11 @@ def version_description(report: dict, meta: dict, report_uri: str) -> str:
     if scored:
         parts += [f"Shadow gate: {scored.get('prompts')} held-out traffic prompts, {scored.get('gated_positions')} gated "
                   f"{scored.get('positions')} positions (chat-template tokens excluded).", ""]
-    caveats = [f"- `{r['gate']}.{r['metric']}`: {r['evidence']['caveat']}" for r in report["results"]
-               if r["threshold"] is not None and r["evidence"].get("caveat")]
+    weakened: dict[str, list[str]] = {}     # one line per caveat, naming every check it weakens
+    for r in report["results"]:
+        if r["threshold"] is not None and r["evidence"].get("caveat"):
+            weakened.setdefault(r["evidence"]["caveat"], []).append(f"`{r['gate']}.{r['metric']}`")
+    caveats = [f"- {', '.join(checks)}: {c}" for c, checks in weakened.items()]
     if caveats:
         parts += ["**Caveats**", "", *caveats, ""]
     if info:

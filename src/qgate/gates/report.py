@@ -136,7 +136,18 @@ def _scored(report: dict) -> str:
             f"{s['repeated_prefix_excluded']} repeating an earlier prompt's prefix (excluded). "
             f"Gated on <b>{html.escape(s['positions'])}</b> positions: {s['gated_positions']} scored, "
             f"{s['unique_positions']} unique prefixes in all. The <code>prompt.*</code> rows report the traffic prompt "
-            f"positions alone.</p>")
+            f"positions alone.</p>" + _coverage(s))
+
+
+def _coverage(s: dict) -> str:
+    if "prompts_cut" not in s:
+        return ""
+    if not s["prompts_cut"]:
+        return (f"<p>Every prompt was scored whole (the longest has {s['longest_prompt_tokens']} tokens; "
+                f"<code>gates.shadow.max_prompt_tokens</code> is {s['max_prompt_tokens']}).</p>")
+    return (f"<p><b>{s['prompts_cut']} of {s['prompts']} prompts were cut</b> to their last {s['max_prompt_tokens']} tokens "
+            f"(<code>gates.shadow.max_prompt_tokens</code>; the longest has {s['longest_prompt_tokens']}): the checks say "
+            f"nothing of longer contexts. Raise the limit to score them whole.</p>")
 
 
 def _search(report: dict) -> str:

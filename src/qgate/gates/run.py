@@ -22,7 +22,7 @@ from qgate.gates.report import write_report
 from qgate.errors import ConfigError
 from qgate.gates.result import GateResult, overall
 from qgate.gates.shadow import (ShadowConfig, baseline_reference, candidate_metrics, kl_top1_checks, load_shadow,
-                                rescore_reference, shadow_gate)
+                                prompt_coverage, rescore_reference, shadow_gate)
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
 
     ref, hit = baseline_reference(_LazyRunner(baseline), baseline, shadow, cfg.shadow, Path(cache_dir))
     m = candidate_metrics(load_runner(candidate), ref)
-    results, scored, _ = shadow_gate(m, ref, cfg.shadow)
+    results, scored, _ = shadow_gate(m, ref, cfg.shadow, prompt_coverage(baseline, load_shadow(shadow, cfg.shadow), cfg.shadow))
     return {"verdict": overall(results), "results": [r.to_dict() for r in results], "scoring": scored,
             "baseline_cached": hit, "seconds": {"baseline": 0.0 if hit else float(ref["seconds"]), "candidate": m["score_seconds"]}}
 
@@ -160,7 +160,8 @@ def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: Ga
     baseline_runner = _LazyRunner(baseline)
 
     t = time.perf_counter()
-    results = contract_gate(candidate, baseline, load_shadow(shadow, cfg.shadow), cfg.contract)
+    rows = load_shadow(shadow, cfg.shadow)
+    results = contract_gate(candidate, baseline, rows, cfg.contract)
     timings["contract"] = time.perf_counter() - t
     t = time.perf_counter()
     cand = load_runner(candidate)
@@ -169,7 +170,7 @@ def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: Ga
     timings["baseline_shadow"] = 0.0 if shadow_hit else float(ref["seconds"])
     m = candidate_metrics(cand, ref)
     timings["candidate_shadow"] = m["score_seconds"]
-    shadow_results, scored, gated = shadow_gate(m, ref, cfg.shadow)
+    shadow_results, scored, gated = shadow_gate(m, ref, cfg.shadow, prompt_coverage(baseline, rows, cfg.shadow))
     results += shadow_results
     if candidate.kind == "engine" and cfg.parity.enabled:
         parity, t_par = _parity(cand, load_runner, checkpoint or engine_checkpoint(candidate), ref, gated, cfg)

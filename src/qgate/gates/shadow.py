@@ -32,7 +32,7 @@ from __future__ import annotations
 import io
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -290,11 +290,37 @@ def defined_check(m: dict, ref: dict, gate: str = "shadow") -> GateResult:
     return GateResult.check(gate, "defined_logits", 1 - len(bad) / n if n else float("nan"), 1.0, True, n, evidence=ev)
 
 
-def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> tuple[list[GateResult], dict, np.ndarray]:
+def prompt_coverage(baseline: Artifact, rows: list[dict], cfg: ShadowConfig) -> dict:
+    """How much of the shadow prompts the gate sees: each is rendered as the baseline serves it, and one longer than
+    max_prompt_tokens is scored on its last max_prompt_tokens tokens (chat.encode_with_sources keeps the latest turn)."""
+    from transformers import AutoTokenizer
+
+    from qgate.chat import render
+    from qgate.trust import TOKENIZER_KWARGS
+
+    tok = AutoTokenizer.from_pretrained(baseline.path, **TOKENIZER_KWARGS)
+    lens = [len(tok(render(tok, r["messages"]), add_special_tokens=False)["input_ids"]) for r in rows]
+    return {"max_prompt_tokens": cfg.max_prompt_tokens, "prompts_cut": sum(n > cfg.max_prompt_tokens for n in lens),
+            "longest_prompt_tokens": max(lens, default=0)}
+
+
+def coverage_caveat(scored: dict, cfg: ShadowConfig) -> str | None:
+    """What a gate on cut prompts cannot say, for the checks it weakens; None when every prompt was scored whole."""
+    cut, m = scored.get("prompts_cut", 0), cfg.max_prompt_tokens
+    if not cut:
+        return None
+    return (f"{cut} of {scored['prompts']} shadow prompts are longer than gates.shadow.max_prompt_tokens ({m}; the "
+            f"longest has {scored['longest_prompt_tokens']} tokens) and were scored on their last {m} tokens: this "
+            f"evidence covers contexts of up to {m + cfg.max_new_tokens} tokens, not those prompts whole")
+
+
+def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig, coverage: dict | None = None) -> tuple[list[GateResult], dict, np.ndarray]:
     """The gated checks on cfg.positions, report-only figures for the other classes, what was scored, and the
-    mask of gated positions."""
+    mask of gated positions. coverage: `prompt_coverage` of the shadow prompts; the gated checks then carry a caveat
+    when some were cut."""
     clusters = ref["prompt_of"]
     masks, scored = scoring_summary(ref, cfg)
+    scored |= coverage or {}
     ev = {"tail_mass_mean": float(m["tail"].mean()), "tail_mass_max": float(m["tail"].max()), "scored": scored}
     results = [defined_check(m, ref)] + kl_top1_checks(m, clusters, masks["gated"], cfg, evidence=ev)
     for part in ("answer", "prompt"):   # the classes the gate did not decide on alone, reported beside it
@@ -306,4 +332,7 @@ def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> tuple[list[GateResult]
                                     evidence={"first_divergence_mean": float(m["first_div"].mean()),
                                               "first_divergence_median": float(np.median(m["first_div"])),
                                               "answer_tokens_mean": float(m["gen_lens"].mean())}))
+    if caveat := coverage_caveat(scored, cfg):
+        results = [replace(r, evidence=r.evidence | {"caveat": caveat}) if r.threshold is not None and r.metric != "defined_logits"
+                   else r for r in results]
     return results, scored, masks["gated"]
