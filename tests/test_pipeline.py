@@ -95,6 +95,7 @@ def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch
     ({"calibrate": {"calib_sise": 1}}, "calibrate.calib_sise: unknown key; did you mean 'calib_size'"),
     ({"calibrate": {"max_reject_fraction": 0}}, "calibrate.max_reject_fraction must be in (0, 1], got 0"),   # at load
     ({"calibrate": {"shadow_size": 0}}, "calibrate.shadow_size must be >= 1, got 0"),
+    ({"calibrate": {"max_line_bytes": 100}}, "calibrate.max_line_bytes must be >= 1024, got 100"),
     ({"registy": {"model_name": "x"}}, "registy: unknown key; did you mean 'registry'"),
 ])
 def test_strict_spec_errors_name_file_key_path_and_suggestion(tmp_path, workdir, patch, message):
@@ -226,3 +227,11 @@ def test_a_second_job_on_the_same_workdir_exits_at_once_naming_the_holder(tmp_pa
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
+
+
+def test_the_calibrate_spec_defaults_are_the_samplers():
+    from qgate.calibrate.sample import SampleConfig
+    from qgate.pipeline.spec import CalibrateSpec
+
+    assert SampleConfig(**CalibrateSpec().model_dump()) == SampleConfig()
+    assert set(CalibrateSpec.model_fields) == set(SampleConfig.__dataclass_fields__)     # every setting can be set

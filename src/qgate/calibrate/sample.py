@@ -50,6 +50,8 @@ class SampleConfig:
         for name in ("calib_size", "shadow_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"calibrate.{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_words < 0:
+            raise ConfigError(f"calibrate.min_words must be >= 0, got {self.min_words}")
         if self.max_line_bytes < 1024:
             raise ConfigError(f"calibrate.max_line_bytes must be >= 1024, got {self.max_line_bytes}")
         if not 0 < self.max_reject_fraction <= 1:

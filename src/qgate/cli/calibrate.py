@@ -24,6 +24,8 @@ def sample_cmd(
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = _D.seed,
     max_reject_fraction: Annotated[float, typer.Option(help="Fail when more of the records than this are malformed.")] = \
         _D.max_reject_fraction,
+    min_words: Annotated[int, typer.Option(help="Drop prompts with fewer words (counted as too short).")] = _D.min_words,
+    max_line_bytes: Annotated[int, typer.Option(help="Reject longer JSONL lines without reading them.")] = _D.max_line_bytes,
     engine: ScanEngine = "serial",
     scan_cache: Annotated[Path | None, typer.Option(help="Keep each partition's scan here; a later run reuses the scans of "
                                                          "partitions unchanged since (same size and modification time) and "
@@ -33,7 +35,8 @@ def sample_cmd(
     from qgate.artifact import Artifact, build_atomically
     from qgate.calibrate.sample import sample_traffic
 
-    cfg = SampleConfig(calib_size=calib_size, shadow_size=shadow_size, seed=seed, max_reject_fraction=max_reject_fraction)
+    cfg = SampleConfig(calib_size=calib_size, shadow_size=shadow_size, seed=seed, max_reject_fraction=max_reject_fraction,
+                       min_words=min_words, max_line_bytes=max_line_bytes)
     kept = Path(out).with_name(f"{Path(out).name}.rejects.jsonl")   # the evidence of a failed run: `out` is not made
     build_atomically(out, lambda tmp: sample_traffic(traffic, tmp, cfg, engine=engine, scan_cache=scan_cache,
                                                      picture=True, failed_rejects=kept)["calib"])

@@ -33,6 +33,8 @@ class CalibrateSpec(_Strict):
     shadow_size: int = 64
     seed: int = 0
     max_reject_fraction: float = 0.5   # a log with more malformed records than this fails the calibrate stage
+    min_words: int = 1                 # shorter prompts are dropped (counted as too short, not rejected)
+    max_line_bytes: int = 4 << 20      # a longer JSONL line is rejected unread
 
 
 class QuantizeSpec(_Strict):
