@@ -563,5 +563,6 @@ def test_a_candidate_with_a_nan_weight_fails_with_evidence_and_a_nan_baseline_is
     assert rec["observed"] == 0.0 and rec["evidence"]["flip_rate"] > 0
     assert label_bias({"chosen": [NO_ANSWER] * 3, "gold": [0, 1, 2]}) is None
     assert label_bias({"chosen": [NO_ANSWER, 1, 1], "gold": [0, 1, 2]})["index"] == 1
-    with pytest.raises(InputError, match=r"tiny-nan: the baseline's logits define no distribution at \d+ of \d+ shadow positions"):
+    with pytest.raises(InputError, match=r"tiny-nan: the baseline's logits define no distribution at (\d+) of \1 shadow "
+                                         r"positions \(NaN or \+inf logits\), the first at shadow prompt 0, position 0"):
         run_gates(base_art, cand, calib_arts["shadow"], cfg, workdir / "gate-nan-base", workdir / "cache-nan")

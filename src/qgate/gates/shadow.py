@@ -19,6 +19,11 @@ tokens); the other class is reported beside it.
 Quantiles (p99, p99.9) get a clustered order-statistic interval (stats.quantile_ci), which
 is unbounded above when the sample is too small to bound them: such a check cannot pass.
 
+A position where the candidate's logits define no distribution (a NaN or +inf logit) scores
+KL +inf and never agrees, and `defined_logits` fails the candidate if there is one anywhere.
+A prompt longer than `max_prompt_tokens` is scored on its last tokens; the gated checks then
+carry a caveat saying how many were cut (`prompt_coverage`).
+
 The baseline keeps only its top-k log-probabilities per position (cached by content
 hash). KL is computed over those k tokens plus one bucket for the rest: a lower
 bound on the full-vocabulary KL, equal to it when the tail holds no mass; the tail
@@ -170,8 +175,8 @@ def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg
         gen_s = time.perf_counter() - t0
         top_idx, top_lp = top_k_reference(runner, [p + a for p, a in zip(prompts, answers, strict=True)], cfg.top_k,
                                           "shadow: baseline scoring")
-    _check_defined(baseline, top_lp)
     seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
+    _check_defined(baseline, top_lp, [len(s) - 1 for s in seqs])
     classes = [np.array([PROMPT if f else TEMPLATE for f in src] + [ANSWER] * len(a), np.int8)
                for (_, src), a in zip(encoded, answers, strict=True)]
     ref = {
@@ -190,13 +195,16 @@ def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg
     return ref, False
 
 
-def _check_defined(baseline: Artifact, top_lp: np.ndarray) -> None:
+def _check_defined(baseline: Artifact, top_lp: np.ndarray, positions: list[int]) -> None:
     """InputError unless the baseline's logits define a distribution at every shadow position: a reference of NaN
-    log-probs would make every candidate's comparison meaningless."""
+    log-probs would make every candidate's comparison meaningless. positions: how many each prompt has, in order."""
     bad = np.flatnonzero(np.isnan(top_lp).any(-1))
     if len(bad):
+        ends = np.cumsum(positions)
+        i = int(np.searchsorted(ends, bad[0], side="right"))
         raise InputError(f"{baseline.path}: the baseline's logits define no distribution at {len(bad)} of {len(top_lp)} "
-                         f"shadow positions (NaN or +inf logits), the first at position {int(bad[0])}",
+                         f"shadow positions (NaN or +inf logits), the first at shadow prompt {i}, position "
+                         f"{int(bad[0] - (ends[i - 1] if i else 0))}",
                          hint="the baseline is broken, not the candidate: look for NaN or inf in its weights "
                               "(safetensors' tensors) and gate against a baseline that scores")
 
