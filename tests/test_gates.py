@@ -143,6 +143,11 @@ def test_report_files_and_evidence(base_art, w8_art, calib_arts, workdir):
                       f"{max(lens)} tokens) and were scored on their last 64 tokens: this evidence covers contexts of up to "
                       "84 tokens, not those prompts whole"}
     assert f"{cut} of {len(rows)} prompts were cut</b>" in html
+    from qgate.gates.markdown import version_description
+
+    md = version_description(report, {}, "runs:/x").split("**Caveats**\n\n")[1].split("\n\n")[0]
+    names = ", ".join(f"`shadow.{r['metric']}`" for r in report["results"] if r["metric"] in caveated)
+    assert md == f"- {names}: {caveat.pop()}"       # one line naming every check the caveat weakens
     whole = run_gates(w8_art, base_art, calib_arts["shadow"], GateConfig(shadow=replace(FAST.shadow, max_prompt_tokens=max(lens)),
                                                                          eval=None), workdir / "g-w8-whole", workdir / "cache-shared")
     whole_report = json.loads((whole.path / "report.json").read_text())
