@@ -559,7 +559,9 @@ def test_a_candidate_with_a_nan_weight_fails_with_evidence_and_a_nan_baseline_is
     d = by["defined_logits"]
     total = report["shadow_scoring"]["total_positions"]
     assert (d["verdict"], d["observed"], d["n"]) == ("fail", 0.0, total) and d["evidence"] == {
-        "undefined_positions": total, "first": {"prompt": 0, "position": 0}}
+        "undefined_positions": total, "first": {"prompt": 0, "position": 0},
+        "why": f"{total} of {total} positions have NaN or +inf logits; the first: shadow prompt 0, position 0"}
+    assert GateResult.from_dict(d).line().endswith(f"n={total}  ({d['evidence']['why']})")
     assert by["kl_p99"]["verdict"] == "fail" and by["kl_p99"]["observed"] == float("inf")
     assert by["kl_mean"]["observed"] == float("inf") and by["top1_agreement"]["observed"] == 0.0
     assert "defined_logits" in art.meta["failed"] and (art.path / "shadow.png").stat().st_size > 10_000

@@ -99,6 +99,8 @@ class GateResult:
             extra += "  (unbounded CI or observed on the threshold: more items may not decide it)"
         if self.verdict == "error":
             extra += f"  ({self.evidence.get('error', 'could not run')})"
+        elif self.verdict == "fail" and self.evidence.get("why"):
+            extra += f"  ({self.evidence['why']})"
         return f"{self.verdict.upper():12s} {self.gate}.{self.metric} = {self.observed:.4g}{ci}{thr}{extra}"
 
 

@@ -295,6 +295,8 @@ def defined_check(m: dict, ref: dict, gate: str = "shadow") -> GateResult:
     if len(bad):
         i = int(ref["prompt_of"][bad[0]])
         ev["first"] = {"prompt": i, "position": int(bad[0] - np.flatnonzero(ref["prompt_of"] == i)[0])}
+        ev["why"] = (f"{len(bad)} of {n} positions have NaN or +inf logits; the first: shadow prompt {i}, "
+                     f"position {ev['first']['position']}")
     return GateResult.check(gate, "defined_logits", 1 - len(bad) / n if n else float("nan"), 1.0, True, n, evidence=ev)
 
 
