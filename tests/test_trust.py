@@ -159,3 +159,25 @@ def test_a_checkpoint_whose_embeddings_are_cut_below_its_tokenizer_is_refused(tm
     (d / "config.json").write_text(json.dumps(cfg | {"vocab_size": rows}))
     with pytest.raises(InputError, match=rf"the model has {rows} token ids but its tokenizer {rows + 64}: ids {rows} and up"):
         TorchRunner(d)
+
+
+def test_a_checkpoint_without_a_loadable_tokenizer_is_refused_by_name(tmp_path, base_art, calib_arts):
+    """Without tokenizer.json the tiny model's tokenizer cannot be built, and the gate said 'internal error:
+    ValueError'. Import refuses such a directory before copying anything, and the gate names the candidate."""
+    from qgate.artifact import Artifact
+    from qgate.gates.run import GateConfig, run_gates
+    from qgate.trust import load_tokenizer
+
+    d = tmp_path / "cand"
+    shutil.copytree(base_art.path, d)
+    (d / "tokenizer.json").unlink()
+    (d / "qgate-artifact.json").unlink()
+    with pytest.raises(InputError, match=rf"^{re.escape(str(d))}: its tokenizer cannot be loaded \("):
+        load_tokenizer(d)
+    with pytest.raises(InputError, match="its tokenizer cannot be loaded"):
+        import_model(ModelSource(hf_dir=str(d)), tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()
+    cand = Artifact.create("checkpoint", d, {}, (), dict(base_art.meta))
+    with pytest.raises(InputError, match=rf"{re.escape(str(d))}: its tokenizer cannot be loaded"):
+        run_gates(cand, base_art, calib_arts["shadow"], GateConfig(eval=None), tmp_path / "g", tmp_path / "cache")
+    assert not (tmp_path / "g").exists()

@@ -64,7 +64,7 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from qgate.trust import PICKLE_SUFFIXES, TOKENIZER_KWARGS, check_loadable
+    from qgate.trust import PICKLE_SUFFIXES, TOKENIZER_KWARGS, check_loadable, load_tokenizer
 
     out = Path(out)
     if src.hf_dir:
@@ -72,6 +72,7 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
         if not (hf / "config.json").exists():
             raise InputError(f"{hf}: not a Hugging Face model directory (no config.json)")
         check_loadable(hf, allow_pickle=src.allow_pickle)
+        tok = load_tokenizer(hf)             # a checkpoint without its tokenizer fails here, before anything is copied
         if out.exists():
             shutil.rmtree(out)
         if any(hf.rglob("*.safetensors")):   # pickled copies beside safetensors are never read, so never copied
@@ -81,7 +82,7 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
                                                          use_safetensors=False, weights_only=True)
             out.mkdir(parents=True)
             model.save_pretrained(out)
-            AutoTokenizer.from_pretrained(hf, **TOKENIZER_KWARGS).save_pretrained(out)
+            tok.save_pretrained(out)
         check_loadable(out)
     else:
         root, name = _gguf_location(src)

@@ -24,6 +24,20 @@ TOKENIZER_KWARGS = {"trust_remote_code": False}
 _REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
 
 
+def load_tokenizer(path: Path):
+    """AutoTokenizer.from_pretrained(path, **TOKENIZER_KWARGS), or an InputError naming the directory: a checkpoint
+    has to carry the tokenizer it is served with (Transformers' own error, from deep inside, reads as a crash)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, **TOKENIZER_KWARGS)
+    except (OSError, ValueError, TypeError, KeyError) as e:   # missing files, or files no tokenizer class can read
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"{path}: its tokenizer cannot be loaded ({first})",
+                         hint="a checkpoint carries the tokenizer it is served with: copy tokenizer.json, "
+                              "tokenizer_config.json and the chat template from the model it was made from") from e
+
+
 def load_causal_lm(path: Path, **kwargs):
     """AutoModelForCausalLM.from_pretrained(path, **LOAD_KWARGS, **kwargs), refusing a checkpoint that lacks weights
     its architecture needs: Transformers initializes missing ones at random with only a warning, and a model that is

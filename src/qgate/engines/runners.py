@@ -136,12 +136,11 @@ class TorchRunner:
 
     def __init__(self, path: Path):
         import torch
-        from transformers import AutoTokenizer
 
-        from qgate.trust import TOKENIZER_KWARGS, check_loadable, load_causal_lm
+        from qgate.trust import check_loadable, load_causal_lm, load_tokenizer
 
         check_loadable(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path, **TOKENIZER_KWARGS)
+        self.tokenizer = load_tokenizer(path)
         self.model = load_causal_lm(path, dtype=torch.float32, attn_implementation=_register_attention(),
                                     **dequantize_kwargs(path)).eval()
         check_vocab(path, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
@@ -326,17 +325,16 @@ class OrtRunner:
 
     def __init__(self, engine_dir: Path, tokenizer_dir: Path):
         import onnxruntime as ort
-        from transformers import AutoTokenizer
 
         gcfg = json.loads((engine_dir / "genai_config.json").read_text())["model"]
         dec = gcfg["decoder"]
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         self.session = ort.InferenceSession(str(engine_dir / dec["filename"]), opts, providers=["CPUExecutionProvider"])
-        from qgate.trust import TOKENIZER_KWARGS, check_loadable
+        from qgate.trust import check_loadable, load_tokenizer
 
         check_loadable(tokenizer_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, **TOKENIZER_KWARGS)
+        self.tokenizer = load_tokenizer(tokenizer_dir)
         self.layers, self.kv_heads, self.head = dec["num_hidden_layers"], dec["num_key_value_heads"], dec["head_size"]
         self.names = dec["inputs"]
         self.present = (dec["outputs"]["present_key_names"], dec["outputs"]["present_value_names"])

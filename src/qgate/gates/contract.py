@@ -179,14 +179,13 @@ def _rendering_diffs(btok, ctok, rows: list[dict]) -> tuple[list[dict], int]:
 
 
 def contract_gate(candidate: Artifact, baseline: Artifact, rows: list[dict], cfg: ContractConfig) -> list[GateResult]:
-    from transformers import AutoTokenizer
 
-    from qgate.trust import TOKENIZER_KWARGS, check_loadable
+    from qgate.trust import check_loadable, load_tokenizer
 
     cdir, genai = served_files(candidate)
     bdir = baseline.path
     check_loadable(cdir)
-    btok, ctok = AutoTokenizer.from_pretrained(bdir, **TOKENIZER_KWARGS), AutoTokenizer.from_pretrained(cdir, **TOKENIZER_KWARGS)
+    btok, ctok = load_tokenizer(bdir), load_tokenizer(cdir)
     ctx, arch = _config_diffs(bdir, cdir, genai)
     rendered, n_prompts = _rendering_diffs(btok, ctok, rows)
     facets = {"tokenizer": (_tokenizer_diffs(btok, ctok, bdir, cdir), len(btok.get_vocab())),

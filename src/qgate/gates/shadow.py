@@ -303,12 +303,10 @@ def defined_check(m: dict, ref: dict, gate: str = "shadow") -> GateResult:
 def prompt_coverage(baseline: Artifact, rows: list[dict], cfg: ShadowConfig) -> dict:
     """How much of the shadow prompts the gate sees: each is rendered as the baseline serves it, and one longer than
     max_prompt_tokens is scored on its last max_prompt_tokens tokens (chat.encode_with_sources keeps the latest turn)."""
-    from transformers import AutoTokenizer
-
     from qgate.chat import render
-    from qgate.trust import TOKENIZER_KWARGS
+    from qgate.trust import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(baseline.path, **TOKENIZER_KWARGS)
+    tok = load_tokenizer(baseline.path)
     lens = [len(tok(render(tok, r["messages"]), add_special_tokens=False)["input_ids"]) for r in rows]
     return {"max_prompt_tokens": cfg.max_prompt_tokens, "prompts_cut": sum(n > cfg.max_prompt_tokens for n in lens),
             "longest_prompt_tokens": max(lens, default=0)}

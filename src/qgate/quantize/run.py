@@ -104,7 +104,6 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
     """fallback: layers kept at higher precision (chosen by `qgate search`); recorded in the manifest."""
     import torch
     from llmcompressor import oneshot
-    from transformers import AutoTokenizer
 
     if base.kind != "checkpoint" or base.meta.get("scheme") != "baseline":
         raise InputError(f"{base.path}: --model must be a full-precision baseline checkpoint (got {base.meta.get('scheme')})")
@@ -112,10 +111,10 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
     if needs_data and calib is None:
         raise InputError(f"scheme {type(scheme).__name__} needs --calib (a calibration-set artifact)")
     out = Path(out)
-    from qgate.trust import TOKENIZER_KWARGS, check_loadable, load_causal_lm
+    from qgate.trust import check_loadable, load_causal_lm, load_tokenizer
 
     check_loadable(base.path)
-    tok = AutoTokenizer.from_pretrained(base.path, **TOKENIZER_KWARGS)
+    tok = load_tokenizer(base.path)
     model = load_causal_lm(base.path, dtype=torch.float32)
     scheme.check_model(model)  # fail before spending minutes on calibration
     recipe = scheme.modifiers(kv, fallback) if fallback else scheme.modifiers(kv)

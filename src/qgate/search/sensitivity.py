@@ -71,15 +71,14 @@ def quantized_linears(model, scheme) -> dict:
 def fisher_sensitivity(base: Artifact, calib: Artifact, scheme, cfg: SensitivityConfig = SensitivityConfig()) -> dict:
     """{"layers": [{"layer", "params", "kl", "kl_per_mparam"} sorted by kl, descending], "tokens", "sequences", "seconds"}."""
     import torch
-    from transformers import AutoTokenizer
 
     from qgate.progress import progress
-    from qgate.trust import TOKENIZER_KWARGS, check_loadable, load_causal_lm
+    from qgate.trust import check_loadable, load_causal_lm, load_tokenizer
 
     if not hasattr(scheme, "group_size"):
         raise ConfigError(f"search needs a group-wise integer scheme (awq-w4a16, gptq-w4a16), not {scheme.name}")
     check_loadable(base.path)
-    tok = AutoTokenizer.from_pretrained(base.path, **TOKENIZER_KWARGS)
+    tok = load_tokenizer(base.path)
     model = load_causal_lm(base.path, dtype=torch.float32).eval()
     scheme.check_model(model)
     rows = [json.loads(x) for x in (calib.path / "data.jsonl").read_text().splitlines() if x.strip()][: cfg.samples]
