@@ -137,7 +137,7 @@ def test_a_failed_sample_quotes_its_first_rejects_names_the_worst_partitions_and
     err = capsys.readouterr().err
     assert f"{logs} (3 files): 37 of 67 records are malformed (55%, more than calibrate.max_reject_fraction = 0.5); " \
            "most in b.jsonl (30 of 40), c.jsonl (5 of 5), a.jsonl (2 of 22)\n" in err, err
-    assert f"the first rejects:\n    {logs / 'a.jsonl'}:21: record has neither 'messages' nor 'prompt'\n" \
+    assert f"broke off (its lines before may be garbage):\n    {logs / 'a.jsonl'}:21: record has neither 'messages' nor 'prompt'\n" \
            f"    {logs / 'a.jsonl'}:22: record has neither 'messages' nor 'prompt'\n    {logs / 'b.jsonl'}:11: invalid JSON" in err, err
     assert f"every reject, with its file, line and reason: {kept}\n" in err
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
@@ -146,6 +146,14 @@ def test_a_failed_sample_quotes_its_first_rejects_names_the_worst_partitions_and
         [("a.jsonl", 21), ("a.jsonl", 22)] + [("b.jsonl", i) for i in range(11, 41)] + [("c.jsonl", i) for i in range(1, 6)]
     assert main(argv + ["--max-reject-fraction", "0.6"]) == 0
     assert not kept.exists() and len((out / "rejects.jsonl").read_text().splitlines()) == 37
+    # a gzip partition cut off mid-stream: where it broke is quoted too, though not among the first rejects
+    import gzip
+
+    body = gzip.compress(("\n".join(["not json either"] * 40) + "\n").encode())
+    (logs / "d.jsonl.gz").write_bytes(body[:len(body) // 2])
+    assert main(argv + ["--out", str(tmp_path / "out3")]) == 1
+    err = capsys.readouterr().err
+    assert re.search(rf"\n    {re.escape(str(logs / 'd.jsonl.gz'))}:\d+: compressed stream corrupt or truncated after line \d+", err), err
 
 
 def test_too_little_traffic_names_the_fix(tmp_path):

@@ -105,17 +105,22 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
         states = progress(states, f"calibrate: scanning {len(fresh)} of {len(parts)} partitions ({engine}{reused})",
                           unit="partition", total=len(parts))
     quoted: list[bytes] = []         # the first few rejects, quoted by an error
+    broken: list[bytes] = []         # the reject that ends each compressed stream that broke off
     with open(out / "rejects.jsonl", "wb") as rej:
         for st, rejects in states:  # in partition order: the merged state is the same whatever ran the scans
             rej.write(rejects)
             if len(quoted) < _QUOTED and rejects:
                 quoted += rejects.splitlines()[:_QUOTED - len(quoted)]
+            last = rejects[rejects.rfind(b"\n", 0, len(rejects) - 1) + 1:]
+            if b'"reason": "compressed stream' in last:   # reader.truncated: the partition's last reject
+                broken.append(last)
             state.merge(st)
             del st, rejects         # not alive beside the next partition's scan: memory is one sample plus one scan
     if cache:
         cache.prune()
     source_name = str(traffic) if not many else f"{traffic} ({len(parts)} files)"
     try:
+        quoted += [b for b in broken[:_QUOTED] if b not in quoted]
         calib, shadow, counts = _select(state, config, source_name, [json.loads(r) for r in quoted])
     except InputError as e:
         raise _naming_rejects(e, out / "rejects.jsonl", failed_rejects) from None
@@ -171,7 +176,7 @@ def _in_order(parts: list, keys: list, fresh: set[int], scans, cache: ScanCache 
 
 def _select(state: SampleState, config: SampleConfig, source: str, quoted: list[dict]) -> tuple[list, list, dict]:
     """Calibration and shadow rows, and the counts: exact where the samples hold every distinct prompt, else the
-    sketches' estimates with their bounds. quoted: the first rejects, quoted when there are too many."""
+    sketches' estimates with their bounds. quoted: the rejects an error quotes when there are too many."""
     # a prompt under two routes sits in two strata: its first occurrence (file, line) keeps it
     first: dict[bytes, tuple] = {}
     for stratum, bk in state.strata.items():
@@ -214,7 +219,8 @@ def _check_counts(traffic: str, stats: dict, available: int, config: SampleConfi
         raise InputError(
             f"{traffic}: {rejected} of {records} records are malformed ({frac:.0%}, more than "
             f"calibrate.max_reject_fraction = {config.max_reject_fraction}){_worst(partitions)}",
-            hint="expected OpenAI chat 'messages' or 'prompt' records, one JSON object per line; the first rejects:"
+            hint="expected OpenAI chat 'messages' or 'prompt' records, one JSON object per line; the first rejects, "
+                 "and where any compressed stream broke off (its lines before may be garbage):"
                  + "".join(f"\n    {r['file']}:{r['line']}: {r['reason']}" for r in quoted),
         )
     if available < config.calib_size + config.shadow_size:   # exact: a sample holds every prompt until it is full
