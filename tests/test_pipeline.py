@@ -123,6 +123,9 @@ def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
     assert not (tmp_path / "o").exists()                  # nothing created for a run that could not start
     assert main(["quantize", "--bogus"]) == 1
     (tmp_path / "bad.jsonl").write_text("\n".join([json.dumps({"prompt": f"p {i}"}) for i in range(10)] + ["{oops"] * 11))
+    assert main(["run", str(_spec(tmp_path, workdir, traffic="missing.jsonl"))]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'missing.jsonl'}: traffic log not found" in err and "> model" not in err   # before the model stage
     assert main(["run", str(_spec(tmp_path, workdir, traffic="bad.jsonl"))]) == 1   # the calibrate stage fails
     err = capsys.readouterr().err
     kept = tmp_path / "work" / "calib.rejects.jsonl"

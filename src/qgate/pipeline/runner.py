@@ -389,8 +389,12 @@ def _run(spec: PipelineSpec, echo: Callable[[str], None], parallel: str = "seria
         bar.update(1)
         return art
 
+    from qgate.calibrate.sources import list_partitions
+
+    traffic = spec.traffic_source()
+    parts = list_partitions(traffic)        # a missing traffic log fails here, not after the model's import
     base = step(model_stage(r, spec))
-    calib, shadow, profile = calibrate_stage(r, spec, spec.traffic_source(), engine=parallel)
+    calib, shadow, profile = calibrate_stage(r, spec, traffic, engine=parallel, parts=parts)
     step(calib)
     gate_cfg = spec.gate_config()
     echo("  > baseline shadow reference and noise floor (cached per baseline) ...")
