@@ -1,6 +1,7 @@
 """The drift job: traffic and quality drift, the scheduled run, its lock, and re-runs after a kill."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -163,6 +164,7 @@ def test_drift_check_exit_codes_reports_and_registry_tags(fresh, monkeypatch, ca
     assert main(["drift", "check", "--spec", spec, "--traffic", str(root / "same.jsonl")]) == 0
     err = capsys.readouterr().err
     assert "quality kl_mean" in err and "NO-DRIFT" in err
+    assert len(re.findall(r"quality caveat: \d+ of \d+ shadow prompts are longer than gates.shadow.max_prompt_tokens \(48;", err)) == 1
     assert main(["drift", "check", "--spec", spec, "--traffic", str(root / "shifted.jsonl")]) == 3
     out = capsys.readouterr()
     assert "drift check: DRIFT" in out.out and "route moved" in out.err
@@ -170,6 +172,8 @@ def test_drift_check_exit_codes_reports_and_registry_tags(fresh, monkeypatch, ca
     report = json.loads((root / "work/drift").joinpath(report_path.split("/drift/")[1]).with_name("drift.json").read_text())
     assert report["verdict"] == "drift" and {r["facet"] for r in report["traffic"] if r["verdict"] == "drift"} >= {"route", "length"}
     assert report["quality"]["gated"]["kl_mean"] >= 0 and "<img" in open(report_path).read()
+    cut = report["quality"]["scoring"]["prompts_cut"]
+    assert cut > 0 and f"<b>{cut} of them were cut</b> to their last 48 tokens" in open(report_path).read()
     tags = _client(root).get_model_version("tiny-llm", _alias(root)).tags
     assert tags["qgate.drift.verdict"] == "drift" and tags["qgate.drift.report_artifact"].startswith("runs:/")
     assert main(["drift", "check", "--spec", spec, "--traffic", str(root / "missing.jsonl")]) == 1

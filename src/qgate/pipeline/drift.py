@@ -92,6 +92,9 @@ def _check(spec: PipelineSpec, recent: str | Path, sha: str, parts: list, engine
                 ci = f" [{x['ci'][0]:.4g}, {x['ci'][1]:.4g}]" if x["ci"] else ""     # defined_logits has none
                 echo(f"  quality {x['metric']:16s} when gated {then if then is None else f'{then:.4g}'}  recent {x['observed']:.4g}"
                      f"{ci}  threshold {x['threshold']:g}  {x['verdict'].upper()}")
+        caveats = {x["evidence"]["caveat"] for x in quality["results"] if x["threshold"] is not None and x["evidence"].get("caveat")}
+        for c in sorted(caveats):
+            echo(f"  quality caveat: {c}")
         bad = quality["verdict"] in ("fail", "error") or (quality["verdict"] == "inconclusive" and gate_cfg.on_inconclusive == "block")
         if bad:
             reasons.append(f"production's shadow gate is {quality['verdict'].upper()} on the recent traffic")

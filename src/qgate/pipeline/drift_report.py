@@ -54,6 +54,15 @@ def _num(x) -> str:
     return "" if x is None else f"{x:.4g}"
 
 
+def _cut(scoring: dict) -> str:
+    """The prompts the re-gate scored on their last max_prompt_tokens tokens: longer recent traffic shows here."""
+    if not scoring.get("prompts_cut"):
+        return ""
+    return (f" <b>{scoring['prompts_cut']} of them were cut</b> to their last {scoring['max_prompt_tokens']} tokens "
+            f"(<code>gates.shadow.max_prompt_tokens</code>; the longest has {scoring['longest_prompt_tokens']}): the "
+            "checks say nothing of longer contexts.")
+
+
 def _quality(q: dict | None) -> str:
     if q is None:
         return "<h2>Quality drift</h2><p>Not checked (drift.quality: false).</p>"
@@ -68,7 +77,7 @@ def _quality(q: dict | None) -> str:
                     f"<td>{_num(then)}</td><td>{_num(r['observed'])}</td><td>{ci}</td><td>{thr}</td><td>{r['n']}</td></tr>")
     return (f"<h2>Quality drift: <span style='color:{_VCOLOR[q['verdict']]}'>{q['verdict'].upper()}</span></h2>"
             f"<p>Production re-gated against the baseline with the same shadow gate, on {q['scoring']['prompts']} fresh shadow "
-            f"prompts from the recent traffic ({q['scoring']['gated_positions']} gated positions).</p>"
+            f"prompts from the recent traffic ({q['scoring']['gated_positions']} gated positions).{_cut(q['scoring'])}</p>"
             "<table><tr><th></th><th>check</th><th>when gated</th><th>recent traffic</th><th>95% CI</th><th>threshold</th>"
             f"<th>n</th></tr>{''.join(rows)}</table>")
 
