@@ -150,10 +150,12 @@ def _read_jsonl(part: Partition, max_line_bytes: int) -> Iterator[Request | Reje
         yield truncated(n, e)
 
 
+STREAM_BROKE = "compressed stream corrupt or truncated"   # how the reason of `truncated`'s Reject begins
+
+
 def truncated(n: int, e: Exception) -> Reject:
     """The Reject that ends a compressed stream which failed after line n."""
-    return Reject(n + 1, f"compressed stream corrupt or truncated after line {n} ({type(e).__name__}: {e}); "
-                         "the rest of the file is unread", "")
+    return Reject(n + 1, f"{STREAM_BROKE} after line {n} ({type(e).__name__}: {e}); the rest of the file is unread", "")
 
 
 def parse_line(n: int, raw: bytes | None, max_line_bytes: int) -> Request | Reject | None:

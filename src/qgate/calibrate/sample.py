@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
-from qgate.calibrate.reader import MAX_LINE_BYTES
+from qgate.calibrate.reader import MAX_LINE_BYTES, STREAM_BROKE
 from qgate.calibrate.scan_cache import ScanCache
 from qgate.calibrate.sources import combined_sha256, explained, is_uri, list_partitions
 from qgate.calibrate.state import SampleState
@@ -112,15 +112,15 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
             if len(quoted) < _QUOTED and rejects:
                 quoted += rejects.splitlines()[:_QUOTED - len(quoted)]
             last = rejects[rejects.rfind(b"\n", 0, len(rejects) - 1) + 1:]
-            if b'"reason": "compressed stream' in last:   # reader.truncated: the partition's last reject
+            if _BROKE in last:     # reader.truncated: the partition's last reject
                 broken.append(last)
             state.merge(st)
             del st, rejects         # not alive beside the next partition's scan: memory is one sample plus one scan
     if cache:
         cache.prune()
     source_name = str(traffic) if not many else f"{traffic} ({len(parts)} files)"
+    quoted += [b for b in broken[:_QUOTED] if b not in quoted]
     try:
-        quoted += [b for b in broken[:_QUOTED] if b not in quoted]
         calib, shadow, counts = _select(state, config, source_name, [json.loads(r) for r in quoted])
     except InputError as e:
         raise _naming_rejects(e, out / "rejects.jsonl", failed_rejects) from None
@@ -241,6 +241,7 @@ def _worst(partitions: list[dict], shown: int = 3) -> str:
 
 
 _QUOTED = 3
+_BROKE = json.dumps({"reason": STREAM_BROKE})[1:-2].encode()   # as reject_lines writes it: '"reason": "compressed ...'
 
 
 def _naming_rejects(e: InputError, path: Path, keep: Path | None) -> InputError:

@@ -179,7 +179,6 @@ def _rendering_diffs(btok, ctok, rows: list[dict]) -> tuple[list[dict], int]:
 
 
 def contract_gate(candidate: Artifact, baseline: Artifact, rows: list[dict], cfg: ContractConfig) -> list[GateResult]:
-
     from qgate.trust import check_loadable, load_tokenizer
 
     cdir, genai = served_files(candidate)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from qgate.gates.result import caveats
+
 ICON = {"pass": "✅ PASS", "fail": "❌ FAIL", "inconclusive": "⚠️ INCONCLUSIVE", "error": "⛔ ERROR", "info": "ℹ️ info"}
 
 
@@ -52,13 +54,9 @@ def version_description(report: dict, meta: dict, report_uri: str) -> str:
     if scored:
         parts += [f"Shadow gate: {scored.get('prompts')} held-out traffic prompts, {scored.get('gated_positions')} gated "
                   f"{scored.get('positions')} positions (chat-template tokens excluded).", ""]
-    weakened: dict[str, list[str]] = {}     # one line per caveat, naming every check it weakens
-    for r in report["results"]:
-        if r["threshold"] is not None and r["evidence"].get("caveat"):
-            weakened.setdefault(r["evidence"]["caveat"], []).append(f"`{r['gate']}.{r['metric']}`")
-    caveats = [f"- {', '.join(checks)}: {c}" for c, checks in weakened.items()]
-    if caveats:
-        parts += ["**Caveats**", "", *caveats, ""]
+    weakened = [f"- {', '.join(f'`{k}`' for k in checks)}: {c}" for c, checks in caveats(report["results"]).items()]
+    if weakened:      # one line per caveat, naming every check it weakens
+        parts += ["**Caveats**", "", *weakened, ""]
     if info:
         parts += ["Reported, not gated: " + "; ".join(f"`{r['gate']}.{r['metric']}` {_num(r['observed'])}" for r in info), ""]
     parts += ["**Lineage**", "", "| | |", "|---|---|"] + [f"| {k} | `{v}` |" for k, v in lineage]

@@ -121,6 +121,16 @@ def _n_to_decide(observed: float, threshold: float, ci: tuple[float, float] | No
     return int(math.ceil(n * (half / gap) ** 2))
 
 
+def caveats(results: list[dict]) -> dict[str, list[str]]:
+    """Each caveat on a gated check (evidence.caveat), in the order first met, with the checks ("gate.metric") it
+    weakens: one caveat, such as cut shadow prompts, can weaken several."""
+    out: dict[str, list[str]] = {}
+    for r in results:
+        if r["threshold"] is not None and r["evidence"].get("caveat"):
+            out.setdefault(r["evidence"]["caveat"], []).append(f"{r['gate']}.{r['metric']}")
+    return out
+
+
 def overall(results: list[GateResult]) -> str:
     """The report's verdict: any fail or error fails it; else any inconclusive makes it inconclusive."""
     vs = {r.verdict for r in results}

@@ -62,6 +62,7 @@ def drift_check(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], No
 def _check(spec: PipelineSpec, recent: str | Path, sha: str, parts: list, engine: str, echo: Callable[[str], None],
            record: bool) -> dict:
     from qgate.calibrate.drift import traffic_drift
+    from qgate.gates.result import caveats
     from qgate.gates.run import shadow_check
     from qgate.pipeline.drift_report import write_drift_report
     from qgate.registry.evidence import production_evidence, record_drift
@@ -92,8 +93,7 @@ def _check(spec: PipelineSpec, recent: str | Path, sha: str, parts: list, engine
                 ci = f" [{x['ci'][0]:.4g}, {x['ci'][1]:.4g}]" if x["ci"] else ""     # defined_logits has none
                 echo(f"  quality {x['metric']:16s} when gated {then if then is None else f'{then:.4g}'}  recent {x['observed']:.4g}"
                      f"{ci}  threshold {x['threshold']:g}  {x['verdict'].upper()}")
-        caveats = {x["evidence"]["caveat"] for x in quality["results"] if x["threshold"] is not None and x["evidence"].get("caveat")}
-        for c in sorted(caveats):
+        for c in caveats(quality["results"]):
             echo(f"  quality caveat: {c}")
         bad = quality["verdict"] in ("fail", "error") or (quality["verdict"] == "inconclusive" and gate_cfg.on_inconclusive == "block")
         if bad:

@@ -227,10 +227,9 @@ def _check_engine(v: VariantSpec, where: str) -> None:
 
 def _check_semantics(spec: PipelineSpec) -> None:
     """Fail at load time, not an hour in: scheme names, option names, thresholds, unique variant names."""
+    from qgate.calibrate.sample import SampleConfig
     from qgate.engines.build import engine_config
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
-
-    from qgate.calibrate.sample import SampleConfig
 
     SampleConfig(**spec.calibrate.model_dump())    # sizes, the malformed-records limit
     names = [v.name for v in spec.variants]
