@@ -22,6 +22,20 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 LOAD_KWARGS = {"trust_remote_code": False, "use_safetensors": True}
 TOKENIZER_KWARGS = {"trust_remote_code": False}
 _REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
+# What a serving stack reads to turn text into ids and back, in any of the layouts Transformers saves or reads.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    """Copy `src`'s tokenizer files (TOKENIZER_FILES) into `dst` unchanged; returns their names. Saving a loaded
+    tokenizer instead rewrites them (Transformers adds its loading arguments to tokenizer_config.json)."""
+    import shutil
+
+    names = [n for n in TOKENIZER_FILES if (Path(src) / n).is_file()]
+    for n in names:
+        shutil.copyfile(Path(src) / n, Path(dst) / n)
+    return names
 
 
 def load_tokenizer(path: Path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Annotated
 
 import typer
 from typer._click.exceptions import NoArgsIsHelpError  # typer 0.29 vendors click: its classes, not click's
@@ -17,6 +18,36 @@ from qgate.errors import EXIT_ERROR, GateFailed, PromotionRefused, QgateError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Quantize LLMs, gate them on real traffic, promote only what passes.")
+VERSIONED = ("torch", "transformers", "llmcompressor", "compressed-tensors", "onnxruntime-genai", "mlflow", "lm-eval")
+
+
+def version_line() -> str:
+    """qgate's version and those of the libraries whose behaviour a gate verdict depends on (read from package
+    metadata: nothing heavy is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    libs = ", ".join(f"{n} {v(n)}" for n in VERSIONED)
+    return f"qgate {v('qgate')} (python {sys.version.split()[0]}; {libs})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                help="Print qgate's version and its libraries' versions, then exit.")] = False) -> None:
+    pass
+
+
 app.add_typer(calibrate.app, name="calibrate")
 app.add_typer(model.app, name="model")
 app.add_typer(engine.app, name="engine")

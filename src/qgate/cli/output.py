@@ -196,7 +196,8 @@ def checkpoint_line(art) -> str:
             parts.append(f"KV cache {m['kv_cache_dtype']}")
         if m.get("fallback_layers"):
             parts.append(f"{len(m['fallback_layers'])} layers at {m.get('fallback_bits')} bits")
-        parts.append(f"{m.get('bits_per_weight', float('nan')):.2f} bits/weight, {mb}")
+        bits = m.get("bits_per_weight")
+        parts.append(f"{bits:.2f} bits/weight, {mb}" if bits is not None else f"bits/weight unknown, {mb}")
         if m.get("calibration_samples"):
             parts.append(f"{m['calibration_samples']} calibration samples")
         parts.append(f"quantized in {m.get('quantize_seconds', 0):.0f} s")

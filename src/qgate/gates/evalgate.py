@@ -3,14 +3,17 @@
     scores = run_tasks(runner, EvalConfig().tasks)       # {task: {"kind", "per_item", ...}}
     results = eval_gate(base_scores, cand_scores, EvalConfig())
 
-Multiple-choice tasks: recovery ratio (candidate accuracy / baseline accuracy) with a
-paired confidence interval, and an exact McNemar test on the items that flipped; a
-significant loss fails the task whatever the recovery. With `pool: true` the items of
-every multiple-choice task are pooled into one gated check (`mc_pooled.recovery`), so
-its power comes from all of them; the per-task rows are then reported, not gated, except that a task whose McNemar
-loss stays significant after Holm's correction over the pooled tasks fails: pooling must not hide a loss concentrated
-in one capability (one task of six losing 36 items and gaining 5, say) behind the others. Perplexity tasks: relative
-increase in bits per byte, with a paired bootstrap interval over documents.
+Each check follows the one rule it states (`decided_on`):
+- Multiple-choice tasks: recovery (candidate accuracy / baseline accuracy) with a paired Agresti-Min interval.
+  PASS when the 95% CI lies above `min_recovery`, FAIL when it lies wholly below, INCONCLUSIVE otherwise ("ci").
+- `pool: true`: the items of every multiple-choice task form one gated check (`mc_pooled.recovery`), so its power
+  comes from all of them. Each task's row is then a guard against a loss that pooling hides ("holm-guard"): the
+  same `min_recovery` margin, on intervals adjusted by Holm's step-down procedure over the pooled tasks (family-wise
+  95%); a task fails when its adjusted interval lies wholly below the margin, and is otherwise reported.
+- `significant_loss_alpha` (off by default): its own row per gated recovery check (`<task>.no_significant_loss`),
+  the exact one-sided McNemar p-value of a loss among the flipped items; FAIL below alpha ("point"). Without it a
+  loss smaller than the margin passes however significant, which is what a margin means.
+- Perplexity tasks: relative increase in bits per byte, with a paired bootstrap interval over documents ("ci").
 Label bias: a task whose baseline picks one answer position on LABEL_BIAS of its items or more is flagged
 (`evidence.caveat`), and the pooled check also states its recovery and mde over the items of the other tasks: items
 a model answers by position add n without adding power against a loss of knowledge.
@@ -28,7 +31,7 @@ import yaml
 
 from qgate.errors import ConfigError
 from qgate.gates.result import GateResult
-from qgate.gates.stats import holm, mcnemar_exact, paired_binary_ci, paired_bootstrap
+from qgate.gates.stats import agresti_min, holm, mcnemar_exact, paired_binary_ci, paired_bootstrap
 from qgate.naming import Registry
 
 TASK_DIR = Path(__file__).parent / "tasks"
@@ -48,17 +51,19 @@ DEFAULT_TASKS = ("bigbench_general_knowledge", "bigbench_social_iqa", "bigbench_
 class EvalConfig:
     tasks: tuple[str, ...] = DEFAULT_TASKS
     limit: int | None = None             # items per task; None: all
-    min_recovery: float | None = 0.9     # candidate acc / baseline acc, on the CI lower bound
-    alpha: float = 0.05                  # McNemar: a significant loss fails the task
-    max_bpb_increase: float | None = 0.05   # perplexity tasks: relative increase, on the CI upper bound
-    pool: bool = False                   # one gated check over all multiple-choice items; per-task rows report-only
-    VERSION = 3                          # 3: chosen answer per item, label-bias diagnostic
+    min_recovery: float | None = 0.9     # candidate acc / baseline acc: PASS needs the 95% CI above it
+    max_bpb_increase: float | None = 0.05   # perplexity tasks: relative increase: PASS needs the 95% CI below it
+    pool: bool = False                   # one gated check over all multiple-choice items; per-task rows are guards
+    significant_loss_alpha: float | None = None   # a number: also FAIL a recovery check's items on an exact McNemar
+                                                  # loss (one-sided p below it), as its own row; None: off
+    VERSION = 4                          # 4: one rule per check (recovery on its CI alone; Holm-adjusted task guards)
 
     def __post_init__(self):
         for t in self.tasks:
             TASKS.get(t)
-        if not 0 < self.alpha < 1:
-            raise ConfigError(f"gates.eval.alpha must be in (0, 1), got {self.alpha}")
+        a = self.significant_loss_alpha
+        if a is not None and not 0 < a < 1:
+            raise ConfigError(f"gates.eval.significant_loss_alpha must be in (0, 1) or null (off), got {a}")
 
 
 def task_config(name: str) -> dict:
@@ -94,6 +99,7 @@ def _compile_templates_once() -> None:
     lm_utils.apply_template = apply_template
 
 
+SCORES_VERSION = 3   # of what run_tasks returns (3: the chosen answer per item): the baseline's cached scores' key
 NO_ANSWER = -1   # the chosen answer of an item whose every choice has log-likelihood -inf
 
 
@@ -150,18 +156,25 @@ def _bias_caveat(b: dict) -> str:
             f"{b['index']} on {b['gold_share']:.0%}), so these items carry little evidence of a loss")
 
 
-def _mc_check(name: str, bc: np.ndarray, cc: np.ndarray, min_recovery: float | None, alpha: float,
+def _mc_check(name: str, bc: np.ndarray, cc: np.ndarray, min_recovery: float | None,
               evidence: dict | None = None) -> GateResult:
+    """Recovery with its 95% Agresti-Min interval, decided on that interval alone."""
     test = mcnemar_exact(bc, cc)
     delta, lo, hi = paired_binary_ci(bc, cc)
     base_acc, cand_acc = float(bc.mean()), float(cc.mean())
     rec = cand_acc / base_acc if base_acc > 0 else float("nan")
     ci = ((base_acc + lo) / base_acc, (base_acc + hi) / base_acc) if base_acc > 0 else None
     ev = {"base_acc": base_acc, "cand_acc": cand_acc, "delta": delta, "delta_ci": [lo, hi], **test, **(evidence or {})}
-    r = GateResult.check("eval", f"{name}.recovery", rec, min_recovery, True, len(bc), ci, test["p_value"], ev)
-    if min_recovery is not None and test["p_value"] < alpha and test["lost"] > test["gained"]:
-        r = r.failed("mcnemar")   # a significant regression overrides recovery
-    return r
+    return GateResult.check("eval", f"{name}.recovery", rec, min_recovery, True, len(bc), ci, test["p_value"], ev)
+
+
+def _loss_check(name: str, r: GateResult, alpha: float) -> GateResult:
+    """The named no-significant-loss check beside recovery check `r`: the exact one-sided McNemar p-value of a loss,
+    which must be at least alpha."""
+    ev = r.evidence
+    return GateResult.check("eval", f"{name}.no_significant_loss", ev["p_loss"], alpha, True, r.n, p_value=ev["p_loss"],
+                            evidence={"lost": ev["lost"], "gained": ev["gained"], "test": "exact McNemar, one-sided (loss)",
+                                      "why": f"{ev['lost']} items lost and {ev['gained']} gained: a significant loss"})
 
 
 def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
@@ -173,7 +186,9 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
             bias = label_bias(b)
             ev = {} if bias is None else {"label_bias": bias} | ({"caveat": _bias_caveat(bias)} if bias["flagged"] else {})
             mc_rows.append(len(results))
-            results.append(_mc_check(name, bc, cc, None if cfg.pool else cfg.min_recovery, cfg.alpha, ev))
+            results.append(_mc_check(name, bc, cc, None if cfg.pool else cfg.min_recovery, ev))
+            if cfg.significant_loss_alpha is not None and not cfg.pool:
+                results.append(_loss_check(name, results[-1], cfg.significant_loss_alpha))
             pooled_b.append(bc)
             pooled_c.append(cc)
             pooled_tasks.append(name)
@@ -186,7 +201,8 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
             results.append(GateResult.check("eval", f"{name}.bpb_increase", cand_bpb / base_bpb - 1, cfg.max_bpb_increase,
                                             False, len(nb), ci, None, ev))
     if cfg.pool and pooled_b:
-        _fail_task_losses(results, mc_rows, cfg.alpha)
+        if cfg.min_recovery is not None:
+            _guard_tasks(results, mc_rows, pooled_b, pooled_c, cfg.min_recovery)
         ev: dict = {"tasks": pooled_tasks}
         if any(biased):
             keep = [i for i, f in enumerate(biased) if not f]
@@ -194,7 +210,7 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
             ev["label_biased_tasks"] = [t for t, f in zip(pooled_tasks, biased, strict=True) if f]
             if keep:
                 rest = _mc_check("informative", np.concatenate([pooled_b[i] for i in keep]),
-                                 np.concatenate([pooled_c[i] for i in keep]), cfg.min_recovery, cfg.alpha)
+                                 np.concatenate([pooled_c[i] for i in keep]), cfg.min_recovery)
                 ev["informative"] = {"n": rest.n, "observed": rest.observed, "ci": list(rest.ci) if rest.ci else None,
                                      "mde": rest.mde}
                 tail = (f"over the other {rest.n} items the recovery is {rest.observed:.3f}, mde "
@@ -203,16 +219,45 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
                 tail = "no pooled task is free of it, so this check's power against a real loss is unknown"
             ev["caveat"] = (f"{n_biased} items come from tasks the baseline answers by label bias "
                             f"({', '.join(ev['label_biased_tasks'])}); {tail}")
-        results.insert(0, _mc_check("mc_pooled", np.concatenate(pooled_b), np.concatenate(pooled_c), cfg.min_recovery,
-                                    cfg.alpha, ev))
+        pooled = _mc_check("mc_pooled", np.concatenate(pooled_b), np.concatenate(pooled_c), cfg.min_recovery, ev)
+        head = [pooled] + ([_loss_check("mc_pooled", pooled, cfg.significant_loss_alpha)]
+                           if cfg.significant_loss_alpha is not None else [])
+        results[:0] = head
     return results
 
 
-def _fail_task_losses(results: list[GateResult], rows: list[int], alpha: float) -> None:
-    """Pooled mode: fail each report-only task row (results[i] for i in rows: the multiple-choice tasks) whose McNemar
-    loss is significant after Holm's correction over those tasks (family-wise error alpha), in place."""
-    adjusted = holm([results[i].p_value for i in rows])
-    for i, p in zip(rows, adjusted, strict=True):
-        r = results[i]
-        r = replace(r, evidence=r.evidence | {"p_holm": p, "holm_tasks": len(rows)})
-        results[i] = r.failed("mcnemar-holm") if p < alpha and r.evidence["lost"] > r.evidence["gained"] else r
+GUARD_ERROR = 0.025   # one-sided, family-wise: the bad side of a two-sided 95% interval
+
+
+def _guard_tasks(results: list[GateResult], rows: list[int], base: list[np.ndarray], cand: list[np.ndarray],
+                 margin: float) -> None:
+    """Pooled mode: each task's row (results[i] for i in rows, with items base[j], cand[j]) becomes a guard at the
+    pooled check's margin, in place. Holm's step-down over the tasks, as intervals: in order of the one-sided p-value
+    of "recovery >= margin", the task at step s (of m) gets the Agresti-Min interval at z = z(1 - GUARD_ERROR/(m - s));
+    it fails when that interval lies wholly below the margin and every task before it failed. That is Holm's test of
+    a loss beyond the margin at family-wise error GUARD_ERROR, the bad side of the gated check's 95% CI."""
+    from scipy.stats import norm
+
+    m = len(rows)
+    p_one = []
+    for b, c in zip(base, cand, strict=True):
+        acc = float(b.mean())
+        d, se = agresti_min(b, c)
+        d0 = (margin - 1.0) * acc                        # the margin as an accuracy difference
+        p_one.append(float(norm.cdf((d - d0) / se)) if acc > 0 and se > 0 else 1.0)
+    adjusted = holm(p_one)
+    failing = True
+    for step, j in enumerate(sorted(range(m), key=lambda j: p_one[j])):
+        r, acc = results[rows[j]], float(base[j].mean())
+        level = 1 - 2 * GUARD_ERROR / (m - step)
+        _, lo, hi = paired_binary_ci(base[j], cand[j], z=float(norm.ppf(1 - GUARD_ERROR / (m - step))))
+        ci = ((acc + lo) / acc, (acc + hi) / acc) if acc > 0 else (float("nan"), float("nan"))
+        ev = r.evidence | {"ci_95_unadjusted": list(r.ci) if r.ci else None, "holm_step": step + 1, "holm_tasks": m,
+                           "adjusted_level": level, "p_holm": adjusted[j], "rule": "holm-guard at the pooled margin"}
+        g = GateResult.guard("eval", r.metric, r.observed, margin, True, r.n, ci, may_fail=failing, p_value=adjusted[j],
+                             evidence=ev)
+        if g.verdict == "fail":
+            g = replace(g, evidence=g.evidence | {"why": f"recovery {r.observed:.3f}: its Holm-adjusted {level:.2%} interval "
+                                                         f"lies wholly below {margin:g}, a loss pooling would hide"})
+        failing = g.verdict == "fail"
+        results[rows[j]] = g

@@ -2,13 +2,15 @@
 
     GateResult.check("shadow", "kl_p99", observed=0.08, threshold=0.1, higher_is_better=False, n=4800, ci=(0.07, 0.09))
 
-One verdict vocabulary, decided here and nowhere else:
-  pass          the 95% CI lies wholly on the right side of the threshold;
-  fail          the CI lies wholly on the wrong side (or a significance test found a loss);
-  inconclusive  the CI straddles the threshold: the evidence cannot tell, and says roughly how many
-                more items would (`n_to_decide`);
-  error         the check could not run: never a pass;
-  info          report-only (no threshold).
+One verdict vocabulary, decided here and nowhere else. A check follows one rule, named in `decided_on`:
+  "ci"          pass when the 95% CI lies wholly on the good side of the threshold, fail when it lies wholly on
+                the bad side, inconclusive when it straddles it (saying roughly how many more items would decide,
+                `n_to_decide`);
+  "point"       no CI (a significance test's p-value, an infinite observation, a count): the observed value
+                against the threshold;
+  "holm-guard"  a guard (`GateResult.guard`): fail when its multiplicity-adjusted CI lies wholly on the bad side,
+                otherwise reported (info): it can stop a candidate, never pass one;
+  "report-only" no threshold (info); "not-run": the check could not run (error, never a pass).
 An unbounded CI end (a quantile the sample cannot pin down) can never decide in its favour.
 Every thresholded check with a CI also states its minimum detectable effect at its n (`mde`):
 the true distance from the observed value that an 80%-power test at this CI's width would detect.
@@ -33,7 +35,7 @@ class GateResult:
     ci: tuple[float, float] | None = None
     p_value: float | None = None
     passed: bool = False
-    decided_on: str = "point"       # "ci" / "point" / "mcnemar" / "mcnemar-holm" / "report-only" / "not-run"
+    decided_on: str = "point"       # the rule that decided the verdict: "ci" / "point" / "holm-guard" / "report-only" / "not-run"
     evidence: dict = field(default_factory=dict)
     verdict: str = "fail"
     mde: float | None = None        # minimum detectable effect at this n (metric units)
@@ -69,11 +71,18 @@ class GateResult:
     def could_not_run(cls, gate: str, metric: str, reason: str) -> "GateResult":
         return cls(gate, metric, float("nan"), None, True, 0, None, None, False, "not-run", {"error": reason}, "error")
 
-    def failed(self, how: str, **evidence) -> "GateResult":
-        """The same check, failed by a test that overrides the CI (e.g. a significant McNemar loss)."""
-        from dataclasses import replace
-
-        return replace(self, passed=False, verdict="fail", decided_on=how, n_to_decide=None, evidence=self.evidence | evidence)
+    @classmethod
+    def guard(cls, gate: str, metric: str, observed: float, threshold: float, higher_is_better: bool, n: int,
+              ci: tuple[float, float], may_fail: bool = True, p_value: float | None = None,
+              evidence: dict | None = None) -> "GateResult":
+        """A check that can stop a candidate but never pass one: fail when `ci` (already adjusted for the other
+        guards it is tested beside) lies wholly on the bad side of `threshold` and `may_fail` (a step-down procedure
+        such as Holm's has not stopped before it); otherwise info, reported with its threshold."""
+        sign = 1.0 if higher_is_better else -1.0
+        best = ci[1] if higher_is_better else ci[0]     # the CI end nearest passing: wholly bad when even it is bad
+        failed = may_fail and math.isfinite(best) and sign * (best - threshold) < 0
+        return cls(gate, metric, observed, threshold, higher_is_better, n, ci, p_value, not failed, "holm-guard",
+                   evidence or {}, "fail" if failed else "info", _mde(ci))
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -122,11 +131,12 @@ def _n_to_decide(observed: float, threshold: float, ci: tuple[float, float] | No
 
 
 def caveats(results: list[dict]) -> dict[str, list[str]]:
-    """Each caveat on a gated check (evidence.caveat), in the order first met, with the checks ("gate.metric") it
-    weakens: one caveat, such as cut shadow prompts, can weaken several."""
+    """Each caveat on a check that reached a verdict (evidence.caveat), in the order first met, with the checks
+    ("gate.metric") it weakens: one caveat, such as cut shadow prompts, can weaken several. Report-only rows, a guard
+    that did not fail among them, decided nothing for a caveat to weaken."""
     out: dict[str, list[str]] = {}
     for r in results:
-        if r["threshold"] is not None and r["evidence"].get("caveat"):
+        if r["threshold"] is not None and r["verdict"] != "info" and r["evidence"].get("caveat"):
             out.setdefault(r["evidence"]["caveat"], []).append(f"{r['gate']}.{r['metric']}")
     return out
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from qgate.artifact import Artifact, sha256_json, sha256_tree, typed_config
 from qgate.cache import read_cached, write_cached
 from qgate.gates.contract import ContractConfig, contract_gate
-from qgate.gates.evalgate import TASK_DIR, EvalConfig, eval_gate, run_tasks
+from qgate.gates.evalgate import SCORES_VERSION, TASK_DIR, EvalConfig, eval_gate, run_tasks
 from qgate.gates.noise import check_thresholds, noise_floor
 from qgate.gates.report import write_report
 from qgate.errors import ConfigError
@@ -68,7 +68,7 @@ def _describe(art: Artifact, name: str | None = None) -> dict:
 
 
 def _cached_eval(runner_factory, baseline: Artifact, cfg: EvalConfig, cache_dir: Path) -> tuple[dict, bool]:
-    key = sha256_json({"baseline": baseline.sha256, "tasks": cfg.tasks, "limit": cfg.limit, "data": sha256_tree(TASK_DIR), "v": cfg.VERSION})
+    key = sha256_json({"baseline": baseline.sha256, "tasks": cfg.tasks, "limit": cfg.limit, "data": sha256_tree(TASK_DIR), "v": SCORES_VERSION})
     path = cache_dir / f"eval-baseline-{key[:24]}.json"
     if (data := read_cached(path)) is not None:
         return json.loads(data), True

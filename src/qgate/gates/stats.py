@@ -96,33 +96,42 @@ def paired_bootstrap(a: np.ndarray, b: np.ndarray, stat: Callable[[np.ndarray, n
 
 
 def mcnemar_exact(base_correct: np.ndarray, cand_correct: np.ndarray) -> dict:
-    """Exact two-sided McNemar test on discordant pairs, with the flip counts."""
+    """Exact McNemar tests on the discordant pairs, with the flip counts: `p_value` two-sided, `p_loss` one-sided
+    (the chance of at least `lost` losses among the flipped items if losing and gaining were equally likely)."""
     from scipy.stats import binomtest
 
     base_correct = np.asarray(base_correct, bool)
     cand_correct = np.asarray(cand_correct, bool)
     lost = int(np.sum(base_correct & ~cand_correct))    # baseline right, candidate wrong
     gained = int(np.sum(~base_correct & cand_correct))  # baseline wrong, candidate right
-    p = 1.0 if lost + gained == 0 else float(binomtest(lost, lost + gained, 0.5).pvalue)
+    flipped = lost + gained
+    p = 1.0 if flipped == 0 else float(binomtest(lost, flipped, 0.5).pvalue)
+    p_loss = 1.0 if flipped == 0 else float(binomtest(lost, flipped, 0.5, alternative="greater").pvalue)
     n = len(base_correct)
-    return {"lost": lost, "gained": gained, "n": n, "flip_rate": (lost + gained) / n if n else float("nan"), "p_value": p}
+    return {"lost": lost, "gained": gained, "n": n, "flip_rate": flipped / n if n else float("nan"), "p_value": p,
+            "p_loss": p_loss}
+
+
+def agresti_min(base_correct: np.ndarray, cand_correct: np.ndarray) -> tuple[float, float]:
+    """The Agresti-Min estimate of the paired accuracy difference (candidate - baseline) and its standard error:
+    0.5 added to each cell of the paired 2x2 table (Agresti & Min, 2005, Biometrics 61:515)."""
+    b, c = np.asarray(base_correct, bool), np.asarray(cand_correct, bool)
+    gained, lost = float(np.sum(~b & c)) + 0.5, float(np.sum(b & ~c)) + 0.5
+    m = len(b) + 2.0
+    return (gained - lost) / m, float(np.sqrt(max((gained + lost) - (gained - lost) ** 2 / m, 0.0)) / m)
 
 
 def paired_binary_ci(base_correct: np.ndarray, cand_correct: np.ndarray, z: float = 1.959964) -> tuple[float, float, float]:
     """Observed difference in accuracy (candidate - baseline) of paired right/wrong items, with the Agresti-Min
-    interval: the Wald interval after adding 0.5 to each cell of the paired 2x2 table (Agresti & Min, 2005,
-    Biometrics 61:515). Unlike a t-interval on the differences, it never has zero width: with no discordant item
-    among n it still spans about +-2/(n+2), since n agreements cannot rule out a loss smaller than that."""
+    interval (`agresti_min` +- z standard errors). Unlike a t-interval on the differences, it never has zero width:
+    with no discordant item among n it still spans about +-2/(n+2), since n agreements cannot rule out a loss
+    smaller than that."""
     b, c = np.asarray(base_correct, bool), np.asarray(cand_correct, bool)
-    n = len(b)
-    if n == 0:
+    if len(b) == 0:
         return float("nan"), float("nan"), float("nan")
-    gained, lost = float(np.sum(~b & c)) + 0.5, float(np.sum(b & ~c)) + 0.5
-    m = n + 2.0
-    d = (gained - lost) / m
-    half = z * np.sqrt(max((gained + lost) - (gained - lost) ** 2 / m, 0.0)) / m
+    d, se = agresti_min(b, c)
     base = float(b.mean())    # the candidate's accuracy lies in [0, 1], so the difference in [-base, 1 - base]
-    return float(c.mean()) - base, float(max(d - half, -base)), float(min(d + half, 1.0 - base))
+    return float(c.mean()) - base, float(max(d - z * se, -base)), float(min(d + z * se, 1.0 - base))
 
 
 def holm(p_values: list[float]) -> list[float]:

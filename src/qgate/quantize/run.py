@@ -63,20 +63,27 @@ def load_calibration(calib: Artifact, tokenizer, opts: CalibOptions):
 
 
 def linear_size(ckpt_dir: Path, unquantized: tuple[str, ...] = ()) -> dict:
-    """Bytes and effective bits per weight of the quantized Linear layers (codes, scales and zero points included),
-    plus the `unquantized` layers named (stored in full precision), read from the saved safetensors."""
+    """Bytes and effective bits per weight of the quantized Linear layers, plus the `unquantized` layers named
+    (stored in full precision), read from the saved safetensors. A quantized Linear is one with a `weight_scale`, in
+    any compressed-tensors format: pack-quantized (`weight_packed` codes, `weight_shape`), int-quantized or
+    float-quantized (FP8: the `weight` tensor itself holds the codes). Its bytes are its codes, scales, zero points
+    and group index; an FP8 per-channel Linear comes to 8 bits plus 32 per input width."""
     from safetensors import safe_open
 
-    parts = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx")
+    parts = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx")
     nbytes, params = 0, 0
     for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             keys = set(st.keys())
             for k in keys:
                 prefix, _, leaf = k.rpartition(".")
-                if leaf == "weight_shape":
-                    o, i = (int(x) for x in st.get_tensor(k).tolist())
-                    params += o * i
+                if leaf == "weight_scale":
+                    if f"{prefix}.weight_shape" in keys:
+                        params += _numel(st.get_tensor(f"{prefix}.weight_shape").tolist())
+                    elif f"{prefix}.weight" in keys:
+                        params += _numel(st.get_slice(f"{prefix}.weight").get_shape())
+                    else:
+                        continue
                     for part in parts:
                         if f"{prefix}.{part}" in keys:
                             t = st.get_slice(f"{prefix}.{part}")
@@ -96,7 +103,8 @@ def _numel(shape) -> int:
 
 
 def _dtype_bytes(dtype: str) -> int:
-    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "F8_E4M3": 1}.get(dtype, 4)
+    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "F8_E4M3": 1,
+            "F8_E5M2": 1}.get(dtype, 4)
 
 
 def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCacheConfig | None = None,
@@ -111,7 +119,7 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
     if needs_data and calib is None:
         raise InputError(f"scheme {type(scheme).__name__} needs --calib (a calibration-set artifact)")
     out = Path(out)
-    from qgate.trust import check_loadable, load_causal_lm, load_tokenizer
+    from qgate.trust import check_loadable, copy_tokenizer_files, load_causal_lm, load_tokenizer
 
     check_loadable(base.path)
     tok = load_tokenizer(base.path)
@@ -134,7 +142,7 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
     seconds = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, save_compressed=True)
-    tok.save_pretrained(out)
+    copy_tokenizer_files(base.path, out)   # the baseline's own files, byte for byte: only the weights may change
     config = {"scheme": typed_config(scheme), "kv_cache": typed_config(kv) if kv else None, "calib": typed_config(opts)}
     if fallback:
         config["fallback"] = typed_config(fallback)
