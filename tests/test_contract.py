@@ -6,7 +6,7 @@ import pytest
 
 from qgate.artifact import Artifact
 from qgate.errors import ConfigError
-from qgate.gates.contract import ContractConfig, contract_gate
+from qgate.gates.contract import ContractConfig, contract_gate, describe
 from qgate.gates.shadow import ShadowConfig, load_shadow
 
 
@@ -110,3 +110,111 @@ def test_allowed_difference_passes_and_is_listed_in_the_report(base_art, calib_a
 def test_allow_entries_must_name_a_facet():
     with pytest.raises(ConfigError, match="'temperature' does not start with a facet"):
         ContractConfig(allow=("temperature",))
+
+
+def _set(path: str, value):
+    """An edit of one JSON key, nested keys as dotted paths ('rope_parameters.rope_theta'), list items as [i]."""
+    def fn(data):
+        *parents, last = path.split(".")
+        for p in parents:
+            name, _, index = p.partition("[")
+            data = data[name] if not index else data[name][int(index[:-1])]
+        name, _, index = last.partition("[")
+        if index:
+            data[name][int(index[:-1])] = value
+        else:
+            data[name] = value(data.get(name)) if callable(value) else value
+    return fn
+
+
+# (file, key path, new value, facet that must fail, difference key it must name): nested keys, new keys, list items
+DENIED = [
+    ("config.json", "rope_parameters.rope_theta", lambda v: v * 1.1, "context_length", "context_length.rope_parameters.rope_theta"),
+    ("config.json", "rope_parameters.factor", 2.0, "context_length", "context_length.rope_parameters.factor"),
+    ("config.json", "max_position_embeddings", 1024, "context_length", "context_length.max_position_embeddings"),
+    ("config.json", "sliding_window", 128, "context_length", "context_length.sliding_window"),
+    ("config.json", "hidden_act", "gelu", "architecture", "architecture.hidden_act"),
+    ("config.json", "attn_logit_softcapping", 30.0, "architecture", "architecture.attn_logit_softcapping"),
+    ("config.json", "tie_word_embeddings", False, "architecture", "architecture.tie_word_embeddings"),
+    ("config.json", "rms_norm_eps", 1e-5, "architecture", "architecture.rms_norm_eps"),
+    ("generation_config.json", "repetition_penalty", 1.2, "generation_config", "generation_config.repetition_penalty"),
+    ("generation_config.json", "do_sample", True, "generation_config", "generation_config.do_sample"),
+    ("tokenizer_config.json", "model_max_length", 64, "tokenizer", "tokenizer.config.model_max_length"),
+    ("tokenizer_config.json", "clean_up_tokenization_spaces", True, "tokenizer", "tokenizer.config.clean_up_tokenization_spaces"),
+    ("tokenizer.json", "truncation", {"direction": "Left", "max_length": 16, "strategy": "LongestFirst", "stride": 0},
+     "tokenizer", "tokenizer.truncation"),
+    ("tokenizer.json", "decoder.trim_offsets", False, "tokenizer", "tokenizer.decoder.trim_offsets"),
+    ("tokenizer.json", "added_tokens[1].normalized", True, "tokenizer", "tokenizer.added_tokens[1].normalized"),
+]
+
+
+@pytest.mark.parametrize("file,path,value,facet,key", DENIED, ids=[f"{f}:{p}" for f, p, *_ in DENIED])
+def test_a_candidate_differing_in_any_key_fails_on_that_key(base_art, rows, tmp_path, file, path, value, facet, key):
+    """Deny by default: a key no list names, nested or new, fails its facet, named with both values."""
+    cand = _variant(base_art, tmp_path, "edited", _edit_json(file, _set(path, value)))
+    results = {r.metric: r for r in contract_gate(cand, base_art, rows, ContractConfig())}
+    assert results[facet].verdict == "fail"
+    assert key in [d["key"] for d in results[facet].evidence["differences"]]
+    (d,) = [d for d in results[facet].evidence["differences"] if d["key"] == key]
+    assert d["file"] == file and d["baseline"] != d["candidate"]
+    # a user who means it accepts it by name (or by a parent key), and the report lists it
+    ok = {r.metric: r for r in contract_gate(cand, base_art, rows, ContractConfig(allow=(key.rsplit(".", 1)[0] if "." in
+                                                                                          key.split(".", 1)[1] else key,)))}
+    assert ok[facet].verdict == "pass" and key in [d["key"] for d in ok[facet].evidence["accepted"]]
+
+
+def test_a_tokenizer_file_only_one_side_has_fails(base_art, rows, tmp_path):
+    cand = _variant(base_art, tmp_path, "map", lambda d: (d / "special_tokens_map.json").write_text('{"eos_token": "<unk>"}'))
+    failed = {d["key"]: d for d in _failed(contract_gate(cand, base_art, rows, ContractConfig()))["tokenizer"]}
+    d = failed["tokenizer.special_tokens_map"]
+    assert (d["file"], d["baseline"], d["candidate"]) == ("special_tokens_map.json", "absent", "present")
+    assert failed["tokenizer.special.eos_token"]["candidate"][0] == "<unk>"    # and what it does once loaded
+
+
+def test_what_quantization_may_change_passes_with_its_reason(base_art, rows, tmp_path):
+    """quantization_config, the storage dtype, library versions and names are the only differences a quantized
+    checkpoint may have unasked; the report says why each was allowed."""
+    from qgate.gates.contract import ALLOWED
+
+    def edit(d):
+        _edit_json("config.json", lambda c: c.update(quantization_config={"quant_method": "compressed-tensors",
+                                                                            "config_groups": {"group_0": {"weights": {"num_bits": 4}}}},
+                                                     dtype="bfloat16", transformers_version="9.9.9", _name_or_path="/somewhere"))(d)
+        _edit_json("generation_config.json", lambda g: g.update(transformers_version="9.9.9"))(d)
+        _edit_json("tokenizer_config.json", lambda t: t.update(is_local=True, local_files_only=False))(d)
+
+    results = contract_gate(_variant(base_art, tmp_path, "q", edit), base_art, rows, ContractConfig())
+    assert all(r.verdict == "pass" for r in results)
+    allowed = {d["key"]: d["why"] for r in results for d in r.evidence["allowed"]}
+    assert set(allowed) == {"architecture.quantization_config", "architecture.dtype", "architecture.transformers_version",
+                            "architecture._name_or_path", "generation_config.transformers_version",
+                            "tokenizer.config.is_local", "tokenizer.config.local_files_only"}
+    assert all(allowed[k] == ALLOWED[k] and len(ALLOWED[k]) > 20 for k in allowed)
+    arch = next(r for r in results if r.metric == "architecture")
+    assert arch.n >= 20    # every config.json key was compared, not a fixed list
+
+
+def test_a_quantized_checkpoint_passes_the_contract_as_written(base_art, awq_art, rows):
+    """What qgate's own quantize writes differs from the baseline only where quantization may: its tokenizer files are
+    the baseline's, byte for byte."""
+    results = contract_gate(awq_art, base_art, rows, ContractConfig())
+    assert all(r.verdict == "pass" for r in results), [r.evidence["differences"] for r in results]
+    assert {d["key"] for r in results for d in r.evidence["allowed"]} == {"architecture.quantization_config"}
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (awq_art.path / f).read_bytes() == (base_art.path / f).read_bytes()
+
+
+def test_many_differences_under_one_key_are_summarized(base_art, rows, tmp_path):
+    """A reshuffled vocabulary is one readable line with its count, not thousands."""
+    def shuffle(tok):
+        vocab = tok["model"]["vocab"]
+        keys = [k for k in vocab if not k.startswith("<")][:40]
+        ids = [vocab[k] for k in keys]
+        for k, i in zip(keys, ids[1:] + ids[:1], strict=True):
+            vocab[k] = i
+
+    failed = _failed(contract_gate(_variant(base_art, tmp_path, "shuf", _edit_json("tokenizer.json", shuffle)), base_art, rows,
+                                   ContractConfig()))
+    (summary,) = [d for d in failed["tokenizer"] if d["key"] == "tokenizer.model.vocab"]
+    assert summary["count"] == 40 and len(summary["baseline"]) == 5
+    assert "(40 differences; the first 5)" in describe(summary)

@@ -171,3 +171,30 @@ def test_engine_parity_separates_runtime_from_quantization(base_art, awq_art, cp
     # the engine serves with its own copies of the tokenizer and config: same contract as the baseline
     rows = load_shadow(calib_arts["shadow"], ShadowConfig())
     assert all(r.verdict == "pass" for r in contract_gate(cpu_exact, base_art, rows, ContractConfig()))
+
+
+def test_the_engine_contract_denies_what_it_cannot_map(base_art, cpu_exact, calib_arts, tmp_path):
+    """The CPU engine serves its own genai_config.json: a setting with no counterpart in the baseline's files, or one
+    that differs from the baseline's generation defaults, fails; so does an engine whose source checkpoint (whose
+    config.json the builder read) is gone, since its model config can then not be compared."""
+    import shutil
+
+    from qgate.gates.contract import ContractConfig, contract_gate
+    from qgate.gates.shadow import ShadowConfig, load_shadow
+
+    rows = load_shadow(calib_arts["shadow"], ShadowConfig())
+    d = tmp_path / "eng"
+    shutil.copytree(cpu_exact.path, d, ignore=shutil.ignore_patterns("qgate-artifact.json"))
+    g = json.loads((d / "onnx" / "genai_config.json").read_text())
+    g["search"]["top_k"], g["model"]["decoder"]["sliding_window"] = 5, {"window_size": 64}
+    (d / "onnx" / "genai_config.json").write_text(json.dumps(g))
+    edited = Artifact.create("engine", d, cpu_exact.config, cpu_exact.parents, cpu_exact.meta)
+    failed = {r.metric: r.evidence["differences"] for r in contract_gate(edited, base_art, rows, ContractConfig())
+              if r.verdict == "fail"}
+    assert set(failed) == {"generation_config"}
+    keys = {x["key"]: x for x in failed["generation_config"]}
+    assert keys["generation_config.top_k"]["baseline"] == 50 and keys["generation_config.top_k"]["candidate"] == 5
+    assert keys["generation_config.genai.model.decoder.sliding_window.window_size"]["why"] == "no counterpart in the baseline's files"
+    orphan = Artifact.create("engine", d, cpu_exact.config, cpu_exact.parents, cpu_exact.meta | {"checkpoint_path": str(tmp_path / "gone")})
+    arch = next(r for r in contract_gate(orphan, base_art, rows, ContractConfig()) if r.metric == "architecture")
+    assert arch.verdict == "fail" and "not found" in arch.evidence["differences"][0]["candidate"]

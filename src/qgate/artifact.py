@@ -127,6 +127,15 @@ class Artifact:
             )
 
 
+def engine_checkpoint(engine: Artifact) -> Artifact | None:
+    """The checkpoint an engine was built from, as its manifest records it; None if gone or changed."""
+    path = engine.meta.get("checkpoint_path")
+    if not path or not Path(path).exists():
+        return None
+    ckpt = Artifact.load(Path(path), "checkpoint")
+    return ckpt if ckpt.sha256 == engine.meta.get("checkpoint") else None
+
+
 def build_atomically(out: Path, fn) -> "Artifact":
     """Run `fn(tmp)`, which writes a stage's whole output under `tmp` and returns its artifact (at `tmp` or below),
     then rename `tmp` to `out`. A stage killed at any moment leaves either the previous complete `out` or none,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
 from qgate.errors import BackendUnavailable, ConfigError, InputError
+from qgate.trust import copy_tokenizer_files
 
 ENGINE_SUBDIR = "onnx"
 SUPPORTED_FORMATS = ("w4a16", "w4a16+w8a16")
@@ -28,7 +29,7 @@ LM_HEAD = ("fp32", "int8", "int4")   # the vocabulary projection: on a small mod
 class CpuEngineConfig:
     accuracy_level: int = 4          # 4: int8 activations (ORT's CPU default, fastest); 1: fp32, exact
     lm_head: str = "fp32"            # "int8" / "int4": the builder quantizes lm_head (RTN, per block): faster decode, gated
-    VERSION = 3                      # 3: lm_head precision is an option
+    VERSION = 4                      # 4: the checkpoint's own tokenizer files are served
 
     def __post_init__(self):
         if self.accuracy_level not in (1, 2, 3, 4):
@@ -95,6 +96,8 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path) -> Artifact:
     shutil.rmtree(staging)
     shutil.rmtree(out / "cache", ignore_errors=True)
     aligned = _keep_token_ids(ckpt.path, out / ENGINE_SUBDIR / "genai_config.json")
+    # The builder rewrites tokenizer_config.json (model_max_length, its loading arguments): serve the checkpoint's own.
+    copy_tokenizer_files(ckpt.path, out / ENGINE_SUBDIR)
     meta = ckpt.meta | {"backend": "cpu", "runtime": "onnxruntime-genai", "build_seconds": round(time.perf_counter() - t0, 1),
                         "engine_bytes": sum(f.stat().st_size for f in (out / ENGINE_SUBDIR).iterdir()),
                         "checkpoint": ckpt.sha256, "checkpoint_path": str(ckpt.path), "builder_cmd": " ".join(cmd[1:]),

@@ -2,44 +2,94 @@
 
     results = contract_gate(candidate_art, baseline_art, shadow_rows, ContractConfig(allow=("generation_config.temperature",)))
 
-Compared on the files the candidate is actually served with (a checkpoint's own directory; the CPU
-engine's onnx/ folder with genai_config.json; the checkpoint inside a TRT-LLM bundle):
-  tokenizer          vocab ids, merges, normalizer/pre-tokenizer/post-processor/decoder, added and special tokens
-  chat_template      the template text
-  generation_config  eos/bos/pad ids and default sampling settings
-  context_length     max positions (and rope scaling)
-  architecture       model type and shapes
+Deny by default. Every key of every file a server reads to configure the model and its tokenizer is compared, nested
+keys and list items included: config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
+special_tokens_map.json, added_tokens.json, vocab.json, merges.txt and tokenizer.model, on the files the candidate is
+actually served with (a checkpoint's own directory; for the CPU engine its onnx/ folder, its genai_config.json and the
+config.json of the checkpoint it was built from; the checkpoint inside a TRT-LLM bundle). A difference fails unless
+quantization is allowed to change that key (ALLOWED, one reason each) or `gates.contract.allow` names it. Keys are
+`facet.path`: config.json's context keys (rope, positions, windows) are `context_length.*`, its other keys
+`architecture.*`; generation_config.json's `generation_config.*`; tokenizer.json's `tokenizer.*`, tokenizer_config.json's
+`tokenizer.config.*`, the other tokenizer files' `tokenizer.<file stem>.*`. Each facet is one check, whose observed
+value is the number of differences refused (which must be 0) and whose n is the number of keys compared:
+  tokenizer          the tokenizer files above, and the loaded tokenizer's vocabulary and special tokens
+  chat_template      the template text the loaded tokenizer renders with (chat_template.jinja or inline)
+  generation_config  generation_config.json (the CPU engine: genai_config.json's ids and search settings)
+  context_length     config.json's context keys (the CPU engine: also genai_config.json's context_length)
+  architecture       every other config.json key (the CPU engine: also genai_config.json's model shapes)
   prompt_rendering   every shadow prompt, rendered with the candidate's own tokenizer and template, must give
                      exactly the baseline's token ids
-Each facet is one check: the number of differences not accepted by `allow`, which must be 0. An allow entry
-names a difference key or a prefix of one ("chat_template", "generation_config.temperature", "tokenizer.vocab").
+An allow entry names a difference key or a prefix of one ("chat_template", "generation_config.temperature",
+"context_length.rope_parameters").
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from qgate.artifact import Artifact
+from qgate.artifact import Artifact, engine_checkpoint
 from qgate.chat import render
 from qgate.errors import ConfigError
 from qgate.gates.result import GateResult
 
 FACETS = ("tokenizer", "chat_template", "generation_config", "context_length", "architecture", "prompt_rendering")
-ARCH_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "vocab_size", "hidden_act", "rms_norm_eps", "rope_theta")
-GENAI_ARCH = {"hidden_size": ("decoder", "hidden_size"), "num_hidden_layers": ("decoder", "num_hidden_layers"),
-              "num_attention_heads": ("decoder", "num_attention_heads"), "num_key_value_heads": ("decoder", "num_key_value_heads"),
-              "head_dim": ("decoder", "head_size"), "vocab_size": ("vocab_size",)}
-GENAI_SEARCH = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
-TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-SHOW = 5   # examples kept per difference
+SHOW = 5   # differences listed one by one under one parent key; more are summarized with their count
+
+_NAMES = "where the model was loaded from or what it was called: a name, not behaviour"
+_VERSION = "the version of the library that wrote the file"
+_DTYPE = "the dtype unquantized tensors are stored in: a numeric change, which the shadow, eval and long-context gates measure"
+_LOADING = "how Transformers read the files when it saved them (its loading arguments), not how text is tokenized"
+# Keys quantization is allowed to change, each with its reason. Everything else must be equal.
+ALLOWED: dict[str, str] = {
+    "architecture.quantization_config": "the quantization itself: how the weights are stored and computed, which the "
+                                        "shadow, eval and long-context gates measure",
+    "architecture.dtype": _DTYPE,
+    "architecture.torch_dtype": _DTYPE,
+    "architecture.transformers_version": _VERSION,
+    "generation_config.transformers_version": _VERSION,
+    "architecture._name_or_path": _NAMES,
+    "architecture._model_name_or_path": _NAMES,
+    "tokenizer.config.name_or_path": _NAMES,
+    "tokenizer.config._name_or_path": _NAMES,
+    "tokenizer.config.is_local": _LOADING,
+    "tokenizer.config.local_files_only": _LOADING,
+    "generation_config._from_model_config": "whether Transformers derived the file from config.json: bookkeeping; the "
+                                            "values themselves are compared",
+}
+# The CPU engine's genai_config.json: keys that configure onnxruntime-genai itself and have no counterpart in the
+# baseline's files, each with its reason. Every other key must map to a baseline value and equal it.
+ENGINE_RUNTIME: dict[str, str] = {
+    "model.decoder.session_options": "onnxruntime's session settings (threads, providers, log id)",
+    "model.decoder.filename": "the ONNX file's name",
+    "model.decoder.inputs": "the ONNX graph's input names",
+    "model.decoder.outputs": "the ONNX graph's output names",
+    "search.max_length": "onnxruntime-genai's default length limit: a server sets it per request, and the model's own "
+                         "limit is compared as context_length",
+    "search.past_present_share_buffer": "how the runtime lays out its KV buffers, not what it computes",
+    "search.early_stopping": "a beam-search setting: with one beam (num_beams, compared) it has no effect",
+}
+CONTEXT_WORDS = ("rope", "position", "window", "context", "chunk")   # config.json keys that set how far the model sees
+TOKENIZER_FILES = {   # file -> its key prefix; chat templates are compared as the loaded tokenizer's text
+    "tokenizer.json": "tokenizer", "tokenizer_config.json": "tokenizer.config",
+    "special_tokens_map.json": "tokenizer.special_tokens_map", "added_tokens.json": "tokenizer.added_tokens_file",
+    "vocab.json": "tokenizer.vocab_file", "merges.txt": "tokenizer.merges_file", "tokenizer.model": "tokenizer.model_file",
+}
+NOT_TOKENIZER_KEYS = ("chat_template",)   # tokenizer_config.json keys compared by another facet
+GENAI_MODEL = {"context_length": ("context_length", "max_position_embeddings"), "type": ("architecture", "model_type"),
+               "vocab_size": ("architecture", "vocab_size"), "decoder.hidden_size": ("architecture", "hidden_size"),
+               "decoder.num_hidden_layers": ("architecture", "num_hidden_layers"),
+               "decoder.num_attention_heads": ("architecture", "num_attention_heads"),
+               "decoder.num_key_value_heads": ("architecture", "num_key_value_heads"),
+               "decoder.head_size": ("architecture", "head_dim")}
+MISSING = "<absent>"
 
 
 @dataclass(frozen=True)
 class ContractConfig:
-    allow: tuple[str, ...] = ()    # difference keys (or prefixes) accepted; each is listed in the report
-    VERSION = 1
+    allow: tuple[str, ...] = ()    # difference keys (or prefixes) accepted beyond ALLOWED; each is listed in the report
+    VERSION = 2
 
     def __post_init__(self):
         for a in self.allow:
@@ -48,7 +98,11 @@ class ContractConfig:
                                   hint=f"facets: {', '.join(FACETS)}; e.g. 'generation_config.temperature'")
 
     def accepts(self, key: str) -> bool:
-        return any(key == a or key.startswith(a + ".") for a in self.allow)
+        return _matches(key, self.allow)
+
+
+def _matches(key: str, prefixes) -> str | None:
+    return next((a for a in prefixes if key == a or key.startswith(a + ".") or key.startswith(a + "[")), None)
 
 
 def served_files(art: Artifact) -> tuple[Path, dict | None]:
@@ -71,35 +125,184 @@ def _diff(facet: str, key: str, file: str, base, cand) -> dict:
     return {"key": f"{facet}.{key}" if key else facet, "file": file, "baseline": base, "candidate": cand}
 
 
-def _tokenizer_diffs(btok, ctok, bdir: Path, cdir: Path) -> list[dict]:
+def _same(a, b, key: str) -> bool:
+    """JSON equality, with token ids compared as sets (an id or a list of them) and booleans never equal to numbers."""
+    if key.endswith("token_id") and a is not MISSING and b is not MISSING:
+        return _ids(a) == _ids(b)
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b
+
+
+def _ids(v) -> list | None:
+    if v is None:
+        return None
+    return sorted(v) if isinstance(v, list) else [v]
+
+
+def json_diffs(a, b, path: tuple = ()) -> tuple[list[tuple[tuple, object, object]], int]:
+    """Every leaf where two JSON values differ, as (path parts, baseline value, candidate value), nested keys and
+    list items (int parts) included; and the number of leaves compared."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out, n = [], 0
+        for k in sorted(a.keys() | b.keys(), key=str):
+            d, m = json_diffs(a.get(k, MISSING), b.get(k, MISSING), path + (k,))
+            out += d
+            n += m
+        return out, max(n, 1)
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and a != b:
+        out, n = [], 0
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            d, m = json_diffs(x, y, path + (i,))
+            out += d
+            n += m
+        return out, n
+    if isinstance(a, list) and isinstance(b, list) and a == b:
+        return [], max(len(a), 1)
+    name = str(path[-1]) if path else ""
+    return ([] if _same(a, b, name) else [(path, a, b)]), 1
+
+
+def dotted(parts) -> str:
+    """('model', 'merges', 17) -> 'model.merges[17]'."""
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def leaves(obj, path: str = ""):
+    """(dotted path, value) of every leaf of a JSON object; lists are leaves."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from leaves(v, f"{path}.{k}" if path else str(k))
+    else:
+        yield path, obj
+
+
+def _file_diffs(prefix_of, file: str, bpath: Path, cpath: Path, skip: tuple[str, ...] = ()) -> tuple[list[tuple[str, dict]], int]:
+    """(facet, difference) pairs for one file served by both: JSON compared key by key, merges.txt line by line, a
+    binary file by content; a file one side lacks is one difference. prefix_of(top-level key) -> (facet, key prefix)."""
+    if not bpath.exists() and not cpath.exists():
+        return [], 0
+    if bpath.exists() != cpath.exists():
+        facet, prefix = prefix_of("")
+        side = {True: "present", False: "absent"}
+        return [(facet, {"key": prefix, "file": file, "baseline": side[bpath.exists()], "candidate": side[cpath.exists()]})], 1
+    if cpath.suffix == ".json":
+        diffs, n = json_diffs(_json(bpath), _json(cpath))
+    elif cpath.suffix == ".txt":
+        bl, cl = bpath.read_text().splitlines(), cpath.read_text().splitlines()
+        diffs = [((f"line{i + 1}",), x, y) for i, (x, y) in enumerate(zip(bl, cl, strict=False)) if x != y]
+        diffs += [((f"line{i + 1}",), (bl + [MISSING] * len(cl))[i], (cl + [MISSING] * len(bl))[i])
+                  for i in range(min(len(bl), len(cl)), max(len(bl), len(cl)))]
+        n = max(len(bl), len(cl))
+    else:
+        h = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (bpath, cpath)]
+        diffs, n = ([(("sha256",), h[0], h[1])] if h[0] != h[1] else []), 1
+    out = []
+    for parts, b, c in diffs:
+        if parts[0] in skip:
+            continue
+        facet, key = prefix_of(str(parts[0]))
+        full, parent = dotted((key, *parts)), dotted((key, *parts[:-1]))
+        out.append((facet, {"key": full, "parent": parent, "file": file, "baseline": b, "candidate": c}))
+    return out, n
+
+
+def _config_prefix(top: str) -> tuple[str, str]:
+    facet = "context_length" if any(w in top for w in CONTEXT_WORDS) else "architecture"
+    return facet, facet
+
+
+def _served_diffs(bdir: Path, cdir: Path, config_dir: Path | None, genai: dict | None) -> dict[str, tuple[list[dict], int]]:
+    """Per facet: every difference between the baseline's files and the candidate's, and the keys compared."""
+    facets: dict[str, tuple[list[dict], int]] = {f: ([], 0) for f in FACETS}
+
+    def add(pairs, n, facet_n: str):
+        for facet, d in pairs:
+            facets[facet][0].append(d)
+        diffs, m = facets[facet_n]
+        facets[facet_n] = (diffs, m + n)
+
+    for file, prefix in TOKENIZER_FILES.items():
+        pairs, n = _file_diffs(lambda _p, pre=prefix: ("tokenizer", pre), file, bdir / file, cdir / file,
+                               NOT_TOKENIZER_KEYS if file == "tokenizer_config.json" else ())
+        add(pairs, n, "tokenizer")
+    if config_dir is None:   # the candidate's config.json could not be found: nothing to compare it with
+        facets["architecture"][0].append(_diff("architecture", "", "config.json", "present",
+                                               "not found: the engine's source checkpoint is not on disk or changed"))
+    else:
+        where = "config.json" if config_dir == cdir else f"{config_dir / 'config.json'} (the engine's checkpoint)"
+        pairs, _ = _file_diffs(_config_prefix, where, bdir / "config.json", config_dir / "config.json")
+        keys = [k.split(".")[0] for k, _ in leaves(_json(bdir / "config.json"))]
+        for facet in ("context_length", "architecture"):
+            add([p for p in pairs if p[0] == facet], sum(_config_prefix(k)[0] == facet for k in keys), facet)
+    if genai is None:
+        pairs, n = _file_diffs(lambda _p: ("generation_config", "generation_config"), "generation_config.json",
+                               bdir / "generation_config.json", cdir / "generation_config.json")
+        add(pairs, n, "generation_config")
+    else:
+        for facet, d in _genai_diffs(bdir, genai):
+            facets[facet][0].append(d)
+        diffs, m = facets["generation_config"]
+        facets["generation_config"] = (diffs, m + sum(1 for _ in leaves(genai)))
+    return facets
+
+
+def _generation_defaults() -> dict:
+    """Transformers' effective generation settings where a generation_config.json leaves one unset (it keeps them
+    in a private method; none when that is gone, and every unset setting then counts as absent)."""
+    from transformers import GenerationConfig
+
+    get = getattr(GenerationConfig, "_get_default_generation_params", None)
+    return dict(get()) if callable(get) else {}
+
+
+def _genai_diffs(bdir: Path, genai: dict) -> list[tuple[str, dict]]:
+    """The CPU engine's genai_config.json against the baseline: model shapes and context length against config.json,
+    token ids and search settings against its generation_config.json (Transformers' defaults where it sets none). A
+    key with no counterpart must be one of ENGINE_RUNTIME's."""
+    bc, bg = _json(bdir / "config.json"), _json(bdir / "generation_config.json")
+    gen = _generation_defaults() | {k: v for k, v in bg.items() if v is not None}
+    out = []
+    for path, value in leaves(genai):
+        if _matches(path, ENGINE_RUNTIME):
+            continue
+        section, _, key = path.partition(".")
+        if section == "model" and key in GENAI_MODEL:
+            facet, name = GENAI_MODEL[key]
+            base = bc.get(name, MISSING)
+        elif section == "model" and key.endswith("token_id"):
+            facet, name = "generation_config", key
+            base = gen.get(key, bc.get(key, MISSING))
+        elif section == "search" and key in gen:
+            facet, name = "generation_config", key
+            base = gen[key]
+        else:
+            out.append(("generation_config", _diff("generation_config", f"genai.{path}", "genai_config.json", MISSING, value)
+                        | {"why": "no counterpart in the baseline's files"}))
+            continue
+        if not _same(base, value, name):
+            out.append((facet, _diff(facet, name, "genai_config.json", base, value)))
+    return out
+
+
+def _loaded_tokenizer_diffs(btok, ctok) -> list[dict]:
+    """What the tokenizer files mean once loaded: the vocabulary (added tokens included) and the special tokens."""
     out = []
     bv, cv = btok.get_vocab(), ctok.get_vocab()
     moved = sorted((t for t in bv.keys() & cv.keys() if bv[t] != cv[t]), key=lambda t: bv[t])
     only = sorted(bv.keys() ^ cv.keys())
     if moved or only or len(bv) != len(cv):
-        out.append(_diff("tokenizer", "vocab", "tokenizer.json", {t: bv.get(t) for t in (moved + only)[:SHOW]},
+        out.append(_diff("tokenizer", "vocab", "tokenizer (loaded)", {t: bv.get(t) for t in (moved + only)[:SHOW]},
                          {t: cv.get(t) for t in (moved + only)[:SHOW]})
                    | {"count": len(moved) + len(only), "sizes": [len(bv), len(cv)]})
-    bj, cj = _json(bdir / "tokenizer.json"), _json(cdir / "tokenizer.json")
-    bm, cm = bj.get("model", {}).get("merges"), cj.get("model", {}).get("merges")
-    if bm != cm:
-        first = next((i for i, (a, b) in enumerate(zip(bm or [], cm or [], strict=False)) if a != b), min(len(bm or []), len(cm or [])))
-        out.append(_diff("tokenizer", "merges", "tokenizer.json", (bm or [None] * (first + 1))[first:first + 1],
-                         (cm or [None] * (first + 1))[first:first + 1]) | {"first_index": first})
-    for part in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
-        if bj.get(part) != cj.get(part):
-            out.append(_diff("tokenizer", part, "tokenizer.json", bj.get(part), cj.get(part)))
     for attr in ("bos_token", "eos_token", "pad_token", "unk_token"):
         b = (getattr(btok, attr), getattr(btok, f"{attr}_id"))
         c = (getattr(ctok, attr), getattr(ctok, f"{attr}_id"))
         if b != c:
-            out.append(_diff("tokenizer", f"special.{attr}", "tokenizer_config.json", list(b), list(c)))
-    ba = {i: (t.content, t.special) for i, t in btok.added_tokens_decoder.items()}
-    ca = {i: (t.content, t.special) for i, t in ctok.added_tokens_decoder.items()}
-    if ba != ca:
-        ids = sorted(i for i in ba.keys() | ca.keys() if ba.get(i) != ca.get(i))
-        out.append(_diff("tokenizer", "added_tokens", "tokenizer.json", {i: ba.get(i) for i in ids[:SHOW]},
-                         {i: ca.get(i) for i in ids[:SHOW]}))
+            out.append(_diff("tokenizer", f"special.{attr}", "tokenizer (loaded)", list(b), list(c)))
     return out
 
 
@@ -110,58 +313,6 @@ def _template_diff(btok, ctok) -> list[dict]:
     bl, cl = b.splitlines(), c.splitlines()
     line = next((i for i, (x, y) in enumerate(zip(bl, cl, strict=False)) if x != y), min(len(bl), len(cl)))
     return [_diff("chat_template", "", "chat_template.jinja", (bl + [""])[line], (cl + [""])[line]) | {"first_line": line + 1}]
-
-
-def _ids(v) -> list[int] | None:
-    if v is None:
-        return None
-    return sorted(v) if isinstance(v, list) else [v]
-
-
-def _generation_diffs(bdir: Path, cdir: Path, genai: dict | None) -> list[dict]:
-    bg, bc = _json(bdir / "generation_config.json"), _json(bdir / "config.json")
-    out = []
-    if genai is None:
-        cg = _json(cdir / "generation_config.json")
-        for k in sorted((bg.keys() | cg.keys()) - {"transformers_version"}):
-            b, c = bg.get(k), cg.get(k)
-            if (k in TOKEN_IDS and _ids(b) != _ids(c)) or (k not in TOKEN_IDS and b != c):
-                out.append(_diff("generation_config", k, "generation_config.json", b, c))
-        return out
-    model, search = genai["model"], genai.get("search", {})
-    for k in TOKEN_IDS:
-        b = bg.get(k, bc.get(k))
-        if b is not None and _ids(b) != _ids(model.get(k)):
-            out.append(_diff("generation_config", k, "genai_config.json", b, model.get(k)))
-    for k in GENAI_SEARCH:
-        if k in bg and k in search and bg[k] != search[k]:
-            out.append(_diff("generation_config", k, "genai_config.json", bg[k], search[k]))
-    return out
-
-
-def _config_diffs(bdir: Path, cdir: Path, genai: dict | None) -> tuple[list[dict], list[dict]]:
-    bc = _json(bdir / "config.json")
-    ctx, arch = [], []
-    if genai is None:
-        cc = _json(cdir / "config.json")
-        for k in ("max_position_embeddings", "rope_scaling"):
-            if bc.get(k) != cc.get(k):
-                ctx.append(_diff("context_length", k, "config.json", bc.get(k), cc.get(k)))
-        for k in ARCH_KEYS:
-            if bc.get(k) != cc.get(k):
-                arch.append(_diff("architecture", k, "config.json", bc.get(k), cc.get(k)))
-        return ctx, arch
-    model = genai["model"]
-    if bc.get("max_position_embeddings") != model.get("context_length"):
-        ctx.append(_diff("context_length", "max_position_embeddings", "genai_config.json", bc.get("max_position_embeddings"),
-                         model.get("context_length")))
-    for k, path in GENAI_ARCH.items():
-        v = model
-        for p in path:
-            v = v.get(p) if isinstance(v, dict) else None
-        if k in bc and v is not None and bc[k] != v:
-            arch.append(_diff("architecture", k, "genai_config.json", bc[k], v))
-    return ctx, arch
 
 
 def _rendering_diffs(btok, ctok, rows: list[dict]) -> tuple[list[dict], int]:
@@ -178,29 +329,74 @@ def _rendering_diffs(btok, ctok, rows: list[dict]) -> tuple[list[dict], int]:
     return diffs, len(rows)
 
 
-def contract_gate(candidate: Artifact, baseline: Artifact, rows: list[dict], cfg: ContractConfig) -> list[GateResult]:
+def summarize(diffs: list[dict]) -> list[dict]:
+    """Differences for people: where more than SHOW share one parent key (a reshuffled vocabulary, a new merges
+    list), one entry for the parent with their count and the first SHOW."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for d in diffs:
+        groups.setdefault((d["file"], d.get("parent", d["key"])), []).append(d)
+    out = []
+    for (file, key), ds in groups.items():
+        if len(ds) <= SHOW:
+            out += ds
+            continue
+        first = ds[:SHOW]
+        out.append({"key": key, "file": file, "count": len(ds),
+                    "baseline": {d["key"][len(key):].lstrip("."): d["baseline"] for d in first},
+                    "candidate": {d["key"][len(key):].lstrip("."): d["candidate"] for d in first}})
+    return out
+
+
+def contract_gate(candidate: Artifact, baseline: Artifact, rows: list[dict], cfg: ContractConfig,
+                  config_dir: Path | None = None) -> list[GateResult]:
+    """config_dir: the directory whose config.json the candidate runs with (default: its served directory; for the
+    CPU engine, the checkpoint it was built from; None there when that checkpoint is gone)."""
     from qgate.trust import check_loadable, load_tokenizer
 
     cdir, genai = served_files(candidate)
     bdir = baseline.path
+    if genai is not None and config_dir is None:
+        config_dir = getattr(engine_checkpoint(candidate), "path", None)
     check_loadable(cdir)
     btok, ctok = load_tokenizer(bdir), load_tokenizer(cdir)
-    ctx, arch = _config_diffs(bdir, cdir, genai)
-    rendered, n_prompts = _rendering_diffs(btok, ctok, rows)
-    facets = {"tokenizer": (_tokenizer_diffs(btok, ctok, bdir, cdir), len(btok.get_vocab())),
-              "chat_template": (_template_diff(btok, ctok), 1),
-              "generation_config": (_generation_diffs(bdir, cdir, genai), 1),
-              "context_length": (ctx, 1), "architecture": (arch, len(ARCH_KEYS)),
-              "prompt_rendering": (rendered, n_prompts)}
+    facets = _served_diffs(bdir, cdir, cdir if genai is None else config_dir, genai)
+    tok_diffs, tok_n = facets["tokenizer"]
+    facets["tokenizer"] = (_loaded_tokenizer_diffs(btok, ctok) + tok_diffs, tok_n + len(btok.get_vocab()))
+    facets["chat_template"] = (_template_diff(btok, ctok), 1)
+    facets["prompt_rendering"] = _rendering_diffs(btok, ctok, rows)
     results = []
     for facet, (diffs, n) in facets.items():
-        refused = [d for d in diffs if not cfg.accepts(d["key"])]
-        accepted = [d for d in diffs if cfg.accepts(d["key"])]
-        ev = {"served_from": str(cdir), "differences": refused, "accepted": accepted}
-        results.append(GateResult.check("contract", facet, float(len(refused)), 0.0, False, n, evidence=ev))
+        refused, accepted, allowed = [], [], []
+        for d in diffs:
+            if (why := _matches(d["key"], ALLOWED)) is not None:
+                allowed.append(d | {"allowed_because": ALLOWED[why], "allowed_key": why})
+            elif cfg.accepts(d["key"]):
+                accepted.append(d)
+            else:
+                refused.append(d)
+        ev = {"served_from": str(cdir), "differences": summarize(refused), "accepted": summarize(accepted),
+              "allowed": _allowed_summary(allowed), "compared_keys": n}
+        results.append(GateResult.check("contract", facet, float(len(refused)), 0.0, False, max(n, 1), evidence=ev))
     return results
 
 
+def _allowed_summary(allowed: list[dict]) -> list[dict]:
+    """One entry per ALLOWED key that let differences through: its reason and how many leaves differ under it."""
+    out: dict[str, dict] = {}
+    for d in allowed:
+        e = out.setdefault(d["allowed_key"], {"key": d["allowed_key"], "file": d["file"], "why": d["allowed_because"], "count": 0})
+        e["count"] += 1
+    return list(out.values())
+
+
+def _short(v, width: int = 160) -> str:
+    s = repr(v)
+    return s if len(s) <= width else s[:width - 3] + "..."
+
+
 def describe(diff: dict) -> str:
-    """One line for the CLI and the report: the file, the key, both values."""
-    return f"{diff['file']}: {diff['key']}: baseline {diff['baseline']!r} != candidate {diff['candidate']!r}"
+    """One line for the CLI and the report: the file, the key, both values (and how many when summarized)."""
+    if "why" in diff and "baseline" not in diff:   # an allowed key
+        return f"{diff['file']}: {diff['key']}: {diff['why']}"
+    count = f" ({diff['count']} differences; the first {SHOW})" if diff.get("count", 0) > SHOW else ""
+    return f"{diff['file']}: {diff['key']}{count}: baseline {_short(diff['baseline'])} != candidate {_short(diff['candidate'])}"

@@ -104,16 +104,20 @@ def _contract(report: dict) -> str:
     rows = [r for r in report["results"] if r["gate"] == "contract"]
     if not rows:
         return ""
-    items = []
+    items, allowed = [], []
     for r in rows:
         for d in r["evidence"]["differences"]:
             items.append(f"<li class=fail><b>different</b>: {html.escape(describe(d))}</li>")
         for d in r["evidence"]["accepted"]:
             items.append(f"<li><b>accepted</b> (gates.contract.allow): {html.escape(describe(d))}</li>")
+        for d in r["evidence"].get("allowed", []):
+            allowed.append(f"<li><b>allowed</b> (quantization may change it): {html.escape(describe(d))}</li>")
     served = html.escape(rows[0]["evidence"]["served_from"])
-    body = "".join(items) or "<li>identical: tokenizer, chat template, generation config, context length, architecture, and " \
-                             "every shadow prompt's token ids</li>"
-    return f"<h2>Serving contract</h2><p>Candidate files as served, from <code>{served}</code>:</p><ul>{body}</ul>"
+    keys = sum(r["n"] for r in rows if r["metric"] != "prompt_rendering")
+    body = "".join(items) or f"<li>identical: all {keys:,} keys of the tokenizer, generation and model config files, the " \
+                             "chat template, and every shadow prompt's token ids</li>"
+    return (f"<h2>Serving contract</h2><p>Candidate files as served, from <code>{served}</code>, compared key by key "
+            f"with the baseline's (deny by default):</p><ul>{body}{''.join(allowed)}</ul>")
 
 
 def _floor(report: dict) -> str:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qgate.artifact import Artifact, sha256_json, sha256_tree, typed_config
+from qgate.artifact import Artifact, engine_checkpoint, sha256_json, sha256_tree, typed_config
 from qgate.cache import read_cached, write_cached
 from qgate.gates.contract import ContractConfig, contract_gate
 from qgate.gates.evalgate import SCORES_VERSION, TASK_DIR, EvalConfig, eval_gate, run_tasks
@@ -75,15 +75,6 @@ def _cached_eval(runner_factory, baseline: Artifact, cfg: EvalConfig, cache_dir:
     scores = run_tasks(runner_factory(), cfg)
     write_cached(path, json.dumps(scores).encode())
     return scores, False
-
-
-def engine_checkpoint(engine: Artifact) -> Artifact | None:
-    """The checkpoint an engine was built from, as its manifest records it; None if gone or changed."""
-    path = engine.meta.get("checkpoint_path")
-    if not path or not Path(path).exists():
-        return None
-    ckpt = Artifact.load(Path(path), "checkpoint")
-    return ckpt if ckpt.sha256 == engine.meta.get("checkpoint") else None
 
 
 def _parity(cand_runner, load_runner, ckpt: Artifact | None, ref: dict, gated, cfg: GateConfig) -> tuple[list[GateResult], dict]:
