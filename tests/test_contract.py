@@ -218,3 +218,42 @@ def test_many_differences_under_one_key_are_summarized(base_art, rows, tmp_path)
     (summary,) = [d for d in failed["tokenizer"] if d["key"] == "tokenizer.model.vocab"]
     assert summary["count"] == 40 and len(summary["baseline"]) == 5
     assert "(40 differences; the first 5)" in describe(summary)
+
+
+def test_a_contract_failure_stops_the_gate_unless_asked_to_score(base_art, awq_art, calib_arts, tmp_path, capsys):
+    """The verdict is FAIL once the contract fails: by default nothing is scored (exit 2, the contract's evidence in
+    the report, which says so); --score-anyway runs every gate."""
+    import time
+
+    from qgate.cli.main import main
+
+    def edit(d):
+        _edit_json("config.json", _set("rope_parameters.rope_theta", lambda v: v * 1.1))(d)
+
+    d = tmp_path / "rope"
+    shutil.copytree(awq_art.path, d, ignore=shutil.ignore_patterns("qgate-artifact.json"))
+    edit(d)
+    Artifact.create("checkpoint", d, awq_art.config, awq_art.parents, awq_art.meta)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("version: 1\nname: t\nworkdir: w\nmodel: {hf_dir: x}\ntraffic: t.jsonl\nvariants: [{name: a, scheme: awq-w4a16}]\n"
+                    "registry: {model_name: m}\ngates:\n  shadow: {max_new_tokens: 4, max_prompt_tokens: 32, kl_p99_max: null}\n"
+                    "  eval: {tasks: [bigbench_general_knowledge], limit: 8, min_recovery: 0.0}\n")
+    argv = ["gate", "--candidate", str(d), "--baseline", str(base_art.path), "--shadow", str(calib_arts["shadow"].path),
+            "--spec", str(spec), "--cache", str(tmp_path / "c")]
+    t = time.perf_counter()
+    assert main(argv + ["--out", str(tmp_path / "fast")]) == 2
+    fast_s = time.perf_counter() - t
+    err = capsys.readouterr().err
+    assert "gate failed for" in err and "context_length" in err and "not scored: --score-anyway scores it" in err
+    report = json.loads((tmp_path / "fast/report.json").read_text())
+    assert {r["gate"] for r in report["results"]} == {"contract"} and report["scored"] is False
+    assert report["verdict"] == "fail" and "Not scored: the serving contract failed (context_length)" in report["notes"][0]
+    (diff,) = next(r for r in report["results"] if r["metric"] == "context_length")["evidence"]["differences"]
+    assert diff["key"] == "context_length.rope_parameters.rope_theta"
+    assert "Not scored" in (tmp_path / "fast/report.html").read_text()
+    t = time.perf_counter()
+    assert main(argv + ["--out", str(tmp_path / "full"), "--score-anyway"]) == 2
+    full_s = time.perf_counter() - t
+    full = json.loads((tmp_path / "full/report.json").read_text())
+    assert {"contract", "shadow", "perf", "eval"} <= {r["gate"] for r in full["results"]} and full["scored"] is True
+    assert full["verdict"] == "fail" and fast_s < full_s

@@ -1,6 +1,7 @@
 """`qgate gate`: run the gates for one candidate; exit 2 when it fails."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -22,8 +23,11 @@ def gate_cmd(
                                                          "(default: the candidate's scheme).")] = None,
     json_out: Json = False,
     junit: Junit = None,
+    score_anyway: Annotated[bool, typer.Option("--score-anyway", help="Score a candidate whose serving contract failed "
+                                               "(its verdict is FAIL regardless; by default the gate stops there).")] = False,
 ) -> None:
-    """Contract, shadow, parity, eval and perf gates; report.json and report.html. Exit 2 unless it passed."""
+    """Contract, shadow, parity, eval and perf gates; report.json and report.html. Exit 2 unless it passed.
+    A candidate that fails the serving contract is not scored unless --score-anyway."""
     quiet_libraries()
     from qgate.artifact import Artifact, build_atomically
     from qgate.gates.run import GateConfig, run_gates
@@ -31,6 +35,8 @@ def gate_cmd(
 
     o = Output(json_out)
     cfg = load_spec(spec).gate_config() if spec else GateConfig()
+    if score_anyway:
+        cfg = replace(cfg, score_anyway=True)
     cand = Artifact.load(candidate)
     label = name or cand.meta.get("scheme") or cand.path.name
     base, shadow_set = Artifact.load(baseline, "checkpoint"), Artifact.load(shadow, "calibration-set")
@@ -65,7 +71,8 @@ def raise_unless_passed(art, what: str) -> None:
     meta = art.meta
     evidence = f"evidence: {art.path / 'report.html'}"
     if meta["verdict"] == "fail":
-        raise GateFailed(f"gate failed for {what}: {', '.join(meta['failed'])}", hint=evidence)
+        unscored = "" if meta.get("scored", True) else " (the serving contract; not scored: --score-anyway scores it)"
+        raise GateFailed(f"gate failed for {what}: {', '.join(meta['failed'])}{unscored}", hint=evidence)
     if not meta["passed"]:
         raise GateFailed(f"gate inconclusive for {what}: {', '.join(meta['inconclusive'])} (gates.on_inconclusive: block)",
                          hint=f"{evidence}; more shadow prompts or eval items would decide it, or set on_inconclusive: warn")
@@ -89,6 +96,8 @@ def print_verdict(art, o: Output | None = None) -> dict:
         if (caveat := r["evidence"].get("caveat")) and caveat not in said:    # once, under the first check it weakens
             said.add(caveat)
             o.say("      caveat: " + caveat)
+    for note in report.get("notes", []):
+        o.say("  note: " + note)
     verdict = report["verdict"].upper()
     if report["verdict"] == "inconclusive" and report["passed"]:
         typer.echo(f"warning: inconclusive checks passed under on_inconclusive: warn: {', '.join(art.meta['inconclusive'])}",

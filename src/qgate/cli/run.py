@@ -88,7 +88,8 @@ def _print_table(spec, o: Output) -> None:
         verdict = v["verdict"].upper() + ("*" if v["verdict"] == "inconclusive" and v["passed"] else "")
         mb = f"{v['weights_bytes'] / 1e6:10.1f}" if v.get("weights_bytes") else f"{'-':>10s}"
         bits = f"{v['bits_per_weight']:6.2f}" if v.get("bits_per_weight") else f"{'-':>6s}"
-        typer_echo(f"{v['variant']:22s} {verdict:12s} {kl:9.4f} {top1:7.3f} {mb} {bits} {str(v['version']):>8s}  {v['report']}")
+        kl_s, top1_s = (f"{kl:9.4f}" if kl is not None else f"{'-':>9s}"), (f"{top1:7.3f}" if top1 is not None else f"{'-':>7s}")
+        typer_echo(f"{v['variant']:22s} {verdict:12s} {kl_s} {top1_s} {mb} {bits} {str(v['version']):>8s}  {v['report']}")
         if s := v.get("search"):
             typer_echo(f"{'':22s} search: {s['chosen_k']} of {s['layers_total']} layers fell back to "
                        f"{'W8A16' if s['fallback_bits'] == 8 else 'full precision'}"

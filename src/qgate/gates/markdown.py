@@ -54,6 +54,8 @@ def version_description(report: dict, meta: dict, report_uri: str) -> str:
     if scored:
         parts += [f"Shadow gate: {scored.get('prompts')} held-out traffic prompts, {scored.get('gated_positions')} gated "
                   f"{scored.get('positions')} positions (chat-template tokens excluded).", ""]
+    if report.get("notes"):
+        parts += ["**Notes**", "", *(f"- {n}" for n in report["notes"]), ""]
     weakened = [f"- {', '.join(f'`{k}`' for k in checks)}: {c}" for c, checks in caveats(report["results"]).items()]
     if weakened:      # one line per caveat, naming every check it weakens
         parts += ["**Caveats**", "", *weakened, ""]

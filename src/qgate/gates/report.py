@@ -92,7 +92,8 @@ def _row(r: dict) -> str:
     verdict = r["verdict"]
     note = f"~{r['n_to_decide']} items would decide it" if r.get("n_to_decide") else r["evidence"].get("error", "")
     note = note or r["evidence"].get("unbounded_because", "")
-    note = "; ".join(x for x in (note, r["evidence"].get("caveat", "")) if x)
+    why = r["evidence"].get("why", "") if verdict == "fail" else ""
+    note = "; ".join(x for x in (note, why, r["evidence"].get("caveat", "")) if x)
     cells = (verdict.upper(), r["gate"], html.escape(r["metric"]), num(r["observed"]), ci, thr, r["decided_on"], r["n"],
              num(r.get("mde")) if r["threshold"] is not None else "", num(r["p_value"]), html.escape(note))
     return f"<tr class={verdict}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
@@ -194,9 +195,12 @@ def write_report(out: Path, report: dict, shadow_metrics: dict | None) -> None:
 {_VERDICT_CSS} img{{max-width:100%;margin:1em 0}}
 h1 span{{color:{COLORS[report['verdict']]}}} dt{{font-weight:bold;margin-top:.4em}}</style>
 <h1>Gate <span>{verdict}</span>: {html.escape(title)} vs {html.escape(report['baseline']['name'])}</h1>
-<p>Each check decides on its 95% confidence interval: <b>PASS</b> when it lies wholly on the right side of the threshold,
-<b>FAIL</b> when wholly on the wrong side (or McNemar finds a significant loss), <b>INCONCLUSIVE</b> when it straddles the
-threshold (on_inconclusive: {html.escape(report.get('on_inconclusive', 'block'))}). <b>INFO</b> rows are reported, not gated.</p>
+<p>Each check follows one rule, named in its <i>decided on</i> column. <b>ci</b>: <b>PASS</b> when its 95% confidence
+interval lies wholly on the good side of the threshold, <b>FAIL</b> when wholly on the bad side, <b>INCONCLUSIVE</b> when it
+straddles it (on_inconclusive: {html.escape(report.get('on_inconclusive', 'block'))}). <b>point</b>: no interval (a count,
+a p-value, an infinite value), the observed value against the threshold. <b>holm-guard</b>: a per-task guard under a pooled
+check, FAIL when its Holm-adjusted interval lies wholly below the same margin, otherwise reported. <b>INFO</b> rows are
+reported, not gated.</p>
 <table><tr><th></th><th>gate</th><th>metric</th><th>observed</th><th>95% CI</th><th>threshold</th><th>decided on</th><th>n</th>
 <th>mde</th><th>p</th><th>note</th></tr>{rows}</table>
 <dl><dt>n</dt><dd>Shadow checks: token positions scored. Their CIs resample whole prompts (tokens of one prompt are not
@@ -204,7 +208,9 @@ independent), so the evidence is closer to the number of prompts than to n; quan
 interval, unbounded (inf) when the sample is too small to bound them. Eval checks: items (documents for perplexity).</dd>
 <dt>mde</dt><dd>Minimum detectable effect: the true distance from the observed value that this n detects with 80% power
 at the 95% level (from the CI's width).</dd>
-<dt>p</dt><dd>Exact McNemar p-value on the items that flipped between baseline and candidate (multiple-choice tasks).</dd></dl>
+<dt>p</dt><dd>Multiple-choice recovery: the exact two-sided McNemar p-value on the items that flipped (reported; it decides
+only the <code>no_significant_loss</code> rows, when <code>gates.eval.significant_loss_alpha</code> is set). Task guards:
+the Holm-adjusted p-value of a loss beyond the margin.</dd></dl>
 {"".join(f"<p class=inconclusive><b>Note:</b> {html.escape(n)}</p>" for n in report.get("notes", []))}
 {_contract(report)}
 {_search(report)}

@@ -51,10 +51,8 @@ class GateConfig:
     perf: PerfConfig = field(default_factory=PerfConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
     on_inconclusive: str = "block"     # "block": an inconclusive check blocks promotion; "warn": it passes with a warning
-    VERSION = 7                        # 3: contract, parity and noise floor in the report; 4: label-bias caveats;
-                                       # 5: Agresti-Min intervals on multiple-choice checks; 6: pooled mode fails a
-                                       # task whose McNemar loss survives Holm's correction; 7: shadow log-probs
-                                       # by numpy's exp and pairwise sum (gates/scoring.py), KL within 1.1e-6 of float64
+    score_anyway: bool = False         # score a candidate whose serving contract failed (its verdict is FAIL regardless)
+    VERSION = 8                        # of the report's layout and the gates' rules; history in git
 
     def __post_init__(self):
         if self.on_inconclusive not in ("block", "warn"):
@@ -143,17 +141,56 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
 def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: GateConfig, out: Path, cache_dir: Path,
               name: str | None = None, checkpoint: Artifact | None = None, notes: tuple[str, ...] = ()) -> Artifact:
     """checkpoint: for an engine candidate, the checkpoint it was built from (default: its manifest's record).
-    notes: what the caller wants every reader to know (for example an engine that could not be built)."""
-    from qgate.engines.runners import load_runner
-
+    notes: what the caller wants every reader to know (for example an engine that could not be built).
+    A candidate whose serving contract fails is not scored unless cfg.score_anyway: its verdict is FAIL whatever
+    the scores, and scoring a large model costs hours; the report holds the contract's evidence and says so."""
     out, cache_dir = Path(out), Path(cache_dir)
     timings: dict[str, float] = {}
-    baseline_runner = _LazyRunner(baseline)
-
     t = time.perf_counter()
     rows = load_shadow(shadow, cfg.shadow)
     results = contract_gate(candidate, baseline, rows, cfg.contract)
     timings["contract"] = time.perf_counter() - t
+    refused = [r.metric for r in results if r.verdict in ("fail", "error")]
+    if refused and not cfg.score_anyway:
+        notes = notes + (f"Not scored: the serving contract failed ({', '.join(refused)}), so the verdict is FAIL "
+                         "whatever the scores. `qgate gate --score-anyway` (gates.score_anyway: true) scores it anyway.",)
+        scored, m = {"inputs": {"candidate_runtime": None}, "noise_floor": None, "shadow_scoring": None,
+                     "cache": {"shadow_baseline": "skipped", "noise_floor": "skipped", "eval_baseline": "skipped"}}, None
+    else:
+        more, scored, m = _score(candidate, baseline, shadow, rows, cfg, cache_dir, checkpoint, timings)
+        results += more
+    verdict = overall(results)
+    passed = verdict == "pass" or (verdict == "inconclusive" and cfg.on_inconclusive == "warn")
+    report = {
+        "version": 2, "verdict": verdict, "passed": passed, "on_inconclusive": cfg.on_inconclusive, "candidate": _describe(candidate, name), "baseline": _describe(baseline, "baseline"),
+        "inputs": {"candidate_sha256": candidate.sha256, "baseline_sha256": baseline.sha256, "shadow_sha256": shadow.sha256,
+                   "calibration_sha256": candidate.meta.get("calibration_sha256")} | scored["inputs"],
+        "noise_floor": scored["noise_floor"], "cache": scored["cache"], "shadow_scoring": scored["shadow_scoring"],
+        "scored": m is not None,
+        "config": {"contract": typed_config(cfg.contract), "shadow": typed_config(cfg.shadow), "parity": typed_config(cfg.parity), "eval": typed_config(cfg.eval) if cfg.eval else None, "perf": typed_config(cfg.perf),
+                   "on_inconclusive": cfg.on_inconclusive, "score_anyway": cfg.score_anyway},
+        "results": [r.to_dict() for r in results],
+        "timings": {k: round(v, 2) for k, v in timings.items()},
+        "notes": list(notes),
+    }
+    source = checkpoint or (engine_checkpoint(candidate) if candidate.kind == "engine" else candidate)
+    if source is not None and source.meta.get("search"):   # a searched checkpoint carries its search's evidence
+        report["search"] = source.meta["search"] | {"plot": str(source.path / "qgate-search.png")}
+    write_report(out, report, m)
+    summary = {r.gate + "." + r.metric: r.observed for r in results}
+    return Artifact.create("gate-report", out, report["config"], (candidate.sha256, baseline.sha256, shadow.sha256),
+                           {"passed": passed, "verdict": verdict, "summary": summary, "candidate": candidate.sha256,
+                            "failed": [r.metric for r in results if r.verdict in ("fail", "error")],
+                            "inconclusive": [r.metric for r in results if r.verdict == "inconclusive"], "scored": m is not None})
+
+
+def _score(candidate: Artifact, baseline: Artifact, shadow: Artifact, rows: list[dict], cfg: GateConfig, cache_dir: Path,
+           checkpoint: Artifact | None, timings: dict[str, float]) -> tuple[list[GateResult], dict, dict]:
+    """Every gate after the contract: (results, what the report records of the scoring, the shadow metrics with the
+    mask of gated positions). Adds its timings to `timings`."""
+    from qgate.engines.runners import load_runner
+
+    baseline_runner = _LazyRunner(baseline)
     t = time.perf_counter()
     cand = load_runner(candidate)
     timings["candidate_load"] = time.perf_counter() - t
@@ -161,8 +198,7 @@ def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: Ga
     timings["baseline_shadow"] = 0.0 if shadow_hit else float(ref["seconds"])
     m = candidate_metrics(cand, ref)
     timings["candidate_shadow"] = m["score_seconds"]
-    shadow_results, scored, gated = shadow_gate(m, ref, cfg.shadow, prompt_coverage(baseline, rows, cfg.shadow))
-    results += shadow_results
+    results, scored, gated = shadow_gate(m, ref, cfg.shadow, prompt_coverage(baseline, rows, cfg.shadow))
     if candidate.kind == "engine" and cfg.parity.enabled:
         parity, t_par = _parity(cand, load_runner, checkpoint or engine_checkpoint(candidate), ref, gated, cfg)
         results += parity
@@ -182,28 +218,7 @@ def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: Ga
         cand_scores = run_tasks(cand, cfg.eval)
         timings["candidate_eval"] = time.perf_counter() - t
         results += eval_gate(base_scores, cand_scores, cfg.eval)
-    verdict = overall(results)
-    passed = verdict == "pass" or (verdict == "inconclusive" and cfg.on_inconclusive == "warn")
-    report = {
-        "version": 2, "verdict": verdict, "passed": passed, "on_inconclusive": cfg.on_inconclusive, "candidate": _describe(candidate, name), "baseline": _describe(baseline, "baseline"),
-        "inputs": {"candidate_sha256": candidate.sha256, "baseline_sha256": baseline.sha256, "shadow_sha256": shadow.sha256,
-                   "calibration_sha256": candidate.meta.get("calibration_sha256"), "candidate_runtime": cand.kind},
-        "noise_floor": floor,
-        "cache": {"shadow_baseline": "hit" if shadow_hit else "miss", "noise_floor": "hit" if floor["cached"] else "miss", "eval_baseline": {None: "off", True: "hit", False: "miss"}[eval_hit]},
-        "shadow_scoring": scored,
-        "config": {"contract": typed_config(cfg.contract), "shadow": typed_config(cfg.shadow), "parity": typed_config(cfg.parity), "eval": typed_config(cfg.eval) if cfg.eval else None, "perf": typed_config(cfg.perf),
-                   "on_inconclusive": cfg.on_inconclusive},
-        "results": [r.to_dict() for r in results],
-        "timings": {k: round(v, 2) for k, v in timings.items()},
-        "notes": list(notes),
-    }
-    source = checkpoint or (engine_checkpoint(candidate) if candidate.kind == "engine" else candidate)
-    if source is not None and source.meta.get("search"):   # a searched checkpoint carries its search's evidence
-        report["search"] = source.meta["search"] | {"plot": str(source.path / "qgate-search.png")}
-    write_report(out, report, m | {"gated": gated})
-    summary = {r.gate + "." + r.metric: r.observed for r in results}
-    return Artifact.create("gate-report", out, report["config"], (candidate.sha256, baseline.sha256, shadow.sha256),
-                           {"passed": passed, "verdict": verdict, "summary": summary, "candidate": candidate.sha256,
-                            "failed": [r.metric for r in results if r.verdict in ("fail", "error")],
-                            "inconclusive": [r.metric for r in results if r.verdict == "inconclusive"]})
-
+    record = {"inputs": {"candidate_runtime": cand.kind}, "noise_floor": floor, "shadow_scoring": scored,
+              "cache": {"shadow_baseline": "hit" if shadow_hit else "miss", "noise_floor": "hit" if floor["cached"] else "miss",
+                        "eval_baseline": {None: "off", True: "hit", False: "miss"}[eval_hit]}}
+    return results, record, m | {"gated": gated}

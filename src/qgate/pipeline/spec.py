@@ -81,6 +81,7 @@ class GatesSpec(_Strict):
     perf: dict[str, Any] = Field(default_factory=dict)
     parity: dict[str, Any] = Field(default_factory=dict)
     on_inconclusive: Literal["block", "warn"] = "block"
+    score_anyway: bool = False   # score a candidate whose serving contract failed (its verdict is FAIL regardless)
 
 
 class RegistrySpec(_Strict):
@@ -129,7 +130,8 @@ class PipelineSpec(_Strict):
         return GateConfig(contract=build_config(ContractConfig, self.gates.contract, "gates.contract"),
                           shadow=build_config(ShadowConfig, self.gates.shadow, "gates.shadow"), eval=ev,
                           perf=build_config(PerfConfig, self.gates.perf, "gates.perf"),
-                          parity=build_config(ParityConfig, self.gates.parity, "gates.parity"), on_inconclusive=self.gates.on_inconclusive)
+                          parity=build_config(ParityConfig, self.gates.parity, "gates.parity"), on_inconclusive=self.gates.on_inconclusive,
+                          score_anyway=self.gates.score_anyway)
 
 
     def drift_config(self):
