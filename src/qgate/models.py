@@ -5,6 +5,9 @@
 
 A GGUF file is dequantized by transformers into float32 weights and saved as a plain
 Hugging Face checkpoint, so every later stage starts from the same full-precision baseline.
+Its special tokens are then made to agree with the GGUF metadata (special_tokens.reconcile: the fixes are listed in
+the manifest's `special_tokens_fixed`), and every baseline, GGUF or HF, must pass special_tokens.check: its tokenizer,
+generation config and chat template agree on eos, end of turn, bos and pad.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
 from qgate.errors import ConfigError, InputError
+
+IMPORT_VERSION = 2   # of what import_model writes for a given source (the pipeline's model stage key)
 
 
 @dataclass(frozen=True)
@@ -64,15 +69,18 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from qgate import special_tokens
     from qgate.trust import PICKLE_SUFFIXES, TOKENIZER_KWARGS, check_loadable, load_tokenizer
 
     out = Path(out)
+    fixes: list[str] = []
     if src.hf_dir:
         hf = Path(src.hf_dir)
         if not (hf / "config.json").exists():
             raise InputError(f"{hf}: not a Hugging Face model directory (no config.json)")
         check_loadable(hf, allow_pickle=src.allow_pickle)
         tok = load_tokenizer(hf)             # a checkpoint without its tokenizer fails here, before anything is copied
+        special_tokens.check(hf)             # and one whose files disagree on its special tokens
         if out.exists():
             shutil.rmtree(out)
         if any(hf.rglob("*.safetensors")):   # pickled copies beside safetensors are never read, so never copied
@@ -93,10 +101,13 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out)
         tok.save_pretrained(out)
+        fixes = special_tokens.reconcile(out, special_tokens.gguf_special_tokens(root / name))
+    special_tokens.check(out)
     cfg = _read_config(out)
     meta = {"architecture": (cfg.get("architectures") or ["?"])[0], "hidden_size": cfg.get("hidden_size"),
             "num_hidden_layers": cfg.get("num_hidden_layers"), "vocab_size": cfg.get("vocab_size"),
-            "scheme": "baseline", "weights_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+            "scheme": "baseline", "weights_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
+            "special_tokens_fixed": fixes}
     return Artifact.create("checkpoint", out, typed_config(src), (), meta)
 
 

@@ -29,3 +29,5 @@ def import_cmd(
     src = ModelSource(hf_dir=str(hf) if hf else None, gguf_package=gguf_package, gguf_file=gguf_file, allow_pickle=allow_pickle)
     art = build_atomically(out, lambda tmp: import_model(src, tmp))
     typer.echo(checkpoint_line(art))
+    for fix in art.meta.get("special_tokens_fixed", []):
+        typer.echo(f"  fixed from the source's metadata: {fix}")

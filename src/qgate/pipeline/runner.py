@@ -141,12 +141,13 @@ def recipe(v: VariantSpec) -> dict:
 
 
 def model_stage(r: Runner, spec: PipelineSpec) -> Artifact:
-    from qgate.models import ModelSource, import_model, source_fingerprint
+    from qgate.models import IMPORT_VERSION, ModelSource, import_model, source_fingerprint
 
     msrc = ModelSource(**spec.model.model_dump())
     if msrc.hf_dir:
         msrc = ModelSource(hf_dir=str(spec.path(msrc.hf_dir)))
-    return r.stage("model", {"src": source_fingerprint(msrc)}, r.workdir / "base", lambda out: import_model(msrc, out))
+    return r.stage("model", {"src": source_fingerprint(msrc), "import": IMPORT_VERSION}, r.workdir / "base",
+                   lambda out: import_model(msrc, out))
 
 
 def cached_traffic_sha(spec: PipelineSpec, parts: list, engine: str, scans: Path) -> str:
