@@ -100,13 +100,14 @@ def _print_table(spec, o: Output) -> None:
                 typer_echo(f"{'':22s} {what}: {', '.join(v[f'{what}_checks'])}")
         said: set[str] = set()
         for c in v.get("checks", []):
-            if c["gate"] == "eval" and c["verdict"] != "info":    # a guard that did not fail: in the report
+            if c["gate"] in ("eval", "long_context") and c["verdict"] != "info":   # a guard that did not fail: in the report
                 ci = f" [{c['ci'][0]:.4g}, {c['ci'][1]:.4g}]" if c["ci"] else ""     # significant digits: bpb rises are ~0.002
                 mde = f"  mde {c['mde']:.3g}" if c["mde"] is not None else ""
                 typer_echo(f"{'':22s} {c['verdict'].upper():12s} {c['metric']} {c['observed']:.4g}{ci}  n={c['n']}{mde}")
             if c.get("caveat") and c["verdict"] != "info" and c["caveat"] not in said:
                 said.add(c["caveat"])       # an eval check's under it; the shadow checks' (cut prompts) once
-                typer_echo(f"{'':35s} caveat: {c['caveat']}" if c["gate"] == "eval" else f"{'':22s} caveat: {c['caveat']}")
+                typer_echo(f"{'':35s} caveat: {c['caveat']}" if c["gate"] in ("eval", "long_context")
+                           else f"{'':22s} caveat: {c['caveat']}")
     if any(v["verdict"] == "inconclusive" and v["passed"] for v in summary["variants"]):
         typer_echo("* inconclusive, passed under gates.on_inconclusive: warn")
     secs = summary.get("stage_seconds") or {}

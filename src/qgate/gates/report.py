@@ -77,6 +77,24 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
         files["eval"] = out / "eval.png"
         fig.savefig(files["eval"], dpi=110)
         plt.close(fig)
+    longs = [r for r in report["results"] if r["gate"] == "long_context" and r["ci"]]
+    if longs:
+        fig, ax = plt.subplots(figsize=(7.5, 3.4))
+        for i, r in enumerate(longs):
+            lo, hi = r["ci"]
+            ax.errorbar(i, r["observed"], yerr=[[r["observed"] - lo], [hi - r["observed"]]], fmt="o", capsize=4,
+                        color=COLORS[r["verdict"]])
+        if longs[0]["threshold"] is not None:
+            ax.axhline(longs[0]["threshold"], color="k", lw=1.5, label="threshold")
+            ax.legend(fontsize=8)
+        ax.axhline(0, color="#bbbbbb", lw=1)
+        ax.set_xticks(range(len(longs)), [r["metric"].split(".", 1)[1] for r in longs], fontsize=8)
+        ax.set(xlabel="token positions in the document (window)", ylabel="candidate NLL / baseline NLL - 1",
+               title="Long context: perplexity increase by position, 95% CI over documents")
+        fig.tight_layout()
+        files["long_context"] = out / "long_context.png"
+        fig.savefig(files["long_context"], dpi=110)
+        plt.close(fig)
     return files
 
 
@@ -119,6 +137,21 @@ def _contract(report: dict) -> str:
                              "chat template, and every shadow prompt's token ids</li>"
     return (f"<h2>Serving contract</h2><p>Candidate files as served, from <code>{served}</code>, compared key by key "
             f"with the baseline's (deny by default):</p><ul>{body}{''.join(allowed)}</ul>")
+
+
+def _context(report: dict) -> str:
+    """How far each kind of evidence reaches, against the context the model is served with."""
+    c = report.get("long_context")
+    if not c:
+        return ""
+    served, shadow, reach = c["served_context"], c["shadow_tokens"], c["longest_document_tokens"]
+    gap = (f"<b>The served context is {served - reach:,} tokens longer than anything scored</b>: contexts beyond "
+           f"{reach:,} tokens are not evidenced." if reach < served else
+           f"{c['documents_reaching_context']} of them reach the served context.")
+    skipped = "".join(f"<li>window {html.escape(w)}: not scored</li>" for w in c["windows_not_scored"])
+    return (f"<h2>Context coverage</h2><p>The model is served with contexts of up to {served:,} tokens. The shadow gate's "
+            f"evidence covers contexts of up to {shadow:,} tokens (prompt plus answer); the long-context gate scored "
+            f"{c['documents']} documents, the longest {reach:,} tokens. {gap}</p>" + (f"<ul>{skipped}</ul>" if skipped else ""))
 
 
 def _floor(report: dict) -> str:
@@ -213,6 +246,7 @@ only the <code>no_significant_loss</code> rows, when <code>gates.eval.significan
 the Holm-adjusted p-value of a loss beyond the margin.</dd></dl>
 {"".join(f"<p class=inconclusive><b>Note:</b> {html.escape(n)}</p>" for n in report.get("notes", []))}
 {_contract(report)}
+{_context(report)}
 {_search(report)}
 {_scored(report)}
 {_floor(report)}

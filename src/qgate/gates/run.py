@@ -17,6 +17,7 @@ from qgate.artifact import Artifact, engine_checkpoint, sha256_json, sha256_tree
 from qgate.cache import read_cached, write_cached
 from qgate.gates.contract import ContractConfig, contract_gate
 from qgate.gates.evalgate import SCORES_VERSION, TASK_DIR, EvalConfig, eval_gate, run_tasks
+from qgate.gates.longctx import LongContextConfig, baseline_long_reference, long_context_gate
 from qgate.gates.noise import check_thresholds, noise_floor
 from qgate.gates.report import write_report
 from qgate.errors import ConfigError
@@ -48,6 +49,7 @@ class GateConfig:
     contract: ContractConfig = field(default_factory=ContractConfig)
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     eval: EvalConfig | None = field(default_factory=EvalConfig)
+    long_context: LongContextConfig | None = field(default_factory=LongContextConfig)   # None: not probed
     perf: PerfConfig = field(default_factory=PerfConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
     on_inconclusive: str = "block"     # "block": an inconclusive check blocks promotion; "warn": it passes with a warning
@@ -118,10 +120,12 @@ def baseline_floor(baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_
 
 
 def warm_baseline(baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_dir: Path) -> dict:
-    """Every baseline cache the gates read (shadow reference, noise floor, eval scores), computed once before variants
+    """Every baseline cache the gates read (shadow reference, noise floor, long-context reference, eval scores), computed once before variants
     fan out, so parallel gates share them instead of each computing its own. Returns the noise floor."""
     runner = _LazyRunner(baseline)
     _, floor, _ = baseline_floor(baseline, shadow, cfg, Path(cache_dir), runner)
+    if cfg.long_context is not None:
+        baseline_long_reference(runner, baseline, cfg.long_context, Path(cache_dir))
     if cfg.eval is not None:
         _cached_eval(runner, baseline, cfg.eval, Path(cache_dir))
     return floor
@@ -157,7 +161,7 @@ def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: Ga
     if refused and not cfg.score_anyway:
         notes = notes + (f"Not scored: the serving contract failed ({', '.join(refused)}), so the verdict is FAIL "
                          "whatever the scores. `qgate gate --score-anyway` (gates.score_anyway: true) scores it anyway.",)
-        scored, m = {"inputs": {"candidate_runtime": None}, "noise_floor": None, "shadow_scoring": None,
+        scored, m = {"inputs": {"candidate_runtime": None}, "noise_floor": None, "shadow_scoring": None, "long_context": None,
                      "cache": {"shadow_baseline": "skipped", "noise_floor": "skipped", "eval_baseline": "skipped"}}, None
     else:
         more, scored, m = _score(candidate, baseline, shadow, rows, cfg, cache_dir, checkpoint, timings)
@@ -169,8 +173,10 @@ def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: Ga
         "inputs": {"candidate_sha256": candidate.sha256, "baseline_sha256": baseline.sha256, "shadow_sha256": shadow.sha256,
                    "calibration_sha256": candidate.meta.get("calibration_sha256")} | scored["inputs"],
         "noise_floor": scored["noise_floor"], "cache": scored["cache"], "shadow_scoring": scored["shadow_scoring"],
+        "long_context": scored["long_context"],
         "scored": m is not None,
         "config": {"contract": typed_config(cfg.contract), "shadow": typed_config(cfg.shadow), "parity": typed_config(cfg.parity), "eval": typed_config(cfg.eval) if cfg.eval else None, "perf": typed_config(cfg.perf),
+                   "long_context": typed_config(cfg.long_context) if cfg.long_context else None,
                    "on_inconclusive": cfg.on_inconclusive, "score_anyway": cfg.score_anyway},
         "results": [r.to_dict() for r in results],
         "timings": {k: round(v, 2) for k, v in timings.items()},
@@ -206,6 +212,14 @@ def _score(candidate: Artifact, baseline: Artifact, shadow: Artifact, rows: list
         parity, t_par = _parity(cand, load_runner, checkpoint or engine_checkpoint(candidate), ref, gated, cfg)
         results += parity
         timings |= t_par
+    long_cov = None
+    if cfg.long_context is not None:
+        lref, long_hit = baseline_long_reference(baseline_runner, baseline, cfg.long_context, cache_dir)
+        timings["baseline_long_context"] = 0.0 if long_hit else float(lref["seconds"])
+        long_results, long_cov = long_context_gate(cand, lref, cfg.long_context,
+                                                   cfg.shadow.max_prompt_tokens + cfg.shadow.max_new_tokens)
+        timings["candidate_long_context"] = long_cov["seconds"]
+        results += long_results
     base_s = float(floor.get("baseline_score_seconds", ref["score_seconds"]))   # the baseline on the same scoring path
     speedup = base_s / m["score_seconds"] if m["score_seconds"] > 0 else float("nan")
     results.append(GateResult.check("perf", "prefill_speedup", speedup, cfg.perf.min_prefill_speedup, True, int(len(ref["seq_lens"])),
@@ -221,7 +235,7 @@ def _score(candidate: Artifact, baseline: Artifact, shadow: Artifact, rows: list
         cand_scores = run_tasks(cand, cfg.eval)
         timings["candidate_eval"] = time.perf_counter() - t
         results += eval_gate(base_scores, cand_scores, cfg.eval)
-    record = {"inputs": {"candidate_runtime": cand.kind}, "noise_floor": floor, "shadow_scoring": scored,
+    record = {"inputs": {"candidate_runtime": cand.kind}, "noise_floor": floor, "shadow_scoring": scored, "long_context": long_cov,
               "cache": {"shadow_baseline": "hit" if shadow_hit else "miss", "noise_floor": "hit" if floor["cached"] else "miss",
                         "eval_baseline": {None: "off", True: "hit", False: "miss"}[eval_hit]}}
     return results, record, m | {"gated": gated}

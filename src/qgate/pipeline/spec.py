@@ -78,6 +78,7 @@ class GatesSpec(_Strict):
     contract: dict[str, Any] = Field(default_factory=dict)
     shadow: dict[str, Any] = Field(default_factory=dict)
     eval: dict[str, Any] | None = Field(default_factory=dict)   # null: no eval gate
+    long_context: dict[str, Any] | None = Field(default_factory=dict)   # null: the served context is not probed
     perf: dict[str, Any] = Field(default_factory=dict)
     parity: dict[str, Any] = Field(default_factory=dict)
     on_inconclusive: Literal["block", "warn"] = "block"
@@ -123,12 +124,17 @@ class PipelineSpec(_Strict):
     def gate_config(self):
         from qgate.gates.contract import ContractConfig
         from qgate.gates.evalgate import EvalConfig
+        from qgate.gates.longctx import LongContextConfig
         from qgate.gates.run import GateConfig, ParityConfig, PerfConfig
         from qgate.gates.shadow import ShadowConfig
 
         ev = None if self.gates.eval is None else build_config(EvalConfig, self.gates.eval, "gates.eval")
+        lc = self.gates.long_context
+        if lc is not None and lc.get("documents"):   # relative to the spec file, like every path in it
+            lc = lc | {"documents": str(self.path(lc["documents"]))}
+        long_ctx = None if lc is None else build_config(LongContextConfig, lc, "gates.long_context")
         return GateConfig(contract=build_config(ContractConfig, self.gates.contract, "gates.contract"),
-                          shadow=build_config(ShadowConfig, self.gates.shadow, "gates.shadow"), eval=ev,
+                          shadow=build_config(ShadowConfig, self.gates.shadow, "gates.shadow"), eval=ev, long_context=long_ctx,
                           perf=build_config(PerfConfig, self.gates.perf, "gates.perf"),
                           parity=build_config(ParityConfig, self.gates.parity, "gates.parity"), on_inconclusive=self.gates.on_inconclusive,
                           score_anyway=self.gates.score_anyway)

