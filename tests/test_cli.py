@@ -25,6 +25,19 @@ def test_usage_errors_say_usage_error_and_where_to_look(argv, message, see, caps
     assert "internal error" not in err and "Traceback" not in err
 
 
+def test_version_names_qgate_and_the_libraries_a_verdict_depends_on(capsys):
+    """`qgate --version` exits 0 with one line (it was a usage error); `--version` of `qgate promote` is still the model
+    version it takes."""
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"qgate {version('qgate')} (python ") and len(out.splitlines()) == 1
+    for lib in ("torch", "transformers", "llmcompressor", "compressed-tensors", "lm-eval"):
+        assert f"{lib} {version(lib)}" in out
+    assert main(["promote", "--model", "x"]) == 1 and "Missing option '--version'" in capsys.readouterr().err
+
+
 def test_bare_group_prints_its_help_and_exits_1(capsys):
     assert main(["calibrate"]) == 1
     out = capsys.readouterr()

@@ -143,3 +143,20 @@ def test_a_halved_rope_theta_fails_only_beyond_what_the_shadow_gate_sees(tmp_pat
     by = {r.metric: r for r in long_context_gate(TorchRunner(d), ref, cfg, shadow_tokens=432)[0]}
     assert by["nll_increase.1-1024"].verdict == "pass" and by["nll_increase.1-1024"].observed < 0.01
     assert by["nll_increase.4097-8192"].verdict == "fail" and by["nll_increase.4097-8192"].ci[0] > 0.05
+
+
+def test_a_spec_names_its_documents_relative_to_itself(tmp_path):
+    from qgate.pipeline.spec import load_spec
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "docs.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
+    body = ("version: 1\nname: t\nworkdir: w\nmodel: {hf_dir: x}\ntraffic: t.jsonl\nvariants: [{name: a, scheme: awq-w4a16}]\n"
+            "registry: {model_name: m}\ngates:\n  long_context: {documents: sub/%s, max_documents: 2}\n")
+    (tmp_path / "spec.yaml").write_text(body % "docs.jsonl")
+    cfg = load_spec(tmp_path / "spec.yaml").gate_config().long_context
+    assert cfg.documents == str(tmp_path / "sub" / "docs.jsonl") and cfg.max_documents == 2
+    (tmp_path / "spec.yaml").write_text(body % "nope.jsonl")
+    with pytest.raises(ConfigError, match=r"gates.long_context: gates.long_context.documents: .*nope.jsonl is not a file"):
+        load_spec(tmp_path / "spec.yaml").gate_config()
+    (tmp_path / "spec.yaml").write_text(body.replace("{documents: sub/%s, max_documents: 2}", "null"))
+    assert load_spec(tmp_path / "spec.yaml").gate_config().long_context is None
