@@ -39,7 +39,8 @@ class Check(BaseModel):
     n: int
     mde: float | None = Field(description="minimum detectable effect at this n")
     n_to_decide: int | None = Field(description="inconclusive checks: roughly how many items would decide it")
-    decided_on: str
+    decided_on: str = Field(description="the rule that decided the verdict: ci, point, holm-guard, report-only or not-run "
+                                         "(docs/gate-rules.md)")
     caveat: str | None = Field(default=None, description="what weakens this check's evidence, e.g. a label-biased task")
 
 

@@ -102,6 +102,8 @@ class GateResult:
         extra = f"  n={self.n}"
         if self.mde is not None and self.threshold is not None:
             extra += f"  mde={self.mde:.3g}"
+        if self.decided_on == "holm-guard":
+            extra += "  [guard: Holm-adjusted CI]"
         if self.n_to_decide is not None:
             extra += f"  ~{self.n_to_decide} items would decide it"
         elif self.verdict == "inconclusive":
