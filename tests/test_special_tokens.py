@@ -56,6 +56,8 @@ def test_a_converted_checkpoint_is_fixed_from_its_source_metadata(src, tmp_path)
     assert fixes[0] == "tokenizer_config.json eos_token: '<|im_start|>' -> '<|im_end|>' (id 2, as the source's metadata says)"
     assert any(f.startswith("tokenizer_config.json pad_token: None -> '<|im_end|>'") for f in fixes)
     assert special_tokens.problems(d) == [] and special_tokens.reconcile(d, {"bos": 1, "eos": 2, "pad": 2, "unk": 0}) == []
+    # a source that names no eos leaves the eos ids alone (a GGUF need not carry every id)
+    assert special_tokens.reconcile(d, {"bos": 1}) == []
     # an end-of-turn id the source names (llama.cpp's eot) joins the eos ids
     special_tokens.reconcile(d, {"eos": 2, "eot": 0})
     assert json.loads((d / "generation_config.json").read_text())["eos_token_id"] == [2, 0]

@@ -122,14 +122,15 @@ def reconcile(d: Path, source: dict[str, int]) -> list[str]:
                 tc[f"{role}_token_id"] = source[role]
     if fixes:
         tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
-    eos = [source["eos"]] + ([source["eot"]] if "eot" in source and source["eot"] != source.get("eos") else [])
+    eos = ([source["eos"]] + ([source["eot"]] if "eot" in source and source["eot"] != source["eos"] else [])
+           if "eos" in source else [])
     for name in ("generation_config.json", "config.json"):
         path = d / name
         data = _json(path)
         if not data:
             continue
         changed = {}
-        if "eos" in source and sorted(_ids(data.get("eos_token_id"))) != sorted(eos):
+        if eos and sorted(_ids(data.get("eos_token_id"))) != sorted(eos):
             changed["eos_token_id"] = eos if len(eos) > 1 else eos[0]
         for role in ("bos", "pad"):
             if role in source and data.get(f"{role}_token_id") != source[role]:
