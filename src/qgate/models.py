@@ -80,7 +80,7 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
             raise InputError(f"{hf}: not a Hugging Face model directory (no config.json)")
         check_loadable(hf, allow_pickle=src.allow_pickle)
         tok = load_tokenizer(hf)             # a checkpoint without its tokenizer fails here, before anything is copied
-        special_tokens.check(hf)             # and one whose files disagree on its special tokens
+        special_tokens.check(hf, tok)        # and one whose files disagree on its special tokens
         if out.exists():
             shutil.rmtree(out)
         if any(hf.rglob("*.safetensors")):   # pickled copies beside safetensors are never read, so never copied
@@ -102,7 +102,7 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
         model.save_pretrained(out)
         tok.save_pretrained(out)
         fixes = special_tokens.reconcile(out, special_tokens.gguf_special_tokens(root / name))
-    special_tokens.check(out)
+        special_tokens.check(out)
     cfg = _read_config(out)
     meta = {"architecture": (cfg.get("architectures") or ["?"])[0], "hidden_size": cfg.get("hidden_size"),
             "num_hidden_layers": cfg.get("num_hidden_layers"), "vocab_size": cfg.get("vocab_size"),

@@ -66,11 +66,12 @@ def end_of_turn(tok) -> tuple[str, int] | None:
     return (hit, tok.convert_tokens_to_ids(hit)) if hit else None
 
 
-def problems(d: Path) -> list[str]:
-    """What disagrees among a checkpoint's tokenizer, generation config and chat template (the rules above)."""
+def problems(d: Path, tok=None) -> list[str]:
+    """What disagrees among a checkpoint's tokenizer, generation config and chat template (the rules above). tok: the
+    checkpoint's tokenizer when the caller has loaded it already."""
     from qgate.trust import load_tokenizer
 
-    tok = load_tokenizer(d)
+    tok = tok or load_tokenizer(d)
     gen, cfg = _json(d / "generation_config.json"), _json(d / "config.json")
     eos_ids = _ids(gen.get("eos_token_id", cfg.get("eos_token_id")))
     out = []
@@ -90,9 +91,9 @@ def problems(d: Path) -> list[str]:
     return out
 
 
-def check(d: Path) -> None:
+def check(d: Path, tok=None) -> None:
     """InputError naming every disagreement among the checkpoint's special tokens."""
-    found = problems(d)
+    found = problems(d, tok)
     if found:
         raise InputError(f"{d}: the baseline's files disagree on its special tokens: " + "; ".join(found),
                          hint="fix tokenizer_config.json (eos_token, bos_token, pad_token) or generation_config.json "

@@ -33,6 +33,7 @@ from qgate.artifact import Artifact, engine_checkpoint
 from qgate.chat import render
 from qgate.errors import ConfigError
 from qgate.gates.result import GateResult
+from qgate.trust import TOKENIZER_FILES
 
 FACETS = ("tokenizer", "chat_template", "generation_config", "context_length", "architecture", "prompt_rendering")
 SHOW = 5   # differences listed one by one under one parent key; more are summarized with their count
@@ -71,10 +72,11 @@ ENGINE_RUNTIME: dict[str, str] = {
     "search.early_stopping": "a beam-search setting: with one beam (num_beams, compared) it has no effect",
 }
 CONTEXT_WORDS = ("rope", "position", "window", "context", "chunk")   # config.json keys that set how far the model sees
-TOKENIZER_FILES = {   # file -> its key prefix; chat templates are compared as the loaded tokenizer's text
+FILE_KEYS = {   # each of trust.TOKENIZER_FILES -> its key prefix; None: compared as the loaded tokenizer's chat template
     "tokenizer.json": "tokenizer", "tokenizer_config.json": "tokenizer.config",
     "special_tokens_map.json": "tokenizer.special_tokens_map", "added_tokens.json": "tokenizer.added_tokens_file",
     "vocab.json": "tokenizer.vocab_file", "merges.txt": "tokenizer.merges_file", "tokenizer.model": "tokenizer.model_file",
+    "chat_template.jinja": None, "chat_template.json": None,
 }
 NOT_TOKENIZER_KEYS = ("chat_template",)   # tokenizer_config.json keys compared by another facet
 GENAI_MODEL = {"context_length": ("context_length", "max_position_embeddings"), "type": ("architecture", "model_type"),
@@ -225,7 +227,9 @@ def _served_diffs(bdir: Path, cdir: Path, config_dir: Path | None, genai: dict |
         diffs, m = facets[facet_n]
         facets[facet_n] = (diffs, m + n)
 
-    for file, prefix in TOKENIZER_FILES.items():
+    for file in TOKENIZER_FILES:
+        if (prefix := FILE_KEYS[file]) is None:
+            continue
         pairs, n = _file_diffs(lambda _p, pre=prefix: ("tokenizer", pre), file, bdir / file, cdir / file,
                                NOT_TOKENIZER_KEYS if file == "tokenizer_config.json" else ())
         add(pairs, n, "tokenizer")
@@ -350,7 +354,9 @@ def summarize(diffs: list[dict]) -> list[dict]:
 def contract_gate(candidate: Artifact, baseline: Artifact, rows: list[dict], cfg: ContractConfig,
                   config_dir: Path | None = None) -> list[GateResult]:
     """config_dir: the directory whose config.json the candidate runs with (default: its served directory; for the
-    CPU engine, the checkpoint it was built from; None there when that checkpoint is gone)."""
+    CPU engine, the checkpoint it was built from; None there when that checkpoint is gone). InputError when the
+    baseline's own files disagree on its special tokens: it is then no reference to hold a candidate to."""
+    from qgate import special_tokens
     from qgate.trust import check_loadable, load_tokenizer
 
     cdir, genai = served_files(candidate)
@@ -359,6 +365,7 @@ def contract_gate(candidate: Artifact, baseline: Artifact, rows: list[dict], cfg
         config_dir = getattr(engine_checkpoint(candidate), "path", None)
     check_loadable(cdir)
     btok, ctok = load_tokenizer(bdir), load_tokenizer(cdir)
+    special_tokens.check(bdir, btok)
     facets = _served_diffs(bdir, cdir, cdir if genai is None else config_dir, genai)
     tok_diffs, tok_n = facets["tokenizer"]
     facets["tokenizer"] = (_loaded_tokenizer_diffs(btok, ctok) + tok_diffs, tok_n + len(btok.get_vocab()))

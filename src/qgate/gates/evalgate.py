@@ -163,9 +163,14 @@ def _mc_check(name: str, bc: np.ndarray, cc: np.ndarray, min_recovery: float | N
     delta, lo, hi = paired_binary_ci(bc, cc)
     base_acc, cand_acc = float(bc.mean()), float(cc.mean())
     rec = cand_acc / base_acc if base_acc > 0 else float("nan")
-    ci = ((base_acc + lo) / base_acc, (base_acc + hi) / base_acc) if base_acc > 0 else None
+    ci = _recovery_ci(base_acc, lo, hi)
     ev = {"base_acc": base_acc, "cand_acc": cand_acc, "delta": delta, "delta_ci": [lo, hi], **test, **(evidence or {})}
     return GateResult.check("eval", f"{name}.recovery", rec, min_recovery, True, len(bc), ci, test["p_value"], ev)
+
+
+def _recovery_ci(base_acc: float, lo: float, hi: float) -> tuple[float, float] | None:
+    """An interval of the accuracy difference (candidate - baseline) as one of recovery (candidate / baseline)."""
+    return ((base_acc + lo) / base_acc, (base_acc + hi) / base_acc) if base_acc > 0 else None
 
 
 def _loss_check(name: str, r: GateResult, alpha: float) -> GateResult:
@@ -251,7 +256,7 @@ def _guard_tasks(results: list[GateResult], rows: list[int], base: list[np.ndarr
         r, acc = results[rows[j]], float(base[j].mean())
         level = 1 - 2 * GUARD_ERROR / (m - step)
         _, lo, hi = paired_binary_ci(base[j], cand[j], z=float(norm.ppf(1 - GUARD_ERROR / (m - step))))
-        ci = ((acc + lo) / acc, (acc + hi) / acc) if acc > 0 else (float("nan"), float("nan"))
+        ci = _recovery_ci(acc, lo, hi) or (float("nan"), float("nan"))
         ev = r.evidence | {"ci_95_unadjusted": list(r.ci) if r.ci else None, "holm_step": step + 1, "holm_tasks": m,
                            "adjusted_level": level, "p_holm": adjusted[j], "rule": "holm-guard at the pooled margin"}
         g = GateResult.guard("eval", r.metric, r.observed, margin, True, r.n, ci, may_fail=failing, p_value=adjusted[j],

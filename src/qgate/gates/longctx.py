@@ -30,7 +30,7 @@ from qgate.artifact import Artifact, sha256_file, sha256_json
 from qgate.cache import read_cached_arrays, write_cached
 from qgate.errors import ConfigError, InputError
 from qgate.gates.result import GateResult
-from qgate.gates.scoring import reduce_logits
+from qgate.gates.scoring import reduce_logits, split_sequences
 from qgate.gates.stats import cluster_bootstrap
 from qgate.progress import progress
 
@@ -151,16 +151,11 @@ def baseline_long_reference(runner_factory, baseline: Artifact, cfg: LongContext
     return ref, False
 
 
-def _sequences(ref: dict) -> list[list[int]]:
-    bounds = np.concatenate([[0], np.cumsum(ref["lens"])])
-    return [ref["tokens"][a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-
-
 def long_context_gate(runner, ref: dict, cfg: LongContextConfig, shadow_tokens: int) -> tuple[list[GateResult], dict]:
     """One check per window, and what the documents covered: the served context, how far the documents reach, how
     far the shadow evidence reaches (`shadow_tokens`), and the windows not scored."""
     t0 = time.perf_counter()
-    seqs = _sequences(ref)
+    seqs = split_sequences(ref["tokens"], ref["lens"])
     cand = [nll(runner, s) for s in progress(seqs, f"long context: candidate ({len(seqs)} documents)", unit="doc")]
     context = int(ref["context"])
     doc = np.concatenate([np.full(len(s) - 1, i, np.int32) for i, s in enumerate(seqs)])

@@ -34,6 +34,12 @@ def length_batches(lengths: Sequence[int], max_tokens: int = MAX_BATCH_TOKENS, m
     return batches
 
 
+def split_sequences(tokens: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
+    """The sequences a reference stores end to end (`tokens`, their `lengths` in order), as lists of ids."""
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    return [tokens[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
 ROWS_PER_PASS = 8   # positions reduced together: a [8, V] slab stays in cache (4x faster than one [T, V] pass)
 
 

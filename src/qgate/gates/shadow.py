@@ -48,7 +48,8 @@ from qgate.cache import read_cached_arrays, write_cached
 from qgate.chat import encode_with_sources
 from qgate.errors import ConfigError, InputError
 from qgate.gates.result import GateResult
-from qgate.gates.scoring import MAX_BATCH_TOKENS, UNDEFINED, kl_with_tail, length_batches, reduce_logits, top_k_logprobs
+from qgate.gates.scoring import (MAX_BATCH_TOKENS, UNDEFINED, kl_with_tail, length_batches, reduce_logits,
+                                 split_sequences, top_k_logprobs)
 from qgate.gates.stats import cluster_bootstrap, quantile, quantile_ci, wilson
 
 TEMPLATE, PROMPT, ANSWER = 0, 1, 2        # token classes: chat template, traffic prompt text, baseline answer
@@ -97,8 +98,7 @@ def top_k_reference(runner, seqs: list[list[int]], top_k: int, desc: str) -> tup
 
 
 def _sequences(ref: dict) -> list[list[int]]:
-    bounds = np.concatenate([[0], np.cumsum(ref["seq_lens"])])
-    return [ref["tokens"][a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return split_sequences(ref["tokens"], ref["seq_lens"])
 
 
 def score_sequences(runner, seqs: list[list[int]], desc: str, reduce) -> list:
