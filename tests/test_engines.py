@@ -9,7 +9,7 @@ from qgate.artifact import Artifact
 from qgate.engines.awq_layout import dequantize_awq, to_awq, unpack_int4
 from qgate.engines.build import build_engine
 from qgate.engines.runners import load_runner
-from qgate.engines.trtllm import graph_batch_sizes
+from qgate.engines.batch_sizes import graph_batch_sizes
 from qgate.errors import BackendUnavailable, ConfigError
 
 

@@ -20,7 +20,7 @@ class CountingRunner:
 
     def __init__(self, inner):
         self.inner, self.tokenizer, self.kind, self.calls = inner, inner.tokenizer, inner.kind, 0
-        self.max_length = inner.max_length
+        self.max_length, self.numerics, self.batch_tokens = inner.max_length, inner.numerics, inner.batch_tokens
 
     def logits(self, ids):
         self.calls += 1
@@ -97,8 +97,8 @@ def test_second_candidate_reuses_cached_baseline(base_art, w8_art, awq_art, cali
     made = []
     real = runners.load_runner
 
-    def counting(art):
-        r = CountingRunner(real(art))
+    def counting(art, *device):
+        r = CountingRunner(real(art, *device))
         made.append((art.sha256, r))
         return r
 

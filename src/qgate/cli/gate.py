@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from qgate.cli.options import Json, Junit, OutDir, quiet_libraries
+from qgate.cli.options import Device, Json, Junit, OutDir, quiet_libraries
 from qgate.cli.output import Output
 from qgate.errors import GateFailed
 
@@ -25,6 +25,7 @@ def gate_cmd(
     junit: Junit = None,
     score_anyway: Annotated[bool, typer.Option("--score-anyway", help="Score a candidate whose serving contract failed "
                                                "(its verdict is FAIL regardless; by default the gate stops there).")] = False,
+    device: Device = None,
 ) -> None:
     """Contract, shadow, parity, eval and perf gates; report.json and report.html. Exit 2 unless it passed.
     A candidate that fails the serving contract is not scored unless --score-anyway."""
@@ -37,6 +38,10 @@ def gate_cmd(
     cfg = load_spec(spec).gate_config() if spec else GateConfig()
     if score_anyway:
         cfg = replace(cfg, score_anyway=True)
+    if device:
+        from qgate.device import check_device
+
+        cfg = replace(cfg, device=check_device(device, "--device"))
     cand = Artifact.load(candidate)
     label = name or cand.meta.get("scheme") or cand.path.name
     base, shadow_set = Artifact.load(baseline, "checkpoint"), Artifact.load(shadow, "calibration-set")

@@ -13,6 +13,8 @@ ModelName = Annotated[str, typer.Option("--model-name", "--model", help="Registe
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (schema: docs/qgate-output.schema.json); "
                                                "human text goes to stderr.")]
 Junit = Annotated[Path | None, typer.Option("--junit", help="Write each gate check as a JUnit test case to this file.")]
+Device = Annotated[str | None, typer.Option("--device", help="Where the gates score models: auto (CUDA when present), "
+                                                          "cpu, cuda or cuda:N (default: the spec's gates.device, else auto).")]
 ScanEngine = Annotated[str, typer.Option("--engine", help="How traffic partitions are scanned: serial; processes (one local "
                                                        "process per core); or ray (local Ray, or RAY_ADDRESS). A file "
                                                        "too big for its share of the workers is read here and its blocks "

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from qgate.cli.options import Json, Junit, quiet_libraries
+from qgate.cli.options import Device, Json, Junit, quiet_libraries
 from qgate.cli.output import Output
 
 
@@ -16,7 +16,8 @@ def run_cmd(spec: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. pipel
             wait: Annotated[float, typer.Option(help="Seconds to wait for another job on the same workdir to finish "
                                                      "(default: exit 1 at once, naming the job that holds it).")] = 0.0,
             parallel: Annotated[str, typer.Option(help="serial, or ray: traffic partitions and variants (each with its "
-                                                       "spec `resources`) run as Ray tasks; the same artifacts either way.")] = "serial") -> None:
+                                                       "spec `resources`) run as Ray tasks; the same artifacts either way.")] = "serial",
+            device: Device = None) -> None:
     """Calibrate, quantize each variant, build engines, gate, register, and promote the best passing variant."""
     quiet_libraries()
     from qgate.errors import LockHeld, PromotionRefused
@@ -25,7 +26,7 @@ def run_cmd(spec: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. pipel
     from qgate.progress import console_err, interactive, quiet_console
 
     o = Output(json_out)
-    s = load_spec(spec)
+    s = load_spec(spec).on_device(device)
     workdir = s.path(s.workdir)
     log_file = None if interactive() else quiet_console(workdir / "logs" / "qgate-run.log")
     o.say(f"pipeline {s.name}: workdir {workdir}" + (f"; library logs: {log_file}" if log_file else ""))

@@ -10,13 +10,14 @@ from typing import Annotated
 
 import typer
 
-from qgate.cli.options import quiet_libraries
+from qgate.cli.options import Device, quiet_libraries
 
 
 def search_cmd(spec: Annotated[Path, typer.Option("--spec", help="Pipeline YAML, e.g. pipelines/promote.yaml.")],
                variant: Annotated[str, typer.Option("--variant", help="The variant to search from (its scheme, options and "
                                                                       "`search:` settings; defaults when it has none).")],
-               wait: Annotated[float, typer.Option(help="Seconds to wait for another job on the same workdir.")] = 0.0) -> None:
+               wait: Annotated[float, typer.Option(help="Seconds to wait for another job on the same workdir.")] = 0.0,
+               device: Device = None) -> None:
     """Rank layers by sensitivity, then quantize and gate fallback points until the smallest passing one is found."""
     quiet_libraries()
     from qgate.errors import GateFailed
@@ -24,7 +25,7 @@ def search_cmd(spec: Annotated[Path, typer.Option("--spec", help="Pipeline YAML,
     from qgate.pipeline.spec import load_spec
     from qgate.progress import console_err, interactive, quiet_console
 
-    s = load_spec(spec)
+    s = load_spec(spec).on_device(device)
     workdir = s.path(s.workdir)
     log_file = None if interactive() else quiet_console(workdir / "logs" / "qgate-search.log")
     typer.echo(f"search {s.name}/{variant}: workdir {workdir}" + (f"; library logs: {log_file}" if log_file else ""),

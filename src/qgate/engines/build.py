@@ -14,15 +14,18 @@ from qgate.naming import Registry, build_config
 BACKENDS: Registry[str] = Registry("engine backend")
 BACKENDS.register("cpu", "onnxruntime-genai on CPU, int4 MatMulNBits kernels")
 BACKENDS.register("trtllm", "TensorRT-LLM (PyTorch backend) bundle for NVIDIA GPUs")
+BACKENDS.register("torch-int4", "torch int4 weight-only kernels, static KV cache, CUDA-graph decode (runs on CPU too)")
 
 
 def engine_config(backend: str, where: str = "engine.options", **options: Any):
     """The frozen config for `backend`, with defaults filled in; unknown options are ConfigErrors naming `where`."""
     from qgate.engines.cpu import CpuEngineConfig
+    from qgate.engines.torch_int4 import TorchInt4Config
     from qgate.engines.trtllm import TrtllmConfig
 
     BACKENDS.get(backend)  # unknown names fail with a suggestion
-    return build_config(CpuEngineConfig if backend == "cpu" else TrtllmConfig, options, where)
+    configs = {"cpu": CpuEngineConfig, "trtllm": TrtllmConfig, "torch-int4": TorchInt4Config}
+    return build_config(configs[backend], options, where)
 
 
 def unsupported(ckpt: Artifact, backend: str) -> str | None:
@@ -46,6 +49,10 @@ def build_engine(ckpt: Artifact, backend: str, out: Path, profile: Artifact | No
         from qgate.engines.cpu import build_cpu
 
         return build_cpu(ckpt, config, out)
+    if backend == "torch-int4":
+        from qgate.engines.torch_int4 import build_torch_int4
+
+        return build_torch_int4(ckpt, config, out, profile)
     from qgate.engines.trtllm import build_trtllm
 
     return build_trtllm(ckpt, config, out, profile)

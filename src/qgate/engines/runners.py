@@ -128,30 +128,37 @@ def check_vocab(path: Path, tokenizer, rows: int) -> None:
 
 
 class TorchRunner:
-    """PyTorch eager reference path (float32 compute; compressed-tensors checkpoints are decompressed on load)."""
+    """PyTorch eager reference path on a device (float32 on the CPU, the served dtype on CUDA; compressed-tensors
+    checkpoints are decompressed on load)."""
 
     kind = "torch-reference"
     FORWARD_COST = 24   # positions one forward's fixed cost is worth: reading 540 MB of weights ~ 24 positions' compute
                         # for the 135M demo model on 2 cores (a [1, 2] forward 0.15 s, 5 ms per further position)
 
-    def __init__(self, path: Path):
-        import torch
-
+    def __init__(self, path: Path, device: str = "cpu", dtype: str = "auto"):
+        """device: auto, cpu, cuda or cuda:N; dtype: auto (float32 on the CPU, the served dtype on CUDA) or a name."""
+        from qgate.device import batch_tokens, compute_dtype, numerics, resolve_device
         from qgate.trust import check_loadable, load_causal_lm, load_tokenizer
 
         check_loadable(path)
+        self.device = resolve_device(device)
+        config = json.loads((Path(path) / "config.json").read_text())
+        self.dtype = compute_dtype(config, self.device, dtype)
         self.tokenizer = load_tokenizer(path)
-        self.model = load_causal_lm(path, dtype=torch.float32, attn_implementation=_register_attention(),
-                                    **dequantize_kwargs(path)).eval()
+        placed = {"device_map": str(self.device)} if self.device.type == "cuda" else {}   # straight onto the GPU
+        self.model = load_causal_lm(path, dtype=self.dtype, attn_implementation=_register_attention(),
+                                    **dequantize_kwargs(path), **placed).eval()
         check_vocab(path, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        self.batch_tokens = batch_tokens(self.device, self.model.config.vocab_size, self.model.config.hidden_size)
+        self.numerics = numerics(self.device, self.dtype)
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         import torch
 
         with torch.inference_mode():
-            out = self.model(torch.tensor([list(ids)], dtype=torch.long)).logits[0]  # [T, V]
-        return out.float().numpy()
+            out = self.model(torch.tensor([list(ids)], dtype=torch.long, device=self.device)).logits[0]  # [T, V]
+        return out.float().cpu().numpy()
 
     def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list[np.ndarray]:
         """Left-padded batch with explicit position ids, so each row computes as if alone. keep_last: only the
@@ -160,12 +167,12 @@ class TorchRunner:
 
         width = max(len(s) for s in seqs)
         pad = self.tokenizer.pad_token_id or 0
-        x = torch.tensor([[pad] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long)
-        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
+        x = torch.tensor([[pad] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long, device=self.device)
+        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long, device=self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         k = min(keep_last or width, width)
         with torch.inference_mode():
-            out = self.model(x, attention_mask=mask, position_ids=pos, logits_to_keep=k).logits.float().numpy()  # [B, k, V]
+            out = self.model(x, attention_mask=mask, position_ids=pos, logits_to_keep=k).logits.float().cpu().numpy()  # [B, k, V]
         return [out[i, max(k - len(s), 0):] for i, s in enumerate(seqs)]
 
     def continuation_logits(self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
@@ -187,31 +194,31 @@ class TorchRunner:
         pad = self.tokenizer.pad_token_id or 0
         p = len(prefix)
         cw = max(len(c) for c, _ in groups)
-        x = torch.tensor([[pad] * (cw - len(c)) + list(c) for c, _ in groups], dtype=torch.long)
-        smask = torch.tensor([[0] * (cw - len(c)) + [1] * len(c) for c, _ in groups], dtype=torch.long)
-        cmask = torch.cat([torch.ones(len(groups), p, dtype=torch.long), smask], -1)   # padding sits between prefix and context
+        x = torch.tensor([[pad] * (cw - len(c)) + list(c) for c, _ in groups], dtype=torch.long, device=self.device)
+        smask = torch.tensor([[0] * (cw - len(c)) + [1] * len(c) for c, _ in groups], dtype=torch.long, device=self.device)
+        cmask = torch.cat([torch.ones(len(groups), p, dtype=torch.long, device=self.device), smask], -1)   # padding sits between prefix and context
         rows = [(g, list(k)) for g, (_, conts) in enumerate(groups) for k in conts]
         fed = [len(k) - 1 for _, k in rows]
         rest: dict[int, np.ndarray] = {}     # row -> [len(k) - 1, V]
         with torch.inference_mode():
             cache = None
             if p:
-                cache = self.model(torch.tensor([list(prefix)], dtype=torch.long), use_cache=True, logits_to_keep=1).past_key_values
-                cache.reorder_cache(torch.zeros(len(groups), dtype=torch.long))   # [1, ...] -> [G, ...]
+                cache = self.model(torch.tensor([list(prefix)], dtype=torch.long, device=self.device), use_cache=True, logits_to_keep=1).past_key_values
+                cache.reorder_cache(torch.zeros(len(groups), dtype=torch.long, device=self.device))   # [1, ...] -> [G, ...]
             out = self.model(x, attention_mask=cmask, position_ids=p + (smask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
                              past_key_values=cache, logits_to_keep=1)
-            first = out.logits[:, -1].float().numpy()                         # [G, V]: predicts each continuation's first token
+            first = out.logits[:, -1].float().cpu().numpy()                         # [G, V]: predicts each continuation's first token
             todo = length_groups([f for f in fed if f > 0], self.FORWARD_COST)
             for j, (lo, hi) in enumerate(todo):
                 rs = [r for r, f in enumerate(fed) if lo <= f <= hi]
-                idx = torch.tensor([rows[r][0] for r in rs])
+                idx = torch.tensor([rows[r][0] for r in rs], device=self.device)
                 cache = out.past_key_values if j == len(todo) - 1 else copy.deepcopy(out.past_key_values)
                 cache.reorder_cache(idx)                                      # [G, ...] -> [R, ...], one row per continuation
-                y = torch.tensor([rows[r][1][:-1] + [pad] * (hi - fed[r]) for r in rs], dtype=torch.long)   # [R, hi]
-                kmask = torch.tensor([[1] * fed[r] + [0] * (hi - fed[r]) for r in rs], dtype=torch.long)
-                pos = p + smask.sum(-1)[idx, None] + torch.arange(hi)[None]   # causal: the padding after a row never reaches it
+                y = torch.tensor([rows[r][1][:-1] + [pad] * (hi - fed[r]) for r in rs], dtype=torch.long, device=self.device)   # [R, hi]
+                kmask = torch.tensor([[1] * fed[r] + [0] * (hi - fed[r]) for r in rs], dtype=torch.long, device=self.device)
+                pos = p + smask.sum(-1)[idx, None] + torch.arange(hi, device=self.device)[None]   # causal: the padding after a row never reaches it
                 logits = self.model(y, attention_mask=torch.cat([cmask[idx], kmask], -1), position_ids=pos,
-                                    past_key_values=cache, logits_to_keep=hi).logits.float().numpy()     # [R, hi, V]
+                                    past_key_values=cache, logits_to_keep=hi).logits.float().cpu().numpy()     # [R, hi, V]
                 rest.update((r, logits[i, :fed[r]]) for i, r in enumerate(rs))
         res: list[list[np.ndarray]] = [[] for _ in groups]
         for r, (g, k) in enumerate(rows):
@@ -229,8 +236,8 @@ class TorchRunner:
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         width = max(len(p) for p in prompts)
-        x = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+        x = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             out = self.model.generate(x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
         eos = self.model.generation_config.eos_token_id
@@ -262,8 +269,8 @@ class TorchRunner:
         eos = self.model.generation_config.eos_token_id
         stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         width, rows = max(len(p) for p in prompts), len(prompts)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
-        pos = torch.tensor([[len(p) - 1] for p in prompts], dtype=torch.long)     # each row's last position
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=self.device)
+        pos = torch.tensor([[len(p) - 1] for p in prompts], dtype=torch.long, device=self.device)     # each row's last position
         answers: list[list[int]] = [[] for _ in prompts]
         parts: list[list[tuple]] = [[] for _ in prompts]
         with torch.inference_mode():
@@ -275,11 +282,11 @@ class TorchRunner:
                     b += 1
                 chunk = prompts[a:b]
                 w = max(len(p) for p in chunk)
-                cm = torch.tensor([[0] * (w - len(p)) + [1] * len(p) for p in chunk], dtype=torch.long)
-                out = self.model(torch.tensor([[pad] * (w - len(p)) + list(p) for p in chunk], dtype=torch.long), attention_mask=cm,
+                cm = torch.tensor([[0] * (w - len(p)) + [1] * len(p) for p in chunk], dtype=torch.long, device=self.device)
+                out = self.model(torch.tensor([[pad] * (w - len(p)) + list(p) for p in chunk], dtype=torch.long, device=self.device), attention_mask=cm,
                                  position_ids=(cm.cumsum(-1) - 1).clamp(min=0), use_cache=True)
                 for i, p in enumerate(chunk):
-                    parts[a + i].append(reduce(out.logits[i, w - len(p):].float()))
+                    parts[a + i].append(reduce(out.logits[i, w - len(p):].float().cpu()))
                 firsts.append(out.logits[:, -1].argmax(-1))
                 layers = out.past_key_values.layers   # left-pad the cache to the common width; the mask hides the padding
                 keys.append([torch.nn.functional.pad(layer.keys, (0, 0, width - w, 0)) for layer in layers])
@@ -302,16 +309,16 @@ class TorchRunner:
                     break
                 on = live[active]
                 if on.mean() < COMPACT_BELOW:   # finished answers leave the batch: a decode step costs its rows
-                    sel = torch.from_numpy(np.nonzero(on)[0])
+                    sel = torch.from_numpy(np.nonzero(on)[0]).to(self.device)
                     for layer in cache.layers:
                         layer.batch_select_indices(sel)
                     mask, pos, nxt, active, on = mask[sel], pos[sel], nxt[sel], active[on], on[on]
-                mask = torch.cat([mask, torch.ones(len(active), 1, dtype=torch.long)], -1)
+                mask = torch.cat([mask, torch.ones(len(active), 1, dtype=torch.long, device=self.device)], -1)
                 pos = pos + 1
-                feed = torch.where(torch.from_numpy(on), nxt, torch.full_like(nxt, pad))[:, None]
+                feed = torch.where(torch.from_numpy(on).to(self.device), nxt, torch.full_like(nxt, pad))[:, None]
                 logits = self.model(feed, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1].float()
                 keep = np.nonzero(on)[0]
-                reduced = reduce(logits[torch.from_numpy(keep)])
+                reduced = reduce(logits[torch.from_numpy(keep).to(self.device)].cpu())
                 for j, r in enumerate(keep):
                     parts[active[r]].append(tuple(a[j:j + 1] for a in reduced))
                 nxt = logits.argmax(-1)
@@ -322,6 +329,8 @@ class OrtRunner:
     """The built CPU engine's ONNX graph on onnxruntime: the same int4 kernels onnxruntime-genai serves with."""
 
     kind = "onnxruntime-cpu"
+    numerics = "cpu-onnxruntime"
+    batch_tokens = None     # the gates' default
 
     def __init__(self, engine_dir: Path, tokenizer_dir: Path):
         import onnxruntime as ort
@@ -375,14 +384,22 @@ class OrtRunner:
         return res
 
 
-def load_runner(art: Artifact):
+def load_runner(art: Artifact, device: str = "cpu", dtype: str = "auto"):
+    """The runner that scores what `art` serves: a checkpoint on the PyTorch reference path on `device` (dtype: see
+    TorchRunner), the CPU engine on onnxruntime, the torch-int4 engine on `device`."""
     if art.kind == "checkpoint":
-        return TorchRunner(art.path)
-    if art.kind == "engine" and art.meta.get("backend") == "cpu":
+        return TorchRunner(art.path, device, dtype)
+    backend = art.meta.get("backend")
+    if art.kind == "engine" and backend == "cpu":
         from qgate.engines.cpu import ENGINE_SUBDIR
 
         return OrtRunner(art.path / ENGINE_SUBDIR, art.path / ENGINE_SUBDIR)
+    if art.kind == "engine" and backend == "torch-int4":
+        from qgate.device import resolve_device
+        from qgate.engines.static_runner import StaticRunner
+
+        return StaticRunner(art.path, resolve_device(device))
     if art.kind == "engine":
-        raise BackendUnavailable(f"{art.path}: gates cannot run a {art.meta.get('backend')} engine on this host",
-                                 hint="gate the checkpoint on the reference path, or run the gate on a CUDA host")
+        raise BackendUnavailable(f"{art.path}: gates cannot run a {backend} engine on this host",
+                                 hint="gate the checkpoint on the reference path, or build a torch-int4 engine")
     raise InputError(f"{art.path}: a {art.kind} artifact cannot be run as a model", hint="pass a checkpoint or an engine")

@@ -11,7 +11,6 @@ is still written and BackendUnavailable says why it could not be verified.
 """
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from qgate.artifact import Artifact, typed_config
+from qgate.engines.batch_sizes import graph_batch_sizes, profile_concurrency
 from qgate.errors import BackendUnavailable, ConfigError
 
 KV_DTYPES = {None: "auto", "fp8": "fp8"}
@@ -39,18 +39,6 @@ class TrtllmConfig:
             raise ConfigError(f"engine.max_batch_size_cap must be >= 1, got {self.max_batch_size_cap}")
 
 
-def graph_batch_sizes(concurrency: dict, cap: int) -> tuple[list[int], int]:
-    """Powers of two up to the p99 in-flight count, plus the observed p50/p90/p99 themselves."""
-    p99 = min(cap, max(1, int(concurrency.get("p99", 1))))
-    sizes = {1, p99, min(cap, int(concurrency.get("p50", 1))), min(cap, int(concurrency.get("p90", 1)))}
-    b = 1
-    while b < p99:
-        sizes.add(b)
-        b *= 2
-    max_batch = min(cap, max(p99, int(concurrency.get("max", p99))))
-    return sorted(s for s in sizes if s >= 1), max_batch
-
-
 def llm_api_options(ckpt: Artifact, config: TrtllmConfig, concurrency: dict) -> dict:
     kv = ckpt.meta.get("kv_cache_dtype")
     if kv not in KV_DTYPES:
@@ -65,9 +53,7 @@ def llm_api_options(ckpt: Artifact, config: TrtllmConfig, concurrency: dict) -> 
 
 
 def build_trtllm(ckpt: Artifact, config: TrtllmConfig, out: Path, profile: Artifact | None = None) -> Artifact:
-    concurrency = {"method": "default (no traffic profile given)", "p50": 1, "p90": 4, "p99": 8, "max": 8}
-    if profile is not None:
-        concurrency = json.loads((profile.path / "profile.json").read_text())["concurrency"]
+    concurrency = profile_concurrency(profile)
     options = llm_api_options(ckpt, config, concurrency)
     out = Path(out)
     if out.exists():

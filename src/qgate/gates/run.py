@@ -54,11 +54,17 @@ class GateConfig:
     parity: ParityConfig = field(default_factory=ParityConfig)
     on_inconclusive: str = "block"     # "block": an inconclusive check blocks promotion; "warn": it passes with a warning
     score_anyway: bool = False         # score a candidate whose serving contract failed (its verdict is FAIL regardless)
-    VERSION = 8                        # of the report's layout and the gates' rules; history in git
+    device: str = "auto"               # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
+    dtype: str = "auto"                # reference checkpoints' compute dtype: auto (float32 on CPU, served dtype on CUDA)
+    VERSION = 9                        # of the report's layout and the gates' rules; history in git
 
     def __post_init__(self):
+        from qgate.device import check_device, check_dtype
+
         if self.on_inconclusive not in ("block", "warn"):
             raise ConfigError(f"gates.on_inconclusive: {self.on_inconclusive!r} is not 'block' or 'warn'")
+        check_device(self.device)
+        check_dtype(self.dtype)
 
 
 def _describe(art: Artifact, name: str | None = None) -> dict:
@@ -77,42 +83,68 @@ def _cached_eval(runner_factory, baseline: Artifact, cfg: EvalConfig, cache_dir:
     return scores, False
 
 
-def _parity(cand_runner, load_runner, ckpt: Artifact | None, ref: dict, gated, cfg: GateConfig) -> tuple[list[GateResult], dict]:
-    """Checkpoint vs baseline and engine vs checkpoint, on the baseline's shadow tokens and the gated positions."""
+def _checkpoint_side(ckpt: Artifact | None, ref: dict, cfg: GateConfig) -> tuple[dict, dict] | None:
+    """An engine's own checkpoint on the reference path, scored against the baseline's reference and rescored as a
+    reference for the engine: (checkpoint metrics, checkpoint reference), or None when the checkpoint is gone. The
+    checkpoint is freed before this returns, so the engine loads into a device holding no other model."""
     if ckpt is None:
+        return None
+    runner = _LazyRunner(ckpt, cfg.device, cfg.dtype)
+    m_ckpt = candidate_metrics(runner(), ref, desc="parity: checkpoint vs baseline")
+    ckpt_ref = rescore_reference(runner(), ref, cfg.shadow.top_k, desc="parity: checkpoint reference")
+    runner.release()
+    return m_ckpt, ckpt_ref
+
+
+def _parity(cand_runner, ckpt: Artifact | None, side: tuple[dict, dict] | None, ref: dict, gated, cfg: GateConfig) -> list[GateResult]:
+    """Checkpoint vs baseline and engine vs checkpoint, on the baseline's shadow tokens and the gated positions."""
+    if side is None:
         why = "the engine's checkpoint is not on disk or changed since the build"
         return [GateResult.check("parity", m, float("nan"), None, False, 0, evidence={"error": why})
-                for m in ("engine_vs_checkpoint.kl_p99", "checkpoint_vs_baseline.kl_p99")], {}
-    t = time.perf_counter()
-    ckpt_runner = load_runner(ckpt)
-    clusters = ref["prompt_of"]
-    m_ckpt = candidate_metrics(ckpt_runner, ref, desc="parity: checkpoint vs baseline")
-    ckpt_ref = rescore_reference(ckpt_runner, ref, cfg.shadow.top_k, desc="parity: checkpoint reference")
+                for m in ("engine_vs_checkpoint.kl_p99", "checkpoint_vs_baseline.kl_p99")]
+    m_ckpt, ckpt_ref = side
     m_eng = candidate_metrics(cand_runner, ckpt_ref, desc="parity: engine vs checkpoint")
     ev = {"checkpoint": ckpt.sha256, "checkpoint_path": str(ckpt.path)}
-    results = kl_top1_checks(m_eng, clusters, gated, cfg.parity, prefix="engine_vs_checkpoint.", evidence=ev, gate="parity")
-    results += kl_top1_checks(m_ckpt, clusters, gated, None, prefix="checkpoint_vs_baseline.", gate="parity")
-    return results, {"parity": time.perf_counter() - t}
+    results = kl_top1_checks(m_eng, ref["prompt_of"], gated, cfg.parity, prefix="engine_vs_checkpoint.", evidence=ev, gate="parity")
+    return results + kl_top1_checks(m_ckpt, ref["prompt_of"], gated, None, prefix="checkpoint_vs_baseline.", gate="parity")
 
 
 class _LazyRunner:
-    """Loads a model the first time it is needed, once."""
+    """Loads a model the first time it is needed, once, on a device; `release` frees it."""
 
-    def __init__(self, art: Artifact):
-        self.art, self.runner = art, None
+    def __init__(self, art: Artifact, device: str = "auto", dtype: str = "auto"):
+        self.art, self.device, self.dtype, self.runner = art, device, dtype, None
 
     def __call__(self):
         from qgate.engines.runners import load_runner
 
         if self.runner is None:
-            self.runner = load_runner(self.art)
+            self.runner = load_runner(self.art, self.device, self.dtype)
         return self.runner
+
+    def cache(self, cache_dir: Path) -> Path:
+        """Where this model's cached reference work lives: `cache_dir` for float32 on the CPU (the reference of
+        record), a subdirectory per device and dtype otherwise, so CPU and GPU references never mix."""
+        from qgate.device import compute_dtype, numerics, resolve_device
+
+        dev = resolve_device(self.device)
+        tag = numerics(dev, compute_dtype(json.loads((self.art.path / "config.json").read_text()), dev, self.dtype))
+        return Path(cache_dir) if tag == "cpu-float32" else Path(cache_dir) / tag
+
+    def release(self) -> None:
+        from qgate.device import release
+
+        if self.runner is not None:
+            device = getattr(self.runner, "device", None)
+            self.runner = None
+            release(device)
 
 
 def baseline_floor(baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_dir: Path, runner=None) -> tuple[dict, dict, bool]:
     """The baseline's shadow reference and noise floor (both cached), after checking the thresholds against the floor:
     ConfigError if a threshold is tighter than the baseline itself can meet. Returns (reference, floor, reference cached)."""
-    runner = runner or _LazyRunner(baseline)
+    runner = runner or _LazyRunner(baseline, cfg.device, cfg.dtype)
+    cache_dir = runner.cache(cache_dir)
     ref, hit = baseline_reference(runner, baseline, shadow, cfg.shadow, cache_dir)
     floor = noise_floor(runner, baseline, shadow, ref, cfg.shadow, cache_dir)
     check_thresholds(cfg.shadow, floor)
@@ -122,12 +154,13 @@ def baseline_floor(baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_
 def warm_baseline(baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_dir: Path) -> dict:
     """Every baseline cache the gates read (shadow reference, noise floor, long-context reference, eval scores), computed once before variants
     fan out, so parallel gates share them instead of each computing its own. Returns the noise floor."""
-    runner = _LazyRunner(baseline)
+    runner = _LazyRunner(baseline, cfg.device, cfg.dtype)
     _, floor, _ = baseline_floor(baseline, shadow, cfg, Path(cache_dir), runner)
     if cfg.long_context is not None:
-        baseline_long_reference(runner, baseline, cfg.long_context, Path(cache_dir))
+        baseline_long_reference(runner, baseline, cfg.long_context, runner.cache(cache_dir))
     if cfg.eval is not None:
-        _cached_eval(runner, baseline, cfg.eval, Path(cache_dir))
+        _cached_eval(runner, baseline, cfg.eval, runner.cache(cache_dir))
+    runner.release()
     return floor
 
 
@@ -135,8 +168,10 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
     """The shadow gate alone, on a given shadow set: what a drift job re-runs for production on today's traffic."""
     from qgate.engines.runners import load_runner
 
-    ref, hit = baseline_reference(_LazyRunner(baseline), baseline, shadow, cfg.shadow, Path(cache_dir))
-    m = candidate_metrics(load_runner(candidate), ref)
+    base = _LazyRunner(baseline, cfg.device, cfg.dtype)
+    ref, hit = baseline_reference(base, baseline, shadow, cfg.shadow, base.cache(cache_dir))
+    base.release()
+    m = candidate_metrics(load_runner(candidate, cfg.device, cfg.dtype), ref)
     results, scored, _ = shadow_gate(m, ref, cfg.shadow, prompt_coverage(baseline, load_shadow(shadow, cfg.shadow), cfg.shadow))
     return {"verdict": overall(results), "results": [r.to_dict() for r in results], "scoring": scored,
             "baseline_cached": hit, "seconds": {"baseline": 0.0 if hit else float(ref["seconds"]), "candidate": m["score_seconds"]}}
@@ -196,23 +231,40 @@ def _score(candidate: Artifact, baseline: Artifact, shadow: Artifact, rows: list
     mask of gated positions). Adds its timings to `timings`."""
     from qgate.engines.runners import load_runner
 
-    baseline_runner = _LazyRunner(baseline)
-    t = time.perf_counter()
-    cand = load_runner(candidate)
-    timings["candidate_load"] = time.perf_counter() - t
-    ref, floor, shadow_hit = baseline_floor(baseline, shadow, cfg, cache_dir, baseline_runner)
+    # One model in memory at a time: the baseline's work (cached by content) comes first and the baseline is freed,
+    # then an engine's checkpoint for parity, then the candidate; an 8B pair never has to fit on one GPU twice.
+    base = _LazyRunner(baseline, cfg.device, cfg.dtype)
+    bcache = base.cache(cache_dir)
+    ref, floor, shadow_hit = baseline_floor(baseline, shadow, cfg, cache_dir, base)
     timings["baseline_shadow"] = 0.0 if shadow_hit else float(ref["seconds"])
+    lref = None
+    if cfg.long_context is not None:
+        lref, long_hit = baseline_long_reference(base, baseline, cfg.long_context, bcache)
+        timings["baseline_long_context"] = 0.0 if long_hit else float(lref["seconds"])
+    eval_hit = base_scores = None
+    if cfg.eval is not None:
+        t = time.perf_counter()
+        base_scores, eval_hit = _cached_eval(base, baseline, cfg.eval, bcache)
+        timings["baseline_eval"] = 0.0 if eval_hit else time.perf_counter() - t
+    base.release()
+    parity = candidate.kind == "engine" and cfg.parity.enabled
+    if parity:
+        t = time.perf_counter()
+        ckpt = checkpoint or engine_checkpoint(candidate)
+        side = _checkpoint_side(ckpt, ref, cfg)
+        timings["parity_checkpoint"] = time.perf_counter() - t
+    t = time.perf_counter()
+    cand = load_runner(candidate, cfg.device, cfg.dtype)
+    timings["candidate_load"] = time.perf_counter() - t
     m = candidate_metrics(cand, ref)
     timings["candidate_shadow"] = m["score_seconds"]
     results, scored, gated = shadow_gate(m, ref, cfg.shadow, prompt_coverage(baseline, rows, cfg.shadow))
-    if candidate.kind == "engine" and cfg.parity.enabled:
-        parity, t_par = _parity(cand, load_runner, checkpoint or engine_checkpoint(candidate), ref, gated, cfg)
-        results += parity
-        timings |= t_par
+    if parity:
+        t = time.perf_counter()
+        results += _parity(cand, ckpt, side, ref, gated, cfg)
+        timings["parity"] = timings.pop("parity_checkpoint") + time.perf_counter() - t
     long_cov = None
-    if cfg.long_context is not None:
-        lref, long_hit = baseline_long_reference(baseline_runner, baseline, cfg.long_context, cache_dir)
-        timings["baseline_long_context"] = 0.0 if long_hit else float(lref["seconds"])
+    if lref is not None:
         long_results, long_cov = long_context_gate(cand, lref, cfg.long_context,
                                                    cfg.shadow.max_prompt_tokens + cfg.shadow.max_new_tokens)
         timings["candidate_long_context"] = long_cov["seconds"]
@@ -223,16 +275,12 @@ def _score(candidate: Artifact, baseline: Artifact, shadow: Artifact, rows: list
                                     evidence={"baseline_score_seconds": base_s,
                                               "candidate_score_seconds": m["score_seconds"], "candidate_runtime": cand.kind,
                                               "baseline_timing_from_cache": bool(floor.get("cached"))}))  # cached: measured in an earlier run
-    eval_hit = None
     if cfg.eval is not None:
-        t = time.perf_counter()
-        base_scores, eval_hit = _cached_eval(baseline_runner, baseline, cfg.eval, cache_dir)
-        timings["baseline_eval"] = 0.0 if eval_hit else time.perf_counter() - t
         t = time.perf_counter()
         cand_scores = run_tasks(cand, cfg.eval)
         timings["candidate_eval"] = time.perf_counter() - t
         results += eval_gate(base_scores, cand_scores, cfg.eval)
-    record = {"inputs": {"candidate_runtime": cand.kind}, "noise_floor": floor, "shadow_scoring": scored, "long_context": long_cov,
+    record = {"inputs": {"candidate_runtime": cand.kind, "numerics": cand.numerics}, "noise_floor": floor, "shadow_scoring": scored, "long_context": long_cov,
               "cache": {"shadow_baseline": "hit" if shadow_hit else "miss", "noise_floor": "hit" if floor["cached"] else "miss",
                         "eval_baseline": {None: "off", True: "hit", False: "miss"}[eval_hit]}}
     return results, record, m | {"gated": gated}

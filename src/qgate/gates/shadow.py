@@ -108,7 +108,8 @@ def score_sequences(runner, seqs: list[list[int]], desc: str, reduce) -> list:
     at a time (holding batches until their sequences' turn in input order kept up to all of them, and slowed the
     forward passes beside them by ~10%)."""
     out: list = [None] * len(seqs)
-    for batch in progress(length_batches([len(s) for s in seqs]), f"{desc} ({len(seqs)} prompts)", unit="batch"):
+    batches = length_batches([len(s) for s in seqs], max_tokens=runner.batch_tokens or MAX_BATCH_TOKENS)   # GPU: by free memory
+    for batch in progress(batches, f"{desc} ({len(seqs)} prompts)", unit="batch"):
         logits = runner.logits_batch([seqs[i] for i in batch])
         for j, i in enumerate(batch):
             out[i] = reduce(i, logits[j])

@@ -44,7 +44,7 @@ class QuantizeSpec(_Strict):
 
 
 class EngineSpec(_Strict):
-    backend: Literal["cpu", "trtllm"]
+    backend: Literal["cpu", "trtllm", "torch-int4"]
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -83,6 +83,8 @@ class GatesSpec(_Strict):
     parity: dict[str, Any] = Field(default_factory=dict)
     on_inconclusive: Literal["block", "warn"] = "block"
     score_anyway: bool = False   # score a candidate whose serving contract failed (its verdict is FAIL regardless)
+    device: str = "auto"         # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
+    dtype: str = "auto"          # reference checkpoints' compute dtype: auto, float32, bfloat16, float16
 
 
 class RegistrySpec(_Strict):
@@ -137,7 +139,16 @@ class PipelineSpec(_Strict):
                           shadow=build_config(ShadowConfig, self.gates.shadow, "gates.shadow"), eval=ev, long_context=long_ctx,
                           perf=build_config(PerfConfig, self.gates.perf, "gates.perf"),
                           parity=build_config(ParityConfig, self.gates.parity, "gates.parity"), on_inconclusive=self.gates.on_inconclusive,
-                          score_anyway=self.gates.score_anyway)
+                          score_anyway=self.gates.score_anyway, device=self.gates.device, dtype=self.gates.dtype)
+
+    def on_device(self, device: str | None) -> PipelineSpec:
+        """This spec with gates.device set (the CLI's --device); unchanged for None."""
+        if device is None:
+            return self
+        from qgate.device import check_device
+
+        check_device(device, "--device")
+        return self.model_copy(update={"gates": self.gates.model_copy(update={"device": device})})
 
 
     def drift_config(self):
@@ -216,8 +227,9 @@ def load_spec(path: Path) -> PipelineSpec:
 
 
 def _check_engine(v: VariantSpec, where: str) -> None:
-    """An engine the pipeline could build and gate for this variant, or a ConfigError now: the gates run checkpoints
-    and cpu engines, and the cpu engine takes 4-bit weights (a searched variant's W8 or unquantized layers are
+    """An engine the pipeline could build and gate for this variant, or a ConfigError now: the gates run checkpoints,
+    cpu engines and torch-int4 engines; the cpu engine takes 4-bit weights, torch-int4 integer weights without a
+    quantized KV cache (a searched variant's W8 or unquantized layers are
     handled at build time: it is gated on the reference path and its report says so)."""
     from qgate.engines.cpu import SUPPORTED_FORMATS
     from qgate.quantize.schemes import scheme_config, weight_format
@@ -231,6 +243,13 @@ def _check_engine(v: VariantSpec, where: str) -> None:
     if v.engine.backend == "cpu" and fmt not in SUPPORTED_FORMATS:
         raise ConfigError(f"{where}: the cpu engine takes {' or '.join(SUPPORTED_FORMATS)} checkpoints; scheme {v.scheme} "
                           f"makes {fmt}", hint=f"{keep}, or choose a 4-bit scheme (awq-w4a16, gptq-w4a16)")
+    if v.engine.backend == "torch-int4":
+        from qgate.engines.torch_int4 import refusal
+
+        scheme = scheme_config(v.scheme, **v.options)
+        why = refusal(fmt, getattr(scheme, "actorder", None), v.kv_cache)
+        if why:
+            raise ConfigError(f"{where}: {why}", hint=f"{keep}, or choose awq-w4a16, gptq-w4a16 or gptq-w8a16 without kv_cache")
 
 
 def _check_semantics(spec: PipelineSpec) -> None:

@@ -2,8 +2,9 @@
 
     art = quantize(base_art, calib_art, AWQConfig(group_size=64), out=Path("runs/awq"), kv=None)
 
-The model is checked (group sizes) before any calibration work starts. On a host
-without CUDA, llm-compressor's pinned-memory cache is switched off for the call only.
+The model is checked (group sizes) before any calibration work starts. On a CUDA host the model loads in its
+served dtype into host memory and llm-compressor's sequential pipeline runs each layer on the GPU; on a host
+without CUDA it runs in float32 and llm-compressor's pinned-memory cache is switched off for the call only.
 """
 from __future__ import annotations
 
@@ -123,7 +124,11 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
 
     check_loadable(base.path)
     tok = load_tokenizer(base.path)
-    model = load_causal_lm(base.path, dtype=torch.float32)
+    # float32 on a CPU; on a CUDA host the served dtype (bf16), which llm-compressor's sequential pipeline onloads
+    # to the GPU one layer at a time, so a model larger than GPU memory quantizes from host memory
+    from qgate.device import compute_dtype, resolve_device
+
+    model = load_causal_lm(base.path, dtype=compute_dtype(json.loads((base.path / "config.json").read_text()), resolve_device("auto")))
     scheme.check_model(model)  # fail before spending minutes on calibration
     recipe = scheme.modifiers(kv, fallback) if fallback else scheme.modifiers(kv)
     if fallback:

@@ -1,0 +1,88 @@
+"""Where models run and in which float format: one place that reads `gates.device` / `--device`.
+
+    check_device("cuda:1")                    # ConfigError at spec load for anything but auto|cpu|cuda[:N]
+    device = resolve_device("auto")           # CUDA when present, else the CPU
+    dtype = compute_dtype(config, device)     # float32 on the CPU; on CUDA the dtype the model is served in
+
+torch is imported only when a device is resolved.
+"""
+from __future__ import annotations
+
+import re
+
+from qgate.errors import BackendUnavailable, ConfigError
+
+DEVICE_HELP = "auto, cpu, cuda or cuda:N"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def check_device(name: str, where: str = "gates.device") -> str:
+    if not isinstance(name, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        raise ConfigError(f"{where}: {name!r} is not a device", hint=f"use {DEVICE_HELP}")
+    return name
+
+
+def check_dtype(name: str, where: str = "gates.dtype") -> str:
+    if name not in DTYPES:
+        raise ConfigError(f"{where}: {name!r} is not one of {', '.join(DTYPES)}")
+    return name
+
+
+def resolve_device(name: str = "auto"):
+    """torch.device for a checked name; BackendUnavailable when CUDA is asked for and absent."""
+    import torch
+
+    check_device(name)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BackendUnavailable(f"device {name!r}: torch {torch.__version__} sees no CUDA device on this host",
+                                     hint="run with --device cpu (or auto), or on a host with an NVIDIA GPU and a CUDA build of torch")
+        if (dev.index or 0) >= torch.cuda.device_count():
+            raise BackendUnavailable(f"device {name!r}: this host has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def compute_dtype(config: dict, device, name: str = "auto"):
+    """The float format a reference model computes in. auto: float32 on the CPU (the reference of record there);
+    on CUDA the dtype config.json says the model is served in (bfloat16 or float16; bfloat16 for a float32 config,
+    which no GPU server runs at scale). An explicit name wins."""
+    import torch
+
+    check_dtype(name)
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type != "cuda":
+        return torch.float32
+    served = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    return torch.float16 if served == "float16" else torch.bfloat16
+
+
+def numerics(device, dtype) -> str:
+    """A tag for caches of baseline work: 'cpu-float32', 'cuda-bfloat16' (the card's name is not part of it)."""
+    return f"{device.type}-{str(dtype).removeprefix('torch.')}"
+
+
+def batch_tokens(device, vocab: int, hidden: int, share: float = 0.25) -> int | None:
+    """Tokens per scoring forward on CUDA: as many as fit in `share` of the free memory, each costing its float32
+    logits and a bf16 copy (6 bytes x vocab) plus ~16 activations of the hidden width. None on the CPU: the gates'
+    own default (gates/scoring.py)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1024, min(65536, int(free * share // (6 * vocab + 32 * hidden))))
+
+
+def release(device) -> None:
+    """Return a freed model's memory to the device, so the next model can load."""
+    import gc
+
+    gc.collect()
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()

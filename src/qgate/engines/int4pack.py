@@ -1,0 +1,132 @@
+"""Repack compressed-tensors integer weights for torch's int4 weight-only kernels, without requantizing.
+
+    layers = repack(state_dict, quantization_config)     # {prefix: Int4Weight | dense bf16 [O, I]}
+    packed = device_pack(layers[p].codes, device)         # the device's tiled layout, built at load
+    y = int4_mm(x, packed, layers[p].group_size, layers[p].scales_and_zeros)   # x [N, I] -> y [N, O]
+
+torch's kernels (`aten._weight_int4pack_mm` on CUDA, `_weight_int4pack_mm_for_cpu` on the CPU) compute, per
+group of `group_size` input columns,
+
+    w = (q - 8) * scale + zero         q: unsigned 4-bit code, scale and zero: floats per (group, output row)
+
+compressed-tensors stores w = (q - z) * scale with an integer zero point z (8 when symmetric). Folding z into
+the float zero, zero = (8 - z) * scale, gives the same weight up to the rounding of `zero` to the activation
+dtype: the integer codes and the scales are carried over unchanged. Shapes, for a Linear with O outputs, I inputs
+and G = I / group_size groups:
+
+  compressed-tensors                   portable (engine.safetensors)         device (built at load)
+  weight_packed     [O, I/8] int32     codes            [O, I/2] uint8       CUDA: _convert_weight_to_int4pack
+  weight_scale      [O, G]   float     scales_and_zeros [G, O, 2] float32    CPU:  _convert_weight_to_int4pack_for_cpu
+  weight_zero_point [O/8, G] int32     (the even column in the high nibble)
+
+Int8 layers (a mixed W4/W8 checkpoint) are served as dense weights dequantized from their codes: torch has no
+group-wise int8 weight-only kernel. Anything else (FP8, activation quantization, group activation order) is refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qgate.engines.gptq_layout import _layer_bits, unpack
+from qgate.errors import ConfigError
+
+KERNEL_GROUPS = (32, 64, 128, 256)   # group sizes torch's int4 kernels take
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    codes: torch.Tensor              # [O, I/2] uint8: codes 0..15, column 2j in the high nibble, 2j+1 in the low
+    scales_and_zeros: torch.Tensor   # [G, O, 2] float32: (scale, folded zero)
+    group_size: int
+
+
+def check_scheme(qconfig: dict) -> None:
+    """ConfigError unless every quantized layer is a group-wise integer weight with float activations."""
+    groups = qconfig.get("config_groups") or {}
+    if qconfig.get("format") not in ("pack-quantized", "mixed-precision") or not groups:
+        raise ConfigError(f"the torch-int4 engine takes pack-quantized integer weights, this checkpoint is "
+                          f"{qconfig.get('format') or 'unquantized'}",
+                          hint="quantize with awq-w4a16, gptq-w4a16 or gptq-w8a16; FP8 checkpoints run on the reference path")
+    for name, g in groups.items():
+        w, a = g.get("weights") or {}, g.get("input_activations")
+        if a or w.get("type") != "int" or w.get("strategy") != "group" or w.get("actorder") == "group" \
+                or w.get("num_bits") not in (4, 8):
+            raise ConfigError(f"quantization_config.config_groups.{name}: the torch-int4 engine serves 4- or 8-bit "
+                              f"group-wise int weights with float activations and no group activation order, got "
+                              f"weights={w}, input_activations={a}",
+                              hint="use actorder static or null, and a W4A16/W8A16 scheme")
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[O, I] codes 0..15 -> [O, I/2] uint8, column 2j in the high nibble (the layout aten's CUDA packer reads)."""
+    c = codes.to(torch.uint8)
+    return (c[:, ::2] << 4) | c[:, 1::2]
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[O, I/2] uint8 -> [O, I] int32 codes."""
+    hi, lo = (packed >> 4).to(torch.int32), (packed & 0xF).to(torch.int32)
+    return torch.stack([hi, lo], -1).reshape(packed.shape[0], -1)
+
+
+def _codes(state: dict, p: str, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [O, I], integer zeros [O, G], scales [O, G] float32), all unsigned codes."""
+    o, i = (int(x) for x in state[f"{p}.weight_shape"].tolist())
+    scale = state[f"{p}.weight_scale"].float()                                  # [O, G]
+    codes = unpack(state[f"{p}.weight_packed"], o, i, bits, packed_dim=1)      # [O, I]
+    if f"{p}.weight_zero_point" in state:
+        zeros = unpack(state[f"{p}.weight_zero_point"], o, scale.shape[1], bits, packed_dim=0)  # [O, G]
+    else:                                                                      # symmetric: the offset code is zero
+        zeros = torch.full(scale.shape, 2 ** (bits - 1), dtype=torch.int32)
+    return codes, zeros, scale
+
+
+def dequantize(codes: torch.Tensor, zeros: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(q - z) * scale as float32 [O, I], groups along the input dimension."""
+    g = codes.shape[1] // scale.shape[1]
+    return (codes - zeros.repeat_interleave(g, 1)).float() * scale.repeat_interleave(g, 1)
+
+
+def repack(state: dict[str, torch.Tensor], qconfig: dict) -> tuple[dict[str, Int4Weight | torch.Tensor], dict[str, str]]:
+    """Every quantized Linear of a compressed-tensors state dict: ({prefix: Int4Weight or dense float32 [O, I]},
+    {prefix: "int4" | "dense-int8"}). Unquantized tensors are left to the caller."""
+    check_scheme(qconfig)
+    layers = sorted(k[: -len(".weight_packed")] for k in state if k.endswith(".weight_packed"))
+    out: dict[str, Int4Weight | torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    for p in layers:
+        bits = _layer_bits(state, p)
+        codes, zeros, scale = _codes(state, p, bits)
+        group = codes.shape[1] // scale.shape[1]
+        if bits == 8:
+            out[p], kinds[p] = dequantize(codes, zeros, scale), "dense-int8"
+            continue
+        if group not in KERNEL_GROUPS or codes.shape[1] % group or codes.shape[0] % 8:
+            raise ConfigError(f"{p}: int4 weight [{codes.shape[0]}, {codes.shape[1]}] with group size {group}: torch's "
+                              f"int4 kernel needs a group size in {KERNEL_GROUPS} and a multiple of 8 outputs",
+                              hint="quantize with group_size 32..256, or gate this checkpoint on the reference path")
+        folded = (8 - zeros).float() * scale                                  # [O, G]
+        sz = torch.stack([scale.T, folded.T], -1).contiguous()                # [G, O, 2]
+        out[p], kinds[p] = Int4Weight(pack_nibbles(codes), sz, group), "int4"
+    return out, kinds
+
+
+def inner_k_tiles(in_features: int) -> int:
+    """The widest k-tiling aten's CUDA packer accepts for this input width (it needs I % (tiles x 16) == 0)."""
+    return next(t for t in (8, 4, 2) if in_features % (t * 16) == 0)
+
+
+def device_pack(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Portable [O, I/2] uint8 codes -> the tiled layout of `device`'s int4 kernel."""
+    if device.type == "cuda":
+        u8 = codes.to(device)
+        return torch.ops.aten._convert_weight_to_int4pack(u8, inner_k_tiles(codes.shape[1] * 2))
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(codes), 1)
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:
+    """x [N, I] @ dequantized weight.T -> [N, O], in x's dtype (bf16 on CUDA)."""
+    if x.device.type == "cuda":
+        return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, sz)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, sz)

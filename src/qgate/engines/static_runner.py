@@ -1,0 +1,174 @@
+"""The torch-int4 engine as a gate runner: the same interface as engines/runners.py, on the engine's own model.
+
+    runner = StaticRunner(Path("runs/awq-int4"), torch.device("cuda"))
+    logits = runner.logits_batch([[1, 2, 3], [4, 5]])     # teacher-forced, float32 numpy [T, V] per row
+    answers = runner.greedy_batch(prompts, 48)            # prefill, then decode steps replayed as CUDA graphs
+
+On CUDA one decode graph per batch size in engine.json and per context bucket (powers of two from 256 slots up to
+`max_seq_len`) is captured at load, all over one KV cache of `max_seq_len` slots: a decode step attends over its
+bucket's slots, not the whole cache. A batch runs on the smallest captured size that holds it (spare rows compute
+padding) and the smallest bucket that holds its prompt and answer. A batch no graph holds, and every batch on a CPU,
+runs the same model eagerly.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qgate.engines.int4pack import Int4Weight
+from qgate.engines.static_llama import StaticLlama
+from qgate.errors import ConfigError
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dict, dict]:
+    """(model, engine.json, config.json) of a built engine, its weights placed on `device`."""
+    from safetensors.torch import load_file
+
+    from qgate.engines.torch_int4 import SERVED_SUBDIR
+
+    spec = json.loads((engine_dir / "engine.json").read_text())
+    config = json.loads((engine_dir / SERVED_SUBDIR / "config.json").read_text())
+    dtype = getattr(torch, spec["dtype"])
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        raise ConfigError(f"{engine_dir}: engine.dtype {spec['dtype']} runs on the CPU only; torch's CUDA int4 kernel "
+                          "takes bfloat16", hint="rebuild the engine with engine.dtype bfloat16")
+    tensors = load_file(str(engine_dir / "engine.safetensors"))
+    for p, kind in spec["layers"].items():
+        if kind == "int4":
+            tensors[p] = Int4Weight(tensors.pop(f"{p}.codes"), tensors.pop(f"{p}.scales_and_zeros"), spec["group_sizes"][p])
+    return StaticLlama(config, tensors, dtype, device).eval(), spec, config
+
+
+class StaticRunner:
+    kind = "torch-int4"
+
+    def __init__(self, engine_dir: Path, device: torch.device):
+        from qgate.device import batch_tokens
+        from qgate.engines.runners import check_vocab
+        from qgate.engines.torch_int4 import SERVED_SUBDIR
+        from qgate.trust import check_loadable, load_tokenizer
+
+        engine_dir = Path(engine_dir)
+        check_loadable(engine_dir)
+        self.device = device
+        self.model, self.spec, config = load_model(engine_dir, device)
+        self.numerics = f"{device.type}-torch-int4-{self.spec['dtype']}"
+        self.tokenizer = load_tokenizer(engine_dir / SERVED_SUBDIR)
+        check_vocab(engine_dir, self.tokenizer, self.model.embed.shape[0])
+        self.max_length = int(config.get("max_position_embeddings", 2048))
+        self.batch_tokens = batch_tokens(device, self.model.embed.shape[0], config["hidden_size"])
+        gen = engine_dir / SERVED_SUBDIR / "generation_config.json"
+        eos = (json.loads(gen.read_text()) if gen.exists() else config).get("eos_token_id")
+        self.stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id or 0
+        self.graphs: dict[tuple[int, int], tuple] = {}     # (batch size, context slots) -> (graph, its logits)
+        if device.type == "cuda":
+            self._capture(self.spec["graph_batch_sizes"], self.spec["max_seq_len"])
+
+    def _capture(self, sizes: Sequence[int], slots: int) -> None:
+        """One CUDA graph of a decode step per (batch size, context bucket), all over one KV cache of `slots` slots and
+        static input buffers; the largest is captured first, and the others share its memory pool."""
+        m, rows = self.model, max(sizes)
+        self.buckets = sorted({min(1 << k, slots) for k in range(8, max(slots, 256).bit_length() + 1)})
+        m.setup_cache(rows, slots)
+        self._graph_cache = (m.k_cache, m.v_cache)
+        self.g_tok = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        self.g_pos = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        self.g_valid = torch.zeros(rows, slots, dtype=torch.bool, device=self.device)
+        self.g_slot = torch.zeros((), dtype=torch.long, device=self.device)
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for b, n in sorted(((b, n) for b in sizes for n in self.buckets), reverse=True):
+                args = (self.g_tok[:b], self.g_pos[:b], self.g_valid[:b, :n], self.g_slot)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):       # warm-up off the capture stream, as torch.cuda.graphs requires
+                    for _ in range(2):
+                        m(*args)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = m(*args)                                       # [b, 1, V] float32
+                self.graphs[b, n] = (graph, out)
+        torch.cuda.synchronize(self.device)
+
+    def _left_pad(self, seqs: Sequence[Sequence[int]], rows: int | None = None):
+        """tokens, valid mask and RoPE positions [rows, W] for left-padded sequences (extra rows are all padding)."""
+        width = max(len(s) for s in seqs)
+        seqs = list(seqs) + [[]] * ((rows or len(seqs)) - len(seqs))
+        tok = torch.tensor([[self.pad] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long, device=self.device)
+        valid = torch.tensor([[False] * (width - len(s)) + [True] * len(s) for s in seqs], device=self.device)
+        return tok, valid, (valid.long().cumsum(-1) - 1).clamp(min=0)
+
+    def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list[np.ndarray]:
+        tok, valid, pos = self._left_pad(seqs)
+        k = min(keep_last or tok.shape[1], tok.shape[1])
+        with torch.inference_mode():
+            out = self.model(tok, pos, valid, None, logits_to_keep=k).cpu().numpy()   # [B, k, V]
+        return [out[i, max(k - len(s), 0):] for i, s in enumerate(seqs)]
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        return self.logits_batch([ids])[0]
+
+    def continuation_logits(self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
+                            prefix: Sequence[int] = ()) -> list[list[np.ndarray]]:
+        """As TorchRunner.continuation_logits, each continuation scored as one whole sequence prefix + context +
+        continuation (no cache reuse: the engine is measured on what it computes, not on how little)."""
+        rows = [(g, list(prefix) + list(c) + list(k[:-1]), len(k)) for g, (c, conts) in enumerate(groups) for k in conts]
+        res: list[list[np.ndarray]] = [[] for _ in groups]
+        for g, seq, n in rows:
+            res[g].append(self.logits_batch([seq], keep_last=n)[0])
+        return res
+
+    def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        return self.greedy_batch([ids], max_new_tokens)[0]
+
+    def greedy_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy answers, each ending at its first stop token (included): one prefill into the static cache, then
+        one decode step per token, replayed from a captured graph when one holds the batch."""
+        b, width = len(prompts), max(len(p) for p in prompts)
+        need = width + max_new_tokens
+        fits = [(s, n) for s, n in self.graphs if s >= b and n >= need]
+        rows, n = min(fits) if fits else (b, need)
+        m = self.model
+        tok, valid_w, pos = self._left_pad(prompts, rows)
+        if fits:
+            m.k_cache, m.v_cache = self._graph_cache
+            self.g_valid[:rows].zero_()
+            valid = self.g_valid[:rows, :n]
+        else:
+            m.setup_cache(rows, width + max_new_tokens)
+            valid = torch.zeros(rows, width + max_new_tokens, dtype=torch.bool, device=self.device)
+        valid[:, :width] = valid_w
+        lengths = valid_w.sum(-1, keepdim=True)                                   # [rows, 1]
+        answers: list[list[int]] = [[] for _ in prompts]
+        live = [True] * b
+        with torch.inference_mode():
+            nxt = m(tok, pos, valid, 0, logits_to_keep=1)[:, -1].argmax(-1)        # [rows]
+            for step in range(max_new_tokens):
+                for r, t in enumerate(nxt[:b].tolist()):
+                    if live[r]:
+                        answers[r].append(t)
+                        live[r] = t not in self.stops
+                if step == max_new_tokens - 1 or not any(live):
+                    break
+                slot = width + step
+                valid[:, slot] = True
+                if fits:
+                    graph, out = self.graphs[rows, n]
+                    self.g_tok[:rows].copy_(nxt[:, None])
+                    self.g_pos[:rows].copy_(lengths + step)
+                    self.g_slot.fill_(slot)
+                    graph.replay()
+                else:
+                    out = m(nxt[:, None], lengths + step, valid, slot)
+                nxt = out[:, -1].argmax(-1)
+        return answers

@@ -1,0 +1,245 @@
+"""The torch-int4 engine: repacking without requantizing, its model against the reference path, CUDA graphs on a GPU,
+and gates on a device."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from qgate.engines.build import build_engine
+from qgate.engines.int4pack import check_scheme, device_pack, int4_mm, pack_nibbles, repack, unpack_nibbles
+from qgate.engines.runners import TorchRunner, load_runner
+from qgate.errors import BackendUnavailable, ConfigError
+
+SEQS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24]]
+
+
+def _ct_layer(o, i, group, bits=4, zero_point=True, seed=0):
+    """A compressed-tensors pack-quantized layer (state dict entries under 'l') and its float weight."""
+    from qgate.engines.gptq_layout import pack_cols, pack_rows
+
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2 ** bits, (o, i), generator=g, dtype=torch.int32)
+    scale = torch.rand(o, i // group, generator=g) * 0.02 + 0.001
+    zeros = torch.randint(0, 2 ** bits, (o, i // group), generator=g, dtype=torch.int32) if zero_point \
+        else torch.full((o, i // group), 2 ** (bits - 1), dtype=torch.int32)
+    state = {"l.weight_packed": pack_rows(codes.T.contiguous(), bits).T.contiguous(), "l.weight_scale": scale,
+             "l.weight_shape": torch.tensor([o, i])}
+    if zero_point:
+        state["l.weight_zero_point"] = pack_cols(zeros.T.contiguous(), bits).T.contiguous()
+    w = (codes - zeros.repeat_interleave(group, 1)).float() * scale.repeat_interleave(group, 1)
+    return state, w
+
+
+def _qconfig(bits=4, **weights):
+    return {"format": "pack-quantized", "config_groups": {"group_0": {"weights": {
+        "num_bits": bits, "type": "int", "strategy": "group", "group_size": 32, "actorder": None} | weights}}}
+
+
+@pytest.mark.parametrize("zero_point", [True, False])
+def test_int4_kernel_computes_the_checkpoints_weights(zero_point):
+    state, w = _ct_layer(64, 128, 32, zero_point=zero_point)
+    layers, kinds = repack(state, _qconfig())
+    assert kinds == {"l": "int4"}
+    q = layers["l"]
+    assert torch.equal(unpack_nibbles(pack_nibbles(unpack_nibbles(q.codes))), unpack_nibbles(q.codes))
+    x = torch.randn(5, 128)
+    y = int4_mm(x, device_pack(q.codes, torch.device("cpu")), 32, q.scales_and_zeros)
+    ref = x @ w.T
+    assert (y - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+
+
+def test_int8_layers_are_dense_and_exact():
+    state, w = _ct_layer(16, 64, 32, bits=8)
+    layers, kinds = repack(state, _qconfig(bits=8))
+    assert kinds == {"l": "dense-int8"} and torch.equal(layers["l"], w)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"format": "float-quantized", "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8}}}}, "pack-quantized"),
+    (_qconfig(actorder="group"), "activation order"),
+    (_qconfig() | {"config_groups": {"g": {"weights": _qconfig()["config_groups"]["group_0"]["weights"],
+                                           "input_activations": {"num_bits": 8, "type": "int"}}}}, "float activations"),
+])
+def test_unservable_schemes_are_refused(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        check_scheme(bad)
+
+
+def test_group_sizes_the_kernel_lacks_are_refused():
+    state, _ = _ct_layer(16, 64, 16)
+    with pytest.raises(ConfigError, match="group size"):
+        repack(state, _qconfig())
+
+
+@pytest.fixture(scope="module")
+def int4_f32(awq_art, calib_arts, workdir):
+    return build_engine(awq_art, "torch-int4", workdir / "int4-f32", calib_arts["profile"], dtype="float32")
+
+
+def test_engine_in_float32_computes_what_the_checkpoint_says(awq_art, int4_f32, calib_arts):
+    """Same codes, same scales: the engine's logits equal the reference path's (float32) on a left-padded batch,
+    with and without the KV cache, and its greedy answers are the same tokens."""
+    from qgate.engines.batch_sizes import graph_batch_sizes, profile_concurrency
+
+    ref, eng = load_runner(awq_art), load_runner(int4_f32)
+    assert eng.kind == "torch-int4" and eng.numerics == "cpu-torch-int4-float32"
+    for a, b in zip(ref.logits_batch(SEQS), eng.logits_batch(SEQS), strict=True):
+        assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
+    assert eng.greedy_batch(SEQS, 12) == ref.greedy_batch(SEQS, 12)
+    groups = [([5, 6, 7], [[8, 9], [10]]), ([1, 2], [[3, 4, 5]])]
+    for g0, g1 in zip(ref.continuation_logits(groups, [11, 12]), eng.continuation_logits(groups, [11, 12]), strict=True):
+        assert all(np.abs(x - y).max() < 1e-5 for x, y in zip(g0, g1, strict=True))
+    meta = int4_f32.meta
+    assert meta["backend"] == "torch-int4" and meta["layer_kinds"] == {"int4": 14} and meta["verified"] is True
+    assert meta["graph_batch_sizes"] == graph_batch_sizes(profile_concurrency(calib_arts["profile"]), 256)[0]
+    spec = json.loads((int4_f32.path / "engine.json").read_text())
+    assert spec["max_seq_len"] == 512 and set(spec["group_sizes"].values()) == {32}
+
+
+def test_bf16_engine_stays_close_and_mixed_or_unquantized_checkpoints_serve(awq_art, w8_art, base_art, workdir):
+    ref = load_runner(awq_art)
+    bf16 = load_runner(build_engine(awq_art, "torch-int4", workdir / "int4-bf16"))
+    for a, b in zip(ref.logits_batch(SEQS), bf16.logits_batch(SEQS), strict=True):
+        pa, pb = torch.log_softmax(torch.from_numpy(a), -1), torch.log_softmax(torch.from_numpy(b), -1)
+        assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-3           # KL per position, bf16 rounding only
+    w8 = build_engine(w8_art, "torch-int4", workdir / "int4-w8", dtype="float32")
+    assert w8.meta["layer_kinds"] == {"dense-int8": 14}
+    for a, b in zip(load_runner(w8_art).logits_batch(SEQS), load_runner(w8).logits_batch(SEQS), strict=True):
+        assert np.abs(a - b).max() < 1e-5
+    dense = build_engine(base_art, "torch-int4", workdir / "int4-base", dtype="float32", verify=False)
+    assert dense.meta["layer_kinds"] == {} and dense.meta["verified"] is False
+    for a, b in zip(TorchRunner(base_art.path).logits_batch(SEQS), load_runner(dense).logits_batch(SEQS), strict=True):
+        assert np.abs(a - b).max() < 1e-5
+
+
+def test_engine_refuses_quantized_kv_and_other_architectures(base_art, calib_arts, tmp_path):
+    from qgate.artifact import Artifact
+    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.schemes import KVCacheConfig, scheme_config
+
+    kv = quantize(base_art, calib_arts["calib"], scheme_config("gptq-w8a16", group_size=32), tmp_path / "kv",
+                  kv=KVCacheConfig("fp8"), opts=CalibOptions(max_seq_length=32, max_samples=4))
+    with pytest.raises(ConfigError, match="KV cache"):
+        build_engine(kv, "torch-int4", tmp_path / "e")
+    import shutil
+
+    shutil.copytree(base_art.path, tmp_path / "qwen")
+    cfg = json.loads((tmp_path / "qwen/config.json").read_text()) | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    (tmp_path / "qwen/config.json").write_text(json.dumps(cfg))
+    other = Artifact.create("checkpoint", tmp_path / "qwen", base_art.config, (), base_art.meta)
+    with pytest.raises(ConfigError, match="LlamaForCausalLM"):
+        build_engine(other, "torch-int4", tmp_path / "e2")
+
+
+def test_spec_refuses_what_the_engine_cannot_serve(tmp_path):
+    import yaml
+
+    from qgate.pipeline.spec import load_spec
+
+    spec = {"version": 1, "name": "t", "workdir": "w", "model": {"hf_dir": "m"}, "traffic": "t.jsonl", "registry": {"model_name": "m"},
+            "variants": [{"name": "fp8", "scheme": "fp8-dynamic", "engine": {"backend": "torch-int4"}}]}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(ConfigError, match=r"variants\[0\].engine: the torch-int4 engine serves 4- and 8-bit"):
+        load_spec(path)
+    spec["variants"][0] |= {"scheme": "gptq-w4a16", "kv_cache": "fp8"}
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(ConfigError, match="KV cache in the activation dtype, not fp8"):
+        load_spec(path)
+    spec["variants"][0].pop("kv_cache")
+    path.write_text(yaml.safe_dump(spec | {"gates": {"device": "gpu"}}))
+    with pytest.raises(ConfigError, match="gates.device: 'gpu' is not a device"):
+        load_spec(path)
+    path.write_text(yaml.safe_dump(spec))
+    assert load_spec(path).on_device("cuda:1").gate_config().device == "cuda:1"
+
+
+def test_gate_scores_the_engine_and_separates_runtime_from_quantization(int4_f32, awq_art, base_art, calib_arts, workdir,
+                                                                        monkeypatch):
+    """The gate scores the engine on its own runner; parity puts engine vs checkpoint at float32 rounding. The
+    baseline is freed before the checkpoint loads, and the checkpoint before the engine: one model at a time."""
+    import qgate.device
+    import qgate.engines.runners as runners
+    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.shadow import ShadowConfig
+
+    events = []
+    real_load, real_release = runners.load_runner, qgate.device.release
+    monkeypatch.setattr(runners, "load_runner", lambda art, *a: events.append(("load", art.kind, art.path.name)) or real_load(art, *a))
+    monkeypatch.setattr(qgate.device, "release", lambda d: events.append(("release",)) or real_release(d))
+    cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, top1_agreement_min=None),
+                     eval=None, long_context=None, device="cpu")
+    art = run_gates(int4_f32, base_art, calib_arts["shadow"], cfg, workdir / "gate-int4", workdir / "cache-int4")
+    report = json.loads((art.path / "report.json").read_text())
+    by = {r["metric"]: r for r in report["results"]}
+    runtime, quantization = by["engine_vs_checkpoint.kl_p99"]["observed"], by["checkpoint_vs_baseline.kl_p99"]["observed"]
+    assert runtime < 1e-5 and runtime < 1e-3 * quantization
+    assert all(by[m]["verdict"] == "pass" for m in by if m.startswith("contract."))
+    assert report["inputs"]["candidate_runtime"] == "torch-int4" and report["inputs"]["numerics"] == "cpu-torch-int4-float32"
+    assert events == [("load", "checkpoint", "base"), ("release",), ("load", "checkpoint", "awq"), ("release",),
+                      ("load", "engine", int4_f32.path.name)]
+
+
+def test_devices_are_checked_before_anything_loads(monkeypatch):
+    from qgate.device import compute_dtype, resolve_device
+    from qgate.gates.run import GateConfig
+
+    with pytest.raises(ConfigError, match="cuda:N"):
+        GateConfig(device="gpu0")
+    with pytest.raises(ConfigError, match="gates.dtype"):
+        GateConfig(dtype="int8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BackendUnavailable, match="no CUDA device"):
+        resolve_device("cuda")
+    assert resolve_device("auto").type == "cpu"
+    cuda = torch.device("cuda")
+    assert compute_dtype({"torch_dtype": "float16"}, cuda) == torch.float16
+    assert compute_dtype({"dtype": "float32"}, cuda) == torch.bfloat16
+    assert compute_dtype({"dtype": "bfloat16"}, torch.device("cpu")) == torch.float32
+    assert compute_dtype({}, torch.device("cpu"), "bfloat16") == torch.bfloat16
+
+
+def test_cli_device_flag_names_the_missing_gpu(base_art, calib_arts, tmp_path, capsys, monkeypatch):
+    from qgate.cli.main import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["gate", "--candidate", str(base_art.path), "--baseline", str(base_art.path), "--shadow",
+            str(calib_arts["shadow"].path), "--out", str(tmp_path / "g"), "--device", "cuda", "--cache", str(tmp_path / "c")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "sees no CUDA device" in err and "--device cpu" in err and "Traceback" not in err
+    assert main(argv[:-4] + ["--device", "tpu"]) == 1 and "--device: 'tpu' is not a device" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_equals_eager_decode(awq_art, calib_arts, workdir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    eng = build_engine(awq_art, "torch-int4", workdir / "int4-cuda", calib_arts["profile"])
+    runner = load_runner(eng, "cuda")
+    assert eng.meta["verified_on"].startswith("cuda") and eng.meta["captured_batch_sizes"] == eng.meta["graph_batch_sizes"]
+    assert sorted({b for b, _ in runner.graphs}) == eng.meta["graph_batch_sizes"] and runner.buckets == [256, 512]
+    prompts = [s * 3 for s in SEQS]
+    graphed = runner.greedy_batch(prompts, 16)
+    runner.graphs = {}
+    assert runner.greedy_batch(prompts, 16) == graphed
+    ref = load_runner(awq_art, "cuda", "bfloat16")
+    for a, b in zip(ref.logits_batch(SEQS), runner.logits_batch(SEQS), strict=True):
+        pa, pb = torch.log_softmax(torch.from_numpy(a), -1), torch.log_softmax(torch.from_numpy(b), -1)
+        assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_gate_runs_on_cuda(w8_art, base_art, calib_arts, workdir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.shadow import ShadowConfig
+
+    cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, top1_agreement_min=None),
+                     eval=None, long_context=None, device="cuda")
+    art = run_gates(w8_art, base_art, calib_arts["shadow"], cfg, workdir / "gate-cuda", workdir / "cache-cuda")
+    report = json.loads((art.path / "report.json").read_text())
+    assert report["inputs"]["numerics"] == "cuda-bfloat16"     # a float32 config is served in bf16 on a GPU
+    assert (workdir / "cache-cuda" / "cuda-bfloat16").is_dir()
