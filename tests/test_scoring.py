@@ -37,6 +37,28 @@ def test_float32_reductions_match_a_float64_oracle_at_large_logit_magnitudes():
     assert kl.max() < 1e-6 and (tail >= 0).all()
 
 
+def test_device_reductions_are_the_host_ones():
+    """Logits a GPU runner leaves on the device are reduced there by the same arithmetic: run here on CPU tensors,
+    the torch path gives the numpy path's argmax, log-probs and top-k, and the same verdict on broken rows."""
+    import torch
+
+    from qgate.gates.scoring import UNDEFINED, reduce_logits_torch, top_k_logprobs_torch
+
+    rng = np.random.default_rng(2)
+    logits = (rng.normal(0, 4, (41, 3000)) + 40).astype(np.float32)
+    logits[3, 7], logits[5, :] = np.nan, -np.inf        # a NaN logit; a row with nothing above -inf
+    logits[9, 11] = np.inf
+    ids = rng.integers(0, 3000, (41, 16))
+    top1, picked = reduce_logits(logits, ids)
+    t_top1, t_picked = reduce_logits_torch(torch.from_numpy(logits), ids)
+    assert np.array_equal(top1, t_top1) and set(np.flatnonzero(t_top1 == UNDEFINED)) == {3, 5, 9}
+    ok = top1 != UNDEFINED
+    assert np.isneginf(t_picked[~ok]).all() and np.abs(picked[ok] - t_picked[ok]).max() < 1e-5
+    k_ids, k_lp = top_k_logprobs(logits[ok], 32)
+    t_ids, t_lp = top_k_logprobs_torch(torch.from_numpy(logits[ok]), 32)
+    assert np.array_equal(k_ids, t_ids) and np.abs(k_lp - t_lp).max() < 1e-5
+
+
 @pytest.mark.parametrize("max_new,early_stops", [(1, False), (12, False), (12, True)])
 def test_greedy_scored_matches_generate_and_teacher_forcing(base_art, calib_arts, max_new, early_stops):
     import json

@@ -90,6 +90,22 @@ def _reserved_cache(cache, capacity: int):
     return cache
 
 
+def as_logits(t):
+    """float32 logits as a runner returns them: a numpy array (sharing the tensor's memory) on the CPU, the tensor
+    itself on an accelerator, where gates/scoring.py reduces it without copying it to the host."""
+    t = t.float()
+    return t.numpy() if t.device.type == "cpu" else t
+
+
+def cat_rows(parts: list):
+    """np.concatenate or torch.cat, for logits as as_logits returns them."""
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    import torch
+
+    return torch.cat(parts)
+
+
 def length_groups(lengths: Sequence[int], forward_cost: float) -> list[tuple[int, int]]:
     """Rows of these lengths, grouped into ranges [lo, hi] run as one right-padded forward each: the grouping that
     minimizes forward_cost x forwards + padded positions (rows x hi), exactly, by dynamic programming over the sorted
@@ -158,7 +174,7 @@ class TorchRunner:
 
         with torch.inference_mode():
             out = self.model(torch.tensor([list(ids)], dtype=torch.long, device=self.device)).logits[0]  # [T, V]
-        return out.float().cpu().numpy()
+        return as_logits(out)
 
     def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list[np.ndarray]:
         """Left-padded batch with explicit position ids, so each row computes as if alone. keep_last: only the
@@ -172,7 +188,7 @@ class TorchRunner:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         k = min(keep_last or width, width)
         with torch.inference_mode():
-            out = self.model(x, attention_mask=mask, position_ids=pos, logits_to_keep=k).logits.float().cpu().numpy()  # [B, k, V]
+            out = as_logits(self.model(x, attention_mask=mask, position_ids=pos, logits_to_keep=k).logits)  # [B, k, V]
         return [out[i, max(k - len(s), 0):] for i, s in enumerate(seqs)]
 
     def continuation_logits(self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
@@ -207,7 +223,7 @@ class TorchRunner:
                 cache.reorder_cache(torch.zeros(len(groups), dtype=torch.long, device=self.device))   # [1, ...] -> [G, ...]
             out = self.model(x, attention_mask=cmask, position_ids=p + (smask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
                              past_key_values=cache, logits_to_keep=1)
-            first = out.logits[:, -1].float().cpu().numpy()                         # [G, V]: predicts each continuation's first token
+            first = as_logits(out.logits[:, -1])                         # [G, V]: predicts each continuation's first token
             todo = length_groups([f for f in fed if f > 0], self.FORWARD_COST)
             for j, (lo, hi) in enumerate(todo):
                 rs = [r for r, f in enumerate(fed) if lo <= f <= hi]
@@ -217,12 +233,12 @@ class TorchRunner:
                 y = torch.tensor([rows[r][1][:-1] + [pad] * (hi - fed[r]) for r in rs], dtype=torch.long, device=self.device)   # [R, hi]
                 kmask = torch.tensor([[1] * fed[r] + [0] * (hi - fed[r]) for r in rs], dtype=torch.long, device=self.device)
                 pos = p + smask.sum(-1)[idx, None] + torch.arange(hi, device=self.device)[None]   # causal: the padding after a row never reaches it
-                logits = self.model(y, attention_mask=torch.cat([cmask[idx], kmask], -1), position_ids=pos,
-                                    past_key_values=cache, logits_to_keep=hi).logits.float().cpu().numpy()     # [R, hi, V]
+                logits = as_logits(self.model(y, attention_mask=torch.cat([cmask[idx], kmask], -1), position_ids=pos,
+                                    past_key_values=cache, logits_to_keep=hi).logits)     # [R, hi, V]
                 rest.update((r, logits[i, :fed[r]]) for i, r in enumerate(rs))
         res: list[list[np.ndarray]] = [[] for _ in groups]
         for r, (g, k) in enumerate(rows):
-            res[g].append(first[g][None] if len(k) == 1 else np.concatenate([first[g][None], rest[r]]))
+            res[g].append(first[g][None] if len(k) == 1 else cat_rows([first[g][None], rest[r]]))
         return res
 
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
@@ -286,7 +302,7 @@ class TorchRunner:
                 out = self.model(torch.tensor([[pad] * (w - len(p)) + list(p) for p in chunk], dtype=torch.long, device=self.device), attention_mask=cm,
                                  position_ids=(cm.cumsum(-1) - 1).clamp(min=0), use_cache=True)
                 for i, p in enumerate(chunk):
-                    parts[a + i].append(reduce(out.logits[i, w - len(p):].float().cpu()))
+                    parts[a + i].append(reduce(out.logits[i, w - len(p):].float()))
                 firsts.append(out.logits[:, -1].argmax(-1))
                 layers = out.past_key_values.layers   # left-pad the cache to the common width; the mask hides the padding
                 keys.append([torch.nn.functional.pad(layer.keys, (0, 0, width - w, 0)) for layer in layers])
@@ -318,7 +334,7 @@ class TorchRunner:
                 feed = torch.where(torch.from_numpy(on).to(self.device), nxt, torch.full_like(nxt, pad))[:, None]
                 logits = self.model(feed, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1].float()
                 keep = np.nonzero(on)[0]
-                reduced = reduce(logits[torch.from_numpy(keep).to(self.device)].cpu())
+                reduced = reduce(logits[torch.from_numpy(keep).to(self.device)])
                 for j, r in enumerate(keep):
                     parts[active[r]].append(tuple(a[j:j + 1] for a in reduced))
                 nxt = logits.argmax(-1)

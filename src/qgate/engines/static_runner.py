@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from qgate.engines.int4pack import Int4Weight
+from qgate.engines.runners import as_logits
 from qgate.engines.static_llama import StaticLlama
 from qgate.errors import ConfigError
 
@@ -112,7 +113,7 @@ class StaticRunner:
         tok, valid, pos = self._left_pad(seqs)
         k = min(keep_last or tok.shape[1], tok.shape[1])
         with torch.inference_mode():
-            out = self.model(tok, pos, valid, None, logits_to_keep=k).cpu().numpy()   # [B, k, V]
+            out = as_logits(self.model(tok, pos, valid, None, logits_to_keep=k))   # [B, k, V]: numpy on a CPU
         return [out[i, max(k - len(s), 0):] for i, s in enumerate(seqs)]
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:

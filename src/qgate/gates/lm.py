@@ -89,8 +89,8 @@ class RunnerLM(LM):
         this is the eval's costliest step after the forward pass (float64 numpy: 28 ms vs 4.1 ms per [64, 49152] block)."""
         import torch
 
-        x = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
-        t = torch.as_tensor(target)
+        x = logits.float() if isinstance(logits, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
+        t = torch.as_tensor(target, device=x.device)
         picked = x[torch.arange(len(target)), t]
         ll = float((picked - torch.logsumexp(x, -1)).sum())
         if ll != ll:      # NaN: a position whose logits define no distribution (NaN or +inf) gives the target nothing

@@ -9,6 +9,10 @@ row's argmax and max, exp(x - max) into a reused buffer, and its pairwise sum in
 the k gathered log-probs go to float64. Taken relative to the row max, log-probs near the top stay exact at any logit
 magnitude: on the demo's real logits, top-1 log-probs within 3.5e-7 nats of a float64 oracle and KL within 1.1e-6.
 The noise floor (gates/noise.py) measures what the gate can resolve on each baseline.
+
+Logits a runner leaves on a GPU (a torch tensor on CUDA) are reduced there by the same arithmetic in torch, in row
+chunks, and only the reduced arrays come back: copying [T, V] float32 logits to the host and reducing them on its
+cores would cost more than the forward pass that made them.
 """
 from __future__ import annotations
 
@@ -65,6 +69,58 @@ def _log_norm(x: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 
 
 UNDEFINED = -1   # reduce_logits' argmax for a position whose logits define no distribution
+DEVICE_ROWS = 4096   # positions reduced together on a GPU: bounds the [n, V] float32 temporary of exp(x - max)
+
+
+def on_device(logits) -> bool:
+    """Whether these logits are a torch tensor on an accelerator (reduced there) rather than host memory."""
+    return getattr(getattr(logits, "device", None), "type", "cpu") != "cpu"
+
+
+def _torch_norm(x):
+    """_log_norm in torch, for a [n, V] float32 tensor on any device: (argmax, row max [n, 1], log-sum-exp float64)."""
+    import torch
+
+    top1 = x.argmax(-1)
+    m = x.gather(-1, top1[:, None])
+    return top1, m, torch.exp(x - m).sum(-1).double().log()
+
+
+def reduce_logits_torch(logits, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """reduce_logits for a torch tensor, computed where it lives, by the same arithmetic (row max, float32 sum of
+    exp(x - max), log in float64, an UNDEFINED argmax and -inf log-probs for a row that defines no distribution)."""
+    import torch
+
+    with torch.inference_mode():
+        x = logits.float()
+        idx = torch.as_tensor(np.asarray(ids), dtype=torch.long, device=x.device)
+        top1 = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+        picked = torch.empty(idx.shape, dtype=torch.float64, device=x.device)
+        for a in range(0, x.shape[0], DEVICE_ROWS):
+            xs = x[a:a + DEVICE_ROWS]
+            t1, m, log_s = _torch_norm(xs)
+            p = (xs.gather(-1, idx[a:a + len(xs)]) - m).double() - log_s[:, None]
+            bad = torch.isnan(log_s)
+            top1[a:a + len(xs)] = torch.where(bad, torch.full_like(t1, UNDEFINED), t1)
+            picked[a:a + len(xs)] = torch.where(bad[:, None], torch.full_like(p, -np.inf), p)
+        return top1.cpu().numpy(), picked.cpu().numpy()
+
+
+def top_k_logprobs_torch(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """top_k_logprobs for a torch tensor, computed where it lives."""
+    import torch
+
+    with torch.inference_mode():
+        x = logits.float()
+        k = min(k, x.shape[-1])
+        ids, lp = [], []
+        for a in range(0, x.shape[0], DEVICE_ROWS):
+            xs = x[a:a + DEVICE_ROWS]
+            vals, top = torch.topk(xs, k, dim=-1, sorted=True)
+            _, m, log_s = _torch_norm(xs)
+            lp.append(((vals - m).double() - log_s[:, None]).float())
+            ids.append(top.int())
+        return torch.cat(ids).cpu().numpy(), torch.cat(lp).cpu().numpy()
 
 
 def reduce_logits(logits, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -72,6 +128,8 @@ def reduce_logits(logits, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     A row with a NaN or +inf logit, or none above -inf, defines no distribution (a broken kernel, an overflowing
     scale): its argmax is UNDEFINED, which matches no token, and its log-probs are -inf, so it scores as infinitely
     far from any defined distribution instead of as NaN, which every comparison would pass over."""
+    if on_device(logits):
+        return reduce_logits_torch(logits, ids)
     x = _array(logits)
     ids = np.asarray(ids)
     top1 = np.empty(x.shape[0], np.int64)
@@ -94,6 +152,8 @@ def top_k_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
     log-probs where a row defines no distribution (see reduce_logits)."""
     import torch
 
+    if on_device(logits):
+        return top_k_logprobs_torch(logits, k)
     x = _array(logits)
     k = min(k, x.shape[-1])
     ids = np.empty((x.shape[0], k), np.int32)
