@@ -43,6 +43,7 @@ class RunnerLM(LM):
     def __init__(self, runner, max_length: int = 1024):
         super().__init__()
         self.runner = runner
+        self.batch_tokens = max(self.BATCH_TOKENS, runner.batch_tokens or 0)   # a GPU runner's, from its free memory
         self.tok = runner.tokenizer
         self.max_length = min(max_length, getattr(runner, "max_length", max_length))
         self.prefix = self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id
@@ -72,7 +73,7 @@ class RunnerLM(LM):
                     sub: list[int] = []
                     fed = 0
                     for i in ix:   # a question with many long choices is split to stay within the token budget
-                        if sub and fed + len(pairs[i][1]) > self.BATCH_TOKENS:
+                        if sub and fed + len(pairs[i][1]) > self.batch_tokens:
                             shared.append((p, c, sub))
                             sub, fed = [], 0
                         sub.append(i)
@@ -110,7 +111,7 @@ class RunnerLM(LM):
                 if q != p or c[:p] != c0[:p]:
                     break
                 more = sum(len(pairs[i][1]) for i in ix)
-                if (end - start + 1) * (len(c) - p) > self.BATCH_TOKENS or fed + more > self.BATCH_TOKENS:
+                if (end - start + 1) * (len(c) - p) > self.batch_tokens or fed + more > self.batch_tokens:
                     break
                 end, fed = end + 1, fed + more
             chunk = shared[start:end]
@@ -127,7 +128,7 @@ class RunnerLM(LM):
         start = 0
         while start < len(order):
             end = start + 1
-            while end < len(order) and (end - start + 1) * len(seqs[order[end]]) <= self.BATCH_TOKENS:
+            while end < len(order) and (end - start + 1) * len(seqs[order[end]]) <= self.batch_tokens:
                 end += 1
             chunk = order[start:end]
             start = end
