@@ -149,6 +149,7 @@ def test_search_falls_back_the_planted_layers_and_passes_where_uniform_w4_fails(
     assert s["found"] and s["chosen_verdict"] == "pass" and 1 <= s["chosen_k"] <= 4
     assert set(art.meta["fallback_layers"][:2]) == set(PLANTED)                  # fallen back first
     assert s["gate_runs"] == s["points_tried"] <= 4 and sha256_tree(art.path) == art.sha256
+    assert s["points_built_by"] == "rtn on AWQ-smoothed weights" and art.meta["smoothed_weights"] == s["smoothed_weights"]
     # the checkpoint is mixed: the fallback layers are W8 in their own config group, the rest W4
     qc = json.loads((art.path / "config.json").read_text())["quantization_config"]
     by_bits = {g["weights"]["num_bits"]: g["targets"] for g in qc["config_groups"].values()}
@@ -165,6 +166,7 @@ def test_search_falls_back_the_planted_layers_and_passes_where_uniform_w4_fails(
     again = search_checkpoint(base, arts["calib"], arts["shadow"], scheme, SearchConfig(samples=16, max_steps=4), gate,
                               d / "searched-again", d / "cache", opts=opts, echo=msgs.append)
     assert again.meta["search"]["gate_runs"] == 0 and again.meta["fallback_layers"] == art.meta["fallback_layers"]
+    assert any("AWQ smoothing: cached" in m for m in msgs) and again.meta["search"]["smoothed_weights"] == s["smoothed_weights"]
     assert again.sha256 == art.sha256 or sha256_tree(again.path, exclude=("qgate-artifact.json", "qgate-search.json",
                                                                            "qgate-search.png")) == \
         sha256_tree(art.path, exclude=("qgate-artifact.json", "qgate-search.json", "qgate-search.png"))
@@ -253,3 +255,37 @@ def test_promotion_policy_smallest_picks_the_fewest_bytes_among_passing():
     assert best_passing(NS(promote=NS(choose="best")), outs)["variant"] == "w8"
     assert best_passing(NS(promote=NS(choose="first")), outs)["variant"] == "w8"
     assert best_passing(NS(promote=NS(choose="smallest")), outs[:1]) is None
+
+
+def test_awq_points_are_rtn_on_weights_smoothed_once(planted):
+    """AWQ = smoothing + round-to-nearest. Smoothed once, the uniform point is AWQ's own checkpoint tensor for tensor;
+    a fallback point costs an RTN pass, not an AWQ run; the smoothed float model computes the baseline's function."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    from qgate.engines.runners import TorchRunner
+    from qgate.errors import InputError
+    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.schemes import FallbackConfig, KVCacheConfig, scheme_config
+    from qgate.quantize.smoothing import smooth_awq
+
+    d, base, arts = planted
+    scheme, opts = scheme_config("awq-w4a16", group_size=32), CalibOptions(max_seq_length=64)
+    real = quantize(base, arts["calib"], scheme, d / "awq-real", opts=opts)
+    smooth = smooth_awq(base, arts["calib"], scheme, opts, d / "smooth")
+    ids = [5, 9, 17, 33, 2, 70, 41]
+    a, b = TorchRunner(base.path).logits(ids), TorchRunner(smooth.path).logits(ids)
+    assert np.abs(a - b).max() < 1e-4 * np.abs(a).max()
+    cheap = quantize(base, None, scheme, d / "awq-cheap", opts=opts, smoothed=smooth)
+    r, c = load_file(str(real.path / "model.safetensors")), load_file(str(cheap.path / "model.safetensors"))
+    assert r.keys() == c.keys() and all(torch.equal(r[k], c[k]) for k in r)
+    assert cheap.meta["smoothed_weights"] == smooth.sha256 and smooth.sha256 in cheap.parents
+    assert cheap.meta["calibration_sha256"] == arts["calib"].sha256
+    point = quantize(base, None, scheme, d / "awq-point", opts=opts, fallback=FallbackConfig(PLANTED, 8), smoothed=smooth)
+    assert point.meta["weight_format"] == "w4a16+w8a16" and point.meta["fallback_layers"] == list(PLANTED)
+    assert point.meta["quantize_seconds"] < 0.5 * smooth.meta["smoothing_seconds"]
+    with pytest.raises(InputError, match="without a KV-cache scheme"):
+        quantize(base, arts["calib"], scheme, d / "x", opts=opts, kv=KVCacheConfig("fp8"), smoothed=smooth)
+    with pytest.raises(InputError, match="only AWQ"):
+        quantize(base, arts["calib"], scheme_config("gptq-w4a16", group_size=32), d / "x", opts=opts, smoothed=smooth)

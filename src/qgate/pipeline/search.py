@@ -4,8 +4,10 @@
     ckpt.meta["search"]     # every gated point, the chosen one, the sensitivity that ranked the layers
 
 1. Rank the scheme's layers by estimated KL per parameter (search/sensitivity.py: one Fisher pass).
-2. Gate points k = number of most-sensitive layers moved to W8A16 (or left unquantized): each point is quantized
-   for real by llm-compressor with per-layer config groups and scored by the same shadow gate as every variant.
+2. Gate points k = number of most-sensitive layers moved to W8A16 (or left unquantized): each point is a real
+   compressed-tensors checkpoint with per-layer config groups, scored by the same shadow gate as every variant. For
+   AWQ, the smoothing runs once (quantize/smoothing.py, cached) and each point is llm-compressor's round-to-nearest
+   on the smoothed weights: seconds, not an AWQ run. Other schemes quantize each point in full.
    search/plan.py picks k: doubling until a point passes, then bisecting, within max_steps and the size budget.
 3. Return the smallest passing point's checkpoint (or, when none passed, the point closest to passing, marked so),
    with the search's evidence beside it: qgate-search.json and qgate-search.png.
@@ -55,6 +57,8 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
         sens = fisher_sensitivity(base, calib, scheme, scfg)
         write_cached(spath, json.dumps(sens).encode())
         echo(f"    sensitivity: {len(sens['layers'])} layers from {sens['sequences']} sequences in {sens['seconds']}s")
+    smoothed = _smoothed(base, calib, scheme, opts, cache_dir, echo) if hasattr(scheme, "rtn_modifiers") and kv is None else None
+    built = "rtn on AWQ-smoothed weights" if smoothed else "full quantization"
     order = fallback_order(sens["layers"])
     kmax = max_count(order, cfg.max_bits_per_weight, scheme.num_bits, cfg.fallback_bits, scheme.group_size, scheme.symmetric)
     k0 = start_count(order, cfg.start_share)
@@ -67,13 +71,13 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
         fb = FallbackConfig(tuple(r["layer"] for r in order[:k]), cfg.fallback_bits)
         key = sha256_json({"base": base.sha256, "calib": calib.sha256, "shadow": shadow.sha256, "scheme": typed_config(scheme),
                            "kv": typed_config(kv) if kv else None, "opts": opts.__dict__, "fallback": typed_config(fb),
-                           "shadow_cfg": typed_config(gate_cfg.shadow)})
+                           "shadow_cfg": typed_config(gate_cfg.shadow), "smoothed": smoothed.sha256 if smoothed else None})
         ppath = cache_dir / f"search-point-{key[:24]}.json"
         t = time.perf_counter()
         if (data := read_cached(ppath)) is not None:
             point = json.loads(data) | {"cached": True}
         else:
-            ckpt = quantize(base, calib, scheme, work / f"k{k:04d}", kv=kv, opts=opts, fallback=fb)
+            ckpt = quantize(base, calib, scheme, work / f"k{k:04d}", kv=kv, opts=opts, fallback=fb, smoothed=smoothed)
             chk = shadow_check(ckpt, base, shadow, gate_cfg, cache_dir)
             gate_runs += 1
             kl, kl_ci = _metric(chk["results"], "kl_p99")
@@ -96,7 +100,7 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
     ckpt = kept.get(ck)
     if ckpt is None:   # gated in an earlier, killed run: quantize it again (seeded: the same bytes)
         ckpt = quantize(base, calib, scheme, work / f"k{ck:04d}", kv=kv, opts=opts,
-                        fallback=FallbackConfig(tuple(chosen["layers"]), cfg.fallback_bits))
+                        fallback=FallbackConfig(tuple(chosen["layers"]), cfg.fallback_bits), smoothed=smoothed)
     for f in ckpt.path.iterdir():
         if f.name != MANIFEST:
             shutil.move(str(f), str(out / f.name))
@@ -105,7 +109,8 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
     fell = [{"layer": r["layer"], "params": r["params"], "kl": r["kl"], "kl_per_mparam": r["kl_per_mparam"],
              "kl_rank": rank[r["layer"]]} for r in order[:ck]]
     summary = {
-        "found": bool(passing), "chosen_k": ck, "chosen_verdict": chosen["verdict"], "fallback_bits": cfg.fallback_bits,
+        "found": bool(passing), "points_built_by": built, "smoothed_weights": smoothed.sha256 if smoothed else None,
+        "smoothing_seconds": smoothed.meta.get("smoothing_seconds") if smoothed else None, "chosen_k": ck, "chosen_verdict": chosen["verdict"], "fallback_bits": cfg.fallback_bits,
         "gate_runs": gate_runs, "points_tried": len(points), "seconds": round(time.perf_counter() - t_start, 1),
         "start_k": k0, "max_k": kmax, "layers_total": len(order), "budget_bits_per_weight": cfg.max_bits_per_weight,
         "bits_per_weight": chosen["bits_per_weight"], "weights_bytes": chosen["weights_bytes"],
@@ -120,6 +125,24 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
     plot_points(points, gate_cfg.shadow.kl_p99_max, gate_cfg.shadow.top1_agreement_min, ck, out / "qgate-search.png")
     config = ckpt.config | {"search": typed_config(cfg)}
     return Artifact.create("checkpoint", out, config, ckpt.parents + (shadow.sha256,), ckpt.meta | {"search": summary})
+
+
+def _smoothed(base: Artifact, calib: Artifact, scheme, opts, cache_dir: Path, echo: Callable[[str], None]) -> Artifact:
+    """AWQ's smoothing of the baseline for `scheme`, computed once per (baseline, calibration set, scheme, options) and
+    kept in the cache: every point of this search, and of a later one, is built from it."""
+    from qgate.artifact import build_atomically
+    from qgate.quantize.smoothing import SMOOTHING_VERSION, smooth_awq
+
+    key = sha256_json({"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "opts": opts.__dict__,
+                       "v": SMOOTHING_VERSION})
+    path = cache_dir / f"awq-smoothed-{key[:24]}"
+    if (path / MANIFEST).exists():
+        art = Artifact.load(path, "checkpoint")
+        echo(f"    AWQ smoothing: cached ({art.meta['smoothing_seconds']}s when computed)")
+        return art
+    art = build_atomically(path, lambda tmp: smooth_awq(base, calib, scheme, opts, tmp))
+    echo(f"    AWQ smoothing: once, {art.meta['smoothing_seconds']}s; every point is round-to-nearest on it")
+    return art
 
 
 def _prune(kept: dict[int, Artifact], points: list[dict]) -> None:

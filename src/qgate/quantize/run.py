@@ -51,6 +51,15 @@ def cpu_safe_intermediates():
         IntermediatesCache.pin_memory, IntermediatesCache._pin_intermediate = saved
 
 
+def load_dtype(path: Path):
+    """The dtype a model is quantized in: float32 on a CPU; on a CUDA host its served dtype (bf16), in host memory,
+    which llm-compressor's sequential pipeline onloads to the GPU one layer at a time, so a model larger than GPU
+    memory quantizes from host memory."""
+    from qgate.device import compute_dtype, resolve_device
+
+    return compute_dtype(json.loads((Path(path) / "config.json").read_text()), resolve_device("auto"))
+
+
 def load_calibration(calib: Artifact, tokenizer, opts: CalibOptions):
     from datasets import Dataset
 
@@ -109,28 +118,35 @@ def _dtype_bytes(dtype: str) -> int:
 
 
 def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCacheConfig | None = None,
-             opts: CalibOptions = CalibOptions(), fallback: FallbackConfig | None = None) -> Artifact:
-    """fallback: layers kept at higher precision (chosen by `qgate search`); recorded in the manifest."""
+             opts: CalibOptions = CalibOptions(), fallback: FallbackConfig | None = None,
+             smoothed: Artifact | None = None) -> Artifact:
+    """fallback: layers kept at higher precision (chosen by `qgate search`); recorded in the manifest.
+    smoothed: AWQ only, this baseline with AWQ's smoothing already folded in (quantize/smoothing.py): only the
+    round-to-nearest step runs, on those weights, with no calibration data (seconds instead of AWQ's minutes)."""
     import torch
     from llmcompressor import oneshot
 
     if base.kind != "checkpoint" or base.meta.get("scheme") != "baseline":
         raise InputError(f"{base.path}: --model must be a full-precision baseline checkpoint (got {base.meta.get('scheme')})")
-    needs_data = scheme.needs_calibration or kv is not None
+    if smoothed is not None and (not hasattr(scheme, "rtn_modifiers") or kv is not None
+                                 or smoothed.meta.get("base_model") != base.sha256):
+        raise InputError(f"{smoothed.path}: smoothed weights quantize only AWQ schemes without a KV-cache scheme, from the "
+                         "baseline they were smoothed from", hint="drop `smoothed` to run AWQ in full")
+    needs_data = (scheme.needs_calibration or kv is not None) and smoothed is None
     if needs_data and calib is None:
         raise InputError(f"scheme {type(scheme).__name__} needs --calib (a calibration-set artifact)")
     out = Path(out)
     from qgate.trust import check_loadable, copy_tokenizer_files, load_causal_lm, load_tokenizer
 
-    check_loadable(base.path)
+    source = smoothed or base
+    check_loadable(source.path)
     tok = load_tokenizer(base.path)
-    # float32 on a CPU; on a CUDA host the served dtype (bf16), which llm-compressor's sequential pipeline onloads
-    # to the GPU one layer at a time, so a model larger than GPU memory quantizes from host memory
-    from qgate.device import compute_dtype, resolve_device
-
-    model = load_causal_lm(base.path, dtype=compute_dtype(json.loads((base.path / "config.json").read_text()), resolve_device("auto")))
+    model = load_causal_lm(source.path, dtype=load_dtype(base.path))
     scheme.check_model(model)  # fail before spending minutes on calibration
-    recipe = scheme.modifiers(kv, fallback) if fallback else scheme.modifiers(kv)
+    if smoothed is not None:
+        recipe = scheme.rtn_modifiers(None, fallback)
+    else:
+        recipe = scheme.modifiers(kv, fallback) if fallback else scheme.modifiers(kv)
     if fallback:
         names = {n for n, _ in model.named_modules()}
         unknown = [x for x in fallback.layers if x not in names]
@@ -161,5 +177,10 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
         "base_model": base.sha256, "calibration_sha256": calib.sha256 if calib else None,
     }
     parents = (base.sha256,) + ((calib.sha256,) if calib and needs_data else ())
+    if smoothed is not None:   # the calibration data reached these weights through the smoothing
+        meta |= {"smoothed_weights": smoothed.sha256, "calibration_sha256": smoothed.meta.get("calibration_sha256"),
+                 "built": "rtn on AWQ-smoothed weights"}
+        config["smoothed"] = smoothed.sha256
+        parents += (smoothed.sha256,)
     return Artifact.create("checkpoint", out, config, parents, meta)
 

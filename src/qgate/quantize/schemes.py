@@ -113,12 +113,17 @@ class AWQConfig(_GroupWise):
 
     def modifiers(self, kv: KVCacheConfig | None, fallback: FallbackConfig | None = None) -> list:
         """AWQ's smoothing transform, then the group-wise quantization it searched scales for."""
-        from llmcompressor.modifiers.quantization import QuantizationModifier
         from llmcompressor.modifiers.transform.awq import AWQModifier
 
+        return [AWQModifier(duo_scaling=self.duo_scaling, n_grid=self.n_grid)] + self.rtn_modifiers(kv, fallback)
+
+    def rtn_modifiers(self, kv: KVCacheConfig | None, fallback: FallbackConfig | None = None) -> list:
+        """The quantization step alone: group-wise round-to-nearest with min-max scales, what AWQ runs after its
+        smoothing (on weights already smoothed: quantize/smoothing.py)."""
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
         groups, ignore = self.groups(fallback, self.symmetric)
-        return [AWQModifier(duo_scaling=self.duo_scaling, n_grid=self.n_grid),
-                QuantizationModifier(config_groups=groups, ignore=ignore, kv_cache_scheme=kv.scheme_args() if kv else None)]
+        return [QuantizationModifier(config_groups=groups, ignore=ignore, kv_cache_scheme=kv.scheme_args() if kv else None)]
 
 
 @dataclass(frozen=True)
