@@ -46,6 +46,23 @@ def test_splits_are_disjoint_sized_and_hashed(tmp_path):
     for art in arts.values():
         Artifact.load(art.path).verify()
     assert arts["calib"].parents[1] == arts["profile"].sha256
+    assert "search" not in arts and not (tmp_path / "out" / "search").exists()
+
+
+def test_a_search_split_is_a_third_disjoint_split_that_leaves_the_others_alone(tmp_path):
+    """search_size draws held-out prompts for `qgate search` from ranks after the shadow split's: the shadow split is
+    unchanged, and the three splits are disjoint, stratified and sized."""
+    traffic = tiny.make_traffic(tmp_path / "t.jsonl", n=200)
+    two = sample_traffic(traffic, tmp_path / "two", SampleConfig(calib_size=40, shadow_size=25))
+    three = sample_traffic(traffic, tmp_path / "three", SampleConfig(calib_size=40, shadow_size=25, search_size=20))
+    rows = {k: [json.loads(x) for x in (three[k].path / "data.jsonl").read_text().splitlines()] for k in ("calib", "shadow", "search")}
+    assert [len(rows[k]) for k in ("calib", "shadow", "search")] == [40, 25, 20]
+    text = {k: {json.dumps(r["messages"]) for r in v} for k, v in rows.items()}
+    assert not (text["calib"] & text["shadow"] or text["calib"] & text["search"] or text["shadow"] & text["search"])
+    assert (three["shadow"].path / "data.jsonl").read_bytes() == (two["shadow"].path / "data.jsonl").read_bytes()
+    assert three["search"].meta["split"] == "search" and len(three["search"].meta["strata"]) > 1
+    with pytest.raises(InputError, match="calib_size \\+ shadow_size \\+ search_size"):
+        sample_traffic(traffic, tmp_path / "four", SampleConfig(calib_size=40, shadow_size=25, search_size=1000))
 
 
 def test_stratified_quota_follows_route_mix(tmp_path):

@@ -218,15 +218,46 @@ def test_spec_search_key_is_strict(tmp_path, workdir):
 
     from qgate.pipeline.spec import load_spec
 
+    split = {"calib_size": 24, "shadow_size": 48, "search_size": 24}
     ok = _spec(tmp_path, workdir, variants=[{"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32},
-                                             "search": {"max_steps": 3}}])
+                                             "search": {"max_steps": 3}}], calibrate=split)
     assert load_spec(ok).variants[0].search == {"max_steps": 3}
-    bad = _spec(tmp_path, workdir, variants=[{"name": "s", "scheme": "awq-w4a16", "search": {"max_step": 3}}])
+    biased = _spec(tmp_path, workdir, variants=[{"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32},
+                                                 "search": {"max_steps": 3}}])
+    with pytest.raises(ConfigError, match=r"variants\[0\]\.search: its points would be chosen on the shadow split"):
+        load_spec(biased)
+    bad = _spec(tmp_path, workdir, variants=[{"name": "s", "scheme": "awq-w4a16", "search": {"max_step": 3}}], calibrate=split)
     with pytest.raises(ConfigError, match=r"variants\[0\]\.search.*max_step.*did you mean 'max_steps'"):
         load_spec(bad)
-    fp8 = _spec(tmp_path, workdir, variants=[{"name": "s", "scheme": "fp8-dynamic", "search": {}}])
+    fp8 = _spec(tmp_path, workdir, variants=[{"name": "s", "scheme": "fp8-dynamic", "search": {}}], calibrate=split)
     with pytest.raises(ConfigError, match="no per-layer fallback"):
         load_spec(fp8)
+
+
+def test_pipeline_search_chooses_on_its_own_split_and_the_shadow_split_confirms(tmp_path, workdir):
+    """No selection bias: the pipeline's search gates its points on the search split; the chosen checkpoint's gate
+    runs on the shadow split, which the search never saw, and its report says so."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_pipeline import _spec
+
+    from qgate.artifact import Artifact
+    from qgate.gates.run import run_gates
+    from qgate.pipeline.search import run_search
+    from qgate.pipeline.spec import load_spec
+
+    shadow_gate = {"max_new_tokens": 8, "max_prompt_tokens": 48, "kl_p99_max": None, "kl_mean_max": 0.05,
+                   "top1_agreement_min": None}
+    spec = load_spec(_spec(tmp_path, workdir, calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 32},
+                           variants=[{"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32},
+                                      "search": {"max_steps": 2, "samples": 8}}],
+                           gates={"shadow": shadow_gate, "eval": None, "long_context": None}))
+    art = run_search(spec, "s", echo=lambda m: None)
+    work = spec.path(spec.workdir)
+    held, shadow = Artifact.load(work / "calib" / "search"), Artifact.load(work / "calib" / "shadow")
+    assert art.meta["search"]["chosen_on"] == {"split": "search", "sha256": held.sha256, "prompts": 32,
+                                               "gated_on": shadow.sha256, "independent": True}
+    gated = run_gates(art, Artifact.load(work / "base"), shadow, spec.gate_config(), tmp_path / "g", work / "cache")
+    assert "disjoint from the shadow set above" in (gated.path / "report.html").read_text()
 
 
 def test_search_cli_names_an_unknown_variant(tmp_path, workdir, capsys):

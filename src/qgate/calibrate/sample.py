@@ -40,6 +40,7 @@ from qgate.progress import progress
 class SampleConfig:
     calib_size: int = 256
     shadow_size: int = 64
+    search_size: int = 0         # a third held-out split, disjoint from both: where `qgate search` chooses its point
     seed: int = 0
     min_words: int = 1           # prompts shorter than this are dropped (not rejected)
     max_reject_fraction: float = 0.5   # above this the log is probably not what you meant
@@ -50,12 +51,19 @@ class SampleConfig:
         for name in ("calib_size", "shadow_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"calibrate.{name} must be >= 1, got {getattr(self, name)}")
+        if self.search_size < 0:
+            raise ConfigError(f"calibrate.search_size must be >= 0, got {self.search_size}")
         if self.min_words < 0:
             raise ConfigError(f"calibrate.min_words must be >= 0, got {self.min_words}")
         if self.max_line_bytes < 1024:
             raise ConfigError(f"calibrate.max_line_bytes must be >= 1024, got {self.max_line_bytes}")
         if not 0 < self.max_reject_fraction <= 1:
             raise ConfigError(f"calibrate.max_reject_fraction must be in (0, 1], got {self.max_reject_fraction}")
+
+    @property
+    def sample_size(self) -> int:
+        """Unique prompts drawn in all: the calibration, shadow and search splits."""
+        return self.calib_size + self.shadow_size + self.search_size
 
 
 def _allocate(sizes: dict[str, int], total: int, caps: dict[str, int]) -> dict[str, int]:
@@ -121,7 +129,7 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
     source_name = str(traffic) if not many else f"{traffic} ({len(parts)} files)"
     quoted += [b for b in broken[:_QUOTED] if b not in quoted]
     try:
-        calib, shadow, counts = _select(state, config, source_name, [json.loads(r) for r in quoted])
+        calib, shadow, search, counts = _select(state, config, source_name, [json.loads(r) for r in quoted])
     except InputError as e:
         raise _naming_rejects(e, out / "rejects.jsonl", failed_rejects) from None
     if failed_rejects is not None:
@@ -135,7 +143,7 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
     source = combined_sha256([(p["name"], p["sha256"]) for p in state.partitions])   # hashed by the scans themselves
     prof_art = Artifact.create("traffic-profile", profile_dir, params, (source,), {"requests": profile["requests"]})
     arts = {"profile": prof_art}
-    for name, rows in (("calib", calib), ("shadow", shadow)):
+    for name, rows in (("calib", calib), ("shadow", shadow)) + ((("search", search),) if config.search_size else ()):
         d = out / name
         d.mkdir(exist_ok=True)
         (d / "data.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
@@ -174,7 +182,7 @@ def _in_order(parts: list, keys: list, fresh: set[int], scans, cache: ScanCache 
         del st, rejects
 
 
-def _select(state: SampleState, config: SampleConfig, source: str, quoted: list[dict]) -> tuple[list, list, dict]:
+def _select(state: SampleState, config: SampleConfig, source: str, quoted: list[dict]) -> tuple[list, list, list, dict]:
     """Calibration and shadow rows, and the counts: exact where the samples hold every distinct prompt, else the
     sketches' estimates with their bounds. quoted: the rejects an error quotes when there are too many."""
     # a prompt under two routes sits in two strata: its first occurrence (file, line) keeps it
@@ -201,12 +209,17 @@ def _select(state: SampleState, config: SampleConfig, source: str, quoted: list[
     _check_counts(source, stats, sum(len(r) for r in ranked.values()), config, state.partitions, quoted)
     shadow_q = _allocate(sizes, config.shadow_size, {s: len(r) for s, r in ranked.items()})
     rest = {s: sizes[s] - shadow_q[s] for s in sizes}
-    calib_q = _allocate(rest, config.calib_size, {s: len(ranked[s]) - shadow_q[s] for s in ranked})
-    calib, shadow = [], []
-    for s in sorted(ranked):   # shadow first (it is the held-out evidence), then calibration, from disjoint ranks
-        shadow += ranked[s][: shadow_q[s]]
-        calib += ranked[s][shadow_q[s]: shadow_q[s] + calib_q[s]]
-    return calib, shadow, {"stats": stats, "estimates": estimates}
+    search_q = _allocate(rest, config.search_size, {s: len(ranked[s]) - shadow_q[s] for s in ranked}) if config.search_size \
+        else dict.fromkeys(ranked, 0)
+    rest = {s: rest[s] - search_q[s] for s in sizes}
+    calib_q = _allocate(rest, config.calib_size, {s: len(ranked[s]) - shadow_q[s] - search_q[s] for s in ranked})
+    calib, shadow, search = [], [], []
+    for s in sorted(ranked):   # the held-out evidence first (shadow, then search), then calibration, from disjoint ranks
+        a, b = shadow_q[s], shadow_q[s] + search_q[s]
+        shadow += ranked[s][:a]
+        search += ranked[s][a:b]
+        calib += ranked[s][b: b + calib_q[s]]
+    return calib, shadow, search, {"stats": stats, "estimates": estimates}
 
 
 def _check_counts(traffic: str, stats: dict, available: int, config: SampleConfig, partitions: list[dict],
@@ -223,11 +236,11 @@ def _check_counts(traffic: str, stats: dict, available: int, config: SampleConfi
                  "and where any compressed stream broke off (its lines before may be garbage):"
                  + "".join(f"\n    {r['file']}:{r['line']}: {r['reason']}" for r in quoted),
         )
-    if available < config.calib_size + config.shadow_size:   # exact: a sample holds every prompt until it is full
+    if available < config.sample_size:   # exact: a sample holds every prompt until it is full
         raise InputError(
-            f"{traffic}: only {available} unique usable prompts, need calib_size + shadow_size = "
-            f"{config.calib_size + config.shadow_size}",
-            hint="lower calibrate.calib_size / calibrate.shadow_size or supply more traffic",
+            f"{traffic}: only {available} unique usable prompts, need calib_size + shadow_size + search_size = "
+            f"{config.sample_size}",
+            hint="lower calibrate.calib_size / shadow_size / search_size or supply more traffic",
         )
 
 

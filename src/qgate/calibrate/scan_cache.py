@@ -41,7 +41,7 @@ def code_sha256() -> str:
 class ScanCache:
     def __init__(self, root: Path, config, tag_file: bool):
         self.root = Path(root)
-        self.settings = {"need": config.calib_size + config.shadow_size, "seed": config.seed, "min_words": config.min_words,
+        self.settings = {"need": config.sample_size, "seed": config.seed, "min_words": config.min_words,
                          "max_line_bytes": config.max_line_bytes, "tag_file": tag_file}
         self.used: set[str] = set()
 

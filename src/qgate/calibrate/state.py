@@ -112,7 +112,7 @@ class SampleState:
 
     @classmethod
     def empty(cls, config) -> SampleState:
-        return cls(need=config.calib_size + config.shadow_size, seed=config.seed)
+        return cls(need=config.sample_size, seed=config.seed)
 
     def add_batch(self, part_name: str, batch: Batch, tag_file: bool, min_words: int, profiler=None) -> None:
         """A batch of requests in line order (calibrate/batches.py): scrubbed, profiled, sketched and offered to the

@@ -21,6 +21,8 @@ def sample_cmd(
     out: OutDir,
     calib_size: Annotated[int, typer.Option(help="Calibration prompts.")] = _D.calib_size,
     shadow_size: Annotated[int, typer.Option(help="Held-out shadow prompts (disjoint).")] = _D.shadow_size,
+    search_size: Annotated[int, typer.Option(help="Held-out prompts a search chooses its point on (disjoint from "
+                                                  "both; 0: no search split).")] = _D.search_size,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = _D.seed,
     max_reject_fraction: Annotated[float, typer.Option(help="Fail when more of the records than this are malformed.")] = \
         _D.max_reject_fraction,
@@ -35,12 +37,12 @@ def sample_cmd(
     from qgate.artifact import Artifact, build_atomically
     from qgate.calibrate.sample import sample_traffic
 
-    cfg = SampleConfig(calib_size=calib_size, shadow_size=shadow_size, seed=seed, max_reject_fraction=max_reject_fraction,
-                       min_words=min_words, max_line_bytes=max_line_bytes)
+    cfg = SampleConfig(calib_size=calib_size, shadow_size=shadow_size, search_size=search_size, seed=seed,
+                       max_reject_fraction=max_reject_fraction, min_words=min_words, max_line_bytes=max_line_bytes)
     kept = Path(out).with_name(f"{Path(out).name}.rejects.jsonl")   # the evidence of a failed run: `out` is not made
     build_atomically(out, lambda tmp: sample_traffic(traffic, tmp, cfg, engine=engine, scan_cache=scan_cache,
                                                      picture=True, failed_rejects=kept)["calib"])
-    arts = {name: Artifact.load(Path(out) / name) for name in ("calib", "shadow", "profile")}
+    arts = {name: Artifact.load(Path(out) / name) for name in ("calib", "shadow", "profile") + (("search",) if search_size else ())}
     for line in _summary(arts, Path(out) / "rejects.jsonl"):
         typer.echo(line)
     typer.echo(f"picture of the traffic: {Path(out) / 'profile.png'}")

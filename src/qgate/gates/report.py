@@ -202,10 +202,15 @@ def _search(report: dict) -> str:
                   f"<td>{p['weights_bytes']:,}</td><td>{p['kl_p99']:.4g}</td><td>{p['top1']:.4f}</td></tr>" for p in s["points"])
     found = ("the smallest passing point" if s["found"] else
              f"<b>no point passed</b>: {html.escape(s.get('note') or '')}")
+    on = s.get("chosen_on") or {}
+    selection = (f"Points were chosen on a search split of {on.get('prompts')} prompts, disjoint from the shadow set above: "
+                 "its checks are data the search never saw." if on.get("independent") else
+                 f"Points were chosen on this shadow set, so its checks above have been looked at {s['points_tried']} "
+                 "times and flatter the chosen point; the eval checks use other data.")
+    built = f" Points were built by {html.escape(s['points_built_by'])}." if s.get("points_built_by") else ""
     return (f"<h2>Search</h2><p>{s['points_tried']} points tried ({s['gate_runs']} gated in this run, the rest cached), "
             f"{s['seconds']}s. Chosen: k={s['chosen_k']} of {s['layers_total']} layers at {what}, "
-            f"{s['bits_per_weight']:.2f} bits per weight; {found}. Points were chosen on this shadow set, so its checks "
-            f"above have been looked at {s['points_tried']} times; the eval checks use other data.</p>{img}"
+            f"{s['bits_per_weight']:.2f} bits per weight; {found}. {selection}{built}</p>{img}"
             f"<table><tr><th>k</th><th>shadow verdict</th><th>bits/weight</th><th>weights bytes</th><th>KL p99</th>"
             f"<th>top-1</th></tr>{pts}</table><h3>Layers that fell back</h3><table><tr><th></th><th>layer</th><th>params</th>"
             f"<th>est. KL (nats/token)</th><th>KL per M params</th><th>KL rank</th></tr>{rows}</table>")

@@ -142,8 +142,9 @@ def greedy_scored(runner, prompts: list[list[int]], max_new_tokens: int, top_k: 
 
 
 def load_shadow(shadow: Artifact, cfg: ShadowConfig) -> list[dict]:
-    if shadow.kind != "calibration-set" or shadow.meta.get("split") != "shadow":
-        raise InputError(f"{shadow.path}: --shadow must be the shadow split written by `qgate calibrate sample`")
+    if shadow.kind != "calibration-set" or shadow.meta.get("split") not in ("shadow", "search"):
+        raise InputError(f"{shadow.path}: --shadow must be the shadow split written by `qgate calibrate sample` "
+                         "(or its search split: held-out traffic too)")
     rows = [json.loads(x) for x in (shadow.path / "data.jsonl").read_text().splitlines() if x.strip()]
     return rows[: cfg.max_prompts] if cfg.max_prompts else rows
 

@@ -188,7 +188,8 @@ def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path, engine: 
 def search_stage(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact, calib: Artifact, shadow: Artifact,
                  cache_dir: Path) -> Artifact:
     """The variant's searched checkpoint (its `search:` settings, defaults when it has none); `qgate search` and
-    `qgate run` share the stage, so one reuses what the other found."""
+    `qgate run` share the stage, so one reuses what the other found. Points are gated on the calibration stage's
+    search split, so the shadow split that gates the chosen point afterwards is data the search never saw."""
     from qgate.pipeline.search import search_checkpoint
     from qgate.pipeline.spec import search_config
     from qgate.quantize.run import CalibOptions
@@ -197,11 +198,12 @@ def search_stage(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact, 
     scheme, gate_cfg = scheme_config(v.scheme, **v.options), spec.gate_config()
     kv = KVCacheConfig(v.kv_cache) if v.kv_cache else None
     opts, scfg = CalibOptions(**spec.quantize.model_dump()), search_config(v)
+    held = Artifact.load(calib.path.parent / "search", "calibration-set")   # sample_traffic's sibling of calib/ and shadow/
     key = {"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "kv": v.kv_cache, "opts": opts.__dict__,
-           "search": typed_config(scfg), "shadow": shadow.sha256, "shadow_cfg": typed_config(gate_cfg.shadow)}
+           "search": typed_config(scfg), "points_on": held.sha256, "shadow_cfg": typed_config(gate_cfg.shadow)}
     return r.stage(f"search:{v.name}", key, r.workdir / "variants" / v.name / "checkpoint",
-                   lambda out: search_checkpoint(base, calib, shadow, scheme, scfg, gate_cfg, out, cache_dir, kv=kv, opts=opts,
-                                                 echo=r.echo))
+                   lambda out: search_checkpoint(base, calib, held, scheme, scfg, gate_cfg, out, cache_dir, kv=kv, opts=opts,
+                                                 echo=r.echo, confirm=shadow))
 
 
 def gate_variants(r: Runner, spec: PipelineSpec, base: Artifact, calib: Artifact, shadow: Artifact, profile: Artifact,

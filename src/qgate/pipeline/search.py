@@ -12,9 +12,9 @@
 3. Return the smallest passing point's checkpoint (or, when none passed, the point closest to passing, marked so),
    with the search's evidence beside it: qgate-search.json and qgate-search.png.
 
-Each gated point's result is cached by content hash, so a killed search resumes where it stopped. Points are chosen
-on the shadow split, so the chosen one has been looked at more than once: the full gate that follows (contract,
-eval tasks on other data) is the independent check, and the report says how many points were tried.
+Each gated point's result is cached by content hash, so a killed search resumes where it stopped. The pipeline gates
+points on the calibration stage's search split, disjoint from the shadow split that then gates the chosen checkpoint:
+a point chosen because it passed one sample of traffic is confirmed on another, and the report says which.
 """
 from __future__ import annotations
 
@@ -37,7 +37,11 @@ def _metric(results: list[dict], name: str) -> tuple[float, list | None]:
 
 
 def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme, cfg: SearchConfig, gate_cfg, out: Path,
-                      cache_dir: Path, kv=None, opts=None, echo: Callable[[str], None] = print) -> Artifact:
+                      cache_dir: Path, kv=None, opts=None, echo: Callable[[str], None] = print,
+                      confirm: Artifact | None = None) -> Artifact:
+    """shadow: the held-out split the points are gated on. confirm: the split that gates the chosen checkpoint
+    afterwards, recorded in the evidence; when it is `shadow` itself (or not given) the evidence says that the chosen
+    point's shadow checks are not independent of its choice."""
     from qgate.gates.run import shadow_check
     from qgate.quantize.run import CalibOptions, quantize
     from qgate.quantize.schemes import FallbackConfig
@@ -108,7 +112,10 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
     rank = {r["layer"]: i + 1 for i, r in enumerate(sens["layers"])}
     fell = [{"layer": r["layer"], "params": r["params"], "kl": r["kl"], "kl_per_mparam": r["kl_per_mparam"],
              "kl_rank": rank[r["layer"]]} for r in order[:ck]]
+    independent = confirm is not None and confirm.sha256 != shadow.sha256
     summary = {
+        "chosen_on": {"split": shadow.meta.get("split"), "sha256": shadow.sha256, "prompts": shadow.meta.get("n"),
+                      "gated_on": confirm.sha256 if confirm else None, "independent": independent},
         "found": bool(passing), "points_built_by": built, "smoothed_weights": smoothed.sha256 if smoothed else None,
         "smoothing_seconds": smoothed.meta.get("smoothing_seconds") if smoothed else None, "chosen_k": ck, "chosen_verdict": chosen["verdict"], "fallback_bits": cfg.fallback_bits,
         "gate_runs": gate_runs, "points_tried": len(points), "seconds": round(time.perf_counter() - t_start, 1),

@@ -31,6 +31,7 @@ class ModelSpec(_Strict):
 class CalibrateSpec(_Strict):
     calib_size: int = 256
     shadow_size: int = 64
+    search_size: int = 0               # prompts `search:` variants choose their point on, disjoint from the shadow split
     seed: int = 0
     max_reject_fraction: float = 0.5   # a log with more malformed records than this fails the calibrate stage
     min_words: int = 1                 # shorter prompts are dropped (counted as too short, not rejected)
@@ -273,6 +274,10 @@ def _check_semantics(spec: PipelineSpec) -> None:
                 _check_engine(v, key_path("variants", i, "engine"))
             if v.search is not None:
                 search_config(v, where=key_path("variants", i, "search"))
+                if not spec.calibrate.search_size:
+                    raise ConfigError(f"{key_path('variants', i, 'search')}: its points would be chosen on the shadow "
+                                      "split that then gates the chosen one, which flatters it",
+                                      hint="set calibrate.search_size (e.g. 48): a held-out split of its own for the search")
         except ConfigError as e:
             msg = e.message if e.message.startswith("variants[") else f"{key_path('variants', i)}: {e.message}"
             raise ConfigError(f"{msg} (variant {v.name})", hint=e.hint) from e
