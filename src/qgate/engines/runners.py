@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from qgate.artifact import Artifact
+from qgate.engines.logits import as_logits, cat_rows, check_vocab
 from qgate.errors import BackendUnavailable, InputError
 
 
@@ -90,22 +91,6 @@ def _reserved_cache(cache, capacity: int):
     return cache
 
 
-def as_logits(t):
-    """float32 logits as a runner returns them: a numpy array (sharing the tensor's memory) on the CPU, the tensor
-    itself on an accelerator, where gates/scoring.py reduces it without copying it to the host."""
-    t = t.float()
-    return t.numpy() if t.device.type == "cpu" else t
-
-
-def cat_rows(parts: list):
-    """np.concatenate or torch.cat, for logits as as_logits returns them."""
-    if isinstance(parts[0], np.ndarray):
-        return np.concatenate(parts)
-    import torch
-
-    return torch.cat(parts)
-
-
 def length_groups(lengths: Sequence[int], forward_cost: float) -> list[tuple[int, int]]:
     """Rows of these lengths, grouped into ranges [lo, hi] run as one right-padded forward each: the grouping that
     minimizes forward_cost x forwards + padded positions (rows x hi), exactly, by dynamic programming over the sorted
@@ -130,17 +115,6 @@ def length_groups(lengths: Sequence[int], forward_cost: float) -> list[tuple[int
         groups.append((ls[cut[j]], ls[j - 1]))
         j = cut[j]
     return groups[::-1]
-
-
-def check_vocab(path: Path, tokenizer, rows: int) -> None:
-    """InputError unless the model has a row for every id its tokenizer can produce: an id past the last row crashes
-    the forward pass here, and a server on every request that contains it."""
-    from qgate.errors import InputError
-
-    if len(tokenizer) > rows:
-        raise InputError(f"{path}: the model has {rows} token ids but its tokenizer {len(tokenizer)}: ids {rows} and up "
-                         "cannot be embedded", hint="the checkpoint's embeddings (vocab_size) were cut or its tokenizer "
-                                                    "replaced: export both from one model")
 
 
 class TorchRunner:

@@ -20,9 +20,12 @@ import numpy as np
 import torch
 
 from qgate.engines.int4pack import Int4Weight
-from qgate.engines.runners import as_logits
+from qgate.engines.logits import as_logits, check_vocab
 from qgate.engines.static_llama import StaticLlama
 from qgate.errors import ConfigError
+
+SERVED_SUBDIR = "checkpoint"     # an engine's config, generation config and tokenizer files: what the contract reads
+SERVED_FILES = ("config.json", "generation_config.json")
 
 
 def default_device() -> torch.device:
@@ -32,8 +35,6 @@ def default_device() -> torch.device:
 def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dict, dict]:
     """(model, engine.json, config.json) of a built engine, its weights placed on `device`."""
     from safetensors.torch import load_file
-
-    from qgate.engines.torch_int4 import SERVED_SUBDIR
 
     spec = json.loads((engine_dir / "engine.json").read_text())
     config = json.loads((engine_dir / SERVED_SUBDIR / "config.json").read_text())
@@ -53,8 +54,6 @@ class StaticRunner:
 
     def __init__(self, engine_dir: Path, device: torch.device):
         from qgate.device import batch_tokens
-        from qgate.engines.runners import check_vocab
-        from qgate.engines.torch_int4 import SERVED_SUBDIR
         from qgate.trust import check_loadable, load_tokenizer
 
         engine_dir = Path(engine_dir)

@@ -31,8 +31,6 @@ from qgate.errors import ConfigError, InputError
 from qgate.trust import copy_tokenizer_files
 
 DTYPES = ("bfloat16", "float32")   # float32: CPU only, for checking the engine's numerics exactly
-SERVED_SUBDIR = "checkpoint"
-SERVED_FILES = ("config.json", "generation_config.json")
 
 
 @dataclass(frozen=True)
@@ -85,6 +83,7 @@ def build_torch_int4(ckpt: Artifact, config: TorchInt4Config, out: Path, profile
     from safetensors.torch import load_file, save_file
 
     from qgate.engines.int4pack import Int4Weight, repack
+    from qgate.engines.static_runner import SERVED_FILES, SERVED_SUBDIR
 
     cfg = check_checkpoint(ckpt)
     t0 = time.perf_counter()
