@@ -31,7 +31,7 @@ def main() -> int:
 
     from qgate.gates.run import baseline_floor, shadow_check
     from qgate.pipeline.runner import Runner, calibrate_stage, model_stage
-    from qgate.pipeline.search import _smoothed
+    from qgate.quantize.smoothing import cached_smoothing
     from qgate.pipeline.spec import load_spec, search_config
     from qgate.quantize.run import CalibOptions, quantize
     from qgate.quantize.schemes import FallbackConfig, scheme_config
@@ -51,7 +51,7 @@ def main() -> int:
     opts = CalibOptions(max_seq_length=spec.quantize.max_seq_length)
     scfg = search_config(v)
     t = time.perf_counter()
-    smooth = _smoothed(base, calib, scheme, opts, cache, print)
+    smooth = cached_smoothing(base, calib, scheme, opts, cache, print)
     smooth_s = time.perf_counter() - t
     sens = fisher_sensitivity(base, calib, scheme, SensitivityConfig(samples=scfg.samples, max_seq_length=opts.max_seq_length))
     order = fallback_order(sens["layers"])

@@ -50,8 +50,9 @@ def test_splits_are_disjoint_sized_and_hashed(tmp_path):
 
 
 def test_a_search_split_is_a_third_disjoint_split_that_leaves_the_others_alone(tmp_path):
-    """search_size draws held-out prompts for `qgate search` from ranks after the shadow split's: the shadow split is
-    unchanged, and the three splits are disjoint, stratified and sized."""
+    """search_size draws held-out prompts for `qgate search` from ranks after the shadow and calibration splits': both
+    are unchanged by it (a search split changes no calibration, so no quantized variant), and the three splits are
+    disjoint, stratified and sized."""
     traffic = tiny.make_traffic(tmp_path / "t.jsonl", n=200)
     two = sample_traffic(traffic, tmp_path / "two", SampleConfig(calib_size=40, shadow_size=25))
     three = sample_traffic(traffic, tmp_path / "three", SampleConfig(calib_size=40, shadow_size=25, search_size=20))
@@ -59,7 +60,8 @@ def test_a_search_split_is_a_third_disjoint_split_that_leaves_the_others_alone(t
     assert [len(rows[k]) for k in ("calib", "shadow", "search")] == [40, 25, 20]
     text = {k: {json.dumps(r["messages"]) for r in v} for k, v in rows.items()}
     assert not (text["calib"] & text["shadow"] or text["calib"] & text["search"] or text["shadow"] & text["search"])
-    assert (three["shadow"].path / "data.jsonl").read_bytes() == (two["shadow"].path / "data.jsonl").read_bytes()
+    for split in ("shadow", "calib"):
+        assert (three[split].path / "data.jsonl").read_bytes() == (two[split].path / "data.jsonl").read_bytes()
     assert three["search"].meta["split"] == "search" and len(three["search"].meta["strata"]) > 1
     with pytest.raises(InputError, match="calib_size \\+ shadow_size \\+ search_size"):
         sample_traffic(traffic, tmp_path / "four", SampleConfig(calib_size=40, shadow_size=25, search_size=1000))

@@ -209,16 +209,16 @@ def _select(state: SampleState, config: SampleConfig, source: str, quoted: list[
     _check_counts(source, stats, sum(len(r) for r in ranked.values()), config, state.partitions, quoted)
     shadow_q = _allocate(sizes, config.shadow_size, {s: len(r) for s, r in ranked.items()})
     rest = {s: sizes[s] - shadow_q[s] for s in sizes}
-    search_q = _allocate(rest, config.search_size, {s: len(ranked[s]) - shadow_q[s] for s in ranked}) if config.search_size \
-        else dict.fromkeys(ranked, 0)
-    rest = {s: rest[s] - search_q[s] for s in sizes}
-    calib_q = _allocate(rest, config.calib_size, {s: len(ranked[s]) - shadow_q[s] - search_q[s] for s in ranked})
+    calib_q = _allocate(rest, config.calib_size, {s: len(ranked[s]) - shadow_q[s] for s in ranked})
+    rest = {s: rest[s] - calib_q[s] for s in sizes}
+    search_q = _allocate(rest, config.search_size, {s: len(ranked[s]) - shadow_q[s] - calib_q[s] for s in ranked}) \
+        if config.search_size else dict.fromkeys(ranked, 0)
     calib, shadow, search = [], [], []
-    for s in sorted(ranked):   # the held-out evidence first (shadow, then search), then calibration, from disjoint ranks
-        a, b = shadow_q[s], shadow_q[s] + search_q[s]
+    for s in sorted(ranked):   # shadow first (the held-out evidence), calibration, then search, from disjoint ranks:
+        a, b = shadow_q[s], shadow_q[s] + calib_q[s]       # a search split leaves the other two as they were
         shadow += ranked[s][:a]
-        search += ranked[s][a:b]
-        calib += ranked[s][b: b + calib_q[s]]
+        calib += ranked[s][a:b]
+        search += ranked[s][b: b + search_q[s]]
     return calib, shadow, search, {"stats": stats, "estimates": estimates}
 
 

@@ -278,6 +278,7 @@ def variant_chain(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact,
     from qgate.gates.run import run_gates
     from qgate.quantize.run import CalibOptions, quantize
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
+    from qgate.quantize.smoothing import cached_smoothing, smooths
 
     w = r.workdir
     gate_cfg = spec.gate_config()
@@ -294,7 +295,8 @@ def variant_chain(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact,
         ckpt = step(search_stage(r, spec, v, base, calib, shadow, cache_dir))
     else:
         ckpt = step(r.stage(f"quantize:{v.name}", key, w / "variants" / v.name / "checkpoint",
-                            lambda out: quantize(base, calib, scheme, out, kv=kv, opts=opts)))
+                            lambda out: quantize(base, calib, scheme, out, kv=kv, opts=opts, smoothed=cached_smoothing(
+                                base, calib, scheme, opts, cache_dir, r.echo) if smooths(scheme, kv) else None)))
     cand, notes = ckpt, ()
     why = unsupported(ckpt, v.engine.backend) if v.engine is not None else None
     if why:

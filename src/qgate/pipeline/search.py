@@ -26,6 +26,7 @@ from pathlib import Path
 
 from qgate.artifact import MANIFEST, Artifact, sha256_json, typed_config
 from qgate.cache import read_cached, write_cached
+from qgate.quantize.smoothing import cached_smoothing, smooths
 from qgate.search.plan import SearchConfig, fallback_order, max_count, next_count, predicted_bits, start_count
 
 
@@ -61,7 +62,7 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
         sens = fisher_sensitivity(base, calib, scheme, scfg)
         write_cached(spath, json.dumps(sens).encode())
         echo(f"    sensitivity: {len(sens['layers'])} layers from {sens['sequences']} sequences in {sens['seconds']}s")
-    smoothed = _smoothed(base, calib, scheme, opts, cache_dir, echo) if hasattr(scheme, "rtn_modifiers") and kv is None else None
+    smoothed = cached_smoothing(base, calib, scheme, opts, cache_dir, echo) if smooths(scheme, kv) else None
     built = "rtn on AWQ-smoothed weights" if smoothed else "full quantization"
     order = fallback_order(sens["layers"])
     kmax = max_count(order, cfg.max_bits_per_weight, scheme.num_bits, cfg.fallback_bits, scheme.group_size, scheme.symmetric)
@@ -132,24 +133,6 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
     plot_points(points, gate_cfg.shadow.kl_p99_max, gate_cfg.shadow.top1_agreement_min, ck, out / "qgate-search.png")
     config = ckpt.config | {"search": typed_config(cfg)}
     return Artifact.create("checkpoint", out, config, ckpt.parents + (shadow.sha256,), ckpt.meta | {"search": summary})
-
-
-def _smoothed(base: Artifact, calib: Artifact, scheme, opts, cache_dir: Path, echo: Callable[[str], None]) -> Artifact:
-    """AWQ's smoothing of the baseline for `scheme`, computed once per (baseline, calibration set, scheme, options) and
-    kept in the cache: every point of this search, and of a later one, is built from it."""
-    from qgate.artifact import build_atomically
-    from qgate.quantize.smoothing import SMOOTHING_VERSION, smooth_awq
-
-    key = sha256_json({"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "opts": opts.__dict__,
-                       "v": SMOOTHING_VERSION})
-    path = cache_dir / f"awq-smoothed-{key[:24]}"
-    if (path / MANIFEST).exists():
-        art = Artifact.load(path, "checkpoint")
-        echo(f"    AWQ smoothing: cached ({art.meta['smoothing_seconds']}s when computed)")
-        return art
-    art = build_atomically(path, lambda tmp: smooth_awq(base, calib, scheme, opts, tmp))
-    echo(f"    AWQ smoothing: once, {art.meta['smoothing_seconds']}s; every point is round-to-nearest on it")
-    return art
 
 
 def _prune(kept: dict[int, Artifact], points: list[dict]) -> None:

@@ -15,12 +15,19 @@ was built, and benchmarks/bench_search.py measures the gap against quantizing ea
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
 from qgate.errors import InputError
 
 SMOOTHING_VERSION = 1
+
+
+def smooths(scheme, kv) -> bool:
+    """Whether this scheme's checkpoints can be built from cached smoothing: AWQ without a KV-cache scheme (whose
+    scales need calibration data at quantization time)."""
+    return hasattr(scheme, "rtn_modifiers") and kv is None
 
 
 def smooth_awq(base: Artifact, calib: Artifact, scheme, opts, out: Path) -> Artifact:
@@ -57,3 +64,20 @@ def smooth_awq(base: Artifact, calib: Artifact, scheme, opts, out: Path) -> Arti
     meta = base.meta | {"scheme": "awq-smoothed", "smoothing_seconds": round(seconds, 1), "base_model": base.sha256,
                         "calibration_sha256": calib.sha256}
     return Artifact.create("checkpoint", out, config, (base.sha256, calib.sha256), meta)
+
+
+def cached_smoothing(base: Artifact, calib: Artifact, scheme, opts, cache_dir: Path, echo: Callable[[str], None]) -> Artifact:
+    """AWQ's smoothing of the baseline for `scheme`, computed once per (baseline, calibration set, scheme, options) and
+    kept in `cache_dir`: the uniform variant and every point of a search over it are built from it."""
+    from qgate.artifact import MANIFEST, build_atomically, sha256_json
+
+    key = sha256_json({"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "opts": opts.__dict__,
+                       "v": SMOOTHING_VERSION})
+    path = cache_dir / f"awq-smoothed-{key[:24]}"
+    if (path / MANIFEST).exists():
+        art = Artifact.load(path, "checkpoint")
+        echo(f"    AWQ smoothing: cached ({art.meta['smoothing_seconds']}s when computed)")
+        return art
+    art = build_atomically(path, lambda tmp: smooth_awq(base, calib, scheme, opts, tmp))
+    echo(f"    AWQ smoothing: computed once, {art.meta['smoothing_seconds']}s; this scheme's checkpoints are round-to-nearest on it")
+    return art
