@@ -6,7 +6,8 @@ import torch
 import yaml
 
 from qgate.artifact import Artifact
-from qgate.engines.awq_layout import dequantize_awq, to_awq, unpack_int4
+from qgate.engines.awq_layout import dequantize_awq, to_awq
+from qgate.engines.gptq_layout import unpack
 from qgate.engines.build import build_engine
 from qgate.engines.runners import load_runner
 from qgate.engines.batch_sizes import graph_batch_sizes
@@ -43,13 +44,15 @@ def test_awq_repack_preserves_every_weight_exactly(awq_art):
         assert torch.equal(ref, got), p
 
 
-def test_unpack_int4_inverts_compressed_tensors_packing():
+def test_unpack_inverts_compressed_tensors_packing():
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    codes = torch.randint(-8, 8, (16, 40), dtype=torch.int8)
-    for dim in (0, 1):
-        packed = pack_to_int32(codes, 4, packed_dim=dim)
-        assert torch.equal(unpack_int4(packed, 16, 40, dim) - 8, codes.to(torch.int32))
+    for bits in (4, 8):
+        half = 2 ** (bits - 1)
+        codes = torch.randint(-half, half, (16, 40), dtype=torch.int8)
+        for dim in (0, 1):
+            packed = pack_to_int32(codes, bits, packed_dim=dim)
+            assert torch.equal(unpack(packed, 16, 40, bits, dim) - half, codes.to(torch.int32))
 
 
 def test_cpu_engine_matches_reference_path(awq_art, cpu_exact):

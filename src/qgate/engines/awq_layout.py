@@ -16,20 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from qgate.engines.gptq_layout import layer_codes, packed_layers
 from qgate.errors import ConfigError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-OFFSET = 8  # compressed-tensors stores signed int4 codes shifted into 0..15
-
-
-def unpack_int4(packed: torch.Tensor, rows: int, cols: int, packed_dim: int) -> torch.Tensor:
-    """Dense little-endian int4 unpacking; returns unsigned codes 0..15 as int32 [rows, cols]."""
-    p = packed if packed_dim == 1 else packed.T                  # [r, c/8]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)            # [8]
-    codes = (p.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF     # [r, c/8, 8]
-    codes = codes.reshape(p.shape[0], -1)                         # [r, c]
-    out = codes if packed_dim == 1 else codes.T
-    return out[:rows, :cols].contiguous()
 
 
 def pack_awq(codes: torch.Tensor) -> torch.Tensor:
@@ -53,19 +43,9 @@ def to_awq(state: dict[str, torch.Tensor], qconfig: dict) -> tuple[dict[str, tor
     if any(x != w for x in weights) or w.get("num_bits") != 4 or w.get("strategy") != "group" or w.get("actorder") == "group":
         raise ConfigError(f"CPU engine supports one group-wise int4 weight scheme without g_idx, got {weights}",
                           hint="use awq-w4a16, or gptq-w4a16 with actorder static/null")
-    out: dict[str, torch.Tensor] = {}
-    layers = sorted(k[: -len(".weight_packed")] for k in state if k.endswith(".weight_packed"))
-    skip = {f"{p}.{s}" for p in layers for s in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")}
-    out.update({k: v for k, v in state.items() if k not in skip})
+    layers, out = packed_layers(state)
     for p in layers:
-        o, i = (int(x) for x in state[f"{p}.weight_shape"].tolist())
-        scale = state[f"{p}.weight_scale"]                                    # [O, G]
-        codes = unpack_int4(state[f"{p}.weight_packed"], o, i, packed_dim=1)  # [O, I]
-        zp_key = f"{p}.weight_zero_point"
-        if zp_key in state:
-            zeros = unpack_int4(state[zp_key], o, scale.shape[1], packed_dim=0)  # [O, G]
-        else:  # symmetric: code 8 is zero
-            zeros = torch.full(scale.shape, OFFSET, dtype=torch.int32)
+        codes, zeros, scale = layer_codes(state, p, 4)                       # [O, I], [O, G], [O, G]
         out[f"{p}.qweight"] = pack_awq(codes.T.contiguous())                 # [I, O/8]
         out[f"{p}.qzeros"] = pack_awq(zeros.T.contiguous())                  # [G, O/8]
         out[f"{p}.scales"] = scale.T.contiguous().to(torch.float16)          # [G, O]

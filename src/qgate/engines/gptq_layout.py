@@ -45,7 +45,30 @@ def pack_cols(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return pack_rows(codes.T.contiguous(), bits).T.contiguous()
 
 
-def _layer_bits(state: dict, prefix: str) -> int:
+PACKED_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+
+
+def packed_layers(state: dict[str, torch.Tensor]) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """The pack-quantized Linears of a compressed-tensors state dict (their prefixes, sorted) and every other tensor."""
+    layers = sorted(k[: -len(".weight_packed")] for k in state if k.endswith(".weight_packed"))
+    parts = {f"{p}.{s}" for p in layers for s in PACKED_PARTS}
+    return layers, {k: v for k, v in state.items() if k not in parts}
+
+
+def layer_codes(state: dict, prefix: str, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed Linear's (codes [O, I], zero points [O, G], scales [O, G] as stored), codes and zero points
+    unsigned; a symmetric layer's zero point is the offset code 2^(bits-1)."""
+    o, i = (int(x) for x in state[f"{prefix}.weight_shape"].tolist())
+    scale = state[f"{prefix}.weight_scale"]                                        # [O, G]
+    codes = unpack(state[f"{prefix}.weight_packed"], o, i, bits, packed_dim=1)     # [O, I]
+    if f"{prefix}.weight_zero_point" in state:
+        zeros = unpack(state[f"{prefix}.weight_zero_point"], o, scale.shape[1], bits, packed_dim=0)  # [O, G]
+    else:
+        zeros = torch.full(scale.shape, 2 ** (bits - 1), dtype=torch.int32)
+    return codes, zeros, scale
+
+
+def layer_bits(state: dict, prefix: str) -> int:
     o, i = (int(x) for x in state[f"{prefix}.weight_shape"].tolist())
     cols = state[f"{prefix}.weight_packed"].shape[1]
     bits = 32 * cols // i
@@ -64,20 +87,12 @@ def to_gptq(state: dict[str, torch.Tensor], qconfig: dict) -> tuple[dict[str, to
     if len(sizes) != 1:
         raise ConfigError(f"CPU engine needs one group size for every layer, got {sorted(sizes)}")
     group_size = sizes.pop()
-    layers = sorted(k[: -len(".weight_packed")] for k in state if k.endswith(".weight_packed"))
-    skip = {f"{p}.{s}" for p in layers for s in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")}
-    out = {k: v for k, v in state.items() if k not in skip}
+    layers, out = packed_layers(state)
     bits_of: dict[str, int] = {}
     for p in layers:
-        bits = bits_of[p] = _layer_bits(state, p)
-        o, i = (int(x) for x in state[f"{p}.weight_shape"].tolist())
-        scale = state[f"{p}.weight_scale"]                                        # [O, G]
-        codes = unpack(state[f"{p}.weight_packed"], o, i, bits, packed_dim=1)     # [O, I]
-        zp_key = f"{p}.weight_zero_point"
-        if zp_key in state:
-            zeros = unpack(state[zp_key], o, scale.shape[1], bits, packed_dim=0)  # [O, G]
-        else:  # symmetric: the offset code is zero
-            zeros = torch.full(scale.shape, 2 ** (bits - 1), dtype=torch.int32)
+        bits = bits_of[p] = layer_bits(state, p)
+        codes, zeros, scale = layer_codes(state, p, bits)                         # [O, I], [O, G], [O, G]
+        i = codes.shape[1]
         out[f"{p}.qweight"] = pack_rows(codes.T.contiguous(), bits)               # [I/P, O]
         out[f"{p}.qzeros"] = pack_cols((zeros.T - 1).contiguous(), bits)          # [G, O/P]
         out[f"{p}.scales"] = scale.T.contiguous().to(torch.float16)               # [G, O]

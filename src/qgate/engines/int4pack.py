@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qgate.engines.gptq_layout import _layer_bits, unpack
+from qgate.engines.gptq_layout import layer_bits, layer_codes, packed_layers
 from qgate.errors import ConfigError
 
 KERNEL_GROUPS = (32, 64, 128, 256)   # group sizes torch's int4 kernels take
@@ -70,18 +70,6 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, lo], -1).reshape(packed.shape[0], -1)
 
 
-def _codes(state: dict, p: str, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes [O, I], integer zeros [O, G], scales [O, G] float32), all unsigned codes."""
-    o, i = (int(x) for x in state[f"{p}.weight_shape"].tolist())
-    scale = state[f"{p}.weight_scale"].float()                                  # [O, G]
-    codes = unpack(state[f"{p}.weight_packed"], o, i, bits, packed_dim=1)      # [O, I]
-    if f"{p}.weight_zero_point" in state:
-        zeros = unpack(state[f"{p}.weight_zero_point"], o, scale.shape[1], bits, packed_dim=0)  # [O, G]
-    else:                                                                      # symmetric: the offset code is zero
-        zeros = torch.full(scale.shape, 2 ** (bits - 1), dtype=torch.int32)
-    return codes, zeros, scale
-
-
 def dequantize(codes: torch.Tensor, zeros: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(q - z) * scale as float32 [O, I], groups along the input dimension."""
     g = codes.shape[1] // scale.shape[1]
@@ -92,12 +80,12 @@ def repack(state: dict[str, torch.Tensor], qconfig: dict) -> tuple[dict[str, Int
     """Every quantized Linear of a compressed-tensors state dict: ({prefix: Int4Weight or dense float32 [O, I]},
     {prefix: "int4" | "dense-int8"}). Unquantized tensors are left to the caller."""
     check_scheme(qconfig)
-    layers = sorted(k[: -len(".weight_packed")] for k in state if k.endswith(".weight_packed"))
     out: dict[str, Int4Weight | torch.Tensor] = {}
     kinds: dict[str, str] = {}
-    for p in layers:
-        bits = _layer_bits(state, p)
-        codes, zeros, scale = _codes(state, p, bits)
+    for p in packed_layers(state)[0]:
+        bits = layer_bits(state, p)
+        codes, zeros, scale = layer_codes(state, p, bits)
+        scale = scale.float()
         group = codes.shape[1] // scale.shape[1]
         if bits == 8:
             out[p], kinds[p] = dequantize(codes, zeros, scale), "dense-int8"

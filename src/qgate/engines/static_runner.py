@@ -28,10 +28,6 @@ SERVED_SUBDIR = "checkpoint"     # an engine's config, generation config and tok
 SERVED_FILES = ("config.json", "generation_config.json")
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dict, dict]:
     """(model, engine.json, config.json) of a built engine, its weights placed on `device`."""
     from safetensors.torch import load_file

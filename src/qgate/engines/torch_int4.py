@@ -82,6 +82,7 @@ def build_torch_int4(ckpt: Artifact, config: TorchInt4Config, out: Path, profile
     import torch
     from safetensors.torch import load_file, save_file
 
+    from qgate.engines.gptq_layout import packed_layers
     from qgate.engines.int4pack import Int4Weight, repack
     from qgate.engines.static_runner import SERVED_FILES, SERVED_SUBDIR
 
@@ -98,10 +99,8 @@ def build_torch_int4(ckpt: Artifact, config: TorchInt4Config, out: Path, profile
             tensors[f"{p}.codes"], tensors[f"{p}.scales_and_zeros"] = w.codes, w.scales_and_zeros
         else:
             tensors[f"{p}.weight"] = w.to(dtype)
-    quantized = {f"{p}.{s}" for p in layers for s in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")}
-    for k, v in state.items():
-        if k not in quantized:
-            tensors[k] = v.to(dtype) if v.is_floating_point() else v
+    for k, v in packed_layers(state)[1].items():
+        tensors[k] = v.to(dtype) if v.is_floating_point() else v
     concurrency = profile_concurrency(profile)
     sizes, max_batch = graph_batch_sizes(concurrency, config.max_batch_size_cap)
     spec = {"format": 1, "dtype": config.dtype, "max_seq_len": min(config.max_seq_len, int(cfg.get("max_position_embeddings", 2048))),
@@ -131,10 +130,11 @@ def build_torch_int4(ckpt: Artifact, config: TorchInt4Config, out: Path, profile
 def verify_engine(out: Path) -> dict:
     """Load the engine on this host's device, capture its graphs (CUDA), and decode 4 tokens at every captured batch
     size (batch 1 on a CPU); InputError if a row produces no token."""
-    from qgate.engines.static_runner import StaticRunner, default_device
+    from qgate.device import resolve_device
+    from qgate.engines.static_runner import StaticRunner
 
     t0 = time.perf_counter()
-    runner = StaticRunner(out, default_device())
+    runner = StaticRunner(out, resolve_device("auto"))
     load_s = time.perf_counter() - t0
     prompt = runner.tokenizer.encode("Say hello.")
     sizes = sorted({b for b, _ in runner.graphs}) or [1]

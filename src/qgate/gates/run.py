@@ -113,7 +113,7 @@ class _LazyRunner:
     """Loads a model the first time it is needed, once, on a device; `release` frees it."""
 
     def __init__(self, art: Artifact, device: str = "auto", dtype: str = "auto"):
-        self.art, self.device, self.dtype, self.runner = art, device, dtype, None
+        self.art, self.device, self.dtype, self.runner, self._tag = art, device, dtype, None, None
 
     def __call__(self):
         from qgate.engines.runners import load_runner
@@ -127,9 +127,10 @@ class _LazyRunner:
         record), a subdirectory per device and dtype otherwise, so CPU and GPU references never mix."""
         from qgate.device import compute_dtype, numerics, resolve_device
 
-        dev = resolve_device(self.device)
-        tag = numerics(dev, compute_dtype(json.loads((self.art.path / "config.json").read_text()), dev, self.dtype))
-        return Path(cache_dir) if tag == "cpu-float32" else Path(cache_dir) / tag
+        if self._tag is None:
+            dev = resolve_device(self.device)
+            self._tag = numerics(dev, compute_dtype(json.loads((self.art.path / "config.json").read_text()), dev, self.dtype))
+        return Path(cache_dir) if self._tag == "cpu-float32" else Path(cache_dir) / self._tag
 
     def release(self) -> None:
         from qgate.device import release
@@ -252,7 +253,7 @@ def _score(candidate: Artifact, baseline: Artifact, shadow: Artifact, rows: list
         t = time.perf_counter()
         ckpt = checkpoint or engine_checkpoint(candidate)
         side = _checkpoint_side(ckpt, ref, cfg)
-        timings["parity_checkpoint"] = time.perf_counter() - t
+        parity_s = time.perf_counter() - t
     t = time.perf_counter()
     cand = load_runner(candidate, cfg.device, cfg.dtype)
     timings["candidate_load"] = time.perf_counter() - t
@@ -262,7 +263,7 @@ def _score(candidate: Artifact, baseline: Artifact, shadow: Artifact, rows: list
     if parity:
         t = time.perf_counter()
         results += _parity(cand, ckpt, side, ref, gated, cfg)
-        timings["parity"] = timings.pop("parity_checkpoint") + time.perf_counter() - t
+        timings["parity"] = parity_s + time.perf_counter() - t
     long_cov = None
     if lref is not None:
         long_results, long_cov = long_context_gate(cand, lref, cfg.long_context,

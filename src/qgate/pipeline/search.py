@@ -26,7 +26,7 @@ from pathlib import Path
 
 from qgate.artifact import MANIFEST, Artifact, sha256_json, typed_config
 from qgate.cache import read_cached, write_cached
-from qgate.quantize.smoothing import cached_smoothing, smooths
+from qgate.quantize.smoothing import BUILT, cached_smoothing, smooths
 from qgate.search.plan import SearchConfig, fallback_order, max_count, next_count, predicted_bits, start_count
 
 
@@ -63,7 +63,7 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
         write_cached(spath, json.dumps(sens).encode())
         echo(f"    sensitivity: {len(sens['layers'])} layers from {sens['sequences']} sequences in {sens['seconds']}s")
     smoothed = cached_smoothing(base, calib, scheme, opts, cache_dir, echo) if smooths(scheme, kv) else None
-    built = "rtn on AWQ-smoothed weights" if smoothed else "full quantization"
+    built = BUILT if smoothed else "full quantization"
     order = fallback_order(sens["layers"])
     kmax = max_count(order, cfg.max_bits_per_weight, scheme.num_bits, cfg.fallback_bits, scheme.group_size, scheme.symmetric)
     k0 = start_count(order, cfg.start_share)

@@ -128,8 +128,9 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
 
     if base.kind != "checkpoint" or base.meta.get("scheme") != "baseline":
         raise InputError(f"{base.path}: --model must be a full-precision baseline checkpoint (got {base.meta.get('scheme')})")
-    if smoothed is not None and (not hasattr(scheme, "rtn_modifiers") or kv is not None
-                                 or smoothed.meta.get("base_model") != base.sha256):
+    from qgate.quantize.smoothing import BUILT, smooths
+
+    if smoothed is not None and (not smooths(scheme, kv) or smoothed.meta.get("base_model") != base.sha256):
         raise InputError(f"{smoothed.path}: smoothed weights quantize only AWQ schemes without a KV-cache scheme, from the "
                          "baseline they were smoothed from", hint="drop `smoothed` to run AWQ in full")
     needs_data = (scheme.needs_calibration or kv is not None) and smoothed is None
@@ -179,7 +180,7 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
     parents = (base.sha256,) + ((calib.sha256,) if calib and needs_data else ())
     if smoothed is not None:   # the calibration data reached these weights through the smoothing
         meta |= {"smoothed_weights": smoothed.sha256, "calibration_sha256": smoothed.meta.get("calibration_sha256"),
-                 "built": "rtn on AWQ-smoothed weights"}
+                 "built": BUILT}
         config["smoothed"] = smoothed.sha256
         parents += (smoothed.sha256,)
     return Artifact.create("checkpoint", out, config, parents, meta)

@@ -22,6 +22,7 @@ from qgate.artifact import Artifact, typed_config
 from qgate.errors import InputError
 
 SMOOTHING_VERSION = 1
+BUILT = "rtn on AWQ-smoothed weights"   # how a checkpoint made from it says it was made
 
 
 def smooths(scheme, kv) -> bool:
