@@ -249,3 +249,28 @@ def test_gate_runs_on_cuda(awq_art, base_art, calib_arts, workdir):
     by = {r["metric"]: r for r in report["results"]}
     assert by["engine_vs_checkpoint.kl_p99"]["observed"] <= 0.01
     assert by["defined_logits"]["verdict"] == "pass"
+
+
+def test_gate_runs_in_bfloat16_on_the_cpu(w8_art, base_art, calib_arts, workdir, monkeypatch, caplog):
+    """gates.dtype bfloat16 on a CPU: the baseline's references are cached apart from float32's, the report names the
+    numerics, the noise floor measures bf16's own rounding (above float32's, far below a gate threshold), and a CPU
+    that would emulate bf16 is warned about."""
+    import logging
+
+    import qgate.device as device
+    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.shadow import ShadowConfig
+
+    shadow = ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=0.5, top1_agreement_min=None)
+    monkeypatch.setattr(device, "native_bf16", lambda dev: False)
+    with caplog.at_level(logging.WARNING, logger="qgate"):
+        art = run_gates(w8_art, base_art, calib_arts["shadow"], GateConfig(shadow=shadow, eval=None, long_context=None,
+                        device="cpu", dtype="bfloat16"), workdir / "gate-bf16", workdir / "cache-bf16")
+    assert "emulates it" in caplog.text
+    report = json.loads((art.path / "report.json").read_text())
+    assert report["inputs"]["numerics"] == "cpu-bfloat16"
+    assert (workdir / "cache-bf16" / "cpu-bfloat16").is_dir() and not (workdir / "cache-bf16" / "noise-floor").exists()
+    floor = report["noise_floor"]["kl_p99"]["observed"]
+    assert 1e-7 < floor < 0.05, floor        # bf16 rounding shows; it stays far below the 0.5 threshold
+    by = {r["metric"]: r for r in report["results"]}
+    assert by["defined_logits"]["verdict"] == "pass" and by["kl_p99"]["observed"] < 0.5

@@ -3,11 +3,13 @@
     check_device("cuda:1")                    # ConfigError at spec load for anything but auto|cpu|cuda[:N]
     device = resolve_device("auto")           # CUDA when present, else the CPU
     dtype = compute_dtype(config, device)     # float32 on the CPU; on CUDA the dtype the model is served in
+    native_bf16(device)                       # whether bfloat16 matmuls run in hardware here
 
 torch is imported only when a device is resolved.
 """
 from __future__ import annotations
 
+import logging
 import re
 
 from qgate.errors import BackendUnavailable, ConfigError
@@ -45,14 +47,30 @@ def resolve_device(name: str = "auto"):
     return dev
 
 
+def native_bf16(device) -> bool:
+    """Whether bfloat16 matmuls run in hardware on this device: CUDA, or a CPU with AMX tiles or AVX512-BF16. On
+    other CPUs torch emulates bfloat16, slower than float32."""
+    import torch
+
+    if device.type == "cuda":
+        return True
+    cpu = getattr(torch, "cpu", None)
+    checks = [getattr(cpu, f, None) for f in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(bool(c()) for c in checks if callable(c))
+
+
 def compute_dtype(config: dict, device, name: str = "auto"):
     """The float format a reference model computes in. auto: float32 on the CPU (the reference of record there);
     on CUDA the dtype config.json says the model is served in (bfloat16 or float16; bfloat16 for a float32 config,
-    which no GPU server runs at scale). An explicit name wins."""
+    which no GPU server runs at scale). An explicit name wins; bfloat16 on a CPU that emulates it is logged as a
+    warning, since it runs slower than float32 there."""
     import torch
 
     check_dtype(name)
     if name != "auto":
+        if name == "bfloat16" and not native_bf16(device):
+            logging.getLogger("qgate").warning("gates.dtype bfloat16 on a CPU without AMX or AVX512-BF16: torch emulates "
+                                               "it, slower than float32 (set gates.dtype: float32 on this host)")
         return getattr(torch, name)
     if device.type != "cuda":
         return torch.float32

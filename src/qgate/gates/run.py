@@ -109,6 +109,15 @@ def _parity(cand_runner, ckpt: Artifact | None, side: tuple[dict, dict] | None, 
     return results + kl_top1_checks(m_ckpt, ref["prompt_of"], gated, None, prefix="checkpoint_vs_baseline.", gate="parity")
 
 
+def scoring_numerics(art: Artifact, device: str = "auto", dtype: str = "auto") -> str:
+    """The numerics a checkpoint is scored in on the reference path ('cpu-float32', 'cpu-bfloat16', 'cuda-bfloat16'):
+    part of the key of anything computed from its scores."""
+    from qgate.device import compute_dtype, numerics, resolve_device
+
+    dev = resolve_device(device)
+    return numerics(dev, compute_dtype(json.loads((art.path / "config.json").read_text()), dev, dtype))
+
+
 class _LazyRunner:
     """Loads a model the first time it is needed, once, on a device; `release` frees it."""
 
@@ -122,15 +131,15 @@ class _LazyRunner:
             self.runner = load_runner(self.art, self.device, self.dtype)
         return self.runner
 
+    def tag(self) -> str:
+        if self._tag is None:
+            self._tag = scoring_numerics(self.art, self.device, self.dtype)
+        return self._tag
+
     def cache(self, cache_dir: Path) -> Path:
         """Where this model's cached reference work lives: `cache_dir` for float32 on the CPU (the reference of
         record), a subdirectory per device and dtype otherwise, so CPU and GPU references never mix."""
-        from qgate.device import compute_dtype, numerics, resolve_device
-
-        if self._tag is None:
-            dev = resolve_device(self.device)
-            self._tag = numerics(dev, compute_dtype(json.loads((self.art.path / "config.json").read_text()), dev, self.dtype))
-        return Path(cache_dir) if self._tag == "cpu-float32" else Path(cache_dir) / self._tag
+        return Path(cache_dir) if self.tag() == "cpu-float32" else Path(cache_dir) / self.tag()
 
     def release(self) -> None:
         from qgate.device import release
