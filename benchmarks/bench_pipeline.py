@@ -1,6 +1,6 @@
 """The README demo's wall time by stage, cold (fresh workdir and store) and warm (the same command again).
 
-    .venv/bin/python benchmarks/bench_pipeline.py                     # the whole demo spec: about 45 min cold
+    .venv/bin/python benchmarks/bench_pipeline.py                     # the whole demo spec, the search included
     .venv/bin/python benchmarks/bench_pipeline.py --variants awq-w4a16-cpu,gptq-w8a16
     .venv/bin/python benchmarks/bench_pipeline.py --variants awq-w4a16-cpu,gptq-w8a16 --parallel serial,ray
 
@@ -69,16 +69,26 @@ def main() -> None:
     for stage, secs in cold["stage_seconds"].items():
         w = "skipped" if stage in warm.get("stages_skipped", []) else f"{warm['stage_seconds'].get(stage, 0):.1f}"
         print(f"{stage:36s} {secs:9.1f} {w:>9s}")
+    for step, secs in cold.get("step_seconds", {}).items():     # timed work outside the ledger's stages
+        print(f"{'(' + step + ')':36s} {secs:9.1f} {warm.get('step_seconds', {}).get(step, 0):9.1f}")
+    timed = {k: sum(run["stage_seconds"].values()) + sum(run.get("step_seconds", {}).values()) for k, run in
+             (("cold", cold), ("warm", warm))}
+    warm_stages = sum(warm["stage_seconds"].get(s, 0) for s in warm["stages_run"]) + sum(warm.get("step_seconds", {}).values())
+    print(f"{'(rest: start-up, imports, summary)':36s} {cold_wall - timed['cold']:9.1f} {warm_wall - warm_stages:9.1f}")
     print(f"{'wall (whole command)':36s} {cold_wall:9.1f} {warm_wall:9.1f}   warm / cold = {warm_wall / cold_wall:.3f}")
     for v in cold["variants"]:
         print(f"  {v['variant']:22s} {v['verdict']:12s} KL p99 {v['kl_p99']:.4f}  top-1 {v['top1_agreement']:.3f}")
+        if s := v.get("search"):
+            pts = ", ".join(f"{x:.1f}" for x in s.get("point_seconds") or [])
+            print(f"    search: {s['seconds']:.1f} s; AWQ smoothing {s.get('smoothing_seconds')} s (the quantize stage's, "
+                  f"reused), sensitivity {s.get('sensitivity_seconds')} s, {s['points_tried']} points: {pts} s")
     for mode, (wall, summary) in others.items():
         same = [(v["variant"], v["verdict"]) for v in summary["variants"]] == [(v["variant"], v["verdict"]) for v in cold["variants"]]
         print(f"cold wall --parallel {mode} / --parallel {modes[0]} ({os.cpu_count()} cores, {len(cold['variants'])} variants): "
               f"{wall / cold_wall:.3f}x ({wall:.0f} s / {cold_wall:.0f} s); same verdicts: {same}; "
               f"promoted {(summary.get('promoted') or {}).get('variant')} vs {(cold.get('promoted') or {}).get('variant')}")
     print(json.dumps({"cold_wall": cold_wall, "warm_wall": warm_wall, "cold": cold["stage_seconds"],
-                      "warm_skipped": warm.get("stages_skipped")}))
+                      "cold_steps": cold.get("step_seconds"), "warm_skipped": warm.get("stages_skipped")}))
 
 
 if __name__ == "__main__":

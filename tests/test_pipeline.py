@@ -58,6 +58,7 @@ def test_pipeline_end_to_end_promotes_the_passing_variant_and_skips_on_rerun(tmp
     first_seconds = summary["stage_seconds"]
     assert set(first_seconds) == set(summary["stages_run"]) and len(first_seconds) == 7
     assert all(v >= 0 for v in first_seconds.values()) and first_seconds["quantize:awq-cpu"] > 0
+    assert set(summary["step_seconds"]) == {"baseline", "register"} and summary["step_seconds"]["baseline"] > 0
     # second run: nothing changed, every stage is skipped and nothing is registered twice
     assert main(["run", str(spec)]) == 0
     out = capsys.readouterr()
@@ -65,6 +66,7 @@ def test_pipeline_end_to_end_promotes_the_passing_variant_and_skips_on_rerun(tmp
     assert len(client.search_model_versions("name='tiny-llm'")) == 2
     again = json.loads((tmp_path / "work/summary.json").read_text())
     assert again["stage_seconds"] == first_seconds and again["stages_run"] == [] and len(again["stages_skipped"]) == 7
+    assert again["step_seconds"]["baseline"] < summary["step_seconds"]["baseline"]   # the baseline's work is cached
     assert "(earlier run)" in out.out
 
 

@@ -258,6 +258,15 @@ def test_pipeline_search_chooses_on_its_own_split_and_the_shadow_split_confirms(
                                                "gated_on": shadow.sha256, "independent": True}
     gated = run_gates(art, Artifact.load(work / "base"), shadow, spec.gate_config(), tmp_path / "g", work / "cache")
     assert "disjoint from the shadow set above" in (gated.path / "report.html").read_text()
+    said: list[str] = []
+    assert run_search(spec, "s", echo=said.append).sha256 == art.sha256 and any("search:s: unchanged" in m for m in said)
+    bf16 = load_spec(_spec(tmp_path, workdir, calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 32},
+                           variants=[{"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32},
+                                      "search": {"max_steps": 2, "samples": 8}}],
+                           gates={"shadow": shadow_gate, "eval": None, "long_context": None, "dtype": "bfloat16"}))
+    said.clear()
+    run_search(bf16, "s", echo=said.append)        # points gated in other numerics: searched again, not reused
+    assert not any("search:s: unchanged" in m for m in said) and any("> search:s" in m for m in said)
 
 
 def test_search_cli_names_an_unknown_variant(tmp_path, workdir, capsys):

@@ -190,6 +190,7 @@ def search_stage(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact, 
     """The variant's searched checkpoint (its `search:` settings, defaults when it has none); `qgate search` and
     `qgate run` share the stage, so one reuses what the other found. Points are gated on the calibration stage's
     search split, so the shadow split that gates the chosen point afterwards is data the search never saw."""
+    from qgate.gates.run import scoring_numerics
     from qgate.pipeline.search import search_checkpoint
     from qgate.pipeline.spec import search_config
     from qgate.quantize.run import CalibOptions
@@ -201,6 +202,9 @@ def search_stage(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact, 
     held = Artifact.load(calib.path.parent / "search", "calibration-set")   # sample_traffic's sibling of calib/ and shadow/
     key = {"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "kv": v.kv_cache, "opts": opts.__dict__,
            "search": typed_config(scfg), "points_on": held.sha256, "shadow_cfg": typed_config(gate_cfg.shadow)}
+    numerics = scoring_numerics(base, gate_cfg.device, gate_cfg.dtype)
+    if numerics != "cpu-float32":     # points are gated in these numerics; float32 on the CPU keeps the keys it had
+        key["numerics"] = numerics
     return r.stage(f"search:{v.name}", key, r.workdir / "variants" / v.name / "checkpoint",
                    lambda out: search_checkpoint(base, calib, held, scheme, scfg, gate_cfg, out, cache_dir, kv=kv, opts=opts,
                                                  echo=r.echo, confirm=shadow))
@@ -402,16 +406,20 @@ def _run(spec: PipelineSpec, echo: Callable[[str], None], parallel: str = "seria
     calib, shadow, profile = calibrate_stage(r, spec, traffic, engine=parallel, parts=parts)
     step(calib)
     gate_cfg = spec.gate_config()
-    echo("  > baseline shadow reference and noise floor (cached per baseline) ...")
+    echo("  > baseline references and noise floor (cached per baseline) ...")
+    t = time.perf_counter()
     floor = warm_baseline(base, shadow, gate_cfg, w / "cache")   # once, before any fan-out; an impossible threshold fails here
+    steps = {"baseline": round(time.perf_counter() - t, 1)}
     echo(f"  + noise floor: KL p99 {floor['kl_p99']['observed']:.3g}, top-1 {floor['top1_agreement']['observed']:.4f} "
-         f"({floor['path']})")
+         f"({floor['path']}); baseline references {steps['baseline']}s")
     outcomes = gate_variants(r, spec, base, calib, shadow, profile, list(spec.variants), w / "cache", step, parallel)
+    t = time.perf_counter()
     uri = register_outcomes(r, spec, outcomes, profile)
+    steps["register"] = round(time.perf_counter() - t, 1)
     bar.update(1)
     bar.close()
     summary = {"tracking_uri": uri, "model_name": spec.registry.model_name, "workdir": str(w), "stage_seconds": r.seconds(),
-               "stages_run": r.ran, "stages_skipped": r.skipped,
+               "step_seconds": steps, "stages_run": r.ran, "stages_skipped": r.skipped,
                "variants": [_variant_summary(o) for o in outcomes], "promoted": None}
     chosen = best_passing(spec, outcomes)
     if chosen is None:
@@ -452,5 +460,8 @@ def _bits_per_weight(candidate: Artifact) -> float | None:
 def _search_summary(search: dict | None) -> dict | None:
     if not search:
         return None
-    return {k: search[k] for k in ("found", "chosen_k", "layers_total", "points_tried", "gate_runs", "seconds", "bits_per_weight",
-                                 "fallback_bits")}
+    out = {k: search[k] for k in ("found", "chosen_k", "layers_total", "points_tried", "gate_runs", "seconds", "bits_per_weight",
+                                  "fallback_bits")}
+    return out | {"smoothing_seconds": search.get("smoothing_seconds"),
+                  "sensitivity_seconds": (search.get("sensitivity") or {}).get("seconds"),
+                  "point_seconds": [p.get("seconds") for p in search.get("points", [])]}
