@@ -15,6 +15,9 @@ and the perplexity set scored one document at a time against rolling windows bat
 Last, the roofline: the positions the default scoring ran through the model (padding included), against plain
 forwards in 8 x 256 batches (no cache, last logits only): how close the scoring runs to what
 the model costs on this machine. `--roofline` runs only the current default tasks and this comparison.
+`--dtype bfloat16` instead times the whole eval (current tasks and the perplexity set, default scoring) with the
+reference path in that dtype against the earlier set as it was scored (float32, full-16, documents one at a time), and
+compares the float32 and bfloat16 scores of the current tasks: chosen answers and accuracy per task.
 """
 from __future__ import annotations
 
@@ -59,6 +62,8 @@ def timed(lm, reqs) -> tuple[float, list]:
 class NoSharing:
     """The runner without continuation_logits: every request scored as one whole sequence."""
 
+    batch_tokens = None
+
     def __init__(self, runner):
         self.runner, self.tokenizer, self.max_length = runner, runner.tokenizer, runner.max_length
 
@@ -68,6 +73,8 @@ class NoSharing:
 
 class FullLogits:
     """The earlier strategy: right-padded batches of 16, logits for every position."""
+
+    batch_tokens = None
 
     def __init__(self, runner):
         self.runner, self.tokenizer, self.max_length = runner, runner.tokenizer, runner.max_length
@@ -121,6 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, default=ROOT / ".qgate/demo/base")
     ap.add_argument("--roofline", action="store_true", help="only the current default tasks and the roofline")
+    ap.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16: see the module docstring")
     args = ap.parse_args()
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import torch
@@ -134,6 +142,8 @@ def main() -> None:
     quiet_libraries()
     print(f"torch threads {torch.get_num_threads()}, interop {torch.get_num_interop_threads()}, cpus {os.cpu_count()}")
     runner = load_runner(Artifact.load(args.model, "checkpoint"))
+    if args.dtype != "float32":
+        return dtype_comparison(runner, load_runner(Artifact.load(args.model, "checkpoint"), "cpu", args.dtype))
     if args.roofline:
         now, _ = requests_for({t: None for t in DEFAULT_TASKS if t != "chatterbot_ppl"})
         count = Positions(runner.model)
@@ -145,7 +155,7 @@ def main() -> None:
     results = {}
     for name, budget, wrap in (("full-16", 10**9, FullLogits), ("whole-2048", 2048, NoSharing), ("shared-2048", 2048, None)):
         lm = RunnerLM(wrap(runner) if wrap else runner)
-        lm.BATCH_TOKENS = budget
+        lm.batch_tokens = budget
         results[name] = timed(lm, reqs)
         print(f"{name:12s} {len(reqs)} requests in {results[name][0]:7.1f} s   {len(reqs) / results[name][0]:7.1f} req/s", flush=True)
     base = results["full-16"][0]
@@ -182,6 +192,60 @@ def main() -> None:
     print(f"whole eval (multiple choice + perplexity): before {n_before} items + {PPL_BEFORE} documents {before:.1f} s, after "
           f"{n_now} items + {len(docs)} documents {after:.1f} s: {after / before:.2f}x the time")
     roofline(runner, ran, secs)
+
+
+def whole_eval(runner, tasks: list[str]) -> tuple[float, dict]:
+    """The gate's eval exactly as run_tasks scores it (lm-eval, RunnerLM), wall time and per-task scores."""
+    from dataclasses import replace
+
+    from qgate.gates.evalgate import EvalConfig, run_tasks
+
+    t = time.perf_counter()
+    scores = run_tasks(runner, replace(EvalConfig(), tasks=tuple(tasks)))
+    return time.perf_counter() - t, scores
+
+
+def dtype_comparison(f32, other) -> None:
+    """The earlier eval (369 items + 120 documents, float32, full-16, one document at a time) against today's default
+    tasks scored in `other`'s dtype; then today's tasks in float32 and in that dtype, item by item."""
+    import numpy as np
+
+    from qgate.gates.evalgate import DEFAULT_TASKS
+    from qgate.gates.lm import RunnerLM
+
+    print("earlier default tasks, as scored then (float32, full-16):")
+    reqs, n_before = requests_for(BEFORE)
+    lm = RunnerLM(FullLogits(f32))
+    lm.batch_tokens = 10**9
+    full16, _ = timed(lm, reqs)
+    docs = [SimpleNamespace(args=(d["text"],)) for d in map(json.loads, open(task_config_path()))][:PPL_BEFORE]
+    lm = RunnerLM(f32)
+    t = time.perf_counter()
+    for d in docs:
+        lm.loglikelihood_rolling([d], disable_tqdm=True)
+    before = full16 + time.perf_counter() - t
+    print(f"  {n_before} items {full16:.1f} s + {PPL_BEFORE} documents: {before:.1f} s", flush=True)
+    tag = str(other.dtype).removeprefix("torch.")
+    after, s_other = whole_eval(other, list(DEFAULT_TASKS))
+    print(f"today's default tasks in {tag} (default scoring, lm-eval end to end): {after:.1f} s: {after / before:.2f}x the "
+          f"earlier eval's time", flush=True)
+    f32_secs, s_f32 = whole_eval(f32, list(DEFAULT_TASKS))
+    print(f"today's default tasks in float32: {f32_secs:.1f} s: {f32_secs / before:.2f}x; {tag} / float32 = "
+          f"{after / f32_secs:.2f}x")
+    for name in DEFAULT_TASKS:
+        a, b = s_f32[name], s_other[name]
+        if a["kind"] == "mc":
+            same = float(np.mean(np.array(a["chosen"]) == np.array(b["chosen"])))
+            print(f"  {name}: accuracy float32 {np.mean(a['per_item']):.4f}, {tag} {np.mean(b['per_item']):.4f}; "
+                  f"same answer on {same:.2%} of {len(a['chosen'])} items")
+        else:
+            print(f"  {name}: log-likelihood sum float32 {sum(a['ll']):.1f}, {tag} {sum(b['ll']):.1f}")
+
+
+def task_config_path() -> str:
+    from qgate.gates.evalgate import task_config
+
+    return task_config("chatterbot_ppl")["dataset_kwargs"]["data_files"]["test"]
 
 
 if __name__ == "__main__":
