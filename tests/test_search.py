@@ -267,6 +267,8 @@ def test_pipeline_search_chooses_on_its_own_split_and_the_shadow_split_confirms(
     said.clear()
     run_search(bf16, "s", echo=said.append)        # points gated in other numerics: searched again, not reused
     assert not any("search:s: unchanged" in m for m in said) and any("> search:s" in m for m in said)
+    points = [m for m in said if "bits/weight" in m]
+    assert points and not any("(cached)" in m for m in points)   # no point scored in float32 is reused
 
 
 def test_search_cli_names_an_unknown_variant(tmp_path, workdir, capsys):
