@@ -281,8 +281,8 @@ def variant_chain(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact,
     from qgate.engines.build import build_engine, engine_config, unsupported
     from qgate.gates.run import run_gates
     from qgate.quantize.run import CalibOptions, quantize
-    from qgate.quantize.schemes import KVCacheConfig, scheme_config
-    from qgate.quantize.smoothing import cached_smoothing, smooths
+    from qgate.quantize.schemes import KVCacheConfig, scheme_config, smooths
+    from qgate.quantize.smoothing import cached_smoothing
 
     w = r.workdir
     gate_cfg = spec.gate_config()

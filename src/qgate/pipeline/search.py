@@ -26,7 +26,8 @@ from pathlib import Path
 
 from qgate.artifact import MANIFEST, Artifact, sha256_json, typed_config
 from qgate.cache import read_cached, write_cached
-from qgate.quantize.smoothing import BUILT, cached_smoothing, smooths
+from qgate.quantize.schemes import BUILT, smooths
+from qgate.quantize.smoothing import cached_smoothing
 from qgate.search.plan import SearchConfig, fallback_order, max_count, next_count, predicted_bits, start_count
 
 

@@ -128,7 +128,7 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
 
     if base.kind != "checkpoint" or base.meta.get("scheme") != "baseline":
         raise InputError(f"{base.path}: --model must be a full-precision baseline checkpoint (got {base.meta.get('scheme')})")
-    from qgate.quantize.smoothing import BUILT, smooths
+    from qgate.quantize.schemes import BUILT, smooths
 
     if smoothed is not None and (not smooths(scheme, kv) or smoothed.meta.get("base_model") != base.sha256):
         raise InputError(f"{smoothed.path}: smoothed weights quantize only AWQ schemes without a KV-cache scheme, from the "

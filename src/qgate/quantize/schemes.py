@@ -199,4 +199,14 @@ def weight_format(cfg, fallback: FallbackConfig | None = None) -> str:
     return f"w{cfg.num_bits}a16"
 
 
-__all__ = ["AWQConfig", "GPTQConfig", "FP8Config", "FallbackConfig", "KVCacheConfig", "SCHEMES", "scheme_config", "weight_format"]
+
+BUILT = "rtn on AWQ-smoothed weights"   # how a checkpoint made from cached AWQ smoothing says it was made
+
+
+def smooths(scheme, kv) -> bool:
+    """Whether this scheme's checkpoints can be built from cached smoothing: AWQ without a KV-cache scheme (whose
+    scales need calibration data at quantization time)."""
+    return hasattr(scheme, "rtn_modifiers") and kv is None
+
+
+__all__ = ["AWQConfig", "GPTQConfig", "FP8Config", "FallbackConfig", "KVCacheConfig", "SCHEMES", "scheme_config", "weight_format", "BUILT", "smooths"]

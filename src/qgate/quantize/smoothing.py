@@ -22,13 +22,6 @@ from qgate.artifact import Artifact, typed_config
 from qgate.errors import InputError
 
 SMOOTHING_VERSION = 1
-BUILT = "rtn on AWQ-smoothed weights"   # how a checkpoint made from it says it was made
-
-
-def smooths(scheme, kv) -> bool:
-    """Whether this scheme's checkpoints can be built from cached smoothing: AWQ without a KV-cache scheme (whose
-    scales need calibration data at quantization time)."""
-    return hasattr(scheme, "rtn_modifiers") and kv is None
 
 
 def smooth_awq(base: Artifact, calib: Artifact, scheme, opts, out: Path) -> Artifact:
