@@ -19,6 +19,7 @@ the model costs on this machine. `--roofline` runs only the current default task
 reference path in that dtype against the earlier set as it was scored (float32, full-16, documents one at a time), and
 compares the float32 and bfloat16 scores of the current tasks: chosen answers and accuracy per task.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 
 
-PPL_BEFORE = 120   # perplexity documents in the earlier set (the first 120 of today's file)
+PPL_BEFORE = 120  # perplexity documents in the earlier set (the first 120 of today's file)
 BEFORE = {"bigbench_general_knowledge": None, "bigbench_social_iqa": 150, "bigbench_misconceptions": 150}  # items
 
 
@@ -84,13 +85,13 @@ class FullLogits:
 
         out = []
         for i in range(0, len(seqs), 16):
-            chunk = seqs[i:i + 16]
+            chunk = seqs[i : i + 16]
             width = max(len(s) for s in chunk)
             x = torch.tensor([list(s) + [0] * (width - len(s)) for s in chunk])
             mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk])
             with torch.inference_mode():
                 logits = self.runner.model(x, attention_mask=mask).logits.float().numpy()
-            out += [logits[j, : len(s)][-(keep_last or len(s)):] for j, s in enumerate(chunk)]
+            out += [logits[j, : len(s)][-(keep_last or len(s)) :] for j, s in enumerate(chunk)]
         return out
 
 
@@ -112,16 +113,18 @@ def roofline(runner, positions: int, secs: float) -> None:
     import torch
 
     x = torch.randint(0, runner.tokenizer.vocab_size, (8, 256))
-    reps = max(1, min(10, round(positions / x.numel())))   # throughput is steady: 10 forwards time it
+    reps = max(1, min(10, round(positions / x.numel())))  # throughput is steady: 10 forwards time it
     with torch.inference_mode():
         runner.model(x, logits_to_keep=1)
         t = time.perf_counter()
         for _ in range(reps):
             runner.model(x, logits_to_keep=1)
         plain = (time.perf_counter() - t) / (reps * x.numel())
-    print(f"roofline: the default scoring ran {positions:,} positions in {secs:.1f} s ({positions / secs:.0f} positions/s); "
-          f"plain forwards {1 / plain:.0f} positions/s over {reps * x.numel():,}: the scoring runs at "
-          f"{positions * plain / secs:.2f}x the plain forward's throughput")
+    print(
+        f"roofline: the default scoring ran {positions:,} positions in {secs:.1f} s ({positions / secs:.0f} positions/s); "
+        f"plain forwards {1 / plain:.0f} positions/s over {reps * x.numel():,}: the scoring runs at "
+        f"{positions * plain / secs:.2f}x the plain forward's throughput"
+    )
 
 
 def main() -> None:
@@ -153,30 +156,46 @@ def main() -> None:
     print("earlier default tasks:")
     reqs, n_before = requests_for(BEFORE)
     results = {}
-    for name, budget, wrap in (("full-16", 10**9, FullLogits), ("whole-2048", 2048, NoSharing), ("shared-2048", 2048, None)):
+    for name, budget, wrap in (
+        ("full-16", 10**9, FullLogits),
+        ("whole-2048", 2048, NoSharing),
+        ("shared-2048", 2048, None),
+    ):
         lm = RunnerLM(wrap(runner) if wrap else runner)
         lm.batch_tokens = budget
         results[name] = timed(lm, reqs)
-        print(f"{name:12s} {len(reqs)} requests in {results[name][0]:7.1f} s   {len(reqs) / results[name][0]:7.1f} req/s", flush=True)
+        print(
+            f"{name:12s} {len(reqs)} requests in {results[name][0]:7.1f} s   {len(reqs) / results[name][0]:7.1f} req/s",
+            flush=True,
+        )
     base = results["full-16"][0]
-    worst = max(abs(a[0] - b[0]) for name in results for a, b in zip(results[name][1], results["full-16"][1], strict=True))
+    worst = max(
+        abs(a[0] - b[0]) for name in results for a, b in zip(results[name][1], results["full-16"][1], strict=True)
+    )
     print("ratios vs full-16: " + ", ".join(f"{k} {base / v[0]:.2f}x" for k, v in results.items() if k != "full-16"))
     print(f"max |log-likelihood difference| across strategies: {worst:.2e}")
     print("current default tasks:")
     now, n_now = requests_for({t: None for t in DEFAULT_TASKS if t != "chatterbot_ppl"})
     forward_cost = runner.FORWARD_COST
-    runner.FORWARD_COST = 10**9          # one group: every continuation of a batch padded to the longest
+    runner.FORWARD_COST = 10**9  # one group: every continuation of a batch padded to the longest
     padded, s0 = timed(RunnerLM(runner), now)
     runner.FORWARD_COST = forward_cost
     count = Positions(runner.model)
     secs, s1 = timed(RunnerLM(runner), now)
     ran = count.n
     diff = max(abs(a[0] - b[0]) for a, b in zip(s0, s1, strict=True))
-    print(f"  choices padded to the batch's longest {padded:.1f} s, within length groups (default) {secs:.1f} s "
-          f"({len(now) / secs:.1f} req/s): {padded / secs:.2f}x; max |log-likelihood difference| {diff:.2e}")
-    print(f"multiple-choice eval wall time: before {n_before} items {base:.1f} s (full-16), after {n_now} items {secs:.1f} s "
-          f"(default): {secs / base:.2f}x the time for {n_now / n_before:.2f}x the items")
-    docs = [SimpleNamespace(args=(d["text"],)) for d in map(json.loads, open(task_config("chatterbot_ppl")["dataset_kwargs"]["data_files"]["test"]))]
+    print(
+        f"  choices padded to the batch's longest {padded:.1f} s, within length groups (default) {secs:.1f} s "
+        f"({len(now) / secs:.1f} req/s): {padded / secs:.2f}x; max |log-likelihood difference| {diff:.2e}"
+    )
+    print(
+        f"multiple-choice eval wall time: before {n_before} items {base:.1f} s (full-16), after {n_now} items {secs:.1f} s "
+        f"(default): {secs / base:.2f}x the time for {n_now / n_before:.2f}x the items"
+    )
+    docs = [
+        SimpleNamespace(args=(d["text"],))
+        for d in map(json.loads, open(task_config("chatterbot_ppl")["dataset_kwargs"]["data_files"]["test"]))
+    ]
     lm = RunnerLM(runner)
     t = time.perf_counter()
     one = [lm.loglikelihood_rolling([d], disable_tqdm=True)[0] for d in docs]
@@ -185,12 +204,16 @@ def main() -> None:
     many = lm.loglikelihood_rolling(docs, disable_tqdm=True)
     t_many = time.perf_counter() - t
     diff = max(abs(a - b) for a, b in zip(one, many, strict=True))
-    print(f"perplexity ({len(docs)} documents): one at a time {t_one:.1f} s ({len(docs) / t_one:.1f} docs/s), batched across "
-          f"documents {t_many:.1f} s ({len(docs) / t_many:.1f} docs/s): {t_one / t_many:.2f}x; max |difference| {diff:.2e}")
-    before = base + t_one * PPL_BEFORE / len(docs)      # the earlier set's first 120 documents, one at a time (its method)
+    print(
+        f"perplexity ({len(docs)} documents): one at a time {t_one:.1f} s ({len(docs) / t_one:.1f} docs/s), batched across "
+        f"documents {t_many:.1f} s ({len(docs) / t_many:.1f} docs/s): {t_one / t_many:.2f}x; max |difference| {diff:.2e}"
+    )
+    before = base + t_one * PPL_BEFORE / len(docs)  # the earlier set's first 120 documents, one at a time (its method)
     after = secs + t_many
-    print(f"whole eval (multiple choice + perplexity): before {n_before} items + {PPL_BEFORE} documents {before:.1f} s, after "
-          f"{n_now} items + {len(docs)} documents {after:.1f} s: {after / before:.2f}x the time")
+    print(
+        f"whole eval (multiple choice + perplexity): before {n_before} items + {PPL_BEFORE} documents {before:.1f} s, after "
+        f"{n_now} items + {len(docs)} documents {after:.1f} s: {after / before:.2f}x the time"
+    )
     roofline(runner, ran, secs)
 
 
@@ -227,17 +250,24 @@ def dtype_comparison(f32, other) -> None:
     print(f"  {n_before} items {full16:.1f} s + {PPL_BEFORE} documents: {before:.1f} s", flush=True)
     tag = str(other.dtype).removeprefix("torch.")
     after, s_other = whole_eval(other, list(DEFAULT_TASKS))
-    print(f"today's default tasks in {tag} (default scoring, lm-eval end to end): {after:.1f} s: {after / before:.2f}x the "
-          f"earlier eval's time", flush=True)
+    print(
+        f"today's default tasks in {tag} (default scoring, lm-eval end to end): {after:.1f} s: {after / before:.2f}x the "
+        f"earlier eval's time",
+        flush=True,
+    )
     f32_secs, s_f32 = whole_eval(f32, list(DEFAULT_TASKS))
-    print(f"today's default tasks in float32: {f32_secs:.1f} s: {f32_secs / before:.2f}x; {tag} / float32 = "
-          f"{after / f32_secs:.2f}x")
+    print(
+        f"today's default tasks in float32: {f32_secs:.1f} s: {f32_secs / before:.2f}x; {tag} / float32 = "
+        f"{after / f32_secs:.2f}x"
+    )
     for name in DEFAULT_TASKS:
         a, b = s_f32[name], s_other[name]
         if a["kind"] == "mc":
             same = float(np.mean(np.array(a["chosen"]) == np.array(b["chosen"])))
-            print(f"  {name}: accuracy float32 {np.mean(a['per_item']):.4f}, {tag} {np.mean(b['per_item']):.4f}; "
-                  f"same answer on {same:.2%} of {len(a['chosen'])} items")
+            print(
+                f"  {name}: accuracy float32 {np.mean(a['per_item']):.4f}, {tag} {np.mean(b['per_item']):.4f}; "
+                f"same answer on {same:.2%} of {len(a['chosen'])} items"
+            )
         else:
             print(f"  {name}: log-likelihood sum float32 {sum(a['ll']):.1f}, {tag} {sum(b['ll']):.1f}")
 

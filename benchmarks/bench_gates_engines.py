@@ -14,6 +14,7 @@ Run it alone: two CPU-heavy processes on 2 cores distort each other badly.
 4. Eval scoring items/s (the demo's task set) for the baseline and the int4 engine.
 Pipeline wall time by stage: benchmarks/bench_pipeline.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,14 @@ def load(workdir: Path):
 
     if not (workdir / "summary.json").exists():
         sys.exit(f"{workdir}: run the demo first: .venv/bin/qgate run pipelines/promote.yaml")
-    get = lambda *p: Artifact.load(workdir.joinpath(*p))   # noqa: E731
-    return {"base": get("base"), "shadow": get("calib", "shadow"), "engine": get("variants", "awq-w4a16-cpu", "engine"),
-            "awq_ckpt": get("variants", "awq-w4a16-cpu", "checkpoint"), "w8": get("variants", "gptq-w8a16", "checkpoint")}
+    get = lambda *p: Artifact.load(workdir.joinpath(*p))  # noqa: E731
+    return {
+        "base": get("base"),
+        "shadow": get("calib", "shadow"),
+        "engine": get("variants", "awq-w4a16-cpu", "engine"),
+        "awq_ckpt": get("variants", "awq-w4a16-cpu", "checkpoint"),
+        "w8": get("variants", "gptq-w8a16", "checkpoint"),
+    }
 
 
 def forward_only(runner, seqs: list[list[int]]) -> float:
@@ -56,23 +62,27 @@ def bench_shadow(arts: dict, cache: Path, repeats: int) -> dict:
     cfg = ShadowConfig()
     base = load_runner(arts["base"])
     colds, fwds = [], []
-    for i in range(repeats):          # cold every time (a fresh cache directory), interleaved with the forward pass
+    for i in range(repeats):  # cold every time (a fresh cache directory), interleaved with the forward pass
         t = time.perf_counter()
         ref, hit = baseline_reference(lambda: base, arts["base"], arts["shadow"], cfg, cache / f"cold-{i}")
         colds.append(time.perf_counter() - t)
         assert not hit
         fwds.append(forward_only(base, _sequences(ref)))
     seqs = _sequences(ref)
-    out = {"prompts": len(seqs), "tokens": int(ref["seq_lens"].sum()),
-           "answer_tokens": int(ref["seq_lens"].sum() - ref["prompt_lens"].sum()),
-           "cold_reference_s": min(colds), "baseline_forward_s": min(fwds),
-           "cold_ratios": sorted(c / f for c, f in zip(colds, fwds))}
+    out = {
+        "prompts": len(seqs),
+        "tokens": int(ref["seq_lens"].sum()),
+        "answer_tokens": int(ref["seq_lens"].sum() - ref["prompt_lens"].sum()),
+        "cold_reference_s": min(colds),
+        "baseline_forward_s": min(fwds),
+        "cold_ratios": sorted(c / f for c, f in zip(colds, fwds)),
+    }
     out["cold_ratio"] = min(colds) / min(fwds)
     for name, art in (("int4 CPU engine", arts["engine"]), ("W8A16 reference path", arts["w8"])):
         cand = load_runner(art)
-        forward_only(cand, seqs[:4])                                            # warm-up
+        forward_only(cand, seqs[:4])  # warm-up
         fwd, warm = [], []
-        for _ in range(repeats):          # interleaved, so a slow spell of the machine hits both sides
+        for _ in range(repeats):  # interleaved, so a slow spell of the machine hits both sides
             fwd.append(forward_only(cand, seqs))
             t = time.perf_counter()
             _, hit = baseline_reference(lambda: base, arts["base"], arts["shadow"], cfg, cache / "cold-0")
@@ -80,8 +90,13 @@ def bench_shadow(arts: dict, cache: Path, repeats: int) -> dict:
             warm.append(time.perf_counter() - t)
             assert hit, "baseline cache was not reused: the benchmark would time the wrong thing"
         ratios = sorted(w / f for w, f in zip(warm, fwd))
-        out[name] = {"forward_s": min(fwd), "warm_gate_s": min(warm), "ratio": min(warm) / min(fwd),
-                     "ratio_median": float(np.median(ratios)), "ratios": ratios}
+        out[name] = {
+            "forward_s": min(fwd),
+            "warm_gate_s": min(warm),
+            "ratio": min(warm) / min(fwd),
+            "ratio_median": float(np.median(ratios)),
+            "ratios": ratios,
+        }
     return out
 
 
@@ -105,18 +120,19 @@ def decode_hf(arts: dict, prompts: list[list[int]], new: int, batch: int) -> flo
     def run():
         n, t = 0, time.perf_counter()
         for a in range(0, len(prompts), batch):
-            chunk = prompts[a:a + batch]
+            chunk = prompts[a : a + batch]
             width = max(map(len, chunk))
             x = torch.tensor([[2] * (width - len(p)) + p for p in chunk])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
             with torch.inference_mode():
-                out = runner.model.generate(x, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                            pad_token_id=2)
+                out = runner.model.generate(
+                    x, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=2
+                )
             n += (out.shape[1] - width) * len(chunk)
         return n / (time.perf_counter() - t)
 
-    run()                           # warm-up
-    return max(run(), run())        # best of two: a slow spell of a shared machine is not the engine
+    run()  # warm-up
+    return max(run(), run())  # best of two: a slow spell of a shared machine is not the engine
 
 
 def decode_ort(engine_dir: Path, prompts: list[list[int]], new: int, batch: int, threads: int | None) -> float:
@@ -130,19 +146,19 @@ def decode_ort(engine_dir: Path, prompts: list[list[int]], new: int, batch: int,
     def run():
         n, t = 0, time.perf_counter()
         for a in range(0, len(prompts), batch):
-            chunk = prompts[a:a + batch]
+            chunk = prompts[a : a + batch]
             width = max(map(len, chunk))
             p = og.GeneratorParams(model)
             p.set_search_options(max_length=width + new, min_length=width + new, do_sample=False, batch_size=len(chunk))
             g = og.Generator(model, p)
-            g.append_tokens(np.asarray([[2] * (width - len(x)) + x for x in chunk], np.int32))   # pad id 2, left
+            g.append_tokens(np.asarray([[2] * (width - len(x)) + x for x in chunk], np.int32))  # pad id 2, left
             while not g.is_done():
                 g.generate_next_token()
                 n += len(chunk)
         return n / (time.perf_counter() - t)
 
-    run()                           # warm-up
-    return max(run(), run())        # best of two: a slow spell of a shared machine is not the engine
+    run()  # warm-up
+    return max(run(), run())  # best of two: a slow spell of a shared machine is not the engine
 
 
 def bench_decode(arts: dict, cache: Path, prompts: int, new: int) -> dict:
@@ -157,14 +173,24 @@ def bench_decode(arts: dict, cache: Path, prompts: int, new: int) -> dict:
         for head, level, threads in options:
             key = (head, level)
             if key not in built:
-                built[key] = build_cpu(arts["awq_ckpt"], CpuEngineConfig(accuracy_level=level, lm_head=head), Path(tmp) / f"{head}-{level}")
+                built[key] = build_cpu(
+                    arts["awq_ckpt"], CpuEngineConfig(accuracy_level=level, lm_head=head), Path(tmp) / f"{head}-{level}"
+                )
                 gate = shadow_check(built[key], arts["base"], arts["shadow"], GateConfig(), cache)
                 by = {r["metric"]: r for r in gate["results"]}
-                built[key].meta["bench_gate"] = {"verdict": gate["verdict"], "kl_p99": by["kl_p99"]["observed"],
-                                                 "top1": by["top1_agreement"]["observed"]}
+                built[key].meta["bench_gate"] = {
+                    "verdict": gate["verdict"],
+                    "kl_p99": by["kl_p99"]["observed"],
+                    "top1": by["top1_agreement"]["observed"],
+                }
             eng = built[key]
-            row = {"lm_head": head, "accuracy_level": level, "threads": threads or os.cpu_count(),
-                   "engine_mb": eng.meta["engine_bytes"] / 1e6, **eng.meta["bench_gate"]}
+            row = {
+                "lm_head": head,
+                "accuracy_level": level,
+                "threads": threads or os.cpu_count(),
+                "engine_mb": eng.meta["engine_bytes"] / 1e6,
+                **eng.meta["bench_gate"],
+            }
             for b in (1, 8):
                 row[f"tok_s_b{b}"] = decode_ort(eng.path / "onnx", ps, new, b, threads)
                 row[f"speedup_b{b}"] = row[f"tok_s_b{b}"] / res["transformers_fp32"][b]
@@ -196,12 +222,17 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="decode prompts")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--skip-eval", action="store_true")
-    ap.add_argument("--skip-decode", action="store_true", help="figures 1, 2 (and 4) only: the decode sweep builds engines")
+    ap.add_argument(
+        "--skip-decode", action="store_true", help="figures 1, 2 (and 4) only: the decode sweep builds engines"
+    )
     ap.add_argument("--repeats", type=int, default=3, help="interleaved forward/gate pairs for the warm shadow ratio")
     args = ap.parse_args()
     arts = load(args.workdir)
-    print(f"machine: {os.cpu_count()} cores; torch {torch.__version__} threads {torch.get_num_threads()}; "
-          f"onnxruntime default threads (all cores) unless stated", flush=True)
+    print(
+        f"machine: {os.cpu_count()} cores; torch {torch.__version__} threads {torch.get_num_threads()}; "
+        f"onnxruntime default threads (all cores) unless stated",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as cache:
         s = bench_shadow(arts, Path(cache), args.repeats)
         d = None if args.skip_decode else bench_decode(arts, Path(cache) / "cold-0", args.prompts, args.new_tokens)
@@ -209,25 +240,37 @@ def main() -> None:
     print(f"\n1. warm shadow gate, {s['prompts']} prompts / {s['tokens']} tokens, baseline reference cached:")
     for name in ("int4 CPU engine", "W8A16 reference path"):
         r = s[name]
-        print(f"   {name:22s} forward only {r['forward_s']:6.2f} s   gate {r['warm_gate_s']:6.2f} s   ratio {r['ratio']:.2f}x"
-              f" (best gate / best forward of {len(r['ratios'])} interleaved pairs; median pair {r['ratio_median']:.2f}x;"
-              f" per pair {', '.join(f'{x:.2f}' for x in r['ratios'])})  (goal <= 1.10x)")
-    print(f"2. cold baseline reference ({s['answer_tokens']} greedy answer tokens + top-k log-probs): {s['cold_reference_s']:.1f} s"
-          f" / teacher-forced forward {s['baseline_forward_s']:.1f} s = {s['cold_ratio']:.2f}x (best times of {len(s['cold_ratios'])} interleaved pairs;"
-          f" per pair {', '.join(f'{x:.2f}' for x in s['cold_ratios'])})  (goal <= 2x)")
+        print(
+            f"   {name:22s} forward only {r['forward_s']:6.2f} s   gate {r['warm_gate_s']:6.2f} s   ratio {r['ratio']:.2f}x"
+            f" (best gate / best forward of {len(r['ratios'])} interleaved pairs; median pair {r['ratio_median']:.2f}x;"
+            f" per pair {', '.join(f'{x:.2f}' for x in r['ratios'])})  (goal <= 1.10x)"
+        )
+    print(
+        f"2. cold baseline reference ({s['answer_tokens']} greedy answer tokens + top-k log-probs): {s['cold_reference_s']:.1f} s"
+        f" / teacher-forced forward {s['baseline_forward_s']:.1f} s = {s['cold_ratio']:.2f}x (best times of {len(s['cold_ratios'])} interleaved pairs;"
+        f" per pair {', '.join(f'{x:.2f}' for x in s['cold_ratios'])})  (goal <= 2x)"
+    )
     if d:
         tf = d["transformers_fp32"]
-        print(f"3. decode, greedy {args.new_tokens} new tokens x {args.prompts} prompts; transformers eager fp32: "
-              f"{tf[1]:.1f} tok/s at batch 1, {tf[8]:.1f} at batch 8")
-        print("   lm_head  acc.level threads  engine MB   b1 tok/s  x fp32   b8 tok/s  x fp32   shadow gate: KL p99  top-1  verdict")
+        print(
+            f"3. decode, greedy {args.new_tokens} new tokens x {args.prompts} prompts; transformers eager fp32: "
+            f"{tf[1]:.1f} tok/s at batch 1, {tf[8]:.1f} at batch 8"
+        )
+        print(
+            "   lm_head  acc.level threads  engine MB   b1 tok/s  x fp32   b8 tok/s  x fp32   shadow gate: KL p99  top-1  verdict"
+        )
         for r in d["engines"]:
-            print(f"   {r['lm_head']:7s}  {r['accuracy_level']:9d} {r['threads']:7d}  {r['engine_mb']:9.1f}  {r['tok_s_b1']:9.1f}  "
-                  f"{r['speedup_b1']:5.2f}x  {r['tok_s_b8']:9.1f}  {r['speedup_b8']:5.2f}x  {r['kl_p99']:18.4f}  {r['top1']:.3f}  {r['verdict']}")
+            print(
+                f"   {r['lm_head']:7s}  {r['accuracy_level']:9d} {r['threads']:7d}  {r['engine_mb']:9.1f}  {r['tok_s_b1']:9.1f}  "
+                f"{r['speedup_b1']:5.2f}x  {r['tok_s_b8']:9.1f}  {r['speedup_b8']:5.2f}x  {r['kl_p99']:18.4f}  {r['top1']:.3f}  {r['verdict']}"
+            )
     if e:
         print("4. eval scoring (the demo's tasks):")
         for name, r in e.items():
-            print(f"   {name:22s} {r['items']} items in {r['seconds']:.1f} s = {r['items'] / r['seconds']:.1f} items/s "
-                  f"(requests/s by strategy: benchmarks/bench_eval.py)")
+            print(
+                f"   {name:22s} {r['items']} items in {r['seconds']:.1f} s = {r['items'] / r['seconds']:.1f} items/s "
+                f"(requests/s by strategy: benchmarks/bench_eval.py)"
+            )
     print(json.dumps({"shadow": s, "decode": d, "eval": e}, default=float))
 
 

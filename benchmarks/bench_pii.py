@@ -5,6 +5,7 @@
 Goal (issue 8): recall >= 99% per structured type, precision >= 95%. Also prints the scrubber's throughput on the
 demo traffic against reading the same prompts, in one run. Not scrubbed: names, postal addresses (see scrub.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,10 @@ def main() -> None:
     for t_, v in s["types"].items():
         good = v["recall"] is not None and v["recall"] >= 0.99 and (v["precision"] or 0) >= 0.95
         ok &= good
-        print(f"{t_:12s} {v['injected']:8d} {v['found']:6d} {v['false_positives']:6d} {v['recall']:8.2%} {v['precision']:9.2%}  "
-              f"{'met' if good else 'NOT met'}")
+        print(
+            f"{t_:12s} {v['injected']:8d} {v['found']:6d} {v['false_positives']:6d} {v['recall']:8.2%} {v['precision']:9.2%}  "
+            f"{'met' if good else 'NOT met'}"
+        )
     print(f"\nmissed: {[(m['type'], m['value']) for m in s['misses']]}")
     print(f"real PII already in the demo prompts (scrubbed, not counted): {s['real_pii_in_demo_prompts']}")
     texts = [r["text"] for r in rows]
@@ -44,7 +47,9 @@ def main() -> None:
     for x in texts:
         scrub(x)
     sc = time.perf_counter() - t
-    print(f"throughput: {len(texts) / sc:,.0f} prompts/s ({n / sc / 1e6:.2f} MB/s of text); reading them alone {read * 1e3:.1f} ms")
+    print(
+        f"throughput: {len(texts) / sc:,.0f} prompts/s ({n / sc / 1e6:.2f} MB/s of text); reading them alone {read * 1e3:.1f} ms"
+    )
     print("all goals met" if ok else "some goals NOT met")
 
 

@@ -10,6 +10,7 @@ and the Ray fan-out's wall time is printed as a ratio to the serial run's, with 
 Runs `qgate run` as the README does (a subprocess, no TTY) in a scratch directory; nothing under .qgate/ is touched.
 Run it alone: two CPU-heavy processes on 2 cores distort each other badly.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def run(spec: Path, workdir: Path, parallel: str = "serial") -> tuple[float, dict]:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     t = time.perf_counter()
-    p = subprocess.run([str(Path(sys.executable).parent / "qgate"), "run", str(spec), "--parallel", parallel], capture_output=True,
-                       text=True, env=env, stdin=subprocess.DEVNULL)
+    p = subprocess.run(
+        [str(Path(sys.executable).parent / "qgate"), "run", str(spec), "--parallel", parallel],
+        capture_output=True,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     wall = time.perf_counter() - t
     if p.returncode != 0:
         sys.exit(f"qgate run failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
@@ -41,7 +47,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", type=Path, default=ROOT / "pipelines/promote.yaml")
     ap.add_argument("--variants", help="comma-separated subset of the spec's variants")
-    ap.add_argument("--parallel", default="serial", help="comma-separated modes to compare, e.g. serial,ray (the first is the reference)")
+    ap.add_argument(
+        "--parallel",
+        default="serial",
+        help="comma-separated modes to compare, e.g. serial,ray (the first is the reference)",
+    )
     args = ap.parse_args()
     import torch
 
@@ -54,8 +64,11 @@ def main() -> None:
             if args.variants:
                 keep = args.variants.split(",")
                 spec["variants"] = [v for v in spec["variants"] if v["name"] in keep]
-            spec |= {"workdir": str(tmp / mode / "demo"), "traffic": str((args.spec.parent / spec["traffic"]).resolve()),  # relative to the spec
-                     "registry": spec["registry"] | {"store": str(tmp / mode / "mlflow")}}
+            spec |= {
+                "workdir": str(tmp / mode / "demo"),
+                "traffic": str((args.spec.parent / spec["traffic"]).resolve()),  # relative to the spec
+                "registry": spec["registry"] | {"store": str(tmp / mode / "mlflow")},
+            }
             (tmp / mode).mkdir()
             (tmp / mode / "spec.yaml").write_text(yaml.safe_dump(spec))
             if mode == modes[0]:
@@ -63,32 +76,53 @@ def main() -> None:
                 warm_wall, warm = run(tmp / mode / "spec.yaml", tmp / mode / "demo", mode)
             else:
                 others[mode] = run(tmp / mode / "spec.yaml", tmp / mode / "demo", mode)
-    print(f"machine: {os.cpu_count()} cores; torch threads {torch.get_num_threads()}; spec {args.spec.name}, variants "
-          f"{', '.join(v['variant'] for v in cold['variants'])}")
+    print(
+        f"machine: {os.cpu_count()} cores; torch threads {torch.get_num_threads()}; spec {args.spec.name}, variants "
+        f"{', '.join(v['variant'] for v in cold['variants'])}"
+    )
     print(f"{'stage':36s} {'cold s':>9s} {'warm s':>9s}")
     for stage, secs in cold["stage_seconds"].items():
         w = "skipped" if stage in warm.get("stages_skipped", []) else f"{warm['stage_seconds'].get(stage, 0):.1f}"
         print(f"{stage:36s} {secs:9.1f} {w:>9s}")
-    for step, secs in cold.get("step_seconds", {}).items():     # timed work outside the ledger's stages
+    for step, secs in cold.get("step_seconds", {}).items():  # timed work outside the ledger's stages
         print(f"{'(' + step + ')':36s} {secs:9.1f} {warm.get('step_seconds', {}).get(step, 0):9.1f}")
-    timed = {k: sum(run["stage_seconds"].values()) + sum(run.get("step_seconds", {}).values()) for k, run in
-             (("cold", cold), ("warm", warm))}
-    warm_stages = sum(warm["stage_seconds"].get(s, 0) for s in warm["stages_run"]) + sum(warm.get("step_seconds", {}).values())
+    timed = {
+        k: sum(run["stage_seconds"].values()) + sum(run.get("step_seconds", {}).values())
+        for k, run in (("cold", cold), ("warm", warm))
+    }
+    warm_stages = sum(warm["stage_seconds"].get(s, 0) for s in warm["stages_run"]) + sum(
+        warm.get("step_seconds", {}).values()
+    )
     print(f"{'(rest: start-up, imports, summary)':36s} {cold_wall - timed['cold']:9.1f} {warm_wall - warm_stages:9.1f}")
     print(f"{'wall (whole command)':36s} {cold_wall:9.1f} {warm_wall:9.1f}   warm / cold = {warm_wall / cold_wall:.3f}")
     for v in cold["variants"]:
         print(f"  {v['variant']:22s} {v['verdict']:12s} KL p99 {v['kl_p99']:.4f}  top-1 {v['top1_agreement']:.3f}")
         if s := v.get("search"):
             pts = ", ".join(f"{x:.1f}" for x in s.get("point_seconds") or [])
-            print(f"    search: {s['seconds']:.1f} s; AWQ smoothing {s.get('smoothing_seconds')} s (the quantize stage's, "
-                  f"reused), sensitivity {s.get('sensitivity_seconds')} s, {s['points_tried']} points: {pts} s")
+            print(
+                f"    search: {s['seconds']:.1f} s; AWQ smoothing {s.get('smoothing_seconds')} s (the quantize stage's, "
+                f"reused), sensitivity {s.get('sensitivity_seconds')} s, {s['points_tried']} points: {pts} s"
+            )
     for mode, (wall, summary) in others.items():
-        same = [(v["variant"], v["verdict"]) for v in summary["variants"]] == [(v["variant"], v["verdict"]) for v in cold["variants"]]
-        print(f"cold wall --parallel {mode} / --parallel {modes[0]} ({os.cpu_count()} cores, {len(cold['variants'])} variants): "
-              f"{wall / cold_wall:.3f}x ({wall:.0f} s / {cold_wall:.0f} s); same verdicts: {same}; "
-              f"promoted {(summary.get('promoted') or {}).get('variant')} vs {(cold.get('promoted') or {}).get('variant')}")
-    print(json.dumps({"cold_wall": cold_wall, "warm_wall": warm_wall, "cold": cold["stage_seconds"],
-                      "cold_steps": cold.get("step_seconds"), "warm_skipped": warm.get("stages_skipped")}))
+        same = [(v["variant"], v["verdict"]) for v in summary["variants"]] == [
+            (v["variant"], v["verdict"]) for v in cold["variants"]
+        ]
+        print(
+            f"cold wall --parallel {mode} / --parallel {modes[0]} ({os.cpu_count()} cores, {len(cold['variants'])} variants): "
+            f"{wall / cold_wall:.3f}x ({wall:.0f} s / {cold_wall:.0f} s); same verdicts: {same}; "
+            f"promoted {(summary.get('promoted') or {}).get('variant')} vs {(cold.get('promoted') or {}).get('variant')}"
+        )
+    print(
+        json.dumps(
+            {
+                "cold_wall": cold_wall,
+                "warm_wall": warm_wall,
+                "cold": cold["stage_seconds"],
+                "cold_steps": cold.get("step_seconds"),
+                "warm_skipped": warm.get("stages_skipped"),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

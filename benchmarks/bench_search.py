@@ -8,6 +8,7 @@ Both go through the same shadow check against the cached baseline reference. Pri
 agreement with their 95% CIs each way and whether the CIs overlap, and the cost of a point each way as a ratio to one
 shadow check measured in the same run. Run it alone: two CPU-heavy processes on 2 cores distort each other 3-20x.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,10 @@ def main() -> int:
 
     from qgate.gates.run import baseline_floor, shadow_check
     from qgate.pipeline.runner import Runner, calibrate_stage, model_stage
-    from qgate.quantize.smoothing import cached_smoothing
     from qgate.pipeline.spec import load_spec, search_config
     from qgate.quantize.run import CalibOptions, quantize
     from qgate.quantize.schemes import FallbackConfig, scheme_config
+    from qgate.quantize.smoothing import cached_smoothing
     from qgate.search.plan import fallback_order
     from qgate.search.sensitivity import SensitivityConfig, fisher_sensitivity
 
@@ -53,7 +54,9 @@ def main() -> int:
     t = time.perf_counter()
     smooth = cached_smoothing(base, calib, scheme, opts, cache, print)
     smooth_s = time.perf_counter() - t
-    sens = fisher_sensitivity(base, calib, scheme, SensitivityConfig(samples=scfg.samples, max_seq_length=opts.max_seq_length))
+    sens = fisher_sensitivity(
+        base, calib, scheme, SensitivityConfig(samples=scfg.samples, max_seq_length=opts.max_seq_length)
+    )
     order = fallback_order(sens["layers"])
     rows = []
     for k in (int(x) for x in args.points.split(",")):
@@ -61,31 +64,51 @@ def main() -> int:
         row = {"k": k}
         for how in ("smoothed", "real"):
             t = time.perf_counter()
-            ck = quantize(base, calib, scheme, args.out / f"{how}-{k}", opts=opts, fallback=fb if k else None,
-                          smoothed=smooth if how == "smoothed" else None)
+            ck = quantize(
+                base,
+                calib,
+                scheme,
+                args.out / f"{how}-{k}",
+                opts=opts,
+                fallback=fb if k else None,
+                smoothed=smooth if how == "smoothed" else None,
+            )
             build = time.perf_counter() - t
             t = time.perf_counter()
             chk = shadow_check(ck, base, shadow, gate, cache)
             check = time.perf_counter() - t
             m = {x["metric"]: x for x in chk["results"]}
-            row[how] = {"build_s": build, "check_s": check, "bits": ck.meta["bits_per_weight"],
-                        "kl_p99": m["kl_p99"]["observed"], "kl_p99_ci": m["kl_p99"]["ci"],
-                        "top1": m["top1_agreement"]["observed"], "top1_ci": m["top1_agreement"]["ci"], "verdict": chk["verdict"]}
+            row[how] = {
+                "build_s": build,
+                "check_s": check,
+                "bits": ck.meta["bits_per_weight"],
+                "kl_p99": m["kl_p99"]["observed"],
+                "kl_p99_ci": m["kl_p99"]["ci"],
+                "top1": m["top1_agreement"]["observed"],
+                "top1_ci": m["top1_agreement"]["ci"],
+                "verdict": chk["verdict"],
+            }
         s, q = row["smoothed"], row["real"]
         row["kl_ci_overlap"] = bool(s["kl_p99_ci"][0] <= q["kl_p99_ci"][1] and q["kl_p99_ci"][0] <= s["kl_p99_ci"][1])
         row["top1_ci_overlap"] = bool(s["top1_ci"][0] <= q["top1_ci"][1] and q["top1_ci"][0] <= s["top1_ci"][1])
-        row["point_cost_vs_check"] = {"smoothed": (s["build_s"] + s["check_s"]) / s["check_s"],
-                                      "real": (q["build_s"] + q["check_s"]) / q["check_s"]}
+        row["point_cost_vs_check"] = {
+            "smoothed": (s["build_s"] + s["check_s"]) / s["check_s"],
+            "real": (q["build_s"] + q["check_s"]) / q["check_s"],
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"smoothing once: {smooth_s:.1f} s (cached: {smooth_s < 5})")
-    print(f"{'k':>4} {'bits s/r':>12} {'KL p99 smoothed [CI]':>28} {'KL p99 real [CI]':>28} {'top-1 s/r':>14} overlap  cost/check s, r")
+    print(
+        f"{'k':>4} {'bits s/r':>12} {'KL p99 smoothed [CI]':>28} {'KL p99 real [CI]':>28} {'top-1 s/r':>14} overlap  cost/check s, r"
+    )
     for row in rows:
         s, q = row["smoothed"], row["real"]
-        print(f"{row['k']:>4} {s['bits']:5.2f}/{q['bits']:5.2f} {s['kl_p99']:8.4f} [{s['kl_p99_ci'][0]:.3f}, {s['kl_p99_ci'][1]:.3f}]"
-              f"   {q['kl_p99']:8.4f} [{q['kl_p99_ci'][0]:.3f}, {q['kl_p99_ci'][1]:.3f}]  {s['top1']:.3f}/{q['top1']:.3f}"
-              f"  {row['kl_ci_overlap'] and row['top1_ci_overlap']!s:5}  {row['point_cost_vs_check']['smoothed']:.2f}x, "
-              f"{row['point_cost_vs_check']['real']:.2f}x")
+        print(
+            f"{row['k']:>4} {s['bits']:5.2f}/{q['bits']:5.2f} {s['kl_p99']:8.4f} [{s['kl_p99_ci'][0]:.3f}, {s['kl_p99_ci'][1]:.3f}]"
+            f"   {q['kl_p99']:8.4f} [{q['kl_p99_ci'][0]:.3f}, {q['kl_p99_ci'][1]:.3f}]  {s['top1']:.3f}/{q['top1']:.3f}"
+            f"  {row['kl_ci_overlap'] and row['top1_ci_overlap']!s:5}  {row['point_cost_vs_check']['smoothed']:.2f}x, "
+            f"{row['point_cost_vs_check']['real']:.2f}x"
+        )
     (args.out / "bench_search.json").write_text(json.dumps(rows, indent=1))
     return 0
 

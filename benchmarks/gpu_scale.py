@@ -16,6 +16,7 @@ Every figure is printed as a ratio against a reference measured in this run:
                --peak-tflops); wall time of the whole gate; parity KL p99 (engine vs its checkpoint)
 Writes scale.json to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,25 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {   # Llama-3-8B's shape with SmolLM2's vocabulary; a toy shape for checking this script anywhere
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-               max_position_embeddings=8192, rope_theta=500000.0),
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 max_position_embeddings=2048, rope_theta=10000.0),
+SHAPES = {  # Llama-3-8B's shape with SmolLM2's vocabulary; a toy shape for checking this script anywhere
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+    ),
 }
 
 
@@ -43,17 +58,28 @@ def build_model(shape: str, tokenizer_dir: Path, out: Path, device):
     from qgate.trust import copy_tokenizer_files
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = LlamaConfig(vocab_size=len(tok), tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, dtype="bfloat16", **SHAPES[shape])
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        dtype="bfloat16",
+        **SHAPES[shape],
+    )
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)       # transformers' init: normal(0, 0.02)
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)  # transformers' init: normal(0, 0.02)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     copy_tokenizer_files(tokenizer_dir, out)
     params = sum(p.numel() for p in model.parameters())
     del model
-    meta = {"scheme": "baseline", "weight_format": "bf16", "source": f"random {shape} Llama config (benchmarks/gpu_scale.py)"}
+    meta = {
+        "scheme": "baseline",
+        "weight_format": "bf16",
+        "source": f"random {shape} Llama config (benchmarks/gpu_scale.py)",
+    }
     return Artifact.create("checkpoint", out, {"shape": shape, "seed": 0}, (), meta), params
 
 
@@ -98,10 +124,10 @@ def engine_bytes_per_token(engine_dir: Path, config: dict, context: int) -> int:
             for d in sl.get_shape():
                 n *= d
             if k == "model.embed_tokens.weight":
-                n = sl.get_shape()[1]                       # one row is read
+                n = sl.get_shape()[1]  # one row is read
             size = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I32": 4, "I64": 8}[sl.get_dtype()]
             if k.endswith(".scales_and_zeros"):
-                size = 2                                    # held in bf16 on the device
+                size = 2  # held in bf16 on the device
             total += n * size
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     return total + 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2 * context
@@ -109,9 +135,13 @@ def engine_bytes_per_token(engine_dir: Path, config: dict, context: int) -> int:
 
 def decode_rate(generate, prompts, steps: int) -> float:
     """Tokens per second per row of decode steps alone: (time of 1 + steps tokens - time of 1 token) / steps."""
-    generate(prompts, 2)                                      # warm
-    t1 = time.perf_counter(); generate(prompts, 1); t1 = time.perf_counter() - t1
-    tn = time.perf_counter(); generate(prompts, 1 + steps); tn = time.perf_counter() - tn
+    generate(prompts, 2)  # warm
+    t = time.perf_counter()
+    generate(prompts, 1)
+    t1 = time.perf_counter() - t
+    t = time.perf_counter()
+    generate(prompts, 1 + steps)
+    tn = time.perf_counter() - t
     return steps / max(tn - t1, 1e-9)
 
 
@@ -149,8 +179,13 @@ def main() -> int:
     spec = load_spec(args.spec)
     sets = sample_traffic(spec.path(spec.traffic), work / "calib", SampleConfig(**spec.calibrate.model_dump()))
     t = time.perf_counter()
-    ckpt = quantize(base, sets["calib"], scheme_config("gptq-w4a16", group_size=128), work / "gptq",
-                    opts=CalibOptions(max_seq_length=spec.quantize.max_seq_length))
+    ckpt = quantize(
+        base,
+        sets["calib"],
+        scheme_config("gptq-w4a16", group_size=128),
+        work / "gptq",
+        opts=CalibOptions(max_seq_length=spec.quantize.max_seq_length),
+    )
     sec["quantize"] = time.perf_counter() - t
     t = time.perf_counter()
     eng = build_engine(ckpt, "torch-int4", work / "engine", sets["profile"])
@@ -180,9 +215,14 @@ def main() -> int:
         rows[b]["eager_bf16_tok_s"] = b * decode_rate(ref.greedy_batch, [prompt] * b, min(args.steps, 32))
     del ref
     roof = bw / bytes_tok
-    res["decode"] = {"read_bandwidth_tb_s": bw / 1e12, "bytes_per_token": bytes_tok, "int4_roofline_tok_s": roof,
-                     "by_batch": rows, "batch1_vs_roofline": rows[1]["engine_tok_s"] / roof,
-                     "batch1_vs_eager": rows[1]["engine_tok_s"] / rows[1]["eager_bf16_tok_s"]}
+    res["decode"] = {
+        "read_bandwidth_tb_s": bw / 1e12,
+        "bytes_per_token": bytes_tok,
+        "int4_roofline_tok_s": roof,
+        "by_batch": rows,
+        "batch1_vs_roofline": rows[1]["engine_tok_s"] / roof,
+        "batch1_vs_eager": rows[1]["engine_tok_s"] / rows[1]["eager_bf16_tok_s"],
+    }
     print(json.dumps(res["decode"], indent=1), flush=True)
 
     # the gate, cold: the demo's gate config on this device
@@ -198,13 +238,21 @@ def main() -> int:
     by = {r["gate"] + "." + r["metric"]: r for r in report["results"]}
     n_tok = _shadow_tokens(work / "cache")
     mfu = {}
-    for name, seconds in (("candidate_teacher_forced", timings.get("candidate_shadow")),
-                          ("baseline_teacher_forced", (report.get("noise_floor") or {}).get("baseline_score_seconds")),
-                          ("baseline_reference_with_decode", timings.get("baseline_shadow"))):
+    for name, seconds in (
+        ("candidate_teacher_forced", timings.get("candidate_shadow")),
+        ("baseline_teacher_forced", (report.get("noise_floor") or {}).get("baseline_score_seconds")),
+        ("baseline_reference_with_decode", timings.get("baseline_shadow")),
+    ):
         if seconds and n_tok:
             mfu[name] = 2 * params * n_tok / seconds / (args.peak_tflops * 1e12)
-    res["gate"] = {"verdict": report["verdict"], "timings": timings, "wall_seconds": sec["gate"], "shadow_tokens": n_tok,
-                   "shadow_mfu": mfu, "parity_kl_p99": by.get("parity.engine_vs_checkpoint.kl_p99", {}).get("observed")}
+    res["gate"] = {
+        "verdict": report["verdict"],
+        "timings": timings,
+        "wall_seconds": sec["gate"],
+        "shadow_tokens": n_tok,
+        "shadow_mfu": mfu,
+        "parity_kl_p99": by.get("parity.engine_vs_checkpoint.kl_p99", {}).get("observed"),
+    }
     print(json.dumps(res, indent=1), flush=True)
     (work / "scale.json").write_text(json.dumps(res, indent=1))
     return 0

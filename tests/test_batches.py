@@ -3,6 +3,7 @@ only skip what cannot change, and the vectorized word counts equal `profile.word
 
 Each fast path has the slow one as its oracle, on hostile input (hypothesis) as well as on real traffic.
 """
+
 import contextlib
 import gzip
 import json
@@ -21,30 +22,37 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qgate.calibrate import batches
+from qgate.calibrate import batches, state
 from qgate.calibrate.batches import PY_SPACE, Batch, read_batches
-from qgate.calibrate import state
-from qgate.calibrate.words import bag_counter, batch_words, text_words, words
 from qgate.calibrate.reader import open_decoded, read_traffic
 from qgate.calibrate.scrub import HINT, RULE_HINTS, rule_hints, scrub
 from qgate.calibrate.sources import Partition
+from qgate.calibrate.words import bag_counter, batch_words, text_words, words
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_traffic_fuzz import _bad  # noqa: E402  the hostile lines the reader is already fuzzed with
 
-FUZZ = settings(max_examples=int(os.environ.get("QGATE_FUZZ_EXAMPLES", "150")), deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=int(os.environ.get("QGATE_FUZZ_EXAMPLES", "150")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 ROOT = Path(__file__).parents[1]
 
 _text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 _role = st.sampled_from(["system", "user", "assistant", "tool", "developer", "user"])
 _turn = st.fixed_dictionaries({"role": _role, "content": _text})
 _record = st.one_of(
-    st.fixed_dictionaries({"messages": st.lists(_turn, min_size=1, max_size=4)},
-                          optional={"route": st.one_of(st.none(), st.text(max_size=5), st.just("r" * 201)),
-                                    "tenant": st.sampled_from(["", "acme", "globex"]),
-                                    "ts": st.one_of(st.integers(0, 2 ** 40), st.floats(0, 2e9)),
-                                    "latency_ms": st.one_of(st.integers(-5, 5000), st.floats(-1, 5e3)), "extra": st.integers()}),
+    st.fixed_dictionaries(
+        {"messages": st.lists(_turn, min_size=1, max_size=4)},
+        optional={
+            "route": st.one_of(st.none(), st.text(max_size=5), st.just("r" * 201)),
+            "tenant": st.sampled_from(["", "acme", "globex"]),
+            "ts": st.one_of(st.integers(0, 2**40), st.floats(0, 2e9)),
+            "latency_ms": st.one_of(st.integers(-5, 5000), st.floats(-1, 5e3)),
+            "extra": st.integers(),
+        },
+    ),
     st.fixed_dictionaries({"prompt": _text}, optional={"route": st.sampled_from(["chat", "code"])}),
 )
 
@@ -64,8 +72,13 @@ def _oracle(source, max_line_bytes=1 << 20):
 
 
 @FUZZ
-@given(good=st.lists(_record, min_size=1, max_size=30), bad=st.lists(_bad, max_size=4), seed=st.integers(0, 99),
-       block=st.sampled_from([64, 512, 1 << 20]), crlf=st.booleans())
+@given(
+    good=st.lists(_record, min_size=1, max_size=30),
+    bad=st.lists(_bad, max_size=4),
+    seed=st.integers(0, 99),
+    block=st.sampled_from([64, 512, 1 << 20]),
+    crlf=st.booleans(),
+)
 def test_batches_give_exactly_what_the_line_reader_gives(tmp_path_factory, monkeypatch, good, bad, seed, block, crlf):
     """Valid records of every shape (prompt or messages, turns after the last user turn, labels, numbers), mixed with
     the reader's hostile lines, cut into blocks of any size: the same records, in order, with the same rejects."""
@@ -90,13 +103,23 @@ def test_batches_read_the_demo_traffic_mostly_columnar_and_agree_with_the_line_r
     assert fast >= 0.8 * sum(len(x) for x in got), fast
 
 
-@pytest.mark.parametrize("line", [
-    b'{"prompt": "a", "note": NaN}', b'{"prompt": "a", "x": [Infinity]}', b'{"prompt": "a", "prompt": "b"}',
-    b'{"prompt": "a"} {"prompt": "b"}', b'  ', b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x\\u0000"}]}',
-    b'{"messages": [{"role": "user", "content": "\\u3000\\u2003 "}]}', b'{"prompt": "ok", "ts": "2024-01-01T00:00:00Z"}',
-    b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]}]}', b'{"messages": [{"role": "user", "content": null}]}',
-    b'{"messages": [{"role": "user", "content": "hi"}], "ts": true}', b'{"prompt": "a", "deep": ' + b"[" * 100 + b"]" * 100 + b"}",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"prompt": "a", "note": NaN}',
+        b'{"prompt": "a", "x": [Infinity]}',
+        b'{"prompt": "a", "prompt": "b"}',
+        b'{"prompt": "a"} {"prompt": "b"}',
+        b"  ",
+        b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x\\u0000"}]}',
+        b'{"messages": [{"role": "user", "content": "\\u3000\\u2003 "}]}',
+        b'{"prompt": "ok", "ts": "2024-01-01T00:00:00Z"}',
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]}]}',
+        b'{"messages": [{"role": "user", "content": null}]}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "ts": true}',
+        b'{"prompt": "a", "deep": ' + b"[" * 100 + b"]" * 100 + b"}",
+    ],
+)
 def test_lines_pyarrow_reads_differently_from_orjson_take_the_line_path(tmp_path, line):
     """Where pyarrow and orjson disagree (NaN, duplicate keys, two values on a line) or the fast checks do not decide
     (a NUL after the last user turn, Unicode-only blank text, ISO timestamps, content parts), the line reader decides."""
@@ -106,7 +129,9 @@ def test_lines_pyarrow_reads_differently_from_orjson_take_the_line_path(tmp_path
 
 
 def test_a_truncated_gzip_log_keeps_its_whole_lines(tmp_path):
-    raw = b"".join(json.dumps({"prompt": f"record number {i} of a log cut mid-write"}).encode() + b"\n" for i in range(20000))
+    raw = b"".join(
+        json.dumps({"prompt": f"record number {i} of a log cut mid-write"}).encode() + b"\n" for i in range(20000)
+    )
     blob = gzip.compress(raw)
     path = tmp_path / "t.jsonl.gz"
     path.write_bytes(blob[: len(blob) // 2])
@@ -120,7 +145,7 @@ def test_a_truncated_gzip_log_keeps_its_whole_lines(tmp_path):
                 whole += chunk
     assert len(got[0]) == whole.count(b"\n") > 0
     with Partition(str(path)).open() as raw, open_decoded(Partition(str(path)), raw) as f:
-        out, size = b"", 1 << 21    # a block's read (ISA-L fails in it), then small ones, as readline makes
+        out, size = b"", 1 << 21  # a block's read (ISA-L fails in it), then small ones, as readline makes
         with contextlib.suppress(EOFError):
             while chunk := f.read1(size):
                 out, size = out + chunk, 1000
@@ -140,7 +165,9 @@ def test_an_over_long_line_is_skipped_with_memory_bounded(tmp_path, monkeypatch)
     reqs, rejects = _records_of(Partition(str(path)), max_line_bytes=1 << 20)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert [r.line for r in reqs] == [1, 3] and [(r.line, "longer than 1048576" in r.reason) for r in rejects] == [(2, True)]
+    assert [r.line for r in reqs] == [1, 3] and [(r.line, "longer than 1048576" in r.reason) for r in rejects] == [
+        (2, True)
+    ]
     assert peak < 8 << 20, f"peak {peak / 2**20:.1f} MiB for a 1 MiB line limit and 1 MiB blocks"
 
 
@@ -152,6 +179,7 @@ def test_batch_round_trips_records():
 
 # ---- PII hints: the vectorized prefilter only skips rules that cannot change a text -------------------------------
 
+
 def _labeled_texts() -> list[str]:
     return [json.loads(x)["text"] for x in (ROOT / "data/pii/labeled.jsonl").read_text().splitlines()]
 
@@ -161,10 +189,18 @@ def test_rule_hints_never_change_what_scrub_does():
     hint matches gives what running every rule gives, and a text no hint matches is left as it is."""
     rows = _labeled_texts()
     rng = random.Random(11)
-    texts = rows + ["Authorization: BeArEr " + "x" * 24, "order #7758975076", "at 12:30:45", "v1.2.3.4", "std::vector<int>"]
+    texts = rows + [
+        "Authorization: BeArEr " + "x" * 24,
+        "order #7758975076",
+        "at 12:30:45",
+        "v1.2.3.4",
+        "std::vector<int>",
+    ]
     for _ in range(3000):
         a, b = rng.choice(rows), rng.choice(rows)
-        texts.append(a[rng.randint(0, len(a)):] + rng.choice(("", " ", "\n", ":", "@", "-")) + b[:rng.randint(0, len(b))])
+        texts.append(
+            a[rng.randint(0, len(a)) :] + rng.choice(("", " ", "\n", ":", "@", "-")) + b[: rng.randint(0, len(b))]
+        )
     flagged = pc.match_substring_regex(pa.array(texts), HINT).to_pylist()
     for t, f, rules in zip(texts, flagged, rule_hints(pa.array(texts)), strict=True):
         full = scrub(t, prefilter=False)
@@ -197,9 +233,12 @@ def test_re2_classes_equal_pythons():
 
 # ---- words: the vectorized counts are profile.words ---------------------------------------------------------------
 
+
 @FUZZ
-@given(texts=st.lists(st.text(st.characters(blacklist_categories=("Cs",)), max_size=50), max_size=20),
-       ascii_texts=st.lists(st.text(st.characters(max_codepoint=127), max_size=50), max_size=20))
+@given(
+    texts=st.lists(st.text(st.characters(blacklist_categories=("Cs",)), max_size=50), max_size=20),
+    ascii_texts=st.lists(st.text(st.characters(max_codepoint=127), max_size=50), max_size=20),
+)
 def test_vectorized_words_equal_python_words(texts, ascii_texts):
     """Counts and Counters, plain and weighted (a distinct text standing for its repeats, in two halves)."""
     for fn, src in ((text_words, texts), (lambda t, w=None: batch_words(pa.array(t, pa.string()), w), ascii_texts)):
@@ -216,8 +255,34 @@ def test_vectorized_words_equal_python_words(texts, ascii_texts):
             assert bag_counter(bags[j]) == +want
 
 
-_spacey = st.text(st.sampled_from(["a", "B", "é", "😀", " ", "\t", "\n", "\r", "\x0b", "\x0c", "\x1c", "\x1f", "\x85",
-                                   "\xa0", "\u1680", "\u2000", "\u200a", "\u200b", "\u2028", "\u3000", "\ufeff"]), max_size=12)
+_spacey = st.text(
+    st.sampled_from(
+        [
+            "a",
+            "B",
+            "é",
+            "😀",
+            " ",
+            "\t",
+            "\n",
+            "\r",
+            "\x0b",
+            "\x0c",
+            "\x1c",
+            "\x1f",
+            "\x85",
+            "\xa0",
+            "\u1680",
+            "\u2000",
+            "\u200a",
+            "\u200b",
+            "\u2028",
+            "\u3000",
+            "\ufeff",
+        ]
+    ),
+    max_size=12,
+)
 
 
 @FUZZ
@@ -234,14 +299,18 @@ def test_vectorized_digests_equal_the_content_digest(requests, scrub_some):
     for i in np.flatnonzero(scrubbed).tolist():
         clean[i] = f" [EMAIL]\t{clean[i]}"
     starts = np.cumsum([0] + [len(r) for r in requests], dtype=np.int64)
-    digests, halves = state._digests(state._patched(distinct, {i: clean[i] for i in np.flatnonzero(scrubbed).tolist()}), ids, starts)
+    digests, halves = state._digests(
+        state._patched(distinct, {i: clean[i] for i in np.flatnonzero(scrubbed).tolist()}), ids, starts
+    )
     want = [state.content_digest([clean[t] for t in ids[a:b].tolist()]) for a, b in zip(starts[:-1], starts[1:])]
     assert digests == want
     assert halves.tolist() == [d[0] & 1 for d in want]
 
 
 def test_words_on_real_text_with_every_script():
-    texts = [r.messages[-1][1] for r in _oracle(ROOT / "data/demo/traffic.jsonl")[0]] + ["İstanbul ǅemal 😀 𝐀𝟙 ½ Ⅻ ٣ ς\u00a0σ"]
+    texts = [r.messages[-1][1] for r in _oracle(ROOT / "data/demo/traffic.jsonl")[0]] + [
+        "İstanbul ǅemal 😀 𝐀𝟙 ½ Ⅻ ٣ ς\u00a0σ"
+    ]
     counts, [bag] = text_words(texts)
     assert list(counts) == [len(words(t)) for t in texts]
     assert bag_counter(bag) == Counter(w for t in texts for w in words(t))
@@ -257,6 +326,7 @@ def test_the_code_point_classes_are_res_own():
 
 # ---- Parquet: the same vectorized checks, the row reader as the oracle --------------------------------------------
 
+
 @FUZZ
 @given(good=st.lists(_record, min_size=1, max_size=30))
 def test_parquet_batches_give_exactly_what_the_row_reader_gives(tmp_path_factory, good):
@@ -265,7 +335,7 @@ def test_parquet_batches_give_exactly_what_the_row_reader_gives(tmp_path_factory
 
     try:
         table = pa.Table.from_pylist(good)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):   # rows Parquet cannot hold as one table
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):  # rows Parquet cannot hold as one table
         assume(False)
     path = tmp_path_factory.mktemp("pq") / "t.parquet"
     pq.write_table(table, path)
@@ -285,7 +355,10 @@ def test_parquet_timestamps_take_the_columnar_path_when_their_zone_is_known(tmp_
     zone = dt.timezone(dt.timedelta(hours=2))
     base = [{"prompt": f"prompt number {i}", "latency_ms": float(i)} for i in range(50)]
     cases = {
-        "zoned": [r | {"ts": dt.datetime(2026, 11, 23, 12, 0, i % 60, 123457 * i % 1_000_000, tzinfo=zone)} for i, r in enumerate(base)],
+        "zoned": [
+            r | {"ts": dt.datetime(2026, 11, 23, 12, 0, i % 60, 123457 * i % 1_000_000, tzinfo=zone)}
+            for i, r in enumerate(base)
+        ],
         "naive": [r | {"ts": dt.datetime(2026, 11, 23, 12, 0, i % 60)} for i, r in enumerate(base)],
         "nan": [r | {"latency_ms": float("nan") if i % 7 == 0 else r["latency_ms"]} for i, r in enumerate(base)],
     }
@@ -296,4 +369,4 @@ def test_parquet_timestamps_take_the_columnar_path_when_their_zone_is_known(tmp_
         got = _records_of(Partition(str(path)))
         assert got == _oracle(path), name
         assert (columnar[0] is not None) == (name != "naive"), name
-    assert len(_oracle(tmp_path / "nan.parquet")[1]) == 8        # the NaN latencies are rejected, by parse_record
+    assert len(_oracle(tmp_path / "nan.parquet")[1]) == 8  # the NaN latencies are rejected, by parse_record

@@ -1,10 +1,10 @@
 import json
-import re
 import random
+import re
 
 import pytest
-
 import tiny
+
 from qgate.artifact import Artifact
 from qgate.calibrate.drift import DriftConfig, traffic_drift
 from qgate.calibrate.sample import SampleConfig, sample_traffic
@@ -39,7 +39,9 @@ def test_bad_records_are_rejected_with_line_numbers_and_reasons(tmp_path):
 def test_splits_are_disjoint_sized_and_hashed(tmp_path):
     traffic = tiny.make_traffic(tmp_path / "t.jsonl", n=200)
     arts = sample_traffic(traffic, tmp_path / "out", SampleConfig(calib_size=40, shadow_size=25))
-    rows = {k: [json.loads(x) for x in (arts[k].path / "data.jsonl").read_text().splitlines()] for k in ("calib", "shadow")}
+    rows = {
+        k: [json.loads(x) for x in (arts[k].path / "data.jsonl").read_text().splitlines()] for k in ("calib", "shadow")
+    }
     assert len(rows["calib"]) == 40 and len(rows["shadow"]) == 25
     text = {k: {json.dumps(r["messages"]) for r in v} for k, v in rows.items()}
     assert not text["calib"] & text["shadow"]
@@ -56,7 +58,10 @@ def test_a_search_split_is_a_third_disjoint_split_that_leaves_the_others_alone(t
     traffic = tiny.make_traffic(tmp_path / "t.jsonl", n=200)
     two = sample_traffic(traffic, tmp_path / "two", SampleConfig(calib_size=40, shadow_size=25))
     three = sample_traffic(traffic, tmp_path / "three", SampleConfig(calib_size=40, shadow_size=25, search_size=20))
-    rows = {k: [json.loads(x) for x in (three[k].path / "data.jsonl").read_text().splitlines()] for k in ("calib", "shadow", "search")}
+    rows = {
+        k: [json.loads(x) for x in (three[k].path / "data.jsonl").read_text().splitlines()]
+        for k in ("calib", "shadow", "search")
+    }
     assert [len(rows[k]) for k in ("calib", "shadow", "search")] == [40, 25, 20]
     text = {k: {json.dumps(r["messages"]) for r in v} for k, v in rows.items()}
     assert not (text["calib"] & text["shadow"] or text["calib"] & text["search"] or text["shadow"] & text["search"])
@@ -87,7 +92,10 @@ def test_same_seed_same_sets_regardless_of_record_order(tmp_path):
     cfg = SampleConfig(calib_size=30, shadow_size=20, seed=3)
     a = sample_traffic(traffic, tmp_path / "oa", cfg)
     b = sample_traffic(tmp_path / "b.jsonl", tmp_path / "ob", cfg)
-    key = lambda art: sorted(json.dumps(json.loads(x)["messages"]) for x in (art.path / "data.jsonl").read_text().splitlines())  # noqa: E731
+
+    def key(art):
+        return sorted(json.dumps(json.loads(x)["messages"]) for x in (art.path / "data.jsonl").read_text().splitlines())
+
     assert key(a["calib"]) == key(b["calib"]) and key(a["shadow"]) == key(b["shadow"])
     c = sample_traffic(traffic, tmp_path / "oc", SampleConfig(calib_size=30, shadow_size=20, seed=4))
     assert key(c["calib"]) != key(a["calib"])
@@ -101,12 +109,15 @@ def test_exact_duplicates_are_dropped(tmp_path):
     arts = sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=20, shadow_size=11))
     assert arts["calib"].meta["stats"]["duplicates"] == 2 and arts["calib"].meta["stats"]["kept"] == 31
     assert arts["calib"].meta["estimates"]["exact"]
-    assert arts["profile"].meta["requests"] == 33     # the profile is of the traffic served: repeats included
+    assert arts["profile"].meta["requests"] == 33  # the profile is of the traffic served: repeats included
 
 
 def test_pii_is_scrubbed_in_written_sets(tmp_path):
     secret = "sk-abcdefghijklmnopqrstuv123456"
-    lines = [json.dumps({"prompt": f"ticket {i}: mail jane.doe{i}@corp.com or call +1 415-555-01{i:02d}, key {secret}"}) for i in range(40)]
+    lines = [
+        json.dumps({"prompt": f"ticket {i}: mail jane.doe{i}@corp.com or call +1 415-555-01{i:02d}, key {secret}"})
+        for i in range(40)
+    ]
     (tmp_path / "t.jsonl").write_text("\n".join(lines))
     arts = sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=20, shadow_size=10))
     written = (arts["calib"].path / "data.jsonl").read_text() + (arts["shadow"].path / "data.jsonl").read_text()
@@ -154,25 +165,33 @@ def test_a_failed_sample_quotes_its_first_rejects_names_the_worst_partitions_and
     argv = ["calibrate", "sample", "--traffic", str(logs), "--out", str(out), "--calib-size", "5", "--shadow-size", "2"]
     assert main(argv) == 1
     err = capsys.readouterr().err
-    assert f"{logs} (3 files): 37 of 67 records are malformed (55%, more than calibrate.max_reject_fraction = 0.5); " \
-           "most in b.jsonl (30 of 40), c.jsonl (5 of 5), a.jsonl (2 of 22)\n" in err, err
-    assert f"broke off (its lines before may be garbage):\n    {logs / 'a.jsonl'}:21: record has neither 'messages' nor 'prompt'\n" \
-           f"    {logs / 'a.jsonl'}:22: record has neither 'messages' nor 'prompt'\n    {logs / 'b.jsonl'}:11: invalid JSON" in err, err
+    assert (
+        f"{logs} (3 files): 37 of 67 records are malformed (55%, more than calibrate.max_reject_fraction = 0.5); "
+        "most in b.jsonl (30 of 40), c.jsonl (5 of 5), a.jsonl (2 of 22)\n" in err
+    ), err
+    assert (
+        f"broke off (its lines before may be garbage):\n    {logs / 'a.jsonl'}:21: record has neither 'messages' nor 'prompt'\n"
+        f"    {logs / 'a.jsonl'}:22: record has neither 'messages' nor 'prompt'\n    {logs / 'b.jsonl'}:11: invalid JSON"
+        in err
+    ), err
     assert f"every reject, with its file, line and reason: {kept}\n" in err
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
     rejects = [json.loads(r) for r in kept.read_text().splitlines()]
-    assert [(r["file"].rsplit("/", 1)[1], r["line"]) for r in rejects] == \
-        [("a.jsonl", 21), ("a.jsonl", 22)] + [("b.jsonl", i) for i in range(11, 41)] + [("c.jsonl", i) for i in range(1, 6)]
+    assert [(r["file"].rsplit("/", 1)[1], r["line"]) for r in rejects] == [("a.jsonl", 21), ("a.jsonl", 22)] + [
+        ("b.jsonl", i) for i in range(11, 41)
+    ] + [("c.jsonl", i) for i in range(1, 6)]
     assert main(argv + ["--max-reject-fraction", "0.6"]) == 0
     assert not kept.exists() and len((out / "rejects.jsonl").read_text().splitlines()) == 37
     # a gzip partition cut off mid-stream: where it broke is quoted too, though not among the first rejects
     import gzip
 
     body = gzip.compress(("\n".join(["not json either"] * 40) + "\n").encode())
-    (logs / "d.jsonl.gz").write_bytes(body[:len(body) // 2])
+    (logs / "d.jsonl.gz").write_bytes(body[: len(body) // 2])
     assert main(argv + ["--out", str(tmp_path / "out3")]) == 1
     err = capsys.readouterr().err
-    assert re.search(rf"\n    {re.escape(str(logs / 'd.jsonl.gz'))}:\d+: compressed stream corrupt or truncated after line \d+", err), err
+    assert re.search(
+        rf"\n    {re.escape(str(logs / 'd.jsonl.gz'))}:\d+: compressed stream corrupt or truncated after line \d+", err
+    ), err
 
 
 def test_too_little_traffic_names_the_fix(tmp_path):
@@ -197,8 +216,13 @@ def test_concurrency_from_latencies(tmp_path):
 
 def _prof(lengths, routes, words, tenants=None):
     n = sum(routes.values())
-    return {"requests": n, "length_words": lengths, "routes": routes, "tenants": tenants or {"t": n},
-            "unigrams": {"total": sum(words.values()), "top": words}}
+    return {
+        "requests": n,
+        "length_words": lengths,
+        "routes": routes,
+        "tenants": tenants or {"t": n},
+        "unigrams": {"total": sum(words.values()), "top": words},
+    }
 
 
 def test_drift_detects_route_shift_and_not_proportional_copies():
@@ -222,30 +246,88 @@ def test_drift_cli_exit_codes(tmp_path, capsys):
     from qgate.cli.main import main
 
     def log(path, routes):
-        path.write_text("\n".join(json.dumps({"route": r, "prompt": f"request {i} for {r}"}) for i, r in enumerate(routes)))
+        path.write_text(
+            "\n".join(json.dumps({"route": r, "prompt": f"request {i} for {r}"}) for i, r in enumerate(routes))
+        )
         return path
 
     a = log(tmp_path / "a.jsonl", ["chat"] * 90 + ["code"] * 30)
     b = log(tmp_path / "b.jsonl", ["chat"] * 30 + ["code"] * 90)
     for name, traffic in (("a", a), ("b", b), ("a2", a)):
-        assert main(["calibrate", "sample", "--traffic", str(traffic), "--out", str(tmp_path / name),
-                     "--calib-size", "10", "--shadow-size", "5"]) == 0
-    out = capsys.readouterr().out      # the sampling summary: which counts are estimates; one row per stratum
-    assert f"read 120 records: 0 rejected (see {tmp_path / 'a2' / 'rejects.jsonl'}), 0 too short, 0 duplicates (estimated)\n" in out
-    assert "unique prompts: 120, an HLL estimate (120-120 at 2 standard deviations); 2 strata counted by their sketches\n" in out
+        assert (
+            main(
+                [
+                    "calibrate",
+                    "sample",
+                    "--traffic",
+                    str(traffic),
+                    "--out",
+                    str(tmp_path / name),
+                    "--calib-size",
+                    "10",
+                    "--shadow-size",
+                    "5",
+                ]
+            )
+            == 0
+        )
+    out = capsys.readouterr().out  # the sampling summary: which counts are estimates; one row per stratum
+    assert (
+        f"read 120 records: 0 rejected (see {tmp_path / 'a2' / 'rejects.jsonl'}), 0 too short, 0 duplicates (estimated)\n"
+        in out
+    )
+    assert (
+        "unique prompts: 120, an HLL estimate (120-120 at 2 standard deviations); 2 strata counted by their sketches\n"
+        in out
+    )
     assert re.search(r"^calib +\S+/a2/calib +10 prompts in 2 strata +sha256 [0-9a-f]{16}$", out, re.M)
     assert re.findall(r"^  (\w+)\|0-16 +(\d+) +(\d+)$", out, re.M)[-2:] == [("chat", "7", "4"), ("code", "3", "1")]
     assert f"picture of the traffic: {tmp_path / 'a2' / 'profile.png'}\n" in out
     png = (tmp_path / "a2" / "profile.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 990   # 11 in at 90 dpi
-    assert main(["calibrate", "sample", "--traffic", str(a), "--out", str(tmp_path / "all"), "--calib-size", "100",
-                 "--shadow-size", "20"]) == 0      # a sample that holds every prompt: exact counts
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 990  # 11 in at 90 dpi
+    assert (
+        main(
+            [
+                "calibrate",
+                "sample",
+                "--traffic",
+                str(a),
+                "--out",
+                str(tmp_path / "all"),
+                "--calib-size",
+                "100",
+                "--shadow-size",
+                "20",
+            ]
+        )
+        == 0
+    )  # a sample that holds every prompt: exact counts
     out = capsys.readouterr().out
     assert "0 duplicates\n" in out and "unique prompts: 120\n" in out and "estimate" not in out
-    assert main(["calibrate", "drift", "--reference", str(tmp_path / "a/profile"), "--current", str(tmp_path / "a2/profile")]) == 0
-    assert main(["calibrate", "drift", "--reference", str(tmp_path / "a/profile"), "--current", str(tmp_path / "b/profile")]) == 3
+    assert (
+        main(
+            [
+                "calibrate",
+                "drift",
+                "--reference",
+                str(tmp_path / "a/profile"),
+                "--current",
+                str(tmp_path / "a2/profile"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            ["calibrate", "drift", "--reference", str(tmp_path / "a/profile"), "--current", str(tmp_path / "b/profile")]
+        )
+        == 3
+    )
     assert "route      JS" in capsys.readouterr().out
-    assert main(["calibrate", "drift", "--reference", str(tmp_path / "a/calib"), "--current", str(tmp_path / "b/profile")]) == 1
+    assert (
+        main(["calibrate", "drift", "--reference", str(tmp_path / "a/calib"), "--current", str(tmp_path / "b/profile")])
+        == 1
+    )
 
 
 def test_pii_recall_and_precision_per_type_on_the_labeled_set():
@@ -262,19 +344,39 @@ def test_pii_recall_and_precision_per_type_on_the_labeled_set():
         assert v["precision"] >= 0.95, (kind, v)
 
 
-@pytest.mark.parametrize("text,kind", [
-    ("call +44 20 7946 0958 today", "phone"), ("ring (415) 555-0132 or", "phone"), ("tel 01 42 68 53 00 merci", "phone"),
-    ("IBAN DE89 3704 0044 0532 0130 00 I sent", "iban"), ("ssn 123-45-6789", "national_id"), ("NI AB 12 34 56 C", "national_id"),
-    ("host 2001:db8::8a2e:370:7334 down", "ip"), ("token ghp_" + "a" * 36, "secret"), ("amex 3782 822463 10005", "card"),
-])
+@pytest.mark.parametrize(
+    "text,kind",
+    [
+        ("call +44 20 7946 0958 today", "phone"),
+        ("ring (415) 555-0132 or", "phone"),
+        ("tel 01 42 68 53 00 merci", "phone"),
+        ("IBAN DE89 3704 0044 0532 0130 00 I sent", "iban"),
+        ("ssn 123-45-6789", "national_id"),
+        ("NI AB 12 34 56 C", "national_id"),
+        ("host 2001:db8::8a2e:370:7334 down", "ip"),
+        ("token ghp_" + "a" * 36, "secret"),
+        ("amex 3782 822463 10005", "card"),
+    ],
+)
 def test_scrub_finds_each_type(text, kind):
     clean, counts = scrub(text)
     assert counts == {kind: 1}, (clean, counts)
 
 
-@pytest.mark.parametrize("text", ["order #7758975076", "1 2 3 4 5 6 7 8 9 10", "v1.2.3.4", "ISBN 978-0-306-40615-7",
-                                  "at 12:30:45", "id 8f544299-1718-441e-a84f-4bb285c34c0e", "invoice 4484363313638",
-                                  "price $80628.45", "2024-01-15"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "order #7758975076",
+        "1 2 3 4 5 6 7 8 9 10",
+        "v1.2.3.4",
+        "ISBN 978-0-306-40615-7",
+        "at 12:30:45",
+        "id 8f544299-1718-441e-a84f-4bb285c34c0e",
+        "invoice 4484363313638",
+        "price $80628.45",
+        "2024-01-15",
+    ],
+)
 def test_scrub_leaves_look_alikes(text):
     assert scrub(text) == (text, {})
 
@@ -285,14 +387,17 @@ def test_scrub_prefilters_never_change_the_result():
     and without them gives the same text and counts."""
     from pathlib import Path
 
-    rows = [json.loads(line)["text"] for line in (Path(__file__).parents[1] / "data/pii/labeled.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)["text"]
+        for line in (Path(__file__).parents[1] / "data/pii/labeled.jsonl").read_text().splitlines()
+    ]
     rng = random.Random(7)
     texts = rows + ["Authorization: BeArEr " + "x" * 24, "-----BEGIN PRIVATE KEY-----\nabc\n-----END PRIVATE KEY-----"]
     for _ in range(2000):
         a, b = rng.choice(rows), rng.choice(rows)
-        texts.append(a[rng.randint(0, len(a)):] + rng.choice(("", " ", "\n", ":", "@")) + b[:rng.randint(0, len(b))])
+        texts.append(a[rng.randint(0, len(a)) :] + rng.choice(("", " ", "\n", ":", "@")) + b[: rng.randint(0, len(b))])
     skipped = 0
     for t in texts:
         assert scrub(t) == scrub(t, prefilter=False), t
         skipped += not any(ch.isdigit() for ch in t)
-    assert skipped > 100        # the digit precondition was exercised, not only texts that run every rule
+    assert skipped > 100  # the digit precondition was exercised, not only texts that run every rule

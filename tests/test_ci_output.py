@@ -1,4 +1,5 @@
 """What CI and the registry UI get: --json documents, JUnit, the job summary, quiet logs, descriptions, status, rollback."""
+
 import json
 import os
 import subprocess
@@ -24,16 +25,45 @@ def test_gate_json_junit_and_job_summary(base_art, awq_art, calib_arts, tmp_path
     summary = tmp_path / "summary.md"
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({"version": 1, "name": "t", "workdir": "w", "model": {"hf_dir": "x"}, "traffic": "t.jsonl",
-                                    "variants": [{"name": "a", "scheme": "awq-w4a16"}], "registry": {"model_name": "m"},
-                                    "gates": {"shadow": {"max_new_tokens": 8, "max_prompt_tokens": 48, "kl_p99_max": 1e-4},
-                                              "eval": None}}))
-    rc = main(["gate", "--candidate", str(awq_art.path), "--baseline", str(base_art.path), "--shadow", str(calib_arts["shadow"].path),
-               "--out", str(tmp_path / "g"), "--cache", str(tmp_path / "c"), "--spec", str(spec), "--name", "awq",
-               "--json", "--junit", str(tmp_path / "junit.xml")])
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "version": 1,
+                "name": "t",
+                "workdir": "w",
+                "model": {"hf_dir": "x"},
+                "traffic": "t.jsonl",
+                "variants": [{"name": "a", "scheme": "awq-w4a16"}],
+                "registry": {"model_name": "m"},
+                "gates": {"shadow": {"max_new_tokens": 8, "max_prompt_tokens": 48, "kl_p99_max": 1e-4}, "eval": None},
+            }
+        )
+    )
+    rc = main(
+        [
+            "gate",
+            "--candidate",
+            str(awq_art.path),
+            "--baseline",
+            str(base_art.path),
+            "--shadow",
+            str(calib_arts["shadow"].path),
+            "--out",
+            str(tmp_path / "g"),
+            "--cache",
+            str(tmp_path / "c"),
+            "--spec",
+            str(spec),
+            "--name",
+            "awq",
+            "--json",
+            "--junit",
+            str(tmp_path / "junit.xml"),
+        ]
+    )
     out = capsys.readouterr()
     assert rc == 2
-    doc = GateDoc.model_validate_json(out.out)            # stdout is exactly one document; the human lines went to stderr
+    doc = GateDoc.model_validate_json(out.out)  # stdout is exactly one document; the human lines went to stderr
     assert doc.exit_code == 2 and doc.verdict == "fail" and not doc.passed and "gate FAIL" in out.err
     kl = next(c for c in doc.checks if c.metric == "kl_p99")
     assert kl.verdict == "fail" and kl.threshold == 1e-4 and kl.n > 0
@@ -42,7 +72,10 @@ def test_gate_json_junit_and_job_summary(base_art, awq_art, calib_arts, tmp_path
     assert suite.get("name") == "awq" and len(cases) == len(doc.checks)
     failed = {c.get("name") for c in cases if c.find("failure") is not None}
     # FAIL and ERROR fail their case, and INCONCLUSIVE too under the default on_inconclusive: block
-    assert failed == {c.metric for c in doc.checks if c.verdict in ("fail", "error", "inconclusive")} and "kl_p99" in failed
+    assert (
+        failed == {c.metric for c in doc.checks if c.verdict in ("fail", "error", "inconclusive")}
+        and "kl_p99" in failed
+    )
     assert int(suite.get("failures")) == len(failed)
     md = summary.read_text()
     assert "### qgate gate awq: ❌ FAIL" in md and "| `shadow.kl_p99` |" in md
@@ -62,8 +95,12 @@ def two_versions(base_art, w8_art, calib_arts, tmp_path, monkeypatch):
     from qgate.registry.mlflow_store import promote, register
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0,
-                                         top1_agreement_min=0.0), eval=None)
+    cfg = GateConfig(
+        shadow=ShadowConfig(
+            max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0, top1_agreement_min=0.0
+        ),
+        eval=None,
+    )
     store = tmp_path / "mlflow"
     versions = []
     for i in range(2):
@@ -82,7 +119,7 @@ def test_version_page_evidence_status_and_rollback(two_versions, capsys):
     mv = client.get_model_version("tiny-llm", v2)
     assert mv.description.startswith("## qgate gate: ✅ PASS") and "| `shadow.kl_mean` |" in mv.description
     assert "**Lineage**" in mv.description and mv.tags["qgate.gate_report_artifact"] in mv.description
-    assert not any(v.startswith("/") for v in mv.tags.values() if isinstance(v, str))   # no local paths in the UI
+    assert not any(v.startswith("/") for v in mv.tags.values() if isinstance(v, str))  # no local paths in the UI
     assert "qgate" in client.get_registered_model("tiny-llm").description
     assert main(["status", "--model", "tiny-llm", "--store", str(store), "--json"]) == 0
     rows = {r["alias"]: r for r in json.loads(capsys.readouterr().out)["aliases"]}
@@ -95,7 +132,7 @@ def test_version_page_evidence_status_and_rollback(two_versions, capsys):
     assert doc.version == v1 and doc.previous == v2
     assert str(client.get_model_version_by_alias("tiny-llm", "production").version) == v1
     assert str(client.get_model_version_by_alias("tiny-llm", "previous-production").version) == v2
-    assert main(["rollback", "--model", "tiny-llm", "--store", str(store)]) == 0          # a second rollback undoes the first
+    assert main(["rollback", "--model", "tiny-llm", "--store", str(store)]) == 0  # a second rollback undoes the first
     assert str(client.get_model_version_by_alias("tiny-llm", "production").version) == v2
 
 
@@ -106,7 +143,9 @@ def test_rollback_refuses_a_target_whose_files_changed(two_versions, capsys):
     uri = f"sqlite:///{store / 'mlflow.db'}"
     client = MlflowClient(uri, uri)
     loc = client.get_logged_model(client.get_model_version("tiny-llm", v1).tags["qgate.model_id"]).artifact_location
-    target = next(p for p in (store / "artifacts").rglob("config.json") if str(p).startswith(loc.removeprefix("file://")))
+    target = next(
+        p for p in (store / "artifacts").rglob("config.json") if str(p).startswith(loc.removeprefix("file://"))
+    )
     target.write_text(target.read_text() + " ")
     assert main(["rollback", "--model", "tiny-llm", "--store", str(store)]) == 2
     assert "stored artifact sha256" in capsys.readouterr().err
@@ -123,27 +162,55 @@ def test_run_without_a_tty_is_quiet_machine_readable_and_logs_libraries_to_a_fil
         tiny.make_model(src)
     tiny.make_traffic(tmp_path / "traffic.jsonl", n=240)
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({
-        "version": 1, "name": "tiny-ci", "workdir": "work", "model": {"hf_dir": str(src)}, "traffic": "traffic.jsonl",
-        "calibrate": {"calib_size": 24, "shadow_size": 48}, "quantize": {"max_seq_length": 48},
-        "variants": [{"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}}],
-        "gates": {"shadow": {"max_new_tokens": 16, "max_prompt_tokens": 48, "kl_p99_max": None, "kl_mean_max": 0.005,
-                             "top1_agreement_min": 0.8},
-                  "eval": {"tasks": ["bigbench_general_knowledge", "chatterbot_ppl"], "limit": 69, "min_recovery": 0.5,
-                           "max_bpb_increase": 0.2}},
-        "registry": {"model_name": "tiny-llm", "store": "mlflow"}}))
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "TQDM_DISABLE", "QGATE_PLAIN_PROGRESS")}
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "version": 1,
+                "name": "tiny-ci",
+                "workdir": "work",
+                "model": {"hf_dir": str(src)},
+                "traffic": "traffic.jsonl",
+                "calibrate": {"calib_size": 24, "shadow_size": 48},
+                "quantize": {"max_seq_length": 48},
+                "variants": [{"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}}],
+                "gates": {
+                    "shadow": {
+                        "max_new_tokens": 16,
+                        "max_prompt_tokens": 48,
+                        "kl_p99_max": None,
+                        "kl_mean_max": 0.005,
+                        "top1_agreement_min": 0.8,
+                    },
+                    "eval": {
+                        "tasks": ["bigbench_general_knowledge", "chatterbot_ppl"],
+                        "limit": 69,
+                        "min_recovery": 0.5,
+                        "max_bpb_increase": 0.2,
+                    },
+                },
+                "registry": {"model_name": "tiny-llm", "store": "mlflow"},
+            }
+        )
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "TQDM_DISABLE", "QGATE_PLAIN_PROGRESS")
+    }
     env["GITHUB_STEP_SUMMARY"] = str(tmp_path / "summary.md")
     qgate = Path(sys.executable).parent / "qgate"
-    p = subprocess.run([str(qgate), "run", str(spec), "--json", "--junit", str(tmp_path / "junit.xml")], capture_output=True,
-                       text=True, env=env, timeout=900)
+    p = subprocess.run(
+        [str(qgate), "run", str(spec), "--json", "--junit", str(tmp_path / "junit.xml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     doc = RunDoc.model_validate_json(p.stdout)
     assert doc.promoted is not None and doc.promoted.version == doc.variants[0].version and doc.exit_code == 0
     assert doc.log_file and Path(doc.log_file).exists() and Path(doc.log_file).stat().st_size > 0
     lines = p.stderr.splitlines()
-    assert "\r" not in p.stderr and len(lines) < 80, p.stderr            # no redraws; a few lines per stage
-    assert sum("shadow: candidate" in ln for ln in lines) <= 12          # progress lines at most every 10%
+    assert "\r" not in p.stderr and len(lines) < 80, p.stderr  # no redraws; a few lines per stage
+    assert sum("shadow: candidate" in ln for ln in lines) <= 12  # progress lines at most every 10%
     assert ET.parse(tmp_path / "junit.xml").getroot().find("testsuite").get("name") == "w8"
     assert "Promoted **w8**" in (tmp_path / "summary.md").read_text()
 
@@ -158,16 +225,18 @@ def test_libraries_that_call_tqdm_directly_print_no_bars_without_a_tty(monkeypat
     from qgate.cli.options import quiet_libraries
 
     init = tqdm.std.tqdm.__init__
-    monkeypatch.setattr(tqdm.std.tqdm, "__init__", getattr(init, "_qgate_original", init))   # unquieted; restored after
+    monkeypatch.setattr(tqdm.std.tqdm, "__init__", getattr(init, "_qgate_original", init))  # unquieted; restored after
     monkeypatch.setenv("TQDM_DISABLE", "0")
     out = io.StringIO()
     for _ in bar(range(5), desc="before", file=out):
         pass
-    assert "5/5" in out.getvalue()                        # bars print until qgate quiets them
-    monkeypatch.setattr(sys, "stderr", io.StringIO())     # not a TTY, as in CI or cron
+    assert "5/5" in out.getvalue()  # bars print until qgate quiets them
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a TTY, as in CI or cron
     quiet_libraries()
     out = io.StringIO()
-    for _ in bar(range(5), desc="Converting and de-quantizing GGUF tensors...", file=out):   # as transformers' GGUF loader does
+    for _ in bar(
+        range(5), desc="Converting and de-quantizing GGUF tensors...", file=out
+    ):  # as transformers' GGUF loader does
         pass
     for _ in bar(range(5), desc="explicit", file=out, disable=False):
         pass

@@ -1,4 +1,5 @@
 """The CLI boundary: usage errors, aborts and exit codes, as a user in a shell sees them."""
+
 import pytest
 import typer
 
@@ -6,16 +7,22 @@ from qgate.cli import main as cli_main
 from qgate.cli.main import main
 
 
-@pytest.mark.parametrize("argv, message, see", [
-    (["promote", "--model", "x"], "Missing option '--version'", "qgate promote --help"),
-    (["promote", "--model", "x", "--version", "1", "--bogus"], "No such option: --bogus", "qgate promote --help"),
-    (["nosuch"], "No such command 'nosuch'", "qgate --help"),
-    (["calibrate", "sample", "--traffic", "t", "--out", "o", "--calib-size", "abc"], "Invalid value for '--calib-size'",
-     "qgate calibrate sample --help"),
-    (["gate"], "Missing option '--candidate'", "qgate gate --help"),
-    (["run"], "Missing argument 'spec'", "qgate run --help"),
-    (["verify", "--model", "m", "--alias"], "requires an argument", "qgate verify --help"),
-])
+@pytest.mark.parametrize(
+    "argv, message, see",
+    [
+        (["promote", "--model", "x"], "Missing option '--version'", "qgate promote --help"),
+        (["promote", "--model", "x", "--version", "1", "--bogus"], "No such option: --bogus", "qgate promote --help"),
+        (["nosuch"], "No such command 'nosuch'", "qgate --help"),
+        (
+            ["calibrate", "sample", "--traffic", "t", "--out", "o", "--calib-size", "abc"],
+            "Invalid value for '--calib-size'",
+            "qgate calibrate sample --help",
+        ),
+        (["gate"], "Missing option '--candidate'", "qgate gate --help"),
+        (["run"], "Missing argument 'spec'", "qgate run --help"),
+        (["verify", "--model", "m", "--alias"], "requires an argument", "qgate verify --help"),
+    ],
+)
 def test_usage_errors_say_usage_error_and_where_to_look(argv, message, see, capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
@@ -59,15 +66,39 @@ def test_a_checkpoint_is_summarized_in_one_readable_line():
 
     from qgate.cli.output import checkpoint_line
 
-    base = SimpleNamespace(path="runs/base", sha256="ab" * 32, meta={
-        "architecture": "LlamaForCausalLM", "hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152,
-        "scheme": "baseline", "weights_bytes": 538_090_408})
-    assert checkpoint_line(base) == ("checkpoint runs/base  baseline LlamaForCausalLM, 30 layers, hidden 576, vocab 49,152; "
-                                     "538.1 MB of weights  sha256 abababababababab")
-    quant = SimpleNamespace(path="runs/awq", sha256="cd" * 32, meta={
-        "scheme": "awq-w4a16", "weight_format": "pack-quantized", "kv_cache_dtype": "fp8", "fallback_layers": ["a", "b"],
-        "fallback_bits": 8, "bits_per_weight": 4.5612, "weights_bytes": 174_000_000, "calibration_samples": 256,
-        "quantize_seconds": 688.04})
-    assert checkpoint_line(quant) == ("checkpoint runs/awq  awq-w4a16 (pack-quantized); KV cache fp8; 2 layers at 8 bits; "
-                                      "4.56 bits/weight, 174.0 MB of weights; 256 calibration samples; quantized in 688 s  "
-                                      "sha256 cdcdcdcdcdcdcdcd")
+    base = SimpleNamespace(
+        path="runs/base",
+        sha256="ab" * 32,
+        meta={
+            "architecture": "LlamaForCausalLM",
+            "hidden_size": 576,
+            "num_hidden_layers": 30,
+            "vocab_size": 49152,
+            "scheme": "baseline",
+            "weights_bytes": 538_090_408,
+        },
+    )
+    assert checkpoint_line(base) == (
+        "checkpoint runs/base  baseline LlamaForCausalLM, 30 layers, hidden 576, vocab 49,152; "
+        "538.1 MB of weights  sha256 abababababababab"
+    )
+    quant = SimpleNamespace(
+        path="runs/awq",
+        sha256="cd" * 32,
+        meta={
+            "scheme": "awq-w4a16",
+            "weight_format": "pack-quantized",
+            "kv_cache_dtype": "fp8",
+            "fallback_layers": ["a", "b"],
+            "fallback_bits": 8,
+            "bits_per_weight": 4.5612,
+            "weights_bytes": 174_000_000,
+            "calibration_samples": 256,
+            "quantize_seconds": 688.04,
+        },
+    )
+    assert checkpoint_line(quant) == (
+        "checkpoint runs/awq  awq-w4a16 (pack-quantized); KV cache fp8; 2 layers at 8 bits; "
+        "4.56 bits/weight, 174.0 MB of weights; 256 calibration samples; quantized in 688 s  "
+        "sha256 cdcdcdcdcdcdcdcd"
+    )

@@ -1,6 +1,7 @@
 """Concurrent registry writers: two pipelines registering into one store lose no versions, and two promotions racing
 leave production and previous-production consistent. Run against the embedded SQLite store here and against a real
 `mlflow server` in test_remote_registry.py (same helpers)."""
+
 import json
 import os
 import shutil
@@ -27,9 +28,19 @@ def distinct_reports(ok: Artifact, root: Path, n: int) -> list[Path]:
     return out
 
 
-def run_workers(mode: str, store: str, model: str, go: Path, jobs: list[list[str]], env: dict | None = None) -> list[list[dict]]:
-    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, store, model, str(go), *job], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env or os.environ.copy()) for job in jobs]
+def run_workers(
+    mode: str, store: str, model: str, go: Path, jobs: list[list[str]], env: dict | None = None
+) -> list[list[dict]]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), mode, store, model, str(go), *job],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env or os.environ.copy(),
+        )
+        for job in jobs
+    ]
     go.touch()
     results = []
     for p in procs:
@@ -40,7 +51,9 @@ def run_workers(mode: str, store: str, model: str, go: Path, jobs: list[list[str
     return results
 
 
-def check_promotion_chain(results: list[list[dict]], initial: str | None, production: str, previous: str | None) -> None:
+def check_promotion_chain(
+    results: list[list[dict]], initial: str | None, production: str, previous: str | None
+) -> None:
     """Serialized promotions form one chain: each one's `previous` is the version the one before it promoted."""
     steps = [r for rs in results for r in rs]
     after = {}
@@ -63,7 +76,14 @@ def test_parallel_registrations_and_promotions_on_the_embedded_store(gated, w8_a
     store = tmp_path / "mlflow"
     gates = [str(p) for p in distinct_reports(ok, tmp_path, 6)]
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    results = run_workers("register", str(store), "race", tmp_path / "go", [[str(w8_art.path), *gates[:3]], [str(w8_art.path), *gates[3:]]], env)
+    results = run_workers(
+        "register",
+        str(store),
+        "race",
+        tmp_path / "go",
+        [[str(w8_art.path), *gates[:3]], [str(w8_art.path), *gates[3:]]],
+        env,
+    )
     versions = sorted(int(r["version"]) for rs in results for r in rs)
     assert versions == [1, 2, 3, 4, 5, 6]
     client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}", f"sqlite:///{store / 'mlflow.db'}")

@@ -1,4 +1,5 @@
 """Serving contract: a candidate differing from the baseline in anything but its weights fails, with a readable diff."""
+
 import json
 import shutil
 
@@ -27,6 +28,7 @@ def _edit_json(name, fn):
         data = json.loads((d / name).read_text())
         fn(data)
         (d / name).write_text(json.dumps(data))
+
     return edit
 
 
@@ -37,6 +39,7 @@ def _swap_vocab(a: str, b: str):
         for t in tok["added_tokens"]:
             if t["content"] in (a, b):
                 t["id"] = vocab[t["content"]]
+
     return fn
 
 
@@ -46,8 +49,14 @@ def _failed(results) -> dict:
 
 def test_identical_copy_passes_every_facet(base_art, rows, tmp_path):
     results = contract_gate(_variant(base_art, tmp_path, "same", lambda d: None), base_art, rows, ContractConfig())
-    assert [r.metric for r in results] == ["tokenizer", "chat_template", "generation_config", "context_length",
-                                           "architecture", "prompt_rendering"]
+    assert [r.metric for r in results] == [
+        "tokenizer",
+        "chat_template",
+        "generation_config",
+        "context_length",
+        "architecture",
+        "prompt_rendering",
+    ]
     assert all(r.verdict == "pass" and r.observed == 0 for r in results)
     assert next(r for r in results if r.metric == "prompt_rendering").n == len(rows)
 
@@ -72,7 +81,7 @@ def test_one_special_token_id_fails_the_tokenizer(base_art, rows, tmp_path):
     assert "tokenizer.special.eos_token" in keys and "tokenizer.vocab" in keys
     eos = next(d for d in failed["tokenizer"] if d["key"] == "tokenizer.special.eos_token")
     assert eos["baseline"][0] == eos["candidate"][0] == "<|im_end|>" and eos["baseline"][1] != eos["candidate"][1]
-    assert "prompt_rendering" in failed          # the template's <|im_end|> now encodes to another id
+    assert "prompt_rendering" in failed  # the template's <|im_end|> now encodes to another id
 
 
 def test_eos_id_only_fails_generation_config(base_art, rows, tmp_path):
@@ -87,24 +96,34 @@ def test_two_swapped_vocab_ids_fail_tokenizer_and_rendering(base_art, rows, tmp_
     cand = _variant(base_art, tmp_path, "swap", _edit_json("tokenizer.json", _swap_vocab("Ġmodel", "Ġtoken")))
     failed = _failed(contract_gate(cand, base_art, rows, ContractConfig()))
     (v,) = [d for d in failed["tokenizer"] if d["key"] == "tokenizer.vocab"]
-    assert v["count"] == 2 and set(v["baseline"]) == {"Ġmodel", "Ġtoken"} and v["baseline"]["Ġmodel"] == v["candidate"]["Ġtoken"]
+    assert (
+        v["count"] == 2
+        and set(v["baseline"]) == {"Ġmodel", "Ġtoken"}
+        and v["baseline"]["Ġmodel"] == v["candidate"]["Ġtoken"]
+    )
     assert failed["prompt_rendering"][0]["prompts_differing"] > 0
 
 
 def test_allowed_difference_passes_and_is_listed_in_the_report(base_art, calib_arts, tmp_path):
     from qgate.gates.run import GateConfig, run_gates
 
-    cand = _variant(base_art, tmp_path, "temp", _edit_json("generation_config.json", lambda g: g.update(temperature=0.3)))
-    cfg = GateConfig(contract=ContractConfig(allow=("generation_config.temperature",)),
-                     shadow=ShadowConfig(max_new_tokens=4, max_prompt_tokens=32, kl_p99_max=None, top1_agreement_min=None),
-                     eval=None)
+    cand = _variant(
+        base_art, tmp_path, "temp", _edit_json("generation_config.json", lambda g: g.update(temperature=0.3))
+    )
+    cfg = GateConfig(
+        contract=ContractConfig(allow=("generation_config.temperature",)),
+        shadow=ShadowConfig(max_new_tokens=4, max_prompt_tokens=32, kl_p99_max=None, top1_agreement_min=None),
+        eval=None,
+    )
     art = run_gates(cand, base_art, calib_arts["shadow"], cfg, tmp_path / "g", tmp_path / "c")
     report = json.loads((art.path / "report.json").read_text())
     assert report["results"][0]["gate"] == "contract" and art.meta["passed"]
     (acc,) = next(r for r in report["results"] if r["metric"] == "generation_config")["evidence"]["accepted"]
     assert acc["key"] == "generation_config.temperature" and acc["candidate"] == 0.3
-    assert "accepted</b> (gates.contract.allow): generation_config.json: generation_config.temperature" in \
-        (art.path / "report.html").read_text()
+    assert (
+        "accepted</b> (gates.contract.allow): generation_config.json: generation_config.temperature"
+        in (art.path / "report.html").read_text()
+    )
 
 
 def test_allow_entries_must_name_a_facet():
@@ -114,6 +133,7 @@ def test_allow_entries_must_name_a_facet():
 
 def _set(path: str, value):
     """An edit of one JSON key, nested keys as dotted paths ('rope_parameters.rope_theta'), list items as [i]."""
+
     def fn(data):
         *parents, last = path.split(".")
         for p in parents:
@@ -124,12 +144,19 @@ def _set(path: str, value):
             data[name][int(index[:-1])] = value
         else:
             data[name] = value(data.get(name)) if callable(value) else value
+
     return fn
 
 
 # (file, key path, new value, facet that must fail, difference key it must name): nested keys, new keys, list items
 DENIED = [
-    ("config.json", "rope_parameters.rope_theta", lambda v: v * 1.1, "context_length", "context_length.rope_parameters.rope_theta"),
+    (
+        "config.json",
+        "rope_parameters.rope_theta",
+        lambda v: v * 1.1,
+        "context_length",
+        "context_length.rope_parameters.rope_theta",
+    ),
     ("config.json", "rope_parameters.factor", 2.0, "context_length", "context_length.rope_parameters.factor"),
     ("config.json", "max_position_embeddings", 1024, "context_length", "context_length.max_position_embeddings"),
     ("config.json", "sliding_window", 128, "context_length", "context_length.sliding_window"),
@@ -140,9 +167,20 @@ DENIED = [
     ("generation_config.json", "repetition_penalty", 1.2, "generation_config", "generation_config.repetition_penalty"),
     ("generation_config.json", "do_sample", True, "generation_config", "generation_config.do_sample"),
     ("tokenizer_config.json", "model_max_length", 64, "tokenizer", "tokenizer.config.model_max_length"),
-    ("tokenizer_config.json", "clean_up_tokenization_spaces", True, "tokenizer", "tokenizer.config.clean_up_tokenization_spaces"),
-    ("tokenizer.json", "truncation", {"direction": "Left", "max_length": 16, "strategy": "LongestFirst", "stride": 0},
-     "tokenizer", "tokenizer.truncation"),
+    (
+        "tokenizer_config.json",
+        "clean_up_tokenization_spaces",
+        True,
+        "tokenizer",
+        "tokenizer.config.clean_up_tokenization_spaces",
+    ),
+    (
+        "tokenizer.json",
+        "truncation",
+        {"direction": "Left", "max_length": 16, "strategy": "LongestFirst", "stride": 0},
+        "tokenizer",
+        "tokenizer.truncation",
+    ),
     ("tokenizer.json", "decoder.trim_offsets", False, "tokenizer", "tokenizer.decoder.trim_offsets"),
     ("tokenizer.json", "added_tokens[1].normalized", True, "tokenizer", "tokenizer.added_tokens[1].normalized"),
 ]
@@ -158,17 +196,23 @@ def test_a_candidate_differing_in_any_key_fails_on_that_key(base_art, rows, tmp_
     (d,) = [d for d in results[facet].evidence["differences"] if d["key"] == key]
     assert d["file"] == file and d["baseline"] != d["candidate"]
     # a user who means it accepts it by name (or by a parent key), and the report lists it
-    ok = {r.metric: r for r in contract_gate(cand, base_art, rows, ContractConfig(allow=(key.rsplit(".", 1)[0] if "." in
-                                                                                          key.split(".", 1)[1] else key,)))}
+    ok = {
+        r.metric: r
+        for r in contract_gate(
+            cand, base_art, rows, ContractConfig(allow=(key.rsplit(".", 1)[0] if "." in key.split(".", 1)[1] else key,))
+        )
+    }
     assert ok[facet].verdict == "pass" and key in [d["key"] for d in ok[facet].evidence["accepted"]]
 
 
 def test_a_tokenizer_file_only_one_side_has_fails(base_art, rows, tmp_path):
-    cand = _variant(base_art, tmp_path, "map", lambda d: (d / "special_tokens_map.json").write_text('{"eos_token": "<unk>"}'))
+    cand = _variant(
+        base_art, tmp_path, "map", lambda d: (d / "special_tokens_map.json").write_text('{"eos_token": "<unk>"}')
+    )
     failed = {d["key"]: d for d in _failed(contract_gate(cand, base_art, rows, ContractConfig()))["tokenizer"]}
     d = failed["tokenizer.special_tokens_map"]
     assert (d["file"], d["baseline"], d["candidate"]) == ("special_tokens_map.json", "absent", "present")
-    assert failed["tokenizer.special.eos_token"]["candidate"][0] == "<unk>"    # and what it does once loaded
+    assert failed["tokenizer.special.eos_token"]["candidate"][0] == "<unk>"  # and what it does once loaded
 
 
 def test_what_quantization_may_change_passes_with_its_reason(base_art, rows, tmp_path):
@@ -177,21 +221,36 @@ def test_what_quantization_may_change_passes_with_its_reason(base_art, rows, tmp
     from qgate.gates.contract import ALLOWED
 
     def edit(d):
-        _edit_json("config.json", lambda c: c.update(quantization_config={"quant_method": "compressed-tensors",
-                                                                            "config_groups": {"group_0": {"weights": {"num_bits": 4}}}},
-                                                     dtype="bfloat16", transformers_version="9.9.9", _name_or_path="/somewhere"))(d)
+        _edit_json(
+            "config.json",
+            lambda c: c.update(
+                quantization_config={
+                    "quant_method": "compressed-tensors",
+                    "config_groups": {"group_0": {"weights": {"num_bits": 4}}},
+                },
+                dtype="bfloat16",
+                transformers_version="9.9.9",
+                _name_or_path="/somewhere",
+            ),
+        )(d)
         _edit_json("generation_config.json", lambda g: g.update(transformers_version="9.9.9"))(d)
         _edit_json("tokenizer_config.json", lambda t: t.update(is_local=True, local_files_only=False))(d)
 
     results = contract_gate(_variant(base_art, tmp_path, "q", edit), base_art, rows, ContractConfig())
     assert all(r.verdict == "pass" for r in results)
     allowed = {d["key"]: d["why"] for r in results for d in r.evidence["allowed"]}
-    assert set(allowed) == {"architecture.quantization_config", "architecture.dtype", "architecture.transformers_version",
-                            "architecture._name_or_path", "generation_config.transformers_version",
-                            "tokenizer.config.is_local", "tokenizer.config.local_files_only"}
+    assert set(allowed) == {
+        "architecture.quantization_config",
+        "architecture.dtype",
+        "architecture.transformers_version",
+        "architecture._name_or_path",
+        "generation_config.transformers_version",
+        "tokenizer.config.is_local",
+        "tokenizer.config.local_files_only",
+    }
     assert all(allowed[k] == ALLOWED[k] and len(ALLOWED[k]) > 20 for k in allowed)
     arch = next(r for r in results if r.metric == "architecture")
-    assert arch.n >= 20    # every config.json key was compared, not a fixed list
+    assert arch.n >= 20  # every config.json key was compared, not a fixed list
 
 
 def test_a_quantized_checkpoint_passes_the_contract_as_written(base_art, awq_art, rows):
@@ -206,6 +265,7 @@ def test_a_quantized_checkpoint_passes_the_contract_as_written(base_art, awq_art
 
 def test_many_differences_under_one_key_are_summarized(base_art, rows, tmp_path):
     """A reshuffled vocabulary is one readable line with its count, not thousands."""
+
     def shuffle(tok):
         vocab = tok["model"]["vocab"]
         keys = [k for k in vocab if not k.startswith("<")][:40]
@@ -213,8 +273,14 @@ def test_many_differences_under_one_key_are_summarized(base_art, rows, tmp_path)
         for k, i in zip(keys, ids[1:] + ids[:1], strict=True):
             vocab[k] = i
 
-    failed = _failed(contract_gate(_variant(base_art, tmp_path, "shuf", _edit_json("tokenizer.json", shuffle)), base_art, rows,
-                                   ContractConfig()))
+    failed = _failed(
+        contract_gate(
+            _variant(base_art, tmp_path, "shuf", _edit_json("tokenizer.json", shuffle)),
+            base_art,
+            rows,
+            ContractConfig(),
+        )
+    )
     (summary,) = [d for d in failed["tokenizer"] if d["key"] == "tokenizer.model.vocab"]
     assert summary["count"] == 40 and len(summary["baseline"]) == 5
     assert "(40 differences; the first 5)" in describe(summary)
@@ -235,11 +301,24 @@ def test_a_contract_failure_stops_the_gate_unless_asked_to_score(base_art, awq_a
     edit(d)
     Artifact.create("checkpoint", d, awq_art.config, awq_art.parents, awq_art.meta)
     spec = tmp_path / "spec.yaml"
-    spec.write_text("version: 1\nname: t\nworkdir: w\nmodel: {hf_dir: x}\ntraffic: t.jsonl\nvariants: [{name: a, scheme: awq-w4a16}]\n"
-                    "registry: {model_name: m}\ngates:\n  shadow: {max_new_tokens: 4, max_prompt_tokens: 32, kl_p99_max: null}\n"
-                    "  eval: {tasks: [bigbench_general_knowledge], limit: 8, min_recovery: 0.0}\n")
-    argv = ["gate", "--candidate", str(d), "--baseline", str(base_art.path), "--shadow", str(calib_arts["shadow"].path),
-            "--spec", str(spec), "--cache", str(tmp_path / "c")]
+    spec.write_text(
+        "version: 1\nname: t\nworkdir: w\nmodel: {hf_dir: x}\ntraffic: t.jsonl\nvariants: [{name: a, scheme: awq-w4a16}]\n"
+        "registry: {model_name: m}\ngates:\n  shadow: {max_new_tokens: 4, max_prompt_tokens: 32, kl_p99_max: null}\n"
+        "  eval: {tasks: [bigbench_general_knowledge], limit: 8, min_recovery: 0.0}\n"
+    )
+    argv = [
+        "gate",
+        "--candidate",
+        str(d),
+        "--baseline",
+        str(base_art.path),
+        "--shadow",
+        str(calib_arts["shadow"].path),
+        "--spec",
+        str(spec),
+        "--cache",
+        str(tmp_path / "c"),
+    ]
     t = time.perf_counter()
     assert main(argv + ["--out", str(tmp_path / "fast")]) == 2
     fast_s = time.perf_counter() - t
@@ -247,7 +326,9 @@ def test_a_contract_failure_stops_the_gate_unless_asked_to_score(base_art, awq_a
     assert "gate failed for" in err and "context_length" in err and "not scored: --score-anyway scores it" in err
     report = json.loads((tmp_path / "fast/report.json").read_text())
     assert {r["gate"] for r in report["results"]} == {"contract"} and report["scored"] is False
-    assert report["verdict"] == "fail" and "Not scored: the serving contract failed (context_length)" in report["notes"][0]
+    assert (
+        report["verdict"] == "fail" and "Not scored: the serving contract failed (context_length)" in report["notes"][0]
+    )
     (diff,) = next(r for r in report["results"] if r["metric"] == "context_length")["evidence"]["differences"]
     assert diff["key"] == "context_length.rope_parameters.rope_theta"
     assert "Not scored" in (tmp_path / "fast/report.html").read_text()

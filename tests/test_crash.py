@@ -5,6 +5,7 @@ holds exactly one complete version.
 
 The default run tries 2 kill points per stage; `QGATE_KILL_POINTS=10 pytest tests/test_crash.py` tries 10 (about 15 min).
 """
+
 import json
 import os
 import random
@@ -24,12 +25,25 @@ STAGES = ("calibrate", "quantize", "engine", "gate", "register")
 
 
 def _gate_spec(root: Path, base: Path) -> Path:
-    spec = {"version": 1, "name": "crash", "workdir": "w", "model": {"hf_dir": str(base)}, "traffic": "t.jsonl",
-            "variants": [{"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}}],
-            "gates": {"shadow": {"max_new_tokens": 8, "max_prompt_tokens": 48, "kl_p99_max": None, "kl_mean_max": 10.0,
-                                 "top1_agreement_min": 0.0},
-                      "eval": {"tasks": ["bigbench_general_knowledge"], "limit": 8, "min_recovery": 0.0}},
-            "registry": {"model_name": "crash", "store": "mlflow"}}
+    spec = {
+        "version": 1,
+        "name": "crash",
+        "workdir": "w",
+        "model": {"hf_dir": str(base)},
+        "traffic": "t.jsonl",
+        "variants": [{"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}}],
+        "gates": {
+            "shadow": {
+                "max_new_tokens": 8,
+                "max_prompt_tokens": 48,
+                "kl_p99_max": None,
+                "kl_mean_max": 10.0,
+                "top1_agreement_min": 0.0,
+            },
+            "eval": {"tasks": ["bigbench_general_knowledge"], "limit": 8, "min_recovery": 0.0},
+        },
+        "registry": {"model_name": "crash", "store": "mlflow"},
+    }
     path = root / "gate-spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -37,16 +51,74 @@ def _gate_spec(root: Path, base: Path) -> Path:
 
 def _command(stage: str, root: Path, out: Path, arts: dict) -> list[str]:
     if stage == "calibrate":
-        return ["calibrate", "sample", "--traffic", str(arts["traffic"]), "--out", str(out), "--calib-size", "32", "--shadow-size", "24"]
+        return [
+            "calibrate",
+            "sample",
+            "--traffic",
+            str(arts["traffic"]),
+            "--out",
+            str(out),
+            "--calib-size",
+            "32",
+            "--shadow-size",
+            "24",
+        ]
     if stage == "quantize":
-        return ["quantize", "--model", str(arts["base"]), "--calib", str(arts["calib"]), "--scheme", "gptq-w8a16", "--group-size", "32",
-                "--max-seq-length", "64", "--out", str(out)]
+        return [
+            "quantize",
+            "--model",
+            str(arts["base"]),
+            "--calib",
+            str(arts["calib"]),
+            "--scheme",
+            "gptq-w8a16",
+            "--group-size",
+            "32",
+            "--max-seq-length",
+            "64",
+            "--out",
+            str(out),
+        ]
     if stage == "engine":
-        return ["engine", "build", "--backend", "cpu", "--checkpoint", str(arts["awq"]), "--accuracy-level", "1", "--out", str(out)]
+        return [
+            "engine",
+            "build",
+            "--backend",
+            "cpu",
+            "--checkpoint",
+            str(arts["awq"]),
+            "--accuracy-level",
+            "1",
+            "--out",
+            str(out),
+        ]
     if stage == "gate":
-        return ["gate", "--candidate", str(arts["w8"]), "--baseline", str(arts["base"]), "--shadow", str(arts["shadow"]),
-                "--spec", str(_gate_spec(root, arts["base"])), "--cache", str(root / "cache"), "--out", str(out)]
-    return ["register", "--gate", str(arts["gate"]), "--candidate", str(arts["w8"]), "--model", "crash", "--store", str(out)]
+        return [
+            "gate",
+            "--candidate",
+            str(arts["w8"]),
+            "--baseline",
+            str(arts["base"]),
+            "--shadow",
+            str(arts["shadow"]),
+            "--spec",
+            str(_gate_spec(root, arts["base"])),
+            "--cache",
+            str(root / "cache"),
+            "--out",
+            str(out),
+        ]
+    return [
+        "register",
+        "--gate",
+        str(arts["gate"]),
+        "--candidate",
+        str(arts["w8"]),
+        "--model",
+        "crash",
+        "--store",
+        str(out),
+    ]
 
 
 def _run(cmd: list[str], kill_after: float | None = None) -> tuple[int, float]:
@@ -69,12 +141,18 @@ def _content(stage: str, out: Path) -> object:
     """What must be identical between an uninterrupted run and a killed-then-re-run one."""
     if stage == "register":
         return _registry(out)
-    if stage == "gate":   # a gate report also holds timings and cache hits, which differ run to run by nature
+    if stage == "gate":  # a gate report also holds timings and cache hits, which differ run to run by nature
         report = json.loads((out / "report.json").read_text())
-        return [{k: r[k] for k in ("gate", "metric", "observed", "ci", "verdict", "n")} for r in report["results"]
-                if r["gate"] != "perf"]
-    return {f.relative_to(out).as_posix(): sha256_file(f) for f in sorted(out.rglob("*"))
-            if f.is_file() and f.name not in UNHASHED}   # every file but qgate's own manifests and build logs
+        return [
+            {k: r[k] for k in ("gate", "metric", "observed", "ci", "verdict", "n")}
+            for r in report["results"]
+            if r["gate"] != "perf"
+        ]
+    return {
+        f.relative_to(out).as_posix(): sha256_file(f)
+        for f in sorted(out.rglob("*"))
+        if f.is_file() and f.name not in UNHASHED
+    }  # every file but qgate's own manifests and build logs
 
 
 def _registry(store: Path) -> dict:
@@ -89,7 +167,9 @@ def _registry(store: Path) -> dict:
     assert len(versions) == 1, f"{len(versions)} versions: a duplicate or a lost registration"
     mv = versions[0]
     assert mv.description and mv.tags.get("qgate.gate_report_sha256") and mv.tags.get("qgate.artifact_sha256")
-    assert [m.model_id for m in models] == [mv.tags["qgate.model_id"]], "a logged model without a version was left behind"
+    assert [m.model_id for m in models] == [mv.tags["qgate.model_id"]], (
+        "a logged model without a version was left behind"
+    )
     assert len(runs) == 1, "a run without a version was left behind"
     return {k: v for k, v in mv.tags.items() if k not in ("qgate.model_id", "qgate.gate_report_artifact")}
 
@@ -100,14 +180,21 @@ def _check_after_kill(stage: str, out: Path) -> str:
     manifests = list(out.rglob("qgate-artifact.json"))
     assert manifests, f"{out} exists without an artifact: half-written"
     for m in manifests:
-        Artifact.load(m.parent).verify()     # complete and intact, or it would not be here
+        Artifact.load(m.parent).verify()  # complete and intact, or it would not be here
     return "complete"
 
 
 @pytest.fixture(scope="module")
 def inputs(base_art, calib_arts, awq_art, w8_art, gated, workdir):
-    return {"traffic": workdir / "traffic.jsonl", "base": base_art.path, "calib": calib_arts["calib"].path,
-            "shadow": calib_arts["shadow"].path, "awq": awq_art.path, "w8": w8_art.path, "gate": gated[0].path}
+    return {
+        "traffic": workdir / "traffic.jsonl",
+        "base": base_art.path,
+        "calib": calib_arts["calib"].path,
+        "shadow": calib_arts["shadow"].path,
+        "awq": awq_art.path,
+        "w8": w8_art.path,
+        "gate": gated[0].path,
+    }
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -120,7 +207,7 @@ def test_killed_stage_reruns_to_the_same_result(stage, inputs, tmp_path):
     outcomes = []
     for i in range(points):
         out = tmp_path / f"killed-{i}"
-        at = rng.uniform(0.2, 1.0) * duration            # the first ~20% is the interpreter starting
+        at = rng.uniform(0.2, 1.0) * duration  # the first ~20% is the interpreter starting
         rc, _ = _run(_command(stage, tmp_path, out, inputs), kill_after=at)
         state = _check_after_kill(stage, out)
         _run(_command(stage, tmp_path, out, inputs))

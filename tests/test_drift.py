@@ -1,4 +1,5 @@
 """The drift job: traffic and quality drift, the scheduled run, its lock, and re-runs after a kill."""
+
 import json
 import os
 import re
@@ -9,14 +10,14 @@ import sys
 import time
 
 import pytest
+import tiny
 import yaml
 
-import tiny
 from qgate.calibrate.drift import DriftConfig, traffic_drift
 from qgate.calibrate.profile import TrafficProfiler, words
 from qgate.cli.main import main
 
-SHIFT = {"route_weights": (1, 8, 1), "tenants": ("t1", "t2"), "lengths": (30, 90)}   # code-heavy, long, a new tenant
+SHIFT = {"route_weights": (1, 8, 1), "tenants": ("t1", "t2"), "lengths": (30, 90)}  # code-heavy, long, a new tenant
 
 
 def _profile(path):
@@ -30,14 +31,22 @@ def _profile(path):
 def test_no_false_alarms_on_fresh_samples_of_the_same_traffic_and_drift_on_a_shifted_log(tmp_path):
     ref = _profile(tiny.make_traffic(tmp_path / "ref.jsonl", n=600, seed=100))
     alarms = []
-    for seed in range(20):   # 20 fresh samples from the same traffic: at most one false alarm
-        rows = traffic_drift(ref, _profile(tiny.make_traffic(tmp_path / f"s{seed}.jsonl", n=600, seed=seed)), DriftConfig())
+    for seed in range(20):  # 20 fresh samples from the same traffic: at most one false alarm
+        rows = traffic_drift(
+            ref, _profile(tiny.make_traffic(tmp_path / f"s{seed}.jsonl", n=600, seed=seed)), DriftConfig()
+        )
         alarms.append([r["facet"] for r in rows if r["verdict"] == "drift"])
     assert sum(bool(a) for a in alarms) <= 1, alarms
-    rows = {r["facet"]: r for r in traffic_drift(ref, _profile(tiny.make_traffic(tmp_path / "x.jsonl", n=600, seed=1, **SHIFT)),
-                                                 DriftConfig())}
+    rows = {
+        r["facet"]: r
+        for r in traffic_drift(
+            ref, _profile(tiny.make_traffic(tmp_path / "x.jsonl", n=600, seed=1, **SHIFT)), DriftConfig()
+        )
+    }
     assert {f for f, r in rows.items() if r["verdict"] == "drift"} == {"length", "route", "tenant"}
-    assert rows["route"]["js"] > rows["route"]["noise_p99"] and rows["route"]["top_shifts"][0]["category"] == "code-assist"
+    assert (
+        rows["route"]["js"] > rows["route"]["noise_p99"] and rows["route"]["top_shifts"][0]["category"] == "code-assist"
+    )
 
 
 def test_real_demo_traffic_halves_do_not_alarm_and_the_shifted_demo_log_does(tmp_path):
@@ -65,9 +74,13 @@ def test_real_demo_traffic_halves_do_not_alarm_and_the_shifted_demo_log_does(tmp
         alarms += any(r["verdict"] == "drift" for r in rows)
         vocab.append(next(r for r in rows if r["facet"] == "vocabulary"))
     assert alarms <= 1
-    assert all(v["noise_p99"] > v["js"] for v in vocab)   # the measured split-half noise covers what halves really show
-    rows = {r["facet"]: r for r in traffic_drift(profile(demo / "traffic.jsonl", "base"), profile(demo / "traffic-shifted.jsonl", "moved"),
-                                                 DriftConfig())}
+    assert all(v["noise_p99"] > v["js"] for v in vocab)  # the measured split-half noise covers what halves really show
+    rows = {
+        r["facet"]: r
+        for r in traffic_drift(
+            profile(demo / "traffic.jsonl", "base"), profile(demo / "traffic-shifted.jsonl", "moved"), DriftConfig()
+        )
+    }
     assert rows["route"]["verdict"] == "drift" and rows["tenant"]["verdict"] == "drift"
     assert rows["route"]["top_shifts"][0]["category"] in ("chat", "code-assist")
 
@@ -93,9 +106,17 @@ def test_traffic_can_be_a_directory_of_partitions_or_a_glob(tmp_path):
 
 def _spec(tmp_path, src, variants, gates, drift=None, name="spec.yaml"):
     spec = {
-        "version": 1, "name": "tiny-drift", "workdir": "work", "model": {"hf_dir": str(src)}, "traffic": "traffic.jsonl",
-        "calibrate": {"calib_size": 24, "shadow_size": 48}, "quantize": {"max_seq_length": 48}, "variants": variants,
-        "gates": gates, "registry": {"model_name": "tiny-llm", "store": "mlflow"}, "drift": drift or {},
+        "version": 1,
+        "name": "tiny-drift",
+        "workdir": "work",
+        "model": {"hf_dir": str(src)},
+        "traffic": "traffic.jsonl",
+        "calibrate": {"calib_size": 24, "shadow_size": 48},
+        "quantize": {"max_seq_length": 48},
+        "variants": variants,
+        "gates": gates,
+        "registry": {"model_name": "tiny-llm", "store": "mlflow"},
+        "drift": drift or {},
     }
     path = tmp_path / name
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -105,8 +126,8 @@ def _spec(tmp_path, src, variants, gates, drift=None, name="spec.yaml"):
 W8 = {"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}}
 AWQ = {"name": "awq", "scheme": "awq-w4a16", "options": {"group_size": 32}}
 SHADOW = {"max_new_tokens": 16, "max_prompt_tokens": 48, "kl_p99_max": None}
-STRICT = {"shadow": SHADOW | {"kl_mean_max": 0.005, "top1_agreement_min": 0.8}, "eval": None}   # w8 passes, awq fails
-LENIENT = {"shadow": SHADOW | {"kl_mean_max": 10.0, "top1_agreement_min": 0.0}, "eval": None}   # both pass
+STRICT = {"shadow": SHADOW | {"kl_mean_max": 0.005, "top1_agreement_min": 0.8}, "eval": None}  # w8 passes, awq fails
+LENIENT = {"shadow": SHADOW | {"kl_mean_max": 10.0, "top1_agreement_min": 0.0}, "eval": None}  # both pass
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +138,7 @@ def deployed(tmp_path_factory, workdir):
         tiny.make_model(src)
     root = tmp_path_factory.mktemp("drift")
     tiny.make_traffic(root / "traffic.jsonl", n=300, seed=0)
-    tiny.make_traffic(root / "same.jsonl", n=300, seed=11)                 # the same traffic, sampled again
+    tiny.make_traffic(root / "same.jsonl", n=300, seed=11)  # the same traffic, sampled again
     tiny.make_traffic(root / "shifted.jsonl", n=300, seed=12, **SHIFT)
     spec = _spec(root, src, [W8], STRICT, {"auto_promote": True})
     os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -140,7 +161,7 @@ def _client(root):
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
-    return MlflowClient(uri, uri)   # the registry URI too: MLflow's default is the process-wide one qgate last set
+    return MlflowClient(uri, uri)  # the registry URI too: MLflow's default is the process-wide one qgate last set
 
 
 def _alias(root, alias="production"):
@@ -150,7 +171,12 @@ def _alias(root, alias="production"):
 def test_registered_version_carries_its_calibration_profile_and_recipe(fresh):
     root, _ = fresh
     tags = _client(root).get_model_version("tiny-llm", _alias(root)).tags
-    assert json.loads(tags["qgate.recipe"]) == {"scheme": "gptq-w8a16", "options": {"group_size": 32}, "kv_cache": None, "engine": None}
+    assert json.loads(tags["qgate.recipe"]) == {
+        "scheme": "gptq-w8a16",
+        "options": {"group_size": 32},
+        "kv_cache": None,
+        "engine": None,
+    }
     from qgate.artifact import Artifact
 
     assert tags["qgate.profile_sha256"] == Artifact.load(root / "work/calib/profile").sha256
@@ -164,13 +190,25 @@ def test_drift_check_exit_codes_reports_and_registry_tags(fresh, monkeypatch, ca
     assert main(["drift", "check", "--spec", spec, "--traffic", str(root / "same.jsonl")]) == 0
     err = capsys.readouterr().err
     assert "quality kl_mean" in err and "NO-DRIFT" in err
-    assert len(re.findall(r"quality caveat: \d+ of \d+ shadow prompts are longer than gates.shadow.max_prompt_tokens \(48;", err)) == 1
+    assert (
+        len(
+            re.findall(
+                r"quality caveat: \d+ of \d+ shadow prompts are longer than gates.shadow.max_prompt_tokens \(48;", err
+            )
+        )
+        == 1
+    )
     assert main(["drift", "check", "--spec", spec, "--traffic", str(root / "shifted.jsonl")]) == 3
     out = capsys.readouterr()
     assert "drift check: DRIFT" in out.out and "route moved" in out.err
     report_path = out.out.split("report ")[-1].strip()
-    report = json.loads((root / "work/drift").joinpath(report_path.split("/drift/")[1]).with_name("drift.json").read_text())
-    assert report["verdict"] == "drift" and {r["facet"] for r in report["traffic"] if r["verdict"] == "drift"} >= {"route", "length"}
+    report = json.loads(
+        (root / "work/drift").joinpath(report_path.split("/drift/")[1]).with_name("drift.json").read_text()
+    )
+    assert report["verdict"] == "drift" and {r["facet"] for r in report["traffic"] if r["verdict"] == "drift"} >= {
+        "route",
+        "length",
+    }
     assert report["quality"]["gated"]["kl_mean"] >= 0 and "<img" in open(report_path).read()
     cut = report["quality"]["scoring"]["prompts_cut"]
     assert cut > 0 and f"<b>{cut} of them were cut</b> to their last 48 tokens" in open(report_path).read()
@@ -180,8 +218,9 @@ def test_drift_check_exit_codes_reports_and_registry_tags(fresh, monkeypatch, ca
     assert "traffic log not found" in capsys.readouterr().err
 
 
-def test_a_drift_check_reads_the_recent_log_twice_and_every_engine_gives_one_report(fresh, monkeypatch, tmp_path,
-                                                                                    partition_opens):
+def test_a_drift_check_reads_the_recent_log_twice_and_every_engine_gives_one_report(
+    fresh, monkeypatch, tmp_path, partition_opens
+):
     """The job hashes the recent traffic once (its workdir and the calibrate stage's key) and scans it once: on object
     storage every extra pass is a download of the whole log. `--engine processes` gives the serial check's report."""
     from collections import Counter
@@ -193,26 +232,59 @@ def test_a_drift_check_reads_the_recent_log_twice_and_every_engine_gives_one_rep
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     root, _ = fresh
     twin = tmp_path / "twin"
-    shutil.copytree(root, twin)                 # the same deployed state, checked with the processes engine
+    shutil.copytree(root, twin)  # the same deployed state, checked with the processes engine
     serial = drift_check(load_spec(root / "spec.yaml"), str(root / "shifted.jsonl"), echo=lambda m: None, record=False)
     assert partition_opens == Counter({"shifted.jsonl": 2}), partition_opens
     again = drift_check(load_spec(root / "spec.yaml"), str(root / "shifted.jsonl"), echo=lambda m: None, record=False)
-    assert partition_opens == Counter({"shifted.jsonl": 2}), partition_opens   # hashed from its cached scan: not read
+    assert partition_opens == Counter({"shifted.jsonl": 2}), partition_opens  # hashed from its cached scan: not read
     assert again["recent"] == serial["recent"] and again["traffic"] == serial["traffic"]
-    assert len(list((root / "work/drift/scans").glob("scan-*.json"))) == 1   # kept for the next window that holds it
-    assert main(["drift", "check", "--spec", str(twin / "spec.yaml"), "--traffic", str(twin / "shifted.jsonl"),
-                 "--no-record", "--engine", "processes"]) == 3
+    assert len(list((root / "work/drift/scans").glob("scan-*.json"))) == 1  # kept for the next window that holds it
+    assert (
+        main(
+            [
+                "drift",
+                "check",
+                "--spec",
+                str(twin / "spec.yaml"),
+                "--traffic",
+                str(twin / "shifted.jsonl"),
+                "--no-record",
+                "--engine",
+                "processes",
+            ]
+        )
+        == 3
+    )
     report = json.loads(next((twin / "work/drift").glob("*/report/drift.json")).read_text())
     assert serial["verdict"] == report["verdict"] == "drift"
-    assert [(r["facet"], r["js"], r["verdict"]) for r in serial["traffic"]] == [(r["facet"], r["js"], r["verdict"]) for r in report["traffic"]]
+    assert [(r["facet"], r["js"], r["verdict"]) for r in serial["traffic"]] == [
+        (r["facet"], r["js"], r["verdict"]) for r in report["traffic"]
+    ]
     assert serial["recent"]["shadow_sha256"] == report["recent"]["shadow_sha256"]
 
-    def profile(rep):   # the same profile but for its source's path (the twin lives elsewhere)
-        return {k: v for k, v in json.loads((Path(rep["recent"]["workdir"]) / "calib/profile/profile.json").read_text()).items()
-                if k != "source"}
+    def profile(rep):  # the same profile but for its source's path (the twin lives elsewhere)
+        return {
+            k: v
+            for k, v in json.loads((Path(rep["recent"]["workdir"]) / "calib/profile/profile.json").read_text()).items()
+            if k != "source"
+        }
+
     assert profile(serial) == profile(report)
-    assert main(["drift", "check", "--spec", str(twin / "spec.yaml"), "--traffic", str(twin / "shifted.jsonl"),
-                 "--engine", "spark"]) == 1
+    assert (
+        main(
+            [
+                "drift",
+                "check",
+                "--spec",
+                str(twin / "spec.yaml"),
+                "--traffic",
+                str(twin / "shifted.jsonl"),
+                "--engine",
+                "spark",
+            ]
+        )
+        == 1
+    )
 
 
 def test_quality_drift_when_production_points_at_a_worse_version(fresh, monkeypatch, capsys):
@@ -231,8 +303,10 @@ def test_quality_drift_when_production_points_at_a_worse_version(fresh, monkeypa
     n_before = len(_client(root).search_model_versions("name='tiny-llm'"))
     assert main(["drift", "run", "--spec", str(strict_awq), "--traffic", str(root / "same.jsonl")]) == 2
     assert "no recalibrated variant passed" in capsys.readouterr().err
-    assert _alias(root) == awq_version                                             # production left alone
-    assert len(_client(root).search_model_versions("name='tiny-llm'")) == n_before + 1   # awq recalibrated, registered, refused
+    assert _alias(root) == awq_version  # production left alone
+    assert (
+        len(_client(root).search_model_versions("name='tiny-llm'")) == n_before + 1
+    )  # awq recalibrated, registered, refused
 
 
 def test_drift_run_recalibrates_promotes_and_a_rerun_does_nothing(fresh, monkeypatch, capsys):
@@ -246,10 +320,13 @@ def test_drift_run_recalibrates_promotes_and_a_rerun_does_nothing(fresh, monkeyp
     assert new != old and _alias(root, "previous-production") == old and f"v{new} @production" in out
     tags = _client(root).get_model_version("tiny-llm", new).tags
     shifted_profile = json.loads((next((root / "work/drift").glob("*/calib/profile/profile.json"))).read_text())
-    assert shifted_profile["routes"]["code-assist"] > 150 and tags["qgate.profile_sha256"] != _client(root).get_model_version(
-        "tiny-llm", old).tags["qgate.profile_sha256"]
+    assert (
+        shifted_profile["routes"]["code-assist"] > 150
+        and tags["qgate.profile_sha256"]
+        != _client(root).get_model_version("tiny-llm", old).tags["qgate.profile_sha256"]
+    )
     n = len(_client(root).search_model_versions("name='tiny-llm'"))
-    assert main(["drift", "run", "--spec", spec, "--traffic", str(root / "shifted.jsonl")]) == 0   # production now fits
+    assert main(["drift", "run", "--spec", spec, "--traffic", str(root / "shifted.jsonl")]) == 0  # production now fits
     assert "NO-DRIFT" in capsys.readouterr().err and len(_client(root).search_model_versions("name='tiny-llm'")) == n
 
 
@@ -286,6 +363,7 @@ def test_drift_run_killed_at_each_step_reruns_without_duplicates(fresh, monkeypa
             if when(*a, **k):
                 raise Killed(name)
             return out
+
         monkeypatch.setattr(mod, name, wrapped)
 
     if where == "calibrate":
@@ -298,8 +376,9 @@ def test_drift_run_killed_at_each_step_reruns_without_duplicates(fresh, monkeypa
             if name.startswith(where + ":"):
                 raise Killed(name)
             return art
+
         monkeypatch.setattr(runner_mod.Runner, "stage", stage)
-    elif where == "register":       # the version exists in the registry, the ledger does not know it
+    elif where == "register":  # the version exists in the registry, the ledger does not know it
         after(store_mod, "register")
     elif where == "register-recorded":
         after(drift_mod, "register_outcomes")
@@ -314,9 +393,9 @@ def test_drift_run_killed_at_each_step_reruns_without_duplicates(fresh, monkeypa
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert main(["drift", "run", "--spec", spec, "--traffic", str(root / "shifted.jsonl")]) == 0
     versions = _client(root).search_model_versions("name='tiny-llm'")
-    assert len(versions) == 2, [v.version for v in versions]                 # the deployed w8 and one recalibrated w8
+    assert len(versions) == 2, [v.version for v in versions]  # the deployed w8 and one recalibrated w8
     assert _alias(root) != old and _alias(root, "previous-production") == old
-    assert not list((root / "mlflow" / "locks").glob("*.owner.json"))        # the lock's owner record is cleaned up
+    assert not list((root / "mlflow" / "locks").glob("*.owner.json"))  # the lock's owner record is cleaned up
 
 
 HOLD = """
@@ -358,7 +437,7 @@ def test_one_drift_run_per_model_and_a_killed_holder_is_taken_over(fresh, monkey
     with pytest.raises(ValueError), job_lock(lock, "a job that fails"):
         raise ValueError("an error, not a kill")
     seen.clear()
-    with job_lock(lock, "after the failure", echo=seen.append) as me:    # not reported as a stale lock
+    with job_lock(lock, "after the failure", echo=seen.append) as me:  # not reported as a stale lock
         assert me["stale_taken_over"] is None and seen == []
 
 

@@ -7,10 +7,10 @@ import yaml
 
 from qgate.artifact import Artifact
 from qgate.engines.awq_layout import dequantize_awq, to_awq
-from qgate.engines.gptq_layout import unpack
-from qgate.engines.build import build_engine
-from qgate.engines.runners import load_runner
 from qgate.engines.batch_sizes import graph_batch_sizes
+from qgate.engines.build import build_engine
+from qgate.engines.gptq_layout import unpack
+from qgate.engines.runners import load_runner
 from qgate.errors import BackendUnavailable, ConfigError
 
 
@@ -92,12 +92,12 @@ def test_cpu_engine_quantized_head_is_an_option_close_to_the_fp32_head(awq_art, 
     lm = [n for n in m.graph.node if n.name.startswith("/lm_head")]
     assert lm and lm[0].op_type == "MatMulNBits"
     assert {a.name: a.i for a in lm[0].attribute}["bits"] == bits
-    assert [n.op_type for n in m.graph.node if n.name.startswith("/model/embed_tokens")] == ["Gather"]   # fp32 embedding
+    assert [n.op_type for n in m.graph.node if n.name.startswith("/model/embed_tokens")] == ["Gather"]  # fp32 embedding
     fp32_head = load_runner(cpu_exact)
     ids = fp32_head.tokenizer("please help the model serve traffic")["input_ids"]
     a, b = fp32_head.logits(ids), load_runner(eng).logits(ids)
     err = np.abs(a - b).max() / np.abs(a).max()
-    assert 0 < err < (0.02 if bits == 8 else 0.2)            # a different head, slightly different logits
+    assert 0 < err < (0.02 if bits == 8 else 0.2)  # a different head, slightly different logits
     with pytest.raises(ConfigError, match="engine.lm_head must be one of fp32, int8, int4"):
         build_engine(awq_art, "cpu", workdir / "engine-bad", lm_head="int2")
 
@@ -139,8 +139,14 @@ def test_trtllm_rejects_int8_kv(base_art, calib_arts, tmp_path):
     from qgate.quantize.run import CalibOptions, quantize
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
-    ck = quantize(base_art, calib_arts["calib"], scheme_config("fp8-dynamic"), tmp_path / "kv8", kv=KVCacheConfig("int8"),
-                  opts=CalibOptions(max_seq_length=32, max_samples=4))
+    ck = quantize(
+        base_art,
+        calib_arts["calib"],
+        scheme_config("fp8-dynamic"),
+        tmp_path / "kv8",
+        kv=KVCacheConfig("int8"),
+        opts=CalibOptions(max_seq_length=32, max_samples=4),
+    )
     with pytest.raises(ConfigError, match="int8"):
         build_engine(ck, "trtllm", tmp_path / "t", verify=False)
 
@@ -160,11 +166,15 @@ def test_engine_parity_separates_runtime_from_quantization(base_art, awq_art, cp
     from qgate.gates.run import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig, load_shadow
 
-    cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=20, max_prompt_tokens=64, kl_p99_max=None, top1_agreement_min=None),
-                     eval=None)
+    cfg = GateConfig(
+        shadow=ShadowConfig(max_new_tokens=20, max_prompt_tokens=64, kl_p99_max=None, top1_agreement_min=None),
+        eval=None,
+    )
     eng = run_gates(cpu_exact, base_art, calib_arts["shadow"], cfg, workdir / "parity-eng", workdir / "cache-parity")
     ckpt = run_gates(awq_art, base_art, calib_arts["shadow"], cfg, workdir / "parity-ckpt", workdir / "cache-parity")
-    by = {r["metric"]: r for r in json.loads((eng.path / "report.json").read_text())["results"] if r["gate"] == "parity"}
+    by = {
+        r["metric"]: r for r in json.loads((eng.path / "report.json").read_text())["results"] if r["gate"] == "parity"
+    }
     direct = {r["metric"]: r for r in json.loads((ckpt.path / "report.json").read_text())["results"]}
     assert by["checkpoint_vs_baseline.kl_mean"]["observed"] == pytest.approx(direct["kl_mean"]["observed"], rel=1e-9)
     assert by["engine_vs_checkpoint.kl_mean"]["observed"] < 0.01 * by["checkpoint_vs_baseline.kl_mean"]["observed"]
@@ -192,12 +202,20 @@ def test_the_engine_contract_denies_what_it_cannot_map(base_art, cpu_exact, cali
     g["search"]["top_k"], g["model"]["decoder"]["sliding_window"] = 5, {"window_size": 64}
     (d / "onnx" / "genai_config.json").write_text(json.dumps(g))
     edited = Artifact.create("engine", d, cpu_exact.config, cpu_exact.parents, cpu_exact.meta)
-    failed = {r.metric: r.evidence["differences"] for r in contract_gate(edited, base_art, rows, ContractConfig())
-              if r.verdict == "fail"}
+    failed = {
+        r.metric: r.evidence["differences"]
+        for r in contract_gate(edited, base_art, rows, ContractConfig())
+        if r.verdict == "fail"
+    }
     assert set(failed) == {"generation_config"}
     keys = {x["key"]: x for x in failed["generation_config"]}
     assert keys["generation_config.top_k"]["baseline"] == 50 and keys["generation_config.top_k"]["candidate"] == 5
-    assert keys["generation_config.genai.model.decoder.sliding_window.window_size"]["why"] == "no counterpart in the baseline's files"
-    orphan = Artifact.create("engine", d, cpu_exact.config, cpu_exact.parents, cpu_exact.meta | {"checkpoint_path": str(tmp_path / "gone")})
+    assert (
+        keys["generation_config.genai.model.decoder.sliding_window.window_size"]["why"]
+        == "no counterpart in the baseline's files"
+    )
+    orphan = Artifact.create(
+        "engine", d, cpu_exact.config, cpu_exact.parents, cpu_exact.meta | {"checkpoint_path": str(tmp_path / "gone")}
+    )
     arch = next(r for r in contract_gate(orphan, base_art, rows, ContractConfig()) if r.metric == "architecture")
     assert arch.verdict == "fail" and "not found" in arch.evidence["differences"][0]["candidate"]

@@ -1,4 +1,5 @@
 """Every quantization scheme and KV-cache option through the CLI, end to end on the tiny model: quantize, gate, register."""
+
 import itertools
 import json
 
@@ -8,14 +9,16 @@ from qgate.artifact import Artifact
 from qgate.cli.main import main
 
 # The tiny model's quantized Linears: 2 layers of q (64x64), k and v (32x64), o (64x64), gate and up (128x64), down (64x128).
-PARAMS = 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 2 * 128 * 64 + 64 * 128)      # 73,728 weights
-ROWS = 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64)                               # 1,024 output channels
+PARAMS = 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 2 * 128 * 64 + 64 * 128)  # 73,728 weights
+ROWS = 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64)  # 1,024 output channels
 GROUP = 32
 # Bits per weight from each format's layout (float32 scales, as the float32 baseline gives):
-BITS = {"awq-w4a16": 4 + 32 / GROUP + 4 / GROUP,     # int4 codes, a scale and an int4 zero point per group of 32
-        "gptq-w4a16": 4 + 32 / GROUP,                # symmetric: no zero point
-        "gptq-w8a16": 8 + 32 / GROUP,
-        "fp8-dynamic": 8 + 32 * ROWS / PARAMS}       # FP8 E4M3 codes and one scale per output channel
+BITS = {
+    "awq-w4a16": 4 + 32 / GROUP + 4 / GROUP,  # int4 codes, a scale and an int4 zero point per group of 32
+    "gptq-w4a16": 4 + 32 / GROUP,  # symmetric: no zero point
+    "gptq-w8a16": 8 + 32 / GROUP,
+    "fp8-dynamic": 8 + 32 * ROWS / PARAMS,
+}  # FP8 E4M3 codes and one scale per output channel
 CASES = list(itertools.product(BITS, (None, "fp8", "int8")))
 
 
@@ -28,7 +31,8 @@ def setting(tmp_path_factory, calib_arts):
         "registry: {model_name: every}\ngates:\n"
         "  shadow: {max_new_tokens: 4, max_prompt_tokens: 32, kl_p99_max: null, kl_mean_max: 10.0, top1_agreement_min: 0.0}\n"
         "  eval: {tasks: [bigbench_general_knowledge], limit: 8, min_recovery: 0.0, max_bpb_increase: null}\n"
-        "  long_context: {max_documents: 2, max_nll_increase: 10.0}\n")
+        "  long_context: {max_documents: 2, max_nll_increase: 10.0}\n"
+    )
     return {"dir": d, "spec": spec, "store": d / "store", "cache": d / "cache"}
 
 
@@ -37,8 +41,19 @@ def test_every_scheme_quantizes_gates_and_registers(base_art, calib_arts, settin
     from mlflow import MlflowClient
 
     out, gate = setting["dir"] / f"{scheme}-{kv}", setting["dir"] / f"{scheme}-{kv}-gate"
-    argv = ["quantize", "--model", str(base_art.path), "--scheme", scheme, "--out", str(out), "--calib",
-            str(calib_arts["calib"].path), "--max-seq-length", "64"]
+    argv = [
+        "quantize",
+        "--model",
+        str(base_art.path),
+        "--scheme",
+        scheme,
+        "--out",
+        str(out),
+        "--calib",
+        str(calib_arts["calib"].path),
+        "--max-seq-length",
+        "64",
+    ]
     argv += [] if scheme == "fp8-dynamic" else ["--group-size", str(GROUP)]
     argv += ["--kv-cache", kv] if kv else []
     assert main(argv) == 0, capsys.readouterr().err
@@ -52,15 +67,45 @@ def test_every_scheme_quantizes_gates_and_registers(base_art, calib_arts, settin
         kv_scheme = json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
         assert kv_scheme["num_bits"] == 8 and kv_scheme["type"] == {"fp8": "float", "int8": "int"}[kv]
 
-    rc = main(["gate", "--candidate", str(out), "--baseline", str(base_art.path), "--shadow", str(calib_arts["shadow"].path),
-               "--out", str(gate), "--spec", str(setting["spec"]), "--cache", str(setting["cache"])])
+    rc = main(
+        [
+            "gate",
+            "--candidate",
+            str(out),
+            "--baseline",
+            str(base_art.path),
+            "--shadow",
+            str(calib_arts["shadow"].path),
+            "--out",
+            str(gate),
+            "--spec",
+            str(setting["spec"]),
+            "--cache",
+            str(setting["cache"]),
+        ]
+    )
     report = json.loads((gate / "report.json").read_text())
     assert rc == 0 and report["verdict"] == "pass", [r["metric"] for r in report["results"] if r["verdict"] != "pass"]
     assert all(r["verdict"] == "pass" for r in report["results"] if r["gate"] == "contract")
     assert {r["gate"] for r in report["results"]} >= {"contract", "shadow", "long_context", "eval", "perf"}
 
     capsys.readouterr()
-    assert main(["register", "--gate", str(gate), "--candidate", str(out), "--model", "every", "--store", str(setting["store"])]) == 0
+    assert (
+        main(
+            [
+                "register",
+                "--gate",
+                str(gate),
+                "--candidate",
+                str(out),
+                "--model",
+                "every",
+                "--store",
+                str(setting["store"]),
+            ]
+        )
+        == 0
+    )
     version = capsys.readouterr().out.split("version ")[1].split()[0]
     uri = f"sqlite:///{setting['store'] / 'mlflow.db'}"
     tags = MlflowClient(uri, uri).get_model_version("every", version).tags

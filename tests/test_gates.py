@@ -12,7 +12,9 @@ from qgate.gates.run import GateConfig, run_gates
 from qgate.gates.shadow import ShadowConfig, baseline_reference, candidate_metrics
 from qgate.gates.stats import cluster_bootstrap, holm, mcnemar_exact, paired_binary_ci, quantile_ci
 
-FAST = GateConfig(shadow=ShadowConfig(max_new_tokens=20, max_prompt_tokens=64), eval=EvalConfig(limit=12))  # 24 x 20 answer tokens: enough to bound p99
+FAST = GateConfig(
+    shadow=ShadowConfig(max_new_tokens=20, max_prompt_tokens=64), eval=EvalConfig(limit=12)
+)  # 24 x 20 answer tokens: enough to bound p99
 
 
 class CountingRunner:
@@ -52,7 +54,7 @@ def test_topk_kl_is_a_lower_bound_and_exact_with_full_vocab(base_art, w8_art, ca
     # direct full-vocabulary KL on the same sequences
     start, direct = 0, []
     for n in ref_full["seq_lens"]:
-        seq = ref_full["tokens"][start:start + n].tolist()
+        seq = ref_full["tokens"][start : start + n].tolist()
         lp, lq = tiny.log_softmax64(base.logits(seq)[:-1]), tiny.log_softmax64(cand.logits(seq)[:-1])
         direct.append((np.exp(lp) * (lp - lq)).sum(-1))
         start += n
@@ -71,9 +73,13 @@ def test_candidate_identical_to_baseline_passes_with_zero_disagreement(base_art,
     by = {r["metric"]: r for r in report["results"]}
     mc = [r for r in report["results"] if r["metric"].endswith(".recovery")]
     assert len(mc) == 6 and all(r["verdict"] == "inconclusive" and r["ci"][0] < 0.9 < 1.0 < r["ci"][1] for r in mc)
-    assert {r["verdict"] for r in report["results"]} == {"pass", "info", "inconclusive"} and report["verdict"] == "inconclusive"
-    pooled = GateConfig(shadow=FAST.shadow, eval=EvalConfig(limit=40, pool=True))        # 240 items, one check
-    art = run_gates(base_art, base_art, calib_arts["shadow"], pooled, workdir / "gate-self-pooled", workdir / "cache-self")
+    assert {r["verdict"] for r in report["results"]} == {"pass", "info", "inconclusive"} and report[
+        "verdict"
+    ] == "inconclusive"
+    pooled = GateConfig(shadow=FAST.shadow, eval=EvalConfig(limit=40, pool=True))  # 240 items, one check
+    art = run_gates(
+        base_art, base_art, calib_arts["shadow"], pooled, workdir / "gate-self-pooled", workdir / "cache-self"
+    )
     pooled_report = json.loads((art.path / "report.json").read_text())
     assert pooled_report["passed"] is True and art.meta["passed"] is True
     assert {r["metric"]: r for r in pooled_report["results"]}["mc_pooled.recovery"]["ci"][0] > 0.9
@@ -83,8 +89,11 @@ def test_candidate_identical_to_baseline_passes_with_zero_disagreement(base_art,
     assert by["bigbench_general_knowledge.recovery"]["evidence"]["flip_rate"] == 0.0
     assert abs(by["chatterbot_ppl.bpb_increase"]["observed"]) < 1e-6
     # the baseline cache keeps each item's chosen answer and gold index, and acc is exactly their agreement
-    caches = [json.loads(p.read_text())["bigbench_general_knowledge"] for p in (workdir / "cache-self").glob("eval-baseline-*.json")]
-    assert sorted(len(c["per_item"]) for c in caches) == [12, 40]            # one per limit
+    caches = [
+        json.loads(p.read_text())["bigbench_general_knowledge"]
+        for p in (workdir / "cache-self").glob("eval-baseline-*.json")
+    ]
+    assert sorted(len(c["per_item"]) for c in caches) == [12, 40]  # one per limit
     (gk,) = [c for c in caches if len(c["per_item"]) == 12]
     assert len(gk["chosen"]) == len(gk["gold"]) == len(gk["per_item"]) == 12
     assert [float(c == g) for c, g in zip(gk["chosen"], gk["gold"], strict=True)] == gk["per_item"]
@@ -135,24 +144,38 @@ def test_report_files_and_evidence(base_art, w8_art, calib_arts, workdir):
     lens = [len(tok(render(tok, r["messages"]), add_special_tokens=False)["input_ids"]) for r in rows]
     cut = sum(n > 64 for n in lens)
     s = report["shadow_scoring"]
-    assert 0 < cut < len(rows) and (s["prompts_cut"], s["longest_prompt_tokens"], s["max_prompt_tokens"]) == (cut, max(lens), 64)
+    assert 0 < cut < len(rows) and (s["prompts_cut"], s["longest_prompt_tokens"], s["max_prompt_tokens"]) == (
+        cut,
+        max(lens),
+        64,
+    )
     caveated = {r["metric"] for r in report["results"] if "caveat" in r["evidence"]}
     gated = {r["metric"] for r in report["results"] if r["gate"] == "shadow" and r["threshold"] is not None}
     assert caveated == gated - {"defined_logits"} and caveated >= {"kl_p99", "top1_agreement"}
     caveat = {r["evidence"]["caveat"] for r in report["results"] if "caveat" in r["evidence"]}
-    assert caveat == {f"{cut} of {len(rows)} shadow prompts are longer than gates.shadow.max_prompt_tokens (64; the longest has "
-                      f"{max(lens)} tokens) and were scored on their last 64 tokens: this evidence covers contexts of up to "
-                      "84 tokens, not those prompts whole"}
+    assert caveat == {
+        f"{cut} of {len(rows)} shadow prompts are longer than gates.shadow.max_prompt_tokens (64; the longest has "
+        f"{max(lens)} tokens) and were scored on their last 64 tokens: this evidence covers contexts of up to "
+        "84 tokens, not those prompts whole"
+    }
     assert f"{cut} of {len(rows)} prompts were cut</b>" in html
     from qgate.gates.markdown import version_description
 
     md = version_description(report, {}, "runs:/x").split("**Caveats**\n\n")[1].split("\n\n")[0]
     names = ", ".join(f"`shadow.{r['metric']}`" for r in report["results"] if r["metric"] in caveated)
-    assert md == f"- {names}: {caveat.pop()}"       # one line naming every check the caveat weakens
-    whole = run_gates(w8_art, base_art, calib_arts["shadow"], GateConfig(shadow=replace(FAST.shadow, max_prompt_tokens=max(lens)),
-                                                                         eval=None), workdir / "g-w8-whole", workdir / "cache-shared")
+    assert md == f"- {names}: {caveat.pop()}"  # one line naming every check the caveat weakens
+    whole = run_gates(
+        w8_art,
+        base_art,
+        calib_arts["shadow"],
+        GateConfig(shadow=replace(FAST.shadow, max_prompt_tokens=max(lens)), eval=None),
+        workdir / "g-w8-whole",
+        workdir / "cache-shared",
+    )
     whole_report = json.loads((whole.path / "report.json").read_text())
-    assert whole_report["shadow_scoring"]["prompts_cut"] == 0 and not any("caveat" in r["evidence"] for r in whole_report["results"])
+    assert whole_report["shadow_scoring"]["prompts_cut"] == 0 and not any(
+        "caveat" in r["evidence"] for r in whole_report["results"]
+    )
     assert "Every prompt was scored whole" in (whole.path / "report.html").read_text()
 
 
@@ -164,13 +187,15 @@ def test_three_verdicts_decided_on_the_confidence_interval():
     assert (bad.verdict, bad.passed) == ("fail", False)
     assert (straddles.verdict, straddles.passed) == ("inconclusive", False)
     # half-width 0.045 vs distance 0.01: about (0.045 / 0.01)^2 = 20x the items
-    assert straddles.n_to_decide == pytest.approx(400 * 4.5 ** 2, rel=1e-6)
+    assert straddles.n_to_decide == pytest.approx(400 * 4.5**2, rel=1e-6)
     assert straddles.mde == pytest.approx(0.09 / (2 * 1.959964) * (1.959964 + 0.841621), rel=1e-6)
     hi = GateResult.check("eval", "recovery", 0.95, 0.9, True, 69, ci=(0.80, 1.10))
     assert hi.verdict == "inconclusive" and "~" in hi.line() and "INCONCLUSIVE" in hi.line()
     assert GateResult.check("eval", "recovery", 0.7, 0.9, True, 69, ci=(0.6, 0.8)).verdict == "fail"
     # an unbounded upper end can fail a lower-is-better check but never pass it
-    assert GateResult.check("shadow", "kl_p999", 0.01, 0.1, False, 50, ci=(0.005, float("inf"))).verdict == "inconclusive"
+    assert (
+        GateResult.check("shadow", "kl_p999", 0.01, 0.1, False, 50, ci=(0.005, float("inf"))).verdict == "inconclusive"
+    )
     assert GateResult.check("shadow", "kl_p999", 0.5, 0.1, False, 50, ci=(0.3, float("inf"))).verdict == "fail"
     assert GateResult.check("x", "y", float("nan"), 0.1, False, 0).verdict == "error"
     err = GateResult.could_not_run("eval", "acc", "boom")
@@ -183,14 +208,14 @@ def test_three_verdicts_decided_on_the_confidence_interval():
 def test_quantile_interval_respects_clustering_and_refuses_to_bound_thin_tails():
     rng = np.random.default_rng(0)
     clusters = np.repeat(np.arange(48), 48)
-    truth = np.log(100)                  # p99 of Exp(1)
+    truth = np.log(100)  # p99 of Exp(1)
     hits = 0
     for _ in range(200):
         lo, hi, ev = quantile_ci(rng.exponential(1.0, clusters.size), clusters, 0.99)
         hits += lo <= truth <= hi
-    assert hits / 200 >= 0.93           # nominal 95%
+    assert hits / 200 >= 0.93  # nominal 95%
     x = rng.exponential(1.0, clusters.size)
-    lo, hi, ev = quantile_ci(x, clusters, 0.999)   # 2,304 tokens < 3,688 needed: p99.9 cannot be bounded above
+    lo, hi, ev = quantile_ci(x, clusters, 0.999)  # 2,304 tokens < 3,688 needed: p99.9 cannot be bounded above
     assert hi == float("inf") and ev["min_n_effective"] == 3688 and "cannot bound" in ev["unbounded_because"]
     # the whole tail inside 3 prompts: a large design effect, fewer effective tokens, a wider interval
     y = x.copy()
@@ -199,7 +224,7 @@ def test_quantile_interval_respects_clustering_and_refuses_to_bound_thin_tails()
     _, hi_i, ev_i = quantile_ci(y, np.arange(y.size), 0.99)
     assert ev_c["design_effect"] > 3 and ev_c["n_effective"] < ev_i["n_effective"] and hi_c >= hi_i
     lo, hi, _ = quantile_ci(np.repeat([3.84], 2304) + rng.normal(0, 1e-3, 2304), clusters, 0.99)
-    assert hi > lo                       # no zero-width intervals
+    assert hi > lo  # no zero-width intervals
 
 
 def test_mcnemar_and_paired_ci_known_values():
@@ -207,25 +232,25 @@ def test_mcnemar_and_paired_ci_known_values():
     cand = np.array([0] * 8 + [1] * 2 + [0] * 10, bool)  # 8 lost, 0 gained
     t = mcnemar_exact(base, cand)
     assert (t["lost"], t["gained"], t["flip_rate"]) == (8, 0, 0.4)
-    assert abs(t["p_value"] - 2 * 0.5 ** 8) < 1e-12
+    assert abs(t["p_value"] - 2 * 0.5**8) < 1e-12
     m, lo, hi = paired_binary_ci(base, cand)
     assert m == -0.4 and hi < 0 < 1 + lo
 
 
 def test_paired_accuracy_interval_never_has_zero_width_and_covers():
-    same = np.array([1] * 31 + [0] * 38, bool)                     # 69 items, no discordant pair
+    same = np.array([1] * 31 + [0] * 38, bool)  # 69 items, no discordant pair
     m, lo, hi = paired_binary_ci(same, same)
-    assert m == 0 and -0.04 < lo < -0.02 and 0.02 < hi < 0.04     # about +-2/(n+2), not [0, 0]
+    assert m == 0 and -0.04 < lo < -0.02 and 0.02 < hi < 0.04  # about +-2/(n+2), not [0, 0]
     rng = np.random.default_rng(1)
     hits = 0
-    for _ in range(2000):                                          # true loss 2 points: 3% lost, 1% gained
+    for _ in range(2000):  # true loss 2 points: 3% lost, 1% gained
         u = rng.random(300)
         base = u < 0.5
         cand = base.copy()
         cand[u < 0.03], cand[(u >= 0.5) & (u < 0.51)] = False, True
         _, lo, hi = paired_binary_ci(base, cand)
         hits += lo <= -0.02 <= hi
-    assert 0.93 <= hits / 2000 <= 0.975                           # nominal 95%
+    assert 0.93 <= hits / 2000 <= 0.975  # nominal 95%
 
 
 def test_cluster_bootstrap_covers_truth():
@@ -239,9 +264,17 @@ def test_cluster_bootstrap_covers_truth():
 def _eval_cfg(tasks, **kw) -> EvalConfig:
     """An EvalConfig over synthetic task names (the real constructor checks names against shipped tasks)."""
     cfg = EvalConfig.__new__(EvalConfig)
-    for k, v in ({"tasks": tasks, "limit": None, "min_recovery": 0.9, "max_bpb_increase": 0.05, "pool": False,
-                  "significant_loss_alpha": None}
-                 | kw).items():
+    for k, v in (
+        {
+            "tasks": tasks,
+            "limit": None,
+            "min_recovery": 0.9,
+            "max_bpb_increase": 0.05,
+            "pool": False,
+            "significant_loss_alpha": None,
+        }
+        | kw
+    ).items():
         object.__setattr__(cfg, k, v)
     return cfg
 
@@ -254,15 +287,18 @@ def test_pooled_tasks_decide_what_each_small_task_cannot():
     for t in ("a", "b", "c"):
         b = rng.random(70) < 0.6
         c = b.copy()
-        c[np.nonzero(b)[0][:6]] = False          # 6 losses
-        base[t], cand[t] = {"kind": "mc", "per_item": b.astype(float).tolist()}, {"kind": "mc", "per_item": c.astype(float).tolist()}
+        c[np.nonzero(b)[0][:6]] = False  # 6 losses
+        base[t], cand[t] = (
+            {"kind": "mc", "per_item": b.astype(float).tolist()},
+            {"kind": "mc", "per_item": c.astype(float).tolist()},
+        )
     alone = eval_gate(base, cand, _eval_cfg(("a", "b", "c"), min_recovery=0.95))
     assert [r.verdict for r in alone] == ["inconclusive"] * 3
     pooled = eval_gate(base, cand, _eval_cfg(("a", "b", "c"), min_recovery=0.95, pool=True))
     assert pooled[0].metric == "mc_pooled.recovery" and pooled[0].n == 210 and pooled[0].verdict == "fail"
     assert pooled[0].ci[1] < 0.95 and pooled[0].decided_on == "ci"
     assert pooled[0].evidence["lost"] == 18 and pooled[0].evidence["tasks"] == ["a", "b", "c"]
-    assert [(r.verdict, r.decided_on) for r in pooled[1:]] == [("info", "holm-guard")] * 3   # none alone below 0.95
+    assert [(r.verdict, r.decided_on) for r in pooled[1:]] == [("info", "holm-guard")] * 3  # none alone below 0.95
     assert pooled[0].mde < min(r.mde for r in alone)
 
 
@@ -275,7 +311,10 @@ def _six_tasks(losses: dict[str, tuple[int, int]], seed: int = 0) -> tuple[dict,
         b = rng.random(300) < 0.5
         c = b.copy()
         c[np.nonzero(b)[0][:lost]], c[np.nonzero(~b)[0][:gained]] = False, True
-        base[t], cand[t] = {"kind": "mc", "per_item": b.astype(float).tolist()}, {"kind": "mc", "per_item": c.astype(float).tolist()}
+        base[t], cand[t] = (
+            {"kind": "mc", "per_item": b.astype(float).tolist()},
+            {"kind": "mc", "per_item": c.astype(float).tolist()},
+        )
     return base, cand
 
 
@@ -289,7 +328,7 @@ def test_pooling_does_not_hide_a_loss_beyond_the_margin_in_one_task():
     assert (pooled.verdict, pooled.decided_on, pooled.evidence["lost"]) == ("pass", "ci", 60)
     assert (a.verdict, a.decided_on, a.threshold) == ("fail", "holm-guard", 0.85) and a.ci[1] < 0.85
     assert a.evidence["holm_step"] == 1 and a.evidence["adjusted_level"] == pytest.approx(1 - 0.05 / 6)
-    assert a.ci[0] < a.evidence["ci_95_unadjusted"][0] and a.evidence["p_holm"] < 0.025    # wider than the 95% CI
+    assert a.ci[0] < a.evidence["ci_95_unadjusted"][0] and a.evidence["p_holm"] < 0.025  # wider than the 95% CI
     assert "lies wholly below 0.85" in a.line()
     assert [res[f"{t}.recovery"].verdict for t in "bcdef"] == ["info"] * 5
 
@@ -304,7 +343,9 @@ def test_the_task_guard_follows_the_margin_not_a_test_against_zero_loss():
     assert a.evidence["p_loss"] < 1e-5 and a.observed > 0.85 and a.verdict == "info" and a.passed
     for lost in range(30, 60):
         base, cand = _six_tasks({"a": (lost, 0)})
-        a = {r.metric: r for r in eval_gate(base, cand, _eval_cfg(tuple("abcdef"), min_recovery=0.85, pool=True))}["a.recovery"]
+        a = {r.metric: r for r in eval_gate(base, cand, _eval_cfg(tuple("abcdef"), min_recovery=0.85, pool=True))}[
+            "a.recovery"
+        ]
         if a.evidence["ci_95_unadjusted"][1] < 0.85 <= a.ci[1]:
             break
     else:
@@ -326,10 +367,14 @@ def test_eval_recovery_is_decided_on_its_interval_alone():
     assert (r.verdict, r.decided_on) == ("pass", "ci")
     r, loss = eval_gate(base, cand, _eval_cfg(("t",), min_recovery=0.5, significant_loss_alpha=0.05))
     assert r.verdict == "pass" and loss.metric == "t.no_significant_loss"
-    assert loss.observed == pytest.approx(0.5 ** 15) and (loss.verdict, loss.decided_on, loss.threshold) == ("fail", "point", 0.05)
+    assert loss.observed == pytest.approx(0.5**15) and (loss.verdict, loss.decided_on, loss.threshold) == (
+        "fail",
+        "point",
+        0.05,
+    )
     pooled = eval_gate(base, cand, _eval_cfg(("t",), min_recovery=0.5, pool=True, significant_loss_alpha=0.05))
     assert [x.metric for x in pooled] == ["mc_pooled.recovery", "mc_pooled.no_significant_loss", "t.recovery"]
-    gain = {"t": {"kind": "mc", "per_item": [1.0] * 60 + [1.0] * 15 + [0.0] * 25}}   # 15 gained: no loss to find
+    gain = {"t": {"kind": "mc", "per_item": [1.0] * 60 + [1.0] * 15 + [0.0] * 25}}  # 15 gained: no loss to find
     assert eval_gate(base, gain, _eval_cfg(("t",), min_recovery=0.5, significant_loss_alpha=0.05))[1].verdict == "pass"
     with pytest.raises(ConfigError, match="significant_loss_alpha"):
         EvalConfig(significant_loss_alpha=1.5)
@@ -343,13 +388,26 @@ def test_label_biased_tasks_are_flagged_and_the_pooled_check_states_its_power_wi
     chosen_b = np.where(rng.random(400) < 0.95, 0, 1)
     gold_k = rng.integers(0, 4, 200)
     chosen_k = np.where(rng.random(200) < 0.7, gold_k, (gold_k + 1) % 4)
-    base = {"bias": {"kind": "mc", "per_item": (chosen_b == gold_b).astype(float).tolist(), "chosen": chosen_b.tolist(),
-                     "gold": gold_b.tolist()},
-            "know": {"kind": "mc", "per_item": (chosen_k == gold_k).astype(float).tolist(), "chosen": chosen_k.tolist(),
-                     "gold": gold_k.tolist()}}
+    base = {
+        "bias": {
+            "kind": "mc",
+            "per_item": (chosen_b == gold_b).astype(float).tolist(),
+            "chosen": chosen_b.tolist(),
+            "gold": gold_b.tolist(),
+        },
+        "know": {
+            "kind": "mc",
+            "per_item": (chosen_k == gold_k).astype(float).tolist(),
+            "chosen": chosen_k.tolist(),
+            "gold": gold_k.tolist(),
+        },
+    }
     c_know = (chosen_k == gold_k).copy()
-    c_know[np.nonzero(c_know)[0][:10]] = False   # the candidate loses 10 of the items it knew
-    cand = {"bias": {"kind": "mc", "per_item": base["bias"]["per_item"]}, "know": {"kind": "mc", "per_item": c_know.astype(float).tolist()}}
+    c_know[np.nonzero(c_know)[0][:10]] = False  # the candidate loses 10 of the items it knew
+    cand = {
+        "bias": {"kind": "mc", "per_item": base["bias"]["per_item"]},
+        "know": {"kind": "mc", "per_item": c_know.astype(float).tolist()},
+    }
     pooled, bias, know = eval_gate(base, cand, _eval_cfg(("bias", "know"), min_recovery=0.9, pool=True))
     lb = bias.evidence["label_bias"]
     assert lb["flagged"] and lb["index"] == 0 and 0.93 < lb["share"] < 0.97 and 0.45 < lb["gold_share"] < 0.55
@@ -358,7 +416,7 @@ def test_label_biased_tasks_are_flagged_and_the_pooled_check_states_its_power_wi
     inf = pooled.evidence["informative"]
     assert pooled.n == 600 and inf["n"] == 200 and pooled.evidence["label_biased_tasks"] == ["bias"]
     assert inf["observed"] == pytest.approx(c_know.mean() / (chosen_k == gold_k).mean())
-    assert inf["mde"] > pooled.mde   # fewer items that can show a loss: less power than the pooled n suggests
+    assert inf["mde"] > pooled.mde  # fewer items that can show a loss: less power than the pooled n suggests
     assert "400 items come from tasks the baseline answers by label bias (bias)" in pooled.evidence["caveat"]
     # a task with no chosen answers recorded (an older cache) is neither flagged nor counted against the pool
     old = {t: {"kind": "mc", "per_item": base[t]["per_item"]} for t in base}
@@ -367,11 +425,20 @@ def test_label_biased_tasks_are_flagged_and_the_pooled_check_states_its_power_wi
     from qgate.cli.output import checks
     from qgate.gates.markdown import version_description
 
-    report = {"candidate": {"name": "c"}, "verdict": pooled.verdict, "inputs": {}, "results": [r.to_dict() for r in (pooled, bias, know)]}
+    report = {
+        "candidate": {"name": "c"},
+        "verdict": pooled.verdict,
+        "inputs": {},
+        "results": [r.to_dict() for r in (pooled, bias, know)],
+    }
     md = version_description(report, {}, "runs:/x")
     assert "**Caveats**" in md and "`eval.mc_pooled.recovery`: 400 items come from" in md
-    assert "bias.recovery" not in md.split("**Caveats**")[1].split("**Lineage**")[0]   # report-only rows: in the full report
-    assert checks(report["results"])[0].caveat == pooled.evidence["caveat"] and checks(report["results"])[2].caveat is None
+    assert (
+        "bias.recovery" not in md.split("**Caveats**")[1].split("**Lineage**")[0]
+    )  # report-only rows: in the full report
+    assert (
+        checks(report["results"])[0].caveat == pooled.evidence["caveat"] and checks(report["results"])[2].caveat is None
+    )
 
 
 def test_task_files_are_plain_yaml_with_shipped_data():
@@ -387,8 +454,8 @@ def test_runner_lm_batched_and_shared_context_scores_match_single_sequences(base
 
     runner = load_runner(base_art)
     shared, prefix = tiny.check_lm_scores(runner)
-    assert shared == 9   # the choices of all four multiple-choice contexts went through the shared-context path
-    assert prefix >= 8   # and the instructions two of them share were computed once
+    assert shared == 9  # the choices of all four multiple-choice contexts went through the shared-context path
+    assert prefix >= 8  # and the instructions two of them share were computed once
 
 
 @pytest.mark.parametrize("forward_cost", [0, 10**6])
@@ -396,7 +463,7 @@ def test_runner_lm_scores_match_with_every_continuation_length_alone_or_all_padd
     from qgate.engines.runners import load_runner
 
     runner = load_runner(base_art)
-    runner.FORWARD_COST = forward_cost    # 0: one forward per continuation length; huge: one padded forward per batch
+    runner.FORWARD_COST = forward_cost  # 0: one forward per continuation length; huge: one padded forward per batch
     assert tiny.check_lm_scores(runner)[0] == 9
 
 
@@ -415,9 +482,12 @@ def test_length_groups_is_the_cheapest_grouping():
         fc = rng.choice([0, 3, 24, 500])
         got = length_groups(lengths, fc)
         ls = sorted(set(lengths))
-        assert [x for lo, hi in got for x in ls if lo <= x <= hi] == ls     # every length in exactly one group
-        best = min(cost([(ls[a], ls[b - 1]) for a, b in zip((0, *cuts), (*cuts, len(ls)))], lengths, fc)
-                   for k in range(len(ls)) for cuts in itertools.combinations(range(1, len(ls)), k))
+        assert [x for lo, hi in got for x in ls if lo <= x <= hi] == ls  # every length in exactly one group
+        best = min(
+            cost([(ls[a], ls[b - 1]) for a, b in zip((0, *cuts), (*cuts, len(ls)))], lengths, fc)
+            for k in range(len(ls))
+            for cuts in itertools.combinations(range(1, len(ls)), k)
+        )
         assert cost(got, lengths, fc) == best
     assert length_groups([], 24) == []
     assert length_groups([1, 1, 9], 0) == [(1, 1), (9, 9)] and length_groups([1, 1, 9], 10**6) == [(1, 9)]
@@ -429,10 +499,10 @@ def test_prefix_runs_group_contexts_by_what_they_share():
     a, b, c = (1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 9), (1, 2, 3, 4)
     runs = prefix_runs([a, (7, 8), b, c, (7, 9, 9)], 3)
     assert sorted(runs) == [(0, [(7, 8), (7, 9, 9)]), (3, sorted([a, b, c]))]
-    assert prefix_runs([a, b], 5) == [(0, [a, b])]            # sharing 4 tokens is below the minimum
-    assert prefix_runs([a, a[:5]], 2) == [(4, [a[:5], a])]      # each member keeps a token after the prefix
+    assert prefix_runs([a, b], 5) == [(0, [a, b])]  # sharing 4 tokens is below the minimum
+    assert prefix_runs([a, a[:5]], 2) == [(4, [a[:5], a])]  # each member keeps a token after the prefix
     assert prefix_runs([], 2) == []
-    assert prefix_runs([a, b, c, (7, 8)], 3, min_saved=7) == [(0, sorted([a, b, c, (7, 8)]))]   # saves 2 x 3 < 7 tokens
+    assert prefix_runs([a, b, c, (7, 8)], 3, min_saved=7) == [(0, sorted([a, b, c, (7, 8)]))]  # saves 2 x 3 < 7 tokens
     assert prefix_runs([a, b, c], 3, min_saved=6)[0] == (3, sorted([a, b, c]))
 
 
@@ -446,8 +516,8 @@ def test_encode_with_sources_marks_traffic_tokens_not_template(base_art):
     ids, flags = encode_with_sources(tok, msgs, 64)
     assert ids == encode_messages(tok, msgs, 64)
     text = "".join(tok.decode([i]) for i, f in zip(ids, flags) if f)
-    assert text.strip() == "why the cat dog"                  # every traffic token, and only those
-    assert not flags[0] and not flags[-1]                     # <|im_start|> ... assistant\n are the template's
+    assert text.strip() == "why the cat dog"  # every traffic token, and only those
+    assert not flags[0] and not flags[-1]  # <|im_start|> ... assistant\n are the template's
 
 
 def _synthetic(template_kl: float):
@@ -458,14 +528,25 @@ def _synthetic(template_kl: float):
     for p in range(40):
         seqs.append([1, 2, 3, 4] + [10 + p, 11 + p, 12 + p] + [50 + p + j for j in range(5)])
         cls.append([TEMPLATE] * 4 + [PROMPT] * 3 + [ANSWER] * 5)
-    ref = {"tokens": np.concatenate(seqs), "seq_lens": np.array([12] * 40), "prompt_lens": np.array([7] * 40),
-           "token_class": np.concatenate(cls).astype(np.int8), "prompt_of": np.repeat(np.arange(40), 11)}
+    ref = {
+        "tokens": np.concatenate(seqs),
+        "seq_lens": np.array([12] * 40),
+        "prompt_lens": np.array([7] * 40),
+        "token_class": np.concatenate(cls).astype(np.int8),
+        "prompt_of": np.repeat(np.arange(40), 11),
+    }
     rng = np.random.default_rng(0)
     kl = rng.exponential(0.001, 40 * 11)
     pos_cls = np.concatenate([c[1:] for c in cls])
-    kl[pos_cls == TEMPLATE] = template_kl       # a default system prompt the candidate reads badly
-    m = {"kl": kl, "agree": pos_cls != TEMPLATE, "tail": np.zeros_like(kl), "undefined": np.zeros(len(kl), bool),
-         "first_div": np.full(40, 5), "gen_lens": np.full(40, 5)}
+    kl[pos_cls == TEMPLATE] = template_kl  # a default system prompt the candidate reads badly
+    m = {
+        "kl": kl,
+        "agree": pos_cls != TEMPLATE,
+        "tail": np.zeros_like(kl),
+        "undefined": np.zeros(len(kl), bool),
+        "first_div": np.full(40, 5),
+        "gen_lens": np.full(40, 5),
+    }
     return m, ref
 
 
@@ -476,12 +557,12 @@ def test_shadow_gate_scores_traffic_not_template_boilerplate():
     cfg = ShadowConfig(kl_p99_max=0.5, top1_agreement_min=0.9)
     results, scored, gated = shadow_gate(m, ref, cfg)
     by = {r.metric: r for r in results}
-    assert scored["template_positions_excluded"] == 40 * 3      # positions predicting template tokens 2..4
+    assert scored["template_positions_excluded"] == 40 * 3  # positions predicting template tokens 2..4
     assert scored["answer_positions"] == 200 and scored["traffic_prompt_positions"] == 120
     assert scored["gated_positions"] == 200 == gated.sum() and scored["positions"] == "answer"
     assert by["kl_p99"].observed < 0.01 and by["top1_agreement"].observed == 1.0 and by["kl_p99"].n == 200
     assert by["prompt.kl_p99"].verdict == "info" and by["prompt.kl_p99"].n == 120
-    assert by["kl_p999"].ci[1] == float("inf")                   # 200 tokens cannot bound p99.9
+    assert by["kl_p999"].ci[1] == float("inf")  # 200 tokens cannot bound p99.9
     both, scored2, _ = shadow_gate(m, ref, ShadowConfig(positions="answer+prompt"))
     assert scored2["gated_positions"] == 320 and {"answer.kl_p99", "prompt.kl_p99"} <= {r.metric for r in both}
 
@@ -491,7 +572,7 @@ def test_repeated_prefixes_are_scored_once():
 
     m, ref = _synthetic(0.0)
     ref = dict(ref, tokens=ref["tokens"].copy())
-    ref["tokens"][12:24] = ref["tokens"][0:12]                    # prompt 1 repeats prompt 0 token for token
+    ref["tokens"][12:24] = ref["tokens"][0:12]  # prompt 1 repeats prompt 0 token for token
     cls, new = position_classes(ref)
     assert not new[11:22].any() and new[:11].all()
     assert set(cls[:11].tolist()) == {TEMPLATE, PROMPT, ANSWER}
@@ -506,12 +587,17 @@ def test_noise_floor_is_measured_cached_reported_and_guards_thresholds(base_art,
     report = json.loads((art.path / "report.json").read_text())
     floor = report["noise_floor"]
     assert floor["cached"] is False and "KV-cached decode" in floor["path"] and floor["baseline_score_seconds"] > 0
-    assert 0 < floor["kl_p99"]["observed"] < 1e-5 and floor["top1_agreement"]["observed"] > 0.99   # a second path, not a copy
+    assert (
+        0 < floor["kl_p99"]["observed"] < 1e-5 and floor["top1_agreement"]["observed"] > 0.99
+    )  # a second path, not a copy
     assert "Noise floor" in (art.path / "report.html").read_text()
     again = run_gates(base_art, base_art, calib_arts["shadow"], cfg, workdir / "g-floor2", workdir / "cache-floor")
     assert json.loads((again.path / "report.json").read_text())["noise_floor"]["cached"] is True
-    synthetic = {"path": "test", "kl_p99": {"observed": 0.02, "ci": [0.01, 0.03]},
-                 "top1_agreement": {"observed": 0.97, "ci": [0.95, 0.98]}}
+    synthetic = {
+        "path": "test",
+        "kl_p99": {"observed": 0.02, "ci": [0.01, 0.03]},
+        "top1_agreement": {"observed": 0.97, "ci": [0.95, 0.98]},
+    }
     with pytest.raises(ConfigError, match=r"kl_p99_max: 0.01 is tighter than the measured noise floor.*kl_p99 0.02"):
         check_thresholds(ShadowConfig(kl_p99_max=0.01, top1_agreement_min=None), synthetic)
     with pytest.raises(ConfigError, match=r"top1_agreement_min: 0.96 is tighter"):
@@ -525,10 +611,13 @@ def test_lm_eval_templates_compile_once_and_render_as_before():
 
     from qgate.gates.evalgate import _compile_templates_once
 
-    template, docs = "Q: {{question}}\nA: {{choices[label]}}", [{"question": f"q{i}", "choices": ["x", "y"], "label": i % 2} for i in range(50)]
+    template, docs = (
+        "Q: {{question}}\nA: {{choices[label]}}",
+        [{"question": f"q{i}", "choices": ["x", "y"], "label": i % 2} for i in range(50)],
+    )
     want = [lm_utils.env.from_string(template).render(**d) for d in docs]
     _compile_templates_once()
-    _compile_templates_once()     # idempotent: one wrapper, not a wrapper of a wrapper
+    _compile_templates_once()  # idempotent: one wrapper, not a wrapper of a wrapper
     assert getattr(lm_utils.apply_template, "compiles_once", False)
     assert [lm_utils.apply_template(template, d) for d in docs] == want
     assert want[1] == "Q: q1\nA: y"
@@ -543,7 +632,7 @@ def test_logits_that_define_no_distribution_score_as_infinitely_far_not_as_nan(r
     rng = np.random.default_rng(0)
     x = rng.normal(size=(12, 40)).astype(np.float32)
     clean = x.copy()
-    x[1, 3], x[2, 5], x[3, :], x[4, 7] = np.nan, np.inf, -np.inf, -np.inf   # row 4: one -inf logit, still defined
+    x[1, 3], x[2, 5], x[3, :], x[4, 7] = np.nan, np.inf, -np.inf, -np.inf  # row 4: one -inf logit, still defined
     ids, lp = top_k_logprobs(clean, 6)
     top1, picked = reduce_logits(x, ids)
     assert top1[1:4].tolist() == [UNDEFINED] * 3 and np.isneginf(picked[1:4]).all()
@@ -552,7 +641,7 @@ def test_logits_that_define_no_distribution_score_as_infinitely_far_not_as_nan(r
     assert (top1[same] == ref_top1[same]).all() and (picked[same] == ref_picked[same]).all()
     kl, _ = kl_with_tail(lp, picked)
     assert np.isposinf(kl[1:4]).all() and np.isfinite(kl[[0, 4] + same[1:]]).all() and 0 < kl[4] < np.inf
-    assert np.isnan(top_k_logprobs(x, 6)[1][1:4]).all()     # a baseline's undefined rows: NaN, refused by the gate
+    assert np.isnan(top_k_logprobs(x, 6)[1][1:4]).all()  # a baseline's undefined rows: NaN, refused by the gate
     assert quantile(kl, 0.5) == float(np.quantile(kl[np.isfinite(kl)].tolist() + [1e300] * 3, 0.5))
     assert quantile(kl, 0.99) == float("inf") and quantile([1.0, 2.0, np.inf], 0.5) == 2.0
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]
@@ -595,8 +684,10 @@ def test_a_candidate_with_a_nan_weight_fails_with_evidence_and_a_nan_baseline_is
     d = by["defined_logits"]
     total = report["shadow_scoring"]["total_positions"]
     assert (d["verdict"], d["observed"], d["n"]) == ("fail", 0.0, total) and d["evidence"] == {
-        "undefined_positions": total, "first": {"prompt": 0, "position": 0},
-        "why": f"{total} of {total} positions have NaN or +inf logits; the first: shadow prompt 0, position 0"}
+        "undefined_positions": total,
+        "first": {"prompt": 0, "position": 0},
+        "why": f"{total} of {total} positions have NaN or +inf logits; the first: shadow prompt 0, position 0",
+    }
     assert GateResult.from_dict(d).line().endswith(f"n={total}  ({d['evidence']['why']})")
     assert by["kl_p99"]["verdict"] == "fail" and by["kl_p99"]["observed"] == float("inf")
     assert by["kl_mean"]["observed"] == float("inf") and by["top1_agreement"]["observed"] == 0.0
@@ -606,6 +697,9 @@ def test_a_candidate_with_a_nan_weight_fails_with_evidence_and_a_nan_baseline_is
     assert rec["observed"] == 0.0 and rec["evidence"]["flip_rate"] > 0
     assert label_bias({"chosen": [NO_ANSWER] * 3, "gold": [0, 1, 2]}) is None
     assert label_bias({"chosen": [NO_ANSWER, 1, 1], "gold": [0, 1, 2]})["index"] == 1
-    with pytest.raises(InputError, match=r"tiny-nan: the baseline's logits define no distribution at (\d+) of \1 shadow "
-                                         r"positions \(NaN or \+inf logits\), the first at shadow prompt 0, position 0"):
+    with pytest.raises(
+        InputError,
+        match=r"tiny-nan: the baseline's logits define no distribution at (\d+) of \1 shadow "
+        r"positions \(NaN or \+inf logits\), the first at shadow prompt 0, position 0",
+    ):
         run_gates(base_art, cand, calib_arts["shadow"], cfg, workdir / "gate-nan-base", workdir / "cache-nan")

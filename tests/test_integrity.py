@@ -1,4 +1,5 @@
 """Integrity: caches and ledger entries are checked against their hashes before they are trusted."""
+
 import json
 from pathlib import Path
 
@@ -13,13 +14,13 @@ def test_cache_roundtrip_and_every_kind_of_damage(tmp_path, capsys):
     path = tmp_path / "c" / "x.json"
     write_cached(path, b'{"a": 1}')
     assert read_cached(path) == b'{"a": 1}'
-    path.write_bytes(b'{"a": 1')                       # truncated
+    path.write_bytes(b'{"a": 1')  # truncated
     assert read_cached(path) is None and not path.exists()
     assert "does not match its checksum" in capsys.readouterr().err
     write_cached(path, b'{"a": 1}')
-    path.write_bytes(b'{"a": 2}')                      # edited, same length
+    path.write_bytes(b'{"a": 2}')  # edited, same length
     assert read_cached(path) is None
-    path.write_bytes(b'{"a": 1}')                      # no checksum beside it
+    path.write_bytes(b'{"a": 1}')  # no checksum beside it
     assert read_cached(path) is None and "has no checksum" in capsys.readouterr().err
     assert read_cached(tmp_path / "missing") is None
     assert not list(tmp_path.rglob("*.tmp"))
@@ -28,8 +29,13 @@ def test_cache_roundtrip_and_every_kind_of_damage(tmp_path, capsys):
 def test_cached_arrays_are_views_of_the_checked_file_equal_to_np_load(tmp_path, capsys):
     import io
 
-    arrays = {"f32": np.arange(12, dtype=np.float32).reshape(3, 4), "i8": np.array([-1, 2], np.int8), "scalar": np.array(1.5),
-              "fortran": np.asfortranarray(np.arange(6, dtype=">i4").reshape(2, 3)), "empty": np.zeros((0, 5), np.int64)}
+    arrays = {
+        "f32": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "i8": np.array([-1, 2], np.int8),
+        "scalar": np.array(1.5),
+        "fortran": np.asfortranarray(np.arange(6, dtype=">i4").reshape(2, 3)),
+        "empty": np.zeros((0, 5), np.int64),
+    }
     for name, save in (("plain", np.savez), ("zipped", np.savez_compressed)):
         buf = io.BytesIO()
         save(buf, **arrays)
@@ -39,10 +45,10 @@ def test_cached_arrays_are_views_of_the_checked_file_equal_to_np_load(tmp_path, 
         assert sorted(got) == sorted(arrays)
         for k, a in arrays.items():
             assert got[k].dtype == a.dtype and got[k].shape == a.shape and np.array_equal(got[k], a), (name, k)
-        assert got["f32"].flags.writeable is (name == "zipped")   # stored members are views of the mapped file
+        assert got["f32"].flags.writeable is (name == "zipped")  # stored members are views of the mapped file
     path = tmp_path / "plain.npz"
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 1                          # one bit flipped
+    data[len(data) // 2] ^= 1  # one bit flipped
     path.write_bytes(bytes(data))
     assert read_cached_arrays(path) is None and not path.exists()
     assert "does not match its checksum" in capsys.readouterr().err
@@ -54,7 +60,7 @@ def test_truncated_baseline_cache_is_recomputed_not_used(base_art, calib_arts, t
     from qgate.gates.shadow import ShadowConfig, baseline_reference
 
     cfg = ShadowConfig(max_new_tokens=4, max_prompt_tokens=32, max_prompts=4)
-    factory = lambda: TorchRunner(base_art.path)   # noqa: E731
+    factory = lambda: TorchRunner(base_art.path)  # noqa: E731
     first, hit = baseline_reference(factory, base_art, calib_arts["shadow"], cfg, tmp_path)
     assert not hit
     again, hit = baseline_reference(factory, base_art, calib_arts["shadow"], cfg, tmp_path)
@@ -67,7 +73,7 @@ def test_truncated_baseline_cache_is_recomputed_not_used(base_art, calib_arts, t
     assert "recomputing" in capsys.readouterr().err
 
 
-class _Spec:   # the Runner needs only the workdir from a spec
+class _Spec:  # the Runner needs only the workdir from a spec
     workdir = "w"
 
     def path(self, p):
@@ -80,6 +86,7 @@ def _stage(r: Runner, out: Path, calls: list) -> Artifact:
         tmp.mkdir(parents=True)
         (tmp / "data.txt").write_text("payload")
         return Artifact.create("calibration-set", tmp, {"type": "T", "version": 1, "data": {}})
+
     return r.stage("s", {"k": 1}, out, build)
 
 
@@ -89,20 +96,20 @@ def test_ledger_entries_are_verified_before_a_stage_is_skipped(tmp_path):
     r = Runner(_Spec(), lines.append, workdir=w)
     art = _stage(r, w / "out", calls)
     _stage(Runner(_Spec(), lines.append, workdir=w), w / "out", calls)
-    assert len(calls) == 1                                        # unchanged: skipped
-    (w / "out" / "data.txt").write_text("edited")                 # edited after it was built
+    assert len(calls) == 1  # unchanged: skipped
+    (w / "out" / "data.txt").write_text("edited")  # edited after it was built
     again = _stage(Runner(_Spec(), lines.append, workdir=w), w / "out", calls)
     assert len(calls) == 2 and again.sha256 == art.sha256
     assert any("changed since it was built" in x for x in lines)
     ledger = json.loads((w / "stages.json").read_text())
-    ledger["s"]["paths"] = ["../../../etc"]                       # path traversal
+    ledger["s"]["paths"] = ["../../../etc"]  # path traversal
     (w / "stages.json").write_text(json.dumps(ledger))
     _stage(Runner(_Spec(), lines.append, workdir=w), w / "out", calls)
     assert len(calls) == 3 and any("points outside the workdir" in x for x in lines)
-    (w / "stages.json").write_text('{"s": {"key": ')             # a ledger cut short
+    (w / "stages.json").write_text('{"s": {"key": ')  # a ledger cut short
     _stage(Runner(_Spec(), lines.append, workdir=w), w / "out", calls)
     assert len(calls) == 4 and any("stages.json is unreadable" in x for x in lines)
-    assert sorted(p.name for p in w.iterdir()) == ["out", "stages.json"]     # no temporary directories left
+    assert sorted(p.name for p in w.iterdir()) == ["out", "stages.json"]  # no temporary directories left
     assert json.loads((w / "out" / "qgate-artifact.json").read_text())["path"] == str((w / "out").absolute())
 
 
@@ -110,7 +117,9 @@ def test_a_failed_build_leaves_the_previous_output_and_no_temporary(tmp_path):
     from qgate.artifact import build_atomically
 
     out = tmp_path / "out"
-    first = build_atomically(out, lambda t: (t.mkdir(), (t / "f").write_text("v1"), Artifact.create("engine", t, {}))[-1])
+    first = build_atomically(
+        out, lambda t: (t.mkdir(), (t / "f").write_text("v1"), Artifact.create("engine", t, {}))[-1]
+    )
 
     def broken(t: Path):
         t.mkdir()

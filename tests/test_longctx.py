@@ -1,4 +1,5 @@
 """Long-context gate: perplexity against the baseline by position window, out to the served context."""
+
 import importlib.util
 import json
 
@@ -6,8 +7,14 @@ import numpy as np
 import pytest
 
 from qgate.errors import ConfigError, InputError
-from qgate.gates.longctx import (DOCUMENTS, LongContextConfig, baseline_long_reference, load_documents, long_context_gate,
-                                 window_edges)
+from qgate.gates.longctx import (
+    DOCUMENTS,
+    LongContextConfig,
+    baseline_long_reference,
+    load_documents,
+    long_context_gate,
+    window_edges,
+)
 
 
 class Degrading:
@@ -36,7 +43,9 @@ def base_runner(base_art):
 
 @pytest.fixture(scope="module")
 def long_ref(base_art, base_runner, workdir):
-    return baseline_long_reference(lambda: base_runner, base_art, LongContextConfig(max_documents=4), workdir / "cache-long")
+    return baseline_long_reference(
+        lambda: base_runner, base_art, LongContextConfig(max_documents=4), workdir / "cache-long"
+    )
 
 
 def test_windows_double_up_to_the_served_context():
@@ -48,8 +57,10 @@ def test_damage_beyond_a_position_fails_only_the_windows_it_reaches(base_art, ba
     """The tiny model is served with 512 tokens: windows 1-64, 65-128, 129-256, 257-512. Damage from position 300 on
     leaves the first three windows exactly at the baseline (PASS) and fails the last."""
     ref, hit = long_ref
-    assert not hit and int(ref["context"]) == 512 and (ref["lens"] == 512).all()    # the shipped documents, cut at 512
-    results, cov = long_context_gate(Degrading(base_runner, 300), ref, LongContextConfig(max_documents=4), shadow_tokens=56)
+    assert not hit and int(ref["context"]) == 512 and (ref["lens"] == 512).all()  # the shipped documents, cut at 512
+    results, cov = long_context_gate(
+        Degrading(base_runner, 300), ref, LongContextConfig(max_documents=4), shadow_tokens=56
+    )
     by = {r.metric: r for r in results}
     assert list(by) == ["nll_increase.1-64", "nll_increase.65-128", "nll_increase.129-256", "nll_increase.257-512"]
     for m in list(by)[:3]:
@@ -57,11 +68,26 @@ def test_damage_beyond_a_position_fails_only_the_windows_it_reaches(base_art, ba
     far = by["nll_increase.257-512"]
     assert far.verdict == "fail" and far.ci[0] > 0.05 and far.evidence["documents"] == 4
     assert far.evidence["cand_nll_mean"] > far.evidence["base_nll_mean"]
-    assert cov == cov | {"served_context": 512, "documents": 4, "longest_document_tokens": 512, "documents_reaching_context": 4,
-                         "shadow_tokens": 56, "windows_not_scored": []} and "caveat" not in cov
+    assert (
+        cov
+        == cov
+        | {
+            "served_context": 512,
+            "documents": 4,
+            "longest_document_tokens": 512,
+            "documents_reaching_context": 4,
+            "shadow_tokens": 56,
+            "windows_not_scored": [],
+        }
+        and "caveat" not in cov
+    )
     # the baseline reference is cached: the next gate does not run the baseline again
-    again, hit = baseline_long_reference(lambda: pytest.fail("the baseline ran again"), base_art,
-                                         LongContextConfig(max_documents=4), workdir / "cache-long")
+    again, hit = baseline_long_reference(
+        lambda: pytest.fail("the baseline ran again"),
+        base_art,
+        LongContextConfig(max_documents=4),
+        workdir / "cache-long",
+    )
     assert hit and np.array_equal(again["base_nll"], ref["base_nll"])
 
 
@@ -70,7 +96,9 @@ def test_documents_shorter_than_the_served_context_say_how_much_is_not_evidenced
     check carries a caveat saying how far the evidence goes."""
     docs = tmp_path / "docs.jsonl"
     rows = load_documents(DOCUMENTS)[:3]
-    docs.write_text("".join(json.dumps({"text": " ".join(m["content"] for m in r["messages"])[:700]}) + "\n" for r in rows))
+    docs.write_text(
+        "".join(json.dumps({"text": " ".join(m["content"] for m in r["messages"])[:700]}) + "\n" for r in rows)
+    )
     cfg = LongContextConfig(documents=str(docs), context_tokens=2048, max_documents=3, windows=3)
     ref, _ = baseline_long_reference(lambda: base_runner, base_art, cfg, tmp_path / "c")
     reach = int(ref["lens"].max())
@@ -90,7 +118,9 @@ def test_a_candidate_whose_logits_break_at_long_range_fails_on_an_infinite_incre
                 x[400:] = np.nan
             return out
 
-    results, _ = long_context_gate(Broken(base_runner, 0), long_ref[0], LongContextConfig(max_documents=4), shadow_tokens=56)
+    results, _ = long_context_gate(
+        Broken(base_runner, 0), long_ref[0], LongContextConfig(max_documents=4), shadow_tokens=56
+    )
     far = results[-1]
     assert far.observed == float("inf") and far.verdict == "fail" and results[0].verdict == "pass"
 
@@ -110,8 +140,11 @@ def test_the_gate_runs_long_context_by_default_and_reports_the_coverage(base_art
     from qgate.gates.run import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig
 
-    cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=4, max_prompt_tokens=32, kl_p99_max=None, top1_agreement_min=None),
-                     eval=None, long_context=LongContextConfig(max_documents=2, max_nll_increase=None))
+    cfg = GateConfig(
+        shadow=ShadowConfig(max_new_tokens=4, max_prompt_tokens=32, kl_p99_max=None, top1_agreement_min=None),
+        eval=None,
+        long_context=LongContextConfig(max_documents=2, max_nll_increase=None),
+    )
     art = run_gates(w8_art, base_art, calib_arts["shadow"], cfg, workdir / "g-long", workdir / "cache-long-gate")
     report = json.loads((art.path / "report.json").read_text())
     rows = [r for r in report["results"] if r["gate"] == "long_context"]
@@ -150,13 +183,17 @@ def test_a_spec_names_its_documents_relative_to_itself(tmp_path):
 
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "docs.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
-    body = ("version: 1\nname: t\nworkdir: w\nmodel: {hf_dir: x}\ntraffic: t.jsonl\nvariants: [{name: a, scheme: awq-w4a16}]\n"
-            "registry: {model_name: m}\ngates:\n  long_context: {documents: sub/%s, max_documents: 2}\n")
+    body = (
+        "version: 1\nname: t\nworkdir: w\nmodel: {hf_dir: x}\ntraffic: t.jsonl\nvariants: [{name: a, scheme: awq-w4a16}]\n"
+        "registry: {model_name: m}\ngates:\n  long_context: {documents: sub/%s, max_documents: 2}\n"
+    )
     (tmp_path / "spec.yaml").write_text(body % "docs.jsonl")
     cfg = load_spec(tmp_path / "spec.yaml").gate_config().long_context
     assert cfg.documents == str(tmp_path / "sub" / "docs.jsonl") and cfg.max_documents == 2
     (tmp_path / "spec.yaml").write_text(body % "nope.jsonl")
-    with pytest.raises(ConfigError, match=r"gates.long_context: gates.long_context.documents: .*nope.jsonl is not a file"):
+    with pytest.raises(
+        ConfigError, match=r"gates.long_context: gates.long_context.documents: .*nope.jsonl is not a file"
+    ):
         load_spec(tmp_path / "spec.yaml").gate_config()
     (tmp_path / "spec.yaml").write_text(body.replace("{documents: sub/%s, max_documents: 2}", "null"))
     assert load_spec(tmp_path / "spec.yaml").gate_config().long_context is None

@@ -4,9 +4,9 @@ import subprocess
 import sys
 
 import pytest
+import tiny
 import yaml
 
-import tiny
 from qgate.cli.main import main
 from qgate.errors import ConfigError
 from qgate.pipeline.spec import load_spec
@@ -18,17 +18,37 @@ def _spec(tmp_path, workdir, **over):
         tiny.make_model(src)
     tiny.make_traffic(tmp_path / "traffic.jsonl", n=240, bad_lines={5: "{oops"})
     spec = {
-        "version": 1, "name": "tiny", "workdir": "work", "model": {"hf_dir": str(src)}, "traffic": "traffic.jsonl",
-        "calibrate": {"calib_size": 24, "shadow_size": 48},   # 48 prompts x 16 answer tokens: enough to bound p99
+        "version": 1,
+        "name": "tiny",
+        "workdir": "work",
+        "model": {"hf_dir": str(src)},
+        "traffic": "traffic.jsonl",
+        "calibrate": {"calib_size": 24, "shadow_size": 48},  # 48 prompts x 16 answer tokens: enough to bound p99
         "quantize": {"max_seq_length": 48},
         "variants": [
-            {"name": "awq-cpu", "scheme": "awq-w4a16", "options": {"group_size": 32}, "engine": {"backend": "cpu", "options": {"accuracy_level": 1}}},
+            {
+                "name": "awq-cpu",
+                "scheme": "awq-w4a16",
+                "options": {"group_size": 32},
+                "engine": {"backend": "cpu", "options": {"accuracy_level": 1}},
+            },
             {"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}},
         ],
-        "gates": {"shadow": {"max_new_tokens": 16, "max_prompt_tokens": 48, "kl_p99_max": None, "kl_mean_max": 0.005,
-                             "top1_agreement_min": 0.8},
-                  "eval": {"tasks": ["bigbench_general_knowledge", "chatterbot_ppl"], "limit": 69, "min_recovery": 0.5,
-                           "max_bpb_increase": 0.2}},
+        "gates": {
+            "shadow": {
+                "max_new_tokens": 16,
+                "max_prompt_tokens": 48,
+                "kl_p99_max": None,
+                "kl_mean_max": 0.005,
+                "top1_agreement_min": 0.8,
+            },
+            "eval": {
+                "tasks": ["bigbench_general_knowledge", "chatterbot_ppl"],
+                "limit": 69,
+                "min_recovery": 0.5,
+                "max_bpb_increase": 0.2,
+            },
+        },
         "registry": {"model_name": "tiny-llm", "store": "mlflow"},
     }
     spec.update(over)
@@ -48,13 +68,13 @@ def test_pipeline_end_to_end_promotes_the_passing_variant_and_skips_on_rerun(tmp
     assert by["w8"]["passed"] and not by["awq-cpu"]["passed"]
     assert by["awq-cpu"]["backend"] == "cpu" and "kl_mean" in by["awq-cpu"]["failed_checks"]
     assert summary["promoted"]["variant"] == "w8"
-    assert (tmp_path / "work/calib/profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"   # the traffic, pictured
+    assert (tmp_path / "work/calib/profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the traffic, pictured
     client = MlflowClient(summary["tracking_uri"])
     assert str(client.get_model_version_by_alias("tiny-llm", "production").version) == by["w8"]["version"]
     assert len(client.search_model_versions("name='tiny-llm'")) == 2
     out = capsys.readouterr()
     assert "promoted w8 as tiny-llm" in out.out and "mlflow ui --backend-store-uri" in out.out
-    assert out.err.index("+ noise floor: KL p99") < out.err.index("> quantize:")   # thresholds checked before quantizing
+    assert out.err.index("+ noise floor: KL p99") < out.err.index("> quantize:")  # thresholds checked before quantizing
     first_seconds = summary["stage_seconds"]
     assert set(first_seconds) == set(summary["stages_run"]) and len(first_seconds) == 7
     assert all(v >= 0 for v in first_seconds.values()) and first_seconds["quantize:awq-cpu"] > 0
@@ -66,40 +86,71 @@ def test_pipeline_end_to_end_promotes_the_passing_variant_and_skips_on_rerun(tmp
     assert len(client.search_model_versions("name='tiny-llm'")) == 2
     again = json.loads((tmp_path / "work/summary.json").read_text())
     assert again["stage_seconds"] == first_seconds and again["stages_run"] == [] and len(again["stages_skipped"]) == 7
-    assert again["step_seconds"]["baseline"] < summary["step_seconds"]["baseline"]   # the baseline's work is cached
+    assert again["step_seconds"]["baseline"] < summary["step_seconds"]["baseline"]  # the baseline's work is cached
     assert "(earlier run)" in out.out
 
 
 def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    spec = _spec(tmp_path, workdir, variants=[{"name": "w4", "scheme": "gptq-w4a16", "options": {"group_size": 32}}],
-                 gates={"shadow": {"max_new_tokens": 4, "max_prompt_tokens": 32, "kl_p99_max": 1e-4}, "eval": None})
+    spec = _spec(
+        tmp_path,
+        workdir,
+        variants=[{"name": "w4", "scheme": "gptq-w4a16", "options": {"group_size": 32}}],
+        gates={"shadow": {"max_new_tokens": 4, "max_prompt_tokens": 32, "kl_p99_max": 1e-4}, "eval": None},
+    )
     assert main(["run", str(spec)]) == 2
     assert json.loads((tmp_path / "work/summary.json").read_text())["promoted"] is None
 
 
-@pytest.mark.parametrize("patch, message", [
-    ({"variants": [{"name": "a", "scheme": "awq-w4a16", "sheme": "x"}]}, "variants[0].sheme: unknown key; did you mean 'scheme'"),
-    ({"gates": {"shadow": {"kl_p99": 0.1}}}, "gates.shadow.kl_p99: unknown key; did you mean 'kl_p99_max'"),
-    ({"gates": {"on_inconclusiv": "warn"}}, "gates.on_inconclusiv: unknown key; did you mean 'on_inconclusive'"),
-    ({"variants": [{"name": "a", "scheme": "awq-w4a61"}]}, "variants[0]: unknown quantization scheme 'awq-w4a61'"),
-    ({"variants": [{"name": "a", "scheme": "awq-w4a16", "options": {"group_size": 48}}]}, "power of two"),
-    ({"variants": [{"name": "a", "scheme": "awq-w4a16", "options": {"grup_size": 32}}]},
-     "variants[0].options.grup_size: unknown key; did you mean 'group_size'"),
-    ({"variants": [{"name": "w8", "scheme": "gptq-w8a16"},
-                   {"name": "c", "scheme": "awq-w4a16", "engine": {"backend": "cpu", "options": {"acuracy_level": 1}}}]},
-     "variants[1].engine.options.acuracy_level: unknown key; did you mean 'accuracy_level'"),
-    ({"variants": [{"name": "w8", "scheme": "gptq-w8a16", "engine": {"backend": "cpu"}}]},   # at load, not after quantizing
-     "variants[0].engine: the cpu engine takes w4a16 or w4a16+w8a16 checkpoints; scheme gptq-w8a16 makes w8a16"),
-    ({"variants": [{"name": "t", "scheme": "awq-w4a16", "engine": {"backend": "trtllm", "options": {"verify": False}}}]},
-     "variants[0].engine: the gates run checkpoints and cpu engines, not TensorRT-LLM bundles"),
-    ({"calibrate": {"calib_size": 1, "extra": 2}}, "calibrate.extra: unknown key"),
-    ({"calibrate": {"calib_sise": 1}}, "calibrate.calib_sise: unknown key; did you mean 'calib_size'"),
-    ({"calibrate": {"max_reject_fraction": 0}}, "calibrate.max_reject_fraction must be in (0, 1], got 0"),   # at load
-    ({"calibrate": {"shadow_size": 0}}, "calibrate.shadow_size must be >= 1, got 0"),
-    ({"calibrate": {"max_line_bytes": 100}}, "calibrate.max_line_bytes must be >= 1024, got 100"),
-    ({"registy": {"model_name": "x"}}, "registy: unknown key; did you mean 'registry'"),
-])
+@pytest.mark.parametrize(
+    "patch, message",
+    [
+        (
+            {"variants": [{"name": "a", "scheme": "awq-w4a16", "sheme": "x"}]},
+            "variants[0].sheme: unknown key; did you mean 'scheme'",
+        ),
+        ({"gates": {"shadow": {"kl_p99": 0.1}}}, "gates.shadow.kl_p99: unknown key; did you mean 'kl_p99_max'"),
+        ({"gates": {"on_inconclusiv": "warn"}}, "gates.on_inconclusiv: unknown key; did you mean 'on_inconclusive'"),
+        ({"variants": [{"name": "a", "scheme": "awq-w4a61"}]}, "variants[0]: unknown quantization scheme 'awq-w4a61'"),
+        ({"variants": [{"name": "a", "scheme": "awq-w4a16", "options": {"group_size": 48}}]}, "power of two"),
+        (
+            {"variants": [{"name": "a", "scheme": "awq-w4a16", "options": {"grup_size": 32}}]},
+            "variants[0].options.grup_size: unknown key; did you mean 'group_size'",
+        ),
+        (
+            {
+                "variants": [
+                    {"name": "w8", "scheme": "gptq-w8a16"},
+                    {"name": "c", "scheme": "awq-w4a16", "engine": {"backend": "cpu", "options": {"acuracy_level": 1}}},
+                ]
+            },
+            "variants[1].engine.options.acuracy_level: unknown key; did you mean 'accuracy_level'",
+        ),
+        (
+            {
+                "variants": [{"name": "w8", "scheme": "gptq-w8a16", "engine": {"backend": "cpu"}}]
+            },  # at load, not after quantizing
+            "variants[0].engine: the cpu engine takes w4a16 or w4a16+w8a16 checkpoints; scheme gptq-w8a16 makes w8a16",
+        ),
+        (
+            {
+                "variants": [
+                    {"name": "t", "scheme": "awq-w4a16", "engine": {"backend": "trtllm", "options": {"verify": False}}}
+                ]
+            },
+            "variants[0].engine: the gates run checkpoints and cpu engines, not TensorRT-LLM bundles",
+        ),
+        ({"calibrate": {"calib_size": 1, "extra": 2}}, "calibrate.extra: unknown key"),
+        ({"calibrate": {"calib_sise": 1}}, "calibrate.calib_sise: unknown key; did you mean 'calib_size'"),
+        (
+            {"calibrate": {"max_reject_fraction": 0}},
+            "calibrate.max_reject_fraction must be in (0, 1], got 0",
+        ),  # at load
+        ({"calibrate": {"shadow_size": 0}}, "calibrate.shadow_size must be >= 1, got 0"),
+        ({"calibrate": {"max_line_bytes": 100}}, "calibrate.max_line_bytes must be >= 1024, got 100"),
+        ({"registy": {"model_name": "x"}}, "registy: unknown key; did you mean 'registry'"),
+    ],
+)
 def test_strict_spec_errors_name_file_key_path_and_suggestion(tmp_path, workdir, patch, message):
     path = _spec(tmp_path, workdir, **patch)
     if "registy" in patch:
@@ -115,20 +166,26 @@ def test_strict_spec_errors_name_file_key_path_and_suggestion(tmp_path, workdir,
 
 def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
     bad = _spec(tmp_path, workdir, surprise=1)
-    capsys.readouterr()                                   # the tiny model's making, when this test runs first
+    capsys.readouterr()  # the tiny model's making, when this test runs first
     assert main(["run", str(bad)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "surprise: unknown key" in err and "Traceback" not in err
-    assert main(["calibrate", "sample", "--traffic", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")]) == 1
+    assert (
+        main(["calibrate", "sample", "--traffic", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")]) == 1
+    )
     err = capsys.readouterr().err
     assert "traffic log not found" in err and "calibrate: reading traffic" not in err
-    assert not (tmp_path / "o").exists()                  # nothing created for a run that could not start
+    assert not (tmp_path / "o").exists()  # nothing created for a run that could not start
     assert main(["quantize", "--bogus"]) == 1
-    (tmp_path / "bad.jsonl").write_text("\n".join([json.dumps({"prompt": f"p {i}"}) for i in range(10)] + ["{oops"] * 11))
+    (tmp_path / "bad.jsonl").write_text(
+        "\n".join([json.dumps({"prompt": f"p {i}"}) for i in range(10)] + ["{oops"] * 11)
+    )
     assert main(["run", str(_spec(tmp_path, workdir, traffic="missing.jsonl"))]) == 1
     err = capsys.readouterr().err
-    assert f"{tmp_path / 'missing.jsonl'}: traffic log not found" in err and "> model" not in err   # before the model stage
-    assert main(["run", str(_spec(tmp_path, workdir, traffic="bad.jsonl"))]) == 1   # the calibrate stage fails
+    assert (
+        f"{tmp_path / 'missing.jsonl'}: traffic log not found" in err and "> model" not in err
+    )  # before the model stage
+    assert main(["run", str(_spec(tmp_path, workdir, traffic="bad.jsonl"))]) == 1  # the calibrate stage fails
     err = capsys.readouterr().err
     kept = tmp_path / "work" / "calib.rejects.jsonl"
     assert "bad.jsonl: 11 of 21 records are malformed (52%" in err and f"reason: {kept}\n" in err, err
@@ -136,10 +193,28 @@ def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
 
 
 def test_gate_cli_exit_code_2_on_failure(base_art, awq_art, calib_arts, tmp_path, capsys):
-    spec = _spec(tmp_path, base_art.path.parent, gates={"shadow": {"max_new_tokens": 4, "max_prompt_tokens": 32, "kl_p99_max": 1e-4},
-                                                        "eval": None})
-    rc = main(["gate", "--candidate", str(awq_art.path), "--baseline", str(base_art.path), "--shadow", str(calib_arts["shadow"].path),
-               "--out", str(tmp_path / "g"), "--spec", str(spec), "--cache", str(tmp_path / "c")])
+    spec = _spec(
+        tmp_path,
+        base_art.path.parent,
+        gates={"shadow": {"max_new_tokens": 4, "max_prompt_tokens": 32, "kl_p99_max": 1e-4}, "eval": None},
+    )
+    rc = main(
+        [
+            "gate",
+            "--candidate",
+            str(awq_art.path),
+            "--baseline",
+            str(base_art.path),
+            "--shadow",
+            str(calib_arts["shadow"].path),
+            "--out",
+            str(tmp_path / "g"),
+            "--spec",
+            str(spec),
+            "--cache",
+            str(tmp_path / "c"),
+        ]
+    )
     assert rc == 2
     out = capsys.readouterr().out
     assert re.search(r"^  FAIL +shadow\.kl_p99 = ", out, re.M) and "gate FAIL:" in out
@@ -148,15 +223,45 @@ def test_gate_cli_exit_code_2_on_failure(base_art, awq_art, calib_arts, tmp_path
 @pytest.mark.parametrize("mode, rc", [("block", 2), ("warn", 0)])
 def test_inconclusive_check_blocks_or_warns(base_art, awq_art, calib_arts, tmp_path, capsys, mode, rc):
     """A threshold 5% above the observed value, well inside its CI: the check is INCONCLUSIVE."""
+
     def gate(shadow, **gates):
-        spec = _spec(tmp_path, base_art.path.parent, gates={"shadow": {"max_new_tokens": 4, "max_prompt_tokens": 32,
-                                                                       "kl_p99_max": None, "top1_agreement_min": None,
-                                                                       **shadow}, "eval": None, **gates})
-        return main(["gate", "--candidate", str(awq_art.path), "--baseline", str(base_art.path), "--shadow",
-                     str(calib_arts["shadow"].path), "--out", str(tmp_path / "g"), "--spec", str(spec), "--cache", str(tmp_path / "c")])
+        spec = _spec(
+            tmp_path,
+            base_art.path.parent,
+            gates={
+                "shadow": {
+                    "max_new_tokens": 4,
+                    "max_prompt_tokens": 32,
+                    "kl_p99_max": None,
+                    "top1_agreement_min": None,
+                    **shadow,
+                },
+                "eval": None,
+                **gates,
+            },
+        )
+        return main(
+            [
+                "gate",
+                "--candidate",
+                str(awq_art.path),
+                "--baseline",
+                str(base_art.path),
+                "--shadow",
+                str(calib_arts["shadow"].path),
+                "--out",
+                str(tmp_path / "g"),
+                "--spec",
+                str(spec),
+                "--cache",
+                str(tmp_path / "c"),
+            ]
+        )
 
     assert gate({}) == 0
-    observed = next(r for r in json.loads((tmp_path / "g/report.json").read_text())["results"] if r["metric"] == "kl_mean")
+    observed = next(
+        r for r in json.loads((tmp_path / "g/report.json").read_text())["results"] if r["metric"] == "kl_mean"
+    )
     capsys.readouterr()
     lo, hi = observed["ci"]
     assert lo < observed["observed"] * 1.05 < hi
@@ -219,7 +324,9 @@ def test_a_second_job_on_the_same_workdir_exits_at_once_naming_the_holder(tmp_pa
 
     monkeypatch.chdir(tmp_path)
     spec = _spec(tmp_path, workdir)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_WORKDIR, str(tmp_path / "work")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_WORKDIR, str(tmp_path / "work")], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         t = time.perf_counter()
@@ -228,7 +335,7 @@ def test_a_second_job_on_the_same_workdir_exits_at_once_naming_the_holder(tmp_pa
         assert 1.0 <= time.perf_counter() - t < 30
         out, err = capsys.readouterr()
         assert "cannot start qgate run tiny: the lock is held (qgate run other: pid " in err and str(holder.pid) in err
-        assert "verdict" not in out.lower() and not (tmp_path / "work" / "stages.json").exists()   # nothing ran
+        assert "verdict" not in out.lower() and not (tmp_path / "work" / "stages.json").exists()  # nothing ran
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
@@ -239,4 +346,4 @@ def test_the_calibrate_spec_defaults_are_the_samplers():
     from qgate.pipeline.spec import CalibrateSpec
 
     assert SampleConfig(**CalibrateSpec().model_dump()) == SampleConfig()
-    assert set(CalibrateSpec.model_fields) == set(SampleConfig.__dataclass_fields__)     # every setting can be set
+    assert set(CalibrateSpec.model_fields) == set(SampleConfig.__dataclass_fields__)  # every setting can be set

@@ -14,7 +14,11 @@ def _linear_weights(path):
     from qgate.engines.runners import dequantize_kwargs
 
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **dequantize_kwargs(path))
-    return {n: mod.weight.detach().clone() for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear) and "lm_head" not in n}
+    return {
+        n: mod.weight.detach().clone()
+        for n, mod in m.named_modules()
+        if isinstance(mod, torch.nn.Linear) and "lm_head" not in n
+    }
 
 
 def _sqnr_db(ref, got):
@@ -57,8 +61,13 @@ def test_awq_checkpoint_is_compressed_tensors_with_lineage(awq_art, base_art, ca
 
 def test_weight_sqnr_for_in_place_schemes(base_art, w8_art, calib_arts, tmp_path):
     """GPTQ and FP8 quantize weights in place, so weight SQNR is meaningful (AWQ rescales: see the logits test)."""
-    w4 = quantize(base_art, calib_arts["calib"], scheme_config("gptq-w4a16", group_size=32), tmp_path / "w4",
-                  opts=CalibOptions(max_seq_length=48))
+    w4 = quantize(
+        base_art,
+        calib_arts["calib"],
+        scheme_config("gptq-w4a16", group_size=32),
+        tmp_path / "w4",
+        opts=CalibOptions(max_seq_length=48),
+    )
     fp8 = quantize(base_art, None, scheme_config("fp8-dynamic"), tmp_path / "fp8")
     base = _linear_weights(base_art.path)
     for art, floor in ((w4, 14.0), (w8_art, 38.0), (fp8, 28.0)):
@@ -79,8 +88,14 @@ def test_logits_sqnr_orders_schemes(base_art, awq_art, w8_art):
 
 
 def test_fp8_with_kv_cache_records_kv_dtype(base_art, calib_arts, tmp_path):
-    art = quantize(base_art, calib_arts["calib"], scheme_config("fp8-dynamic"), tmp_path / "fp8", kv=KVCacheConfig("fp8"),
-                   opts=CalibOptions(max_seq_length=32, max_samples=8))
+    art = quantize(
+        base_art,
+        calib_arts["calib"],
+        scheme_config("fp8-dynamic"),
+        tmp_path / "fp8",
+        kv=KVCacheConfig("fp8"),
+        opts=CalibOptions(max_seq_length=32, max_samples=8),
+    )
     cfg = json.loads((art.path / "config.json").read_text())["quantization_config"]
     assert cfg["kv_cache_scheme"]["type"] == "float" and cfg["kv_cache_scheme"]["num_bits"] == 8
     assert art.meta["kv_cache_dtype"] == "fp8" and art.meta["weight_format"] == "fp8"

@@ -11,15 +11,24 @@ from qgate.gates.shadow import ShadowConfig
 from qgate.registry.mlflow_store import promote, register
 
 
-def test_register_promote_refuse_and_rollback_alias(gated, w8_art, awq_art, base_art, calib_arts, tmp_path, monkeypatch):
+def test_register_promote_refuse_and_rollback_alias(
+    gated, w8_art, awq_art, base_art, calib_arts, tmp_path, monkeypatch
+):
     import mlflow
     from mlflow import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     ok, bad = gated
-    ok_inputs = {"baseline": base_art, "shadow": calib_arts["shadow"],
-                 "cfg": GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0,
-                                                       top1_agreement_min=0.0), eval=None)}
+    ok_inputs = {
+        "baseline": base_art,
+        "shadow": calib_arts["shadow"],
+        "cfg": GateConfig(
+            shadow=ShadowConfig(
+                max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0, top1_agreement_min=0.0
+            ),
+            eval=None,
+        ),
+    }
     store = tmp_path / "mlflow"
     v_ok = register(ok, w8_art, "tiny-llm", store)
     v_bad = register(bad, awq_art, "tiny-llm", store)
@@ -27,7 +36,9 @@ def test_register_promote_refuse_and_rollback_alias(gated, w8_art, awq_art, base
     tags = client.get_model_version("tiny-llm", v_ok).tags
     assert tags["qgate.gate_passed"] == "true" and tags["qgate.scheme"] == "gptq-w8a16"
     assert tags["qgate.calibration_sha256"] == w8_art.meta["calibration_sha256"]
-    assert tags["qgate.artifact_sha256"] == w8_art.sha256 and tags["qgate.gate_report_artifact"].endswith("/gate-report/report.html")
+    assert tags["qgate.artifact_sha256"] == w8_art.sha256 and tags["qgate.gate_report_artifact"].endswith(
+        "/gate-report/report.html"
+    )
     assert "kl_p99" in client.get_model_version("tiny-llm", v_bad).tags["qgate.gate_failed_checks"].split(",")
     with pytest.raises(PromotionRefused, match="gate did not pass"):
         promote("tiny-llm", v_bad, store=store)
@@ -35,9 +46,11 @@ def test_register_promote_refuse_and_rollback_alias(gated, w8_art, awq_art, base
     info = promote("tiny-llm", v_ok, store=store)
     assert info["previous"] is None
     assert str(client.get_model_version_by_alias("tiny-llm", "production").version) == v_ok
-    assert register(ok, w8_art, "tiny-llm", store) == v_ok   # the same evidence again: the same version, no duplicate
-    again = run_gates(w8_art, ok_inputs["baseline"], ok_inputs["shadow"], ok_inputs["cfg"], tmp_path / "gate-again", tmp_path / "c")
-    v_ok2 = register(again, w8_art, "tiny-llm", store)          # a new gate report (its own timings): a new version
+    assert register(ok, w8_art, "tiny-llm", store) == v_ok  # the same evidence again: the same version, no duplicate
+    again = run_gates(
+        w8_art, ok_inputs["baseline"], ok_inputs["shadow"], ok_inputs["cfg"], tmp_path / "gate-again", tmp_path / "c"
+    )
+    v_ok2 = register(again, w8_art, "tiny-llm", store)  # a new gate report (its own timings): a new version
     assert v_ok2 != v_ok
     promote("tiny-llm", v_ok2, store=store)
     assert str(client.get_model_version_by_alias("tiny-llm", "previous-production").version) == v_ok
@@ -58,7 +71,9 @@ def test_promotion_refused_when_stored_artifact_changed(gated, w8_art, tmp_path,
     v = register(ok, w8_art, "tamper", store)
     client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}", f"sqlite:///{store / 'mlflow.db'}")
     loc = client.get_logged_model(client.get_model_version("tamper", v).tags["qgate.model_id"]).artifact_location
-    target = next(p for p in (store / "artifacts").rglob("config.json") if str(p).startswith(loc.removeprefix("file://")))
+    target = next(
+        p for p in (store / "artifacts").rglob("config.json") if str(p).startswith(loc.removeprefix("file://"))
+    )
     target.write_text(target.read_text() + " ")
     with pytest.raises(PromotionRefused, match="stored artifact sha256"):
         promote("tamper", v, store=store)
@@ -97,7 +112,9 @@ def test_verify_catches_an_alias_moved_outside_qgate(gated, w8_art, awq_art, tmp
     assert verify("ui", "production", store)["version"] == v_ok
     assert main(["verify", "--model", "ui", "--store", str(store)]) == 0
     assert f"verified ui@production -> v{v_ok}" in capsys.readouterr().out
-    MlflowClient(f"sqlite:///{store / 'mlflow.db'}").set_registered_model_alias("ui", "production", v_bad)  # the UI bypass
+    MlflowClient(f"sqlite:///{store / 'mlflow.db'}").set_registered_model_alias(
+        "ui", "production", v_bad
+    )  # the UI bypass
     with pytest.raises(PromotionRefused, match=f"ui v{v_bad}: gate did not pass"):
         verify("ui", "production", store)
     assert main(["verify", "--model", "ui", "--alias", "production", "--store", str(store)]) == 2
@@ -117,7 +134,9 @@ def test_reads_never_create_a_store_and_name_the_one_searched(tmp_path, monkeypa
     assert not (tmp_path / ".qgate").exists() and not (tmp_path / "elsewhere").exists()
 
 
-def test_gate_runs_are_named_after_the_variant_and_tagged_with_the_verdict(gated, w8_art, awq_art, tmp_path, monkeypatch):
+def test_gate_runs_are_named_after_the_variant_and_tagged_with_the_verdict(
+    gated, w8_art, awq_art, tmp_path, monkeypatch
+):
     from mlflow import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -168,7 +187,9 @@ def test_promotion_checks_the_stored_gate_report_not_the_tags(gated, w8_art, awq
     assert main(["promote", "--model", "forge", "--version", v_ok, "--store", str(store)]) == 2
 
 
-def test_a_registration_killed_halfway_is_cleaned_up_and_a_missing_description_repaired(gated, w8_art, tmp_path, monkeypatch, capsys):
+def test_a_registration_killed_halfway_is_cleaned_up_and_a_missing_description_repaired(
+    gated, w8_art, tmp_path, monkeypatch, capsys
+):
     """What a kill between registration's server calls leaves: a run and a logged model with no version (removed on the
     next registration), or a version without its description (rewritten)."""
     from mlflow import MlflowClient
@@ -181,13 +202,22 @@ def test_a_registration_killed_halfway_is_cleaned_up_and_a_missing_description_r
     mlflow, client = _client(store)
     exp = client.get_experiment_by_name("qgate")
     with mlflow.start_run(experiment_id=exp.experiment_id, tags={"qgate.gate_report_sha256": ok.sha256}) as run:
-        orphan = mlflow.initialize_logged_model(name="half", source_run_id=run.info.run_id, experiment_id=exp.experiment_id,
-                                                tags={"qgate.gate_report_sha256": ok.sha256})
+        orphan = mlflow.initialize_logged_model(
+            name="half",
+            source_run_id=run.info.run_id,
+            experiment_id=exp.experiment_id,
+            tags={"qgate.gate_report_sha256": ok.sha256},
+        )
     v = register(ok, w8_art, "half", store)
     err = capsys.readouterr().err
     assert f"removed logged model {orphan.model_id}" in err and f"removed run {run.info.run_id}" in err
     c = MlflowClient(f"sqlite:///{store / 'mlflow.db'}", f"sqlite:///{store / 'mlflow.db'}")
-    assert [m.model_id for m in c.search_logged_models([exp.experiment_id])] == [c.get_model_version("half", v).tags["qgate.model_id"]]
+    assert [m.model_id for m in c.search_logged_models([exp.experiment_id])] == [
+        c.get_model_version("half", v).tags["qgate.model_id"]
+    ]
     c.update_model_version("half", v, description="")
     assert register(ok, w8_art, "half", store) == v
-    assert "## " in c.get_model_version("half", v).description or "verdict" in c.get_model_version("half", v).description.lower()
+    assert (
+        "## " in c.get_model_version("half", v).description
+        or "verdict" in c.get_model_version("half", v).description.lower()
+    )

@@ -4,6 +4,7 @@ The version page must show qgate's Markdown description (verdict heading, the ch
 runs:/ URI), rendered by MLflow's own UI, not just stored. (The README's docs/img/mlflow-version.png is the same page
 for the demo's promoted version, taken with the same Chromium flags.)
 """
+
 import os
 import shutil
 import socket
@@ -28,9 +29,22 @@ def _free_port() -> int:
 
 
 def _chromium(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                           "--hide-scrollbars", "--virtual-time-budget=20000", "--window-size=1400,1700", *args],
-                          capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [
+            CHROMIUM,
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--hide-scrollbars",
+            "--virtual-time-budget=20000",
+            "--window-size=1400,1700",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def test_version_page_renders_the_gate_evidence(gated, w8_art, tmp_path, monkeypatch):
@@ -40,16 +54,30 @@ def test_version_page_renders_the_gate_evidence(gated, w8_art, tmp_path, monkeyp
     version = register(ok, w8_art, "tiny-llm", store)
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-                             "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}", "--workers", "1"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"))
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{store / 'mlflow.db'}",
+            "--workers",
+            "1",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "server.log", "w"),
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):
             try:
                 if requests.get(f"{url}/health", timeout=1).ok:
                     break
-            except (requests.ConnectionError, requests.Timeout):   # not listening yet, or slow to answer while starting
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or slow to answer while starting
                 time.sleep(0.5)
         page = f"{url}/#/models/tiny-llm/versions/{version}"
         run = _chromium("--dump-dom", page)
@@ -59,10 +87,13 @@ def test_version_page_renders_the_gate_evidence(gated, w8_art, tmp_path, monkeyp
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    assert "qgate gate:" in dom and "PASS" in dom, (dom[-1500:], run.stderr[-1500:])             # the description's verdict heading, rendered
-    assert "shadow.kl_mean" in dom and "95% CI" in dom                     # its checks table
-    assert "runs:/" in dom and "gate-report/report.html" in dom           # where the full report is
-    assert "qgate.gate_verdict" in dom                                    # the tags people filter on
+    assert "qgate gate:" in dom and "PASS" in dom, (
+        dom[-1500:],
+        run.stderr[-1500:],
+    )  # the description's verdict heading, rendered
+    assert "shadow.kl_mean" in dom and "95% CI" in dom  # its checks table
+    assert "runs:/" in dom and "gate-report/report.html" in dom  # where the full report is
+    assert "qgate.gate_verdict" in dom  # the tags people filter on
     from PIL import Image
 
     img = Image.open(shot).convert("L")

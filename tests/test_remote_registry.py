@@ -1,4 +1,5 @@
 """Against a real MLflow tracking server with basic authentication, started on localhost for the test."""
+
 import os
 import socket
 import subprocess
@@ -23,15 +24,35 @@ def server(tmp_path_factory):
     pytest.importorskip("flask_wtf", reason="mlflow[auth] is in the dev extra: bash scripts/setup.sh installs it")
     root = tmp_path_factory.mktemp("mlflow-server")
     ini = root / "auth.ini"
-    ini.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{root / 'auth.db'}\nadmin_username = admin\n"
-                   "admin_password = admin-pass-1234\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    ini.write_text(
+        f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{root / 'auth.db'}\nadmin_username = admin\n"
+        "admin_password = admin-pass-1234\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
     port = _free_port()
     env = os.environ | {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": "qgate-test-secret"}
     env.pop("MLFLOW_TRACKING_URI", None)
     mlflow_bin = Path(sys.executable).parent / "mlflow"
-    proc = subprocess.Popen([str(mlflow_bin), "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(port),
-                             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),
-                             "--workers", "1"], env=env, stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"))
+    proc = subprocess.Popen(
+        [
+            str(mlflow_bin),
+            "server",
+            "--app-name",
+            "basic-auth",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(root / "server.log", "w"),
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):
@@ -45,7 +66,9 @@ def server(tmp_path_factory):
             time.sleep(0.5)
         admin = ("admin", "admin-pass-1234")
         for user, pw in (("ci", "ci-pass-1234"), ("reader", "reader-pass-1234")):
-            r = requests.post(f"{url}/api/2.0/mlflow/users/create", json={"username": user, "password": pw}, auth=admin, timeout=10)
+            r = requests.post(
+                f"{url}/api/2.0/mlflow/users/create", json={"username": user, "password": pw}, auth=admin, timeout=10
+            )
             assert r.ok, r.text
         yield url, root
     finally:
@@ -59,20 +82,27 @@ def _as(monkeypatch, url, user, pw):
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", pw)
 
 
-def test_register_and_promote_through_an_authenticated_server_and_refuse_a_reader(server, base_art, w8_art, calib_arts, tmp_path,
-                                                                                  monkeypatch, capsys):
+def test_register_and_promote_through_an_authenticated_server_and_refuse_a_reader(
+    server, base_art, w8_art, calib_arts, tmp_path, monkeypatch, capsys
+):
     from qgate.gates.run import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig
 
     url, root = server
-    cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0,
-                                         top1_agreement_min=0.0), eval=None)
+    cfg = GateConfig(
+        shadow=ShadowConfig(
+            max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0, top1_agreement_min=0.0
+        ),
+        eval=None,
+    )
     report = run_gates(w8_art, base_art, calib_arts["shadow"], cfg, tmp_path / "g", tmp_path / "c", name="w8")
     _as(monkeypatch, url, "ci", "ci-pass-1234")
     assert main(["register", "--gate", str(report.path), "--candidate", str(w8_art.path), "--model", "remote-llm"]) == 0
     out = capsys.readouterr()
     assert "registered remote-llm version 1" in out.out and "ci-pass-1234" not in out.out + out.err
-    assert main(["promote", "--model", "remote-llm", "--version", "1"]) == 0   # checksums verified through the server's artifacts
+    assert (
+        main(["promote", "--model", "remote-llm", "--version", "1"]) == 0
+    )  # checksums verified through the server's artifacts
     assert main(["verify", "--model", "remote-llm"]) == 0
     capsys.readouterr()
     # a user with only the default READ permission may look, not move aliases
@@ -99,14 +129,19 @@ def test_register_and_promote_through_an_authenticated_server_and_refuse_a_reade
 def test_parallel_registrations_and_promotions_through_the_server(server, gated, w8_art, tmp_path):
     """The same race as test_concurrency.py, against the real server: the lease kept in the server serializes them."""
     from mlflow import MlflowClient
-
     from test_concurrency import check_promotion_chain, distinct_reports, run_workers
 
     url, _ = server
     ok, _ = gated
-    gates = [str(p) for p in distinct_reports(ok, tmp_path, 4)]   # each operation takes seconds through the auth server
-    env = os.environ | {"MLFLOW_TRACKING_URI": url, "MLFLOW_TRACKING_USERNAME": "ci", "MLFLOW_TRACKING_PASSWORD": "ci-pass-1234"}
-    results = run_workers("register", "-", "race", tmp_path / "go", [[str(w8_art.path), *gates[:2]], [str(w8_art.path), *gates[2:]]], env)
+    gates = [str(p) for p in distinct_reports(ok, tmp_path, 4)]  # each operation takes seconds through the auth server
+    env = os.environ | {
+        "MLFLOW_TRACKING_URI": url,
+        "MLFLOW_TRACKING_USERNAME": "ci",
+        "MLFLOW_TRACKING_PASSWORD": "ci-pass-1234",
+    }
+    results = run_workers(
+        "register", "-", "race", tmp_path / "go", [[str(w8_art.path), *gates[:2]], [str(w8_art.path), *gates[2:]]], env
+    )
     assert sorted(int(r["version"]) for rs in results for r in rs) == [1, 2, 3, 4]
     results = run_workers("promote", "-", "race", tmp_path / "go", [["1", "3"], ["2", "4"]], env)
     os.environ.update({k: env[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")})
@@ -114,7 +149,7 @@ def test_parallel_registrations_and_promotions_through_the_server(server, gated,
         client = MlflowClient(url, url)
         aliases = client.get_registered_model("race").aliases
         assert len(client.search_model_versions("name='race'")) == 4
-        assert not [m.name for m in client.search_registered_models() if m.name.startswith("qgate-lease.")]   # released
+        assert not [m.name for m in client.search_registered_models() if m.name.startswith("qgate-lease.")]  # released
     finally:
         for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
             os.environ.pop(k, None)

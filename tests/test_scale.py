@@ -1,5 +1,6 @@
 """Scale-out: sampling state in bounded memory that merges across partitions, traffic in object storage (a real
 S3-compatible server on localhost), and the same results from serial and Ray execution."""
+
 import gzip
 import hashlib
 import heapq
@@ -20,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qgate.calibrate.sample import SampleConfig, sample_traffic
 from qgate.calibrate import sketches
 from qgate.calibrate.profile import Concurrency
+from qgate.calibrate.sample import SampleConfig, sample_traffic
 from qgate.calibrate.sketches import DistinctCount, HeavyHitters
 from qgate.calibrate.sources import Partition, list_partitions, traffic_sha256
 from qgate.calibrate.state import SampleState, scan_partition
@@ -42,8 +43,17 @@ def _records(n: int, seed: int = 0, dup_every: int = 7) -> list[bytes]:
         else:
             text = " ".join(rng.choice(vocab) for _ in range(rng.randint(2, 60)))
             prompts.append(text)
-        out.append(json.dumps({"ts": 1_700_000_000 + i * 0.2, "latency_ms": 400 + rng.random() * 900, "route": rng.choice(ROUTES),
-                               "tenant": f"t{rng.randint(0, 30)}", "messages": [{"role": "user", "content": text}]}).encode())
+        out.append(
+            json.dumps(
+                {
+                    "ts": 1_700_000_000 + i * 0.2,
+                    "latency_ms": 400 + rng.random() * 900,
+                    "route": rng.choice(ROUTES),
+                    "tenant": f"t{rng.randint(0, 30)}",
+                    "messages": [{"role": "user", "content": text}],
+                }
+            ).encode()
+        )
     return out
 
 
@@ -52,14 +62,21 @@ def _write_parts(d, records: list[bytes], cuts: list[int]):
     bounds = [0, *sorted(cuts), len(records)]
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
         body = b"\n".join(records[a:b]) + b"\n" if b > a else b""
-        (d / f"part-{i:03d}.jsonl.gz").write_bytes(gzip.compress(body)) if i % 2 else (d / f"part-{i:03d}.jsonl").write_bytes(body)
+        (d / f"part-{i:03d}.jsonl.gz").write_bytes(gzip.compress(body)) if i % 2 else (
+            d / f"part-{i:03d}.jsonl"
+        ).write_bytes(body)
     return d
 
 
 def _sets(arts) -> dict:
     """What a sample selects, without where it was read from (file and line differ between one file and partitions)."""
+
     def rows(a):
-        return [{k: r[k] for k in ("messages", "route", "stratum")} for r in map(json.loads, (a.path / "data.jsonl").read_text().splitlines())]
+        return [
+            {k: r[k] for k in ("messages", "route", "stratum")}
+            for r in map(json.loads, (a.path / "data.jsonl").read_text().splitlines())
+        ]
+
     return {"calib": rows(arts["calib"]), "shadow": rows(arts["shadow"])}
 
 
@@ -67,7 +84,7 @@ def test_partitions_merge_to_exactly_the_single_pass_sample(tmp_path):
     records = _records(6000)
     (tmp_path / "one.jsonl").write_bytes(b"\n".join(records) + b"\n")
     parts = _write_parts(tmp_path / "parts", records, [1000, 2500, 2600, 5999])
-    cfg = SampleConfig(calib_size=40, shadow_size=20, seed=5)       # small: every stratum's sample fills, sketches estimate
+    cfg = SampleConfig(calib_size=40, shadow_size=20, seed=5)  # small: every stratum's sample fills, sketches estimate
     one = sample_traffic(tmp_path / "one.jsonl", tmp_path / "o1", cfg)
     many = sample_traffic(parts, tmp_path / "o2", cfg)
     assert _sets(one) == _sets(many) and len(_sets(one)["calib"]) == 40 and len(_sets(one)["shadow"]) == 20
@@ -80,7 +97,7 @@ def test_partitions_merge_to_exactly_the_single_pass_sample(tmp_path):
     stats = many["calib"].meta["stats"]
     assert stats["records"] == 6000 == stats["kept"] + stats["duplicates"]
     calib = {json.dumps(r["messages"]) for r in _sets(many)["calib"]}
-    assert not calib & {json.dumps(r["messages"]) for r in _sets(many)["shadow"]}    # disjoint, even across routes
+    assert not calib & {json.dumps(r["messages"]) for r in _sets(many)["shadow"]}  # disjoint, even across routes
 
 
 def test_each_stratum_keeps_the_k_smallest_priorities_of_its_distinct_prompts(tmp_path, monkeypatch):
@@ -108,8 +125,10 @@ def test_each_stratum_keeps_the_k_smallest_priorities_of_its_distinct_prompts(tm
         if n < cfg.min_words:
             continue
         d = content_digest(turns)
-        expected.setdefault(f"{r.route}|{length_bucket(n)}", {}).setdefault(d, (int(priorities(cfg.seed, [d])[0]), r.line))
-    assert sum(len(v) for v in expected.values()) > 3 * len(expected) * 15     # most distinct prompts are left out
+        expected.setdefault(f"{r.route}|{length_bucket(n)}", {}).setdefault(
+            d, (int(priorities(cfg.seed, [d])[0]), r.line)
+        )
+    assert sum(len(v) for v in expected.values()) > 3 * len(expected) * 15  # most distinct prompts are left out
     for stratum, seen in expected.items():
         want = sorted(seen.items(), key=lambda kv: (kv[1][0], kv[0]))[:15]
         got = st_.strata[stratum].ranked()
@@ -135,8 +154,9 @@ def test_any_partitioning_merges_to_the_same_state(cuts, seed, tmp_path_factory)
         return total
 
     a, b = state(whole), state(cut)
-    assert {s: [row["messages"] for _, _, row in bk.ranked()] for s, bk in a.strata.items()} == \
-           {s: [row["messages"] for _, _, row in bk.ranked()] for s, bk in b.strata.items()}
+    assert {s: [row["messages"] for _, _, row in bk.ranked()] for s, bk in a.strata.items()} == {
+        s: [row["messages"] for _, _, row in bk.ranked()] for s, bk in b.strata.items()
+    }
     assert a.kept.estimate() == b.kept.estimate()
     assert {s: d.estimate() for s, d in a.distinct.items()} == {s: d.estimate() for s, d in b.distinct.items()}
     assert (a.stats, a.profiler.n, a.profiler.routes) == (b.stats, b.profiler.n, b.profiler.routes)
@@ -151,7 +171,7 @@ def test_sampler_memory_is_bounded_by_the_sample_not_the_log(tmp_path, monkeypat
 
     def peak(n):
         path = tmp_path / f"log{n}.jsonl"
-        path.write_bytes(b"\n".join(_records(n, dup_every=10 ** 9)) + b"\n")   # all distinct: a seen-set would grow
+        path.write_bytes(b"\n".join(_records(n, dup_every=10**9)) + b"\n")  # all distinct: a seen-set would grow
         tracemalloc.start()
         st_, _ = scan_partition(Partition(str(path)), cfg, tag_file=False)
         p = tracemalloc.get_traced_memory()[1]
@@ -159,7 +179,7 @@ def test_sampler_memory_is_bounded_by_the_sample_not_the_log(tmp_path, monkeypat
         assert sum(len(bk.rows) for bk in st_.strata.values()) <= len(st_.strata) * 40
         return p
 
-    small, large = peak(11_000), peak(33_000)          # both beyond the profile's 10,000-request reorder window
+    small, large = peak(11_000), peak(33_000)  # both beyond the profile's 10,000-request reorder window
     assert large < 1.3 * small, f"peak {small / 2**20:.1f} MiB for 11k records, {large / 2**20:.1f} MiB for 33k"
 
 
@@ -171,15 +191,15 @@ def test_a_serial_scan_of_many_partitions_holds_one_partition_state_at_a_time(tm
 
     from qgate.calibrate import sample
 
-    monkeypatch.setenv("QGATE_PLAIN_PROGRESS", "1")      # the line-based progress (a CI log), as without a TTY
+    monkeypatch.setenv("QGATE_PLAIN_PROGRESS", "1")  # the line-based progress (a CI log), as without a TTY
     alive, real_scan, real_load = [], sample.scan_partition_json, sample.state_from_json
 
     def scan(*args):
         gc.collect()
-        alive.append(sum(r() is not None for r in refs))    # earlier partitions' merged states still alive at this scan
+        alive.append(sum(r() is not None for r in refs))  # earlier partitions' merged states still alive at this scan
         return real_scan(*args)
 
-    def load(doc):                                          # every state the merge gets is built here from its JSON form
+    def load(doc):  # every state the merge gets is built here from its JSON form
         st_ = real_load(doc)
         refs.append(weakref.ref(st_))
         return st_
@@ -187,26 +207,29 @@ def test_a_serial_scan_of_many_partitions_holds_one_partition_state_at_a_time(tm
     refs: list = []
     monkeypatch.setattr(sample, "scan_partition_json", scan)
     monkeypatch.setattr(sample, "state_from_json", load)
-    sample_traffic(_write_parts(tmp_path / "parts", _records(600), [150, 300, 450]), tmp_path / "out",
-                   SampleConfig(calib_size=20, shadow_size=8))
+    sample_traffic(
+        _write_parts(tmp_path / "parts", _records(600), [150, 300, 450]),
+        tmp_path / "out",
+        SampleConfig(calib_size=20, shadow_size=8),
+    )
     assert alive == [0, 0, 0, 0]
 
 
 def test_sketches_round_trip_and_bound_their_error(monkeypatch):
     import pickle
 
-    d, h = DistinctCount(), HeavyHitters(lg_max=8)         # 256 counters: forced to estimate
+    d, h = DistinctCount(), HeavyHitters(lg_max=8)  # 256 counters: forced to estimate
     rng = random.Random(0)
     truth: dict[str, int] = {}
     stream = []
     for i in range(50_000):
-        d.add(hashlib.blake2b(str(i).encode(), digest_size=16).digest())   # content digests, as the sampler adds
+        d.add(hashlib.blake2b(str(i).encode(), digest_size=16).digest())  # content digests, as the sampler adds
         w = f"w{min(int(rng.paretovariate(1.2)), 5000)}"
         truth[w] = truth.get(w, 0) + 1
         stream.append(w)
-    monkeypatch.setattr(sketches, "PENDING_ROWS", 64)     # many batch updates, as on a long log
+    monkeypatch.setattr(sketches, "PENDING_ROWS", 64)  # many batch updates, as on a long log
     for i in range(0, len(stream), 500):
-        h.add(stream[i:i + 500])
+        h.add(stream[i : i + 500])
     e = pickle.loads(pickle.dumps(d)).estimate()
     assert e["lower"] <= 50_000 <= e["upper"] and e["upper"] - e["lower"] < 0.08 * 50_000
     h2 = pickle.loads(pickle.dumps(h))
@@ -222,10 +245,14 @@ def test_profile_states_which_counts_are_estimates(tmp_path):
     arts = sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=20, shadow_size=10))
     prof = json.loads((arts["profile"].path / "profile.json").read_text())
     assert prof["requests"] == 800 and prof["version"] == 3
-    halves = prof["unigrams"]["split_halves"]   # by content digest: every request in one half, every word counted once
+    halves = prof["unigrams"]["split_halves"]  # by content digest: every request in one half, every word counted once
     assert sum(h["requests"] for h in halves) == 800 and min(h["requests"] for h in halves) > 300
     assert sum(h["total"] for h in halves) == prof["unigrams"]["total"] == sum(prof["unigrams"]["top"].values())
-    assert prof["estimates"]["unigrams"] == {"exact": True, "max_count_error": 0, "method": prof["estimates"]["unigrams"]["method"]}
+    assert prof["estimates"]["unigrams"] == {
+        "exact": True,
+        "max_count_error": 0,
+        "method": prof["estimates"]["unigrams"]["method"],
+    }
     assert prof["estimates"]["unique_prompts"]["value"] == arts["calib"].meta["stats"]["kept"]
     conc = prof["concurrency"]
     assert conc["method"].startswith("in-flight") and conc["samples"] == 800 and conc["out_of_order"] == 0
@@ -242,9 +269,11 @@ def test_too_short_prompts_leave_the_profile_even_when_a_partition_has_nothing_e
 
     def rec(n_words: int, i: int) -> bytes:
         text = " ".join(rng.choice(vocab) for _ in range(n_words)) + f" id{i}"
-        return json.dumps({"route": "chat", "tenant": f"t{i % 3}", "messages": [{"role": "user", "content": text}]}).encode()
+        return json.dumps(
+            {"route": "chat", "tenant": f"t{i % 3}", "messages": [{"role": "user", "content": text}]}
+        ).encode()
 
-    short = [rec(rng.randint(0, 3), i) for i in range(300)]                        # at most 4 words: all too short
+    short = [rec(rng.randint(0, 3), i) for i in range(300)]  # at most 4 words: all too short
     mixed = [rec(rng.choice([1, 2, 8, 20]), 300 + i) for i in range(1500)]
     parts = tmp_path / "parts"
     parts.mkdir()
@@ -263,26 +292,33 @@ def test_too_short_prompts_leave_the_profile_even_when_a_partition_has_nothing_e
     assert 0 < usable < 1500 and prof["requests"] == usable
     assert arts["calib"].meta["stats"]["too_short"] == 1800 - usable
     assert prof["unigrams"]["total"] == sum(truth.values()) and prof["estimates"]["unigrams"]["max_count_error"] == 0
-    assert prof["unigrams"]["top"] == dict(sorted(truth.items(), key=lambda kv: (-kv[1], kv[0]))[:len(prof["unigrams"]["top"])])
+    assert prof["unigrams"]["top"] == dict(
+        sorted(truth.items(), key=lambda kv: (-kv[1], kv[0]))[: len(prof["unigrams"]["top"])]
+    )
 
 
 def test_hive_style_partitions_are_named_by_their_path_below_the_root(tmp_path):
     """Hive-style logs repeat file names in every directory: a sampled row's (file, line) must find its record, and a
     prompt logged in two partitions is attributed to its first occurrence in partition order."""
-    records = _records(120, seed=4, dup_every=10**9)          # 120 distinct prompts
-    dup = records[30]                                          # also the first line of the later day
+    records = _records(120, seed=4, dup_every=10**9)  # 120 distinct prompts
+    dup = records[30]  # also the first line of the later day
     (tmp_path / "dt=01").mkdir()
     (tmp_path / "dt=02").mkdir()
     (tmp_path / "dt=01/part-0000.jsonl").write_bytes(b"\n".join(records[:60]) + b"\n")
     (tmp_path / "dt=02/part-0000.jsonl").write_bytes(b"\n".join([dup, *records[60:]]) + b"\n")
     assert [p.name for p in list_partitions(tmp_path)] == ["dt=01/part-0000.jsonl", "dt=02/part-0000.jsonl"]
-    assert [p.name for p in list_partitions(f"{tmp_path}/dt=*/part-*.jsonl")] == ["dt=01/part-0000.jsonl", "dt=02/part-0000.jsonl"]
-    (tmp_path / "dt=02/rejects.jsonl").write_text("{}\n")                # not traffic, even under a matched directory
-    for dirs in (f"{tmp_path}/dt=*/", f"{tmp_path}/dt=*"):              # a glob naming directories: their partitions
+    assert [p.name for p in list_partitions(f"{tmp_path}/dt=*/part-*.jsonl")] == [
+        "dt=01/part-0000.jsonl",
+        "dt=02/part-0000.jsonl",
+    ]
+    (tmp_path / "dt=02/rejects.jsonl").write_text("{}\n")  # not traffic, even under a matched directory
+    for dirs in (f"{tmp_path}/dt=*/", f"{tmp_path}/dt=*"):  # a glob naming directories: their partitions
         assert [p.name for p in list_partitions(dirs)] == ["dt=01/part-0000.jsonl", "dt=02/part-0000.jsonl"], dirs
     (tmp_path / "dt=02/rejects.jsonl").unlink()
     assert [p.name for p in list_partitions(tmp_path / "dt=02/part-0000.jsonl")] == ["part-0000.jsonl"]
-    arts = sample_traffic(tmp_path, tmp_path / "out", SampleConfig(calib_size=90, shadow_size=30, seed=3))   # every prompt
+    arts = sample_traffic(
+        tmp_path, tmp_path / "out", SampleConfig(calib_size=90, shadow_size=30, seed=3)
+    )  # every prompt
     rows = [json.loads(r) for a in ("calib", "shadow") for r in (arts[a].path / "data.jsonl").read_text().splitlines()]
     assert len(rows) == 120 and {r["file"] for r in rows} == {"dt=01/part-0000.jsonl", "dt=02/part-0000.jsonl"}
     for r in rows:
@@ -306,19 +342,25 @@ def test_each_partition_is_read_once_and_the_source_hash_is_of_what_was_read(tmp
     from qgate.calibrate import sources
 
     d = tmp_path / "logs"
-    _write_parts(d, _records(3000, seed=6), [1000, 2000])    # part-000.jsonl, part-001.jsonl.gz, part-002.jsonl
+    _write_parts(d, _records(3000, seed=6), [1000, 2000])  # part-000.jsonl, part-001.jsonl.gz, part-002.jsonl
     # a gzip partition corrupt near its start, with far more bytes after it than one buffered read takes. The noise is
     # seeded: with about one draw in four, 16 bytes of 0xff still inflate (to garbage lines, up to the CRC check at the
     # end) instead of failing at once, and the garbage then fails the sample's malformed-records limit
     rng = random.Random(6)
-    noise = [json.dumps({"messages": [{"role": "user", "content": rng.randbytes(300).hex()}]}).encode() for _ in range(8000)]
+    noise = [
+        json.dumps({"messages": [{"role": "user", "content": rng.randbytes(300).hex()}]}).encode() for _ in range(8000)
+    ]
     body = zlib.compressobj(1, zlib.DEFLATED, 31)
     gz = bytearray(body.compress(b"\n".join(noise) + b"\n") + body.flush())
     assert len(gz) > 2 * sources._CHUNK
     gz[4000:4016] = b"\xff" * 16
     (d / "part-003.jsonl.gz").write_bytes(bytes(gz))
-    pq.write_table(pa.table({"messages": [[{"role": "user", "content": f"parquet prompt {i} about w{i % 7}"}] for i in range(300)]}),
-                   d / "part-004.parquet")
+    pq.write_table(
+        pa.table(
+            {"messages": [[{"role": "user", "content": f"parquet prompt {i} about w{i % 7}"}] for i in range(300)]}
+        ),
+        d / "part-004.parquet",
+    )
     arts = sample_traffic(d, tmp_path / "out", SampleConfig(calib_size=40, shadow_size=20))
     names = sorted(p.name for p in d.iterdir())
     # the Parquet file: row groups by random access, then one pass
@@ -335,7 +377,9 @@ def _artifact_bytes(out) -> dict:
     for p in sorted(out.rglob("*")):
         if p.is_file() and p.name != "qgate-artifact.json":
             data = json.loads(p.read_text()) if p.name == "profile.json" else p.read_bytes()
-            files[str(p.relative_to(out))] = {k: v for k, v in data.items() if k != "source"} if isinstance(data, dict) else data
+            files[str(p.relative_to(out))] = (
+                {k: v for k, v in data.items() if k != "source"} if isinstance(data, dict) else data
+            )
     return files
 
 
@@ -348,16 +392,30 @@ def test_a_scan_cache_rescans_only_new_or_changed_partitions_and_changes_nothing
     from qgate.calibrate.state_json import state_to_json
 
     rng = random.Random(3)
-    records = [json.dumps({"ts": 1.7e9 + i, "latency_ms": 500, "route": rng.choice(ROUTES),
-                           "messages": [{"role": "user", "content": f"{rng.choice(('fix', 'explain', 'summarize'))} w{rng.randint(0, 50)} "
-                                         + " ".join(f"u{i}x{j}" for j in range(32))}]}).encode() for i in range(4000)]
+    records = [
+        json.dumps(
+            {
+                "ts": 1.7e9 + i,
+                "latency_ms": 500,
+                "route": rng.choice(ROUTES),
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": f"{rng.choice(('fix', 'explain', 'summarize'))} w{rng.randint(0, 50)} "
+                        + " ".join(f"u{i}x{j}" for j in range(32)),
+                    }
+                ],
+            }
+        ).encode()
+        for i in range(4000)
+    ]
     records.insert(1234, b'{"messages": "not a list"}')
     logs = tmp_path / "logs"
     logs.mkdir()
 
     def day(i: int, recs=None) -> None:
         (logs / f"day={i:02d}").mkdir(exist_ok=True)
-        (logs / f"day={i:02d}/part-0.jsonl").write_bytes(b"\n".join(recs or records[i * 800:(i + 1) * 800]) + b"\n")
+        (logs / f"day={i:02d}/part-0.jsonl").write_bytes(b"\n".join(recs or records[i * 800 : (i + 1) * 800]) + b"\n")
 
     scanned: list[str] = []
     real_scan = sample.scan_partition_json
@@ -379,41 +437,45 @@ def test_a_scan_cache_rescans_only_new_or_changed_partitions_and_changes_nothing
     cold, first = run("cold")
     assert first == ["day=00/part-0.jsonl", "day=01/part-0.jsonl", "day=02/part-0.jsonl"]
     prof = json.loads((tmp_path / "cold/profile/profile.json").read_text())
-    assert not prof["estimates"]["unigrams_half_0"]["exact"]    # each partition's sketches purged: cached past capacity
+    assert not prof["estimates"]["unigrams_half_0"]["exact"]  # each partition's sketches purged: cached past capacity
     assert run("warm") == (cold, []) and run("plain", cached=False)[0] == cold
-    monkeypatch.setattr(sample, "scan_partition_json", real_scan)          # workers cannot import a local function
-    assert run("processes", cached=False, engine="processes")[0] == cold   # scans that crossed a process boundary
+    monkeypatch.setattr(sample, "scan_partition_json", real_scan)  # workers cannot import a local function
+    assert run("processes", cached=False, engine="processes")[0] == cold  # scans that crossed a process boundary
     monkeypatch.setattr(sample, "scan_partition_json", counting_scan)
-    shutil.rmtree(logs / "day=00")                               # the window slides by a day
+    shutil.rmtree(logs / "day=00")  # the window slides by a day
     day(3)
     slid, new = run("slid")
     assert new == ["day=03/part-0.jsonl"] and slid == run("slid-plain", cached=False)[0]
-    assert len(list(cache.glob("scan-*.json"))) == 3             # day 0's scan is gone with it
-    known = ScanCache(cache, cfg, tag_file=True).sha256          # a stage key's hash reads no cached partition
+    assert len(list(cache.glob("scan-*.json"))) == 3  # day 0's scan is gone with it
+    known = ScanCache(cache, cfg, tag_file=True).sha256  # a stage key's hash reads no cached partition
     assert [known(p) for p in sample.list_partitions(logs)] == [p.sha256() for p in sample.list_partitions(logs)]
     opened: list[str] = []
     real_read = Path.read_bytes
     monkeypatch.setattr(Path, "read_bytes", lambda self: opened.append(self.name) or real_read(self))
-    assert [known(p) for p in sample.list_partitions(logs)] and {n[:4] for n in opened} == {"sha-"}   # no scan is read
+    assert [known(p) for p in sample.list_partitions(logs)] and {n[:4] for n in opened} == {"sha-"}  # no scan is read
     monkeypatch.setattr(Path, "read_bytes", real_read)
-    day(1, records[800:1599])                                    # a partition rewritten: one record fewer
+    day(1, records[800:1599])  # a partition rewritten: one record fewer
     day2, day3 = (next(p for p in sample.list_partitions(logs) if p.name.startswith(d)) for d in ("day=02", "day=03"))
     [entry] = cache.glob(f"scan-{ScanCache(cache, cfg, tag_file=True).key(day3)[:32]}.json")
-    entry.write_bytes(entry.read_bytes().replace(b'"need"', b'"need" ', 1))   # and another's scan edited by hand
+    entry.write_bytes(entry.read_bytes().replace(b'"need"', b'"need" ', 1))  # and another's scan edited by hand
     [sha2] = cache.glob(f"sha-{ScanCache(cache, cfg, tag_file=True).key(day2)[:32]}.json")
     sha2.write_bytes(sha2.read_bytes().replace(b'"sha256"', b'"sha256" ', 1))  # and a third's recorded sha256
     parts = sample.list_partitions(logs)
-    assert [known(p) is None for p in parts] == [True, True, False]   # rewritten, sha256 edited, unchanged (its scan edited)
+    assert [known(p) is None for p in parts] == [
+        True,
+        True,
+        False,
+    ]  # rewritten, sha256 edited, unchanged (its scan edited)
     assert known(parts[2]) == parts[2].sha256()
     assert traffic_sha256(parts, known=known) == traffic_sha256(parts)
     again, rescanned = run("again")
-    assert rescanned == ["day=01/part-0.jsonl", "day=03/part-0.jsonl"]    # an edited sha256 alone costs no scan
+    assert rescanned == ["day=01/part-0.jsonl", "day=03/part-0.jsonl"]  # an edited sha256 alone costs no scan
     assert again == run("again-plain", cached=False)[0]
     assert [known(p) for p in parts] == [p.sha256() for p in parts]  # every recorded sha256 whole again
     st, _ = scan_partition(sample.list_partitions(logs)[0], cfg, True)
     st.extra = 1
     with pytest.raises(RuntimeError, match="extra"):
-        state_to_json(st)                                        # a field the cache would drop is refused
+        state_to_json(st)  # a field the cache would drop is refused
 
 
 def test_unknown_engine_and_missing_ray_are_clear(tmp_path, monkeypatch):
@@ -451,12 +513,19 @@ def s3():
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
-        sys.modules["ray"].shutdown()   # a local Ray's workers keep the environment it started with: restart it with these
+        sys.modules[
+            "ray"
+        ].shutdown()  # a local Ray's workers keep the environment it started with: restart it with these
     boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="traffic")
     yield "traffic"
     for k, v in old.items():
@@ -476,30 +545,38 @@ def test_s3_partitions_and_ray_give_the_local_serial_sample(tmp_path, s3):
     client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
     for f in sorted(parts.iterdir()):
         client.upload_file(str(f), s3, f"logs/2026-11-22/{f.name}")
-    client.put_object(Bucket=s3, Key="logs/2026-11-22/_SUCCESS", Body=b"")            # not traffic: skipped
+    client.put_object(Bucket=s3, Key="logs/2026-11-22/_SUCCESS", Body=b"")  # not traffic: skipped
     cfg = SampleConfig(calib_size=30, shadow_size=15, seed=1)
     ref = sample_traffic(parts, tmp_path / "local-serial", cfg)
     uri = f"s3://{s3}/logs/2026-11-22/"
     assert [p.name for p in list_partitions(uri)] == [p.name for p in list_partitions(parts)]
-    runs = {"s3-serial": sample_traffic(uri, tmp_path / "s3-serial", cfg),
-            "local-processes": sample_traffic(parts, tmp_path / "local-processes", cfg, engine="processes"),
-            "s3-processes": sample_traffic(uri, tmp_path / "s3-processes", cfg, engine="processes"),
-            "local-ray": sample_traffic(parts, tmp_path / "local-ray", cfg, engine="ray"),
-            "s3-ray": sample_traffic(uri, tmp_path / "s3-ray", cfg, engine="ray")}
+    runs = {
+        "s3-serial": sample_traffic(uri, tmp_path / "s3-serial", cfg),
+        "local-processes": sample_traffic(parts, tmp_path / "local-processes", cfg, engine="processes"),
+        "s3-processes": sample_traffic(uri, tmp_path / "s3-processes", cfg, engine="processes"),
+        "local-ray": sample_traffic(parts, tmp_path / "local-ray", cfg, engine="ray"),
+        "s3-ray": sample_traffic(uri, tmp_path / "s3-ray", cfg, engine="ray"),
+    }
     for name, arts in runs.items():
         assert _sets(arts) == _sets(ref), name
         assert arts["calib"].sha256 == ref["calib"].sha256 and arts["shadow"].sha256 == ref["shadow"].sha256, name
         assert arts["calib"].meta["stats"] == ref["calib"].meta["stats"], name
-        assert arts["profile"].parents == ref["profile"].parents, name     # the same content hash of the traffic
+        assert arts["profile"].parents == ref["profile"].parents, name  # the same content hash of the traffic
     import ray
 
-    assert ray.is_initialized() and ray.cluster_resources().get("CPU", 0) >= 1     # the scans were Ray tasks
+    assert ray.is_initialized() and ray.cluster_resources().get("CPU", 0) >= 1  # the scans were Ray tasks
     # the pipeline's cache key hashes the source on the scan's engine: the same value as the scans' own hashes
-    assert traffic_sha256(list_partitions(uri), "ray") == traffic_sha256(list_partitions(parts), "processes") \
-        == traffic_sha256(list_partitions(parts)) == ref["profile"].parents[0]
-    glob_uri = f"s3://{s3}/logs/2026-11-*/part-00[01]*"    # named below the glob's root: the date says which day
+    assert (
+        traffic_sha256(list_partitions(uri), "ray")
+        == traffic_sha256(list_partitions(parts), "processes")
+        == traffic_sha256(list_partitions(parts))
+        == ref["profile"].parents[0]
+    )
+    glob_uri = f"s3://{s3}/logs/2026-11-*/part-00[01]*"  # named below the glob's root: the date says which day
     assert [p.name for p in list_partitions(glob_uri)] == ["2026-11-22/part-000.jsonl", "2026-11-22/part-001.jsonl.gz"]
-    assert [p.name for p in list_partitions(f"s3://{s3}/logs/2026-11-*/")] == [f"2026-11-22/{p.name}" for p in list_partitions(parts)]
+    assert [p.name for p in list_partitions(f"s3://{s3}/logs/2026-11-*/")] == [
+        f"2026-11-22/{p.name}" for p in list_partitions(parts)
+    ]
 
 
 def test_variants_fanned_out_on_ray_match_the_serial_run(tmp_path, workdir, monkeypatch):
@@ -528,16 +605,19 @@ def test_variants_fanned_out_on_ray_match_the_serial_run(tmp_path, workdir, monk
     for name in ledgers["serial"]:
         if name.startswith(("model", "calibrate", "quantize:", "engine:")):
             assert ledgers["ray"][name]["sha256"] == ledgers["serial"][name]["sha256"], name
-    reports = {m: {v: json.loads((w / "variants" / v / "gate" / "report.json").read_text()) for v in ("awq-cpu", "w8")}
-               for m, w in runs.items()}
+    reports = {
+        m: {v: json.loads((w / "variants" / v / "gate" / "report.json").read_text()) for v in ("awq-cpu", "w8")}
+        for m, w in runs.items()
+    }
     for v in ("awq-cpu", "w8"):
         a, b = reports["serial"][v], reports["ray"][v]
         assert a["verdict"] == b["verdict"]
-        assert [(r["gate"], r["metric"], r["verdict"], r["observed"]) for r in a["results"] if r["gate"] != "perf"] == \
-               [(r["gate"], r["metric"], r["verdict"], r["observed"]) for r in b["results"] if r["gate"] != "perf"]
+        assert [(r["gate"], r["metric"], r["verdict"], r["observed"]) for r in a["results"] if r["gate"] != "perf"] == [
+            (r["gate"], r["metric"], r["verdict"], r["observed"]) for r in b["results"] if r["gate"] != "perf"
+        ]
     summary = json.loads((runs["ray"] / "summary.json").read_text())
     assert summary["promoted"]["variant"] == "w8"
-    assert main(["run", str(tmp_path / "ray" / "spec.yaml"), "--parallel", "ray"]) == 0   # re-run: every stage skipped
+    assert main(["run", str(tmp_path / "ray" / "spec.yaml"), "--parallel", "ray"]) == 0  # re-run: every stage skipped
     assert json.loads((runs["ray"] / "summary.json").read_text())["stages_run"] == []
 
 
@@ -581,15 +661,22 @@ def test_a_variant_no_ray_node_can_hold_is_refused_before_any_work(tmp_path, wor
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     spec = load_spec(path)
     monkeypatch.setattr(runner, "_run", lambda *a, **k: pytest.fail("the run started: it would wait forever"))
-    with pytest.raises(ConfigError, match=r"variants\[1\]\.resources: variant w8 asks one node for CPU 1, GPU 1; the largest "
-                                          r"node of this Ray instance has CPU \d+, memory [\d.]+ GiB, so its task would wait forever"):
+    with pytest.raises(
+        ConfigError,
+        match=r"variants\[1\]\.resources: variant w8 asks one node for CPU 1, GPU 1; the largest "
+        r"node of this Ray instance has CPU \d+, memory [\d.]+ GiB, so its task would wait forever",
+    ):
         run_pipeline(spec, echo=lambda m: None, parallel="ray")
-    assert not (tmp_path / "work").exists()                        # refused before anything was made
+    assert not (tmp_path / "work").exists()  # refused before anything was made
     said: list[str] = []
-    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")        # the same nodes, as a cluster's: a warning
-    placeable(spec.variants, said.append)                        # (the first variant asks for nothing: it fits)
-    assert len(said) == 1 and said[0].startswith("  ! variants[1].resources: variant w8 asks one node for CPU 1, GPU 1") \
-        and "of this Ray cluster has" in said[0] and "waits until such a node joins" in said[0]
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")  # the same nodes, as a cluster's: a warning
+    placeable(spec.variants, said.append)  # (the first variant asks for nothing: it fits)
+    assert (
+        len(said) == 1
+        and said[0].startswith("  ! variants[1].resources: variant w8 asks one node for CPU 1, GPU 1")
+        and "of this Ray cluster has" in said[0]
+        and "waits until such a node joins" in said[0]
+    )
 
 
 def test_a_variant_failing_on_ray_keeps_every_stage_that_finished(tmp_path, workdir, monkeypatch):
@@ -607,25 +694,34 @@ def test_a_variant_failing_on_ray_keeps_every_stage_that_finished(tmp_path, work
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     data = yaml.safe_load(_spec(tmp_path, workdir).read_text())
-    data["variants"] = [{"name": "trt", "scheme": "gptq-w8a16", "options": {"group_size": 32}, "engine": {"backend": "trtllm"},
-                         "resources": {"num_cpus": 1}},
-                        {"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}, "resources": {"num_cpus": 1}}]
+    data["variants"] = [
+        {
+            "name": "trt",
+            "scheme": "gptq-w8a16",
+            "options": {"group_size": 32},
+            "engine": {"backend": "trtllm"},
+            "resources": {"num_cpus": 1},
+        },
+        {"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}, "resources": {"num_cpus": 1}},
+    ]
     spec, said = PipelineSpec(**data, root=tmp_path.resolve()), []
     with pytest.raises(BackendUnavailable, match="TensorRT-LLM bundle written to .* but not verified"):
         run_pipeline(spec, echo=said.append, parallel="ray")
-    assert any(m.startswith("  ! trt failed: TensorRT-LLM bundle") and "every finished stage is kept" in m for m in said)
+    assert any(
+        m.startswith("  ! trt failed: TensorRT-LLM bundle") and "every finished stage is kept" in m for m in said
+    )
     ledger = json.loads((tmp_path / "work" / "stages.json").read_text())
     assert {"quantize:trt", "quantize:w8", "gate:w8"} <= set(ledger) and "engine:trt" not in ledger
     built = {d: (tmp_path / "work/variants" / d).stat().st_ino for d in ("trt/checkpoint", "w8/checkpoint", "w8/gate")}
     said.clear()
     with pytest.raises(BackendUnavailable):
         run_pipeline(spec, echo=said.append, parallel="ray")
-    assert not any("stale lock" in m for m in said)                       # the failed run released its lock cleanly
-    assert {d: (tmp_path / "work/variants" / d).stat().st_ino for d in built} == built   # nothing was built again
+    assert not any("stale lock" in m for m in said)  # the failed run released its lock cleanly
+    assert {d: (tmp_path / "work/variants" / d).stat().st_ino for d in built} == built  # nothing was built again
 
 
 class _TwoArgs(Exception):
-    def __init__(self, what: str, where: str):   # pickles, but cannot be rebuilt from its message alone
+    def __init__(self, what: str, where: str):  # pickles, but cannot be rebuilt from its message alone
         super().__init__(f"{what} at {where}")
 
 
@@ -663,14 +759,17 @@ def test_a_failing_ray_task_raises_its_own_error_and_leaves_nothing_running(tmp_
     ray_cloudpickle = pytest.importorskip("ray.cloudpickle")
     from qgate.execute import map_ordered
 
-    ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])     # workers cannot import this test module
+    ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
     with pytest.raises(ValueError, match="bad partition 1"):
         list(map_ordered(_slow_or_bad, [(i, str(tmp_path)) for i in range(40)], engine="ray"))
     ran = sorted(p.name for p in tmp_path.iterdir())
     time.sleep(1.0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ran      # nothing was left running behind the caller
-    assert "0" in ran and len(ran) < 20                             # the window was awaited; later calls never ran
-    assert list(map_ordered(_slow_or_bad, [(0, str(tmp_path)), (2, str(tmp_path))], engine="ray")) == [0, 2]  # driver alive
+    assert sorted(p.name for p in tmp_path.iterdir()) == ran  # nothing was left running behind the caller
+    assert "0" in ran and len(ran) < 20  # the window was awaited; later calls never ran
+    assert list(map_ordered(_slow_or_bad, [(0, str(tmp_path)), (2, str(tmp_path))], engine="ray")) == [
+        0,
+        2,
+    ]  # driver alive
 
 
 @pytest.mark.parametrize("engine", ["serial", "processes", "ray"])
@@ -683,14 +782,20 @@ def test_a_result_that_stops_the_submitting_loses_none_of_the_work_in_flight(tmp
 
     if engine == "ray":
         pytest.importorskip("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
-    got = list(map_ordered(_slow_or_bad, [(i, str(tmp_path), True) for i in range(40)], engine=engine,
-                           stop_after=lambda r: isinstance(r, tuple)))
+    got = list(
+        map_ordered(
+            _slow_or_bad,
+            [(i, str(tmp_path), True) for i in range(40)],
+            engine=engine,
+            stop_after=lambda r: isinstance(r, tuple),
+        )
+    )
     assert got[:2] == [0, ("failed", 1)] and got[2:] == list(range(2, len(got))) and len(got) < 12
     if engine == "serial":
-        assert len(got) == 2                                         # nothing else was running
+        assert len(got) == 2  # nothing else was running
     else:
-        assert len(got) > 2                                          # the calls in flight were yielded, not dropped
-    assert sorted(int(p.name) for p in tmp_path.iterdir()) == [0] + got[2:]   # and no call beyond them ran
+        assert len(got) > 2  # the calls in flight were yielded, not dropped
+    assert sorted(int(p.name) for p in tmp_path.iterdir()) == [0] + got[2:]  # and no call beyond them ran
 
 
 _INTERRUPTED = """
@@ -714,7 +819,7 @@ def test_ctrl_c_during_a_ray_fan_out_returns_at_once(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     out = subprocess.run([sys.executable, "-c", _INTERRUPTED], capture_output=True, text=True, timeout=300, env=env)
     took = re.search(r"INTERRUPTED after (\d+)", out.stdout)
-    assert took and int(took[1]) < 60, out.stdout + out.stderr[-3000:]    # the tasks sleep 120 s
+    assert took and int(took[1]) < 60, out.stdout + out.stderr[-3000:]  # the tasks sleep 120 s
 
 
 def _bad_input(i: int) -> int:
@@ -723,7 +828,7 @@ def _bad_input(i: int) -> int:
     if i == 2:
         raise InputError(f"part-{i}.jsonl:7: bad record", hint="fix the writer")
     if i == 9:
-        os._exit(1)           # a worker killed mid-call (the OOM killer, a segfault in a native library)
+        os._exit(1)  # a worker killed mid-call (the OOM killer, a segfault in a native library)
     return i * i
 
 
@@ -740,8 +845,10 @@ def test_the_processes_engine_keeps_order_raises_each_error_as_itself_and_places
     with pytest.raises(ValueError, match="bad partition 1"):
         list(map_ordered(_slow_or_bad, [(i, str(tmp_path)) for i in range(40)], engine="processes"))
     ran = sorted(p.name for p in tmp_path.iterdir())
-    assert "0" in ran and len(ran) < 10                 # the window was awaited; later calls never ran
-    with pytest.raises(QgateError, match="worker process of the processes engine died while running _bad_input") as died:
+    assert "0" in ran and len(ran) < 10  # the window was awaited; later calls never ran
+    with pytest.raises(
+        QgateError, match="worker process of the processes engine died while running _bad_input"
+    ) as died:
         list(map_ordered(_bad_input, [(i,) for i in (0, 9, 1)], engine="processes"))
     assert "serial engine" in died.value.hint and 'if __name__ == "__main__":' in died.value.hint
     with pytest.raises(ConfigError, match="cannot place num_gpus\n"):
@@ -796,13 +903,18 @@ class _StreamedConcurrency:
         self.ends, self.second, self.last_ts = [], None, float("-inf")
 
 
-_TIMES = st.one_of(st.none(), st.sampled_from([0.0, 0.5, 0.999, 1.0, 1.25, 2.0, 7.0]), st.floats(0, 20, allow_nan=False))
+_TIMES = st.one_of(
+    st.none(), st.sampled_from([0.0, 0.5, 0.999, 1.0, 1.25, 2.0, 7.0]), st.floats(0, 20, allow_nan=False)
+)
 _LATENCIES = st.one_of(st.none(), st.sampled_from([0.0, 1.0, 500.0, 1000.0]), st.floats(0, 5000, allow_nan=False))
 
 
 @settings(max_examples=300, deadline=None)
-@given(parts=st.lists(st.lists(st.tuples(_TIMES, _LATENCIES), max_size=40), min_size=1, max_size=4),
-       window=st.integers(1, 12), mostly_sorted=st.booleans())
+@given(
+    parts=st.lists(st.lists(st.tuples(_TIMES, _LATENCIES), max_size=40), min_size=1, max_size=4),
+    window=st.integers(1, 12),
+    mostly_sorted=st.booleans(),
+)
 def test_concurrency_batches_equal_one_request_at_a_time(parts, window, mostly_sorted):
     """The in-flight and per-second histograms, out-of-order count and state between batches equal the one-at-a-time
     reference, for batches sorted (the vectorized path, ties and zero latencies included) or not, and across two
@@ -813,11 +925,22 @@ def test_concurrency_batches_equal_one_request_at_a_time(parts, window, mostly_s
             batch = sorted(batch, key=lambda r: -1.0 if r[0] is None else r[0])
         for ts, lat in batch:
             ref.add(ts, lat)
-        got.add_batch(np.array([np.nan if t is None else t for t, _ in batch], dtype=np.float64),
-                      np.array([np.nan if la is None else la for _, la in batch], dtype=np.float64))
-        assert (got.in_flight, got.per_second, got.out_of_order, got.timed, got.no_latency) == \
-               (ref.in_flight, ref.per_second, ref.out_of_order, ref.timed, ref.no_latency)
-        assert sorted(got.ends) == sorted(ref.ends) and (got.second, got.in_second, got.last_ts) == (ref.second, ref.in_second, ref.last_ts)
+        got.add_batch(
+            np.array([np.nan if t is None else t for t, _ in batch], dtype=np.float64),
+            np.array([np.nan if la is None else la for _, la in batch], dtype=np.float64),
+        )
+        assert (got.in_flight, got.per_second, got.out_of_order, got.timed, got.no_latency) == (
+            ref.in_flight,
+            ref.per_second,
+            ref.out_of_order,
+            ref.timed,
+            ref.no_latency,
+        )
+        assert sorted(got.ends) == sorted(ref.ends) and (got.second, got.in_second, got.last_ts) == (
+            ref.second,
+            ref.in_second,
+            ref.last_ts,
+        )
         if k == 1:
             ref.finish()
             got.finish()
@@ -851,7 +974,7 @@ def test_a_local_file_a_ray_task_cannot_find_is_explained(tmp_path, monkeypatch)
     parts = list_partitions("logs")
     assert all(Path(p.location).is_absolute() for p in parts) and [p.name for p in parts][0] == "part-000.jsonl"
 
-    def as_on_another_node(fn, calls, engine="serial", resources=None):   # what the worker raises, re-raised here
+    def as_on_another_node(fn, calls, engine="serial", resources=None):  # what the worker raises, re-raised here
         yield fn(*calls[0])
         raise InputError(f"{calls[1][0].location}: traffic log not found", hint="pass a JSONL or Parquet file")
 
@@ -859,7 +982,7 @@ def test_a_local_file_a_ray_task_cannot_find_is_explained(tmp_path, monkeypatch)
     with pytest.raises(InputError, match="a Ray task could not find this local file") as e:
         sample_traffic("logs", tmp_path / "out", SampleConfig(calib_size=20, shadow_size=10), engine="ray")
     assert str(e.value).startswith(parts[1].location) and "s3://" in e.value.hint
-    with pytest.raises(InputError, match="traffic log not found"):         # the processes engine: the file's own error
+    with pytest.raises(InputError, match="traffic log not found"):  # the processes engine: the file's own error
         sample_traffic("logs", tmp_path / "out2", SampleConfig(calib_size=20, shadow_size=10), engine="processes")
     gone = Partition(str(tmp_path / "gone.jsonl"))
 
@@ -867,7 +990,7 @@ def test_a_local_file_a_ray_task_cannot_find_is_explained(tmp_path, monkeypatch)
         raise FileNotFoundError(f"[Errno 2] No such file or directory: '{gone.location}'")
         yield
 
-    with pytest.raises(FileNotFoundError):                                  # missing on this machine too: as it was
+    with pytest.raises(FileNotFoundError):  # missing on this machine too: as it was
         list(explained(missing(), [gone], "ray"))
 
 
@@ -896,18 +1019,31 @@ def test_a_ray_worker_with_other_qgate_code_runs_nothing(tmp_path):
 
     copy = tmp_path / "mods" / "qgate"
     shutil.copytree(Path(qgate.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "calibrate" / "words.py").write_text((copy / "calibrate" / "words.py").read_text() + "\n# edited on the cluster\n")
+    (copy / "calibrate" / "words.py").write_text(
+        (copy / "calibrate" / "words.py").read_text() + "\n# edited on the cluster\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-c", _OTHER_CODE, str(copy)], capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _OTHER_CODE, str(copy)], capture_output=True, text=True, timeout=600, env=env
+    )
     assert "REFUSED a Ray worker on" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "qgate source" in out.stdout and "nothing was run there" in out.stdout and "RAN" not in out.stdout
     (copy / "__init__.py").write_text('raise ImportError("no module named qgate.calibrate (a broken install)")\n')
-    out = subprocess.run([sys.executable, "-c", _OTHER_CODE, str(copy)], capture_output=True, text=True, timeout=600, env=env)
-    assert re.search(r"REFUSED a Ray worker on [0-9a-f.:]+ could not import qgate's code \(ImportError: no module named "
-                     r"qgate\.calibrate \(a broken install\)\); nothing was run there", out.stdout), out.stdout + out.stderr[-3000:]
+    out = subprocess.run(
+        [sys.executable, "-c", _OTHER_CODE, str(copy)], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert re.search(
+        r"REFUSED a Ray worker on [0-9a-f.:]+ could not import qgate's code \(ImportError: no module named "
+        r"qgate\.calibrate \(a broken install\)\); nothing was run there",
+        out.stdout,
+    ), out.stdout + out.stderr[-3000:]
     from importlib.metadata import version
 
     from qgate.execute import environment
 
-    here = environment()    # releases, not builds: this machine's torch is a +cpu build
-    assert "+" in version("torch") and here["torch"] == version("torch").split("+")[0] and here["pyarrow"] == version("pyarrow")
+    here = environment()  # releases, not builds: this machine's torch is a +cpu build
+    assert (
+        "+" in version("torch")
+        and here["torch"] == version("torch").split("+")[0]
+        and here["pyarrow"] == version("pyarrow")
+    )

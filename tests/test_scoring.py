@@ -1,5 +1,6 @@
 """The gate's fast paths agree with the slow, obvious ones: batched greedy generation with scores taken during
 decoding, float32 reductions of logits, length-sorted batches."""
+
 import numpy as np
 import pytest
 import tiny
@@ -9,25 +10,25 @@ from qgate.gates.scoring import kl_with_tail, length_batches, reduce_logits, top
 
 def test_length_batches_cover_every_index_once_within_budgets():
     rng = np.random.default_rng(0)
-    lengths = rng.integers(1, 300, 200).tolist() + [2000]          # one row longer than the budget
+    lengths = rng.integers(1, 300, 200).tolist() + [2000]  # one row longer than the budget
     batches = length_batches(lengths, max_tokens=1024, max_rows=16)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         assert len(b) <= 16
         assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 1024
-    assert [2000] in [[lengths[i] for i in b] for b in batches]    # alone, not dropped
-    assert batches == length_batches(lengths, max_tokens=1024, max_rows=16)   # deterministic
+    assert [2000] in [[lengths[i] for i in b] for b in batches]  # alone, not dropped
+    assert batches == length_batches(lengths, max_tokens=1024, max_rows=16)  # deterministic
 
 
 def test_float32_reductions_match_a_float64_oracle_at_large_logit_magnitudes():
     rng = np.random.default_rng(1)
-    logits = (rng.normal(0, 4, (37, 5000)) + 40).astype(np.float32)    # |logits| ~ 40: float32 spacing ~4e-6
-    logits[np.arange(37), rng.integers(0, 5000, 37)] += 12             # a confident top token per row
+    logits = (rng.normal(0, 4, (37, 5000)) + 40).astype(np.float32)  # |logits| ~ 40: float32 spacing ~4e-6
+    logits[np.arange(37), rng.integers(0, 5000, 37)] += 12  # a confident top token per row
     oracle = tiny.log_softmax64(logits)
     ids = np.argsort(-oracle, axis=-1)[:, :64]
     top1, picked = reduce_logits(logits, ids)
     assert np.array_equal(top1, oracle.argmax(-1))
-    assert np.abs(picked[:, 0] - oracle[np.arange(37), ids[:, 0]]).max() < 1e-6   # the mass is where it is exact
+    assert np.abs(picked[:, 0] - oracle[np.arange(37), ids[:, 0]]).max() < 1e-6  # the mass is where it is exact
     assert np.abs(picked - np.take_along_axis(oracle, ids, -1)).max() < 2e-5
     t_ids, t_lp = top_k_logprobs(logits, 64)
     assert np.array_equal(t_ids[:, 0], oracle.argmax(-1))
@@ -46,7 +47,7 @@ def test_device_reductions_are_the_host_ones():
 
     rng = np.random.default_rng(2)
     logits = (rng.normal(0, 4, (41, 3000)) + 40).astype(np.float32)
-    logits[3, 7], logits[5, :] = np.nan, -np.inf        # a NaN logit; a row with nothing above -inf
+    logits[3, 7], logits[5, :] = np.nan, -np.inf  # a NaN logit; a row with nothing above -inf
     logits[9, 11] = np.inf
     ids = rng.integers(0, 3000, (41, 16))
     top1, picked = reduce_logits(logits, ids)
@@ -69,22 +70,22 @@ def test_greedy_scored_matches_generate_and_teacher_forcing(base_art, calib_arts
     runner = load_runner(base_art)
     rows = [json.loads(x) for x in (calib_arts["shadow"].path / "data.jsonl").read_text().splitlines()][:9]
     prompts = [encode_messages(runner.tokenizer, r["messages"], 64) for r in rows]
-    assert len({len(p) for p in prompts}) > 2                      # different lengths: real left padding
-    reduce = lambda x: top_k_logprobs(x, 16)   # noqa: E731
-    if early_stops:   # stop tokens that end some answers early and at different steps: finished rows leave the batch
+    assert len({len(p) for p in prompts}) > 2  # different lengths: real left padding
+    reduce = lambda x: top_k_logprobs(x, 16)  # noqa: E731
+    if early_stops:  # stop tokens that end some answers early and at different steps: finished rows leave the batch
         first = runner.greedy_batch(prompts, max_new)
-        runner.model.generation_config.eos_token_id = [first[i][3 * i + 3] for i in range(3)]   # 3 of 9 stop by step 9
+        runner.model.generation_config.eos_token_id = [first[i][3 * i + 3] for i in range(3)]  # 3 of 9 stop by step 9
     out = runner.greedy_scored(prompts, max_new, reduce, prefill_tokens=96)  # several prefills
     if early_stops:
         lens = sorted(len(a) for a, _ in out)
         assert lens[0] <= 4 and sum(n < max_new for n in lens) >= 3 and lens[-1] == max_new, lens
     for p, (answer, (ids, lp)) in zip(prompts, out, strict=True):
-        assert answer == runner.greedy(p, max_new)                 # generate(), one prompt at a time
+        assert answer == runner.greedy(p, max_new)  # generate(), one prompt at a time
         assert 1 <= len(answer) <= max_new
-        assert ids.shape == (len(p) + len(answer) - 1, 16)         # every position that predicts a next token
+        assert ids.shape == (len(p) + len(answer) - 1, 16)  # every position that predicts a next token
         tf = tiny.log_softmax64(runner.logits(p + answer)[:-1])
         np.testing.assert_allclose(lp, np.take_along_axis(tf, ids.astype(np.int64), -1), atol=1e-4)
         assert np.array_equal(ids[:, 0], tf.argmax(-1))
         # the answer is the argmax of the scores taken while decoding it
-        assert list(ids[len(p) - 1:, 0]) == answer[:len(ids) - len(p) + 1]
+        assert list(ids[len(p) - 1 :, 0]) == answer[: len(ids) - len(p) + 1]
     assert [a for a, _ in out] == runner.greedy_batch(prompts, max_new)

@@ -2,14 +2,15 @@
 
 The value path of one attention block (v_proj -> o_proj) keeps full-scale weights plus one outlier in every int4 group,
 while every other layer's weights are shrunk 10x: those two layers carry the signal and quantize worst."""
+
 import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import pytest
-
 import tiny
+
 from qgate.errors import ConfigError
 from qgate.search.plan import SearchConfig, fallback_order, max_count, next_count, predicted_bits, start_count
 
@@ -26,9 +27,9 @@ def _plant(src: Path, outlier: float = 1.0, shrink: float = 0.1) -> None:
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name in PLANTED:
-            w = model.get_submodule(name).weight                  # [O, I]
+            w = model.get_submodule(name).weight  # [O, I]
             o, i = w.shape
-            g = w.view(o, i // 32, 32)                            # [O, G, 32]
+            g = w.view(o, i // 32, 32)  # [O, G, 32]
             idx = torch.randint(0, 32, (o, i // 32, 1), generator=gen)
             g.scatter_(2, idx, outlier * torch.sign(g.gather(2, idx)))
         for name, mod in model.named_modules():
@@ -46,8 +47,9 @@ def planted(tmp_path_factory):
     src = tiny.make_model(d / "src", seed=1, layers=3)
     _plant(src)
     base = import_model(ModelSource(hf_dir=str(src)), d / "base")
-    arts = sample_traffic(tiny.make_traffic(d / "traffic.jsonl", n=300), d / "calib",
-                          SampleConfig(calib_size=32, shadow_size=48, seed=0))
+    arts = sample_traffic(
+        tiny.make_traffic(d / "traffic.jsonl", n=300), d / "calib", SampleConfig(calib_size=32, shadow_size=48, seed=0)
+    )
     return d, base, arts
 
 
@@ -55,35 +57,43 @@ def _gate(kl_mean_max: float):
     from qgate.gates.run import GateConfig
     from qgate.gates.shadow import ShadowConfig
 
-    return GateConfig(shadow=ShadowConfig(max_new_tokens=16, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=kl_mean_max,
-                                          top1_agreement_min=None), eval=None)
+    return GateConfig(
+        shadow=ShadowConfig(
+            max_new_tokens=16, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=kl_mean_max, top1_agreement_min=None
+        ),
+        eval=None,
+    )
 
 
 # --- the plan: pure functions -------------------------------------------------------------------------------------
 
-LAYERS = [{"layer": f"l{i}", "params": p, "kl": kl, "kl_per_mparam": kl / (p / 1e6)}
-          for i, (p, kl) in enumerate([(1000, 8.0), (3000, 9.0), (1000, 1.0), (1000, 0.5), (3000, 0.3)])]
+LAYERS = [
+    {"layer": f"l{i}", "params": p, "kl": kl, "kl_per_mparam": kl / (p / 1e6)}
+    for i, (p, kl) in enumerate([(1000, 8.0), (3000, 9.0), (1000, 1.0), (1000, 0.5), (3000, 0.3)])
+]
 
 
 def test_layers_fall_back_in_order_of_kl_per_parameter():
     order = fallback_order(LAYERS)
-    assert [r["layer"] for r in order] == ["l0", "l1", "l2", "l3", "l4"]   # l1 has more KL but 3x the bytes
+    assert [r["layer"] for r in order] == ["l0", "l1", "l2", "l3", "l4"]  # l1 has more KL but 3x the bytes
     assert start_count(order, 0.5) == 2 and start_count(order, 0.4) == 1 and start_count(order, 1.0) == 5
 
 
 def test_size_budget_bounds_the_fallback_count():
     order = fallback_order(LAYERS)
-    assert predicted_bits(order, 0, 4, 8, 64) == pytest.approx(4 + 36 / 64)   # codes + float32 scale + int4 zero per 64
+    assert predicted_bits(order, 0, 4, 8, 64) == pytest.approx(4 + 36 / 64)  # codes + float32 scale + int4 zero per 64
     assert predicted_bits(order, 5, 4, 8, 64) == pytest.approx(8 + 40 / 64)
     assert predicted_bits(order, 0, 4, 8, 64, symmetric=True) == pytest.approx(4.5)
     step = (8 + 40 / 64) - (4 + 36 / 64)
     assert predicted_bits(order, 1, 4, 8, 64) == pytest.approx(4 + 36 / 64 + step * 1000 / 9000)
     assert max_count(order, None, 4, 8, 64) == 5
-    assert max_count(order, 5.5, 4, 8, 64) == 1                              # l0 adds 0.45 bits, l1 another 1.35
+    assert max_count(order, 5.5, 4, 8, 64) == 1  # l0 adds 0.45 bits, l1 another 1.35
     assert max_count(order, 4.0, 4, 8, 64) == 0
 
 
-@pytest.mark.parametrize("passes_from,expected", [(3, [2, 4, 3]), (1, [2, 1, 0]), (0, [2, 1, 0]), (9, [2, 4, 8, 10, 9]), (11, [2, 4, 8, 10])])
+@pytest.mark.parametrize(
+    "passes_from,expected", [(3, [2, 4, 3]), (1, [2, 1, 0]), (0, [2, 1, 0]), (9, [2, 4, 8, 10, 9]), (11, [2, 4, 8, 10])]
+)
 def test_plan_doubles_then_bisects_to_the_smallest_passing_count(passes_from, expected):
     tried, seen = {}, []
     while (k := next_count(tried, start=2, max_count=10)) is not None:
@@ -101,6 +111,7 @@ def test_search_config_is_validated():
 
 # --- sensitivity and the search on the planted model -------------------------------------------------------------
 
+
 def test_rtn_error_is_within_half_a_step():
     import torch
 
@@ -110,7 +121,7 @@ def test_rtn_error_is_within_half_a_step():
     for bits, sym in ((4, False), (4, True), (8, False)):
         err = rtn_error(w, bits, 32, sym).reshape(16, 4, 32)
         g = w.reshape(16, 4, 32)
-        step = (g.amax(-1) - g.amin(-1)) / (2 ** bits - 1) if not sym else g.abs().amax(-1) / (2 ** (bits - 1) - 0.5)
+        step = (g.amax(-1) - g.amin(-1)) / (2**bits - 1) if not sym else g.abs().amax(-1) / (2 ** (bits - 1) - 0.5)
         assert (err.abs().amax(-1) <= step * 0.5 + 1e-6).all()
         assert err.abs().mean() > 0
 
@@ -120,11 +131,13 @@ def test_sensitivity_ranks_the_planted_layers_first(planted):
     from qgate.search.sensitivity import SensitivityConfig, fisher_sensitivity
 
     _, base, arts = planted
-    sens = fisher_sensitivity(base, arts["calib"], scheme_config("awq-w4a16", group_size=32), SensitivityConfig(samples=16, max_seq_length=64))
+    sens = fisher_sensitivity(
+        base, arts["calib"], scheme_config("awq-w4a16", group_size=32), SensitivityConfig(samples=16, max_seq_length=64)
+    )
     names = [r["layer"] for r in sens["layers"]]
     assert len(names) == 21 and "lm_head" not in names
     assert set(names[:2]) == set(PLANTED)
-    assert sens["layers"][1]["kl"] > 20 * sens["layers"][2]["kl"] > 0      # not a near tie
+    assert sens["layers"][1]["kl"] > 20 * sens["layers"][2]["kl"] > 0  # not a near tie
     assert sens["tokens"] > 16 * 5
 
 
@@ -143,13 +156,25 @@ def test_search_falls_back_the_planted_layers_and_passes_where_uniform_w4_fails(
     u = shadow_check(uniform, base, arts["shadow"], gate, d / "cache")
     assert u["verdict"] == "fail"
     msgs = []
-    art = search_checkpoint(base, arts["calib"], arts["shadow"], scheme, SearchConfig(samples=16, max_steps=4), gate,
-                            d / "searched", d / "cache", opts=opts, echo=msgs.append)
+    art = search_checkpoint(
+        base,
+        arts["calib"],
+        arts["shadow"],
+        scheme,
+        SearchConfig(samples=16, max_steps=4),
+        gate,
+        d / "searched",
+        d / "cache",
+        opts=opts,
+        echo=msgs.append,
+    )
     s = art.meta["search"]
     assert s["found"] and s["chosen_verdict"] == "pass" and 1 <= s["chosen_k"] <= 4
-    assert set(art.meta["fallback_layers"][:2]) == set(PLANTED)                  # fallen back first
+    assert set(art.meta["fallback_layers"][:2]) == set(PLANTED)  # fallen back first
     assert s["gate_runs"] == s["points_tried"] <= 4 and sha256_tree(art.path) == art.sha256
-    assert s["points_built_by"] == "rtn on AWQ-smoothed weights" and art.meta["smoothed_weights"] == s["smoothed_weights"]
+    assert (
+        s["points_built_by"] == "rtn on AWQ-smoothed weights" and art.meta["smoothed_weights"] == s["smoothed_weights"]
+    )
     # the checkpoint is mixed: the fallback layers are W8 in their own config group, the rest W4
     qc = json.loads((art.path / "config.json").read_text())["quantization_config"]
     by_bits = {g["weights"]["num_bits"]: g["targets"] for g in qc["config_groups"].values()}
@@ -163,13 +188,26 @@ def test_search_falls_back_the_planted_layers_and_passes_where_uniform_w4_fails(
     assert shadow_check(art, base, arts["shadow"], gate, d / "cache")["verdict"] == "pass"
     assert any("PASS" in m for m in msgs) and any("FAIL" in m or "k=" in m for m in msgs)
     # a re-run reuses every gated point from the cache: no new gate runs, the same choice
-    again = search_checkpoint(base, arts["calib"], arts["shadow"], scheme, SearchConfig(samples=16, max_steps=4), gate,
-                              d / "searched-again", d / "cache", opts=opts, echo=msgs.append)
+    again = search_checkpoint(
+        base,
+        arts["calib"],
+        arts["shadow"],
+        scheme,
+        SearchConfig(samples=16, max_steps=4),
+        gate,
+        d / "searched-again",
+        d / "cache",
+        opts=opts,
+        echo=msgs.append,
+    )
     assert again.meta["search"]["gate_runs"] == 0 and again.meta["fallback_layers"] == art.meta["fallback_layers"]
-    assert any("AWQ smoothing: cached" in m for m in msgs) and again.meta["search"]["smoothed_weights"] == s["smoothed_weights"]
-    assert again.sha256 == art.sha256 or sha256_tree(again.path, exclude=("qgate-artifact.json", "qgate-search.json",
-                                                                           "qgate-search.png")) == \
-        sha256_tree(art.path, exclude=("qgate-artifact.json", "qgate-search.json", "qgate-search.png"))
+    assert (
+        any("AWQ smoothing: cached" in m for m in msgs)
+        and again.meta["search"]["smoothed_weights"] == s["smoothed_weights"]
+    )
+    assert again.sha256 == art.sha256 or sha256_tree(
+        again.path, exclude=("qgate-artifact.json", "qgate-search.json", "qgate-search.png")
+    ) == sha256_tree(art.path, exclude=("qgate-artifact.json", "qgate-search.json", "qgate-search.png"))
 
 
 def test_cpu_engine_builds_the_mixed_layout_exactly(planted):
@@ -183,7 +221,10 @@ def test_cpu_engine_builds_the_mixed_layout_exactly(planted):
     ckpt = Artifact.load(d / "searched")
     eng = build_engine(ckpt, "cpu", d / "searched-cpu", accuracy_level=1)
     assert "disable_qkv_fusion=true" in eng.meta["builder_cmd"]
-    cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=16, max_prompt_tokens=48, kl_p99_max=None, top1_agreement_min=None), eval=None)
+    cfg = GateConfig(
+        shadow=ShadowConfig(max_new_tokens=16, max_prompt_tokens=48, kl_p99_max=None, top1_agreement_min=None),
+        eval=None,
+    )
     rep = run_gates(eng, base, arts["shadow"], cfg, d / "searched-gate", d / "cache", checkpoint=ckpt)
     report = json.loads((rep.path / "report.json").read_text())
     by = {r["metric"]: r["observed"] for r in report["results"] if r["gate"] == "parity"}
@@ -191,7 +232,7 @@ def test_cpu_engine_builds_the_mixed_layout_exactly(planted):
     # scale gives KL of the order of the quantization's). 1.01% with onnxruntime 1.31.1 / onnxruntime-genai 0.18.0.
     assert by["engine_vs_checkpoint.kl_mean"] < 0.02 * by["checkpoint_vs_baseline.kl_mean"]
     assert by["engine_vs_checkpoint.top1_agreement"] > 0.99
-    assert report["search"]["chosen_k"] == ckpt.meta["search"]["chosen_k"]      # the search evidence is in the report
+    assert report["search"]["chosen_k"] == ckpt.meta["search"]["chosen_k"]  # the search evidence is in the report
     html = (rep.path / "report.html").read_text()
     assert "<h2>Search</h2>" in html and PLANTED[0] in html and "alt='search'" in html
     unq = dataclasses.replace(ckpt, meta=ckpt.meta | {"weight_format": "w4a16+unquantized"})
@@ -204,12 +245,21 @@ def test_search_that_cannot_pass_says_so_and_keeps_the_closest_point(planted):
     from qgate.quantize.schemes import scheme_config
 
     d, base, arts = planted
-    art = search_checkpoint(base, arts["calib"], arts["shadow"], scheme_config("awq-w4a16", group_size=32),
-                            SearchConfig(samples=16, max_steps=2, max_bits_per_weight=5.3), _gate(1e-7),
-                            d / "hopeless", d / "cache", opts=CalibOptions(max_seq_length=64), echo=lambda m: None)
+    art = search_checkpoint(
+        base,
+        arts["calib"],
+        arts["shadow"],
+        scheme_config("awq-w4a16", group_size=32),
+        SearchConfig(samples=16, max_steps=2, max_bits_per_weight=5.3),
+        _gate(1e-7),
+        d / "hopeless",
+        d / "cache",
+        opts=CalibOptions(max_seq_length=64),
+        echo=lambda m: None,
+    )
     s = art.meta["search"]
     assert not s["found"] and s["chosen_verdict"] == "fail" and "no point passed" in s["note"]
-    assert s["max_k"] < 21 and all(p["k"] <= s["max_k"] for p in s["points"])   # the size budget was respected
+    assert s["max_k"] < 21 and all(p["k"] <= s["max_k"] for p in s["points"])  # the size budget was respected
 
 
 def test_spec_search_key_is_strict(tmp_path, workdir):
@@ -219,14 +269,23 @@ def test_spec_search_key_is_strict(tmp_path, workdir):
     from qgate.pipeline.spec import load_spec
 
     split = {"calib_size": 24, "shadow_size": 48, "search_size": 24}
-    ok = _spec(tmp_path, workdir, variants=[{"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32},
-                                             "search": {"max_steps": 3}}], calibrate=split)
+    ok = _spec(
+        tmp_path,
+        workdir,
+        variants=[{"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32}, "search": {"max_steps": 3}}],
+        calibrate=split,
+    )
     assert load_spec(ok).variants[0].search == {"max_steps": 3}
-    biased = _spec(tmp_path, workdir, variants=[{"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32},
-                                                 "search": {"max_steps": 3}}])
+    biased = _spec(
+        tmp_path,
+        workdir,
+        variants=[{"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32}, "search": {"max_steps": 3}}],
+    )
     with pytest.raises(ConfigError, match=r"variants\[0\]\.search: its points would be chosen on the shadow split"):
         load_spec(biased)
-    bad = _spec(tmp_path, workdir, variants=[{"name": "s", "scheme": "awq-w4a16", "search": {"max_step": 3}}], calibrate=split)
+    bad = _spec(
+        tmp_path, workdir, variants=[{"name": "s", "scheme": "awq-w4a16", "search": {"max_step": 3}}], calibrate=split
+    )
     with pytest.raises(ConfigError, match=r"variants\[0\]\.search.*max_step.*did you mean 'max_steps'"):
         load_spec(bad)
     fp8 = _spec(tmp_path, workdir, variants=[{"name": "s", "scheme": "fp8-dynamic", "search": {}}], calibrate=split)
@@ -245,30 +304,66 @@ def test_pipeline_search_chooses_on_its_own_split_and_the_shadow_split_confirms(
     from qgate.pipeline.search import run_search
     from qgate.pipeline.spec import load_spec
 
-    shadow_gate = {"max_new_tokens": 8, "max_prompt_tokens": 48, "kl_p99_max": None, "kl_mean_max": 0.05,
-                   "top1_agreement_min": None}
-    spec = load_spec(_spec(tmp_path, workdir, calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 32},
-                           variants=[{"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32},
-                                      "search": {"max_steps": 2, "samples": 8}}],
-                           gates={"shadow": shadow_gate, "eval": None, "long_context": None}))
+    shadow_gate = {
+        "max_new_tokens": 8,
+        "max_prompt_tokens": 48,
+        "kl_p99_max": None,
+        "kl_mean_max": 0.05,
+        "top1_agreement_min": None,
+    }
+    spec = load_spec(
+        _spec(
+            tmp_path,
+            workdir,
+            calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 32},
+            variants=[
+                {
+                    "name": "s",
+                    "scheme": "awq-w4a16",
+                    "options": {"group_size": 32},
+                    "search": {"max_steps": 2, "samples": 8},
+                }
+            ],
+            gates={"shadow": shadow_gate, "eval": None, "long_context": None},
+        )
+    )
     art = run_search(spec, "s", echo=lambda m: None)
     work = spec.path(spec.workdir)
     held, shadow = Artifact.load(work / "calib" / "search"), Artifact.load(work / "calib" / "shadow")
-    assert art.meta["search"]["chosen_on"] == {"split": "search", "sha256": held.sha256, "prompts": 32,
-                                               "gated_on": shadow.sha256, "independent": True}
+    assert art.meta["search"]["chosen_on"] == {
+        "split": "search",
+        "sha256": held.sha256,
+        "prompts": 32,
+        "gated_on": shadow.sha256,
+        "independent": True,
+    }
     gated = run_gates(art, Artifact.load(work / "base"), shadow, spec.gate_config(), tmp_path / "g", work / "cache")
     assert "disjoint from the shadow set above" in (gated.path / "report.html").read_text()
     said: list[str] = []
-    assert run_search(spec, "s", echo=said.append).sha256 == art.sha256 and any("search:s: unchanged" in m for m in said)
-    bf16 = load_spec(_spec(tmp_path, workdir, calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 32},
-                           variants=[{"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32},
-                                      "search": {"max_steps": 2, "samples": 8}}],
-                           gates={"shadow": shadow_gate, "eval": None, "long_context": None, "dtype": "bfloat16"}))
+    assert run_search(spec, "s", echo=said.append).sha256 == art.sha256 and any(
+        "search:s: unchanged" in m for m in said
+    )
+    bf16 = load_spec(
+        _spec(
+            tmp_path,
+            workdir,
+            calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 32},
+            variants=[
+                {
+                    "name": "s",
+                    "scheme": "awq-w4a16",
+                    "options": {"group_size": 32},
+                    "search": {"max_steps": 2, "samples": 8},
+                }
+            ],
+            gates={"shadow": shadow_gate, "eval": None, "long_context": None, "dtype": "bfloat16"},
+        )
+    )
     said.clear()
-    run_search(bf16, "s", echo=said.append)        # points gated in other numerics: searched again, not reused
+    run_search(bf16, "s", echo=said.append)  # points gated in other numerics: searched again, not reused
     assert not any("search:s: unchanged" in m for m in said) and any("> search:s" in m for m in said)
     points = [m for m in said if "bits/weight" in m]
-    assert points and not any("(cached)" in m for m in points)   # no point scored in float32 is reused
+    assert points and not any("(cached)" in m for m in points)  # no point scored in float32 is reused
 
 
 def test_search_cli_names_an_unknown_variant(tmp_path, workdir, capsys):
@@ -289,8 +384,11 @@ def test_promotion_policy_smallest_picks_the_fewest_bytes_among_passing():
     from qgate.pipeline.runner import best_passing
 
     def outcome(name, passed, nbytes, kl):
-        return {"variant": name, "report": NS(meta={"passed": passed, "summary": {"shadow.kl_p99": kl}}),
-                "candidate": NS(meta={"weights_bytes": nbytes})}
+        return {
+            "variant": name,
+            "report": NS(meta={"passed": passed, "summary": {"shadow.kl_p99": kl}}),
+            "candidate": NS(meta={"weights_bytes": nbytes}),
+        }
 
     outs = [outcome("w4", False, 100, 1.2), outcome("w8", True, 220, 0.01), outcome("searched", True, 130, 0.3)]
     assert best_passing(NS(promote=NS(choose="smallest")), outs)["variant"] == "searched"
@@ -324,7 +422,9 @@ def test_awq_points_are_rtn_on_weights_smoothed_once(planted):
     assert r.keys() == c.keys() and all(torch.equal(r[k], c[k]) for k in r)
     assert cheap.meta["smoothed_weights"] == smooth.sha256 and smooth.sha256 in cheap.parents
     assert cheap.meta["calibration_sha256"] == arts["calib"].sha256
-    point = quantize(base, None, scheme, d / "awq-point", opts=opts, fallback=FallbackConfig(PLANTED, 8), smoothed=smooth)
+    point = quantize(
+        base, None, scheme, d / "awq-point", opts=opts, fallback=FallbackConfig(PLANTED, 8), smoothed=smooth
+    )
     assert point.meta["weight_format"] == "w4a16+w8a16" and point.meta["fallback_layers"] == list(PLANTED)
     assert point.meta["quantize_seconds"] < 0.5 * smooth.meta["smoothing_seconds"]
     with pytest.raises(InputError, match="without a KV-cache scheme"):

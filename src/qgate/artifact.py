@@ -6,6 +6,7 @@
 A stage takes artifacts and returns one. Downstream code reads `kind` and `config`
 from the manifest; it never re-parses a file name or guesses what a directory holds.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,7 +19,7 @@ from typing import Any
 from qgate.errors import InputError
 
 MANIFEST = "qgate-artifact.json"
-UNHASHED = (MANIFEST, "build.log")   # what qgate writes about an artifact, not its content: a build log has timestamps
+UNHASHED = (MANIFEST, "build.log")  # what qgate writes about an artifact, not its content: a build log has timestamps
 KINDS = ("checkpoint", "calibration-set", "traffic-profile", "engine", "gate-report")
 _CHUNK = 1 << 20
 
@@ -81,7 +82,9 @@ class Artifact:
             raise ValueError(f"artifact kind {self.kind!r} is not one of {KINDS}")
 
     @classmethod
-    def create(cls, kind: str, path: Path, config: dict, parents: tuple[str, ...] = (), meta: dict | None = None) -> "Artifact":
+    def create(
+        cls, kind: str, path: Path, config: dict, parents: tuple[str, ...] = (), meta: dict | None = None
+    ) -> Artifact:
         """Hash `path`'s content and write its manifest beside it."""
         path = Path(path).resolve()
         art = cls(kind, path, sha256_tree(path), config, tuple(parents), dict(meta or {}))
@@ -98,7 +101,7 @@ class Artifact:
         os.replace(tmp, target)
 
     @classmethod
-    def load(cls, path: Path, kind: str | None = None) -> "Artifact":
+    def load(cls, path: Path, kind: str | None = None) -> Artifact:
         path = Path(path)
         manifest = path / MANIFEST if path.is_dir() else path.with_name(path.name + ".qgate.json")
         if not manifest.exists():
@@ -109,8 +112,12 @@ class Artifact:
         try:
             data = json.loads(manifest.read_text())
             art = cls(
-                kind=data["kind"], path=path.resolve(), sha256=data["sha256"], config=data["config"],
-                parents=tuple(data.get("parents", ())), meta=data.get("meta", {}),
+                kind=data["kind"],
+                path=path.resolve(),
+                sha256=data["sha256"],
+                config=data["config"],
+                parents=tuple(data.get("parents", ())),
+                meta=data.get("meta", {}),
             )
         except (json.JSONDecodeError, KeyError, ValueError) as e:
             raise InputError(f"{manifest}: unreadable manifest ({e})", hint="re-run the stage that wrote it") from e
@@ -136,7 +143,7 @@ def engine_checkpoint(engine: Artifact) -> Artifact | None:
     return ckpt if ckpt.sha256 == engine.meta.get("checkpoint") else None
 
 
-def build_atomically(out: Path, fn) -> "Artifact":
+def build_atomically(out: Path, fn) -> Artifact:
     """Run `fn(tmp)`, which writes a stage's whole output under `tmp` and returns its artifact (at `tmp` or below),
     then rename `tmp` to `out`. A stage killed at any moment leaves either the previous complete `out` or none,
     never a half-written one; the leftover temporary directory is removed by the next build into `out`.
@@ -145,20 +152,24 @@ def build_atomically(out: Path, fn) -> "Artifact":
 
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:   # a killed build's
+    for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:  # a killed build's
         shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         art = fn(tmp)
         rel = Path(art.path).resolve().relative_to(tmp.resolve())
-        for m in list(tmp.rglob(MANIFEST)) + list(tmp.rglob("*.qgate.json")):   # manifests name their final place
+        for m in list(tmp.rglob(MANIFEST)) + list(tmp.rglob("*.qgate.json")):  # manifests name their final place
             data = json.loads(m.read_text())
-            final = out / m.parent.relative_to(tmp) if m.name == MANIFEST else out / m.relative_to(tmp).with_name(m.name[:-len(".qgate.json")])
+            final = (
+                out / m.parent.relative_to(tmp)
+                if m.name == MANIFEST
+                else out / m.relative_to(tmp).with_name(m.name[: -len(".qgate.json")])
+            )
             data["path"] = str(final)
             m.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         if out.exists():
-            out.rename(old)                  # killed here: `out` is missing, and the next run rebuilds it
+            out.rename(old)  # killed here: `out` is missing, and the next run rebuilds it
         tmp.rename(out)
         shutil.rmtree(old, ignore_errors=True)
     finally:

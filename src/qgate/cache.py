@@ -8,6 +8,7 @@ Baseline caches (shadow answers and log-probs, eval scores, the noise floor) dec
 candidate, so a cache that was cut short by a crash or edited by hand is recomputed, never used. A cache without
 its checksum (killed between the two writes, or written by an older qgate) counts as unverifiable.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -1,8 +1,9 @@
 """Turn chat messages into token ids the same way in every stage, and say which tokens came from traffic.
 
-    ids = encode_messages(tokenizer, [{"role": "user", "content": "hi"}], max_tokens=512)
-    ids, from_traffic = encode_with_sources(tokenizer, messages, max_tokens=512)   # from_traffic: list[bool]
+ids = encode_messages(tokenizer, [{"role": "user", "content": "hi"}], max_tokens=512)
+ids, from_traffic = encode_with_sources(tokenizer, messages, max_tokens=512)   # from_traffic: list[bool]
 """
+
 from __future__ import annotations
 
 

@@ -7,6 +7,7 @@
 
 torch is imported only when a device is resolved.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,10 @@ def resolve_device(name: str = "auto"):
     dev = torch.device(name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise BackendUnavailable(f"device {name!r}: torch {torch.__version__} sees no CUDA device on this host",
-                                     hint="run with --device cpu (or auto), or on a host with an NVIDIA GPU and a CUDA build of torch")
+            raise BackendUnavailable(
+                f"device {name!r}: torch {torch.__version__} sees no CUDA device on this host",
+                hint="run with --device cpu (or auto), or on a host with an NVIDIA GPU and a CUDA build of torch",
+            )
         if (dev.index or 0) >= torch.cuda.device_count():
             raise BackendUnavailable(f"device {name!r}: this host has {torch.cuda.device_count()} CUDA device(s)")
     return dev
@@ -69,8 +72,10 @@ def compute_dtype(config: dict, device, name: str = "auto"):
     check_dtype(name)
     if name != "auto":
         if name == "bfloat16" and not native_bf16(device):
-            logging.getLogger("qgate").warning("gates.dtype bfloat16 on a CPU without AMX or AVX512-BF16: torch emulates "
-                                               "it, slower than float32 (set gates.dtype: float32 on this host)")
+            logging.getLogger("qgate").warning(
+                "gates.dtype bfloat16 on a CPU without AMX or AVX512-BF16: torch emulates "
+                "it, slower than float32 (set gates.dtype: float32 on this host)"
+            )
         return getattr(torch, name)
     if device.type != "cuda":
         return torch.float32

@@ -4,6 +4,7 @@
 
 Exit codes: 0 done/passed, 1 error, 2 gate failed or promotion refused, 3 drift found (`qgate drift`).
 """
+
 from __future__ import annotations
 
 EXIT_OK = 0

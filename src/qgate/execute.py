@@ -12,6 +12,7 @@ in input order as they complete, from a window of calls submitted ahead, so the 
 time; an exception raised in a call is raised again here as itself, so a bad partition reads the same under every
 engine.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,8 +31,13 @@ def check_engine(engine: str, allowed: tuple[str, ...] = ENGINES) -> str:
     return engine
 
 
-def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "serial",
-                resources: list[dict] | dict | None = None, stop_after: Callable[[Any], bool] | None = None) -> Iterator[Any]:
+def map_ordered(
+    fn: Callable[..., Any],
+    calls: Iterable[tuple],
+    engine: str = "serial",
+    resources: list[dict] | dict | None = None,
+    stop_after: Callable[[Any], bool] | None = None,
+) -> Iterator[Any]:
     """fn(*args) for each args in calls, in order. calls may be a lazy iterator: each is taken when it is submitted
     (a window ahead of the result awaited), so a long stream of calls is never held whole. resources: one dict for
     every task, or one per call (then calls is a list of the same length).
@@ -58,19 +64,31 @@ def map_ordered(fn: Callable[..., Any], calls: Iterable[tuple], engine: str = "s
     window = 2 * workers("ray")
     submitted: list = []
     try:
-        yield from _windowed(calls, window, lambda j, args: task.options(**_ray_options(of_call(j))).remote(here, fn, *args),
-                             lambda i, ref: _get(ray, ref), stop, submitted)
-    except KeyboardInterrupt:    # Ctrl-C: the tasks end with this driver's job; waiting for them could take hours
+        yield from _windowed(
+            calls,
+            window,
+            lambda j, args: task.options(**_ray_options(of_call(j))).remote(here, fn, *args),
+            lambda i, ref: _get(ray, ref),
+            stop,
+            submitted,
+        )
+    except KeyboardInterrupt:  # Ctrl-C: the tasks end with this driver's job; waiting for them could take hours
         submitted.clear()
         raise
     finally:
         pending = [ref for ref in submitted if ref is not None]
         if pending:
-            ray.wait(pending, num_returns=len(pending), timeout=None)   # nothing left running behind the caller
+            ray.wait(pending, num_returns=len(pending), timeout=None)  # nothing left running behind the caller
 
 
-def _windowed(calls: Iterable[tuple], window: int, submit: Callable[[int, tuple], Any], get: Callable[[int, Any], Any],
-              stop: Callable[[Any], bool], submitted: list) -> Iterator[Any]:
+def _windowed(
+    calls: Iterable[tuple],
+    window: int,
+    submit: Callable[[int, tuple], Any],
+    get: Callable[[int, Any], Any],
+    stop: Callable[[Any], bool],
+    submitted: list,
+) -> Iterator[Any]:
     """The results of the calls in order, each call taken from `calls` and submitted (`submit(j, args)`: its handle,
     appended to `submitted`) up to `window` ahead of the one awaited (`get(i, handle)`). After a result `stop` flags
     nothing more is submitted, and the calls already submitted are still awaited and yielded. A yielded call's handle
@@ -124,11 +142,13 @@ def environment(names: tuple[str, ...] | None = None) -> dict[str, str]:
     if names is None:
         try:
             reqs = requires("qgate") or ()
-        except PackageNotFoundError:    # run from a source tree: its source is still compared
+        except PackageNotFoundError:  # run from a source tree: its source is still compared
             reqs = ()
         names = tuple(re.split(r"[\s;<>=!~\[(]", r, maxsplit=1)[0] for r in reqs if "extra ==" not in r)
-    out = {"python": f"{sys.version_info.major}.{sys.version_info.minor}",
-           "qgate source": sha256_tree(Path(qgate.__file__).parent, suffix=".py")[:16]}
+    out = {
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "qgate source": sha256_tree(Path(qgate.__file__).parent, suffix=".py")[:16],
+    }
     return out | {name: v.split("+", 1)[0] for name, v in versions(names).items()}
 
 
@@ -140,17 +160,24 @@ def _checked(expected: dict[str, str], fn: Callable[..., Any], *args) -> Any:
     got = environment(tuple(k for k in expected if k not in ("python", "qgate source")))
     diff = [f"{k} {got[k]} there, {v} here" for k, v in expected.items() if got.get(k) != v]
     if diff:
-        raise ConfigError(f"a Ray worker on {socket.gethostname()} runs other code than this machine: {'; '.join(diff)}; "
-                          f"nothing was run there", hint=_SAME_CODE)
+        raise ConfigError(
+            f"a Ray worker on {socket.gethostname()} runs other code than this machine: {'; '.join(diff)}; "
+            f"nothing was run there",
+            hint=_SAME_CODE,
+        )
     return fn(*args)
 
 
-_SAME_CODE = ("give the cluster's nodes the driver's qgate and dependencies (one container image for both, or the same "
-              "`pip install`), then run again")
-_NO_IMPORT = "failed to import on the worker"    # Ray's words (2.x) when a worker cannot unpickle the task's function
+_SAME_CODE = (
+    "give the cluster's nodes the driver's qgate and dependencies (one container image for both, or the same "
+    "`pip install`), then run again"
+)
+_NO_IMPORT = "failed to import on the worker"  # Ray's words (2.x) when a worker cannot unpickle the task's function
 
 
-def _in_processes(fn: Callable[..., Any], calls: Iterable[tuple], resources, stop: Callable[[Any], bool]) -> Iterator[Any]:
+def _in_processes(
+    fn: Callable[..., Any], calls: Iterable[tuple], resources, stop: Callable[[Any], bool]
+) -> Iterator[Any]:
     """The calls in spawned worker processes, one per core (a forked child would inherit the reading threads and
     locks of this one). After a failure nothing more is submitted, calls not yet started are cancelled, and the
     running ones are waited for before the error is raised."""
@@ -160,9 +187,11 @@ def _in_processes(fn: Callable[..., Any], calls: Iterable[tuple], resources, sto
 
     for res in resources if isinstance(resources, list) else [resources or {}]:
         if set(res) - {"num_cpus", "memory"}:
-            raise ConfigError(f"the processes engine runs CPU work on this machine only; it cannot place "
-                              f"{', '.join(sorted(set(res) - {'num_cpus', 'memory'}))}",
-                              hint="use the ray engine for tasks that need GPUs or custom resources")
+            raise ConfigError(
+                f"the processes engine runs CPU work on this machine only; it cannot place "
+                f"{', '.join(sorted(set(res) - {'num_cpus', 'memory'}))}",
+                hint="use the ray engine for tasks that need GPUs or custom resources",
+            )
     procs = local_cores() if not isinstance(calls, list) else max(1, min(len(calls), local_cores()))
     window = 2 * procs
 
@@ -171,11 +200,13 @@ def _in_processes(fn: Callable[..., Any], calls: Iterable[tuple], resources, sto
             return future.result()
         except BrokenProcessPool as e:
             of = f" of {len(calls)}" if isinstance(calls, list) else ""
-            raise QgateError(f"a worker process of the processes engine died while running {getattr(fn, '__name__', fn)} "
-                             f"(call {i + 1}{of}): killed, or out of memory",
-                             hint="re-run with the serial engine to see the failure in this process; a script that "
-                                  "calls qgate with this engine needs an `if __name__ == \"__main__\":` guard (each "
-                                  "worker imports the script, and one without it starts the job again)") from e
+            raise QgateError(
+                f"a worker process of the processes engine died while running {getattr(fn, '__name__', fn)} "
+                f"(call {i + 1}{of}): killed, or out of memory",
+                hint="re-run with the serial engine to see the failure in this process; a script that "
+                'calls qgate with this engine needs an `if __name__ == "__main__":` guard (each '
+                "worker imports the script, and one without it starts the job again)",
+            ) from e
 
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
         submitted: list = []
@@ -207,11 +238,19 @@ def ray_session():
     try:
         import ray
     except ImportError as e:
-        raise BackendUnavailable("the Ray engine needs ray", hint="pip install -e '.[scale]' (scripts/setup.sh does)") from e
+        raise BackendUnavailable(
+            "the Ray engine needs ray", hint="pip install -e '.[scale]' (scripts/setup.sh does)"
+        ) from e
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or None
-        ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=True,
-                 configure_logging=True, ignore_reinit_error=True)
+        ray.init(
+            address=address,
+            include_dashboard=False,
+            logging_level="ERROR",
+            log_to_driver=True,
+            configure_logging=True,
+            ignore_reinit_error=True,
+        )
     return ray
 
 
@@ -220,8 +259,11 @@ def unplaceable(resources: list[dict]) -> tuple[list[tuple[int, dict]], dict, bo
     the largest node's resources, whether that cluster is a local instance with no autoscaler to add nodes: there
     such a task would wait forever). A task asks for one CPU unless it says otherwise, as Ray's tasks do."""
     ray = ray_session()
-    nodes = [{k: v for k, v in n["Resources"].items() if not k.startswith(("node:", "object_store_memory"))}
-             for n in ray.nodes() if n.get("Alive")]
+    nodes = [
+        {k: v for k, v in n["Resources"].items() if not k.startswith(("node:", "object_store_memory"))}
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
     names = {"num_cpus": "CPU", "num_gpus": "GPU"}
     out = []
     for i, res in enumerate(resources):
@@ -246,13 +288,16 @@ def _get(ray, ref):
         return ray.get(ref)
     except RayTaskError as e:
         cause = getattr(e, "cause", None)
-        if isinstance(cause, RuntimeError) and _NO_IMPORT in str(cause):   # a node without (a working) qgate
+        if isinstance(cause, RuntimeError) and _NO_IMPORT in str(cause):  # a node without (a working) qgate
             import re
 
             why = [line for line in str(cause).splitlines() if line.strip()][-1]
-            node = re.search(r"\bip=([^\s,)]+)", str(e))     # Ray names the worker "ray::fn() (pid=..., ip=...)"
-            raise ConfigError(f"a Ray worker on {node[1] if node else 'a cluster node'} could not import qgate's code ({why}); "
-                              f"nothing was run there", hint=_SAME_CODE) from None
+            node = re.search(r"\bip=([^\s,)]+)", str(e))  # Ray names the worker "ray::fn() (pid=..., ip=...)"
+            raise ConfigError(
+                f"a Ray worker on {node[1] if node else 'a cluster node'} could not import qgate's code ({why}); "
+                f"nothing was run there",
+                hint=_SAME_CODE,
+            ) from None
         if isinstance(cause, Exception):
             raise cause from None
         raise

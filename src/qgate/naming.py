@@ -6,6 +6,7 @@
 Every unknown name or key fails with its path (one style: `variants[1].options.group_size`) and
 the closest known name.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -37,7 +38,9 @@ def check_keys(data: Mapping[str, Any], allowed: Iterable[str], where: str) -> N
     allowed = sorted(allowed)
     for k in data:
         if k not in allowed:
-            raise ConfigError(f"{key_path(where, k)}: unknown key{suggest(k, allowed)}", hint=f"allowed: {', '.join(allowed)}")
+            raise ConfigError(
+                f"{key_path(where, k)}: unknown key{suggest(k, allowed)}", hint=f"allowed: {', '.join(allowed)}"
+            )
 
 
 def build_config(cls, data: Mapping[str, Any], where: str, fixed: Mapping[str, Any] | None = None):

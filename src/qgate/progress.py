@@ -8,6 +8,7 @@ the work or per 30 s, whichever comes first, and a last line at the end: no carr
 and 2 (every library's prints, warnings, C++ logs, progress bars) go to a log file, and only qgate's own lines reach the
 console, through `console_out()` / `console_err()`. Third-party bars are switched off as well, so the log stays readable.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,7 +55,7 @@ def _lines(items: Iterable[T], desc: str, total: int | None, unit: str) -> Itera
     last_done, done = 0, 0
     for item in items:
         yield item
-        del item        # the consumer has it: holding it through the next step would keep two alive
+        del item  # the consumer has it: holding it through the next step would keep two alive
         done += 1
         now = time.monotonic()
         # a line only when 30 s have passed and another 10% is done: a fast step logs just its final line
@@ -92,6 +93,7 @@ def silence_tqdm() -> None:
         def quiet_init(self, *args, **kwargs):
             kwargs["disable"] = True
             init(self, *args, **kwargs)
+
         quiet_init._qgate_quiet = True
         quiet_init._qgate_original = init
         tqdm.std.tqdm.__init__ = quiet_init
@@ -118,9 +120,11 @@ def quiet_console(log_file: Path) -> Path:
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     for name in ("datasets", "lm_eval", "lm-eval", "mlflow", "alembic", "llmcompressor", "onnxruntime", "qgate"):
-        logging.getLogger(name).setLevel(logging.INFO)   # INFO and up; their handlers now write to the log
+        logging.getLogger(name).setLevel(logging.INFO)  # INFO and up; their handlers now write to the log
     if not root.handlers:
-        logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    os.environ["LLM_COMPRESSOR_LOG_LEVEL"] = "INFO"   # llm-compressor's console sink is fd 2: the log
+        logging.basicConfig(
+            stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    os.environ["LLM_COMPRESSOR_LOG_LEVEL"] = "INFO"  # llm-compressor's console sink is fd 2: the log
     logging.getLogger("qgate").info("library logs of this run: %s", log_file)
     return log_file

@@ -13,6 +13,7 @@ on which file a stack reads. The rules:
 A GGUF file's metadata (`tokenizer.ggml.*_token_id`) is the source its converted files are fixed from; an HF
 directory's files are their own source, so a disagreement there is refused with what to edit.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,13 @@ from pathlib import Path
 
 from qgate.errors import InputError
 
-GGUF_IDS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
-            "pad": "tokenizer.ggml.padding_token_id", "unk": "tokenizer.ggml.unknown_token_id",
-            "eot": "tokenizer.ggml.eot_token_id"}
+GGUF_IDS = {
+    "bos": "tokenizer.ggml.bos_token_id",
+    "eos": "tokenizer.ggml.eos_token_id",
+    "pad": "tokenizer.ggml.padding_token_id",
+    "unk": "tokenizer.ggml.unknown_token_id",
+    "eot": "tokenizer.ggml.eot_token_id",
+}
 PROBE = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "qgate-probe-answer"}]
 
 
@@ -53,14 +58,17 @@ def end_of_turn(tok) -> tuple[str, int] | None:
         return None
     try:
         text = tok.apply_chat_template(PROBE, tokenize=False)
-    except Exception:   # noqa: BLE001 - a template may refuse this shape of chat; then there is no rule to apply
+    except Exception:  # noqa: BLE001 - a template may refuse this shape of chat; then there is no rule to apply
         return None
     at = text.find(PROBE[1]["content"])
     if at < 0:
         return None
-    rest = text[at + len(PROBE[1]["content"]):]
-    specials = sorted((t for t in tok.all_special_tokens + [a.content for a in tok.added_tokens_decoder.values() if a.special]
-                       if t), key=len, reverse=True)
+    rest = text[at + len(PROBE[1]["content"]) :]
+    specials = sorted(
+        (t for t in tok.all_special_tokens + [a.content for a in tok.added_tokens_decoder.values() if a.special] if t),
+        key=len,
+        reverse=True,
+    )
     head = rest.lstrip(" ")
     hit = next((t for t in specials if head.startswith(t)), None)
     return (hit, tok.convert_tokens_to_ids(hit)) if hit else None
@@ -76,18 +84,24 @@ def problems(d: Path, tok=None) -> list[str]:
     eos_ids = _ids(gen.get("eos_token_id", cfg.get("eos_token_id")))
     out = []
     if tok.eos_token_id is not None and eos_ids and tok.eos_token_id not in eos_ids:
-        out.append(f"the tokenizer's eos {tok.eos_token!r} (id {tok.eos_token_id}) is not among generation_config.json's "
-                   f"eos ids {eos_ids}")
+        out.append(
+            f"the tokenizer's eos {tok.eos_token!r} (id {tok.eos_token_id}) is not among generation_config.json's "
+            f"eos ids {eos_ids}"
+        )
     eot = end_of_turn(tok)
     if eot and eos_ids and eot[1] not in eos_ids:
-        out.append(f"the chat template ends an assistant turn with {eot[0]!r} (id {eot[1]}), which is not among "
-                   f"generation_config.json's eos ids {eos_ids}: generation would not stop at the end of a turn")
+        out.append(
+            f"the chat template ends an assistant turn with {eot[0]!r} (id {eot[1]}), which is not among "
+            f"generation_config.json's eos ids {eos_ids}: generation would not stop at the end of a turn"
+        )
     for role in ("bos", "pad"):
         want = gen.get(f"{role}_token_id", cfg.get(f"{role}_token_id"))
         have = getattr(tok, f"{role}_token_id")
         if want is not None and have is not None and int(want) != int(have):
-            out.append(f"the tokenizer's {role} {getattr(tok, f'{role}_token')!r} (id {have}) is not generation_config.json's "
-                       f"{role}_token_id {want}")
+            out.append(
+                f"the tokenizer's {role} {getattr(tok, f'{role}_token')!r} (id {have}) is not generation_config.json's "
+                f"{role}_token_id {want}"
+            )
     return out
 
 
@@ -95,10 +109,12 @@ def check(d: Path, tok=None) -> None:
     """InputError naming every disagreement among the checkpoint's special tokens."""
     found = problems(d, tok)
     if found:
-        raise InputError(f"{d}: the baseline's files disagree on its special tokens: " + "; ".join(found),
-                         hint="fix tokenizer_config.json (eos_token, bos_token, pad_token) or generation_config.json "
-                              "(eos_token_id, a list when several tokens end generation) so they agree, then import again; "
-                              "a baseline imported by an older qgate is fixed by importing it again")
+        raise InputError(
+            f"{d}: the baseline's files disagree on its special tokens: " + "; ".join(found),
+            hint="fix tokenizer_config.json (eos_token, bos_token, pad_token) or generation_config.json "
+            "(eos_token_id, a list when several tokens end generation) so they agree, then import again; "
+            "a baseline imported by an older qgate is fixed by importing it again",
+        )
 
 
 def reconcile(d: Path, source: dict[str, int]) -> list[str]:
@@ -116,15 +132,20 @@ def reconcile(d: Path, source: dict[str, int]) -> list[str]:
             continue
         want = tok.convert_ids_to_tokens(source[role])
         if getattr(tok, f"{role}_token") != want:
-            fixes.append(f"tokenizer_config.json {role}_token: {getattr(tok, f'{role}_token')!r} -> {want!r} "
-                         f"(id {source[role]}, as the source's metadata says)")
+            fixes.append(
+                f"tokenizer_config.json {role}_token: {getattr(tok, f'{role}_token')!r} -> {want!r} "
+                f"(id {source[role]}, as the source's metadata says)"
+            )
             tc[f"{role}_token"] = want
             if f"{role}_token_id" in tc:
                 tc[f"{role}_token_id"] = source[role]
     if fixes:
         tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
-    eos = ([source["eos"]] + ([source["eot"]] if "eot" in source and source["eot"] != source["eos"] else [])
-           if "eos" in source else [])
+    eos = (
+        [source["eos"]] + ([source["eot"]] if "eot" in source and source["eot"] != source["eos"] else [])
+        if "eos" in source
+        else []
+    )
     for name in ("generation_config.json", "config.json"):
         path = d / name
         data = _json(path)

@@ -11,6 +11,7 @@ can run code or read outside itself, each refused here with the file that did it
   qgate always passes trust_remote_code off;
 - a symlink that leaves the directory.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,17 @@ LOAD_KWARGS = {"trust_remote_code": False, "use_safetensors": True}
 TOKENIZER_KWARGS = {"trust_remote_code": False}
 _REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
 # What a serving stack reads to turn text into ids and back, in any of the layouts Transformers saves or reads.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
@@ -45,11 +55,13 @@ def load_tokenizer(path: Path):
 
     try:
         return AutoTokenizer.from_pretrained(path, **TOKENIZER_KWARGS)
-    except (OSError, ValueError, TypeError, KeyError) as e:   # missing files, or files no tokenizer class can read
+    except (OSError, ValueError, TypeError, KeyError) as e:  # missing files, or files no tokenizer class can read
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise InputError(f"{path}: its tokenizer cannot be loaded ({first})",
-                         hint="a checkpoint carries the tokenizer it is served with: copy tokenizer.json, "
-                              "tokenizer_config.json and the chat template from the model it was made from") from e
+        raise InputError(
+            f"{path}: its tokenizer cannot be loaded ({first})",
+            hint="a checkpoint carries the tokenizer it is served with: copy tokenizer.json, "
+            "tokenizer_config.json and the chat template from the model it was made from",
+        ) from e
 
 
 def load_causal_lm(path: Path, **kwargs):
@@ -62,10 +74,12 @@ def load_causal_lm(path: Path, **kwargs):
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise InputError(f"{path}: the checkpoint lacks {len(missing)} weight(s) its config.json asks for "
-                         f"({', '.join(missing[:3])}{more}), which Transformers would initialize at random",
-                         hint="the checkpoint is incomplete or its tensor names do not match its architecture: export it "
-                              "again, and check that its safetensors index lists every shard")
+        raise InputError(
+            f"{path}: the checkpoint lacks {len(missing)} weight(s) its config.json asks for "
+            f"({', '.join(missing[:3])}{more}), which Transformers would initialize at random",
+            hint="the checkpoint is incomplete or its tensor names do not match its architecture: export it "
+            "again, and check that its safetensors index lists every shard",
+        )
     return model
 
 
@@ -79,8 +93,10 @@ def check_loadable(path: Path, *, allow_pickle: bool = False) -> None:
     root = path.resolve()
     for p in sorted(path.rglob("*")):
         if p.is_symlink() and not p.resolve().is_relative_to(root):
-            raise InputError(f"{p}: symlink leaves the model directory (-> {p.resolve()})",
-                             hint="copy the file into the directory; qgate does not follow links out of an artifact")
+            raise InputError(
+                f"{p}: symlink leaves the model directory (-> {p.resolve()})",
+                hint="copy the file into the directory; qgate does not follow links out of an artifact",
+            )
     for name in _REMOTE_CODE_FILES:
         f = path / name
         if not f.is_file():
@@ -90,11 +106,15 @@ def check_loadable(path: Path, *, allow_pickle: bool = False) -> None:
         except (ValueError, AttributeError) as e:
             raise InputError(f"{f}: not a JSON object ({e})") from e
         if auto_map:
-            raise InputError(f"{f}: 'auto_map' asks to run Python code shipped with the model ({json.dumps(auto_map)[:120]})",
-                             hint="qgate never sets trust_remote_code; use an architecture that Transformers ships")
+            raise InputError(
+                f"{f}: 'auto_map' asks to run Python code shipped with the model ({json.dumps(auto_map)[:120]})",
+                hint="qgate never sets trust_remote_code; use an architecture that Transformers ships",
+            )
     pickles = pickled_files(path)
     has_safetensors = any(path.rglob("*.safetensors"))
     if pickles and not allow_pickle and not has_safetensors:
-        raise InputError(f"{path}: weights are pickle files ({', '.join(p.name for p in pickles[:4])}); unpickling can run code",
-                         hint="convert them to safetensors, or import once with `qgate model import --hf DIR --allow-pickle`, "
-                              "which reads them with torch's weights_only loader and writes safetensors")
+        raise InputError(
+            f"{path}: weights are pickle files ({', '.join(p.name for p in pickles[:4])}); unpickling can run code",
+            hint="convert them to safetensors, or import once with `qgate model import --hf DIR --allow-pickle`, "
+            "which reads them with torch's weights_only loader and writes safetensors",
+        )

@@ -18,6 +18,7 @@ A Parquet partition is read in row groups of 16,384 rows through the same vector
 and tables with column types they do not cover, get `parse_record` on the row as `read_traffic` gives it).
 Memory: one block (BLOCK_BYTES plus at most `max_line_bytes`), whatever the partition's size.
 """
+
 from __future__ import annotations
 
 import io
@@ -26,8 +27,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qgate.calibrate.reader import (MAX_LABEL_CHARS, PARQUET_BATCH, ROLES, Reject, Request, lines_of, open_decoded,
-                                    parquet_tables, parse_line, parse_record, read_traffic, row_text, table_rows, truncated)
+from qgate.calibrate.reader import (
+    MAX_LABEL_CHARS,
+    PARQUET_BATCH,
+    ROLES,
+    Reject,
+    Request,
+    lines_of,
+    open_decoded,
+    parquet_tables,
+    parse_line,
+    parse_record,
+    read_traffic,
+    row_text,
+    table_rows,
+    truncated,
+)
 from qgate.calibrate.sources import PARQUET, Partition, drain
 
 # decompressed JSONL bytes per block. Each MB of block costs about 25 MB of transient memory (parsed columns, word
@@ -36,21 +51,22 @@ from qgate.calibrate.sources import PARQUET, Partition, drain
 BLOCK_BYTES = 2 << 20
 # Python's whitespace (str.isspace, what str.strip() removes), as an RE2 class; the tests check it code point by point
 PY_SPACE = r"\t\n\x0b\x0c\r\x1c-\x20\x85\xa0\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}"
-LINE_BY_LINE = 32         # a run of lines pyarrow cannot parse is halved down to this many, then read line by line
-_MAX_DEPTH = 64           # a field nested deeper may be one orjson refuses (1,024 levels): such a block goes line by line
+LINE_BY_LINE = 32  # a run of lines pyarrow cannot parse is halved down to this many, then read line by line
+_MAX_DEPTH = 64  # a field nested deeper may be one orjson refuses (1,024 levels): such a block goes line by line
 
 
 @dataclass
 class Batch:
     """Accepted requests as columns (in line order), and the rejected records of the same lines."""
-    lines: np.ndarray                 # int64 [n]: line (JSONL) or row (Parquet) number
+
+    lines: np.ndarray  # int64 [n]: line (JSONL) or row (Parquet) number
     routes: list[str]
     tenants: list[str]
-    ts: np.ndarray                    # float64 [n], NaN where the record has none
-    latency: np.ndarray               # float64 [n], NaN where the record has none
-    roles: list[str]                  # [turns]: the turns each request keeps (up to its last user turn), flattened
-    contents: object                  # pyarrow StringArray [turns]
-    starts: np.ndarray                # int64 [n + 1]: request i's turns are [starts[i], starts[i + 1])
+    ts: np.ndarray  # float64 [n], NaN where the record has none
+    latency: np.ndarray  # float64 [n], NaN where the record has none
+    roles: list[str]  # [turns]: the turns each request keeps (up to its last user turn), flattened
+    contents: object  # pyarrow StringArray [turns]
+    starts: np.ndarray  # int64 [n + 1]: request i's turns are [starts[i], starts[i + 1])
     rejects: list[Reject] = field(default_factory=list)
 
     @property
@@ -64,12 +80,17 @@ class Batch:
         reqs = [x for x in items if isinstance(x, Request)]
         turns = [t for r in reqs for t in r.messages]
         nan = float("nan")
-        return cls(lines=np.array([r.line for r in reqs], dtype=np.int64), routes=[r.route for r in reqs],
-                   tenants=[r.tenant for r in reqs], ts=np.array([nan if r.ts is None else r.ts for r in reqs], dtype=np.float64),
-                   latency=np.array([nan if r.latency_ms is None else r.latency_ms for r in reqs], dtype=np.float64),
-                   roles=[role for role, _ in turns], contents=pa.array([c for _, c in turns], pa.string()),
-                   starts=np.cumsum([0] + [len(r.messages) for r in reqs], dtype=np.int64),
-                   rejects=[x for x in items if isinstance(x, Reject)])
+        return cls(
+            lines=np.array([r.line for r in reqs], dtype=np.int64),
+            routes=[r.route for r in reqs],
+            tenants=[r.tenant for r in reqs],
+            ts=np.array([nan if r.ts is None else r.ts for r in reqs], dtype=np.float64),
+            latency=np.array([nan if r.latency_ms is None else r.latency_ms for r in reqs], dtype=np.float64),
+            roles=[role for role, _ in turns],
+            contents=pa.array([c for _, c in turns], pa.string()),
+            starts=np.cumsum([0] + [len(r.messages) for r in reqs], dtype=np.int64),
+            rejects=[x for x in items if isinstance(x, Reject)],
+        )
 
     def requests(self) -> list[Request]:
         """The accepted records as `read_traffic` gives them (for tests and small callers)."""
@@ -78,8 +99,16 @@ class Batch:
         for i, line in enumerate(self.lines.tolist()):
             a, b = int(self.starts[i]), int(self.starts[i + 1])
             ts, lat = float(self.ts[i]), float(self.latency[i])
-            out.append(Request(line=line, messages=tuple(zip(self.roles[a:b], contents[a:b], strict=True)), route=self.routes[i],
-                               tenant=self.tenants[i], ts=None if ts != ts else ts, latency_ms=None if lat != lat else lat))
+            out.append(
+                Request(
+                    line=line,
+                    messages=tuple(zip(self.roles[a:b], contents[a:b], strict=True)),
+                    route=self.routes[i],
+                    tenant=self.tenants[i],
+                    ts=None if ts != ts else ts,
+                    latency_ms=None if lat != lat else lat,
+                )
+            )
         return out
 
 
@@ -102,12 +131,12 @@ def read_units(part: Partition, max_line_bytes: int, digest=None) -> Iterator[tu
             with part.open(digest) as f:
                 drain(f)
         return
-    read_traffic(part, max_line_bytes)      # a missing local file fails here, at the call, as read_traffic's does
+    read_traffic(part, max_line_bytes)  # a missing local file fails here, at the call, as read_traffic's does
     n = 0
     with part.open(digest) as raw_stream, open_decoded(part, raw_stream) as f:
         try:
             for first, block in _blocks(f, max_line_bytes):
-                if block is None:           # one over-long line, skipped unread
+                if block is None:  # one over-long line, skipped unread
                     yield "items", first, [parse_line(first, None, max_line_bytes)]
                     n = first
                     continue
@@ -161,15 +190,18 @@ def _parquet_batch(part: Partition, first: int, table) -> Batch:
     import pyarrow as pa
 
     rows = table_rows(part, first, table.take(pa.array(bad)))
-    return _merge(batch, Batch.from_items([parse_record(first + i, r, row_text(r)) for i, r in zip(bad.tolist(), rows, strict=True)]))
+    return _merge(
+        batch,
+        Batch.from_items([parse_record(first + i, r, row_text(r)) for i, r in zip(bad.tolist(), rows, strict=True)]),
+    )
 
 
 def _blocks(f, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
     """(number of the block's first line, whole lines) in order; (line, None) for a line over max_line_bytes, skipped
     without being held. A block ends at a newline except at the end of the file. When the stream fails, the whole
     lines read before the failure are yielded, then the exception is raised."""
-    read = getattr(f, "read1", f.read)   # read1: what one read of the underlying stream gave, so a failure loses no line
-    parts: list[bytes] = []               # the bytes read since the last block, in pieces (one join per block)
+    read = getattr(f, "read1", f.read)  # read1: what one read of the underlying stream gave, so a failure loses no line
+    parts: list[bytes] = []  # the bytes read since the last block, in pieces (one join per block)
     size, line, error = 0, 1, None
     while True:
         try:
@@ -181,10 +213,10 @@ def _blocks(f, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
             parts.append(chunk)
             size += len(chunk)
             if size < BLOCK_BYTES and (b"\n" in chunk or size <= max_line_bytes):
-                continue                     # read on to a useful block size
+                continue  # read on to a useful block size
         buf = b"".join(parts)
         parts = []
-        cut = len(buf) if done and error is None else buf.rfind(b"\n") + 1   # a failure cut the last line: not a line
+        cut = len(buf) if done and error is None else buf.rfind(b"\n") + 1  # a failure cut the last line: not a line
         if cut:
             block, buf = buf[:cut], buf[cut:]
             yield line, block
@@ -194,13 +226,13 @@ def _blocks(f, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
             raise error
         if done:
             return
-        if len(buf) > max_line_bytes:        # the open line is over-long already: skip to its end, holding nothing
+        if len(buf) > max_line_bytes:  # the open line is over-long already: skip to its end, holding nothing
             yield line, None
             while b"\n" not in buf:
                 buf = read(1 << 16)
                 if not buf:
                     return
-            buf = buf[buf.index(b"\n") + 1:]
+            buf = buf[buf.index(b"\n") + 1 :]
             line += 1
         parts, size = ([buf] if buf else []), len(buf)
 
@@ -218,17 +250,26 @@ def _parse_block(block: bytes, first: int, max_line_bytes: int) -> Batch:
         return Batch.from_items([_renumber(x, first - 1) for x in items if x is not None])
     mid = len(starts) // 2
     cut = int(starts[mid])
-    return _concat(_parse_block(block[:cut], first, max_line_bytes), _parse_block(block[cut:], first + mid, max_line_bytes))
+    return _concat(
+        _parse_block(block[:cut], first, max_line_bytes), _parse_block(block[cut:], first + mid, max_line_bytes)
+    )
 
 
 def _concat(a: Batch, b: Batch) -> Batch:
     """Two batches of consecutive lines as one."""
     import pyarrow as pa
 
-    return Batch(lines=np.concatenate([a.lines, b.lines]), routes=a.routes + b.routes, tenants=a.tenants + b.tenants,
-                 ts=np.concatenate([a.ts, b.ts]), latency=np.concatenate([a.latency, b.latency]), roles=a.roles + b.roles,
-                 contents=pa.concat_arrays([a.contents, b.contents]), starts=np.concatenate([a.starts, b.starts[1:] + a.starts[-1]]),
-                 rejects=a.rejects + b.rejects)
+    return Batch(
+        lines=np.concatenate([a.lines, b.lines]),
+        routes=a.routes + b.routes,
+        tenants=a.tenants + b.tenants,
+        ts=np.concatenate([a.ts, b.ts]),
+        latency=np.concatenate([a.latency, b.latency]),
+        roles=a.roles + b.roles,
+        contents=pa.concat_arrays([a.contents, b.contents]),
+        starts=np.concatenate([a.starts, b.starts[1:] + a.starts[-1]]),
+        rejects=a.rejects + b.rejects,
+    )
 
 
 def _renumber(item: Request | Reject, offset: int) -> Request | Reject:
@@ -255,13 +296,15 @@ def _fast_block(block: bytes, first: int, max_line_bytes: int) -> Batch | None:
     if longest > max_line_bytes:
         return None
     try:
-        table = pj.read_json(pa.BufferReader(block), read_options=pj.ReadOptions(use_threads=True, block_size=max(1 << 20, longest + 2)))
+        table = pj.read_json(
+            pa.BufferReader(block), read_options=pj.ReadOptions(use_threads=True, block_size=max(1 << 20, longest + 2))
+        )
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, UnicodeDecodeError, ValueError):
         return None
     if table.num_rows != len(starts) or any(_depth(f.type) > _MAX_DEPTH for f in table.schema):
         return None
     if (b"NaN" in block or b"Infinity" in block) and any(_nonfinite(c.combine_chunks()) for c in table.columns):
-        return None     # a bare NaN or Infinity somewhere (the words inside a string are fine): orjson rejects the line
+        return None  # a bare NaN or Infinity somewhere (the words inside a string are fine): orjson rejects the line
     cols = _columns(table)
     if cols is None:
         return None
@@ -273,7 +316,7 @@ def _fast_block(block: bytes, first: int, max_line_bytes: int) -> Batch | None:
     # rows the vectorized checks did not accept outright: the line-by-line rules decide them
     slow = []
     for i in bad.tolist():
-        item = parse_line(first + i, block[starts[i]:ends[i] + 1], max_line_bytes)
+        item = parse_line(first + i, block[starts[i] : ends[i] + 1], max_line_bytes)
         if item is not None:
             slow.append(item)
     return _merge(batch, Batch.from_items(slow))
@@ -311,17 +354,26 @@ def _merge(a: Batch, b: Batch) -> Batch:
     order = np.argsort(both.lines, kind="stable")
     sizes = np.diff(both.starts)[order]
     take = ranges(both.starts[:-1][order], sizes)
-    return Batch(lines=both.lines[order], routes=[both.routes[i] for i in order.tolist()],
-                 tenants=[both.tenants[i] for i in order.tolist()], ts=both.ts[order], latency=both.latency[order],
-                 roles=[both.roles[i] for i in take.tolist()], contents=both.contents.take(pa.array(take, pa.int64())),
-                 starts=np.concatenate(([0], np.cumsum(sizes))).astype(np.int64), rejects=sorted(both.rejects, key=lambda r: r.line))
+    return Batch(
+        lines=both.lines[order],
+        routes=[both.routes[i] for i in order.tolist()],
+        tenants=[both.tenants[i] for i in order.tolist()],
+        ts=both.ts[order],
+        latency=both.latency[order],
+        roles=[both.roles[i] for i in take.tolist()],
+        contents=both.contents.take(pa.array(take, pa.int64())),
+        starts=np.concatenate(([0], np.cumsum(sizes))).astype(np.int64),
+        rejects=sorted(both.rejects, key=lambda r: r.line),
+    )
 
 
 def ranges(lo: np.ndarray, size: np.ndarray) -> np.ndarray:
     """The concatenation of arange(lo[i], lo[i] + size[i]) over i, without a Python loop."""
     size = np.asarray(size, dtype=np.int64)
     ends = np.cumsum(size)
-    return np.repeat(np.asarray(lo, dtype=np.int64) - (ends - size), size) + np.arange(int(ends[-1]) if len(ends) else 0)
+    return np.repeat(np.asarray(lo, dtype=np.int64) - (ends - size), size) + np.arange(
+        int(ends[-1]) if len(ends) else 0
+    )
 
 
 def _string_or_null(col) -> bool:
@@ -358,22 +410,33 @@ def _columns(table) -> tuple[np.ndarray, Batch] | None:
     import pyarrow.compute as pc
 
     names = set(table.column_names)
-    col = lambda name: table.column(name).combine_chunks() if name in names else None   # noqa: E731
+    col = lambda name: table.column(name).combine_chunks() if name in names else None  # noqa: E731
     messages, prompt = col("messages"), col("prompt")
     route, tenant, ts, latency = col("route"), col("tenant"), _epoch_seconds(col("ts")), col("latency_ms")
-    if not all(_string_or_null(c) for c in (prompt, route, tenant)) or not all(_number_or_null(c) for c in (ts, latency)):
+    if not all(_string_or_null(c) for c in (prompt, route, tenant)) or not all(
+        _number_or_null(c) for c in (ts, latency)
+    ):
         return None
     n = table.num_rows
     if messages is not None and not pa.types.is_null(messages.type):
         t = messages.type
-        if not (pa.types.is_list(t) and pa.types.is_struct(t.value_type)
-                and all(t.value_type.get_field_index(k) >= 0 and pa.types.is_string(t.value_type.field(k).type)
-                        for k in ("role", "content"))):
+        if not (
+            pa.types.is_list(t)
+            and pa.types.is_struct(t.value_type)
+            and all(
+                t.value_type.get_field_index(k) >= 0 and pa.types.is_string(t.value_type.field(k).type)
+                for k in ("role", "content")
+            )
+        ):
             return None
         has_msgs = messages.is_valid().to_numpy(zero_copy_only=False)
     else:
         messages, has_msgs = None, np.zeros(n, dtype=bool)
-    has_prompt = prompt.is_valid().to_numpy(zero_copy_only=False) if prompt is not None and not pa.types.is_null(prompt.type) else np.zeros(n, bool)
+    has_prompt = (
+        prompt.is_valid().to_numpy(zero_copy_only=False)
+        if prompt is not None and not pa.types.is_null(prompt.type)
+        else np.zeros(n, bool)
+    )
     use_prompt = ~has_msgs & has_prompt
     ok = has_msgs | use_prompt
 
@@ -383,23 +446,33 @@ def _columns(table) -> tuple[np.ndarray, Batch] | None:
         flat = messages.values
         flat_valid = flat.is_valid().to_numpy(zero_copy_only=False)
         m_role, m_content = flat.field("role"), flat.field("content")
-        m_ok = flat_valid & m_role.is_valid().to_numpy(zero_copy_only=False) & m_content.is_valid().to_numpy(zero_copy_only=False)
+        m_ok = (
+            flat_valid
+            & m_role.is_valid().to_numpy(zero_copy_only=False)
+            & m_content.is_valid().to_numpy(zero_copy_only=False)
+        )
         m_ok &= pc.is_in(m_role, value_set=pa.array(ROLES)).fill_null(False).to_numpy(zero_copy_only=False)
         lo, hi = msg_off[:-1], msg_off[1:]
         per_row_len = np.where(has_msgs, hi - lo, 0)
         ok &= ~has_msgs | (per_row_len > 0)
-        bad_before = np.concatenate(([0], np.cumsum(~m_ok[msg_off[0]:msg_off[-1]]))) if len(flat) else np.zeros(1, np.int64)
+        bad_before = (
+            np.concatenate(([0], np.cumsum(~m_ok[msg_off[0] : msg_off[-1]]))) if len(flat) else np.zeros(1, np.int64)
+        )
         base = msg_off[0]
         ok &= ~has_msgs | (bad_before[hi - base] == bad_before[lo - base])
         # a NUL in any turn rejects the record, kept turn or not
-        m_nul = pc.match_substring(m_content, "\x00").fill_null(False).to_numpy(zero_copy_only=False) if len(flat) else np.zeros(0, bool)
-        nul_before = np.concatenate(([0], np.cumsum(m_nul[base:msg_off[-1]])))
+        m_nul = (
+            pc.match_substring(m_content, "\x00").fill_null(False).to_numpy(zero_copy_only=False)
+            if len(flat)
+            else np.zeros(0, bool)
+        )
+        nul_before = np.concatenate(([0], np.cumsum(m_nul[base : msg_off[-1]])))
         ok &= ~has_msgs | (nul_before[hi - base] == nul_before[lo - base])
         is_user = pc.equal(m_role, "user").fill_null(False).to_numpy(zero_copy_only=False)[: msg_off[-1]]
         user_pos = np.where(is_user, np.arange(len(is_user), dtype=np.int64), -1)
         last_user = np.full(n, -1, dtype=np.int64)
         nz = has_msgs & (per_row_len > 0)
-        if nz.any():   # segments [lo, next lo) of the non-empty rows are exactly their own turns
+        if nz.any():  # segments [lo, next lo) of the non-empty rows are exactly their own turns
             last_user[nz] = np.maximum.reduceat(user_pos, lo[nz])
         ok &= ~has_msgs | (last_user >= 0)
     # the turns kept: a row's messages up to its last user turn, or its prompt
@@ -427,7 +500,7 @@ def _columns(table) -> tuple[np.ndarray, Batch] | None:
         m_roles = m_role.take(pa.array(turn_idx)).to_pylist()
         if not prompt_rows.any():
             contents, roles = m_texts, m_roles
-        else:   # interleave (rare: a block mixing prompt and messages rows)
+        else:  # interleave (rare: a block mixing prompt and messages rows)
             p_texts = prompt.take(pa.array(rows[prompt_rows])).to_pylist()
             mt, pt, mr = m_texts.to_pylist(), iter(p_texts), iter(m_roles)
             pos = 0
@@ -436,7 +509,7 @@ def _columns(table) -> tuple[np.ndarray, Batch] | None:
                     pieces.append(next(pt))
                     roles.append("user")
                 else:
-                    pieces += mt[pos:pos + k]
+                    pieces += mt[pos : pos + k]
                     roles += [next(mr) for _ in range(k)]
                     pos += k
             contents = pa.array(pieces, pa.string())
@@ -467,7 +540,7 @@ def _columns(table) -> tuple[np.ndarray, Batch] | None:
         if name == "latency_ms":
             good &= ~present | (v >= 0)
         nums[name] = v
-    if not good.all():   # those rows go line by line: drop them here
+    if not good.all():  # those rows go line by line: drop them here
         keep = np.flatnonzero(good)
         ok[rows[~good]] = False
         take = ranges(starts[keep], keep_n[keep])
@@ -477,5 +550,13 @@ def _columns(table) -> tuple[np.ndarray, Batch] | None:
         rows = rows[keep]
         labels = {k: [v[i] for i in keep.tolist()] for k, v in labels.items()}
         nums = {k: v[keep] for k, v in nums.items()}
-    return ok, Batch(lines=rows.astype(np.int64), routes=labels["route"], tenants=labels["tenant"], ts=nums["ts"],
-                     latency=nums["latency_ms"], roles=roles, contents=contents, starts=starts)
+    return ok, Batch(
+        lines=rows.astype(np.int64),
+        routes=labels["route"],
+        tenants=labels["tenant"],
+        ts=nums["ts"],
+        latency=nums["latency_ms"],
+        roles=roles,
+        contents=contents,
+        starts=starts,
+    )

@@ -12,6 +12,7 @@ Words of one request co-vary, so for vocabulary a multinomial bootstrap understa
 two halves of one log differ by JS 0.09 where it predicts 0.024); the noise there is measured instead, from each
 profile's two content-hashed halves, scaled to the sizes compared.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,13 +29,14 @@ OTHER = "(other words)"
 @dataclass(frozen=True)
 class DriftConfig:
     """`drift:` in the pipeline spec."""
-    max_js_length: float = 0.05        # bits; per facet: above this (and above sampling noise) is drift
+
+    max_js_length: float = 0.05  # bits; per facet: above this (and above sampling noise) is drift
     max_js_route: float = 0.05
     max_js_tenant: float = 0.05
-    max_js_vocabulary: float = 0.1     # word mixes of two samples differ more: thousands of categories
-    quality: bool = True               # re-gate production on a fresh shadow sample of the recent traffic
-    auto_promote: bool = False         # drift run: promote the best passing recalibrated variant
-    alias: str = "production"          # the version the job watches
+    max_js_vocabulary: float = 0.1  # word mixes of two samples differ more: thousands of categories
+    quality: bool = True  # re-gate production on a fresh shadow sample of the recent traffic
+    auto_promote: bool = False  # drift run: promote the best passing recalibrated variant
+    alias: str = "production"  # the version the job watches
     noise_draws: int = 200
     seed: int = 0
     VERSION = 1
@@ -51,9 +53,13 @@ class DriftConfig:
 def facets(profile: dict) -> dict[str, tuple[dict, int]]:
     """Facet -> (counts, sample size in the facet's unit: requests, or words for vocabulary)."""
     n = int(profile["requests"])
-    top = _with_tail(profile["unigrams"])   # the tail beyond the profile's top words keeps its mass
-    return {"length": (profile["length_words"], n), "route": (profile["routes"], n),
-            "tenant": (profile["tenants"], n), "vocabulary": (top, int(profile["unigrams"]["total"]))}
+    top = _with_tail(profile["unigrams"])  # the tail beyond the profile's top words keeps its mass
+    return {
+        "length": (profile["length_words"], n),
+        "route": (profile["routes"], n),
+        "tenant": (profile["tenants"], n),
+        "vocabulary": (top, int(profile["unigrams"]["total"])),
+    }
 
 
 def sampling_noise(a: dict, b: dict, n_a: int, n_b: int, draws: int, seed: int) -> float:
@@ -64,7 +70,7 @@ def sampling_noise(a: dict, b: dict, n_a: int, n_b: int, draws: int, seed: int) 
         return float("nan")
     p = pooled / pooled.sum()
     rng = np.random.default_rng(seed)
-    xa, xb = rng.multinomial(n_a, p, size=draws), rng.multinomial(n_b, p, size=draws)   # [draws, K]
+    xa, xb = rng.multinomial(n_a, p, size=draws), rng.multinomial(n_b, p, size=draws)  # [draws, K]
     js = [_js(dict(enumerate(x)), dict(enumerate(y))) for x, y in zip(xa, xb, strict=True)]
     return float(np.percentile(js, 99))
 
@@ -99,21 +105,33 @@ def traffic_drift(old: dict, new: dict, cfg: DriftConfig) -> list[dict]:
         js = _js(a, b)
         noise = sampling_noise(a, b, n_a, n_b, cfg.noise_draws, cfg.seed)
         unmeasured = False
-        if f == "vocabulary":   # words of one request co-vary: the multinomial model understates the noise
+        if f == "vocabulary":  # words of one request co-vary: the multinomial model understates the noise
             measured = split_half_noise(old, new)
             unmeasured = measured is None
             noise = noise if measured is None else max(noise, measured)
         limit = getattr(cfg, f"max_js_{f}")
         if js != js:
-            verdict = "inconclusive"           # an empty facet: nothing to compare
+            verdict = "inconclusive"  # an empty facet: nothing to compare
         elif js <= limit:
             verdict = "ok"
-        else:   # above the limit: drift only if also above the noise, and only if that noise was measured
+        else:  # above the limit: drift only if also above the noise, and only if that noise was measured
             verdict = "drift" if js > noise and not unmeasured else "inconclusive"
         shift = _top_shifts(a, b)
-        rows.append({"facet": f, "js": js, "threshold": limit, "noise_p99": noise, "n_old": n_a, "n_new": n_b,
-                     "verdict": verdict, "top_shifts": shift,
-                     "note": "noise not measured: a profile predates split halves (multinomial lower bound shown)" if unmeasured else ""})
+        rows.append(
+            {
+                "facet": f,
+                "js": js,
+                "threshold": limit,
+                "noise_p99": noise,
+                "n_old": n_a,
+                "n_new": n_b,
+                "verdict": verdict,
+                "top_shifts": shift,
+                "note": "noise not measured: a profile predates split halves (multinomial lower bound shown)"
+                if unmeasured
+                else "",
+            }
+        )
     return rows
 
 

@@ -14,6 +14,7 @@ Memory is bounded whatever the log's size, and profiles of partitions merge:
   are counted in `out_of_order`). An in-flight count is an integer, so a histogram is exact where a quantile sketch
   (KLL) would be approximate and, with its random compactions, not reproducible run to run.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,10 +27,12 @@ import numpy as np
 from qgate.calibrate.sketches import HeavyHitters
 from qgate.calibrate.words import word_table, words  # noqa: F401  (profile.words: the definition the profile counts)
 
-LENGTH_EDGES = (0, 16, 64, 256, 1024)   # words; the last bucket is open-ended
+LENGTH_EDGES = (0, 16, 64, 256, 1024)  # words; the last bucket is open-ended
 TOP_UNIGRAMS = 2000
 TOP_TENANTS = 50
 REORDER_WINDOW = 10_000
+
+
 def length_bucket(n_words: int) -> str:
     for lo, hi in zip(LENGTH_EDGES, LENGTH_EDGES[1:]):
         if n_words < hi:
@@ -51,15 +54,15 @@ class Concurrency:
 
     def __init__(self, window: int = REORDER_WINDOW) -> None:
         self.size = window
-        self.win_ts = np.zeros(0)            # reorder buffer, in arrival order (timestamp, then log order)
-        self.win_lat = np.zeros(0)           # latency_ms, NaN where absent
-        self.ends: list[float] = []          # end times of requests still in flight (a heap)
+        self.win_ts = np.zeros(0)  # reorder buffer, in arrival order (timestamp, then log order)
+        self.win_lat = np.zeros(0)  # latency_ms, NaN where absent
+        self.ends: list[float] = []  # end times of requests still in flight (a heap)
         self.last_ts = -math.inf
-        self.second: int | None = None       # the second being counted, and its arrivals
+        self.second: int | None = None  # the second being counted, and its arrivals
         self.in_second = 0
         self.in_flight: Counter = Counter()  # in-flight count at an arrival -> arrivals
-        self.per_second: Counter = Counter() # arrivals in a second -> seconds
-        self.timed = 0                       # requests with a timestamp
+        self.per_second: Counter = Counter()  # arrivals in a second -> seconds
+        self.timed = 0  # requests with a timestamp
         self.no_latency = 0
         self.out_of_order = 0
 
@@ -103,25 +106,25 @@ class Concurrency:
                 self._arrive(t, la)
             return
         has = ~np.isnan(lat)
-        end = ts + lat / 1000.0                                   # NaN where no latency: in no comparison
+        end = ts + lat / 1000.0  # NaN where no latency: in no comparison
         prior = np.sort(np.array(self.ends, dtype=np.float64))
-        before = np.cumsum(has) - has                             # requests with a latency before i
+        before = np.cumsum(has) - has  # requests with a latency before i
         ends_sorted = np.sort(end[has])
         le_all = np.searchsorted(ends_sorted, ts, side="right")  # ends <= ts[i], over the whole run
         # those at or after i: end_j >= ts_j >= ts[i], so only end_j == ts_j == ts[i], within i's tie group
         zero = has & (end == ts)
         upto = np.cumsum(zero)
         group_end = np.searchsorted(ts, ts, side="right") - 1
-        le_later = upto[group_end] - upto + zero                   # zero-length ones from i to its group's end
+        le_later = upto[group_end] - upto + zero  # zero-length ones from i to its group's end
         in_flight = (len(prior) - np.searchsorted(prior, ts, side="right")) + before - (le_all - le_later) + 1
         counts = np.unique(in_flight[has], return_counts=True)
         self.in_flight.update(dict(zip(counts[0].tolist(), counts[1].tolist(), strict=True)))
         last = ts[-1]
         earlier = has.copy()
-        earlier[-1] = False                                       # the last one's own end stays, whatever it is
+        earlier[-1] = False  # the last one's own end stays, whatever it is
         others = end[earlier]
         keep = np.concatenate((prior[prior > last], others[others > last], end[-1:][has[-1:]]))
-        self.ends = np.sort(keep).tolist()                        # sorted: a heap
+        self.ends = np.sort(keep).tolist()  # sorted: a heap
         self.last_ts = float(last)
         secs, k = np.unique(np.floor(ts).astype(np.int64), return_counts=True)
         k = k.tolist()
@@ -139,7 +142,7 @@ class Concurrency:
         self.last_ts = max(self.last_ts, ts)
         while self.ends and self.ends[0] <= ts:
             heapq.heappop(self.ends)
-        if latency_ms == latency_ms:          # not NaN
+        if latency_ms == latency_ms:  # not NaN
             heapq.heappush(self.ends, ts + latency_ms / 1000.0)
             self.in_flight[len(self.ends)] += 1
         sec = math.floor(ts)
@@ -180,8 +183,16 @@ class Concurrency:
         values = np.array(sorted(hist), dtype=np.int64)
         cum = np.cumsum([hist[v] for v in values])
         q = lambda p: int(max(1, values[np.searchsorted(cum, math.ceil(p / 100 * cum[-1]))]))  # noqa: E731  nearest rank
-        return {"method": method, "p50": q(50), "p90": q(90), "p99": q(99), "max": int(values[-1]), "samples": int(cum[-1]),
-                "out_of_order": self.out_of_order, "histogram": {str(int(v)): int(hist[v]) for v in values}}
+        return {
+            "method": method,
+            "p50": q(50),
+            "p90": q(90),
+            "p99": q(99),
+            "max": int(values[-1]),
+            "samples": int(cum[-1]),
+            "out_of_order": self.out_of_order,
+            "histogram": {str(int(v)): int(hist[v]) for v in values},
+        }
 
 
 class TrafficProfiler:
@@ -202,12 +213,29 @@ class TrafficProfiler:
 
     def add(self, route: str, tenant: str, tokens: list[str], ts: float | None, latency_ms: float | None) -> None:
         """One request (the sampler adds whole batches: `add_batch`)."""
-        half = hashlib.blake2b(" ".join(tokens).encode(), digest_size=1).digest()[0] & 1   # by content: order-independent
-        self.add_batch([route], [tenant], np.array([len(tokens)]), np.array([half]), (word_table(Counter(tokens)),) * 2,
-                       np.array([np.nan if ts is None else ts]), np.array([np.nan if latency_ms is None else latency_ms]))
+        half = (
+            hashlib.blake2b(" ".join(tokens).encode(), digest_size=1).digest()[0] & 1
+        )  # by content: order-independent
+        self.add_batch(
+            [route],
+            [tenant],
+            np.array([len(tokens)]),
+            np.array([half]),
+            (word_table(Counter(tokens)),) * 2,
+            np.array([np.nan if ts is None else ts]),
+            np.array([np.nan if latency_ms is None else latency_ms]),
+        )
 
-    def add_batch(self, routes: list[str], tenants: list[str], n_words: np.ndarray, halves: np.ndarray,
-                  bags: tuple, ts: np.ndarray, latency_ms: np.ndarray) -> None:
+    def add_batch(
+        self,
+        routes: list[str],
+        tenants: list[str],
+        n_words: np.ndarray,
+        halves: np.ndarray,
+        bags: tuple,
+        ts: np.ndarray,
+        latency_ms: np.ndarray,
+    ) -> None:
         """Requests in arrival order: their labels, word counts, split half (0 or 1, by content) and the words of
         each half (bags[h]: a `words.word_table`), and their ts and latency_ms (NaN where absent)."""
         self.n += len(routes)
@@ -242,24 +270,38 @@ class TrafficProfiler:
         self.concurrency.merge(other.concurrency)
 
     def result(self) -> dict:
-        unigrams = HeavyHitters()            # the vocabulary is the two halves merged: each word is counted once
+        unigrams = HeavyHitters()  # the vocabulary is the two halves merged: each word is counted once
         for half in self.split:
             unigrams.merge(half)
-        sketches = {"tenants": self.tenants, "unigrams": unigrams, "unigrams_half_0": self.split[0],
-                    "unigrams_half_1": self.split[1]}
+        sketches = {
+            "tenants": self.tenants,
+            "unigrams": unigrams,
+            "unigrams_half_0": self.split[0],
+            "unigrams_half_1": self.split[1],
+        }
         return {
-            "version": 3,   # 3: a request's split half comes from its content digest (2: from its words)
+            "version": 3,  # 3: a request's split half comes from its content digest (2: from its words)
             "requests": self.n,
             "length_words": {b: self.lengths.get(b, 0) for b in BUCKETS},
             "routes": dict(sorted(self.routes.items(), key=lambda kv: (-kv[1], kv[0]))),
             "tenants": dict(self.tenants.top(TOP_TENANTS)),
-            "unigrams": {"total": self.total_words, "top": dict(unigrams.top(TOP_UNIGRAMS)),
-                         "split_halves": [{"requests": n, "total": w, "top": dict(c.top(TOP_UNIGRAMS))}
-                                          for n, w, c in zip(self.split_n, self.split_words, self.split, strict=True)]},
+            "unigrams": {
+                "total": self.total_words,
+                "top": dict(unigrams.top(TOP_UNIGRAMS)),
+                "split_halves": [
+                    {"requests": n, "total": w, "top": dict(c.top(TOP_UNIGRAMS))}
+                    for n, w, c in zip(self.split_n, self.split_words, self.split, strict=True)
+                ],
+            },
             "concurrency": self.concurrency.result(),
-            "estimates": {name: {"exact": sk.max_error() == 0, "max_count_error": sk.max_error(),
-                                 "method": "frequent-items sketch (Apache DataSketches), counts within +-max_count_error"}
-                          for name, sk in sketches.items()},
+            "estimates": {
+                name: {
+                    "exact": sk.max_error() == 0,
+                    "max_count_error": sk.max_error(),
+                    "method": "frequent-items sketch (Apache DataSketches), counts within +-max_count_error",
+                }
+                for name, sk in sketches.items()
+            },
         }
 
 

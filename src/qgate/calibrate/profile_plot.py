@@ -7,6 +7,7 @@ Four panels: prompt lengths (words, the strata's buckets), routes, in-flight con
 TensorRT-LLM bundle's CUDA-graph batch sizes come from, with its p50/p90/p99) and the most frequent words. Counts the
 profile holds as estimates say so in their titles.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,14 +26,20 @@ def plot_profile(profile: dict, path: Path) -> Path:
     fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
     n = max(profile["requests"], 1)
     stats = profile.get("stats", {})
-    fig.suptitle(f"Traffic profile of {profile.get('source', '?')}: {profile['requests']:,} requests profiled, "
-                 f"{stats.get('records', 0):,} records read, {stats.get('rejected', 0):,} rejected", fontsize=10)
+    fig.suptitle(
+        f"Traffic profile of {profile.get('source', '?')}: {profile['requests']:,} requests profiled, "
+        f"{stats.get('records', 0):,} records read, {stats.get('rejected', 0):,} rejected",
+        fontsize=10,
+    )
 
     lengths = profile["length_words"]
     ax[0, 0].bar(range(len(lengths)), [v / n for v in lengths.values()], color="#4477aa")
     ax[0, 0].set_xticks(range(len(lengths)), list(lengths))
-    ax[0, 0].set(xlabel="prompt length (words, all turns up to the last user turn)", ylabel="share of requests",
-                 title="Prompt length")
+    ax[0, 0].set(
+        xlabel="prompt length (words, all turns up to the last user turn)",
+        ylabel="share of requests",
+        title="Prompt length",
+    )
 
     routes = list(profile["routes"].items())
     shown = routes[:TOP_ROUTES]
@@ -51,8 +58,11 @@ def plot_profile(profile: dict, path: Path) -> Path:
         ax[1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
         ax[1, 0].yaxis.set_major_locator(MaxNLocator(integer=True))
         unit = "in flight at an arrival" if conc["method"].startswith("in-flight") else "arrivals in a second"
-        ax[1, 0].set(xlabel=f"requests {unit}", ylabel="arrivals" if unit.startswith("in") else "seconds",
-                     title=f"Concurrency ({conc['method']})")
+        ax[1, 0].set(
+            xlabel=f"requests {unit}",
+            ylabel="arrivals" if unit.startswith("in") else "seconds",
+            title=f"Concurrency ({conc['method']})",
+        )
     else:
         ax[1, 0].text(0.5, 0.5, "no timestamps in the log", ha="center", va="center", transform=ax[1, 0].transAxes)
         ax[1, 0].set(title="Concurrency", xticks=[], yticks=[])

@@ -8,6 +8,7 @@ Whatever else a line holds (bad UTF-8, NUL bytes, a truncated tail, nesting deep
 a field of the wrong type, a line longer than `max_line_bytes`) becomes a Reject with its line number and reason.
 Memory is bounded by `max_line_bytes` (JSONL) or one Parquet batch, however long a line in the file is.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,19 +24,19 @@ from qgate.errors import InputError
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 PARQUET_BATCH = 1024
-MAX_LINE_BYTES = 4 << 20     # 4 MiB: a 128k-token context is ~0.5 MB of text; longer lines are rejected unread
-MAX_LABEL_CHARS = 200        # route / tenant: labels, not payloads (each distinct one is a stratum and a profile bin)
-_SKIP = 1 << 16              # bytes read at a time while skipping the rest of an over-long line
+MAX_LINE_BYTES = 4 << 20  # 4 MiB: a 128k-token context is ~0.5 MB of text; longer lines are rejected unread
+MAX_LABEL_CHARS = 200  # route / tenant: labels, not payloads (each distinct one is a stratum and a profile bin)
+_SKIP = 1 << 16  # bytes read at a time while skipping the rest of an over-long line
 _BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
 class Request:
-    line: int                      # 1-based line (JSONL) or row (Parquet) number
+    line: int  # 1-based line (JSONL) or row (Parquet) number
     messages: tuple[tuple[str, str], ...]  # (role, content), ending with the last user turn
     route: str
     tenant: str
-    ts: float | None               # epoch seconds
+    ts: float | None  # epoch seconds
     latency_ms: float | None
 
 
@@ -43,7 +44,7 @@ class Request:
 class Reject:
     line: int
     reason: str
-    excerpt: str                   # raw text, not yet scrubbed: the caller scrubs it before writing it anywhere
+    excerpt: str  # raw text, not yet scrubbed: the caller scrubs it before writing it anywhere
 
 
 def read_traffic(source: str | Path | Partition, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Request | Reject]:
@@ -62,8 +63,9 @@ def open_decoded(part: Partition, raw):
     if part.name.endswith(".gz"):
         return io.BufferedReader(_Gunzip(part, raw), 1 << 16)
     if part.name.endswith(".zst"):
-        from backports.zstd import ZstdFile   # the standard library's compression.zstd (3.14), backported: reads
-                                              # every frame and raises EOFError on a truncated one
+        from backports.zstd import ZstdFile  # the standard library's compression.zstd (3.14), backported: reads
+
+        # every frame and raises EOFError on a truncated one
         return ZstdFile(raw, "rb")
     return contextlib.nullcontext(raw)
 
@@ -79,7 +81,7 @@ class _Gunzip(io.RawIOBase):
 
         self.part, self.fast, self.given = part, igzip.GzipFile(fileobj=raw, mode="rb"), 0
         self.rest: Iterator[bytes] | None = None
-        self.pending = b""          # the part of the standard library's last chunk not yet read
+        self.pending = b""  # the part of the standard library's last chunk not yet read
 
     def readable(self) -> bool:
         return True
@@ -92,7 +94,7 @@ class _Gunzip(io.RawIOBase):
                 self.rest = self._rest(e)
             else:
                 self.given += len(data)
-                buf[:len(data)] = data
+                buf[: len(data)] = data
                 return len(data)
         if not self.pending:
             self.pending = next(self.rest, b"")
@@ -102,7 +104,7 @@ class _Gunzip(io.RawIOBase):
 
     def close(self) -> None:
         if self.rest is not None:
-            self.rest.close()       # the second reader's file, if it was opened
+            self.rest.close()  # the second reader's file, if it was opened
         self.fast.close()
         super().close()
 
@@ -150,7 +152,7 @@ def _read_jsonl(part: Partition, max_line_bytes: int) -> Iterator[Request | Reje
         yield truncated(n, e)
 
 
-STREAM_BROKE = "compressed stream corrupt or truncated"   # how the reason of `truncated`'s Reject begins
+STREAM_BROKE = "compressed stream corrupt or truncated"  # how the reason of `truncated`'s Reject begins
 
 
 def truncated(n: int, e: Exception) -> Reject:
@@ -165,12 +167,12 @@ def parse_line(n: int, raw: bytes | None, max_line_bytes: int) -> Request | Reje
     if raw is None:
         return Reject(n, f"line longer than {max_line_bytes} bytes (not read)", "")
     if n == 1 and raw.startswith(_BOM):
-        raw = raw[len(_BOM):]
+        raw = raw[len(_BOM) :]
     raw = raw.strip()
     if not raw:
         return None
     try:
-        obj = orjson.loads(raw)    # strict UTF-8, nesting limited to 1,024 levels, integers to 64 bits
+        obj = orjson.loads(raw)  # strict UTF-8, nesting limited to 1,024 levels, integers to 64 bits
     except orjson.JSONDecodeError as e:
         return Reject(n, f"invalid JSON ({e.msg} at column {e.colno})", _excerpt(raw))
     return parse_record(n, obj, raw)
@@ -186,9 +188,11 @@ def table_rows(part: Partition, first: int, table) -> list[dict]:
     """A Parquet table's rows as Python objects (what parse_record reads)."""
     try:
         return table.to_pylist()
-    except (OSError, ValueError) as e:   # a column pyarrow cannot convert
-        raise InputError(f"{part.location}: Parquet file unreadable after row {first - 1} ({e})",
-                         hint="re-export the partition; the rows before it were read") from e
+    except (OSError, ValueError) as e:  # a column pyarrow cannot convert
+        raise InputError(
+            f"{part.location}: Parquet file unreadable after row {first - 1} ({e})",
+            hint="re-export the partition; the rows before it were read",
+        ) from e
 
 
 def parquet_tables(part: Partition, rows: int) -> Iterator[tuple[int, object]]:
@@ -207,9 +211,11 @@ def parquet_tables(part: Partition, rows: int) -> Iterator[tuple[int, object]]:
             for batch in pf.iter_batches(batch_size=rows):
                 yield n + 1, pa.Table.from_batches([batch])
                 n += batch.num_rows
-        except (OSError, ValueError) as e:   # a corrupt page or a column pyarrow cannot convert
-            raise InputError(f"{path}: Parquet file unreadable after row {n} ({e})",
-                             hint="re-export the partition; the rows before it were read") from e
+        except (OSError, ValueError) as e:  # a corrupt page or a column pyarrow cannot convert
+            raise InputError(
+                f"{path}: Parquet file unreadable after row {n} ({e})",
+                hint="re-export the partition; the rows before it were read",
+            ) from e
 
 
 def row_text(row: dict) -> bytes:
@@ -217,7 +223,7 @@ def row_text(row: dict) -> bytes:
 
     try:
         return orjson.dumps(row, default=str)[:240]
-    except TypeError:   # keys or values orjson cannot encode: the excerpt is only for a human reading rejects
+    except TypeError:  # keys or values orjson cannot encode: the excerpt is only for a human reading rejects
         return repr(row)[:240].encode()
 
 
@@ -250,8 +256,14 @@ def parse_record(n: int, obj: object, raw: bytes) -> Request | Reject:
         why = f"'latency_ms' {str(latency)[:40]!r} is not a non-negative number"
     if why:
         return Reject(n, why, _excerpt(raw))
-    return Request(line=n, messages=turns, route=labels["route"], tenant=labels["tenant"], ts=ts,
-                   latency_ms=None if latency is None else float(latency))
+    return Request(
+        line=n,
+        messages=turns,
+        route=labels["route"],
+        tenant=labels["tenant"],
+        ts=ts,
+        latency_ms=None if latency is None else float(latency),
+    )
 
 
 def _number(x: object) -> bool:
@@ -269,7 +281,9 @@ def _turns(messages: object) -> tuple[tuple, str | None]:
         if role not in ROLES:
             return (), f"messages[{i}].role {str(role)[:40]!r} is not one of {ROLES}"
         if isinstance(content, list):  # content parts: keep the text ones
-            if any(isinstance(p, dict) and p.get("type") == "text" and not isinstance(p.get("text"), str) for p in content):
+            if any(
+                isinstance(p, dict) and p.get("type") == "text" and not isinstance(p.get("text"), str) for p in content
+            ):
                 return (), f"messages[{i}].content has a text part whose 'text' is not a string"
             content = "\n".join(p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text")
         if not isinstance(content, str):

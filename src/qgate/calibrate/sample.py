@@ -17,6 +17,7 @@ partition's path below the source's root, and `line` its line there.
 Output: calib/ and shadow/ (calibration-set artifacts), profile/ (traffic-profile),
 rejects.jsonl (every malformed record with its file, line number and reason).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,10 @@ from qgate.artifact import Artifact, typed_config
 from qgate.calibrate.reader import MAX_LINE_BYTES, STREAM_BROKE
 from qgate.calibrate.scan_cache import ScanCache
 from qgate.calibrate.sources import combined_sha256, explained, is_uri, list_partitions
+from qgate.calibrate.split_scan import phases, scan_partition_split
 from qgate.calibrate.state import SampleState
 from qgate.calibrate.state_json import scan_partition_json, state_from_json
 from qgate.errors import ConfigError, InputError
-from qgate.calibrate.split_scan import phases, scan_partition_split
 from qgate.execute import check_engine, map_ordered, workers
 from qgate.progress import progress
 
@@ -40,11 +41,11 @@ from qgate.progress import progress
 class SampleConfig:
     calib_size: int = 256
     shadow_size: int = 64
-    search_size: int = 0         # a third held-out split, disjoint from both: where `qgate search` chooses its point
+    search_size: int = 0  # a third held-out split, disjoint from both: where `qgate search` chooses its point
     seed: int = 0
-    min_words: int = 1           # prompts shorter than this are dropped (not rejected)
-    max_reject_fraction: float = 0.5   # above this the log is probably not what you meant
-    max_line_bytes: int = MAX_LINE_BYTES   # a longer JSONL line is rejected without being read into memory
+    min_words: int = 1  # prompts shorter than this are dropped (not rejected)
+    max_reject_fraction: float = 0.5  # above this the log is probably not what you meant
+    max_line_bytes: int = MAX_LINE_BYTES  # a longer JSONL line is rejected without being read into memory
     VERSION = 1
 
     def __post_init__(self):
@@ -81,9 +82,16 @@ def _allocate(sizes: dict[str, int], total: int, caps: dict[str, int]) -> dict[s
     return alloc
 
 
-def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine: str = "serial",
-                   scan_cache: Path | None = None, parts: list | None = None, picture: bool = False,
-                   failed_rejects: Path | None = None) -> dict[str, Artifact]:
+def sample_traffic(
+    traffic: str | Path,
+    out: Path,
+    config: SampleConfig,
+    engine: str = "serial",
+    scan_cache: Path | None = None,
+    parts: list | None = None,
+    picture: bool = False,
+    failed_rejects: Path | None = None,
+) -> dict[str, Artifact]:
     """traffic: a file, a glob, a directory of partitions or an object-store URI (calibrate/sources.py).
     engine: "serial"; "processes" to scan partitions in one local process per core; or "ray" to scan them as Ray
     tasks (execute.py). A partition too big for its share of the workers (one file, or one much larger than the rest)
@@ -98,7 +106,7 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
     A successful run removes an earlier run's file there."""
     check_engine(engine)
     if parts is None:
-        parts = list_partitions(traffic)      # a missing log fails here, before anything is created
+        parts = list_partitions(traffic)  # a missing log fails here, before anything is created
     many = len(parts) > 1
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,21 +117,27 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
     scans = explained(_scans([parts[i] for i in fresh], config, many, engine), [parts[i] for i in fresh], engine)
     states = _in_order(parts, keys, set(fresh), scans, cache, config, many)
     if many:
-        reused = f"; {len(parts) - len(fresh)} unchanged since an earlier scan, reused" if len(fresh) < len(parts) else ""
-        states = progress(states, f"calibrate: scanning {len(fresh)} of {len(parts)} partitions ({engine}{reused})",
-                          unit="partition", total=len(parts))
-    quoted: list[bytes] = []         # the first few rejects, quoted by an error
-    broken: list[bytes] = []         # the reject that ends each compressed stream that broke off
+        reused = (
+            f"; {len(parts) - len(fresh)} unchanged since an earlier scan, reused" if len(fresh) < len(parts) else ""
+        )
+        states = progress(
+            states,
+            f"calibrate: scanning {len(fresh)} of {len(parts)} partitions ({engine}{reused})",
+            unit="partition",
+            total=len(parts),
+        )
+    quoted: list[bytes] = []  # the first few rejects, quoted by an error
+    broken: list[bytes] = []  # the reject that ends each compressed stream that broke off
     with open(out / "rejects.jsonl", "wb") as rej:
         for st, rejects in states:  # in partition order: the merged state is the same whatever ran the scans
             rej.write(rejects)
             if len(quoted) < _QUOTED and rejects:
-                quoted += rejects.splitlines()[:_QUOTED - len(quoted)]
-            last = rejects[rejects.rfind(b"\n", 0, len(rejects) - 1) + 1:]
-            if _BROKE in last:     # reader.truncated: the partition's last reject
+                quoted += rejects.splitlines()[: _QUOTED - len(quoted)]
+            last = rejects[rejects.rfind(b"\n", 0, len(rejects) - 1) + 1 :]
+            if _BROKE in last:  # reader.truncated: the partition's last reject
                 broken.append(last)
             state.merge(st)
-            del st, rejects         # not alive beside the next partition's scan: memory is one sample plus one scan
+            del st, rejects  # not alive beside the next partition's scan: memory is one sample plus one scan
     if cache:
         cache.prune()
     source_name = str(traffic) if not many else f"{traffic} ({len(parts)} files)"
@@ -137,18 +151,27 @@ def sample_traffic(traffic: str | Path, out: Path, config: SampleConfig, engine:
     params = typed_config(config)
     profile_dir = out / "profile"
     profile_dir.mkdir(exist_ok=True)
-    profile = state.profiler.result() | {"source": source_name, "stats": counts["stats"], "pii_scrubbed": dict(state.pii)}
+    profile = state.profiler.result() | {
+        "source": source_name,
+        "stats": counts["stats"],
+        "pii_scrubbed": dict(state.pii),
+    }
     profile["estimates"]["unique_prompts"] = counts["estimates"]["unique_prompts"]
     (profile_dir / "profile.json").write_text(json.dumps(profile, indent=2))
-    source = combined_sha256([(p["name"], p["sha256"]) for p in state.partitions])   # hashed by the scans themselves
+    source = combined_sha256([(p["name"], p["sha256"]) for p in state.partitions])  # hashed by the scans themselves
     prof_art = Artifact.create("traffic-profile", profile_dir, params, (source,), {"requests": profile["requests"]})
     arts = {"profile": prof_art}
     for name, rows in (("calib", calib), ("shadow", shadow)) + ((("search", search),) if config.search_size else ()):
         d = out / name
         d.mkdir(exist_ok=True)
         (d / "data.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        meta = {"split": name, "n": len(rows), "strata": dict(Counter(r["stratum"] for r in rows)), "stats": counts["stats"],
-                "estimates": counts["estimates"]} | ({"remote_source": True} if is_uri(traffic) else {})
+        meta = {
+            "split": name,
+            "n": len(rows),
+            "strata": dict(Counter(r["stratum"] for r in rows)),
+            "stats": counts["stats"],
+            "estimates": counts["estimates"],
+        } | ({"remote_source": True} if is_uri(traffic) else {})
         arts[name] = Artifact.create("calibration-set", d, params, (source, prof_art.sha256), meta)
     if picture:
         from qgate.calibrate.profile_plot import plot_profile
@@ -164,10 +187,14 @@ def _scans(todo: list, config: SampleConfig, many: bool, engine: str):
         if how == "blocks":
             yield scan_partition_split(todo[idx[0]], config, many, engine, show_progress=not many)
         else:
-            yield from map_ordered(scan_partition_json, [(todo[i], config, many, engine == "serial" and not many) for i in idx], engine)
+            yield from map_ordered(
+                scan_partition_json, [(todo[i], config, many, engine == "serial" and not many) for i in idx], engine
+            )
 
 
-def _in_order(parts: list, keys: list, fresh: set[int], scans, cache: ScanCache | None, config: SampleConfig, many: bool):
+def _in_order(
+    parts: list, keys: list, fresh: set[int], scans, cache: ScanCache | None, config: SampleConfig, many: bool
+):
     """(state, rejects) of every partition, in partition order: the next fresh scan (then saved to the cache), or the
     cached one (scanned here after all when its entry turns out cut short or edited). Every state is rebuilt from its
     JSON form (calibrate/state_json.py), whichever way it came."""
@@ -177,7 +204,7 @@ def _in_order(parts: list, keys: list, fresh: set[int], scans, cache: ScanCache 
         if cache and hit is None:
             cache.save(key, doc, rejects)
         st = state_from_json(doc)
-        del doc, hit                # the JSON form is not alive beside the next partition's
+        del doc, hit  # the JSON form is not alive beside the next partition's
         yield st, rejects
         del st, rejects
 
@@ -199,31 +226,50 @@ def _select(state: SampleState, config: SampleConfig, source: str, quoted: list[
         sizes[s] = len(ranked[s]) if bk.exact() else max(len(ranked[s]), round(est))
     kept_est = state.kept.estimate()
     unique = len(first) if exact else min(state.stats["usable"], max(len(first), round(kept_est["estimate"])))
-    stats = {k: v for k, v in (("records", state.stats["records"]), ("rejected", state.stats["rejected"]),
-                                ("too_short", state.stats["too_short"]), ("kept", unique),
-                                ("duplicates", state.stats["usable"] - unique)) if v}
-    estimates = {"exact": exact, "unique_prompts": {"value": unique, "exact": exact} | (
-        {} if exact else {k: round(kept_est[k], 1) for k in ("estimate", "lower", "upper")}
-        | {"rse": kept_est["rse"], "method": "HLL sketch (Apache DataSketches), bounds at 2 standard deviations"}),
-        "strata_estimated": sorted(s for s, bk in state.strata.items() if not bk.exact())}
+    stats = {
+        k: v
+        for k, v in (
+            ("records", state.stats["records"]),
+            ("rejected", state.stats["rejected"]),
+            ("too_short", state.stats["too_short"]),
+            ("kept", unique),
+            ("duplicates", state.stats["usable"] - unique),
+        )
+        if v
+    }
+    estimates = {
+        "exact": exact,
+        "unique_prompts": {"value": unique, "exact": exact}
+        | (
+            {}
+            if exact
+            else {k: round(kept_est[k], 1) for k in ("estimate", "lower", "upper")}
+            | {"rse": kept_est["rse"], "method": "HLL sketch (Apache DataSketches), bounds at 2 standard deviations"}
+        ),
+        "strata_estimated": sorted(s for s, bk in state.strata.items() if not bk.exact()),
+    }
     _check_counts(source, stats, sum(len(r) for r in ranked.values()), config, state.partitions, quoted)
     shadow_q = _allocate(sizes, config.shadow_size, {s: len(r) for s, r in ranked.items()})
     rest = {s: sizes[s] - shadow_q[s] for s in sizes}
     calib_q = _allocate(rest, config.calib_size, {s: len(ranked[s]) - shadow_q[s] for s in ranked})
     rest = {s: rest[s] - calib_q[s] for s in sizes}
-    search_q = _allocate(rest, config.search_size, {s: len(ranked[s]) - shadow_q[s] - calib_q[s] for s in ranked}) \
-        if config.search_size else dict.fromkeys(ranked, 0)
+    search_q = (
+        _allocate(rest, config.search_size, {s: len(ranked[s]) - shadow_q[s] - calib_q[s] for s in ranked})
+        if config.search_size
+        else dict.fromkeys(ranked, 0)
+    )
     calib, shadow, search = [], [], []
-    for s in sorted(ranked):   # shadow first (the held-out evidence), calibration, then search, from disjoint ranks:
-        a, b = shadow_q[s], shadow_q[s] + calib_q[s]       # a search split leaves the other two as they were
+    for s in sorted(ranked):  # shadow first (the held-out evidence), calibration, then search, from disjoint ranks:
+        a, b = shadow_q[s], shadow_q[s] + calib_q[s]  # a search split leaves the other two as they were
         shadow += ranked[s][:a]
         calib += ranked[s][a:b]
-        search += ranked[s][b: b + search_q[s]]
+        search += ranked[s][b : b + search_q[s]]
     return calib, shadow, search, {"stats": stats, "estimates": estimates}
 
 
-def _check_counts(traffic: str, stats: dict, available: int, config: SampleConfig, partitions: list[dict],
-                  quoted: list[dict]) -> None:
+def _check_counts(
+    traffic: str, stats: dict, available: int, config: SampleConfig, partitions: list[dict], quoted: list[dict]
+) -> None:
     records, rejected = stats.get("records", 0), stats.get("rejected", 0)
     if records == 0:
         raise InputError(f"{traffic}: no records", hint="is this the right file?")
@@ -233,10 +279,10 @@ def _check_counts(traffic: str, stats: dict, available: int, config: SampleConfi
             f"{traffic}: {rejected} of {records} records are malformed ({frac:.0%}, more than "
             f"calibrate.max_reject_fraction = {config.max_reject_fraction}){_worst(partitions)}",
             hint="expected OpenAI chat 'messages' or 'prompt' records, one JSON object per line; the first rejects, "
-                 "and where any compressed stream broke off (its lines before may be garbage):"
-                 + "".join(f"\n    {r['file']}:{r['line']}: {r['reason']}" for r in quoted),
+            "and where any compressed stream broke off (its lines before may be garbage):"
+            + "".join(f"\n    {r['file']}:{r['line']}: {r['reason']}" for r in quoted),
         )
-    if available < config.sample_size:   # exact: a sample holds every prompt until it is full
+    if available < config.sample_size:  # exact: a sample holds every prompt until it is full
         raise InputError(
             f"{traffic}: only {available} unique usable prompts, need calib_size + shadow_size + search_size = "
             f"{config.sample_size}",
@@ -254,7 +300,7 @@ def _worst(partitions: list[dict], shown: int = 3) -> str:
 
 
 _QUOTED = 3
-_BROKE = json.dumps({"reason": STREAM_BROKE})[1:-2].encode()   # as reject_lines writes it: '"reason": "compressed ...'
+_BROKE = json.dumps({"reason": STREAM_BROKE})[1:-2].encode()  # as reject_lines writes it: '"reason": "compressed ...'
 
 
 def _naming_rejects(e: InputError, path: Path, keep: Path | None) -> InputError:

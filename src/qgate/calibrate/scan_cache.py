@@ -18,6 +18,7 @@ change to parsing, scrubbing, words or sampling misses instead of reusing an old
 in the JSON form every engine merges (calibrate/state_json.py), checked against its sha256 (cache.py), never a
 pickle: a cached partition gives the same artifacts as a fresh scan, byte for byte.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,8 +42,13 @@ def code_sha256() -> str:
 class ScanCache:
     def __init__(self, root: Path, config, tag_file: bool):
         self.root = Path(root)
-        self.settings = {"need": config.sample_size, "seed": config.seed, "min_words": config.min_words,
-                         "max_line_bytes": config.max_line_bytes, "tag_file": tag_file}
+        self.settings = {
+            "need": config.sample_size,
+            "seed": config.seed,
+            "min_words": config.min_words,
+            "max_line_bytes": config.max_line_bytes,
+            "tag_file": tag_file,
+        }
         self.used: set[str] = set()
 
     def key(self, part) -> str | None:
@@ -51,8 +57,14 @@ class ScanCache:
         ident = part.identity()
         if ident is None:
             return None
-        return sha256_json({"format": FORMAT, "code": code_sha256(), "scan": self.settings,
-                            "partition": {"location": part.location, "name": part.name} | ident})
+        return sha256_json(
+            {
+                "format": FORMAT,
+                "code": code_sha256(),
+                "scan": self.settings,
+                "partition": {"location": part.location, "name": part.name} | ident,
+            }
+        )
 
     def _path(self, key: str) -> Path:
         return self.root / f"scan-{key[:32]}.json"
@@ -82,7 +94,7 @@ class ScanCache:
             return None
         self.used.add(key)
         doc = json.loads(data)
-        if read_cached(self._sha_path(key)) is None:     # lost or edited beside an intact scan: written again
+        if read_cached(self._sha_path(key)) is None:  # lost or edited beside an intact scan: written again
             self._save_sha(key, doc["state"])
         return doc["state"], doc["rejects"].encode()
 
@@ -92,7 +104,9 @@ class ScanCache:
 
         if key is None:
             return
-        write_cached(self._path(key), json.dumps({"format": FORMAT, "state": doc, "rejects": rejects.decode()}).encode())
+        write_cached(
+            self._path(key), json.dumps({"format": FORMAT, "state": doc, "rejects": rejects.decode()}).encode()
+        )
         self._save_sha(key, doc)
         self.used.add(key)
 

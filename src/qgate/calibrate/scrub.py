@@ -14,15 +14,16 @@ reads like traffic (order numbers, dates, versions and hashes survive):
 Not scrubbed: names, postal addresses, dates of birth and free-text identifiers; those need an NER model.
 `benchmarks/bench_pii.py` measures recall and precision per type on real prompts with injected PII.
 """
+
 from __future__ import annotations
 
 import ipaddress
 import re
 from collections import Counter
 
-REGIONS = ("US", "GB", "DE", "FR")   # national phone formats recognised without a +country code
+REGIONS = ("US", "GB", "DE", "FR")  # national phone formats recognised without a +country code
 
-DIGIT = object()            # a rule's precondition: the text holds a decimal digit (what \d matches)
+DIGIT = object()  # a rule's precondition: the text holds a decimal digit (what \d matches)
 _ANY_DIGIT = re.compile(r"\d")
 _SECRET = re.compile(
     r"-----BEGIN (?:[A-Z]+ )?PRIVATE KEY-----[\s\S]*?-----END (?:[A-Z]+ )?PRIVATE KEY-----"
@@ -37,7 +38,9 @@ _CARD = re.compile(r"(?<![+\d])\d(?:[ -]?\d){13,18}\b")
 _SSN = re.compile(r"\b(?!000|666|9\d\d)\d{3}-(?!00)\d{2}-(?!0000)\d{4}\b")
 _NINO = re.compile(r"\b(?!BG|GB|NK|KN|TN|NT|ZZ)[A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z] ?\d{2} ?\d{2} ?\d{2} ?[A-D]\b")
 _AADHAAR = re.compile(r"\b[2-9]\d{3}[ -]?\d{4}[ -]?\d{4}\b")
-_PHONE_HINT = re.compile(r"(?<![\w#:.\-])[+(]?\d[\d ().\-]{6,}\d(?![\w:])")   # a cheap pre-check (most prompts never reach libphonenumber), not inside ids, hashes or times
+_PHONE_HINT = re.compile(
+    r"(?<![\w#:.\-])[+(]?\d[\d ().\-]{6,}\d(?![\w:])"
+)  # a cheap pre-check (most prompts never reach libphonenumber), not inside ids, hashes or times
 _IPV4 = re.compile(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(?:25[0-5]|2[0-4]\d|1?\d?\d)(?!\.?\d)")
 _IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])")
 
@@ -52,11 +55,28 @@ def luhn_ok(digits: str) -> bool:
     return total % 10 == 0
 
 
-_D = ((0, 1, 2, 3, 4, 5, 6, 7, 8, 9), (1, 2, 3, 4, 0, 6, 7, 8, 9, 5), (2, 3, 4, 0, 1, 7, 8, 9, 5, 6), (3, 4, 0, 1, 2, 8, 9, 5, 6, 7),
-      (4, 0, 1, 2, 3, 9, 5, 6, 7, 8), (5, 9, 8, 7, 6, 0, 4, 3, 2, 1), (6, 5, 9, 8, 7, 1, 0, 4, 3, 2), (7, 6, 5, 9, 8, 2, 1, 0, 4, 3),
-      (8, 7, 6, 5, 9, 3, 2, 1, 0, 4), (9, 8, 7, 6, 5, 4, 3, 2, 1, 0))
-_P = ((0, 1, 2, 3, 4, 5, 6, 7, 8, 9), (1, 5, 7, 6, 2, 8, 3, 0, 9, 4), (5, 8, 0, 3, 7, 9, 6, 1, 4, 2), (8, 9, 1, 6, 0, 4, 3, 5, 2, 7),
-      (9, 4, 5, 3, 1, 2, 6, 8, 7, 0), (4, 2, 8, 6, 5, 7, 3, 9, 0, 1), (2, 7, 9, 3, 8, 0, 6, 4, 1, 5), (7, 0, 4, 6, 9, 1, 3, 2, 5, 8))
+_D = (
+    (0, 1, 2, 3, 4, 5, 6, 7, 8, 9),
+    (1, 2, 3, 4, 0, 6, 7, 8, 9, 5),
+    (2, 3, 4, 0, 1, 7, 8, 9, 5, 6),
+    (3, 4, 0, 1, 2, 8, 9, 5, 6, 7),
+    (4, 0, 1, 2, 3, 9, 5, 6, 7, 8),
+    (5, 9, 8, 7, 6, 0, 4, 3, 2, 1),
+    (6, 5, 9, 8, 7, 1, 0, 4, 3, 2),
+    (7, 6, 5, 9, 8, 2, 1, 0, 4, 3),
+    (8, 7, 6, 5, 9, 3, 2, 1, 0, 4),
+    (9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+)
+_P = (
+    (0, 1, 2, 3, 4, 5, 6, 7, 8, 9),
+    (1, 5, 7, 6, 2, 8, 3, 0, 9, 4),
+    (5, 8, 0, 3, 7, 9, 6, 1, 4, 2),
+    (8, 9, 1, 6, 0, 4, 3, 5, 2, 7),
+    (9, 4, 5, 3, 1, 2, 6, 8, 7, 0),
+    (4, 2, 8, 6, 5, 7, 3, 9, 0, 1),
+    (2, 7, 9, 3, 8, 0, 6, 4, 1, 5),
+    (7, 0, 4, 6, 9, 1, 3, 2, 5, 8),
+)
 
 
 def verhoeff_ok(digits: str) -> bool:
@@ -78,7 +98,7 @@ def _digits(m: re.Match) -> str:
     return re.sub(r"\D", "", m.group())
 
 
-_CARD_LAYOUTS = ((4, 6, 5), (4, 6, 4))   # Amex, Diners; otherwise groups of four (the last may be shorter) or one run
+_CARD_LAYOUTS = ((4, 6, 5), (4, 6, 4))  # Amex, Diners; otherwise groups of four (the last may be shorter) or one run
 
 
 def _is_card(groups: list[str]) -> bool:
@@ -173,16 +193,40 @@ def _phones(text: str) -> tuple[str, int]:
         if span is None:
             return cand
         hits += 1
-        rest = _phones(cand[span[1]:])[0] if span[1] < len(cand) else ""
-        return cand[:span[0]] + "<PHONE>" + rest
+        rest = _phones(cand[span[1] :])[0] if span[1] < len(cand) else ""
+        return cand[: span[0]] + "<PHONE>" + rest
 
     text = _PHONE_HINT.sub(sub, text)
     return text, hits
 
 
 # Every literal a _SECRET alternative starts with (checked with `in`, far cheaper than the regex on text without any).
-_SECRET_HINTS = ("-----BEGIN ", "sk-", "sk_live_", "sk_test_", "rk_live_", "rk_test_", "AKIA", "ASIA", "ghp_", "gho_", "ghu_",
-                 "ghs_", "ghr_", "github_pat_", "glpat-", "xoxa-", "xoxb-", "xoxp-", "xoxr-", "xoxs-", "AIza", "hf_", "npm_", "eyJ")
+_SECRET_HINTS = (
+    "-----BEGIN ",
+    "sk-",
+    "sk_live_",
+    "sk_test_",
+    "rk_live_",
+    "rk_test_",
+    "AKIA",
+    "ASIA",
+    "ghp_",
+    "gho_",
+    "ghu_",
+    "ghs_",
+    "ghr_",
+    "github_pat_",
+    "glpat-",
+    "xoxa-",
+    "xoxb-",
+    "xoxp-",
+    "xoxr-",
+    "xoxs-",
+    "AIza",
+    "hf_",
+    "npm_",
+    "eyJ",
+)
 
 
 def _may_hold_secret(text: str) -> bool:
@@ -211,17 +255,17 @@ TYPES = tuple(dict.fromkeys(rule[0] for rule in RULES))
 # <CARD>, ...) holds no digit, @, colon or secret prefix and splits the runs around it, so a hint that does not match
 # the original text does not match the rewritten one either (the tests hold scrub with hints equal to scrub without).
 _ND = r"\p{Nd}"
-RULE_HINTS = (   # aligned with RULES
-    "|".join(re.escape(h) for h in _SECRET_HINTS) + "|(?i:bearer)",                    # secret
-    "@",                                                                                 # email
-    rf"[A-Z]{{2}}{_ND}{{2}}",                                                             # iban
-    rf"{_ND}(?:[ -]?{_ND}){{13}}",                                                        # card
-    rf"{_ND}{{3}}-{_ND}{{2}}-{_ND}{{4}}",                                                 # ssn
-    rf"[A-Z]{{2}} ?{_ND}{{2}} ?{_ND}{{2}} ?{_ND}{{2}} ?[A-D]",                            # nino
-    rf"[2-9]{_ND}{{3}}[ -]?{_ND}{{4}}[ -]?{_ND}{{4}}",                                    # aadhaar
-    rf"{_ND}\.{_ND}+\.{_ND}+\.{_ND}",                                                     # ipv4
-    ":[0-9A-Fa-f]{0,4}:",                                                                # ipv6
-    rf"{_ND}[{_ND} ().\-]{{6,}}{_ND}",                                                    # phone (_PHONE_HINT)
+RULE_HINTS = (  # aligned with RULES
+    "|".join(re.escape(h) for h in _SECRET_HINTS) + "|(?i:bearer)",  # secret
+    "@",  # email
+    rf"[A-Z]{{2}}{_ND}{{2}}",  # iban
+    rf"{_ND}(?:[ -]?{_ND}){{13}}",  # card
+    rf"{_ND}{{3}}-{_ND}{{2}}-{_ND}{{4}}",  # ssn
+    rf"[A-Z]{{2}} ?{_ND}{{2}} ?{_ND}{{2}} ?{_ND}{{2}} ?[A-D]",  # nino
+    rf"[2-9]{_ND}{{3}}[ -]?{_ND}{{4}}[ -]?{_ND}{{4}}",  # aadhaar
+    rf"{_ND}\.{_ND}+\.{_ND}+\.{_ND}",  # ipv4
+    ":[0-9A-Fa-f]{0,4}:",  # ipv6
+    rf"{_ND}[{_ND} ().\-]{{6,}}{_ND}",  # phone (_PHONE_HINT)
 )
 HINT = "|".join(f"(?:{h})" for h in RULE_HINTS)
 
@@ -245,7 +289,7 @@ def scrub(text: str, prefilter: bool = True, rules: tuple[bool, ...] | None = No
     """`prefilter=False` runs every rule on every text: the same result, slower (the tests hold the two equal).
     `rules`: which of RULES to run (from `rule_hints`); the others cannot change this text."""
     counts: Counter = Counter()
-    has_digit = _ANY_DIGIT.search(text) is not None   # two thirds of real prompts have none: seven rules skipped
+    has_digit = _ANY_DIGIT.search(text) is not None  # two thirds of real prompts have none: seven rules skipped
     for i, (name, pattern, repl, needs) in enumerate(RULES):
         if prefilter and ((rules is not None and not rules[i]) or not _may_match(needs, text, has_digit)):
             continue

@@ -6,6 +6,7 @@ An injected value counts as found when it is gone from the scrubbed text and a p
 Placeholders beyond the injected values (and beyond what the untouched prompt already scrubs: real PII in the demo
 traffic, reported apart) are false positives of their type. Hard-negative rows inject look-alikes only.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,20 @@ def score(rows: list[dict], prompts: list[str]) -> dict:
         for t in TYPES:
             fp[t] += max(0, counts[t] - base[t] - hits[t])
     real = sum((scrub(p)[1] for p in prompts), Counter())
-    per_type = {t: {"injected": tp[t] + fn[t], "found": tp[t], "false_positives": fp[t],
-                    "recall": tp[t] / (tp[t] + fn[t]) if tp[t] + fn[t] else None,
-                    "precision": tp[t] / (tp[t] + fp[t]) if tp[t] + fp[t] else None} for t in TYPES}
-    return {"types": per_type, "rows": len(rows), "negative_rows": sum(1 for r in rows if not r["pii"]),
-            "misses": misses, "real_pii_in_demo_prompts": dict(real)}
+    per_type = {
+        t: {
+            "injected": tp[t] + fn[t],
+            "found": tp[t],
+            "false_positives": fp[t],
+            "recall": tp[t] / (tp[t] + fn[t]) if tp[t] + fn[t] else None,
+            "precision": tp[t] / (tp[t] + fp[t]) if tp[t] + fp[t] else None,
+        }
+        for t in TYPES
+    }
+    return {
+        "types": per_type,
+        "rows": len(rows),
+        "negative_rows": sum(1 for r in rows if not r["pii"]),
+        "misses": misses,
+        "real_pii_in_demo_prompts": dict(real),
+    }

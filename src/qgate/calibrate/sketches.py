@@ -12,16 +12,17 @@ HeavyHitters is the frequent-items sketch (Misra-Gries with purges): exact while
 distinct items, otherwise counts within +-max_error() of the truth. It is deterministic for a given order of updates
 and merges, which the sampler keeps fixed (partitions in name order).
 """
+
 from __future__ import annotations
 
 from collections import Counter
 
 import numpy as np
 
-HLL_LG_K = 12            # per stratum: 4,096 registers (HLL_8: 4 KiB); relative standard error 1.04 / 64 = 1.6%
-HEAVY_LG_MAX = 14        # up to 16,384 counters (12,288 kept exactly before the first purge)
-PENDING_ROWS = 1 << 18   # (string, count) rows held in Arrow before they are summed into the sketch (~5 MB)
-STD_DEVS = 2             # bounds at about 95%
+HLL_LG_K = 12  # per stratum: 4,096 registers (HLL_8: 4 KiB); relative standard error 1.04 / 64 = 1.6%
+HEAVY_LG_MAX = 14  # up to 16,384 counters (12,288 kept exactly before the first purge)
+PENDING_ROWS = 1 << 18  # (string, count) rows held in Arrow before they are summed into the sketch (~5 MB)
+STD_DEVS = 2  # bounds at about 95%
 
 
 class DistinctCount:
@@ -56,9 +57,13 @@ class DistinctCount:
 
         u = hll_union(self.lg_k)
         u.update(self.sketch)
-        u.update(self.sketch)   # twice: a union of two inputs uses the composite estimator, a function of the registers
-        return {"estimate": u.get_estimate(), "lower": u.get_lower_bound(STD_DEVS), "upper": u.get_upper_bound(STD_DEVS),
-                "rse": round(1.04 / (1 << self.lg_k) ** 0.5, 4)}
+        u.update(self.sketch)  # twice: a union of two inputs uses the composite estimator, a function of the registers
+        return {
+            "estimate": u.get_estimate(),
+            "lower": u.get_lower_bound(STD_DEVS),
+            "upper": u.get_upper_bound(STD_DEVS),
+            "rse": round(1.04 / (1 << self.lg_k) ** 0.5, 4),
+        }
 
     def __getstate__(self) -> dict:
         return {"lg_k": self.lg_k, "bytes": self.sketch.serialize_compact()}
@@ -80,7 +85,7 @@ class HeavyHitters:
 
         self.lg_max = lg_max
         self.sketch = frequent_strings_sketch(lg_max)
-        self.pending: list = []     # pyarrow tables of (w, n) rows
+        self.pending: list = []  # pyarrow tables of (w, n) rows
         self.pending_rows = 0
 
     def add(self, items) -> None:
@@ -132,7 +137,7 @@ class HeavyHitters:
         from datasketches import frequent_items_error_type
 
         self.flush()
-        return self.sketch.get_frequent_items(frequent_items_error_type.NO_FALSE_NEGATIVES, 0)   # every counter kept
+        return self.sketch.get_frequent_items(frequent_items_error_type.NO_FALSE_NEGATIVES, 0)  # every counter kept
 
     def max_error(self) -> int:
         """Every reported count is within this many of the true count (0 while the sketch is exact): the offset the

@@ -10,6 +10,7 @@ URIs with a scheme (s3://, gs://, hdfs://, abfs://, file://) go through pyarrow'
 and the endpoint from the environment as the AWS CLI does (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION,
 AWS_ENDPOINT_URL for an S3-compatible store). Plain paths stay on the local filesystem.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -43,7 +44,9 @@ def _glob_root(pattern: str) -> str:
 
 
 def _partitions_under(path: Path) -> list[Path]:
-    return sorted(p for p in path.rglob("*") if p.is_file() and is_traffic_file(p) and not _skipped(p.relative_to(path).parts))
+    return sorted(
+        p for p in path.rglob("*") if p.is_file() and is_traffic_file(p) and not _skipped(p.relative_to(path).parts)
+    )
 
 
 def _local_partitions(where: str | Path) -> list[Partition]:
@@ -60,7 +63,10 @@ def _local_partitions(where: str | Path) -> list[Partition]:
         for m in map(Path, glob.glob(s, recursive=True)):
             found.update([m] if m.is_file() else _partitions_under(m) if m.is_dir() else [])
         if not found:
-            raise InputError(f"{s}: no traffic files match this pattern", hint="check the glob; quote it so the shell does not expand it")
+            raise InputError(
+                f"{s}: no traffic files match this pattern",
+                hint="check the glob; quote it so the shell does not expand it",
+            )
         root = Path(_glob_root(s) or ("/" if s.startswith("/") else "."))
         return [Partition(os.path.abspath(p), p.relative_to(root).as_posix(), p.stat().st_size) for p in sorted(found)]
     path = Path(where)
@@ -70,7 +76,9 @@ def _local_partitions(where: str | Path) -> list[Partition]:
             raise InputError(f"{path}: directory holds no traffic partitions ({', '.join(SUFFIXES)})")
         return [Partition(os.path.abspath(p), p.relative_to(path).as_posix(), p.stat().st_size) for p in files]
     if not path.is_file():
-        raise InputError(f"{path}: traffic log not found", hint="pass a JSONL or Parquet file, a directory of partitions or a glob")
+        raise InputError(
+            f"{path}: traffic log not found", hint="pass a JSONL or Parquet file, a directory of partitions or a glob"
+        )
     return [Partition(os.path.abspath(path), "", path.stat().st_size)]
 
 
@@ -82,9 +90,12 @@ def is_uri(where: str | Path) -> bool:
 class Partition:
     """One traffic file. `location` is a local path or a URI; `name` is what manifests and sampled rows record: its
     path below the source's root (`rel`, posix), or its file name when the source is the file itself."""
+
     location: str
     rel: str = ""
-    size: int | None = field(default=None, compare=False)   # bytes, as listed (None: not known); not part of its identity
+    size: int | None = field(
+        default=None, compare=False
+    )  # bytes, as listed (None: not known); not part of its identity
 
     @property
     def name(self) -> str:
@@ -99,9 +110,11 @@ class Partition:
 
         try:
             return fs.FileSystem.from_uri(self.location)
-        except Exception as e:   # pyarrow raises ArrowInvalid / OSError by scheme
-            raise InputError(f"{self.location}: cannot open this URI ({e})",
-                             hint="check the scheme and credentials (AWS_* variables for s3://)") from e
+        except Exception as e:  # pyarrow raises ArrowInvalid / OSError by scheme
+            raise InputError(
+                f"{self.location}: cannot open this URI ({e})",
+                hint="check the scheme and credentials (AWS_* variables for s3://)",
+            ) from e
 
     def open(self, digest=None):
         """A binary stream of the file's bytes; with `digest` (a hashlib object), every byte read from the file is
@@ -164,7 +177,7 @@ class _Raw(io.RawIOBase):
 
     def readinto(self, b) -> int:
         data = self.stream.read(len(b))
-        b[:len(data)] = data
+        b[: len(data)] = data
         if self.digest is not None:
             self.digest.update(data)
         return len(data)
@@ -189,7 +202,10 @@ def list_partitions(where: str | Path) -> list[Partition]:
         filesystem, base = fs.FileSystem.from_uri(base_uri)
         info = filesystem.get_file_info(base)
     except Exception as e:
-        raise InputError(f"{uri}: cannot list this URI ({e})", hint="check the scheme, bucket and credentials (AWS_* variables for s3://)") from e
+        raise InputError(
+            f"{uri}: cannot list this URI ({e})",
+            hint="check the scheme, bucket and credentials (AWS_* variables for s3://)",
+        ) from e
     if info.type == fs.FileType.File and not pattern:
         return [Partition(uri, "", info.size)]
     if info.type == fs.FileType.NotFound:
@@ -199,34 +215,38 @@ def list_partitions(where: str | Path) -> list[Partition]:
     except Exception as e:
         raise InputError(f"{uri}: cannot list this URI ({e})") from e
     _, path_pattern = uri.split("://", 1)
-    if path_pattern.endswith("/"):      # directories the pattern matches stand for everything under them
+    if path_pattern.endswith("/"):  # directories the pattern matches stand for everything under them
         path_pattern += "*"
     files = []
     for i in infos:
         if i.type != fs.FileType.File or not is_traffic_file(Path(i.path)):
             continue
-        if _skipped(i.path[len(base):].lstrip("/").split("/")):
+        if _skipped(i.path[len(base) :].lstrip("/").split("/")):
             continue
         if pattern and not fnmatch.fnmatchcase(i.path, path_pattern):
             continue
-        files.append(Partition(f"{scheme}://{i.path}", i.path[len(base):].lstrip("/"), i.size))
+        files.append(Partition(f"{scheme}://{i.path}", i.path[len(base) :].lstrip("/"), i.size))
     if not files:
         raise InputError(f"{uri}: no traffic partitions here ({', '.join(SUFFIXES)})")
     return sorted(files)
 
 
-def traffic_sha256(parts: list[Partition], engine: str = "serial", known: Callable[[Partition], str | None] | None = None) -> str:
+def traffic_sha256(
+    parts: list[Partition], engine: str = "serial", known: Callable[[Partition], str | None] | None = None
+) -> str:
     """The content hash of a traffic source, reading every partition, on an execution engine (execute.py: on Ray the
     partitions are hashed in parallel, by the workers). A scan hashes what it reads: `combined_sha256` of its
     partitions' hashes is the same value, without this pass. known: a partition's sha256 when it is known without
     reading it (ScanCache.sha256), else None; only the others are read."""
     from qgate.execute import check_engine, map_ordered
 
-    check_engine(engine)     # a bad name fails even when no partition needs reading
+    check_engine(engine)  # a bad name fails even when no partition needs reading
     shas = [known(p) if known else None for p in parts]
     todo = [i for i, sha in enumerate(shas) if sha is None]
     if todo:
-        hashed = explained(map_ordered(partition_sha256, [(parts[i],) for i in todo], engine), [parts[i] for i in todo], engine)
+        hashed = explained(
+            map_ordered(partition_sha256, [(parts[i],) for i in todo], engine), [parts[i] for i in todo], engine
+        )
         for i, sha in zip(todo, hashed, strict=True):
             shas[i] = sha
     return combined_sha256(list(zip([p.name for p in parts], shas, strict=True)))
@@ -242,15 +262,19 @@ def explained(results: Iterator, parts: list[Partition], engine: str) -> Iterato
     try:
         yield from results
     except (InputError, FileNotFoundError) as e:
-        here = [p for p in parts if engine == "ray" and not p.remote and p.location in str(e) and os.path.isfile(p.location)]
+        here = [
+            p for p in parts if engine == "ray" and not p.remote and p.location in str(e) and os.path.isfile(p.location)
+        ]
         if not here:
             raise
         where = max(here, key=lambda p: len(p.location)).location
-        raise InputError(f"{where}: a Ray task could not find this local file, which this machine reads: each task reads "
-                         "its partition on the node it runs on",
-                         hint="put the traffic where every node of the cluster sees it (an object-store URI such as "
-                              "s3://bucket/logs/, or a filesystem mounted at the same path on every node), or scan it on "
-                              "this machine with --engine processes") from e
+        raise InputError(
+            f"{where}: a Ray task could not find this local file, which this machine reads: each task reads "
+            "its partition on the node it runs on",
+            hint="put the traffic where every node of the cluster sees it (an object-store URI such as "
+            "s3://bucket/logs/, or a filesystem mounted at the same path on every node), or scan it on "
+            "this machine with --engine processes",
+        ) from e
 
 
 def combined_sha256(named: list[tuple[str, str]]) -> str:

@@ -18,6 +18,7 @@ share of a block), and this machine feeds them to the partition's profile in blo
 therefore the one `scan_partition` gives in one pass, and every artifact is the same (the tests compare them).
 Memory on this machine: the blocks in flight (two per worker, BLOCK_BYTES each) and their results.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,7 +40,9 @@ class _ProfileInputs:
         self.calls.append(args)
 
 
-def scan_block(part: Partition, unit: tuple, config, tag_file: bool, limits: dict[str, int]) -> tuple[SampleState, list[tuple], bytes]:
+def scan_block(
+    part: Partition, unit: tuple, config, tag_file: bool, limits: dict[str, int]
+) -> tuple[SampleState, list[tuple], bytes]:
     """One unit of `batches.read_units`, on a worker: its sampling state (its profile left empty), the inputs its
     profile would have been given, and its rejects' lines. limits: per stratum, the priority above which no row can
     enter the partition's sample any more (`BottomK.limit` when the block was handed out): such rows stay here, so
@@ -86,14 +89,16 @@ def _limits(st: SampleState) -> dict[str, int]:
     return {s: lim for s, bk in st.strata.items() if (lim := bk.limit()) is not None}
 
 
-def scan_partition_split(part: Partition, config, tag_file: bool, engine: str, show_progress: bool = False) -> tuple[dict, bytes]:
+def scan_partition_split(
+    part: Partition, config, tag_file: bool, engine: str, show_progress: bool = False
+) -> tuple[dict, bytes]:
     """`state_json.scan_partition_json` of one partition, its blocks scanned by the engine's workers."""
     from qgate.progress import progress
 
     st = SampleState.empty(config)
-    digest = hashlib.sha256()    # of the bytes read here: the source's lineage hash, as a one-pass scan takes it
+    digest = hashlib.sha256()  # of the bytes read here: the source's lineage hash, as a one-pass scan takes it
     rejects: list[bytes] = []
-    units = prefetched(read_units(part, config.max_line_bytes, digest))   # inflating on a thread, beside the merging
+    units = prefetched(read_units(part, config.max_line_bytes, digest))  # inflating on a thread, beside the merging
     calls = ((part, unit, config, tag_file, _limits(st)) for unit in units)
     results = map_ordered(scan_block, calls, engine)
     if show_progress:

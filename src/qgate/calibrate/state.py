@@ -11,6 +11,7 @@ exactly the sets one pass gives. Memory: strata x sample size rows, plus 4 KiB p
 plus one block of lines. A partition is read as column batches (calibrate/batches.py): scrubbing, word counts and the
 profile run over whole columns, and only hashing is per request (`benchmarks/bench_sampler.py` measures the rate).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,11 +29,10 @@ from qgate.calibrate.sketches import DistinctCount
 from qgate.calibrate.sources import Partition
 from qgate.calibrate.words import batch_words, text_words, word_table, words
 
-
-_OTHER_SPACE = PY_SPACE.replace(r"\x1c-\x20", r"\x1c-\x1f")     # Python's whitespace but " "
+_OTHER_SPACE = PY_SPACE.replace(r"\x1c-\x20", r"\x1c-\x1f")  # Python's whitespace but " "
 # a text that " ".join(t.split()) changes: whitespace other than one " " between two other characters
 UNSQUEEZED = f"[{PY_SPACE}][{PY_SPACE}]|^[{PY_SPACE}]|[{PY_SPACE}]$|[{_OTHER_SPACE}]"
-TOTAL_LG_K = 16   # the log's distinct prompts: 64 KiB, relative standard error 0.4%, exact-ish below ~16k prompts
+TOTAL_LG_K = 16  # the log's distinct prompts: 64 KiB, relative standard error 0.4%, exact-ish below ~16k prompts
 
 
 def priorities(seed: int, digests: list[bytes]) -> np.ndarray:
@@ -52,9 +52,9 @@ class BottomK:
 
     def __init__(self, k: int):
         self.k = k
-        self.rows: dict[bytes, tuple[int, tuple, dict]] = {}   # digest -> (priority, (file, line), row)
-        self.heap: list[tuple[int, int, bytes]] = []            # max-heap of (-priority, -digest as int, digest)
-        self.dropped = False     # a distinct digest was left out: the stratum has more than k (a set property)
+        self.rows: dict[bytes, tuple[int, tuple, dict]] = {}  # digest -> (priority, (file, line), row)
+        self.heap: list[tuple[int, int, bytes]] = []  # max-heap of (-priority, -digest as int, digest)
+        self.dropped = False  # a distinct digest was left out: the stratum has more than k (a set property)
 
     def offer(self, prio: int, digest: bytes, where: tuple, row: dict) -> None:
         cur = self.rows.get(digest)
@@ -65,7 +65,7 @@ class BottomK:
         entry = (-prio, -int.from_bytes(digest, "big"), digest)
         if len(self.rows) < self.k:
             heapq.heappush(self.heap, entry)
-        elif entry > self.heap[0]:     # smaller (priority, digest) than the largest kept
+        elif entry > self.heap[0]:  # smaller (priority, digest) than the largest kept
             del self.rows[heapq.heapreplace(self.heap, entry)[2]]
             self.dropped = True
         else:
@@ -103,12 +103,12 @@ class SampleState:
     need: int
     seed: int
     strata: dict[str, BottomK] = field(default_factory=dict)
-    distinct: dict[str, DistinctCount] = field(default_factory=dict)   # stratum -> prompts seen (HLL)
-    kept: DistinctCount = field(default_factory=lambda: DistinctCount(TOTAL_LG_K))   # every distinct usable prompt
-    stats: Counter = field(default_factory=Counter)   # records, rejected, too_short, usable (exact, additive)
+    distinct: dict[str, DistinctCount] = field(default_factory=dict)  # stratum -> prompts seen (HLL)
+    kept: DistinctCount = field(default_factory=lambda: DistinctCount(TOTAL_LG_K))  # every distinct usable prompt
+    stats: Counter = field(default_factory=Counter)  # records, rejected, too_short, usable (exact, additive)
     pii: Counter = field(default_factory=Counter)
     profiler: TrafficProfiler = field(default_factory=TrafficProfiler)
-    partitions: list[dict] = field(default_factory=list)   # [{"name", "records", "rejected", "sha256"}] in merge order
+    partitions: list[dict] = field(default_factory=list)  # [{"name", "records", "rejected", "sha256"}] in merge order
 
     @classmethod
     def empty(cls, config) -> SampleState:
@@ -133,29 +133,40 @@ class SampleState:
         self.pii.update(found)
         ids = turn_ids.tolist()
         starts = batch.starts.tolist()
-        digests, halves = _digests(_patched(distinct, {i: clean[i] for i in np.flatnonzero(scrubbed).tolist()}), turn_ids,
-                                   batch.starts)
+        digests, halves = _digests(
+            _patched(distinct, {i: clean[i] for i in np.flatnonzero(scrubbed).tolist()}), turn_ids, batch.starts
+        )
         n_words, bags = _words(batch, turn_ids, distinct, clean, scrubbed, halves)
         usable = n_words >= min_words
         rows = np.flatnonzero(usable)
         self.stats["usable"] += len(rows)
         self.stats["too_short"] += n - len(rows)
-        if len(rows) < n:    # a too-short request is not profiled: take its words back out of its half
+        if len(rows) < n:  # a too-short request is not profiled: take its words back out of its half
             short: tuple[Counter, Counter] = (Counter(), Counter())
             for i in np.flatnonzero(~usable).tolist():
-                short[halves[i]].update(w for t in ids[starts[i]:starts[i + 1]] for w in words(clean[t]))
-            bags = tuple(pa.concat_tables([bag, word_table({w: -c for w, c in sub.items()})]) for bag, sub in zip(bags, short, strict=True))
+                short[halves[i]].update(w for t in ids[starts[i] : starts[i + 1]] for w in words(clean[t]))
+            bags = tuple(
+                pa.concat_tables([bag, word_table({w: -c for w, c in sub.items()})])
+                for bag, sub in zip(bags, short, strict=True)
+            )
         (self.profiler if profiler is None else profiler).add_batch(
-            [batch.routes[i] for i in rows.tolist()], [batch.tenants[i] for i in rows.tolist()], n_words[rows], halves[rows],
-            bags, batch.ts[rows], batch.latency[rows])
+            [batch.routes[i] for i in rows.tolist()],
+            [batch.tenants[i] for i in rows.tolist()],
+            n_words[rows],
+            halves[rows],
+            bags,
+            batch.ts[rows],
+            batch.latency[rows],
+        )
         self._sample(part_name, batch, rows, n_words, digests, clean, ids, tag_file)
 
     def finish_partition(self, part: Partition, sha256: str) -> None:
         """The end of a one-partition state: its profile's sketches flushed and concurrency drained, and the file
         named with its record and reject counts and the sha256 of the bytes the scan read."""
         self.profiler.finish_partition()
-        self.partitions.append({"name": part.name, "records": self.stats["records"], "rejected": self.stats["rejected"],
-                                "sha256": sha256})
+        self.partitions.append(
+            {"name": part.name, "records": self.stats["records"], "rejected": self.stats["rejected"], "sha256": sha256}
+        )
 
     def take_batch(self, part: Partition, batch: Batch, tag_file: bool, min_words: int, profiler=None) -> bytes:
         """A partition's next batch, its records and rejects counted: `add_batch`, and its `reject_lines`."""
@@ -164,8 +175,17 @@ class SampleState:
         self.add_batch(part.name, batch, tag_file, min_words, profiler)
         return reject_lines(part, batch)
 
-    def _sample(self, part_name: str, batch: Batch, rows: np.ndarray, n_words: np.ndarray, digests: list[bytes],
-                clean: list[str], ids: list[int], tag_file: bool) -> None:
+    def _sample(
+        self,
+        part_name: str,
+        batch: Batch,
+        rows: np.ndarray,
+        n_words: np.ndarray,
+        digests: list[bytes],
+        clean: list[str],
+        ids: list[int],
+        tag_file: bool,
+    ) -> None:
         """The usable requests (`rows`) into the distinct-count sketches, and per stratum the few that can be in its
         bottom-k (the batch's k smallest distinct priorities) offered to it. Turn t's scrubbed text is clean[ids[t]]."""
         starts = batch.starts.tolist()
@@ -174,7 +194,9 @@ class SampleState:
         routes = [batch.routes[i] for i in rows.tolist()]
         route_id = {r: k for k, r in enumerate(dict.fromkeys(routes))}
         code = np.array([route_id[r] for r in routes], dtype=np.int64) * len(BUCKETS) + buckets
-        keys = np.frombuffer(b"".join(digests[i] for i in rows.tolist()), "<i8")[::2].tolist()   # DistinctCount.add's key
+        keys = np.frombuffer(b"".join(digests[i] for i in rows.tolist()), "<i8")[
+            ::2
+        ].tolist()  # DistinctCount.add's key
         self.kept.add_keys(keys)
         order = np.argsort(code, kind="stable")
         cuts = np.flatnonzero(np.diff(code[order])) + 1
@@ -185,10 +207,12 @@ class SampleState:
             bk = self.strata[st]
             self.distinct[st].add_keys([keys[j] for j in js.tolist()])
             ps = np.unique(prio[js])
-            if len(ps) > bk.k:        # more distinct digests than the sample keeps: only the k smallest can be kept
+            if len(ps) > bk.k:  # more distinct digests than the sample keeps: only the k smallest can be kept
                 js = js[prio[js] <= ps[bk.k - 1]]
                 bk.dropped = True
-            if len(bk.rows) >= bk.k:  # full: a digest can only enter at or below the largest kept priority (ties by digest)
+            if (
+                len(bk.rows) >= bk.k
+            ):  # full: a digest can only enter at or below the largest kept priority (ties by digest)
                 below = prio[js] <= -bk.heap[0][0]
                 if not below.all():
                     js, bk.dropped = js[below], True
@@ -196,8 +220,14 @@ class SampleState:
                 i = int(rows[j])
                 a, b = starts[i], starts[i + 1]
                 line = int(batch.lines[i])
-                row = {"messages": [{"role": r, "content": clean[t]} for r, t in zip(batch.roles[a:b], ids[a:b], strict=True)],
-                       "route": batch.routes[i], "stratum": st, "line": line} | ({"file": part_name} if tag_file else {})
+                row = {
+                    "messages": [
+                        {"role": r, "content": clean[t]} for r, t in zip(batch.roles[a:b], ids[a:b], strict=True)
+                    ],
+                    "route": batch.routes[i],
+                    "stratum": st,
+                    "line": line,
+                } | ({"file": part_name} if tag_file else {})
                 bk.offer(int(prio[j]), digests[i], (part_name, line), row)
 
     def merge(self, other: SampleState) -> None:
@@ -224,21 +254,21 @@ def scan_partition(part: Partition, config, tag_file: bool, show_progress: bool 
     """One pass over one file: its sampling state (with the file's sha256 in `partitions`), and its rejects as JSONL
     bytes (scrubbed: a rejected record is still production traffic), each with the file, its line number and the
     reason."""
-    from qgate.progress import progress
-
     import pyarrow as pa
+
+    from qgate.progress import progress
 
     pool = pa.default_memory_pool()
     st = SampleState.empty(config)
     rejects: list[bytes] = []
-    digest = hashlib.sha256()    # of the bytes this scan read: the source's lineage hash needs no second pass
+    digest = hashlib.sha256()  # of the bytes this scan read: the source's lineage hash needs no second pass
     batches = prefetched(read_batches(part, config.max_line_bytes, digest))
     if show_progress:
         batches = progress(batches, f"calibrate: reading {part.name}", unit="block")
     for batch in batches:
         rejects.append(st.take_batch(part, batch, tag_file, config.min_words))
         del batch
-        pool.release_unused()    # the batch's arrow buffers: else the allocator keeps every high-water mark
+        pool.release_unused()  # the batch's arrow buffers: else the allocator keeps every high-water mark
     st.finish_partition(part, digest.hexdigest())
     return st, b"".join(rejects)
 
@@ -249,7 +279,10 @@ def reject_lines(part: Partition, batch: Batch) -> bytes:
     out = []
     for item in batch.rejects:
         excerpt, _ = scrub(item.excerpt)
-        out.append(json.dumps({"file": part.location, "line": item.line, "reason": item.reason, "excerpt": excerpt}).encode() + b"\n")
+        out.append(
+            json.dumps({"file": part.location, "line": item.line, "reason": item.reason, "excerpt": excerpt}).encode()
+            + b"\n"
+        )
     return b"".join(out)
 
 
@@ -267,7 +300,10 @@ def _digests(clean, turn_ids: np.ndarray, starts: np.ndarray) -> tuple[list[byte
     import pyarrow.compute as pc
 
     odd = np.flatnonzero(pc.match_substring_regex(clean, UNSQUEEZED).to_numpy(zero_copy_only=False))
-    norm = _patched(clean, {i: " ".join(t.split()) for i, t in zip(odd.tolist(), clean.take(pa.array(odd)).to_pylist(), strict=True)})
+    norm = _patched(
+        clean,
+        {i: " ".join(t.split()) for i, t in zip(odd.tolist(), clean.take(pa.array(odd)).to_pylist(), strict=True)},
+    )
     norm = norm.take(pa.array(turn_ids))
     filled = pc.binary_length(norm).to_numpy(zero_copy_only=False) > 0
     offsets = np.concatenate(([0], np.cumsum(filled)))[starts].astype(np.int32)
@@ -279,8 +315,9 @@ def _digests(clean, turn_ids: np.ndarray, starts: np.ndarray) -> tuple[list[byte
     return digests, np.frombuffer(b"".join(d[:1] for d in digests), np.uint8) & 1
 
 
-def _words(batch: Batch, turn_ids: np.ndarray, distinct, clean: list[str], scrubbed: np.ndarray,
-           halves: np.ndarray) -> tuple[np.ndarray, tuple]:
+def _words(
+    batch: Batch, turn_ids: np.ndarray, distinct, clean: list[str], scrubbed: np.ndarray, halves: np.ndarray
+) -> tuple[np.ndarray, tuple]:
     """Per request its number of words (profile.words of its turns), and the words of each half's requests. Each
     distinct turn is counted once, weighted by its repeats in each half: by `batch_words` over the column when it is
     ASCII and the scrubber left it as it was, else by `text_words` on its scrubbed text."""
@@ -297,7 +334,9 @@ def _words(batch: Batch, turn_ids: np.ndarray, distinct, clean: list[str], scrub
     per_distinct[sel], slow = text_words([clean[d] for d in sel.tolist()], weights[sel])
     turn_words = per_distinct[turn_ids]
     cum = np.concatenate(([0], np.cumsum(turn_words)))
-    return cum[batch.starts[1:]] - cum[batch.starts[:-1]], tuple(pa.concat_tables(b) for b in zip(bags, slow, strict=True))
+    return cum[batch.starts[1:]] - cum[batch.starts[:-1]], tuple(
+        pa.concat_tables(b) for b in zip(bags, slow, strict=True)
+    )
 
 
 def _patched(texts, new: dict[int, str]):

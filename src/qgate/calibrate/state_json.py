@@ -10,6 +10,7 @@ the live object and one that crossed a process boundary (or a cache file) would 
 their stated error. One form for all makes serial, processes, Ray and cached runs byte-identical by construction.
 A state holding a field this module does not know is refused rather than converted incompletely.
 """
+
 from __future__ import annotations
 
 import base64
@@ -17,9 +18,31 @@ from collections import Counter
 
 FORMAT = 1
 _STATE_FIELDS = {"need", "seed", "strata", "distinct", "kept", "stats", "pii", "profiler", "partitions"}
-_PROFILER_FIELDS = {"n", "lengths", "routes", "tenants", "total_words", "split", "split_n", "split_words", "concurrency"}
-_CONCURRENCY_FIELDS = {"size", "win_ts", "win_lat", "ends", "last_ts", "second", "in_second", "in_flight", "per_second",
-                       "timed", "no_latency", "out_of_order"}
+_PROFILER_FIELDS = {
+    "n",
+    "lengths",
+    "routes",
+    "tenants",
+    "total_words",
+    "split",
+    "split_n",
+    "split_words",
+    "concurrency",
+}
+_CONCURRENCY_FIELDS = {
+    "size",
+    "win_ts",
+    "win_lat",
+    "ends",
+    "last_ts",
+    "second",
+    "in_second",
+    "in_flight",
+    "per_second",
+    "timed",
+    "no_latency",
+    "out_of_order",
+}
 _BOTTOMK_FIELDS = {"k", "rows", "heap", "dropped"}
 _HLL_FIELDS = {"lg_k", "sketch"}
 _HEAVY_FIELDS = {"lg_max", "sketch", "pending", "pending_rows"}
@@ -39,8 +62,10 @@ def _b64(b: bytes) -> str:
 
 def _check_fields(obj, expected: set[str]) -> None:
     if set(vars(obj)) != expected:
-        raise RuntimeError(f"state_json: {type(obj).__name__} has fields {sorted(set(vars(obj)) ^ expected)} that this module "
-                           "does not convert; update calibrate/state_json.py")
+        raise RuntimeError(
+            f"state_json: {type(obj).__name__} has fields {sorted(set(vars(obj)) ^ expected)} that this module "
+            "does not convert; update calibrate/state_json.py"
+        )
 
 
 def _pairs(c: Counter) -> list:
@@ -58,19 +83,39 @@ def state_to_json(st) -> dict:
     for bk in st.strata.values():
         _check_fields(bk, _BOTTOMK_FIELDS)
     return {
-        "need": st.need, "seed": st.seed,
-        "strata": {s: {"k": bk.k, "dropped": bk.dropped,
-                       "rows": [[d.hex(), prio, list(where), row] for d, (prio, where, row) in bk.rows.items()]}
-                   for s, bk in st.strata.items()},
-        "distinct": {s: _sketch(d, _HLL_FIELDS) for s, d in st.distinct.items()}, "kept": _sketch(st.kept, _HLL_FIELDS),
-        "stats": _pairs(st.stats), "pii": _pairs(st.pii), "partitions": st.partitions,
-        "profiler": {"n": prof.n, "lengths": _pairs(prof.lengths), "routes": _pairs(prof.routes),
-                     "tenants": _sketch(prof.tenants, _HEAVY_FIELDS), "total_words": prof.total_words,
-                     "split": [_sketch(h, _HEAVY_FIELDS) for h in prof.split], "split_n": prof.split_n,
-                     "split_words": prof.split_words,
-                     "concurrency": {"size": conc.size, "in_flight": _pairs(conc.in_flight),
-                                     "per_second": _pairs(conc.per_second), "timed": conc.timed,
-                                     "no_latency": conc.no_latency, "out_of_order": conc.out_of_order}},
+        "need": st.need,
+        "seed": st.seed,
+        "strata": {
+            s: {
+                "k": bk.k,
+                "dropped": bk.dropped,
+                "rows": [[d.hex(), prio, list(where), row] for d, (prio, where, row) in bk.rows.items()],
+            }
+            for s, bk in st.strata.items()
+        },
+        "distinct": {s: _sketch(d, _HLL_FIELDS) for s, d in st.distinct.items()},
+        "kept": _sketch(st.kept, _HLL_FIELDS),
+        "stats": _pairs(st.stats),
+        "pii": _pairs(st.pii),
+        "partitions": st.partitions,
+        "profiler": {
+            "n": prof.n,
+            "lengths": _pairs(prof.lengths),
+            "routes": _pairs(prof.routes),
+            "tenants": _sketch(prof.tenants, _HEAVY_FIELDS),
+            "total_words": prof.total_words,
+            "split": [_sketch(h, _HEAVY_FIELDS) for h in prof.split],
+            "split_n": prof.split_n,
+            "split_words": prof.split_words,
+            "concurrency": {
+                "size": conc.size,
+                "in_flight": _pairs(conc.in_flight),
+                "per_second": _pairs(conc.per_second),
+                "timed": conc.timed,
+                "no_latency": conc.no_latency,
+                "out_of_order": conc.out_of_order,
+            },
+        },
     }
 
 

@@ -10,6 +10,7 @@ give exactly its counts and bags of words (the tests hold them equal on hostile 
 word. A bag stays a pyarrow table of (word, count) rows until the sketch it feeds sums its rows (sketches.HeavyHitters):
 turning each block's words into Python strings cost more than counting them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,12 +50,18 @@ def batch_words(texts, weights: np.ndarray | None = None) -> tuple[np.ndarray, l
         return np.zeros(0, np.int64), [word_table({}) for _ in range(1 if weights is None else weights.shape[1])]
     off = np.frombuffer(low.buffers()[1], np.int32, n + 1, low.offset * 4).astype(np.int64)
     data = low.buffers()[2]
-    body = np.frombuffer(data, np.uint8)[off[0]:off[-1]] if data is not None else np.zeros(0, np.uint8)
+    body = np.frombuffer(data, np.uint8)[off[0] : off[-1]] if data is not None else np.zeros(0, np.uint8)
     off -= off[0]
     counts, word, other = _token_starts(_CLASS[body], off[:-1], np.diff(off))
-    spaced = pa.StringArray.from_buffers(n, pa.py_buffer(off.astype(np.int32)), pa.py_buffer(np.where(word, body, np.uint8(32)).tobytes()))
-    return counts, _bags(pc.ascii_split_whitespace(spaced), body[other], np.searchsorted(off, np.flatnonzero(other), side="right") - 1,
-                         weights)
+    spaced = pa.StringArray.from_buffers(
+        n, pa.py_buffer(off.astype(np.int32)), pa.py_buffer(np.where(word, body, np.uint8(32)).tobytes())
+    )
+    return counts, _bags(
+        pc.ascii_split_whitespace(spaced),
+        body[other],
+        np.searchsorted(off, np.flatnonzero(other), side="right") - 1,
+        weights,
+    )
 
 
 def _token_starts(cls: np.ndarray, begin: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -64,7 +71,7 @@ def _token_starts(cls: np.ndarray, begin: np.ndarray, lens: np.ndarray) -> tuple
     first = word.copy()
     first[1:] &= ~word[:-1]
     inside = begin[begin < len(cls)]
-    first[inside] = word[inside]                 # a word at a text's start begins there, whatever precedes it
+    first[inside] = word[inside]  # a word at a text's start begins there, whatever precedes it
     other = cls == 2
     tokens = np.flatnonzero(first | other)
     return np.searchsorted(tokens, begin + lens) - np.searchsorted(tokens, begin), word, other
@@ -82,15 +89,27 @@ def _bags(split, marks: np.ndarray, mark_text: np.ndarray, weights: np.ndarray |
         weights = np.ones((len(split), 1), np.int64)
     parent = pc.list_parent_indices(split).to_numpy()
     columns = {"w": pc.list_flatten(split)} | {f"n{j}": weights[parent, j] for j in range(weights.shape[1])}
-    sums = pa.table(columns).group_by("w", use_threads=False).aggregate([(f"n{j}", "sum") for j in range(weights.shape[1])])
+    sums = (
+        pa.table(columns)
+        .group_by("w", use_threads=False)
+        .aggregate([(f"n{j}", "sum") for j in range(weights.shape[1])])
+    )
     uniq, inv = np.unique(marks, return_inverse=True)
     chars = pa.array([chr(m) for m in uniq.tolist()], pa.string())
     schema = pa.schema([("w", pa.string()), ("n", pa.int64())])
     bags = []
     for j, w in enumerate(weights.T):
-        bag = pa.concat_tables([pa.table({"w": sums["w"], "n": sums[f"n{j}_sum"]}).cast(schema),
-                                pa.table({"w": chars, "n": np.bincount(inv, weights=w[mark_text], minlength=len(uniq)).astype(np.int64)})])
-        bags.append(bag.filter(pc.and_(pc.not_equal(bag["w"], ""), pc.not_equal(bag["n"], 0))))   # "": between adjacent spaces
+        bag = pa.concat_tables(
+            [
+                pa.table({"w": sums["w"], "n": sums[f"n{j}_sum"]}).cast(schema),
+                pa.table(
+                    {"w": chars, "n": np.bincount(inv, weights=w[mark_text], minlength=len(uniq)).astype(np.int64)}
+                ),
+            ]
+        )
+        bags.append(
+            bag.filter(pc.and_(pc.not_equal(bag["w"], ""), pc.not_equal(bag["n"], 0)))
+        )  # "": between adjacent spaces
     return bags
 
 
@@ -128,17 +147,18 @@ def text_words(texts: list[str], weights: np.ndarray | None = None) -> tuple[np.
         return np.zeros(0, np.int64), [word_table({}) for _ in range(1 if weights is None else weights.shape[1])]
     low = [t.lower() for t in texts]
     lens = np.array([len(t) for t in low], dtype=np.int64)
-    begin = np.concatenate(([0], np.cumsum(lens + 1)[:-1]))         # the texts joined by newlines (a word boundary)
+    begin = np.concatenate(([0], np.cumsum(lens + 1)[:-1]))  # the texts joined by newlines (a word boundary)
     cp = np.frombuffer("\n".join(low).encode("utf-32-le"), np.uint32)
     cls = _bmp_classes()[np.minimum(cp, 0xFFFF)]
-    astral = np.flatnonzero(cp > 0xFFFF)     # beyond the Basic Multilingual Plane (emoji, rare scripts): asked one by one
+    astral = np.flatnonzero(cp > 0xFFFF)  # beyond the Basic Multilingual Plane (emoji, rare scripts): asked one by one
     if len(astral):
         uniq, inv = np.unique(cp[astral], return_inverse=True)
         cls[astral] = np.array([_class_of(chr(c)) for c in uniq.tolist()], np.uint8)[inv]
     counts, word, other = _token_starts(cls, begin, lens)
     spaced = np.where(word, cp, np.uint32(32)).tobytes().decode("utf-32-le")
-    arr = pa.array([spaced[b:b + n] for b, n in zip(begin.tolist(), lens.tolist(), strict=True)], pa.string())
+    arr = pa.array([spaced[b : b + n] for b, n in zip(begin.tolist(), lens.tolist(), strict=True)], pa.string())
     # only spaces separate the words here; utf8_split_whitespace would also do, but in pyarrow 25 it sometimes returns
     # words with a space inside (a fuzz test caught it): the literal split is exact, and _bags drops its "" pieces
-    return counts, _bags(pc.split_pattern(arr, " "), cp[other], np.searchsorted(begin, np.flatnonzero(other), side="right") - 1,
-                         weights)
+    return counts, _bags(
+        pc.split_pattern(arr, " "), cp[other], np.searchsorted(begin, np.flatnonzero(other), side="right") - 1, weights
+    )

@@ -1,4 +1,5 @@
 """`qgate calibrate`: sample calibration and shadow sets from traffic; measure drift between profiles."""
+
 from __future__ import annotations
 
 import json
@@ -16,33 +17,65 @@ _D = SampleConfig()
 
 @app.command("sample")
 def sample_cmd(
-    traffic: Annotated[str, typer.Option("--traffic", help="Traffic: a JSONL/Parquet file, a quoted glob, a directory of "
-                                                            "partitions, or a URI such as s3://bucket/logs/.")],
+    traffic: Annotated[
+        str,
+        typer.Option(
+            "--traffic",
+            help="Traffic: a JSONL/Parquet file, a quoted glob, a directory of "
+            "partitions, or a URI such as s3://bucket/logs/.",
+        ),
+    ],
     out: OutDir,
     calib_size: Annotated[int, typer.Option(help="Calibration prompts.")] = _D.calib_size,
     shadow_size: Annotated[int, typer.Option(help="Held-out shadow prompts (disjoint).")] = _D.shadow_size,
-    search_size: Annotated[int, typer.Option(help="Held-out prompts a search chooses its point on (disjoint from "
-                                                  "both; 0: no search split).")] = _D.search_size,
+    search_size: Annotated[
+        int,
+        typer.Option(help="Held-out prompts a search chooses its point on (disjoint from both; 0: no search split)."),
+    ] = _D.search_size,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = _D.seed,
-    max_reject_fraction: Annotated[float, typer.Option(help="Fail when more of the records than this are malformed.")] = \
-        _D.max_reject_fraction,
-    min_words: Annotated[int, typer.Option(help="Drop prompts with fewer words (counted as too short).")] = _D.min_words,
-    max_line_bytes: Annotated[int, typer.Option(help="Reject longer JSONL lines without reading them.")] = _D.max_line_bytes,
+    max_reject_fraction: Annotated[
+        float, typer.Option(help="Fail when more of the records than this are malformed.")
+    ] = _D.max_reject_fraction,
+    min_words: Annotated[
+        int, typer.Option(help="Drop prompts with fewer words (counted as too short).")
+    ] = _D.min_words,
+    max_line_bytes: Annotated[
+        int, typer.Option(help="Reject longer JSONL lines without reading them.")
+    ] = _D.max_line_bytes,
     engine: ScanEngine = "serial",
-    scan_cache: Annotated[Path | None, typer.Option(help="Keep each partition's scan here; a later run reuses the scans of "
-                                                         "partitions unchanged since (same size and modification time) and "
-                                                         "removes the ones it did not use.")] = None,
+    scan_cache: Annotated[
+        Path | None,
+        typer.Option(
+            help="Keep each partition's scan here; a later run reuses the scans of "
+            "partitions unchanged since (same size and modification time) and "
+            "removes the ones it did not use."
+        ),
+    ] = None,
 ) -> None:
     """Stratified, deduplicated, PII-scrubbed calibration + shadow split with a traffic profile."""
     from qgate.artifact import Artifact, build_atomically
     from qgate.calibrate.sample import sample_traffic
 
-    cfg = SampleConfig(calib_size=calib_size, shadow_size=shadow_size, search_size=search_size, seed=seed,
-                       max_reject_fraction=max_reject_fraction, min_words=min_words, max_line_bytes=max_line_bytes)
-    kept = Path(out).with_name(f"{Path(out).name}.rejects.jsonl")   # the evidence of a failed run: `out` is not made
-    build_atomically(out, lambda tmp: sample_traffic(traffic, tmp, cfg, engine=engine, scan_cache=scan_cache,
-                                                     picture=True, failed_rejects=kept)["calib"])
-    arts = {name: Artifact.load(Path(out) / name) for name in ("calib", "shadow", "profile") + (("search",) if search_size else ())}
+    cfg = SampleConfig(
+        calib_size=calib_size,
+        shadow_size=shadow_size,
+        search_size=search_size,
+        seed=seed,
+        max_reject_fraction=max_reject_fraction,
+        min_words=min_words,
+        max_line_bytes=max_line_bytes,
+    )
+    kept = Path(out).with_name(f"{Path(out).name}.rejects.jsonl")  # the evidence of a failed run: `out` is not made
+    build_atomically(
+        out,
+        lambda tmp: sample_traffic(
+            traffic, tmp, cfg, engine=engine, scan_cache=scan_cache, picture=True, failed_rejects=kept
+        )["calib"],
+    )
+    arts = {
+        name: Artifact.load(Path(out) / name)
+        for name in ("calib", "shadow", "profile") + (("search",) if search_size else ())
+    }
     for line in _summary(arts, Path(out) / "rejects.jsonl"):
         typer.echo(line)
     typer.echo(f"picture of the traffic: {Path(out) / 'profile.png'}")
@@ -56,17 +89,26 @@ def _summary(arts: dict, rejects: Path) -> list[str]:
     calib, shadow = arts["calib"].meta, arts["shadow"].meta
     stats, est = calib["stats"], calib["estimates"]
     unique = est["unique_prompts"]
-    lines = [f"read {stats.get('records', 0):,} records: {stats.get('rejected', 0):,} rejected (see {rejects}), "
-             f"{stats.get('too_short', 0):,} too short, {stats.get('duplicates', 0):,} duplicates"
-             + ("" if unique["exact"] else " (estimated)"),
-             f"unique prompts: {unique['value']:,}" + ("" if unique["exact"] else
-                                                      f", an HLL estimate ({unique['lower']:,.0f}-{unique['upper']:,.0f} at 2 "
-                                                      f"standard deviations); {len(est['strata_estimated'])} strata counted by "
-                                                      "their sketches")]
+    lines = [
+        f"read {stats.get('records', 0):,} records: {stats.get('rejected', 0):,} rejected (see {rejects}), "
+        f"{stats.get('too_short', 0):,} too short, {stats.get('duplicates', 0):,} duplicates"
+        + ("" if unique["exact"] else " (estimated)"),
+        f"unique prompts: {unique['value']:,}"
+        + (
+            ""
+            if unique["exact"]
+            else f", an HLL estimate ({unique['lower']:,.0f}-{unique['upper']:,.0f} at 2 "
+            f"standard deviations); {len(est['strata_estimated'])} strata counted by "
+            "their sketches"
+        ),
+    ]
     width = max(len(str(a.path)) for a in arts.values())
     for name, art in arts.items():
-        what = f"{art.meta['requests']:,} requests profiled" if name == "profile" else \
-            f"{art.meta['n']:,} prompts in {len(art.meta['strata'])} strata"
+        what = (
+            f"{art.meta['requests']:,} requests profiled"
+            if name == "profile"
+            else f"{art.meta['n']:,} prompts in {len(art.meta['strata'])} strata"
+        )
         lines.append(f"{name:8s} {str(art.path):{width}s}  {what:28s} sha256 {art.sha256[:16]}")
     strata = sorted(set(calib["strata"]) | set(shadow["strata"]), key=lambda s: (-calib["strata"].get(s, 0), s))
     lines.append(f"  {'stratum (route|words)':32s} {'calib':>6s} {'shadow':>6s}")
@@ -79,7 +121,9 @@ def _summary(arts: dict, rejects: Path) -> list[str]:
 
 @app.command("drift")
 def drift_cmd(
-    reference: Annotated[Path, typer.Option("--reference", help="Traffic-profile artifact the model was calibrated on.")],
+    reference: Annotated[
+        Path, typer.Option("--reference", help="Traffic-profile artifact the model was calibrated on.")
+    ],
     current: Annotated[Path, typer.Option("--current", help="Traffic-profile artifact of recent traffic.")],
 ) -> None:
     """Compare two traffic profiles facet by facet; exit 3 when traffic moved (default limits; `qgate drift check` reads
@@ -88,9 +132,14 @@ def drift_cmd(
     from qgate.calibrate.drift import DriftConfig, traffic_drift
     from qgate.errors import EXIT_DRIFT
 
-    a, b = (json.loads((Artifact.load(p, "traffic-profile").path / "profile.json").read_text()) for p in (reference, current))
+    a, b = (
+        json.loads((Artifact.load(p, "traffic-profile").path / "profile.json").read_text())
+        for p in (reference, current)
+    )
     rows = traffic_drift(a, b, DriftConfig())
     for r in rows:
-        typer.echo(f"{r['facet']:10s} JS {r['js']:.4f}  limit {r['threshold']:g}  noise p99 {r['noise_p99']:.4f}  {r['verdict'].upper()}")
+        typer.echo(
+            f"{r['facet']:10s} JS {r['js']:.4f}  limit {r['threshold']:g}  noise p99 {r['noise_p99']:.4f}  {r['verdict'].upper()}"
+        )
     if any(r["verdict"] == "drift" for r in rows):
         raise typer.Exit(EXIT_DRIFT)

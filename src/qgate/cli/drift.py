@@ -5,6 +5,7 @@ run: 0 no drift, or drift handled (a recalibrated variant promoted); 3 drift fou
 registered but not promoted (drift.auto_promote: false); 2 drift found and no recalibrated variant passed (production
 left alone); 1 error (including another drift run holding the lock).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,9 +16,19 @@ import typer
 from qgate.cli.options import ScanEngine, quiet_libraries
 from qgate.errors import EXIT_DRIFT
 
-app = typer.Typer(no_args_is_help=True, help="Drift: has the traffic moved since production was calibrated? Recalibrate if so.")
-Spec = Annotated[Path, typer.Option("--spec", help="Pipeline YAML: model, variants, gates, registry and its `drift:` policy.")]
-Recent = Annotated[str, typer.Option("--traffic", help="Recent traffic: a JSONL/Parquet file, a quoted glob, a directory of partitions, or a URI such as s3://bucket/logs/.")]
+app = typer.Typer(
+    no_args_is_help=True, help="Drift: has the traffic moved since production was calibrated? Recalibrate if so."
+)
+Spec = Annotated[
+    Path, typer.Option("--spec", help="Pipeline YAML: model, variants, gates, registry and its `drift:` policy.")
+]
+Recent = Annotated[
+    str,
+    typer.Option(
+        "--traffic",
+        help="Recent traffic: a JSONL/Parquet file, a quoted glob, a directory of partitions, or a URI such as s3://bucket/logs/.",
+    ),
+]
 
 
 def _out(text: str) -> None:
@@ -38,18 +49,22 @@ def _load(spec: Path):
     from qgate.progress import interactive, quiet_console
 
     s = load_spec(spec)
-    if not interactive():   # cron, CI: a few plain lines here, library logs in a file
+    if not interactive():  # cron, CI: a few plain lines here, library logs in a file
         log = quiet_console(s.path(s.workdir) / "logs" / "qgate-drift.log")
         _err(f"library logs: {log}")
     return s
 
 
 @app.command("check")
-def check_cmd(spec: Spec, traffic: Recent,
-              record: Annotated[bool, typer.Option("--record/--no-record", help="Tag the production version and log the report in MLflow.")] = True,
-              wait: Annotated[float, typer.Option(help="Seconds to wait for a running drift job on this model.")] = 0.0,
-              engine: ScanEngine = "serial",
-              ) -> None:
+def check_cmd(
+    spec: Spec,
+    traffic: Recent,
+    record: Annotated[
+        bool, typer.Option("--record/--no-record", help="Tag the production version and log the report in MLflow.")
+    ] = True,
+    wait: Annotated[float, typer.Option(help="Seconds to wait for a running drift job on this model.")] = 0.0,
+    engine: ScanEngine = "serial",
+) -> None:
     """Compare recent traffic with production's calibration profile and re-gate production on it. Exit 3 on drift."""
     from qgate.pipeline.drift import drift_check
 
@@ -61,10 +76,12 @@ def check_cmd(spec: Spec, traffic: Recent,
 
 
 @app.command("run")
-def run_cmd(spec: Spec, traffic: Recent,
-            wait: Annotated[float, typer.Option(help="Seconds to wait for another drift run on this model to finish.")] = 0.0,
-            engine: ScanEngine = "serial",
-            ) -> None:
+def run_cmd(
+    spec: Spec,
+    traffic: Recent,
+    wait: Annotated[float, typer.Option(help="Seconds to wait for another drift run on this model to finish.")] = 0.0,
+    engine: ScanEngine = "serial",
+) -> None:
     """The scheduled job: check; on drift recalibrate, gate and register every variant, then promote per drift.auto_promote."""
     from qgate.pipeline.drift import drift_run
 
@@ -73,10 +90,14 @@ def run_cmd(spec: Spec, traffic: Recent,
     check = result["check"]
     _out(f"drift check: {check['verdict'].upper()}  report {check['report']}")
     for v in result["variants"]:
-        _out(f"  {v['variant']:22s} {v['verdict'].upper():12s} KL p99 {v['kl_p99']:.4f}  v{v['version']}  {v['report']}")
+        _out(
+            f"  {v['variant']:22s} {v['verdict'].upper():12s} KL p99 {v['kl_p99']:.4f}  v{v['version']}  {v['report']}"
+        )
     if result["action"] == "promoted":
         p = result["promoted"]
-        _out(f"promoted {p['variant']} as {p['model']} v{p['version']} @{p['alias']} (previous-production: v{p['previous']})")
+        _out(
+            f"promoted {p['variant']} as {p['model']} v{p['version']} @{p['alias']} (previous-production: v{p['previous']})"
+        )
     elif result["action"] == "registered":
         c = result["candidate"]
         _out(f"drift found; {c['variant']} v{c['version']} passed and awaits promotion (drift.auto_promote: false)")

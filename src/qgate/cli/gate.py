@@ -1,4 +1,5 @@
 """`qgate gate`: run the gates for one candidate; exit 2 when it fails."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -17,14 +18,26 @@ def gate_cmd(
     baseline: Annotated[Path, typer.Option("--baseline", help="Baseline checkpoint artifact.")],
     shadow: Annotated[Path, typer.Option("--shadow", help="Shadow split from `qgate calibrate sample`.")],
     out: OutDir,
-    spec: Annotated[Path | None, typer.Option("--spec", help="Pipeline YAML whose `gates:` section sets thresholds.")] = None,
+    spec: Annotated[
+        Path | None, typer.Option("--spec", help="Pipeline YAML whose `gates:` section sets thresholds.")
+    ] = None,
     cache: Annotated[Path, typer.Option("--cache", help="Baseline cache directory.")] = Path(".qgate/cache"),
-    name: Annotated[str | None, typer.Option("--name", help="Variant name for the report and the registry run "
-                                                         "(default: the candidate's scheme).")] = None,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            "--name", help="Variant name for the report and the registry run (default: the candidate's scheme)."
+        ),
+    ] = None,
     json_out: Json = False,
     junit: Junit = None,
-    score_anyway: Annotated[bool, typer.Option("--score-anyway", help="Score a candidate whose serving contract failed "
-                                               "(its verdict is FAIL regardless; by default the gate stops there).")] = False,
+    score_anyway: Annotated[
+        bool,
+        typer.Option(
+            "--score-anyway",
+            help="Score a candidate whose serving contract failed "
+            "(its verdict is FAIL regardless; by default the gate stops there).",
+        ),
+    ] = False,
     device: Device = None,
 ) -> None:
     """Contract, shadow, parity, eval and perf gates; report.json and report.html. Exit 2 unless it passed.
@@ -55,9 +68,16 @@ def gate_cmd(
 def gate_doc(art, report: dict, candidate: str):
     from qgate.cli.output import GateDoc, checks
 
-    return GateDoc(exit_code=0 if art.meta["passed"] else 2, verdict=report["verdict"], passed=report["passed"], candidate=candidate,
-                   candidate_sha256=art.meta["candidate"], report_json=str(art.path / "report.json"),
-                   report_html=str(art.path / "report.html"), checks=checks(report["results"]))
+    return GateDoc(
+        exit_code=0 if art.meta["passed"] else 2,
+        verdict=report["verdict"],
+        passed=report["passed"],
+        candidate=candidate,
+        candidate_sha256=art.meta["candidate"],
+        report_json=str(art.path / "report.json"),
+        report_html=str(art.path / "report.html"),
+        checks=checks(report["results"]),
+    )
 
 
 def ci_outputs(o: Output, reports: dict[str, dict], on_inconclusive: str, junit: Path | None) -> None:
@@ -67,8 +87,12 @@ def ci_outputs(o: Output, reports: dict[str, dict], on_inconclusive: str, junit:
 
     if junit is not None:
         o.say(f"junit: {write_junit(junit, {k: r['results'] for k, r in reports.items()}, on_inconclusive)}")
-    step_summary("\n\n".join(f"### qgate gate {name}: {ICON.get(r['verdict'], r['verdict'])}\n\n{checks_table(r['results'])}"
-                               for name, r in reports.items()))
+    step_summary(
+        "\n\n".join(
+            f"### qgate gate {name}: {ICON.get(r['verdict'], r['verdict'])}\n\n{checks_table(r['results'])}"
+            for name, r in reports.items()
+        )
+    )
 
 
 def raise_unless_passed(art, what: str) -> None:
@@ -79,8 +103,10 @@ def raise_unless_passed(art, what: str) -> None:
         unscored = "" if meta.get("scored", True) else " (the serving contract; not scored: --score-anyway scores it)"
         raise GateFailed(f"gate failed for {what}: {', '.join(meta['failed'])}{unscored}", hint=evidence)
     if not meta["passed"]:
-        raise GateFailed(f"gate inconclusive for {what}: {', '.join(meta['inconclusive'])} (gates.on_inconclusive: block)",
-                         hint=f"{evidence}; more shadow prompts or eval items would decide it, or set on_inconclusive: warn")
+        raise GateFailed(
+            f"gate inconclusive for {what}: {', '.join(meta['inconclusive'])} (gates.on_inconclusive: block)",
+            hint=f"{evidence}; more shadow prompts or eval items would decide it, or set on_inconclusive: warn",
+        )
 
 
 def print_verdict(art, o: Output | None = None) -> dict:
@@ -98,15 +124,17 @@ def print_verdict(art, o: Output | None = None) -> dict:
             o.say("      " + describe(d))
         for d in r["evidence"].get("accepted", []):
             o.say("      accepted (gates.contract.allow): " + describe(d))
-        if (caveat := r["evidence"].get("caveat")) and caveat not in said:    # once, under the first check it weakens
+        if (caveat := r["evidence"].get("caveat")) and caveat not in said:  # once, under the first check it weakens
             said.add(caveat)
             o.say("      caveat: " + caveat)
     for note in report.get("notes", []):
         o.say("  note: " + note)
     verdict = report["verdict"].upper()
     if report["verdict"] == "inconclusive" and report["passed"]:
-        typer.echo(f"warning: inconclusive checks passed under on_inconclusive: warn: {', '.join(art.meta['inconclusive'])}",
-                   err=True)
+        typer.echo(
+            f"warning: inconclusive checks passed under on_inconclusive: warn: {', '.join(art.meta['inconclusive'])}",
+            err=True,
+        )
         verdict += " (warn: passed)"
     o.say(f"gate {verdict}: {art.path / 'report.html'}")
     return report

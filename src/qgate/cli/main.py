@@ -4,6 +4,7 @@ Exit codes: 0 done or passed, 1 error (including usage errors), 2 gate failed or
 3 drift found (`qgate drift`; see cli/drift.py).
 Set QGATE_DEBUG=1 for tracebacks.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,12 @@ from typer._click.exceptions import NoArgsIsHelpError  # typer 0.29 vendors clic
 from qgate.cli import calibrate, drift, engine, gate, model, quantize, registry, run, search
 from qgate.errors import EXIT_ERROR, GateFailed, PromotionRefused, QgateError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="Quantize LLMs, gate them on real traffic, promote only what passes.")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Quantize LLMs, gate them on real traffic, promote only what passes.",
+)
 VERSIONED = ("torch", "transformers", "llmcompressor", "compressed-tensors", "onnxruntime-genai", "mlflow", "lm-eval")
 
 
@@ -43,8 +48,17 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
-                                                help="Print qgate's version and its libraries' versions, then exit.")] = False) -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print qgate's version and its libraries' versions, then exit.",
+        ),
+    ] = False,
+) -> None:
     pass
 
 
@@ -82,7 +96,7 @@ def _message(e: BaseException, argv: list[str] | None = None) -> tuple[str, int]
         return f"error: {e}", e.exit_code
     if isinstance(e, typer.Abort | KeyboardInterrupt):
         return "aborted", 130
-    if isinstance(e, typer.TyperException):   # UsageError, BadParameter, NoSuchOption, MissingParameter, ...
+    if isinstance(e, typer.TyperException):  # UsageError, BadParameter, NoSuchOption, MissingParameter, ...
         msg = f"usage error: {e.format_message()}"
         ctx = getattr(e, "ctx", None)
         return msg + f"\n  see: {ctx.command_path if ctx is not None else _command_path(argv)} --help", EXIT_ERROR
@@ -101,13 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from qgate.cli import output
 
-    output.EMITTED = False   # per invocation (tests and embedders call main() more than once per process)
+    output.EMITTED = False  # per invocation (tests and embedders call main() more than once per process)
     try:
         rc = _dispatch(argv)
         return rc if isinstance(rc, int) else 0
     except typer.Exit as e:
         return e.exit_code
-    except NoArgsIsHelpError:   # a group or command called bare: its help is already on screen
+    except NoArgsIsHelpError:  # a group or command called bare: its help is already on screen
         return EXIT_ERROR
     except BaseException as e:  # noqa: BLE001 - the CLI boundary turns every failure into a message + exit code
         if isinstance(e, SystemExit):
@@ -119,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         from qgate.progress import console_err, console_out
 
         print(msg, file=console_err())
-        doc = error_doc(list(argv if argv is not None else sys.argv[1:]), getattr(e, "message", msg), getattr(e, "hint", None), code)
+        doc = error_doc(
+            list(argv if argv is not None else sys.argv[1:]), getattr(e, "message", msg), getattr(e, "hint", None), code
+        )
         if doc is not None:
             print(doc, file=console_out())
         return code

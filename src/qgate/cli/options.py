@@ -1,4 +1,5 @@
 """Option types shared by the commands; defaults are read from the config classes, never repeated."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,17 +9,36 @@ import typer
 
 OutDir = Annotated[Path, typer.Option("--out", "-o", help="Directory to write the artifact to.")]
 ModelDir = Annotated[Path, typer.Option("--model", help="Baseline checkpoint artifact (from `qgate model import`).")]
-Store = Annotated[Path | None, typer.Option("--store", help="Embedded MLflow store dir (ignored when MLFLOW_TRACKING_URI is set).")]
+Store = Annotated[
+    Path | None, typer.Option("--store", help="Embedded MLflow store dir (ignored when MLFLOW_TRACKING_URI is set).")
+]
 ModelName = Annotated[str, typer.Option("--model-name", "--model", help="Registered model name.")]
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (schema: docs/qgate-output.schema.json); "
-                                               "human text goes to stderr.")]
+Json = Annotated[
+    bool,
+    typer.Option(
+        "--json",
+        help="Print one JSON document on stdout (schema: docs/qgate-output.schema.json); human text goes to stderr.",
+    ),
+]
 Junit = Annotated[Path | None, typer.Option("--junit", help="Write each gate check as a JUnit test case to this file.")]
-Device = Annotated[str | None, typer.Option("--device", help="Where the gates score models: auto (CUDA when present), "
-                                                          "cpu, cuda or cuda:N (default: the spec's gates.device, else auto).")]
-ScanEngine = Annotated[str, typer.Option("--engine", help="How traffic partitions are scanned: serial; processes (one local "
-                                                       "process per core); or ray (local Ray, or RAY_ADDRESS). A file "
-                                                       "too big for its share of the workers is read here and its blocks "
-                                                       "scanned by the workers. The same sets every way.")]
+Device = Annotated[
+    str | None,
+    typer.Option(
+        "--device",
+        help="Where the gates score models: auto (CUDA when present), "
+        "cpu, cuda or cuda:N (default: the spec's gates.device, else auto).",
+    ),
+]
+ScanEngine = Annotated[
+    str,
+    typer.Option(
+        "--engine",
+        help="How traffic partitions are scanned: serial; processes (one local "
+        "process per core); or ray (local Ray, or RAY_ADDRESS). A file "
+        "too big for its share of the workers is read here and its blocks "
+        "scanned by the workers. The same sets every way.",
+    ),
+]
 
 
 def quiet_libraries() -> None:
@@ -29,8 +49,10 @@ def quiet_libraries() -> None:
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "ERROR")  # read at first import; its per-layer METRIC lines (level 38) too
-    if not sys.stderr.isatty():   # no TTY: no carriage-return bars from libraries that call tqdm directly (GGUF import)
+    os.environ.setdefault(
+        "LLM_COMPRESSOR_LOG_LEVEL", "ERROR"
+    )  # read at first import; its per-layer METRIC lines (level 38) too
+    if not sys.stderr.isatty():  # no TTY: no carriage-return bars from libraries that call tqdm directly (GGUF import)
         from qgate.progress import silence_tqdm
 
         silence_tqdm()

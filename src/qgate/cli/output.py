@@ -9,6 +9,7 @@ summaries people read of a checkpoint (`checkpoint_line`).
 Every document has `schema_version` and `command`; floats that are undefined or unbounded (NaN, an infinite CI end) are
 null. The JSON Schema is docs/qgate-output.schema.json (generated from these models; a test keeps it in sync).
 """
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,10 @@ class Check(BaseModel):
     n: int
     mde: float | None = Field(description="minimum detectable effect at this n")
     n_to_decide: int | None = Field(description="inconclusive checks: roughly how many items would decide it")
-    decided_on: str = Field(description="the rule that decided the verdict: ci, point, holm-guard, report-only or not-run "
-                                         "(docs/gate-rules.md)")
+    decided_on: str = Field(
+        description="the rule that decided the verdict: ci, point, holm-guard, report-only or not-run "
+        "(docs/gate-rules.md)"
+    )
     caveat: str | None = Field(default=None, description="what weakens this check's evidence, e.g. a label-biased task")
 
 
@@ -131,7 +134,7 @@ class Output:
             EMITTED = True
 
 
-EMITTED = False   # a command printed its document: the CLI boundary then adds none for a refusal it raises after
+EMITTED = False  # a command printed its document: the CLI boundary then adds none for a refusal it raises after
 
 
 def error_doc(argv: list[str], message: str, hint: str | None, exit_code: int) -> str | None:
@@ -139,7 +142,9 @@ def error_doc(argv: list[str], message: str, hint: str | None, exit_code: int) -
     if "--json" not in argv or EMITTED:
         return None
     words = [a for a in argv if not a.startswith("-")]
-    return ErrorDoc(exit_code=exit_code, command=" ".join(words[:2]) or "qgate", error=message, hint=hint).model_dump_json(indent=2)
+    return ErrorDoc(
+        exit_code=exit_code, command=" ".join(words[:2]) or "qgate", error=message, hint=hint
+    ).model_dump_json(indent=2)
 
 
 def step_summary(markdown: str) -> None:
@@ -162,8 +167,11 @@ def write_junit(path: Path, suites: dict[str, list[dict]], on_inconclusive: str 
             case = ET.SubElement(suite, "testcase", classname=f"qgate.{suite_name}.{r['gate']}", name=r["metric"])
             ci = f" CI [{r['ci'][0]}, {r['ci'][1]}]" if r.get("ci") else ""
             cmp = ">=" if r["higher_is_better"] else "<="
-            text = f"observed {r['observed']}{ci}" + (f", threshold {cmp} {r['threshold']}" if r["threshold"] is not None else "") \
+            text = (
+                f"observed {r['observed']}{ci}"
+                + (f", threshold {cmp} {r['threshold']}" if r["threshold"] is not None else "")
                 + f", n {r['n']}, decided on {r['decided_on']}"
+            )
             if r["verdict"] in ("fail", "error") or (r["verdict"] == "inconclusive" and on_inconclusive == "block"):
                 failures += 1
                 ET.SubElement(case, "failure", type=r["verdict"], message=f"{r['verdict'].upper()}: {text}").text = text
@@ -189,8 +197,12 @@ def checkpoint_line(art) -> str:
     m = art.meta
     mb = f"{m.get('weights_bytes', 0) / 1e6:,.1f} MB of weights"
     if m.get("scheme") == "baseline":
-        what = (f"baseline {m.get('architecture')}, {m.get('num_hidden_layers')} layers, hidden {m.get('hidden_size')}, "
-                f"vocab {m.get('vocab_size'):,}; {mb}" if m.get("vocab_size") else f"baseline; {mb}")
+        what = (
+            f"baseline {m.get('architecture')}, {m.get('num_hidden_layers')} layers, hidden {m.get('hidden_size')}, "
+            f"vocab {m.get('vocab_size'):,}; {mb}"
+            if m.get("vocab_size")
+            else f"baseline; {mb}"
+        )
     else:
         parts = [f"{m.get('scheme')} ({m.get('weight_format')})"]
         if m.get("kv_cache_dtype"):

@@ -1,4 +1,5 @@
 """`qgate quantize`: one scheme, one checkpoint, compressed-tensors output."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,7 +21,9 @@ def quantize_cmd(
     out: OutDir,
     calib: Annotated[Path | None, typer.Option("--calib", help="Calibration-set artifact (calib split).")] = None,
     kv_cache: Annotated[str | None, typer.Option("--kv-cache", help="Quantize the KV cache too: fp8 or int8.")] = None,
-    group_size: Annotated[int | None, typer.Option(help="Group size for W4A16/W8A16 (must divide layer widths).")] = None,
+    group_size: Annotated[
+        int | None, typer.Option(help="Group size for W4A16/W8A16 (must divide layer widths).")
+    ] = None,
     max_seq_length: Annotated[int, typer.Option(help="Calibration sequence length (tokens).")] = _D.max_seq_length,
 ) -> None:
     """Quantize a baseline checkpoint with llm-compressor."""
@@ -33,5 +36,7 @@ def quantize_cmd(
     kv = KVCacheConfig(kv_cache) if kv_cache else None
     base = Artifact.load(model, "checkpoint")
     cal = Artifact.load(calib, "calibration-set") if calib else None
-    art = build_atomically(out, lambda tmp: quantize(base, cal, cfg, tmp, kv=kv, opts=CalibOptions(max_seq_length=max_seq_length)))
+    art = build_atomically(
+        out, lambda tmp: quantize(base, cal, cfg, tmp, kv=kv, opts=CalibOptions(max_seq_length=max_seq_length))
+    )
     typer.echo(checkpoint_line(art))

@@ -1,4 +1,5 @@
 """`qgate register`, `promote`, `verify`, `status` and `rollback`: the MLflow Model Registry."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,7 +28,15 @@ def register_cmd(
     report = Artifact.load(gate, "gate-report")
     version = register(report, Artifact.load(candidate), model_name, store)
     o.say(f"registered {model_name} version {version} in {tracking_uri(store)}")
-    o.emit(RegisterDoc(exit_code=0, model=model_name, version=version, verdict=report.meta["verdict"], tracking_uri=tracking_uri(store)))
+    o.emit(
+        RegisterDoc(
+            exit_code=0,
+            model=model_name,
+            version=version,
+            verdict=report.meta["verdict"],
+            tracking_uri=tracking_uri(store),
+        )
+    )
 
 
 def promote_cmd(
@@ -43,16 +52,26 @@ def promote_cmd(
 
     o = Output(json_out)
     info = promote(model, version, alias, store)
-    prev = f" (previous-production -> v{info['previous']})" if info["previous"] and info["previous"] != info["version"] else ""
+    prev = (
+        f" (previous-production -> v{info['previous']})"
+        if info["previous"] and info["previous"] != info["version"]
+        else ""
+    )
     o.say(f"{model}@{alias} -> v{version}{prev}  [{info['tracking_uri']}]")
     step_summary(f"qgate promoted `{model}` v{version} @{alias}{prev}")
     o.emit(promote_doc(info))
 
 
 def promote_doc(info: dict) -> PromoteDoc:
-    return PromoteDoc(exit_code=0, model=info["model"], version=str(info["version"]), alias=info["alias"],
-                      previous=None if info["previous"] is None else str(info["previous"]), tracking_uri=info["tracking_uri"],
-                      artifact_sha256=info["artifact_sha256"])
+    return PromoteDoc(
+        exit_code=0,
+        model=info["model"],
+        version=str(info["version"]),
+        alias=info["alias"],
+        previous=None if info["previous"] is None else str(info["previous"]),
+        tracking_uri=info["tracking_uri"],
+        artifact_sha256=info["artifact_sha256"],
+    )
 
 
 def status_cmd(
@@ -68,17 +87,40 @@ def status_cmd(
 
     rows = status(model, store)
     if json_out:
-        typer.echo(json.dumps({"schema_version": 1, "command": "status", "exit_code": 0, "model": model, "aliases": rows}, indent=2))
+        typer.echo(
+            json.dumps(
+                {"schema_version": 1, "command": "status", "exit_code": 0, "model": model, "aliases": rows}, indent=2
+            )
+        )
         return
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{model}", title_justify="left")
-    for col in ("alias", "version", "verdict", "variant", "scheme", "runtime", "created", "last drift check", "gate report"):
+    for col in (
+        "alias",
+        "version",
+        "verdict",
+        "variant",
+        "scheme",
+        "runtime",
+        "created",
+        "last drift check",
+        "gate report",
+    ):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["alias"], r["version"] or "-", r["verdict"], r["variant"], r["scheme"], r["backend"], r["created"],
-                      r["drift"], r["gate_report"])
+        table.add_row(
+            r["alias"],
+            r["version"] or "-",
+            r["verdict"],
+            r["variant"],
+            r["scheme"],
+            r["backend"],
+            r["created"],
+            r["drift"],
+            r["gate_report"],
+        )
     Console(width=200 if not Console().is_terminal else None).print(table)
 
 
@@ -94,7 +136,9 @@ def rollback_cmd(
 
     o = Output(json_out)
     info = rollback(model, store)
-    o.say(f"rolled back {model}@production -> v{info['version']} (previous-production -> v{info['previous']})  [{info['tracking_uri']}]")
+    o.say(
+        f"rolled back {model}@production -> v{info['version']} (previous-production -> v{info['previous']})  [{info['tracking_uri']}]"
+    )
     step_summary(f"qgate rolled back `{model}` @production to v{info['version']}")
     o.emit(promote_doc(info))
 
@@ -113,5 +157,7 @@ def verify_cmd(
     from qgate.registry.mlflow_store import verify
 
     info = verify(model, alias, store)
-    typer.echo(f"verified {model}@{alias} -> v{info['version']}: gate passed, sha256 {info['artifact_sha256'][:16]} matches "
-               f"[{info['tracking_uri']}]")
+    typer.echo(
+        f"verified {model}@{alias} -> v{info['version']}: gate passed, sha256 {info['artifact_sha256'][:16]} matches "
+        f"[{info['tracking_uri']}]"
+    )

@@ -1,4 +1,5 @@
 """`qgate run SPEC`: every stage from one pipeline spec; exit 2 when no variant passes."""
+
 from __future__ import annotations
 
 import sys
@@ -11,13 +12,26 @@ from qgate.cli.options import Device, Json, Junit, quiet_libraries
 from qgate.cli.output import Output
 
 
-def run_cmd(spec: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. pipelines/promote.yaml.")],
-            json_out: Json = False, junit: Junit = None,
-            wait: Annotated[float, typer.Option(help="Seconds to wait for another job on the same workdir to finish "
-                                                     "(default: exit 1 at once, naming the job that holds it).")] = 0.0,
-            parallel: Annotated[str, typer.Option(help="serial, or ray: traffic partitions and variants (each with its "
-                                                       "spec `resources`) run as Ray tasks; the same artifacts either way.")] = "serial",
-            device: Device = None) -> None:
+def run_cmd(
+    spec: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. pipelines/promote.yaml.")],
+    json_out: Json = False,
+    junit: Junit = None,
+    wait: Annotated[
+        float,
+        typer.Option(
+            help="Seconds to wait for another job on the same workdir to finish "
+            "(default: exit 1 at once, naming the job that holds it)."
+        ),
+    ] = 0.0,
+    parallel: Annotated[
+        str,
+        typer.Option(
+            help="serial, or ray: traffic partitions and variants (each with its "
+            "spec `resources`) run as Ray tasks; the same artifacts either way."
+        ),
+    ] = "serial",
+    device: Device = None,
+) -> None:
     """Calibrate, quantize each variant, build engines, gate, register, and promote the best passing variant."""
     quiet_libraries()
     from qgate.errors import LockHeld, PromotionRefused
@@ -36,7 +50,7 @@ def run_cmd(spec: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. pipel
     except PromotionRefused as e:
         refused = e
     finally:
-        if not isinstance(sys.exc_info()[1], LockHeld):   # another job's results are not this run's table
+        if not isinstance(sys.exc_info()[1], LockHeld):  # another job's results are not this run's table
             _print_table(s, o)
     summary = _load_summary(s)
     if summary is not None:
@@ -44,11 +58,15 @@ def run_cmd(spec: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. pipel
     if refused is not None:
         raise refused
     p = summary["promoted"]
-    o.say(f"promoted {p['variant']} as {summary['model_name']} v{p['version']} @{p['alias']}"
-          + (f" (previous-production: v{p['previous']})" if p.get("previous") and p["previous"] != p["version"] else ""))
-    ui = Path(sys.executable).parent / "mlflow"    # the venv's own mlflow: works without an activated venv
-    o.say(f"MLflow store: {summary['tracking_uri']}   (view: {ui if ui.exists() else 'mlflow'} ui --backend-store-uri "
-          f"{summary['tracking_uri']})")
+    o.say(
+        f"promoted {p['variant']} as {summary['model_name']} v{p['version']} @{p['alias']}"
+        + (f" (previous-production: v{p['previous']})" if p.get("previous") and p["previous"] != p["version"] else "")
+    )
+    ui = Path(sys.executable).parent / "mlflow"  # the venv's own mlflow: works without an activated venv
+    o.say(
+        f"MLflow store: {summary['tracking_uri']}   (view: {ui if ui.exists() else 'mlflow'} ui --backend-store-uri "
+        f"{summary['tracking_uri']})"
+    )
 
 
 def _load_summary(spec) -> dict | None:
@@ -66,16 +84,37 @@ def _ci_outputs(spec, summary: dict, o: Output, junit, log_file, exit_code: int)
     from qgate.cli.registry import promote_doc
     from qgate.gates.markdown import run_summary
 
-    reports = {v["variant"]: json.loads(Path(v["report"]).with_name("report.json").read_text()) for v in summary["variants"]}
+    reports = {
+        v["variant"]: json.loads(Path(v["report"]).with_name("report.json").read_text()) for v in summary["variants"]
+    }
     step_summary(run_summary(summary | {"pipeline": spec.name}))
     ci_outputs(o, reports, spec.gates.on_inconclusive, junit)
-    variants = [VariantDoc(variant=v["variant"], verdict=v["verdict"], passed=v["passed"], version=v["version"], backend=v["backend"],
-                           weights_bytes=v["weights_bytes"], report=v["report"], checks=checks(reports[v["variant"]]["results"]))
-                for v in summary["variants"]]
+    variants = [
+        VariantDoc(
+            variant=v["variant"],
+            verdict=v["verdict"],
+            passed=v["passed"],
+            version=v["version"],
+            backend=v["backend"],
+            weights_bytes=v["weights_bytes"],
+            report=v["report"],
+            checks=checks(reports[v["variant"]]["results"]),
+        )
+        for v in summary["variants"]
+    ]
     p = summary.get("promoted")
-    o.emit(RunDoc(exit_code=exit_code, pipeline=spec.name, workdir=summary["workdir"], model=summary["model_name"],
-                  tracking_uri=summary["tracking_uri"], variants=variants, promoted=promote_doc(p) if p else None,
-                  log_file=None if log_file is None else str(log_file)))
+    o.emit(
+        RunDoc(
+            exit_code=exit_code,
+            pipeline=spec.name,
+            workdir=summary["workdir"],
+            model=summary["model_name"],
+            tracking_uri=summary["tracking_uri"],
+            variants=variants,
+            promoted=promote_doc(p) if p else None,
+            log_file=None if log_file is None else str(log_file),
+        )
+    )
 
 
 def _print_table(spec, o: Output) -> None:
@@ -83,35 +122,56 @@ def _print_table(spec, o: Output) -> None:
     if summary is None:
         return
     typer_echo = o.say
-    typer_echo(f"{'variant':22s} {'verdict':12s} {'KL p99':>9s} {'top-1':>7s} {'weights MB':>10s} {'bits/w':>6s} {'version':>8s}  report")
+    typer_echo(
+        f"{'variant':22s} {'verdict':12s} {'KL p99':>9s} {'top-1':>7s} {'weights MB':>10s} {'bits/w':>6s} {'version':>8s}  report"
+    )
     for v in summary["variants"]:
         kl, top1 = v.get("kl_p99"), v.get("top1_agreement")
         verdict = v["verdict"].upper() + ("*" if v["verdict"] == "inconclusive" and v["passed"] else "")
         mb = f"{v['weights_bytes'] / 1e6:10.1f}" if v.get("weights_bytes") else f"{'-':>10s}"
         bits = f"{v['bits_per_weight']:6.2f}" if v.get("bits_per_weight") else f"{'-':>6s}"
-        kl_s, top1_s = (f"{kl:9.4f}" if kl is not None else f"{'-':>9s}"), (f"{top1:7.3f}" if top1 is not None else f"{'-':>7s}")
-        typer_echo(f"{v['variant']:22s} {verdict:12s} {kl_s} {top1_s} {mb} {bits} {str(v['version']):>8s}  {v['report']}")
+        kl_s, top1_s = (
+            (f"{kl:9.4f}" if kl is not None else f"{'-':>9s}"),
+            (f"{top1:7.3f}" if top1 is not None else f"{'-':>7s}"),
+        )
+        typer_echo(
+            f"{v['variant']:22s} {verdict:12s} {kl_s} {top1_s} {mb} {bits} {str(v['version']):>8s}  {v['report']}"
+        )
         if s := v.get("search"):
-            typer_echo(f"{'':22s} search: {s['chosen_k']} of {s['layers_total']} layers fell back to "
-                       f"{'W8A16' if s['fallback_bits'] == 8 else 'full precision'}"
-                       f"{'' if s['found'] else ' (no point passed; closest kept)'}; {s['points_tried']} points, "
-                       f"{s['gate_runs']} gate runs in this run, {s['seconds']:g}s")
+            typer_echo(
+                f"{'':22s} search: {s['chosen_k']} of {s['layers_total']} layers fell back to "
+                f"{'W8A16' if s['fallback_bits'] == 8 else 'full precision'}"
+                f"{'' if s['found'] else ' (no point passed; closest kept)'}; {s['points_tried']} points, "
+                f"{s['gate_runs']} gate runs in this run, {s['seconds']:g}s"
+            )
         for what in ("failed", "inconclusive"):
             if v[f"{what}_checks"]:
                 typer_echo(f"{'':22s} {what}: {', '.join(v[f'{what}_checks'])}")
         said: set[str] = set()
         for c in v.get("checks", []):
-            if c["gate"] in ("eval", "long_context") and c["verdict"] != "info":   # a guard that did not fail: in the report
-                ci = f" [{c['ci'][0]:.4g}, {c['ci'][1]:.4g}]" if c["ci"] else ""     # significant digits: bpb rises are ~0.002
+            if (
+                c["gate"] in ("eval", "long_context") and c["verdict"] != "info"
+            ):  # a guard that did not fail: in the report
+                ci = (
+                    f" [{c['ci'][0]:.4g}, {c['ci'][1]:.4g}]" if c["ci"] else ""
+                )  # significant digits: bpb rises are ~0.002
                 mde = f"  mde {c['mde']:.3g}" if c["mde"] is not None else ""
-                typer_echo(f"{'':22s} {c['verdict'].upper():12s} {c['metric']} {c['observed']:.4g}{ci}  n={c['n']}{mde}")
+                typer_echo(
+                    f"{'':22s} {c['verdict'].upper():12s} {c['metric']} {c['observed']:.4g}{ci}  n={c['n']}{mde}"
+                )
             if c.get("caveat") and c["verdict"] != "info" and c["caveat"] not in said:
-                said.add(c["caveat"])       # an eval check's under it; the shadow checks' (cut prompts) once
-                typer_echo(f"{'':35s} caveat: {c['caveat']}" if c["gate"] in ("eval", "long_context")
-                           else f"{'':22s} caveat: {c['caveat']}")
+                said.add(c["caveat"])  # an eval check's under it; the shadow checks' (cut prompts) once
+                typer_echo(
+                    f"{'':35s} caveat: {c['caveat']}"
+                    if c["gate"] in ("eval", "long_context")
+                    else f"{'':22s} caveat: {c['caveat']}"
+                )
     if any(v["verdict"] == "inconclusive" and v["passed"] for v in summary["variants"]):
         typer_echo("* inconclusive, passed under gates.on_inconclusive: warn")
     secs = summary.get("stage_seconds") or {}
     if secs:
         skipped = set(summary.get("stages_skipped", []))
-        typer_echo("stage seconds: " + ", ".join(f"{k} {v:g}{' (earlier run)' if k in skipped else ''}" for k, v in secs.items()))
+        typer_echo(
+            "stage seconds: "
+            + ", ".join(f"{k} {v:g}{' (earlier run)' if k in skipped else ''}" for k, v in secs.items())
+        )

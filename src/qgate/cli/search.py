@@ -3,6 +3,7 @@
 Exit 0 when a passing point was found, 2 when none passed within the step and size budgets (the point closest to
 passing is kept and shown), 1 on error.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,11 +14,18 @@ import typer
 from qgate.cli.options import Device, quiet_libraries
 
 
-def search_cmd(spec: Annotated[Path, typer.Option("--spec", help="Pipeline YAML, e.g. pipelines/promote.yaml.")],
-               variant: Annotated[str, typer.Option("--variant", help="The variant to search from (its scheme, options and "
-                                                                      "`search:` settings; defaults when it has none).")],
-               wait: Annotated[float, typer.Option(help="Seconds to wait for another job on the same workdir.")] = 0.0,
-               device: Device = None) -> None:
+def search_cmd(
+    spec: Annotated[Path, typer.Option("--spec", help="Pipeline YAML, e.g. pipelines/promote.yaml.")],
+    variant: Annotated[
+        str,
+        typer.Option(
+            "--variant",
+            help="The variant to search from (its scheme, options and `search:` settings; defaults when it has none).",
+        ),
+    ],
+    wait: Annotated[float, typer.Option(help="Seconds to wait for another job on the same workdir.")] = 0.0,
+    device: Device = None,
+) -> None:
     """Rank layers by sensitivity, then quantize and gate fallback points until the smallest passing one is found."""
     quiet_libraries()
     from qgate.errors import GateFailed
@@ -28,18 +36,29 @@ def search_cmd(spec: Annotated[Path, typer.Option("--spec", help="Pipeline YAML,
     s = load_spec(spec).on_device(device)
     workdir = s.path(s.workdir)
     log_file = None if interactive() else quiet_console(workdir / "logs" / "qgate-search.log")
-    typer.echo(f"search {s.name}/{variant}: workdir {workdir}" + (f"; library logs: {log_file}" if log_file else ""),
-               file=console_err())
+    typer.echo(
+        f"search {s.name}/{variant}: workdir {workdir}" + (f"; library logs: {log_file}" if log_file else ""),
+        file=console_err(),
+    )
     art = run_search(s, variant, echo=lambda m: typer.echo(m, file=console_err()), wait=wait)
     res = art.meta["search"]
     typer.echo(f"{'k':>4s} {'shadow':12s} {'bits/weight':>11s} {'weights bytes':>14s} {'KL p99':>9s} {'top-1':>7s}")
     for p in sorted(res["points"], key=lambda p: p["k"]):
         mark = "  <- chosen" if p["k"] == res["chosen_k"] else ""
-        typer.echo(f"{p['k']:>4d} {p['verdict'].upper():12s} {p['bits_per_weight']:11.3f} {p['weights_bytes']:14,d} "
-                   f"{p['kl_p99']:9.4f} {p['top1']:7.4f}{mark}")
-    typer.echo(f"fallback ({res['chosen_k']} of {res['layers_total']} layers): " + (", ".join(f["layer"] for f in res["fallback"]) or "none"))
-    typer.echo(f"{res['points_tried']} points, {res['gate_runs']} gated in this run, {res['seconds']}s; checkpoint {art.path}; "
-               f"plot {art.path / 'qgate-search.png'}")
+        typer.echo(
+            f"{p['k']:>4d} {p['verdict'].upper():12s} {p['bits_per_weight']:11.3f} {p['weights_bytes']:14,d} "
+            f"{p['kl_p99']:9.4f} {p['top1']:7.4f}{mark}"
+        )
+    typer.echo(
+        f"fallback ({res['chosen_k']} of {res['layers_total']} layers): "
+        + (", ".join(f["layer"] for f in res["fallback"]) or "none")
+    )
+    typer.echo(
+        f"{res['points_tried']} points, {res['gate_runs']} gated in this run, {res['seconds']}s; checkpoint {art.path}; "
+        f"plot {art.path / 'qgate-search.png'}"
+    )
     if not res["found"]:
-        raise GateFailed(f"{variant}: {res['note']}",
-                         hint="raise search.max_steps or search.max_bits_per_weight, or use search.fallback_bits: 16")
+        raise GateFailed(
+            f"{variant}: {res['note']}",
+            hint="raise search.max_steps or search.max_bits_per_weight, or use search.fallback_bits: 16",
+        )

@@ -5,6 +5,7 @@
 
 Every GPU backend (the TensorRT-LLM bundle, the torch-int4 engine) records the sizes this module gives.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,7 +1,8 @@
 """Build a serving engine for a checkpoint with the backend chosen by name.
 
-    art = build_engine(checkpoint_art, "cpu", out=Path("runs/awq-cpu"))
+art = build_engine(checkpoint_art, "cpu", out=Path("runs/awq-cpu"))
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,8 +37,10 @@ def unsupported(ckpt: Artifact, backend: str) -> str | None:
         from qgate.engines.cpu import SUPPORTED_FORMATS
 
         if fmt not in SUPPORTED_FORMATS:
-            return (f"its layout is {fmt} ({len(ckpt.meta.get('fallback_layers', []))} layers fall back) and onnxruntime-genai's "
-                    f"builder takes only {', '.join(SUPPORTED_FORMATS)}")
+            return (
+                f"its layout is {fmt} ({len(ckpt.meta.get('fallback_layers', []))} layers fall back) and onnxruntime-genai's "
+                f"builder takes only {', '.join(SUPPORTED_FORMATS)}"
+            )
     return None
 
 

@@ -6,6 +6,7 @@ The compressed-tensors checkpoint is repacked into the AutoAWQ layout (no re-qua
 and handed to onnxruntime-genai's model builder. lm_head stays full precision unless
 `lm_head: int8|int4` asks the builder to quantize it (the gate decides whether that is acceptable). The builder's console output goes to build.log beside the engine.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,14 +23,14 @@ from qgate.trust import copy_tokenizer_files
 
 ENGINE_SUBDIR = "onnx"
 SUPPORTED_FORMATS = ("w4a16", "w4a16+w8a16")
-LM_HEAD = ("fp32", "int8", "int4")   # the vocabulary projection: on a small model, most of the bytes read per token
+LM_HEAD = ("fp32", "int8", "int4")  # the vocabulary projection: on a small model, most of the bytes read per token
 
 
 @dataclass(frozen=True)
 class CpuEngineConfig:
-    accuracy_level: int = 4          # 4: int8 activations (ORT's CPU default, fastest); 1: fp32, exact
-    lm_head: str = "fp32"            # "int8" / "int4": the builder quantizes lm_head (RTN, per block): faster decode, gated
-    VERSION = 4                      # 4: the checkpoint's own tokenizer files are served
+    accuracy_level: int = 4  # 4: int8 activations (ORT's CPU default, fastest); 1: fp32, exact
+    lm_head: str = "fp32"  # "int8" / "int4": the builder quantizes lm_head (RTN, per block): faster decode, gated
+    VERSION = 4  # 4: the checkpoint's own tokenizer files are served
 
     def __post_init__(self):
         if self.accuracy_level not in (1, 2, 3, 4):
@@ -42,7 +43,9 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path) -> Artifact:
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError as e:
-        raise BackendUnavailable(f"onnxruntime-genai is not importable ({e})", hint="pip install onnxruntime-genai==0.18.0") from e
+        raise BackendUnavailable(
+            f"onnxruntime-genai is not importable ({e})", hint="pip install onnxruntime-genai==0.18.0"
+        ) from e
     from safetensors.torch import load_file, save_file
 
     from qgate.engines.awq_layout import to_awq
@@ -54,14 +57,14 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path) -> Artifact:
             f"{ckpt.path}: the CPU engine takes W4A16 checkpoints (or W4A16 with W8A16 fallback layers); "
             f"this one is {fmt or 'unquantized'}",
             hint="FP8, W8A16, unquantized-fallback and baseline checkpoints run on the PyTorch reference path: pass the "
-                 "checkpoint to `qgate gate` directly",
+            "checkpoint to `qgate gate` directly",
         )
     cfg = json.loads((ckpt.path / "config.json").read_text())
     state: dict = {}
     for f in sorted(ckpt.path.glob("*.safetensors")):
         state.update(load_file(str(f)))
     mixed = fmt != "w4a16"
-    if mixed:   # per-layer bit widths: the AutoGPTQ layout's `dynamic` overrides carry them to the builder
+    if mixed:  # per-layer bit widths: the AutoGPTQ layout's `dynamic` overrides carry them to the builder
         tensors, qcfg, _ = to_gptq(state, cfg["quantization_config"])
     else:
         tensors, qcfg = to_awq(state, cfg["quantization_config"])
@@ -73,36 +76,65 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path) -> Artifact:
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
     (staging / "config.json").write_text(json.dumps(cfg | {"quantization_config": qcfg}, indent=2))
     for f in ckpt.path.iterdir():
-        if f.is_file() and f.name not in ("config.json", "recipe.yaml") and f.suffix != ".safetensors" \
-                and not f.name.startswith("qgate-"):
+        if (
+            f.is_file()
+            and f.name not in ("config.json", "recipe.yaml")
+            and f.suffix != ".safetensors"
+            and not f.name.startswith("qgate-")
+        ):
             shutil.copy(f, staging / f.name)
     options = [f"accuracy_level={config.accuracy_level}"]
-    if mixed:   # q, k and v may differ in bits; the builder packs them into one MatMul only when they agree
+    if mixed:  # q, k and v may differ in bits; the builder packs them into one MatMul only when they agree
         options.append("disable_qkv_fusion=true")
     # Untied lm_head, so the embedding Gather keeps full-precision weights whatever the head becomes.
     options.append("shared_embeddings=false")
     if config.lm_head == "fp32":
         options.append("nodes_to_exclude=/lm_head/MatMul")
-    elif config.lm_head == "int8":   # the builder's MatMulNBits quantizer, 8 bits for the last MatMul
+    elif config.lm_head == "int8":  # the builder's MatMulNBits quantizer, 8 bits for the last MatMul
         options.append("matmul_mixed_precision=last_matmul:int8")
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(staging), "-o", str(out / ENGINE_SUBDIR),
-           "-p", "int4", "-e", "cpu", "-c", str(out / "cache"), "--extra_options", *options]
+    cmd = [
+        sys.executable,
+        "-m",
+        "onnxruntime_genai.models.builder",
+        "-i",
+        str(staging),
+        "-o",
+        str(out / ENGINE_SUBDIR),
+        "-p",
+        "int4",
+        "-e",
+        "cpu",
+        "-c",
+        str(out / "cache"),
+        "--extra_options",
+        *options,
+    ]
     t0 = time.perf_counter()
     with open(out / "build.log", "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
     if rc != 0:
         tail = (out / "build.log").read_text()[-1500:]
-        raise InputError(f"onnxruntime-genai builder failed (exit {rc}); last output:\n{tail}", hint=f"full log: {out / 'build.log'}")
+        raise InputError(
+            f"onnxruntime-genai builder failed (exit {rc}); last output:\n{tail}", hint=f"full log: {out / 'build.log'}"
+        )
     shutil.rmtree(staging)
     shutil.rmtree(out / "cache", ignore_errors=True)
     aligned = _keep_token_ids(ckpt.path, out / ENGINE_SUBDIR / "genai_config.json")
     # The builder rewrites tokenizer_config.json (model_max_length, its loading arguments): serve the checkpoint's own.
     copy_tokenizer_files(ckpt.path, out / ENGINE_SUBDIR)
-    meta = ckpt.meta | {"backend": "cpu", "runtime": "onnxruntime-genai", "build_seconds": round(time.perf_counter() - t0, 1),
-                        "engine_bytes": sum(f.stat().st_size for f in (out / ENGINE_SUBDIR).iterdir()),
-                        "checkpoint": ckpt.sha256, "checkpoint_path": str(ckpt.path), "builder_cmd": " ".join(cmd[1:]),
-                        "genai_config_aligned": aligned}
-    return Artifact.create("engine", out, {"engine": typed_config(config), "checkpoint": ckpt.config}, (ckpt.sha256,), meta)
+    meta = ckpt.meta | {
+        "backend": "cpu",
+        "runtime": "onnxruntime-genai",
+        "build_seconds": round(time.perf_counter() - t0, 1),
+        "engine_bytes": sum(f.stat().st_size for f in (out / ENGINE_SUBDIR).iterdir()),
+        "checkpoint": ckpt.sha256,
+        "checkpoint_path": str(ckpt.path),
+        "builder_cmd": " ".join(cmd[1:]),
+        "genai_config_aligned": aligned,
+    }
+    return Artifact.create(
+        "engine", out, {"engine": typed_config(config), "checkpoint": ckpt.config}, (ckpt.sha256,), meta
+    )
 
 
 def _keep_token_ids(ckpt_dir: Path, genai_path: Path) -> dict:

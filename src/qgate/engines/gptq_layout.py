@@ -12,6 +12,7 @@ Linear with out features O, in features I, G = I / group_size groups and P = 32 
   weight_zero_point [O/P, G] int32          qzeros  [G, O/P] int32, stored as zero - 1 (the builder adds 1 back)
   (codes offset by 2^(bits-1) when packed)  g_idx   [I]      int32 (i // group_size)
 """
+
 from __future__ import annotations
 
 import re
@@ -23,9 +24,9 @@ from qgate.errors import ConfigError
 
 def unpack(packed: torch.Tensor, rows: int, cols: int, bits: int, packed_dim: int) -> torch.Tensor:
     """Little-endian unpacking of `bits`-wide codes from int32 words; unsigned codes as int32 [rows, cols]."""
-    p = packed if packed_dim == 1 else packed.T                              # [r, c/P]
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)                    # [P]
-    codes = (p.to(torch.int32).unsqueeze(-1) >> shifts) & (2 ** bits - 1)   # [r, c/P, P]
+    p = packed if packed_dim == 1 else packed.T  # [r, c/P]
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)  # [P]
+    codes = (p.to(torch.int32).unsqueeze(-1) >> shifts) & (2**bits - 1)  # [r, c/P, P]
     codes = codes.reshape(p.shape[0], -1)
     out = codes if packed_dim == 1 else codes.T
     return out[:rows, :cols].contiguous()
@@ -37,7 +38,7 @@ def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     r, c = codes.shape
     out = torch.zeros((r // per, c), dtype=torch.int32)
     for j in range(per):
-        out |= (codes[j::per].to(torch.int32) & (2 ** bits - 1)) << (bits * j)   # int32 wraps at bit 31: intended
+        out |= (codes[j::per].to(torch.int32) & (2**bits - 1)) << (bits * j)  # int32 wraps at bit 31: intended
     return out
 
 
@@ -59,8 +60,8 @@ def layer_codes(state: dict, prefix: str, bits: int) -> tuple[torch.Tensor, torc
     """One packed Linear's (codes [O, I], zero points [O, G], scales [O, G] as stored), codes and zero points
     unsigned; a symmetric layer's zero point is the offset code 2^(bits-1)."""
     o, i = (int(x) for x in state[f"{prefix}.weight_shape"].tolist())
-    scale = state[f"{prefix}.weight_scale"]                                        # [O, G]
-    codes = unpack(state[f"{prefix}.weight_packed"], o, i, bits, packed_dim=1)     # [O, I]
+    scale = state[f"{prefix}.weight_scale"]  # [O, G]
+    codes = unpack(state[f"{prefix}.weight_packed"], o, i, bits, packed_dim=1)  # [O, I]
     if f"{prefix}.weight_zero_point" in state:
         zeros = unpack(state[f"{prefix}.weight_zero_point"], o, scale.shape[1], bits, packed_dim=0)  # [O, G]
     else:
@@ -73,15 +74,19 @@ def layer_bits(state: dict, prefix: str) -> int:
     cols = state[f"{prefix}.weight_packed"].shape[1]
     bits = 32 * cols // i
     if bits not in (4, 8) or cols * (32 // bits) != i:
-        raise ConfigError(f"{prefix}: cannot infer a 4- or 8-bit packing from weight_packed {tuple(state[f'{prefix}.weight_packed'].shape)} "
-                          f"for a [{o}, {i}] weight")
+        raise ConfigError(
+            f"{prefix}: cannot infer a 4- or 8-bit packing from weight_packed {tuple(state[f'{prefix}.weight_packed'].shape)} "
+            f"for a [{o}, {i}] weight"
+        )
     return bits
 
 
 def to_gptq(state: dict[str, torch.Tensor], qconfig: dict) -> tuple[dict[str, torch.Tensor], dict, dict[str, int]]:
     """(tensors, quantization_config for the builder, bits per layer)."""
     weights = [g.get("weights") or {} for g in qconfig.get("config_groups", {}).values()]
-    if not weights or any(w.get("strategy") != "group" or w.get("type") != "int" or w.get("actorder") == "group" for w in weights):
+    if not weights or any(
+        w.get("strategy") != "group" or w.get("type") != "int" or w.get("actorder") == "group" for w in weights
+    ):
         raise ConfigError(f"CPU engine needs group-wise int weights without g_idx, got {weights}")
     sizes = {w["group_size"] for w in weights}
     if len(sizes) != 1:
@@ -91,14 +96,21 @@ def to_gptq(state: dict[str, torch.Tensor], qconfig: dict) -> tuple[dict[str, to
     bits_of: dict[str, int] = {}
     for p in layers:
         bits = bits_of[p] = layer_bits(state, p)
-        codes, zeros, scale = layer_codes(state, p, bits)                         # [O, I], [O, G], [O, G]
+        codes, zeros, scale = layer_codes(state, p, bits)  # [O, I], [O, G], [O, G]
         i = codes.shape[1]
-        out[f"{p}.qweight"] = pack_rows(codes.T.contiguous(), bits)               # [I/P, O]
-        out[f"{p}.qzeros"] = pack_cols((zeros.T - 1).contiguous(), bits)          # [G, O/P]
-        out[f"{p}.scales"] = scale.T.contiguous().to(torch.float16)               # [G, O]
-        out[f"{p}.g_idx"] = torch.arange(i, dtype=torch.int32) // group_size      # [I]
+        out[f"{p}.qweight"] = pack_rows(codes.T.contiguous(), bits)  # [I/P, O]
+        out[f"{p}.qzeros"] = pack_cols((zeros.T - 1).contiguous(), bits)  # [G, O/P]
+        out[f"{p}.scales"] = scale.T.contiguous().to(torch.float16)  # [G, O]
+        out[f"{p}.g_idx"] = torch.arange(i, dtype=torch.int32) // group_size  # [I]
     base_bits = max(set(bits_of.values()), key=list(bits_of.values()).count) if bits_of else 4
     dynamic = {f"+:{re.escape(p)}\\.": {"bits": b} for p, b in bits_of.items() if b != base_bits}
-    cfg = {"quant_method": "gptq", "bits": base_bits, "group_size": group_size, "desc_act": False, "sym": False,
-           "dynamic": dynamic, "modules_to_not_convert": list(qconfig.get("ignore", []))}
+    cfg = {
+        "quant_method": "gptq",
+        "bits": base_bits,
+        "group_size": group_size,
+        "desc_act": False,
+        "sym": False,
+        "dynamic": dynamic,
+        "modules_to_not_convert": list(qconfig.get("ignore", [])),
+    }
     return out, cfg, bits_of

@@ -22,6 +22,7 @@ and G = I / group_size groups:
 Int8 layers (a mixed W4/W8 checkpoint) are served as dense weights dequantized from their codes: torch has no
 group-wise int8 weight-only kernel. Anything else (FP8, activation quantization, group activation order) is refused.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,13 +32,13 @@ import torch
 from qgate.engines.gptq_layout import layer_bits, layer_codes, packed_layers
 from qgate.errors import ConfigError
 
-KERNEL_GROUPS = (32, 64, 128, 256)   # group sizes torch's int4 kernels take
+KERNEL_GROUPS = (32, 64, 128, 256)  # group sizes torch's int4 kernels take
 
 
 @dataclass(frozen=True)
 class Int4Weight:
-    codes: torch.Tensor              # [O, I/2] uint8: codes 0..15, column 2j in the high nibble, 2j+1 in the low
-    scales_and_zeros: torch.Tensor   # [G, O, 2] float32: (scale, folded zero)
+    codes: torch.Tensor  # [O, I/2] uint8: codes 0..15, column 2j in the high nibble, 2j+1 in the low
+    scales_and_zeros: torch.Tensor  # [G, O, 2] float32: (scale, folded zero)
     group_size: int
 
 
@@ -45,17 +46,26 @@ def check_scheme(qconfig: dict) -> None:
     """ConfigError unless every quantized layer is a group-wise integer weight with float activations."""
     groups = qconfig.get("config_groups") or {}
     if qconfig.get("format") not in ("pack-quantized", "mixed-precision") or not groups:
-        raise ConfigError(f"the torch-int4 engine takes pack-quantized integer weights, this checkpoint is "
-                          f"{qconfig.get('format') or 'unquantized'}",
-                          hint="quantize with awq-w4a16, gptq-w4a16 or gptq-w8a16; FP8 checkpoints run on the reference path")
+        raise ConfigError(
+            f"the torch-int4 engine takes pack-quantized integer weights, this checkpoint is "
+            f"{qconfig.get('format') or 'unquantized'}",
+            hint="quantize with awq-w4a16, gptq-w4a16 or gptq-w8a16; FP8 checkpoints run on the reference path",
+        )
     for name, g in groups.items():
         w, a = g.get("weights") or {}, g.get("input_activations")
-        if a or w.get("type") != "int" or w.get("strategy") != "group" or w.get("actorder") == "group" \
-                or w.get("num_bits") not in (4, 8):
-            raise ConfigError(f"quantization_config.config_groups.{name}: the torch-int4 engine serves 4- or 8-bit "
-                              f"group-wise int weights with float activations and no group activation order, got "
-                              f"weights={w}, input_activations={a}",
-                              hint="use actorder static or null, and a W4A16/W8A16 scheme")
+        if (
+            a
+            or w.get("type") != "int"
+            or w.get("strategy") != "group"
+            or w.get("actorder") == "group"
+            or w.get("num_bits") not in (4, 8)
+        ):
+            raise ConfigError(
+                f"quantization_config.config_groups.{name}: the torch-int4 engine serves 4- or 8-bit "
+                f"group-wise int weights with float activations and no group activation order, got "
+                f"weights={w}, input_activations={a}",
+                hint="use actorder static or null, and a W4A16/W8A16 scheme",
+            )
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -76,7 +86,9 @@ def dequantize(codes: torch.Tensor, zeros: torch.Tensor, scale: torch.Tensor) ->
     return (codes - zeros.repeat_interleave(g, 1)).float() * scale.repeat_interleave(g, 1)
 
 
-def repack(state: dict[str, torch.Tensor], qconfig: dict) -> tuple[dict[str, Int4Weight | torch.Tensor], dict[str, str]]:
+def repack(
+    state: dict[str, torch.Tensor], qconfig: dict
+) -> tuple[dict[str, Int4Weight | torch.Tensor], dict[str, str]]:
     """Every quantized Linear of a compressed-tensors state dict: ({prefix: Int4Weight or dense float32 [O, I]},
     {prefix: "int4" | "dense-int8"}). Unquantized tensors are left to the caller."""
     check_scheme(qconfig)
@@ -91,11 +103,13 @@ def repack(state: dict[str, torch.Tensor], qconfig: dict) -> tuple[dict[str, Int
             out[p], kinds[p] = dequantize(codes, zeros, scale), "dense-int8"
             continue
         if group not in KERNEL_GROUPS or codes.shape[1] % group or codes.shape[0] % 8:
-            raise ConfigError(f"{p}: int4 weight [{codes.shape[0]}, {codes.shape[1]}] with group size {group}: torch's "
-                              f"int4 kernel needs a group size in {KERNEL_GROUPS} and a multiple of 8 outputs",
-                              hint="quantize with group_size 32..256, or gate this checkpoint on the reference path")
-        folded = (8 - zeros).float() * scale                                  # [O, G]
-        sz = torch.stack([scale.T, folded.T], -1).contiguous()                # [G, O, 2]
+            raise ConfigError(
+                f"{p}: int4 weight [{codes.shape[0]}, {codes.shape[1]}] with group size {group}: torch's "
+                f"int4 kernel needs a group size in {KERNEL_GROUPS} and a multiple of 8 outputs",
+                hint="quantize with group_size 32..256, or gate this checkpoint on the reference path",
+            )
+        folded = (8 - zeros).float() * scale  # [O, G]
+        sz = torch.stack([scale.T, folded.T], -1).contiguous()  # [G, O, 2]
         out[p], kinds[p] = Int4Weight(pack_nibbles(codes), sz, group), "int4"
     return out, kinds
 

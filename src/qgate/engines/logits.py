@@ -1,7 +1,8 @@
 """What every runner returns and checks, shared by the reference path (engines/runners.py) and the engines' runners.
 
-    logits = as_logits(model_output)      # numpy on a CPU, the tensor itself on an accelerator
+logits = as_logits(model_output)      # numpy on a CPU, the tensor itself on an accelerator
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,6 +32,9 @@ def check_vocab(path: Path, tokenizer, rows: int) -> None:
     from qgate.errors import InputError
 
     if len(tokenizer) > rows:
-        raise InputError(f"{path}: the model has {rows} token ids but its tokenizer {len(tokenizer)}: ids {rows} and up "
-                         "cannot be embedded", hint="the checkpoint's embeddings (vocab_size) were cut or its tokenizer "
-                                                    "replaced: export both from one model")
+        raise InputError(
+            f"{path}: the model has {rows} token ids but its tokenizer {len(tokenizer)}: ids {rows} and up "
+            "cannot be embedded",
+            hint="the checkpoint's embeddings (vocab_size) were cut or its tokenizer "
+            "replaced: export both from one model",
+        )

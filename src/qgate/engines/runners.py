@@ -6,6 +6,7 @@
 Both runners take token ids from the checkpoint's Hugging Face tokenizer, so engines
 are compared on identical inputs (onnxruntime-genai's own tokenizer adds no BOS).
 """
+
 from __future__ import annotations
 
 import json
@@ -31,11 +32,20 @@ def dequantize_kwargs(path: Path) -> dict:
 
 
 ATTENTION = "qgate_sdpa_gqa"
-COMPACT_BELOW = 0.75   # greedy_scored: drop finished answers from the decode batch once fewer than this share still run
+COMPACT_BELOW = 0.75  # greedy_scored: drop finished answers from the decode batch once fewer than this share still run
 
 
-def _gqa_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-              is_causal: bool | None = None, **kwargs):
+def _gqa_sdpa(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
     """transformers' SDPA attention, except that grouped-query K/V go to torch as they are (enable_gqa) even with a
     padding mask. transformers copies K/V once per query head whenever a mask is present; on a left-padded batch that
     copy of the whole KV cache per layer and decode step costs 10x the attention itself (benchmarks/
@@ -47,8 +57,15 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, s
         attention_mask = attention_mask[..., : key.shape[-2]]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling,
-        is_causal=bool(query.shape[2] > 1 and attention_mask is None and causal), enable_gqa=groups > 1)
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=0.0,
+        scale=scaling,
+        is_causal=bool(query.shape[2] > 1 and attention_mask is None and causal),
+        enable_gqa=groups > 1,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -78,14 +95,14 @@ def _reserved_cache(cache, capacity: int):
 
         def update(self, key_states, value_states, *args, **kwargs):
             m = self.n + key_states.shape[-2]
-            self.kbuf[:, :, self.n:m], self.vbuf[:, :, self.n:m] = key_states, value_states
+            self.kbuf[:, :, self.n : m], self.vbuf[:, :, self.n : m] = key_states, value_states
             self.n = m
             self.keys, self.values = self.kbuf[:, :, :m], self.vbuf[:, :, :m]
             return self.keys, self.values
 
         def batch_select_indices(self, indices):
             self.kbuf, self.vbuf = self.kbuf[indices], self.vbuf[indices]
-            self.keys, self.values = self.kbuf[:, :, :self.n], self.vbuf[:, :, :self.n]
+            self.keys, self.values = self.kbuf[:, :, : self.n], self.vbuf[:, :, : self.n]
 
     cache.layers = [ReservedLayer(layer.keys, layer.values) for layer in cache.layers]
     return cache
@@ -101,11 +118,11 @@ def length_groups(lengths: Sequence[int], forward_cost: float) -> list[tuple[int
     counts = Counter(lengths)
     ls = sorted(counts)
     count = [counts[v] for v in ls]
-    best = [0.0] + [float("inf")] * len(ls)          # best[j]: cost of ls[:j]
+    best = [0.0] + [float("inf")] * len(ls)  # best[j]: cost of ls[:j]
     cut = [0] * (len(ls) + 1)
     for j in range(1, len(ls) + 1):
         rows = 0
-        for i in range(j - 1, -1, -1):               # last group ls[i:j], padded to ls[j - 1]
+        for i in range(j - 1, -1, -1):  # last group ls[i:j], padded to ls[j - 1]
             rows += count[i]
             c = best[i] + forward_cost + rows * ls[j - 1]
             if c < best[j]:
@@ -122,8 +139,8 @@ class TorchRunner:
     checkpoints are decompressed on load)."""
 
     kind = "torch-reference"
-    FORWARD_COST = 24   # positions one forward's fixed cost is worth: reading 540 MB of weights ~ 24 positions' compute
-                        # for the 135M demo model on 2 cores (a [1, 2] forward 0.15 s, 5 ms per further position)
+    FORWARD_COST = 24  # positions one forward's fixed cost is worth: reading 540 MB of weights ~ 24 positions' compute
+    # for the 135M demo model on 2 cores (a [1, 2] forward 0.15 s, 5 ms per further position)
 
     def __init__(self, path: Path, device: str = "cpu", dtype: str = "auto"):
         """device: auto, cpu, cuda or cuda:N; dtype: auto (float32 on the CPU, the served dtype on CUDA) or a name."""
@@ -135,9 +152,10 @@ class TorchRunner:
         config = json.loads((Path(path) / "config.json").read_text())
         self.dtype = compute_dtype(config, self.device, dtype)
         self.tokenizer = load_tokenizer(path)
-        placed = {"device_map": str(self.device)} if self.device.type == "cuda" else {}   # straight onto the GPU
-        self.model = load_causal_lm(path, dtype=self.dtype, attn_implementation=_register_attention(),
-                                    **dequantize_kwargs(path), **placed).eval()
+        placed = {"device_map": str(self.device)} if self.device.type == "cuda" else {}  # straight onto the GPU
+        self.model = load_causal_lm(
+            path, dtype=self.dtype, attn_implementation=_register_attention(), **dequantize_kwargs(path), **placed
+        ).eval()
         check_vocab(path, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.batch_tokens = batch_tokens(self.device, self.model.config.vocab_size, self.model.config.hidden_size)
@@ -163,10 +181,11 @@ class TorchRunner:
         k = min(keep_last or width, width)
         with torch.inference_mode():
             out = as_logits(self.model(x, attention_mask=mask, position_ids=pos, logits_to_keep=k).logits)  # [B, k, V]
-        return [out[i, max(k - len(s), 0):] for i, s in enumerate(seqs)]
+        return [out[i, max(k - len(s), 0) :] for i, s in enumerate(seqs)]
 
-    def continuation_logits(self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
-                            prefix: Sequence[int] = ()) -> list[list[np.ndarray]]:
+    def continuation_logits(
+        self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], prefix: Sequence[int] = ()
+    ) -> list[list[np.ndarray]]:
         """For each (context, continuations): per continuation, the logits [len(cont), V] that predict its tokens,
         where every context follows `prefix`.
 
@@ -185,31 +204,58 @@ class TorchRunner:
         p = len(prefix)
         cw = max(len(c) for c, _ in groups)
         x = torch.tensor([[pad] * (cw - len(c)) + list(c) for c, _ in groups], dtype=torch.long, device=self.device)
-        smask = torch.tensor([[0] * (cw - len(c)) + [1] * len(c) for c, _ in groups], dtype=torch.long, device=self.device)
-        cmask = torch.cat([torch.ones(len(groups), p, dtype=torch.long, device=self.device), smask], -1)   # padding sits between prefix and context
+        smask = torch.tensor(
+            [[0] * (cw - len(c)) + [1] * len(c) for c, _ in groups], dtype=torch.long, device=self.device
+        )
+        cmask = torch.cat(
+            [torch.ones(len(groups), p, dtype=torch.long, device=self.device), smask], -1
+        )  # padding sits between prefix and context
         rows = [(g, list(k)) for g, (_, conts) in enumerate(groups) for k in conts]
         fed = [len(k) - 1 for _, k in rows]
-        rest: dict[int, np.ndarray] = {}     # row -> [len(k) - 1, V]
+        rest: dict[int, np.ndarray] = {}  # row -> [len(k) - 1, V]
         with torch.inference_mode():
             cache = None
             if p:
-                cache = self.model(torch.tensor([list(prefix)], dtype=torch.long, device=self.device), use_cache=True, logits_to_keep=1).past_key_values
-                cache.reorder_cache(torch.zeros(len(groups), dtype=torch.long, device=self.device))   # [1, ...] -> [G, ...]
-            out = self.model(x, attention_mask=cmask, position_ids=p + (smask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
-                             past_key_values=cache, logits_to_keep=1)
-            first = as_logits(out.logits[:, -1])                         # [G, V]: predicts each continuation's first token
+                cache = self.model(
+                    torch.tensor([list(prefix)], dtype=torch.long, device=self.device), use_cache=True, logits_to_keep=1
+                ).past_key_values
+                cache.reorder_cache(
+                    torch.zeros(len(groups), dtype=torch.long, device=self.device)
+                )  # [1, ...] -> [G, ...]
+            out = self.model(
+                x,
+                attention_mask=cmask,
+                position_ids=p + (smask.cumsum(-1) - 1).clamp(min=0),
+                use_cache=True,
+                past_key_values=cache,
+                logits_to_keep=1,
+            )
+            first = as_logits(out.logits[:, -1])  # [G, V]: predicts each continuation's first token
             todo = length_groups([f for f in fed if f > 0], self.FORWARD_COST)
             for j, (lo, hi) in enumerate(todo):
                 rs = [r for r, f in enumerate(fed) if lo <= f <= hi]
                 idx = torch.tensor([rows[r][0] for r in rs], device=self.device)
                 cache = out.past_key_values if j == len(todo) - 1 else copy.deepcopy(out.past_key_values)
-                cache.reorder_cache(idx)                                      # [G, ...] -> [R, ...], one row per continuation
-                y = torch.tensor([rows[r][1][:-1] + [pad] * (hi - fed[r]) for r in rs], dtype=torch.long, device=self.device)   # [R, hi]
-                kmask = torch.tensor([[1] * fed[r] + [0] * (hi - fed[r]) for r in rs], dtype=torch.long, device=self.device)
-                pos = p + smask.sum(-1)[idx, None] + torch.arange(hi, device=self.device)[None]   # causal: the padding after a row never reaches it
-                logits = as_logits(self.model(y, attention_mask=torch.cat([cmask[idx], kmask], -1), position_ids=pos,
-                                    past_key_values=cache, logits_to_keep=hi).logits)     # [R, hi, V]
-                rest.update((r, logits[i, :fed[r]]) for i, r in enumerate(rs))
+                cache.reorder_cache(idx)  # [G, ...] -> [R, ...], one row per continuation
+                y = torch.tensor(
+                    [rows[r][1][:-1] + [pad] * (hi - fed[r]) for r in rs], dtype=torch.long, device=self.device
+                )  # [R, hi]
+                kmask = torch.tensor(
+                    [[1] * fed[r] + [0] * (hi - fed[r]) for r in rs], dtype=torch.long, device=self.device
+                )
+                pos = (
+                    p + smask.sum(-1)[idx, None] + torch.arange(hi, device=self.device)[None]
+                )  # causal: the padding after a row never reaches it
+                logits = as_logits(
+                    self.model(
+                        y,
+                        attention_mask=torch.cat([cmask[idx], kmask], -1),
+                        position_ids=pos,
+                        past_key_values=cache,
+                        logits_to_keep=hi,
+                    ).logits
+                )  # [R, hi, V]
+                rest.update((r, logits[i, : fed[r]]) for i, r in enumerate(rs))
         res: list[list[np.ndarray]] = [[] for _ in groups]
         for r, (g, k) in enumerate(rows):
             res[g].append(first[g][None] if len(k) == 1 else cat_rows([first[g][None], rest[r]]))
@@ -227,9 +273,13 @@ class TorchRunner:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         width = max(len(p) for p in prompts)
         x = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=self.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=self.device)
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=self.device
+        )
         with torch.inference_mode():
-            out = self.model.generate(x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            out = self.model.generate(
+                x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
+            )
         eos = self.model.generation_config.eos_token_id
         stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         answers = []
@@ -238,9 +288,9 @@ class TorchRunner:
             answers.append(row[:end])
         return answers
 
-
-    def greedy_scored(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, reduce,
-                      prefill_tokens: int = 1024) -> list[tuple[list[int], tuple]]:
+    def greedy_scored(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, reduce, prefill_tokens: int = 1024
+    ) -> list[tuple[list[int], tuple]]:
         """Greedy answers and the logits of every position of prompt + answer that predicts a next token, reduced
         on the fly: reduce(logits [N, V]) -> a tuple of arrays with leading dimension N. Per prompt: (answer,
         the reduced arrays over its len(prompt) + len(answer) - 1 positions, in order).
@@ -259,37 +309,58 @@ class TorchRunner:
         eos = self.model.generation_config.eos_token_id
         stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         width, rows = max(len(p) for p in prompts), len(prompts)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=self.device)
-        pos = torch.tensor([[len(p) - 1] for p in prompts], dtype=torch.long, device=self.device)     # each row's last position
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=self.device
+        )
+        pos = torch.tensor(
+            [[len(p) - 1] for p in prompts], dtype=torch.long, device=self.device
+        )  # each row's last position
         answers: list[list[int]] = [[] for _ in prompts]
         parts: list[list[tuple]] = [[] for _ in prompts]
         with torch.inference_mode():
             keys, values, firsts = [], [], []
             a = 0
-            while a < rows:   # prefill in small left-padded batches of similar length (a [B, W, V] logits tensor is slow)
+            while (
+                a < rows
+            ):  # prefill in small left-padded batches of similar length (a [B, W, V] logits tensor is slow)
                 b = a + 1
-                while b < rows and (b + 1 - a) * max(len(p) for p in prompts[a:b + 1]) <= prefill_tokens:
+                while b < rows and (b + 1 - a) * max(len(p) for p in prompts[a : b + 1]) <= prefill_tokens:
                     b += 1
                 chunk = prompts[a:b]
                 w = max(len(p) for p in chunk)
-                cm = torch.tensor([[0] * (w - len(p)) + [1] * len(p) for p in chunk], dtype=torch.long, device=self.device)
-                out = self.model(torch.tensor([[pad] * (w - len(p)) + list(p) for p in chunk], dtype=torch.long, device=self.device), attention_mask=cm,
-                                 position_ids=(cm.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+                cm = torch.tensor(
+                    [[0] * (w - len(p)) + [1] * len(p) for p in chunk], dtype=torch.long, device=self.device
+                )
+                out = self.model(
+                    torch.tensor([[pad] * (w - len(p)) + list(p) for p in chunk], dtype=torch.long, device=self.device),
+                    attention_mask=cm,
+                    position_ids=(cm.cumsum(-1) - 1).clamp(min=0),
+                    use_cache=True,
+                )
                 for i, p in enumerate(chunk):
-                    parts[a + i].append(reduce(out.logits[i, w - len(p):].float()))
+                    parts[a + i].append(reduce(out.logits[i, w - len(p) :].float()))
                 firsts.append(out.logits[:, -1].argmax(-1))
-                layers = out.past_key_values.layers   # left-pad the cache to the common width; the mask hides the padding
+                layers = (
+                    out.past_key_values.layers
+                )  # left-pad the cache to the common width; the mask hides the padding
                 keys.append([torch.nn.functional.pad(layer.keys, (0, 0, width - w, 0)) for layer in layers])
                 values.append([torch.nn.functional.pad(layer.values, (0, 0, width - w, 0)) for layer in layers])
                 del out, layers
                 a = b
             nxt = torch.cat(firsts)
-            cache = _reserved_cache(DynamicCache(
-                ddp_cache_data=[(torch.cat([k[li] for k in keys]), torch.cat([v[li] for v in values])) for li in range(len(keys[0]))],
-                config=self.model.config), width + max_new_tokens)
+            cache = _reserved_cache(
+                DynamicCache(
+                    ddp_cache_data=[
+                        (torch.cat([k[li] for k in keys]), torch.cat([v[li] for v in values]))
+                        for li in range(len(keys[0]))
+                    ],
+                    config=self.model.config,
+                ),
+                width + max_new_tokens,
+            )
             del keys, values
-            live = np.ones(rows, bool)      # per prompt
-            active = np.arange(rows)        # the prompts still in the decode batch, in batch order
+            live = np.ones(rows, bool)  # per prompt
+            active = np.arange(rows)  # the prompts still in the decode batch, in batch order
             for step in range(max_new_tokens):
                 for j, i in enumerate(active):
                     if live[i]:
@@ -298,7 +369,7 @@ class TorchRunner:
                 if step == max_new_tokens - 1 or not live.any():
                     break
                 on = live[active]
-                if on.mean() < COMPACT_BELOW:   # finished answers leave the batch: a decode step costs its rows
+                if on.mean() < COMPACT_BELOW:  # finished answers leave the batch: a decode step costs its rows
                     sel = torch.from_numpy(np.nonzero(on)[0]).to(self.device)
                     for layer in cache.layers:
                         layer.batch_select_indices(sel)
@@ -306,13 +377,20 @@ class TorchRunner:
                 mask = torch.cat([mask, torch.ones(len(active), 1, dtype=torch.long, device=self.device)], -1)
                 pos = pos + 1
                 feed = torch.where(torch.from_numpy(on).to(self.device), nxt, torch.full_like(nxt, pad))[:, None]
-                logits = self.model(feed, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1].float()
+                logits = (
+                    self.model(feed, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+                    .logits[:, -1]
+                    .float()
+                )
                 keep = np.nonzero(on)[0]
                 reduced = reduce(logits[torch.from_numpy(keep).to(self.device)])
                 for j, r in enumerate(keep):
-                    parts[active[r]].append(tuple(a[j:j + 1] for a in reduced))
+                    parts[active[r]].append(tuple(a[j : j + 1] for a in reduced))
                 nxt = logits.argmax(-1)
-        return [(a, tuple(np.concatenate(cols) for cols in zip(*ps, strict=True))) for a, ps in zip(answers, parts, strict=True)]
+        return [
+            (a, tuple(np.concatenate(cols) for cols in zip(*ps, strict=True)))
+            for a, ps in zip(answers, parts, strict=True)
+        ]
 
 
 class OrtRunner:
@@ -320,7 +398,7 @@ class OrtRunner:
 
     kind = "onnxruntime-cpu"
     numerics = "cpu-onnxruntime"
-    batch_tokens = None     # the gates' default
+    batch_tokens = None  # the gates' default
 
     def __init__(self, engine_dir: Path, tokenizer_dir: Path):
         import onnxruntime as ort
@@ -359,18 +437,23 @@ class OrtRunner:
         return self._run(ids, None, False)[0]
 
     def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list[np.ndarray]:
-        return [self.logits(s)[-(keep_last or len(s)):] for s in seqs]
+        return [self.logits(s)[-(keep_last or len(s)) :] for s in seqs]
 
-    def continuation_logits(self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
-                            prefix: Sequence[int] = ()) -> list[list[np.ndarray]]:
+    def continuation_logits(
+        self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], prefix: Sequence[int] = ()
+    ) -> list[list[np.ndarray]]:
         """As TorchRunner.continuation_logits: the prefix runs once, each context after the prefix's KV cache, each
         continuation after its context's."""
         head = self._run(prefix, None, True)[1] if prefix else None
         res = []
         for ctx, conts in groups:
             first, cache = self._run(ctx, head, True)
-            res.append([first[-1:] if len(k) == 1 else np.concatenate([first[-1:], self._run(k[:-1], cache, False)[0]])
-                        for k in conts])
+            res.append(
+                [
+                    first[-1:] if len(k) == 1 else np.concatenate([first[-1:], self._run(k[:-1], cache, False)[0]])
+                    for k in conts
+                ]
+            )
         return res
 
 
@@ -390,6 +473,10 @@ def load_runner(art: Artifact, device: str = "cpu", dtype: str = "auto"):
 
         return StaticRunner(art.path, resolve_device(device))
     if art.kind == "engine":
-        raise BackendUnavailable(f"{art.path}: gates cannot run a {backend} engine on this host",
-                                 hint="gate the checkpoint on the reference path, or build a torch-int4 engine")
-    raise InputError(f"{art.path}: a {art.kind} artifact cannot be run as a model", hint="pass a checkpoint or an engine")
+        raise BackendUnavailable(
+            f"{art.path}: gates cannot run a {backend} engine on this host",
+            hint="gate the checkpoint on the reference path, or build a torch-int4 engine",
+        )
+    raise InputError(
+        f"{art.path}: a {art.kind} artifact cannot be run as a model", hint="pass a checkpoint or an engine"
+    )

@@ -10,6 +10,7 @@ with `index_copy_`, and attention masks come from the `valid` buffer and slot in
 host synchronization and replays as a CUDA graph. Rows are left-padded: row b's prompt occupies the last slots of
 the prefill, `valid[b, s]` says slot s holds one of its tokens, and `positions` gives each token's RoPE position.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,19 +21,24 @@ from qgate.engines.int4pack import Int4Weight, device_pack, int4_mm
 from qgate.errors import ConfigError
 
 ARCHITECTURES = ("LlamaForCausalLM",)
-STATIC_ROPE = ("default", "linear", "llama3")    # RoPE types whose frequencies do not depend on the sequence length
+STATIC_ROPE = ("default", "linear", "llama3")  # RoPE types whose frequencies do not depend on the sequence length
 
 
 def check_architecture(config: dict) -> None:
     """ConfigError unless this engine computes what the checkpoint's architecture computes."""
     arch = config.get("architectures") or []
     if arch != list(ARCHITECTURES[:1]) or config.get("model_type") != "llama":
-        raise ConfigError(f"the torch-int4 engine implements {', '.join(ARCHITECTURES)}, this checkpoint is "
-                          f"{arch or config.get('model_type')}", hint="gate this checkpoint on the reference path")
+        raise ConfigError(
+            f"the torch-int4 engine implements {', '.join(ARCHITECTURES)}, this checkpoint is "
+            f"{arch or config.get('model_type')}",
+            hint="gate this checkpoint on the reference path",
+        )
     rope = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get("rope_type", "default")
     if rope not in STATIC_ROPE:
-        raise ConfigError(f"config.json rope_type {rope!r}: the torch-int4 engine serves {', '.join(STATIC_ROPE)}",
-                          hint="gate this checkpoint on the reference path")
+        raise ConfigError(
+            f"config.json rope_type {rope!r}: the torch-int4 engine serves {', '.join(STATIC_ROPE)}",
+            hint="gate this checkpoint on the reference path",
+        )
     if config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"config.json hidden_act {config.get('hidden_act')!r}: the torch-int4 engine serves silu")
 
@@ -46,17 +52,19 @@ class Linear(nn.Module):
             self.group_size = weight.group_size
             self.out_features = weight.codes.shape[0]
             self.register_buffer("packed", device_pack(weight.codes, device))
-            self.register_buffer("sz", weight.scales_and_zeros.to(device, dtype))     # [G, O, 2]
+            self.register_buffer("sz", weight.scales_and_zeros.to(device, dtype))  # [G, O, 2]
             self.weight = None
         else:
             self.out_features = weight.shape[0]
-            self.register_buffer("weight", weight.to(device, dtype))                 # [O, I]
+            self.register_buffer("weight", weight.to(device, dtype))  # [O, I]
         self.register_buffer("bias", None if bias is None else bias.to(device, dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:     # [..., I] -> [..., O]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., I] -> [..., O]
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
-        y = int4_mm(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, self.sz).reshape(*x.shape[:-1], self.out_features)
+        y = int4_mm(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, self.sz).reshape(
+            *x.shape[:-1], self.out_features
+        )
         return y if self.bias is None else y + self.bias
 
 
@@ -96,23 +104,32 @@ class StaticLlama(nn.Module):
         def vec(k: str) -> torch.Tensor:
             return tensors[k].to(device, dtype)
 
-        self.register_buffer("embed", tensors["model.embed_tokens.weight"].to(device, dtype))             # [V, H]
+        self.register_buffer("embed", tensors["model.embed_tokens.weight"].to(device, dtype))  # [V, H]
         self.layers = nn.ModuleList()
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}"
-            layer = nn.ModuleDict({n: lin(f"{p}.{m}.{n}") for m, names in
-                                   (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                    ("mlp", ("gate_proj", "up_proj", "down_proj"))) for n in names})
+            layer = nn.ModuleDict(
+                {
+                    n: lin(f"{p}.{m}.{n}")
+                    for m, names in (
+                        ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                        ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                    )
+                    for n in names
+                }
+            )
             layer.register_buffer("in_norm", vec(f"{p}.input_layernorm.weight"))
             layer.register_buffer("post_norm", vec(f"{p}.post_attention_layernorm.weight"))
             self.layers.append(layer)
         self.register_buffer("norm", vec("model.norm.weight"))
-        head = "lm_head" if ("lm_head" in tensors or "lm_head.weight" in tensors) and not c.tie_word_embeddings else None
-        self.lm_head = lin(head) if head else Linear(self.embed, None, dtype, device)      # tied: the same tensor
-        rope = LlamaRotaryEmbedding(c)                   # transformers' own frequencies, for every RoPE type served
-        pos = torch.arange(c.max_position_embeddings)[None]                                  # [1, P]
-        cos, sin = rope(torch.empty(0, dtype=torch.float32), pos)                           # [1, P, D] float32
-        self.register_buffer("cos", cos[0].to(device, dtype))                               # [P, D]
+        head = (
+            "lm_head" if ("lm_head" in tensors or "lm_head.weight" in tensors) and not c.tie_word_embeddings else None
+        )
+        self.lm_head = lin(head) if head else Linear(self.embed, None, dtype, device)  # tied: the same tensor
+        rope = LlamaRotaryEmbedding(c)  # transformers' own frequencies, for every RoPE type served
+        pos = torch.arange(c.max_position_embeddings)[None]  # [1, P]
+        cos, sin = rope(torch.empty(0, dtype=torch.float32), pos)  # [1, P, D] float32
+        self.register_buffer("cos", cos[0].to(device, dtype))  # [P, D]
         self.register_buffer("sin", sin[0].to(device, dtype))
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
@@ -125,40 +142,48 @@ class StaticLlama(nn.Module):
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                slot: torch.Tensor | int | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        slot: torch.Tensor | int | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
         """tokens, positions [B, T]; valid [B, S] bool: which key slots hold real tokens, these T included.
         slot: where these T tokens go in the cache (a 0-d long tensor when captured); None: no cache, S == T.
         Attention reads the first S slots of the cache, so a short context costs S slots, not the cache's length.
         Returns float32 logits [B, T or logits_to_keep, V]."""
         b, t = tokens.shape
         s = valid.shape[1]
-        x = F.embedding(tokens, self.embed)                                       # [B, T, H]
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]      # [B, 1, T, D]
+        x = F.embedding(tokens, self.embed)  # [B, T, H]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, D]
         if slot is None:
             slots = torch.arange(t, device=tokens.device)
             keys = slots
         else:
-            slots = slot + torch.arange(t, device=tokens.device)                  # [T]
-            keys = torch.arange(s, device=tokens.device)                          # [S]
+            slots = slot + torch.arange(t, device=tokens.device)  # [T]
+            keys = torch.arange(s, device=tokens.device)  # [S]
         # a key is seen when it holds a real token at or before the query's slot; a padding query sees itself, so
         # every row of the softmax has a key and padding computes finite values that no real token reads
-        mask = (valid[:, None, :] & (keys[None, :] <= slots[:, None])[None]) | (keys[None, :] == slots[:, None])[None]  # [B, T, S]
+        mask = (valid[:, None, :] & (keys[None, :] <= slots[:, None])[None]) | (keys[None, :] == slots[:, None])[
+            None
+        ]  # [B, T, S]
         g = self.heads // self.kv_heads
-        mask = mask[:, None, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, -1)          # [B, 1, G*T, S]
+        mask = mask[:, None, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, -1)  # [B, 1, G*T, S]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.in_norm, self.eps)
-            q = layer["q_proj"](h).view(b, t, self.heads, self.head_dim).transpose(1, 2)       # [B, H, T, D]
-            k = layer["k_proj"](h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)    # [B, Hkv, T, D]
+            q = layer["q_proj"](h).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+            k = layer["k_proj"](h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
             v = layer["v_proj"](h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             if slot is not None:
                 self.k_cache[i][:b].index_copy_(2, slots, k)
                 self.v_cache[i][:b].index_copy_(2, slots, v)
-                k, v = self.k_cache[i][:b, :, :s], self.v_cache[i][:b, :, :s]                  # [B, Hkv, S, D]
+                k, v = self.k_cache[i][:b, :, :s], self.v_cache[i][:b, :, :s]  # [B, Hkv, S, D]
             # grouped-query attention as Hkv heads of G*T queries each: K/V are read as stored, never copied per head
             a = F.scaled_dot_product_attention(q.reshape(b, self.kv_heads, g * t, self.head_dim), k, v, attn_mask=mask)
-            a = a.reshape(b, self.heads, t, self.head_dim)                                            # [B, H, T, D]
+            a = a.reshape(b, self.heads, t, self.head_dim)  # [B, H, T, D]
             x = x + layer["o_proj"](a.transpose(1, 2).reshape(b, t, -1))
             h = rms_norm(x, layer.post_norm, self.eps)
             x = x + layer["down_proj"](F.silu(layer["gate_proj"](h)) * layer["up_proj"](h))

@@ -10,6 +10,7 @@ bucket's slots, not the whole cache. A batch runs on the smallest captured size 
 padding) and the smallest bucket that holds its prompt and answer. A batch no graph holds, and every batch on a CPU,
 runs the same model eagerly.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ from qgate.engines.logits import as_logits, check_vocab
 from qgate.engines.static_llama import StaticLlama
 from qgate.errors import ConfigError
 
-SERVED_SUBDIR = "checkpoint"     # an engine's config, generation config and tokenizer files: what the contract reads
+SERVED_SUBDIR = "checkpoint"  # an engine's config, generation config and tokenizer files: what the contract reads
 SERVED_FILES = ("config.json", "generation_config.json")
 
 
@@ -36,12 +37,16 @@ def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dic
     config = json.loads((engine_dir / SERVED_SUBDIR / "config.json").read_text())
     dtype = getattr(torch, spec["dtype"])
     if device.type == "cuda" and dtype != torch.bfloat16:
-        raise ConfigError(f"{engine_dir}: engine.dtype {spec['dtype']} runs on the CPU only; torch's CUDA int4 kernel "
-                          "takes bfloat16", hint="rebuild the engine with engine.dtype bfloat16")
+        raise ConfigError(
+            f"{engine_dir}: engine.dtype {spec['dtype']} runs on the CPU only; torch's CUDA int4 kernel takes bfloat16",
+            hint="rebuild the engine with engine.dtype bfloat16",
+        )
     tensors = load_file(str(engine_dir / "engine.safetensors"))
     for p, kind in spec["layers"].items():
         if kind == "int4":
-            tensors[p] = Int4Weight(tensors.pop(f"{p}.codes"), tensors.pop(f"{p}.scales_and_zeros"), spec["group_sizes"][p])
+            tensors[p] = Int4Weight(
+                tensors.pop(f"{p}.codes"), tensors.pop(f"{p}.scales_and_zeros"), spec["group_sizes"][p]
+            )
     return StaticLlama(config, tensors, dtype, device).eval(), spec, config
 
 
@@ -64,8 +69,10 @@ class StaticRunner:
         gen = engine_dir / SERVED_SUBDIR / "generation_config.json"
         eos = (json.loads(gen.read_text()) if gen.exists() else config).get("eos_token_id")
         self.stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id or 0
-        self.graphs: dict[tuple[int, int], tuple] = {}     # (batch size, context slots) -> (graph, its logits)
+        self.pad = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id or 0
+        )
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (batch size, context slots) -> (graph, its logits)
         if device.type == "cuda":
             self._capture(self.spec["graph_batch_sizes"], self.spec["max_seq_len"])
 
@@ -86,13 +93,13 @@ class StaticRunner:
                 args = (self.g_tok[:b], self.g_pos[:b], self.g_valid[:b, :n], self.g_slot)
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):       # warm-up off the capture stream, as torch.cuda.graphs requires
+                with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs requires
                     for _ in range(2):
                         m(*args)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = m(*args)                                       # [b, 1, V] float32
+                    out = m(*args)  # [b, 1, V] float32
                 self.graphs[b, n] = (graph, out)
         torch.cuda.synchronize(self.device)
 
@@ -100,7 +107,9 @@ class StaticRunner:
         """tokens, valid mask and RoPE positions [rows, W] for left-padded sequences (extra rows are all padding)."""
         width = max(len(s) for s in seqs)
         seqs = list(seqs) + [[]] * ((rows or len(seqs)) - len(seqs))
-        tok = torch.tensor([[self.pad] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long, device=self.device)
+        tok = torch.tensor(
+            [[self.pad] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long, device=self.device
+        )
         valid = torch.tensor([[False] * (width - len(s)) + [True] * len(s) for s in seqs], device=self.device)
         return tok, valid, (valid.long().cumsum(-1) - 1).clamp(min=0)
 
@@ -108,17 +117,20 @@ class StaticRunner:
         tok, valid, pos = self._left_pad(seqs)
         k = min(keep_last or tok.shape[1], tok.shape[1])
         with torch.inference_mode():
-            out = as_logits(self.model(tok, pos, valid, None, logits_to_keep=k))   # [B, k, V]: numpy on a CPU
-        return [out[i, max(k - len(s), 0):] for i, s in enumerate(seqs)]
+            out = as_logits(self.model(tok, pos, valid, None, logits_to_keep=k))  # [B, k, V]: numpy on a CPU
+        return [out[i, max(k - len(s), 0) :] for i, s in enumerate(seqs)]
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         return self.logits_batch([ids])[0]
 
-    def continuation_logits(self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
-                            prefix: Sequence[int] = ()) -> list[list[np.ndarray]]:
+    def continuation_logits(
+        self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], prefix: Sequence[int] = ()
+    ) -> list[list[np.ndarray]]:
         """As TorchRunner.continuation_logits, each continuation scored as one whole sequence prefix + context +
         continuation (no cache reuse: the engine is measured on what it computes, not on how little)."""
-        rows = [(g, list(prefix) + list(c) + list(k[:-1]), len(k)) for g, (c, conts) in enumerate(groups) for k in conts]
+        rows = [
+            (g, list(prefix) + list(c) + list(k[:-1]), len(k)) for g, (c, conts) in enumerate(groups) for k in conts
+        ]
         res: list[list[np.ndarray]] = [[] for _ in groups]
         for g, seq, n in rows:
             res[g].append(self.logits_batch([seq], keep_last=n)[0])
@@ -144,11 +156,11 @@ class StaticRunner:
             m.setup_cache(rows, width + max_new_tokens)
             valid = torch.zeros(rows, width + max_new_tokens, dtype=torch.bool, device=self.device)
         valid[:, :width] = valid_w
-        lengths = valid_w.sum(-1, keepdim=True)                                   # [rows, 1]
+        lengths = valid_w.sum(-1, keepdim=True)  # [rows, 1]
         answers: list[list[int]] = [[] for _ in prompts]
         live = [True] * b
         with torch.inference_mode():
-            nxt = m(tok, pos, valid, 0, logits_to_keep=1)[:, -1].argmax(-1)        # [rows]
+            nxt = m(tok, pos, valid, 0, logits_to_keep=1)[:, -1].argmax(-1)  # [rows]
             for step in range(max_new_tokens):
                 for r, t in enumerate(nxt[:b].tolist()):
                     if live[r]:

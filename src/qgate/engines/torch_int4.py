@@ -17,6 +17,7 @@ Layout of `out`:
   engine.json          dtype, layer kinds, group sizes, graph batch sizes, KV slots
   checkpoint/          the config, generation config and tokenizer files it serves with (the contract reads these)
 """
+
 from __future__ import annotations
 
 import json
@@ -30,23 +31,25 @@ from qgate.engines.batch_sizes import graph_batch_sizes, profile_concurrency
 from qgate.errors import ConfigError, InputError
 from qgate.trust import copy_tokenizer_files
 
-DTYPES = ("bfloat16", "float32")   # float32: CPU only, for checking the engine's numerics exactly
+DTYPES = ("bfloat16", "float32")  # float32: CPU only, for checking the engine's numerics exactly
 
 
 @dataclass(frozen=True)
 class TorchInt4Config:
-    dtype: str = "bfloat16"      # activations, dense weights and the KV cache (torch's CUDA int4 kernel takes bf16)
-    max_seq_len: int = 4096      # KV slots of the captured decode graphs, capped at the model's context length
+    dtype: str = "bfloat16"  # activations, dense weights and the KV cache (torch's CUDA int4 kernel takes bf16)
+    max_seq_len: int = 4096  # KV slots of the captured decode graphs, capped at the model's context length
     max_batch_size_cap: int = 256
-    verify: bool = True          # load, capture every batch size's graph (on CUDA), and decode a few tokens
+    verify: bool = True  # load, capture every batch size's graph (on CUDA), and decode a few tokens
     VERSION = 1
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"engine.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_seq_len < 16 or self.max_batch_size_cap < 1:
-            raise ConfigError(f"engine.max_seq_len must be >= 16 and engine.max_batch_size_cap >= 1, got "
-                              f"{self.max_seq_len} and {self.max_batch_size_cap}")
+            raise ConfigError(
+                f"engine.max_seq_len must be >= 16 and engine.max_batch_size_cap >= 1, got "
+                f"{self.max_seq_len} and {self.max_batch_size_cap}"
+            )
 
 
 def refusal(weight_format: str, actorder: str | None, kv_cache: str | None) -> str | None:
@@ -73,8 +76,11 @@ def check_checkpoint(ckpt: Artifact) -> dict:
     if cfg.get("quantization_config"):
         check_scheme(cfg["quantization_config"])
     if ckpt.meta.get("kv_cache_dtype"):
-        raise ConfigError(f"{ckpt.path}: KV cache {ckpt.meta['kv_cache_dtype']}: the torch-int4 engine keeps its KV "
-                          "cache in the activation dtype", hint="quantize without --kv-cache for this engine")
+        raise ConfigError(
+            f"{ckpt.path}: KV cache {ckpt.meta['kv_cache_dtype']}: the torch-int4 engine keeps its KV "
+            "cache in the activation dtype",
+            hint="quantize without --kv-cache for this engine",
+        )
     return cfg
 
 
@@ -103,24 +109,40 @@ def build_torch_int4(ckpt: Artifact, config: TorchInt4Config, out: Path, profile
         tensors[k] = v.to(dtype) if v.is_floating_point() else v
     concurrency = profile_concurrency(profile)
     sizes, max_batch = graph_batch_sizes(concurrency, config.max_batch_size_cap)
-    spec = {"format": 1, "dtype": config.dtype, "max_seq_len": min(config.max_seq_len, int(cfg.get("max_position_embeddings", 2048))),
-            "graph_batch_sizes": sizes, "max_batch_size": max_batch, "layers": kinds,
-            "group_sizes": {p: w.group_size for p, w in layers.items() if isinstance(w, Int4Weight)}}
+    spec = {
+        "format": 1,
+        "dtype": config.dtype,
+        "max_seq_len": min(config.max_seq_len, int(cfg.get("max_position_embeddings", 2048))),
+        "graph_batch_sizes": sizes,
+        "max_batch_size": max_batch,
+        "layers": kinds,
+        "group_sizes": {p: w.group_size for p, w in layers.items() if isinstance(w, Int4Weight)},
+    }
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
     (out / SERVED_SUBDIR).mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "engine.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(out / "engine.safetensors"), metadata={"format": "pt"}
+    )
     (out / "engine.json").write_text(json.dumps(spec, indent=2))
     for name in SERVED_FILES:
         if (ckpt.path / name).is_file():
             shutil.copyfile(ckpt.path / name, out / SERVED_SUBDIR / name)
     copy_tokenizer_files(ckpt.path, out / SERVED_SUBDIR)
     counts = {k: list(kinds.values()).count(k) for k in sorted(set(kinds.values()))}
-    meta = ckpt.meta | {"backend": "torch-int4", "runtime": f"torch {torch.__version__}", "checkpoint": ckpt.sha256,
-                        "checkpoint_path": str(ckpt.path), "concurrency": concurrency, "graph_batch_sizes": sizes,
-                        "layer_kinds": counts, "engine_bytes": (out / "engine.safetensors").stat().st_size,
-                        "build_seconds": round(time.perf_counter() - t0, 1), "verified": False}
+    meta = ckpt.meta | {
+        "backend": "torch-int4",
+        "runtime": f"torch {torch.__version__}",
+        "checkpoint": ckpt.sha256,
+        "checkpoint_path": str(ckpt.path),
+        "concurrency": concurrency,
+        "graph_batch_sizes": sizes,
+        "layer_kinds": counts,
+        "engine_bytes": (out / "engine.safetensors").stat().st_size,
+        "build_seconds": round(time.perf_counter() - t0, 1),
+        "verified": False,
+    }
     if config.verify:
         meta |= verify_engine(out)
     parents = (ckpt.sha256,) + ((profile.sha256,) if profile else ())
@@ -142,5 +164,10 @@ def verify_engine(out: Path) -> dict:
         answers = runner.greedy_batch([prompt] * b, 4)
         if not all(answers):
             raise InputError(f"{out}: the torch-int4 engine's smoke decode at batch {b} produced no tokens")
-    return {"verified": True, "verified_on": str(runner.device), "load_seconds": round(load_s, 2),
-            "captured_batch_sizes": sizes, "captured_graphs": len(runner.graphs)}
+    return {
+        "verified": True,
+        "verified_on": str(runner.device),
+        "load_seconds": round(load_s, 2),
+        "captured_batch_sizes": sizes,
+        "captured_graphs": len(runner.graphs),
+    }

@@ -9,6 +9,7 @@ CUDA-graph batch sizes come from the traffic profile's observed concurrency. Whe
 captured and warmed, and a smoke generation must produce tokens; elsewhere the bundle
 is still written and BackendUnavailable says why it could not be verified.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -29,7 +30,7 @@ KV_DTYPES = {None: "auto", "fp8": "fp8"}
 class TrtllmConfig:
     max_batch_size_cap: int = 256
     free_gpu_memory_fraction: float = 0.85
-    verify: bool = True       # load, capture graphs, smoke-generate (needs CUDA + tensorrt_llm)
+    verify: bool = True  # load, capture graphs, smoke-generate (needs CUDA + tensorrt_llm)
     VERSION = 1
 
     def __post_init__(self):
@@ -42,8 +43,10 @@ class TrtllmConfig:
 def llm_api_options(ckpt: Artifact, config: TrtllmConfig, concurrency: dict) -> dict:
     kv = ckpt.meta.get("kv_cache_dtype")
     if kv not in KV_DTYPES:
-        raise ConfigError(f"TensorRT-LLM's PyTorch backend serves KV cache as auto or fp8, not {kv!r}",
-                          hint="quantize with --kv-cache fp8 for TensorRT-LLM, or serve int8 KV on another engine")
+        raise ConfigError(
+            f"TensorRT-LLM's PyTorch backend serves KV cache as auto or fp8, not {kv!r}",
+            hint="quantize with --kv-cache fp8 for TensorRT-LLM, or serve int8 KV on another engine",
+        )
     sizes, max_batch = graph_batch_sizes(concurrency, config.max_batch_size_cap)
     return {
         "max_batch_size": max_batch,
@@ -65,8 +68,13 @@ def build_trtllm(ckpt: Artifact, config: TrtllmConfig, out: Path, profile: Artif
         f"CUDA-graph batch sizes {options['cuda_graph_config']['batch_sizes']} come from observed concurrency "
         f"({concurrency.get('method')}: p50={concurrency.get('p50')}, p90={concurrency.get('p90')}, p99={concurrency.get('p99')}).\n"
     )
-    meta = ckpt.meta | {"backend": "trtllm", "checkpoint": ckpt.sha256, "checkpoint_path": str(ckpt.path), "concurrency": concurrency,
-                        "verified": False}
+    meta = ckpt.meta | {
+        "backend": "trtllm",
+        "checkpoint": ckpt.sha256,
+        "checkpoint_path": str(ckpt.path),
+        "concurrency": concurrency,
+        "verified": False,
+    }
     parents = (ckpt.sha256,) + ((profile.sha256,) if profile else ())
     art_config = {"engine": typed_config(config), "llm_api_options": options, "checkpoint": ckpt.config}
     if config.verify:
@@ -85,9 +93,12 @@ def verify_bundle(out: Path, options: dict) -> dict:
     from tensorrt_llm.llmapi import CudaGraphConfig, KvCacheConfig  # noqa: PLC0415
 
     t0 = time.perf_counter()
-    llm = LLM(model=str(out / "checkpoint"), max_batch_size=options["max_batch_size"],
-              cuda_graph_config=CudaGraphConfig(**options["cuda_graph_config"]),
-              kv_cache_config=KvCacheConfig(**options["kv_cache_config"]))
+    llm = LLM(
+        model=str(out / "checkpoint"),
+        max_batch_size=options["max_batch_size"],
+        cuda_graph_config=CudaGraphConfig(**options["cuda_graph_config"]),
+        kv_cache_config=KvCacheConfig(**options["kv_cache_config"]),
+    )
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=8, temperature=0.0)
     warm = {}

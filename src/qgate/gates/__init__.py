@@ -1,4 +1,4 @@
 """Deploy gates: shadow disagreement on held-out traffic, offline evals, and the report.
 
-    qgate gate --candidate runs/awq-cpu --baseline runs/base --shadow runs/calib/shadow --out runs/gate-awq
+qgate gate --candidate runs/awq-cpu --baseline runs/base --shadow runs/calib/shadow --out runs/gate-awq
 """

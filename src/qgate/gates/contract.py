@@ -22,6 +22,7 @@ value is the number of differences refused (which must be 0) and whose n is the 
 An allow entry names a difference key or a prefix of one ("chat_template", "generation_config.temperature",
 "context_length.rope_parameters").
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,7 +37,7 @@ from qgate.gates.result import GateResult
 from qgate.trust import TOKENIZER_FILES
 
 FACETS = ("tokenizer", "chat_template", "generation_config", "context_length", "architecture", "prompt_rendering")
-SHOW = 5   # differences listed one by one under one parent key; more are summarized with their count
+SHOW = 5  # differences listed one by one under one parent key; more are summarized with their count
 
 _NAMES = "where the model was loaded from or what it was called: a name, not behaviour"
 _VERSION = "the version of the library that wrote the file"
@@ -45,7 +46,7 @@ _LOADING = "how Transformers read the files when it saved them (its loading argu
 # Keys quantization is allowed to change, each with its reason. Everything else must be equal.
 ALLOWED: dict[str, str] = {
     "architecture.quantization_config": "the quantization itself: how the weights are stored and computed, which the "
-                                        "shadow, eval and long-context gates measure",
+    "shadow, eval and long-context gates measure",
     "architecture.dtype": _DTYPE,
     "architecture.torch_dtype": _DTYPE,
     "architecture.transformers_version": _VERSION,
@@ -57,7 +58,7 @@ ALLOWED: dict[str, str] = {
     "tokenizer.config.is_local": _LOADING,
     "tokenizer.config.local_files_only": _LOADING,
     "generation_config._from_model_config": "whether Transformers derived the file from config.json: bookkeeping; the "
-                                            "values themselves are compared",
+    "values themselves are compared",
 }
 # The CPU engine's genai_config.json: keys that configure onnxruntime-genai itself and have no counterpart in the
 # baseline's files, each with its reason. Every other key must map to a baseline value and equal it.
@@ -67,37 +68,48 @@ ENGINE_RUNTIME: dict[str, str] = {
     "model.decoder.inputs": "the ONNX graph's input names",
     "model.decoder.outputs": "the ONNX graph's output names",
     "search.max_length": "onnxruntime-genai's default length limit: a server sets it per request, and the model's own "
-                         "limit is compared as context_length",
+    "limit is compared as context_length",
     "search.past_present_share_buffer": "how the runtime lays out its KV buffers, not what it computes",
     "search.early_stopping": "a beam-search setting: with one beam (num_beams, compared) it has no effect",
 }
-CONTEXT_WORDS = ("rope", "position", "window", "context", "chunk")   # config.json keys that set how far the model sees
-FILE_KEYS = {   # each of trust.TOKENIZER_FILES -> its key prefix; None: compared as the loaded tokenizer's chat template
-    "tokenizer.json": "tokenizer", "tokenizer_config.json": "tokenizer.config",
-    "special_tokens_map.json": "tokenizer.special_tokens_map", "added_tokens.json": "tokenizer.added_tokens_file",
-    "vocab.json": "tokenizer.vocab_file", "merges.txt": "tokenizer.merges_file", "tokenizer.model": "tokenizer.model_file",
-    "chat_template.jinja": None, "chat_template.json": None,
+CONTEXT_WORDS = ("rope", "position", "window", "context", "chunk")  # config.json keys that set how far the model sees
+FILE_KEYS = {  # each of trust.TOKENIZER_FILES -> its key prefix; None: compared as the loaded tokenizer's chat template
+    "tokenizer.json": "tokenizer",
+    "tokenizer_config.json": "tokenizer.config",
+    "special_tokens_map.json": "tokenizer.special_tokens_map",
+    "added_tokens.json": "tokenizer.added_tokens_file",
+    "vocab.json": "tokenizer.vocab_file",
+    "merges.txt": "tokenizer.merges_file",
+    "tokenizer.model": "tokenizer.model_file",
+    "chat_template.jinja": None,
+    "chat_template.json": None,
 }
-NOT_TOKENIZER_KEYS = ("chat_template",)   # tokenizer_config.json keys compared by another facet
-GENAI_MODEL = {"context_length": ("context_length", "max_position_embeddings"), "type": ("architecture", "model_type"),
-               "vocab_size": ("architecture", "vocab_size"), "decoder.hidden_size": ("architecture", "hidden_size"),
-               "decoder.num_hidden_layers": ("architecture", "num_hidden_layers"),
-               "decoder.num_attention_heads": ("architecture", "num_attention_heads"),
-               "decoder.num_key_value_heads": ("architecture", "num_key_value_heads"),
-               "decoder.head_size": ("architecture", "head_dim")}
+NOT_TOKENIZER_KEYS = ("chat_template",)  # tokenizer_config.json keys compared by another facet
+GENAI_MODEL = {
+    "context_length": ("context_length", "max_position_embeddings"),
+    "type": ("architecture", "model_type"),
+    "vocab_size": ("architecture", "vocab_size"),
+    "decoder.hidden_size": ("architecture", "hidden_size"),
+    "decoder.num_hidden_layers": ("architecture", "num_hidden_layers"),
+    "decoder.num_attention_heads": ("architecture", "num_attention_heads"),
+    "decoder.num_key_value_heads": ("architecture", "num_key_value_heads"),
+    "decoder.head_size": ("architecture", "head_dim"),
+}
 MISSING = "<absent>"
 
 
 @dataclass(frozen=True)
 class ContractConfig:
-    allow: tuple[str, ...] = ()    # difference keys (or prefixes) accepted beyond ALLOWED; each is listed in the report
+    allow: tuple[str, ...] = ()  # difference keys (or prefixes) accepted beyond ALLOWED; each is listed in the report
     VERSION = 2
 
     def __post_init__(self):
         for a in self.allow:
             if not isinstance(a, str) or a.split(".")[0] not in FACETS:
-                raise ConfigError(f"gates.contract.allow: {a!r} does not start with a facet",
-                                  hint=f"facets: {', '.join(FACETS)}; e.g. 'generation_config.temperature'")
+                raise ConfigError(
+                    f"gates.contract.allow: {a!r} does not start with a facet",
+                    hint=f"facets: {', '.join(FACETS)}; e.g. 'generation_config.temperature'",
+                )
 
     def accepts(self, key: str) -> bool:
         return _matches(key, self.allow)
@@ -182,7 +194,9 @@ def leaves(obj, path: str = ""):
         yield path, obj
 
 
-def _file_diffs(prefix_of, file: str, bpath: Path, cpath: Path, skip: tuple[str, ...] = ()) -> tuple[list[tuple[str, dict]], int]:
+def _file_diffs(
+    prefix_of, file: str, bpath: Path, cpath: Path, skip: tuple[str, ...] = ()
+) -> tuple[list[tuple[str, dict]], int]:
     """(facet, difference) pairs for one file served by both: JSON compared key by key, merges.txt line by line, a
     binary file by content; a file one side lacks is one difference. prefix_of(top-level key) -> (facet, key prefix)."""
     if not bpath.exists() and not cpath.exists():
@@ -190,14 +204,18 @@ def _file_diffs(prefix_of, file: str, bpath: Path, cpath: Path, skip: tuple[str,
     if bpath.exists() != cpath.exists():
         facet, prefix = prefix_of("")
         side = {True: "present", False: "absent"}
-        return [(facet, {"key": prefix, "file": file, "baseline": side[bpath.exists()], "candidate": side[cpath.exists()]})], 1
+        return [
+            (facet, {"key": prefix, "file": file, "baseline": side[bpath.exists()], "candidate": side[cpath.exists()]})
+        ], 1
     if cpath.suffix == ".json":
         diffs, n = json_diffs(_json(bpath), _json(cpath))
     elif cpath.suffix == ".txt":
         bl, cl = bpath.read_text().splitlines(), cpath.read_text().splitlines()
         diffs = [((f"line{i + 1}",), x, y) for i, (x, y) in enumerate(zip(bl, cl, strict=False)) if x != y]
-        diffs += [((f"line{i + 1}",), (bl + [MISSING] * len(cl))[i], (cl + [MISSING] * len(bl))[i])
-                  for i in range(min(len(bl), len(cl)), max(len(bl), len(cl)))]
+        diffs += [
+            ((f"line{i + 1}",), (bl + [MISSING] * len(cl))[i], (cl + [MISSING] * len(bl))[i])
+            for i in range(min(len(bl), len(cl)), max(len(bl), len(cl)))
+        ]
         n = max(len(bl), len(cl))
     else:
         h = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (bpath, cpath)]
@@ -217,7 +235,9 @@ def _config_prefix(top: str) -> tuple[str, str]:
     return facet, facet
 
 
-def _served_diffs(bdir: Path, cdir: Path, config_dir: Path | None, genai: dict | None) -> dict[str, tuple[list[dict], int]]:
+def _served_diffs(
+    bdir: Path, cdir: Path, config_dir: Path | None, genai: dict | None
+) -> dict[str, tuple[list[dict], int]]:
     """Per facet: every difference between the baseline's files and the candidate's, and the keys compared."""
     facets: dict[str, tuple[list[dict], int]] = {f: ([], 0) for f in FACETS}
 
@@ -230,12 +250,24 @@ def _served_diffs(bdir: Path, cdir: Path, config_dir: Path | None, genai: dict |
     for file in TOKENIZER_FILES:
         if (prefix := FILE_KEYS[file]) is None:
             continue
-        pairs, n = _file_diffs(lambda _p, pre=prefix: ("tokenizer", pre), file, bdir / file, cdir / file,
-                               NOT_TOKENIZER_KEYS if file == "tokenizer_config.json" else ())
+        pairs, n = _file_diffs(
+            lambda _p, pre=prefix: ("tokenizer", pre),
+            file,
+            bdir / file,
+            cdir / file,
+            NOT_TOKENIZER_KEYS if file == "tokenizer_config.json" else (),
+        )
         add(pairs, n, "tokenizer")
-    if config_dir is None:   # the candidate's config.json could not be found: nothing to compare it with
-        facets["architecture"][0].append(_diff("architecture", "", "config.json", "present",
-                                               "not found: the engine's source checkpoint is not on disk or changed"))
+    if config_dir is None:  # the candidate's config.json could not be found: nothing to compare it with
+        facets["architecture"][0].append(
+            _diff(
+                "architecture",
+                "",
+                "config.json",
+                "present",
+                "not found: the engine's source checkpoint is not on disk or changed",
+            )
+        )
     else:
         where = "config.json" if config_dir == cdir else f"{config_dir / 'config.json'} (the engine's checkpoint)"
         pairs, _ = _file_diffs(_config_prefix, where, bdir / "config.json", config_dir / "config.json")
@@ -243,8 +275,12 @@ def _served_diffs(bdir: Path, cdir: Path, config_dir: Path | None, genai: dict |
         for facet in ("context_length", "architecture"):
             add([p for p in pairs if p[0] == facet], sum(_config_prefix(k)[0] == facet for k in keys), facet)
     if genai is None:
-        pairs, n = _file_diffs(lambda _p: ("generation_config", "generation_config"), "generation_config.json",
-                               bdir / "generation_config.json", cdir / "generation_config.json")
+        pairs, n = _file_diffs(
+            lambda _p: ("generation_config", "generation_config"),
+            "generation_config.json",
+            bdir / "generation_config.json",
+            cdir / "generation_config.json",
+        )
         add(pairs, n, "generation_config")
     else:
         for facet, d in _genai_diffs(bdir, genai):
@@ -284,8 +320,13 @@ def _genai_diffs(bdir: Path, genai: dict) -> list[tuple[str, dict]]:
             facet, name = "generation_config", key
             base = gen[key]
         else:
-            out.append(("generation_config", _diff("generation_config", f"genai.{path}", "genai_config.json", MISSING, value)
-                        | {"why": "no counterpart in the baseline's files"}))
+            out.append(
+                (
+                    "generation_config",
+                    _diff("generation_config", f"genai.{path}", "genai_config.json", MISSING, value)
+                    | {"why": "no counterpart in the baseline's files"},
+                )
+            )
             continue
         if not _same(base, value, name):
             out.append((facet, _diff(facet, name, "genai_config.json", base, value)))
@@ -299,9 +340,16 @@ def _loaded_tokenizer_diffs(btok, ctok) -> list[dict]:
     moved = sorted((t for t in bv.keys() & cv.keys() if bv[t] != cv[t]), key=lambda t: bv[t])
     only = sorted(bv.keys() ^ cv.keys())
     if moved or only or len(bv) != len(cv):
-        out.append(_diff("tokenizer", "vocab", "tokenizer (loaded)", {t: bv.get(t) for t in (moved + only)[:SHOW]},
-                         {t: cv.get(t) for t in (moved + only)[:SHOW]})
-                   | {"count": len(moved) + len(only), "sizes": [len(bv), len(cv)]})
+        out.append(
+            _diff(
+                "tokenizer",
+                "vocab",
+                "tokenizer (loaded)",
+                {t: bv.get(t) for t in (moved + only)[:SHOW]},
+                {t: cv.get(t) for t in (moved + only)[:SHOW]},
+            )
+            | {"count": len(moved) + len(only), "sizes": [len(bv), len(cv)]}
+        )
     for attr in ("bos_token", "eos_token", "pad_token", "unk_token"):
         b = (getattr(btok, attr), getattr(btok, f"{attr}_id"))
         c = (getattr(ctok, attr), getattr(ctok, f"{attr}_id"))
@@ -316,7 +364,10 @@ def _template_diff(btok, ctok) -> list[dict]:
         return []
     bl, cl = b.splitlines(), c.splitlines()
     line = next((i for i, (x, y) in enumerate(zip(bl, cl, strict=False)) if x != y), min(len(bl), len(cl)))
-    return [_diff("chat_template", "", "chat_template.jinja", (bl + [""])[line], (cl + [""])[line]) | {"first_line": line + 1}]
+    return [
+        _diff("chat_template", "", "chat_template.jinja", (bl + [""])[line], (cl + [""])[line])
+        | {"first_line": line + 1}
+    ]
 
 
 def _rendering_diffs(btok, ctok, rows: list[dict]) -> tuple[list[dict], int]:
@@ -326,10 +377,24 @@ def _rendering_diffs(btok, ctok, rows: list[dict]) -> tuple[list[dict], int]:
         b, c = (tok(render(tok, row["messages"]), add_special_tokens=False)["input_ids"] for tok in (btok, ctok))
         if b != c:
             at = next((j for j, (x, y) in enumerate(zip(b, c, strict=False)) if x != y), min(len(b), len(c)))
-            bad.append({"prompt": i, "position": at, "baseline": b[at:at + 4], "candidate": c[at:at + 4],
-                        "baseline_text": btok.decode(b[at:at + 4]), "candidate_text": ctok.decode(c[at:at + 4])})
-    diffs = [_diff("prompt_rendering", "", "shadow prompts", bad[0]["baseline_text"], bad[0]["candidate_text"])
-             | {"prompts_differing": len(bad), "first": bad[0], "examples": bad[1:SHOW]}] if bad else []
+            bad.append(
+                {
+                    "prompt": i,
+                    "position": at,
+                    "baseline": b[at : at + 4],
+                    "candidate": c[at : at + 4],
+                    "baseline_text": btok.decode(b[at : at + 4]),
+                    "candidate_text": ctok.decode(c[at : at + 4]),
+                }
+            )
+    diffs = (
+        [
+            _diff("prompt_rendering", "", "shadow prompts", bad[0]["baseline_text"], bad[0]["candidate_text"])
+            | {"prompts_differing": len(bad), "first": bad[0], "examples": bad[1:SHOW]}
+        ]
+        if bad
+        else []
+    )
     return diffs, len(rows)
 
 
@@ -345,14 +410,21 @@ def summarize(diffs: list[dict]) -> list[dict]:
             out += ds
             continue
         first = ds[:SHOW]
-        out.append({"key": key, "file": file, "count": len(ds),
-                    "baseline": {d["key"][len(key):].lstrip("."): d["baseline"] for d in first},
-                    "candidate": {d["key"][len(key):].lstrip("."): d["candidate"] for d in first}})
+        out.append(
+            {
+                "key": key,
+                "file": file,
+                "count": len(ds),
+                "baseline": {d["key"][len(key) :].lstrip("."): d["baseline"] for d in first},
+                "candidate": {d["key"][len(key) :].lstrip("."): d["candidate"] for d in first},
+            }
+        )
     return out
 
 
-def contract_gate(candidate: Artifact, baseline: Artifact, rows: list[dict], cfg: ContractConfig,
-                  config_dir: Path | None = None) -> list[GateResult]:
+def contract_gate(
+    candidate: Artifact, baseline: Artifact, rows: list[dict], cfg: ContractConfig, config_dir: Path | None = None
+) -> list[GateResult]:
     """config_dir: the directory whose config.json the candidate runs with (default: its served directory; for the
     CPU engine, the checkpoint it was built from; None there when that checkpoint is gone). InputError when the
     baseline's own files disagree on its special tokens: it is then no reference to hold a candidate to."""
@@ -381,8 +453,13 @@ def contract_gate(candidate: Artifact, baseline: Artifact, rows: list[dict], cfg
                 accepted.append(d)
             else:
                 refused.append(d)
-        ev = {"served_from": str(cdir), "differences": summarize(refused), "accepted": summarize(accepted),
-              "allowed": _allowed_summary(allowed), "compared_keys": n}
+        ev = {
+            "served_from": str(cdir),
+            "differences": summarize(refused),
+            "accepted": summarize(accepted),
+            "allowed": _allowed_summary(allowed),
+            "compared_keys": n,
+        }
         results.append(GateResult.check("contract", facet, float(len(refused)), 0.0, False, max(n, 1), evidence=ev))
     return results
 
@@ -391,19 +468,21 @@ def _allowed_summary(allowed: list[dict]) -> list[dict]:
     """One entry per ALLOWED key that let differences through: its reason and how many leaves differ under it."""
     out: dict[str, dict] = {}
     for d in allowed:
-        e = out.setdefault(d["allowed_key"], {"key": d["allowed_key"], "file": d["file"], "why": d["allowed_because"], "count": 0})
+        e = out.setdefault(
+            d["allowed_key"], {"key": d["allowed_key"], "file": d["file"], "why": d["allowed_because"], "count": 0}
+        )
         e["count"] += 1
     return list(out.values())
 
 
 def _short(v, width: int = 160) -> str:
     s = repr(v)
-    return s if len(s) <= width else s[:width - 3] + "..."
+    return s if len(s) <= width else s[: width - 3] + "..."
 
 
 def describe(diff: dict) -> str:
     """One line for the CLI and the report: the file, the key, both values (and how many when summarized)."""
-    if "why" in diff and "baseline" not in diff:   # an allowed key
+    if "why" in diff and "baseline" not in diff:  # an allowed key
         return f"{diff['file']}: {diff['key']}: {diff['why']}"
     count = f" ({diff['count']} differences; the first {SHOW})" if diff.get("count", 0) > SHOW else ""
     return f"{diff['file']}: {diff['key']}{count}: baseline {_short(diff['baseline'])} != candidate {_short(diff['candidate'])}"

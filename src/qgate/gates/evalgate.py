@@ -19,6 +19,7 @@ Label bias: a task whose baseline picks one answer position on LABEL_BIAS of its
 a model answers by position add n without adding power against a loss of knowledge.
 Task YAMLs are lm-eval configs shipped under gates/tasks/; no `!function` code runs.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,7 +36,7 @@ from qgate.gates.stats import agresti_min, holm, mcnemar_exact, paired_binary_ci
 from qgate.naming import Registry
 
 TASK_DIR = Path(__file__).parent / "tasks"
-LABEL_BIAS = 0.9   # a task whose baseline picks one answer position this often is answered by bias, not by item
+LABEL_BIAS = 0.9  # a task whose baseline picks one answer position this often is answered by bias, not by item
 TASKS: Registry[Path] = Registry("eval task")
 for _f in sorted(TASK_DIR.glob("*.yaml")):
     TASKS.register(_f.stem, _f)
@@ -44,19 +45,27 @@ for _f in sorted(TASK_DIR.glob("*.yaml")):
 # sports_understanding item and picks one answer position on 90-97% of the strategyqa, misconceptions and anachronisms
 # items (fixed answer pairs, label bias), but on at most 52% of the items of these six tasks, at 0.35-0.98 accuracy
 # against 0.14-0.33 by chance. The fixed-pair tasks, implicatures and metaphor_boolean ship for models that can do them.
-DEFAULT_TASKS = ("bigbench_general_knowledge", "bigbench_social_iqa", "bigbench_ruin_names", "bigbench_movie_recommendation",
-                 "bigbench_unit_identification", "bigbench_goal_inference", "chatterbot_ppl")
+DEFAULT_TASKS = (
+    "bigbench_general_knowledge",
+    "bigbench_social_iqa",
+    "bigbench_ruin_names",
+    "bigbench_movie_recommendation",
+    "bigbench_unit_identification",
+    "bigbench_goal_inference",
+    "chatterbot_ppl",
+)
+
 
 @dataclass(frozen=True)
 class EvalConfig:
     tasks: tuple[str, ...] = DEFAULT_TASKS
-    limit: int | None = None             # items per task; None: all
-    min_recovery: float | None = 0.9     # candidate acc / baseline acc: PASS needs the 95% CI above it
-    max_bpb_increase: float | None = 0.05   # perplexity tasks: relative increase: PASS needs the 95% CI below it
-    pool: bool = False                   # one gated check over all multiple-choice items; per-task rows are guards
-    significant_loss_alpha: float | None = None   # a number: also FAIL a recovery check's items on an exact McNemar
-                                                  # loss (one-sided p below it), as its own row; None: off
-    VERSION = 4                          # 4: one rule per check (recovery on its CI alone; Holm-adjusted task guards)
+    limit: int | None = None  # items per task; None: all
+    min_recovery: float | None = 0.9  # candidate acc / baseline acc: PASS needs the 95% CI above it
+    max_bpb_increase: float | None = 0.05  # perplexity tasks: relative increase: PASS needs the 95% CI below it
+    pool: bool = False  # one gated check over all multiple-choice items; per-task rows are guards
+    significant_loss_alpha: float | None = None  # a number: also FAIL a recovery check's items on an exact McNemar
+    # loss (one-sided p below it), as its own row; None: off
+    VERSION = 4  # 4: one rule per check (recovery on its CI alone; Holm-adjusted task guards)
 
     def __post_init__(self):
         for t in self.tasks:
@@ -76,8 +85,10 @@ def task_config(name: str) -> dict:
     resolved = {k: (path.parent / v).resolve() for k, v in files.items()}
     for k, f in resolved.items():
         if not f.is_relative_to(path.parent.resolve()):
-            raise ConfigError(f"{path}: dataset_kwargs.data_files.{k} {files[k]!r} points outside the task directory",
-                              hint="keep a task's data beside its YAML")
+            raise ConfigError(
+                f"{path}: dataset_kwargs.data_files.{k} {files[k]!r} points outside the task directory",
+                hint="keep a task's data beside its YAML",
+            )
     cfg["dataset_kwargs"]["data_files"] = {k: str(f) for k, f in resolved.items()}
     return cfg
 
@@ -99,8 +110,8 @@ def _compile_templates_once() -> None:
     lm_utils.apply_template = apply_template
 
 
-SCORES_VERSION = 3   # of what run_tasks returns (3: the chosen answer per item): the baseline's cached scores' key
-NO_ANSWER = -1   # the chosen answer of an item whose every choice has log-likelihood -inf
+SCORES_VERSION = 3  # of what run_tasks returns (3: the chosen answer per item): the baseline's cached scores' key
+NO_ANSWER = -1  # the chosen answer of an item whose every choice has log-likelihood -inf
 
 
 def _chosen(lls: list[float]) -> int:
@@ -118,17 +129,26 @@ def run_tasks(runner, cfg: EvalConfig) -> dict:
 
     _compile_templates_once()
     task_dict = get_task_dict([task_config(t) for t in cfg.tasks], TaskManager(include_defaults=False))
-    res = evaluator.evaluate(lm=RunnerLM(runner), task_dict=task_dict, limit=cfg.limit, log_samples=True, verbosity="ERROR")
+    res = evaluator.evaluate(
+        lm=RunnerLM(runner), task_dict=task_dict, limit=cfg.limit, log_samples=True, verbosity="ERROR"
+    )
     out = {}
     for name in cfg.tasks:
         samples = sorted(res["samples"][name], key=lambda s: s["doc_id"])
-        if "acc" in samples[0]:   # filtered_resps: one (log-likelihood, is greedy) per choice; acc takes the argmax
+        if "acc" in samples[0]:  # filtered_resps: one (log-likelihood, is greedy) per choice; acc takes the argmax
             chosen = [_chosen([float(r[0]) for r in s["filtered_resps"]]) for s in samples]
-            out[name] = {"kind": "mc", "chosen": chosen, "gold": [int(s["target"]) for s in samples],
-                         "per_item": [float(s["acc"]) if c != NO_ANSWER else 0.0 for s, c in zip(samples, chosen, strict=True)]}
+            out[name] = {
+                "kind": "mc",
+                "chosen": chosen,
+                "gold": [int(s["target"]) for s in samples],
+                "per_item": [float(s["acc"]) if c != NO_ANSWER else 0.0 for s, c in zip(samples, chosen, strict=True)],
+            }
         else:  # bits_per_byte samples are (loglikelihood, bytes)
-            out[name] = {"kind": "ppl", "ll": [float(s["bits_per_byte"][0]) for s in samples],
-                         "bytes": [int(s["bits_per_byte"][1]) for s in samples]}
+            out[name] = {
+                "kind": "ppl",
+                "ll": [float(s["bits_per_byte"][0]) for s in samples],
+                "bytes": [int(s["bits_per_byte"][1]) for s in samples],
+            }
     return out
 
 
@@ -152,12 +172,15 @@ def label_bias(scores: dict) -> dict | None:
 
 
 def _bias_caveat(b: dict) -> str:
-    return (f"label bias: the baseline picks choice {b['index']} on {b['share']:.0%} of items (the gold answer is choice "
-            f"{b['index']} on {b['gold_share']:.0%}), so these items carry little evidence of a loss")
+    return (
+        f"label bias: the baseline picks choice {b['index']} on {b['share']:.0%} of items (the gold answer is choice "
+        f"{b['index']} on {b['gold_share']:.0%}), so these items carry little evidence of a loss"
+    )
 
 
-def _mc_check(name: str, bc: np.ndarray, cc: np.ndarray, min_recovery: float | None,
-              evidence: dict | None = None) -> GateResult:
+def _mc_check(
+    name: str, bc: np.ndarray, cc: np.ndarray, min_recovery: float | None, evidence: dict | None = None
+) -> GateResult:
     """Recovery with its 95% Agresti-Min interval, decided on that interval alone."""
     test = mcnemar_exact(bc, cc)
     delta, lo, hi = paired_binary_ci(bc, cc)
@@ -177,9 +200,21 @@ def _loss_check(name: str, r: GateResult, alpha: float) -> GateResult:
     """The named no-significant-loss check beside recovery check `r`: the exact one-sided McNemar p-value of a loss,
     which must be at least alpha."""
     ev = r.evidence
-    return GateResult.check("eval", f"{name}.no_significant_loss", ev["p_loss"], alpha, True, r.n, p_value=ev["p_loss"],
-                            evidence={"lost": ev["lost"], "gained": ev["gained"], "test": "exact McNemar, one-sided (loss)",
-                                      "why": f"{ev['lost']} items lost and {ev['gained']} gained: a significant loss"})
+    return GateResult.check(
+        "eval",
+        f"{name}.no_significant_loss",
+        ev["p_loss"],
+        alpha,
+        True,
+        r.n,
+        p_value=ev["p_loss"],
+        evidence={
+            "lost": ev["lost"],
+            "gained": ev["gained"],
+            "test": "exact McNemar, one-sided (loss)",
+            "why": f"{ev['lost']} items lost and {ev['gained']} gained: a significant loss",
+        },
+    )
 
 
 def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
@@ -189,7 +224,11 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
         if b["kind"] == "mc":
             bc, cc = np.array(b["per_item"]) > 0.5, np.array(c["per_item"]) > 0.5
             bias = label_bias(b)
-            ev = {} if bias is None else {"label_bias": bias} | ({"caveat": _bias_caveat(bias)} if bias["flagged"] else {})
+            ev = (
+                {}
+                if bias is None
+                else {"label_bias": bias} | ({"caveat": _bias_caveat(bias)} if bias["flagged"] else {})
+            )
             mc_rows.append(len(results))
             results.append(_mc_check(name, bc, cc, None if cfg.pool else cfg.min_recovery, ev))
             if cfg.significant_loss_alpha is not None and not cfg.pool:
@@ -203,8 +242,19 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
             base_bpb, cand_bpb = _bpb(bll, nb), _bpb(cll, nb)
             ci = paired_bootstrap(np.stack([cll, bll], 1), nb, lambda ll, b: _bpb(ll[:, 0], b) / _bpb(ll[:, 1], b) - 1)
             ev = {"base_bpb": base_bpb, "cand_bpb": cand_bpb}
-            results.append(GateResult.check("eval", f"{name}.bpb_increase", cand_bpb / base_bpb - 1, cfg.max_bpb_increase,
-                                            False, len(nb), ci, None, ev))
+            results.append(
+                GateResult.check(
+                    "eval",
+                    f"{name}.bpb_increase",
+                    cand_bpb / base_bpb - 1,
+                    cfg.max_bpb_increase,
+                    False,
+                    len(nb),
+                    ci,
+                    None,
+                    ev,
+                )
+            )
     if cfg.pool and pooled_b:
         if cfg.min_recovery is not None:
             _guard_tasks(results, mc_rows, pooled_b, pooled_c, cfg.min_recovery)
@@ -214,28 +264,43 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
             n_biased = sum(len(pooled_b[i]) for i, f in enumerate(biased) if f)
             ev["label_biased_tasks"] = [t for t, f in zip(pooled_tasks, biased, strict=True) if f]
             if keep:
-                rest = _mc_check("informative", np.concatenate([pooled_b[i] for i in keep]),
-                                 np.concatenate([pooled_c[i] for i in keep]), cfg.min_recovery)
-                ev["informative"] = {"n": rest.n, "observed": rest.observed, "ci": list(rest.ci) if rest.ci else None,
-                                     "mde": rest.mde}
-                tail = (f"over the other {rest.n} items the recovery is {rest.observed:.3f}, mde "
-                        + (f"{rest.mde:.3f}" if rest.mde is not None else "unknown"))
+                rest = _mc_check(
+                    "informative",
+                    np.concatenate([pooled_b[i] for i in keep]),
+                    np.concatenate([pooled_c[i] for i in keep]),
+                    cfg.min_recovery,
+                )
+                ev["informative"] = {
+                    "n": rest.n,
+                    "observed": rest.observed,
+                    "ci": list(rest.ci) if rest.ci else None,
+                    "mde": rest.mde,
+                }
+                tail = f"over the other {rest.n} items the recovery is {rest.observed:.3f}, mde " + (
+                    f"{rest.mde:.3f}" if rest.mde is not None else "unknown"
+                )
             else:
                 tail = "no pooled task is free of it, so this check's power against a real loss is unknown"
-            ev["caveat"] = (f"{n_biased} items come from tasks the baseline answers by label bias "
-                            f"({', '.join(ev['label_biased_tasks'])}); {tail}")
+            ev["caveat"] = (
+                f"{n_biased} items come from tasks the baseline answers by label bias "
+                f"({', '.join(ev['label_biased_tasks'])}); {tail}"
+            )
         pooled = _mc_check("mc_pooled", np.concatenate(pooled_b), np.concatenate(pooled_c), cfg.min_recovery, ev)
-        head = [pooled] + ([_loss_check("mc_pooled", pooled, cfg.significant_loss_alpha)]
-                           if cfg.significant_loss_alpha is not None else [])
+        head = [pooled] + (
+            [_loss_check("mc_pooled", pooled, cfg.significant_loss_alpha)]
+            if cfg.significant_loss_alpha is not None
+            else []
+        )
         results[:0] = head
     return results
 
 
-GUARD_ERROR = 0.025   # one-sided, family-wise: the bad side of a two-sided 95% interval
+GUARD_ERROR = 0.025  # one-sided, family-wise: the bad side of a two-sided 95% interval
 
 
-def _guard_tasks(results: list[GateResult], rows: list[int], base: list[np.ndarray], cand: list[np.ndarray],
-                 margin: float) -> None:
+def _guard_tasks(
+    results: list[GateResult], rows: list[int], base: list[np.ndarray], cand: list[np.ndarray], margin: float
+) -> None:
     """Pooled mode: each task's row (results[i] for i in rows, with items base[j], cand[j]) becomes a guard at the
     pooled check's margin, in place. Holm's step-down over the tasks, as intervals: in order of the one-sided p-value
     of "recovery >= margin", the task at step s (of m) gets the Agresti-Min interval at z = z(1 - GUARD_ERROR/(m - s));
@@ -248,7 +313,7 @@ def _guard_tasks(results: list[GateResult], rows: list[int], base: list[np.ndarr
     for b, c in zip(base, cand, strict=True):
         acc = float(b.mean())
         d, se = agresti_min(b, c)
-        d0 = (margin - 1.0) * acc                        # the margin as an accuracy difference
+        d0 = (margin - 1.0) * acc  # the margin as an accuracy difference
         p_one.append(float(norm.cdf((d - d0) / se)) if acc > 0 and se > 0 else 1.0)
     adjusted = holm(p_one)
     failing = True
@@ -257,12 +322,25 @@ def _guard_tasks(results: list[GateResult], rows: list[int], base: list[np.ndarr
         level = 1 - 2 * GUARD_ERROR / (m - step)
         _, lo, hi = paired_binary_ci(base[j], cand[j], z=float(norm.ppf(1 - GUARD_ERROR / (m - step))))
         ci = _recovery_ci(acc, lo, hi) or (float("nan"), float("nan"))
-        ev = r.evidence | {"ci_95_unadjusted": list(r.ci) if r.ci else None, "holm_step": step + 1, "holm_tasks": m,
-                           "adjusted_level": level, "p_holm": adjusted[j], "rule": "holm-guard at the pooled margin"}
-        g = GateResult.guard("eval", r.metric, r.observed, margin, True, r.n, ci, may_fail=failing, p_value=adjusted[j],
-                             evidence=ev)
+        ev = r.evidence | {
+            "ci_95_unadjusted": list(r.ci) if r.ci else None,
+            "holm_step": step + 1,
+            "holm_tasks": m,
+            "adjusted_level": level,
+            "p_holm": adjusted[j],
+            "rule": "holm-guard at the pooled margin",
+        }
+        g = GateResult.guard(
+            "eval", r.metric, r.observed, margin, True, r.n, ci, may_fail=failing, p_value=adjusted[j], evidence=ev
+        )
         if g.verdict == "fail":
-            g = replace(g, evidence=g.evidence | {"why": f"recovery {r.observed:.3f}: its Holm-adjusted {level:.2%} interval "
-                                                         f"lies wholly below {margin:g}, a loss pooling would hide"})
+            g = replace(
+                g,
+                evidence=g.evidence
+                | {
+                    "why": f"recovery {r.observed:.3f}: its Holm-adjusted {level:.2%} interval "
+                    f"lies wholly below {margin:g}, a loss pooling would hide"
+                },
+            )
         failing = g.verdict == "fail"
         results[rows[j]] = g

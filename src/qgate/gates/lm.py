@@ -1,7 +1,8 @@
 """lm-evaluation-harness adapter over a qgate runner, so every engine is evaluated by one code path.
 
-    lm = RunnerLM(runner)   # loglikelihood and loglikelihood_rolling on runner.logits_batch(seqs)
+lm = RunnerLM(runner)   # loglikelihood and loglikelihood_rolling on runner.logits_batch(seqs)
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +12,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from qgate.progress import progress
 
 
-def prefix_runs(contexts: list[tuple[int, ...]], min_prefix: int, min_saved: int = 0) -> list[tuple[int, list[tuple[int, ...]]]]:
+def prefix_runs(
+    contexts: list[tuple[int, ...]], min_prefix: int, min_saved: int = 0
+) -> list[tuple[int, list[tuple[int, ...]]]]:
     """Contexts grouped into runs that share their first p >= min_prefix tokens (lexicographic order puts them side
     by side; a run's prefix shrinks to what all its members share), as (p, contexts). Every member keeps at least one
     token after the prefix. Contexts that share nothing long enough, or whose run would save fewer than min_saved
@@ -30,20 +33,22 @@ def prefix_runs(contexts: list[tuple[int, ...]], min_prefix: int, min_saved: int
                 runs[-1] = (lcp, members)
                 continue
         runs.append((len(c) - 1, [c]))
-    worth = [len(m) > 1 and (len(m) - 1) * p >= min_saved for p, m in runs]   # a run of one shares nothing
+    worth = [len(m) > 1 and (len(m) - 1) * p >= min_saved for p, m in runs]  # a run of one shares nothing
     alone = sorted(c for (_, m), w in zip(runs, worth, strict=True) if not w for c in m)
     return [r for r, w in zip(runs, worth, strict=True) if w] + ([(0, alone)] if alone else [])
 
 
 class RunnerLM(LM):
-    BATCH_TOKENS = 2048   # padded tokens per runner.logits_batch call (benchmarks/bench_eval.py: fastest of 2k-8k on 2 cores)
-    MIN_PREFIX = 8        # leading tokens a run of contexts must share to compute them once per batch
-    MIN_SAVED = 512       # and the tokens that saves: smaller runs would cost more in small batches than they save
+    BATCH_TOKENS = (
+        2048  # padded tokens per runner.logits_batch call (benchmarks/bench_eval.py: fastest of 2k-8k on 2 cores)
+    )
+    MIN_PREFIX = 8  # leading tokens a run of contexts must share to compute them once per batch
+    MIN_SAVED = 512  # and the tokens that saves: smaller runs would cost more in small batches than they save
 
     def __init__(self, runner, max_length: int = 1024):
         super().__init__()
         self.runner = runner
-        self.batch_tokens = max(self.BATCH_TOKENS, runner.batch_tokens or 0)   # a GPU runner's, from its free memory
+        self.batch_tokens = max(self.BATCH_TOKENS, runner.batch_tokens or 0)  # a GPU runner's, from its free memory
         self.tok = runner.tokenizer
         self.max_length = min(max_length, getattr(runner, "max_length", max_length))
         self.prefix = self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id
@@ -62,17 +67,20 @@ class RunnerLM(LM):
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, (c, k) in enumerate(pairs):
             groups.setdefault(tuple(c), []).append(i)
-        shared: list[tuple[int, tuple[int, ...], list[int]]] = []   # (shared prefix length, context, request indices)
+        shared: list[tuple[int, tuple[int, ...], list[int]]] = []  # (shared prefix length, context, request indices)
         if hasattr(self.runner, "continuation_logits"):
-            fits = {c: ix for c, ix in groups.items()
-                    if len(ix) >= 2 and len(c) >= 2 and len(c) + max(len(pairs[i][1]) for i in ix) <= self.max_length}
+            fits = {
+                c: ix
+                for c, ix in groups.items()
+                if len(ix) >= 2 and len(c) >= 2 and len(c) + max(len(pairs[i][1]) for i in ix) <= self.max_length
+            }
             # else nothing to share, or too long to fit: scored whole (and truncated like lm-eval does)
             for p, contexts in prefix_runs(list(fits), self.MIN_PREFIX, self.MIN_SAVED):
                 for c in contexts:
                     ix = sorted(fits[c], key=lambda i: len(pairs[i][1]))
                     sub: list[int] = []
                     fed = 0
-                    for i in ix:   # a question with many long choices is split to stay within the token budget
+                    for i in ix:  # a question with many long choices is split to stay within the token budget
                         if sub and fed + len(pairs[i][1]) > self.batch_tokens:
                             shared.append((p, c, sub))
                             sub, fed = [], 0
@@ -90,18 +98,24 @@ class RunnerLM(LM):
         this is the eval's costliest step after the forward pass (float64 numpy: 28 ms vs 4.1 ms per [64, 49152] block)."""
         import torch
 
-        x = logits.float() if isinstance(logits, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
+        x = (
+            logits.float()
+            if isinstance(logits, torch.Tensor)
+            else torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
+        )
         t = torch.as_tensor(target, device=x.device)
         picked = x[torch.arange(len(target)), t]
         ll = float((picked - torch.logsumexp(x, -1)).sum())
-        if ll != ll:      # NaN: a position whose logits define no distribution (NaN or +inf) gives the target nothing
+        if ll != ll:  # NaN: a position whose logits define no distribution (NaN or +inf) gives the target nothing
             return float("-inf"), False
         return ll, bool((x.argmax(-1) == t).all())
 
     def _score_shared(self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], out: list) -> None:
         """Batches of contexts with one shared prefix each: padded suffixes, and continuation tokens (which the runner
         pads only within groups of similar length), within the token budget."""
-        shared = sorted(shared, key=lambda g: (g[1][:g[0]], len(g[1]) - g[0]))   # one prefix per run, suffixes by length
+        shared = sorted(
+            shared, key=lambda g: (g[1][: g[0]], len(g[1]) - g[0])
+        )  # one prefix per run, suffixes by length
         start = 0
         while start < len(shared):
             p, c0, ix0 = shared[start]
@@ -116,14 +130,15 @@ class RunnerLM(LM):
                 end, fed = end + 1, fed + more
             chunk = shared[start:end]
             start = end
-            batch = self.runner.continuation_logits([(list(c[p:]), [pairs[i][1] for i in ix]) for _, c, ix in chunk],
-                                                    prefix=list(c0[:p]))
+            batch = self.runner.continuation_logits(
+                [(list(c[p:]), [pairs[i][1] for i in ix]) for _, c, ix in chunk], prefix=list(c0[:p])
+            )
             for (_, _, ix), per_cont in zip(chunk, batch, strict=True):
                 for i, logits in zip(ix, per_cont, strict=True):
                     out[i] = self._finish(logits, pairs[i][1])
 
     def _score_whole(self, pairs, todo: list[int], out: list) -> None:
-        seqs = {i: (pairs[i][0] + pairs[i][1])[-(self.max_length + 1):] for i in todo}
+        seqs = {i: (pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in todo}
         order = sorted(todo, key=lambda i: len(seqs[i]))  # similar lengths share a batch: less padding
         start = 0
         while start < len(order):
@@ -147,12 +162,15 @@ class RunnerLM(LM):
                 context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
             whole = self._encode(context + continuation)
             ctx = self._encode(context) if context else []
-            pairs.append(([self.prefix] + ctx, whole[len(ctx):]))
+            pairs.append(([self.prefix] + ctx, whole[len(ctx) :]))
         out = []
         step = 512
-        for start in (range(0, len(pairs), step) if disable_tqdm else progress(range(0, len(pairs), step), "eval: loglikelihood",
-                                                                                 unit=f"x{step} request")):
-            out += self._score_many(pairs[start:start + step])
+        for start in (
+            range(0, len(pairs), step)
+            if disable_tqdm
+            else progress(range(0, len(pairs), step), "eval: loglikelihood", unit=f"x{step} request")
+        ):
+            out += self._score_many(pairs[start : start + step])
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
@@ -166,11 +184,18 @@ class RunnerLM(LM):
                 owner.append(d)
         out = [0.0] * len(requests)
         step = 256
-        for start in (range(0, len(pairs), step) if disable_tqdm else progress(range(0, len(pairs), step), "eval: perplexity",
-                                                                                 unit=f"x{step} window")):
-            for d, (ll, _) in zip(owner[start:start + step], self._score_many(pairs[start:start + step]), strict=True):
+        for start in (
+            range(0, len(pairs), step)
+            if disable_tqdm
+            else progress(range(0, len(pairs), step), "eval: perplexity", unit=f"x{step} window")
+        ):
+            for d, (ll, _) in zip(
+                owner[start : start + step], self._score_many(pairs[start : start + step]), strict=True
+            ):
                 out[d] += ll
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False):
-        raise NotImplementedError("qgate's offline tasks are scored by log-likelihood; generation tasks are not supported")
+        raise NotImplementedError(
+            "qgate's offline tasks are scored by log-likelihood; generation tasks are not supported"
+        )

@@ -16,6 +16,7 @@ ratio minus one, in log terms), with a percentile bootstrap interval resampling 
 lies below `max_nll_increase`, FAIL when wholly above, INCONCLUSIVE otherwise. A window fewer than two documents reach
 is not scored, and every check carries a caveat when the documents stop short of the served context.
 """
+
 from __future__ import annotations
 
 import io
@@ -35,16 +36,16 @@ from qgate.gates.stats import cluster_bootstrap
 from qgate.progress import progress
 
 DOCUMENTS = Path(__file__).parent / "tasks" / "data" / "sharegpt_long.jsonl"
-MIN_DOCUMENTS = 2   # a window fewer documents reach has no interval over documents
+MIN_DOCUMENTS = 2  # a window fewer documents reach has no interval over documents
 
 
 @dataclass(frozen=True)
 class LongContextConfig:
-    documents: str | None = None            # JSONL of {"messages": [...]} or {"text": "..."}; None: the shipped set
-    max_documents: int = 8                  # the longest first; each costs one forward per model at up to C tokens
-    context_tokens: int | None = None       # the served context C; None: the baseline's max_position_embeddings
-    windows: int = 4                        # doubling windows ending at C: (0, C/8], (C/8, C/4], (C/4, C/2], (C/2, C]
-    max_nll_increase: float | None = 0.05   # per window: PASS needs the 95% CI of the relative NLL increase below it
+    documents: str | None = None  # JSONL of {"messages": [...]} or {"text": "..."}; None: the shipped set
+    max_documents: int = 8  # the longest first; each costs one forward per model at up to C tokens
+    context_tokens: int | None = None  # the served context C; None: the baseline's max_position_embeddings
+    windows: int = 4  # doubling windows ending at C: (0, C/8], (C/8, C/4], (C/4, C/2], (C/2, C]
+    max_nll_increase: float | None = 0.05  # per window: PASS needs the 95% CI of the relative NLL increase below it
     VERSION = 1
 
     def __post_init__(self):
@@ -52,12 +53,16 @@ class LongContextConfig:
             raise ConfigError(f"gates.long_context.max_documents must be >= {MIN_DOCUMENTS}, got {self.max_documents}")
         if not 1 <= self.windows <= 12:
             raise ConfigError(f"gates.long_context.windows must be 1..12, got {self.windows}")
-        if self.context_tokens is not None and self.context_tokens < 2 ** self.windows:
-            raise ConfigError(f"gates.long_context.context_tokens {self.context_tokens} is too short for "
-                              f"{self.windows} doubling windows")
+        if self.context_tokens is not None and self.context_tokens < 2**self.windows:
+            raise ConfigError(
+                f"gates.long_context.context_tokens {self.context_tokens} is too short for "
+                f"{self.windows} doubling windows"
+            )
         if self.documents is not None and not Path(self.documents).is_file():
-            raise ConfigError(f"gates.long_context.documents: {self.documents} is not a file",
-                              hint="a JSONL file of {\"messages\": [...]} or {\"text\": \"...\"} lines")
+            raise ConfigError(
+                f"gates.long_context.documents: {self.documents} is not a file",
+                hint='a JSONL file of {"messages": [...]} or {"text": "..."} lines',
+            )
 
     def path(self) -> Path:
         return Path(self.documents) if self.documents else DOCUMENTS
@@ -68,9 +73,11 @@ def served_context(baseline: Artifact, cfg: LongContextConfig) -> int:
     if cfg.context_tokens is not None:
         return cfg.context_tokens
     c = json.loads((baseline.path / "config.json").read_text()).get("max_position_embeddings")
-    if not isinstance(c, int) or c < 2 ** cfg.windows:
-        raise InputError(f"{baseline.path}/config.json: no usable max_position_embeddings ({c!r})",
-                         hint="set gates.long_context.context_tokens to the context the model is served with")
+    if not isinstance(c, int) or c < 2**cfg.windows:
+        raise InputError(
+            f"{baseline.path}/config.json: no usable max_position_embeddings ({c!r})",
+            hint="set gates.long_context.context_tokens to the context the model is served with",
+        )
     return c
 
 
@@ -89,7 +96,7 @@ def load_documents(path: Path) -> list[dict]:
         except ValueError as e:
             raise InputError(f"{path}:{i}: not JSON ({e})") from e
         if not (isinstance(row, dict) and (isinstance(row.get("messages"), list) or isinstance(row.get("text"), str))):
-            raise InputError(f"{path}:{i}: a long-context document is {{\"messages\": [...]}} or {{\"text\": \"...\"}}")
+            raise InputError(f'{path}:{i}: a long-context document is {{"messages": [...]}} or {{"text": "..."}}')
         rows.append(row)
     if len(rows) < MIN_DOCUMENTS:
         raise InputError(f"{path}: {len(rows)} document(s); the long-context gate needs at least {MIN_DOCUMENTS}")
@@ -104,7 +111,7 @@ def encode_documents(tokenizer, rows: list[dict], context: int, limit: int) -> t
     encoded = []
     for row in rows:
         if "messages" in row:
-            ids, own = encode_with_sources(tokenizer, row["messages"], 10 ** 9)
+            ids, own = encode_with_sources(tokenizer, row["messages"], 10**9)
         else:
             ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
             own = [True] * len(ids)
@@ -126,11 +133,20 @@ def nll(runner, seq: list[int]) -> np.ndarray:
 LONG_REFERENCE_VERSION = 1
 
 
-def baseline_long_reference(runner_factory, baseline: Artifact, cfg: LongContextConfig, cache_dir: Path) -> tuple[dict, bool]:
+def baseline_long_reference(
+    runner_factory, baseline: Artifact, cfg: LongContextConfig, cache_dir: Path
+) -> tuple[dict, bool]:
     """The baseline's per-position NLL on the documents, computed once per (baseline, documents, settings)."""
     context = served_context(baseline, cfg)
-    key = sha256_json({"baseline": baseline.sha256, "documents": sha256_file(cfg.path()), "context": context,
-                       "max_documents": cfg.max_documents, "v": LONG_REFERENCE_VERSION})
+    key = sha256_json(
+        {
+            "baseline": baseline.sha256,
+            "documents": sha256_file(cfg.path()),
+            "context": context,
+            "max_documents": cfg.max_documents,
+            "v": LONG_REFERENCE_VERSION,
+        }
+    )
     path = Path(cache_dir) / f"long-baseline-{key[:24]}.npz"
     if (cached := read_cached_arrays(path)) is not None:
         return cached, True
@@ -140,11 +156,18 @@ def baseline_long_reference(runner_factory, baseline: Artifact, cfg: LongContext
     base = [nll(runner, s) for s in progress(seqs, f"long context: baseline ({len(seqs)} documents)", unit="doc")]
     bad = [i for i, b in enumerate(base) if not np.isfinite(b).all()]
     if bad:
-        raise InputError(f"{baseline.path}: the baseline's logits define no distribution in long-context document {bad[0]}",
-                         hint="the baseline is broken, not the candidate: look for NaN or inf in its weights")
-    ref = {"tokens": np.concatenate([np.asarray(s, np.int32) for s in seqs]), "lens": np.array([len(s) for s in seqs], np.int32),
-           "own": np.concatenate(own), "base_nll": np.concatenate(base), "context": np.array(context),
-           "seconds": np.array(time.perf_counter() - t0)}
+        raise InputError(
+            f"{baseline.path}: the baseline's logits define no distribution in long-context document {bad[0]}",
+            hint="the baseline is broken, not the candidate: look for NaN or inf in its weights",
+        )
+    ref = {
+        "tokens": np.concatenate([np.asarray(s, np.int32) for s in seqs]),
+        "lens": np.array([len(s) for s in seqs], np.int32),
+        "own": np.concatenate(own),
+        "base_nll": np.concatenate(base),
+        "context": np.array(context),
+        "seconds": np.array(time.perf_counter() - t0),
+    }
     buf = io.BytesIO()
     np.savez(buf, **ref)
     write_cached(path, buf.getvalue())
@@ -159,17 +182,25 @@ def long_context_gate(runner, ref: dict, cfg: LongContextConfig, shadow_tokens: 
     cand = [nll(runner, s) for s in progress(seqs, f"long context: candidate ({len(seqs)} documents)", unit="doc")]
     context = int(ref["context"])
     doc = np.concatenate([np.full(len(s) - 1, i, np.int32) for i, s in enumerate(seqs)])
-    pos = np.concatenate([np.arange(2, len(s) + 1) for s in seqs])                # the predicted token's 1-based position
+    pos = np.concatenate([np.arange(2, len(s) + 1) for s in seqs])  # the predicted token's 1-based position
     own = np.concatenate([o[1:] for o in np.split(ref["own"], np.cumsum(ref["lens"])[:-1])])
     base_nll, cand_nll = ref["base_nll"], np.concatenate(cand)
     reach = int(ref["lens"].max())
-    coverage = {"served_context": context, "documents": len(seqs), "longest_document_tokens": reach,
-                "documents_reaching_context": int(np.sum(ref["lens"] >= context)), "shadow_tokens": shadow_tokens,
-                "windows_not_scored": [], "seconds": round(time.perf_counter() - t0, 1)}
+    coverage = {
+        "served_context": context,
+        "documents": len(seqs),
+        "longest_document_tokens": reach,
+        "documents_reaching_context": int(np.sum(ref["lens"] >= context)),
+        "shadow_tokens": shadow_tokens,
+        "windows_not_scored": [],
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     caveat = None
     if reach < context:
-        caveat = (f"the documents reach {reach} of the {context} tokens the model is served with: contexts beyond "
-                  f"{reach} tokens are not evidenced")
+        caveat = (
+            f"the documents reach {reach} of the {context} tokens the model is served with: contexts beyond "
+            f"{reach} tokens are not evidenced"
+        )
         coverage["caveat"] = caveat
     edges, results = window_edges(context, cfg.windows), []
     for lo, hi in zip(edges[:-1], edges[1:], strict=True):
@@ -182,11 +213,29 @@ def long_context_gate(runner, ref: dict, cfg: LongContextConfig, shadow_tokens: 
         with np.errstate(invalid="ignore"):
             ratio = float(values[:, 0].sum() / values[:, 1].sum() - 1)
             ci = cluster_bootstrap(values, doc[m], lambda v: v[:, 0].sum() / v[:, 1].sum() - 1)
-        per_doc = {int(d): float(cand_nll[m & (doc == d)].sum() / base_nll[m & (doc == d)].sum() - 1) for d in np.unique(doc[m])}
-        ev = {"window": [lo + 1, hi], "documents": docs_in, "base_nll_mean": float(base_nll[m].mean()),
-              "cand_nll_mean": float(cand_nll[m].mean()), "per_document": per_doc}
+        per_doc = {
+            int(d): float(cand_nll[m & (doc == d)].sum() / base_nll[m & (doc == d)].sum() - 1)
+            for d in np.unique(doc[m])
+        }
+        ev = {
+            "window": [lo + 1, hi],
+            "documents": docs_in,
+            "base_nll_mean": float(base_nll[m].mean()),
+            "cand_nll_mean": float(cand_nll[m].mean()),
+            "per_document": per_doc,
+        }
         if caveat:
             ev["caveat"] = caveat
-        results.append(GateResult.check("long_context", f"nll_increase.{lo + 1}-{hi}", ratio, cfg.max_nll_increase, False,
-                                        int(m.sum()), ci, evidence=ev))
+        results.append(
+            GateResult.check(
+                "long_context",
+                f"nll_increase.{lo + 1}-{hi}",
+                ratio,
+                cfg.max_nll_increase,
+                False,
+                int(m.sum()),
+                ci,
+                evidence=ev,
+            )
+        )
     return results, coverage

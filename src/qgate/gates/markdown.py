@@ -1,8 +1,9 @@
 """Gate evidence as Markdown: the MLflow version description and the CI job summary read the same tables.
 
-    md = checks_table(report["results"])                 # one row per check: verdict, observed, CI, threshold, n, mde
-    md = version_description(report, candidate_meta, "runs:/<id>/gate-report/report.html")
+md = checks_table(report["results"])                 # one row per check: verdict, observed, CI, threshold, n, mde
+md = version_description(report, candidate_meta, "runs:/<id>/gate-report/report.html")
 """
+
 from __future__ import annotations
 
 import math
@@ -21,15 +22,20 @@ def _num(x) -> str:
 
 
 def checks_table(results: list[dict], gated_only: bool = False) -> str:
-    rows = ["| verdict | check | observed | 95% CI | threshold | decided on | n | mde |", "|---|---|---:|---|---|---|---:|---:|"]
+    rows = [
+        "| verdict | check | observed | 95% CI | threshold | decided on | n | mde |",
+        "|---|---|---:|---|---|---|---:|---:|",
+    ]
     for r in results:
         if gated_only and r["threshold"] is None:
             continue
         ci = f"[{_num(r['ci'][0])}, {_num(r['ci'][1])}]" if r.get("ci") else ""
         thr = "" if r["threshold"] is None else ("≥ " if r["higher_is_better"] else "≤ ") + _num(r["threshold"])
         mde = _num(r.get("mde")) if r["threshold"] is not None else ""
-        rows.append(f"| {ICON.get(r['verdict'], r['verdict'])} | `{r['gate']}.{r['metric']}` | {_num(r['observed'])} | {ci} | "
-                    f"{thr} | {r['decided_on']} | {r['n']} | {mde} |")
+        rows.append(
+            f"| {ICON.get(r['verdict'], r['verdict'])} | `{r['gate']}.{r['metric']}` | {_num(r['observed'])} | {ci} | "
+            f"{thr} | {r['decided_on']} | {r['n']} | {mde} |"
+        )
     return "\n".join(rows)
 
 
@@ -41,8 +47,10 @@ def version_description(report: dict, meta: dict, report_uri: str) -> str:
     if verdict == "inconclusive" and report.get("passed"):
         head += " (passed under `on_inconclusive: warn`)"
     lineage = [
-        ("variant", cand.get("name")), ("scheme", meta.get("scheme") or "unquantized"),
-        ("runtime", cand.get("backend")), ("KV cache", meta.get("kv_cache_dtype") or "model default"),
+        ("variant", cand.get("name")),
+        ("scheme", meta.get("scheme") or "unquantized"),
+        ("runtime", cand.get("backend")),
+        ("KV cache", meta.get("kv_cache_dtype") or "model default"),
         ("base model sha256", str(meta.get("base_model") or report["inputs"].get("baseline_sha256"))[:16]),
         ("calibration set sha256", str(report["inputs"].get("calibration_sha256"))[:16]),
         ("shadow set sha256", str(report["inputs"].get("shadow_sha256"))[:16]),
@@ -52,29 +60,46 @@ def version_description(report: dict, meta: dict, report_uri: str) -> str:
     info = [r for r in report["results"] if r["threshold"] is None and r["gate"] in ("parity", "perf")]
     parts = [head, "", checks_table(report["results"], gated_only=True), ""]
     if scored:
-        parts += [f"Shadow gate: {scored.get('prompts')} held-out traffic prompts, {scored.get('gated_positions')} gated "
-                  f"{scored.get('positions')} positions (chat-template tokens excluded).", ""]
+        parts += [
+            f"Shadow gate: {scored.get('prompts')} held-out traffic prompts, {scored.get('gated_positions')} gated "
+            f"{scored.get('positions')} positions (chat-template tokens excluded).",
+            "",
+        ]
     if report.get("notes"):
         parts += ["**Notes**", "", *(f"- {n}" for n in report["notes"]), ""]
     weakened = [f"- {', '.join(f'`{k}`' for k in checks)}: {c}" for c, checks in caveats(report["results"]).items()]
-    if weakened:      # one line per caveat, naming every check it weakens
+    if weakened:  # one line per caveat, naming every check it weakens
         parts += ["**Caveats**", "", *weakened, ""]
     if info:
-        parts += ["Reported, not gated: " + "; ".join(f"`{r['gate']}.{r['metric']}` {_num(r['observed'])}" for r in info), ""]
+        parts += [
+            "Reported, not gated: " + "; ".join(f"`{r['gate']}.{r['metric']}` {_num(r['observed'])}" for r in info),
+            "",
+        ]
     parts += ["**Lineage**", "", "| | |", "|---|---|"] + [f"| {k} | `{v}` |" for k, v in lineage]
-    parts += ["", f"Full report (plots, every check's evidence): `{report_uri}`, the run's **Artifacts** tab, "
-                  "`gate-report/report.html`."]
+    parts += [
+        "",
+        f"Full report (plots, every check's evidence): `{report_uri}`, the run's **Artifacts** tab, "
+        "`gate-report/report.html`.",
+    ]
     return "\n".join(parts)
 
 
 def run_summary(summary: dict) -> str:
     """`qgate run`: one table of variants and the promotion, for GITHUB_STEP_SUMMARY."""
-    rows = ["| variant | verdict | KL p99 | top-1 | version | failed | inconclusive |", "|---|---|---:|---:|---:|---|---|"]
+    rows = [
+        "| variant | verdict | KL p99 | top-1 | version | failed | inconclusive |",
+        "|---|---|---:|---:|---:|---|---|",
+    ]
     for v in summary["variants"]:
-        rows.append(f"| {v['variant']} | {ICON.get(v['verdict'], v['verdict'])} | {_num(v.get('kl_p99'))} | "
-                    f"{_num(v.get('top1_agreement'))} | {v.get('version') or ''} | {', '.join(v['failed_checks'])} | "
-                    f"{', '.join(v['inconclusive_checks'])} |")
+        rows.append(
+            f"| {v['variant']} | {ICON.get(v['verdict'], v['verdict'])} | {_num(v.get('kl_p99'))} | "
+            f"{_num(v.get('top1_agreement'))} | {v.get('version') or ''} | {', '.join(v['failed_checks'])} | "
+            f"{', '.join(v['inconclusive_checks'])} |"
+        )
     p = summary.get("promoted")
-    tail = (f"Promoted **{p['variant']}** as `{summary['model_name']}` v{p['version']} @{p['alias']}" if p
-            else "Nothing promoted: no variant passed its gates.")
+    tail = (
+        f"Promoted **{p['variant']}** as `{summary['model_name']}` v{p['version']} @{p['alias']}"
+        if p
+        else "Nothing promoted: no variant passed its gates."
+    )
     return "\n".join([f"### qgate run: {summary.get('pipeline', '')}", "", *rows, "", tail, ""])

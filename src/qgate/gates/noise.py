@@ -9,6 +9,7 @@ the second path is the gate's own: the baseline scored teacher-forced on the sam
 Its time is the baseline's teacher-forced scoring time, which the perf check compares candidates with. What differs between the two is numerical noise, not
 quantization: a threshold the baseline itself cannot meet against this floor would fail every candidate.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,10 +22,22 @@ from qgate.cache import read_cached, write_cached
 from qgate.errors import ConfigError
 from qgate.gates.shadow import REFERENCE_VERSION, ShadowConfig, candidate_metrics, kl_top1_checks, scoring_summary
 
-def noise_floor(runner_factory, baseline: Artifact, shadow: Artifact, ref: dict, cfg: ShadowConfig, cache_dir: Path) -> dict:
+
+def noise_floor(
+    runner_factory, baseline: Artifact, shadow: Artifact, ref: dict, cfg: ShadowConfig, cache_dir: Path
+) -> dict:
     """{"kl_mean", "kl_p99", "top1_agreement": {"observed", "ci"}, "path", "cached"}, cached by content hash."""
-    key = sha256_json({"baseline": baseline.sha256, "shadow": shadow.sha256, "cfg": cfg.reference_key(),
-                       "positions": cfg.positions, "path": "gate-scoring", "v": 2, "reference": REFERENCE_VERSION})
+    key = sha256_json(
+        {
+            "baseline": baseline.sha256,
+            "shadow": shadow.sha256,
+            "cfg": cfg.reference_key(),
+            "positions": cfg.positions,
+            "path": "gate-scoring",
+            "v": 2,
+            "reference": REFERENCE_VERSION,
+        }
+    )
     path = Path(cache_dir) / f"noise-floor-{key[:24]}.json"
     if (data := read_cached(path)) is not None:
         return json.loads(data) | {"cached": True}
@@ -32,8 +45,10 @@ def noise_floor(runner_factory, baseline: Artifact, shadow: Artifact, ref: dict,
     masks, _ = scoring_summary(ref, cfg)
     checks = kl_top1_checks(m, ref["prompt_of"], masks["gated"], None)
     floor = {r.metric: {"observed": r.observed, "ci": list(r.ci) if r.ci else None} for r in checks}
-    floor["path"] = (f"reference (prefill + KV-cached decode) vs the gate's teacher-forced scoring, {int(masks['gated'].sum())} "
-                     f"{cfg.positions} positions")
+    floor["path"] = (
+        f"reference (prefill + KV-cached decode) vs the gate's teacher-forced scoring, {int(masks['gated'].sum())} "
+        f"{cfg.positions} positions"
+    )
     floor["baseline_score_seconds"] = m["score_seconds"]
     write_cached(path, json.dumps(floor).encode())
     return floor | {"cached": False}
@@ -42,15 +57,20 @@ def noise_floor(runner_factory, baseline: Artifact, shadow: Artifact, ref: dict,
 def check_thresholds(cfg: ShadowConfig, floor: dict) -> None:
     """ConfigError when the baseline itself, on its noise floor, could not pass a threshold: such a check would
     fail or stay inconclusive for every candidate."""
-    limits = (("kl_mean_max", "kl_mean", False), ("kl_p99_max", "kl_p99", False), ("top1_agreement_min", "top1_agreement", True))
+    limits = (
+        ("kl_mean_max", "kl_mean", False),
+        ("kl_p99_max", "kl_p99", False),
+        ("top1_agreement_min", "top1_agreement", True),
+    )
     for key, metric, higher in limits:
         thr, f = getattr(cfg, key), floor.get(metric)
         if thr is None or not f:
             continue
         lo, hi = f["ci"] or (f["observed"], f["observed"])
-        bound = lo if higher else (hi if np.isfinite(hi) else f["observed"])   # the end the baseline itself must clear
+        bound = lo if higher else (hi if np.isfinite(hi) else f["observed"])  # the end the baseline itself must clear
         if (higher and thr > bound) or (not higher and thr < bound):
             raise ConfigError(
                 f"gates.shadow.{key}: {thr:g} is tighter than the measured noise floor: the baseline against itself "
                 f"({floor['path']}) gives {metric} {f['observed']:.3g}, 95% CI [{lo:.3g}, {hi:.3g}]",
-                hint=f"set gates.shadow.{key} {'below' if higher else 'above'} {bound:.3g}")
+                hint=f"set gates.shadow.{key} {'below' if higher else 'above'} {bound:.3g}",
+            )

@@ -1,7 +1,8 @@
 """Gate report: report.json for machines, report.html with plots for people.
 
-    write_report(out_dir, report_dict, shadow_metrics)   # shadow_metrics["gated"]: mask of the positions gated on
+write_report(out_dir, report_dict, shadow_metrics)   # shadow_metrics["gated"]: mask of the positions gated on
 """
+
 from __future__ import annotations
 
 import base64
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-KL_FLOOR = 1e-8   # the histogram's log axis clips smaller per-token KL values (exact agreement) to this
+KL_FLOOR = 1e-8  # the histogram's log axis clips smaller per-token KL values (exact agreement) to this
 COLORS = {"pass": "#228833", "fail": "#cc3311", "inconclusive": "#ee7733", "error": "#aa3377", "info": "#777777"}
 
 
@@ -20,34 +21,39 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     files = {}
     if m is not None:
         fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
         raw = m["kl"][m["gated"]] if "gated" in m else m["kl"]
-        infinite = int(np.sum(~np.isfinite(raw)))     # positions whose candidate logits defined no distribution
+        infinite = int(np.sum(~np.isfinite(raw)))  # positions whose candidate logits defined no distribution
         kl = np.maximum(raw[np.isfinite(raw)], KL_FLOOR)
         ax[0].hist(np.log10(kl), bins=60, color="#4477aa")
         for q, style in ((50, ":"), (99, "--"), (99.9, "-")):
             with np.errstate(invalid="ignore"):
                 v = np.percentile(np.maximum(raw, KL_FLOOR), q) if len(raw) else np.nan
-            if np.isfinite(v):     # not where the quantile falls among the infinite ones
+            if np.isfinite(v):  # not where the quantile falls among the infinite ones
                 ax[0].axvline(np.log10(v), color="k", ls=style, lw=1, label=f"p{q}")
         thr = next((r["threshold"] for r in report["results"] if r["metric"] == "kl_p99"), None)
         if thr:
             ax[0].axvline(np.log10(thr), color="#cc3311", lw=2, label="p99 threshold")
         clipped = int(np.sum(raw < KL_FLOOR))
-        ax[0].set(xlabel=f"log10 KL(base || cand) per gated token ({clipped} below {KL_FLOOR:g} drawn at the floor)",
-                  ylabel="tokens", title="Token KL on shadow traffic (gated positions)"
-                  + (f"\n{infinite} infinite (not drawn): the candidate's logits are NaN or inf there" if infinite else ""))
+        ax[0].set(
+            xlabel=f"log10 KL(base || cand) per gated token ({clipped} below {KL_FLOOR:g} drawn at the floor)",
+            ylabel="tokens",
+            title="Token KL on shadow traffic (gated positions)"
+            + (f"\n{infinite} infinite (not drawn): the candidate's logits are NaN or inf there" if infinite else ""),
+        )
         ax[0].legend(fontsize=8)
         ax[0].yaxis.set_major_locator(MaxNLocator(integer=True))
         fd, gl = m["first_div"], m["gen_lens"]
         ax[1].hist(fd, bins=np.arange(0, max(gl.max(), 1) + 2) - 0.5, color="#228833")
-        ax[1].set(xlabel="answer token where greedy output first differs (= length: identical)", ylabel="prompts",
-                  title="First divergence of greedy generation")
+        ax[1].set(
+            xlabel="answer token where greedy output first differs (= length: identical)",
+            ylabel="prompts",
+            title="First divergence of greedy generation",
+        )
         ax[1].yaxis.set_major_locator(MaxNLocator(integer=True))
         ax[1].xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.tight_layout()
@@ -55,7 +61,7 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
         fig.savefig(files["shadow"], dpi=110)
         plt.close(fig)
     evals = [r for r in report["results"] if r["gate"] == "eval" and r["ci"]]
-    kinds = sorted({r["metric"].rsplit(".", 1)[-1] for r in evals})   # one panel per unit: recovery, bpb_increase
+    kinds = sorted({r["metric"].rsplit(".", 1)[-1] for r in evals})  # one panel per unit: recovery, bpb_increase
     if evals:
         fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 0.8 + 0.45 * len(evals)), squeeze=False)
         for ax, kind in zip(axes[0], kinds):
@@ -63,7 +69,9 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
             for i, r in enumerate(rows):
                 lo, hi = r["ci"]
                 color = COLORS[r["verdict"]]
-                ax.errorbar(r["observed"], i, xerr=[[r["observed"] - lo], [hi - r["observed"]]], fmt="o", color=color, capsize=4)
+                ax.errorbar(
+                    r["observed"], i, xerr=[[r["observed"] - lo], [hi - r["observed"]]], fmt="o", color=color, capsize=4
+                )
                 if r["threshold"] is not None:
                     ax.plot([r["threshold"]] * 2, [i - 0.35, i + 0.35], color="k", lw=1.5)
             ax.set_yticks(range(len(rows)), [r["metric"].rsplit(".", 1)[0] for r in rows], fontsize=8)
@@ -71,8 +79,10 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
             ax.locator_params(axis="x", nbins=5)
             better = "higher" if rows[0]["higher_is_better"] else "lower"
             ax.set_title(f"{kind} ({better} is better)", fontsize=10)
-        fig.suptitle("Change vs baseline: 95% CI, black bar = threshold; green pass, red fail, orange inconclusive, grey report-only",
-                     fontsize=10)
+        fig.suptitle(
+            "Change vs baseline: 95% CI, black bar = threshold; green pass, red fail, orange inconclusive, grey report-only",
+            fontsize=10,
+        )
         fig.tight_layout()
         files["eval"] = out / "eval.png"
         fig.savefig(files["eval"], dpi=110)
@@ -82,15 +92,24 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
         fig, ax = plt.subplots(figsize=(7.5, 3.4))
         for i, r in enumerate(longs):
             lo, hi = r["ci"]
-            ax.errorbar(i, r["observed"], yerr=[[r["observed"] - lo], [hi - r["observed"]]], fmt="o", capsize=4,
-                        color=COLORS[r["verdict"]])
+            ax.errorbar(
+                i,
+                r["observed"],
+                yerr=[[r["observed"] - lo], [hi - r["observed"]]],
+                fmt="o",
+                capsize=4,
+                color=COLORS[r["verdict"]],
+            )
         if longs[0]["threshold"] is not None:
             ax.axhline(longs[0]["threshold"], color="k", lw=1.5, label="threshold")
             ax.legend(fontsize=8)
         ax.axhline(0, color="#bbbbbb", lw=1)
         ax.set_xticks(range(len(longs)), [r["metric"].split(".", 1)[1] for r in longs], fontsize=8)
-        ax.set(xlabel="token positions in the document (window)", ylabel="candidate NLL / baseline NLL - 1",
-               title="Long context: perplexity increase by position, 95% CI over documents")
+        ax.set(
+            xlabel="token positions in the document (window)",
+            ylabel="candidate NLL / baseline NLL - 1",
+            title="Long context: perplexity increase by position, 95% CI over documents",
+        )
         fig.tight_layout()
         files["long_context"] = out / "long_context.png"
         fig.savefig(files["long_context"], dpi=110)
@@ -112,8 +131,19 @@ def _row(r: dict) -> str:
     note = note or r["evidence"].get("unbounded_because", "")
     why = r["evidence"].get("why", "") if verdict == "fail" else ""
     note = "; ".join(x for x in (note, why, r["evidence"].get("caveat", "")) if x)
-    cells = (verdict.upper(), r["gate"], html.escape(r["metric"]), num(r["observed"]), ci, thr, r["decided_on"], r["n"],
-             num(r.get("mde")) if r["threshold"] is not None else "", num(r["p_value"]), html.escape(note))
+    cells = (
+        verdict.upper(),
+        r["gate"],
+        html.escape(r["metric"]),
+        num(r["observed"]),
+        ci,
+        thr,
+        r["decided_on"],
+        r["n"],
+        num(r.get("mde")) if r["threshold"] is not None else "",
+        num(r["p_value"]),
+        html.escape(note),
+    )
     return f"<tr class={verdict}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
 
 
@@ -133,10 +163,15 @@ def _contract(report: dict) -> str:
             allowed.append(f"<li><b>allowed</b> (quantization may change it): {html.escape(describe(d))}</li>")
     served = html.escape(rows[0]["evidence"]["served_from"])
     keys = sum(r["n"] for r in rows if r["metric"] != "prompt_rendering")
-    body = "".join(items) or f"<li>identical: all {keys:,} keys of the tokenizer, generation and model config files, the " \
-                             "chat template, and every shadow prompt's token ids</li>"
-    return (f"<h2>Serving contract</h2><p>Candidate files as served, from <code>{served}</code>, compared key by key "
-            f"with the baseline's (deny by default):</p><ul>{body}{''.join(allowed)}</ul>")
+    body = (
+        "".join(items)
+        or f"<li>identical: all {keys:,} keys of the tokenizer, generation and model config files, the "
+        "chat template, and every shadow prompt's token ids</li>"
+    )
+    return (
+        f"<h2>Serving contract</h2><p>Candidate files as served, from <code>{served}</code>, compared key by key "
+        f"with the baseline's (deny by default):</p><ul>{body}{''.join(allowed)}</ul>"
+    )
 
 
 def _context(report: dict) -> str:
@@ -145,47 +180,64 @@ def _context(report: dict) -> str:
     if not c:
         return ""
     served, shadow, reach = c["served_context"], c["shadow_tokens"], c["longest_document_tokens"]
-    gap = (f"<b>The served context is {served - reach:,} tokens longer than anything scored</b>: contexts beyond "
-           f"{reach:,} tokens are not evidenced." if reach < served else
-           f"{c['documents_reaching_context']} of them reach the served context.")
+    gap = (
+        f"<b>The served context is {served - reach:,} tokens longer than anything scored</b>: contexts beyond "
+        f"{reach:,} tokens are not evidenced."
+        if reach < served
+        else f"{c['documents_reaching_context']} of them reach the served context."
+    )
     skipped = "".join(f"<li>window {html.escape(w)}: not scored</li>" for w in c["windows_not_scored"])
-    return (f"<h2>Context coverage</h2><p>The model is served with contexts of up to {served:,} tokens. The shadow gate's "
-            f"evidence covers contexts of up to {shadow:,} tokens (prompt plus answer); the long-context gate scored "
-            f"{c['documents']} documents, the longest {reach:,} tokens. {gap}</p>" + (f"<ul>{skipped}</ul>" if skipped else ""))
+    return (
+        f"<h2>Context coverage</h2><p>The model is served with contexts of up to {served:,} tokens. The shadow gate's "
+        f"evidence covers contexts of up to {shadow:,} tokens (prompt plus answer); the long-context gate scored "
+        f"{c['documents']} documents, the longest {reach:,} tokens. {gap}</p>"
+        + (f"<ul>{skipped}</ul>" if skipped else "")
+    )
 
 
 def _floor(report: dict) -> str:
     f = report.get("noise_floor")
     if not f:
         return ""
-    cells = "".join(f"<li><b>{k}</b>: {f[k]['observed']:.3g} (95% CI [{f[k]['ci'][0]:.3g}, {f[k]['ci'][1]:.3g}])</li>"
-                    for k in ("kl_mean", "kl_p99", "top1_agreement") if k in f and f[k]["ci"])
-    return (f"<h2>Noise floor</h2><p>The baseline against itself on a second numeric path ({html.escape(f['path'])}): "
-            f"disagreement no quantization causes. Thresholds tighter than this are refused.</p><ul>{cells}</ul>")
+    cells = "".join(
+        f"<li><b>{k}</b>: {f[k]['observed']:.3g} (95% CI [{f[k]['ci'][0]:.3g}, {f[k]['ci'][1]:.3g}])</li>"
+        for k in ("kl_mean", "kl_p99", "top1_agreement")
+        if k in f and f[k]["ci"]
+    )
+    return (
+        f"<h2>Noise floor</h2><p>The baseline against itself on a second numeric path ({html.escape(f['path'])}): "
+        f"disagreement no quantization causes. Thresholds tighter than this are refused.</p><ul>{cells}</ul>"
+    )
 
 
 def _scored(report: dict) -> str:
     s = report.get("shadow_scoring")
     if not s:
         return ""
-    return (f"<h2>What the shadow gate scored</h2><p>{s['prompts']} shadow prompts, {s['total_positions']} token positions: "
-            f"{s['answer_positions']} answer, {s['traffic_prompt_positions']} traffic prompt, "
-            f"{s['template_positions_excluded']} chat-template (excluded: identical across prompts), "
-            f"{s['repeated_prefix_excluded']} repeating an earlier prompt's prefix (excluded). "
-            f"Gated on <b>{html.escape(s['positions'])}</b> positions: {s['gated_positions']} scored, "
-            f"{s['unique_positions']} unique prefixes in all. The <code>prompt.*</code> rows report the traffic prompt "
-            f"positions alone.</p>" + _coverage(s))
+    return (
+        f"<h2>What the shadow gate scored</h2><p>{s['prompts']} shadow prompts, {s['total_positions']} token positions: "
+        f"{s['answer_positions']} answer, {s['traffic_prompt_positions']} traffic prompt, "
+        f"{s['template_positions_excluded']} chat-template (excluded: identical across prompts), "
+        f"{s['repeated_prefix_excluded']} repeating an earlier prompt's prefix (excluded). "
+        f"Gated on <b>{html.escape(s['positions'])}</b> positions: {s['gated_positions']} scored, "
+        f"{s['unique_positions']} unique prefixes in all. The <code>prompt.*</code> rows report the traffic prompt "
+        f"positions alone.</p>" + _coverage(s)
+    )
 
 
 def _coverage(s: dict) -> str:
     if "prompts_cut" not in s:
         return ""
     if not s["prompts_cut"]:
-        return (f"<p>Every prompt was scored whole (the longest has {s['longest_prompt_tokens']} tokens; "
-                f"<code>gates.shadow.max_prompt_tokens</code> is {s['max_prompt_tokens']}).</p>")
-    return (f"<p><b>{s['prompts_cut']} of {s['prompts']} prompts were cut</b> to their last {s['max_prompt_tokens']} tokens "
-            f"(<code>gates.shadow.max_prompt_tokens</code>; the longest has {s['longest_prompt_tokens']}): the checks say "
-            f"nothing of longer contexts. Raise the limit to score them whole.</p>")
+        return (
+            f"<p>Every prompt was scored whole (the longest has {s['longest_prompt_tokens']} tokens; "
+            f"<code>gates.shadow.max_prompt_tokens</code> is {s['max_prompt_tokens']}).</p>"
+        )
+    return (
+        f"<p><b>{s['prompts_cut']} of {s['prompts']} prompts were cut</b> to their last {s['max_prompt_tokens']} tokens "
+        f"(<code>gates.shadow.max_prompt_tokens</code>; the longest has {s['longest_prompt_tokens']}): the checks say "
+        f"nothing of longer contexts. Raise the limit to score them whole.</p>"
+    )
 
 
 def _search(report: dict) -> str:
@@ -193,27 +245,42 @@ def _search(report: dict) -> str:
     if not s:
         return ""
     plot = Path(s.get("plot", ""))
-    img = (f"<img alt='search' src='data:image/png;base64,{base64.b64encode(plot.read_bytes()).decode()}'>"
-           if plot.is_file() else "")
+    img = (
+        f"<img alt='search' src='data:image/png;base64,{base64.b64encode(plot.read_bytes()).decode()}'>"
+        if plot.is_file()
+        else ""
+    )
     what = "W8A16" if s["fallback_bits"] == 8 else "full precision"
-    rows = "".join(f"<tr><td>{i}</td><td><code>{html.escape(f['layer'])}</code></td><td>{f['params']:,}</td><td>{f['kl']:.3g}</td>"
-                   f"<td>{f['kl_per_mparam']:.3g}</td><td>{f['kl_rank']}</td></tr>" for i, f in enumerate(s["fallback"], 1))
-    pts = "".join(f"<tr class={p['verdict']}><td>{p['k']}</td><td>{p['verdict'].upper()}</td><td>{p['bits_per_weight']:.2f}</td>"
-                  f"<td>{p['weights_bytes']:,}</td><td>{p['kl_p99']:.4g}</td><td>{p['top1']:.4f}</td></tr>" for p in s["points"])
-    found = ("the smallest passing point" if s["found"] else
-             f"<b>no point passed</b>: {html.escape(s.get('note') or '')}")
+    rows = "".join(
+        f"<tr><td>{i}</td><td><code>{html.escape(f['layer'])}</code></td><td>{f['params']:,}</td><td>{f['kl']:.3g}</td>"
+        f"<td>{f['kl_per_mparam']:.3g}</td><td>{f['kl_rank']}</td></tr>"
+        for i, f in enumerate(s["fallback"], 1)
+    )
+    pts = "".join(
+        f"<tr class={p['verdict']}><td>{p['k']}</td><td>{p['verdict'].upper()}</td><td>{p['bits_per_weight']:.2f}</td>"
+        f"<td>{p['weights_bytes']:,}</td><td>{p['kl_p99']:.4g}</td><td>{p['top1']:.4f}</td></tr>"
+        for p in s["points"]
+    )
+    found = (
+        "the smallest passing point" if s["found"] else f"<b>no point passed</b>: {html.escape(s.get('note') or '')}"
+    )
     on = s.get("chosen_on") or {}
-    selection = (f"Points were chosen on a search split of {on.get('prompts')} prompts, disjoint from the shadow set above: "
-                 "its checks are data the search never saw." if on.get("independent") else
-                 f"Points were chosen on this shadow set, so its checks above have been looked at {s['points_tried']} "
-                 "times and flatter the chosen point; the eval checks use other data.")
+    selection = (
+        f"Points were chosen on a search split of {on.get('prompts')} prompts, disjoint from the shadow set above: "
+        "its checks are data the search never saw."
+        if on.get("independent")
+        else f"Points were chosen on this shadow set, so its checks above have been looked at {s['points_tried']} "
+        "times and flatter the chosen point; the eval checks use other data."
+    )
     built = f" Points were built by {html.escape(s['points_built_by'])}." if s.get("points_built_by") else ""
-    return (f"<h2>Search</h2><p>{s['points_tried']} points tried ({s['gate_runs']} gated in this run, the rest cached), "
-            f"{s['seconds']}s. Chosen: k={s['chosen_k']} of {s['layers_total']} layers at {what}, "
-            f"{s['bits_per_weight']:.2f} bits per weight; {found}. {selection}{built}</p>{img}"
-            f"<table><tr><th>k</th><th>shadow verdict</th><th>bits/weight</th><th>weights bytes</th><th>KL p99</th>"
-            f"<th>top-1</th></tr>{pts}</table><h3>Layers that fell back</h3><table><tr><th></th><th>layer</th><th>params</th>"
-            f"<th>est. KL (nats/token)</th><th>KL per M params</th><th>KL rank</th></tr>{rows}</table>")
+    return (
+        f"<h2>Search</h2><p>{s['points_tried']} points tried ({s['gate_runs']} gated in this run, the rest cached), "
+        f"{s['seconds']}s. Chosen: k={s['chosen_k']} of {s['layers_total']} layers at {what}, "
+        f"{s['bits_per_weight']:.2f} bits per weight; {found}. {selection}{built}</p>{img}"
+        f"<table><tr><th>k</th><th>shadow verdict</th><th>bits/weight</th><th>weights bytes</th><th>KL p99</th>"
+        f"<th>top-1</th></tr>{pts}</table><h3>Layers that fell back</h3><table><tr><th></th><th>layer</th><th>params</th>"
+        f"<th>est. KL (nats/token)</th><th>KL per M params</th><th>KL rank</th></tr>{rows}</table>"
+    )
 
 
 def write_report(out: Path, report: dict, shadow_metrics: dict | None) -> None:
@@ -221,21 +288,27 @@ def write_report(out: Path, report: dict, shadow_metrics: dict | None) -> None:
     (out / "report.json").write_text(json.dumps(report, indent=2, default=float))
     files = _plots(out, report, shadow_metrics)
     rows = "".join(_row(r) for r in report["results"])
-    imgs = "".join(f"<img alt='{k}' src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}'>" for k, p in files.items())
-    verdict = report["verdict"].upper() + (" (passed under on_inconclusive: warn)" if report["verdict"] == "inconclusive"
-                                           and report["passed"] else "")
+    imgs = "".join(
+        f"<img alt='{k}' src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}'>"
+        for k, p in files.items()
+    )
+    verdict = report["verdict"].upper() + (
+        " (passed under on_inconclusive: warn)" if report["verdict"] == "inconclusive" and report["passed"] else ""
+    )
     cand = report["candidate"]
     title = f"{cand['name']} ({cand.get('scheme') or 'unquantized'}, {cand.get('backend')})"
     lineage = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(str(v))}</li>" for k, v in report["inputs"].items())
     cache = ", ".join(f"{k}: {v}" for k, v in report["cache"].items())
-    (out / "report.html").write_text(f"""<!doctype html><meta charset="utf-8"><title>qgate {verdict}: {html.escape(title)}</title>
+    (
+        out / "report.html"
+    ).write_text(f"""<!doctype html><meta charset="utf-8"><title>qgate {verdict}: {html.escape(title)}</title>
 <style>body{{font:14px system-ui;margin:2em;max-width:1200px}} td,th{{padding:3px 8px;border-bottom:1px solid #ddd}}
 {_VERDICT_CSS} img{{max-width:100%;margin:1em 0}}
-h1 span{{color:{COLORS[report['verdict']]}}} dt{{font-weight:bold;margin-top:.4em}}</style>
-<h1>Gate <span>{verdict}</span>: {html.escape(title)} vs {html.escape(report['baseline']['name'])}</h1>
+h1 span{{color:{COLORS[report["verdict"]]}}} dt{{font-weight:bold;margin-top:.4em}}</style>
+<h1>Gate <span>{verdict}</span>: {html.escape(title)} vs {html.escape(report["baseline"]["name"])}</h1>
 <p>Each check follows one rule, named in its <i>decided on</i> column. <b>ci</b>: <b>PASS</b> when its 95% confidence
 interval lies wholly on the good side of the threshold, <b>FAIL</b> when wholly on the bad side, <b>INCONCLUSIVE</b> when it
-straddles it (on_inconclusive: {html.escape(report.get('on_inconclusive', 'block'))}). <b>point</b>: no interval (a count,
+straddles it (on_inconclusive: {html.escape(report.get("on_inconclusive", "block"))}). <b>point</b>: no interval (a count,
 a p-value, an infinite value), the observed value against the threshold. <b>holm-guard</b>: a per-task guard under a pooled
 check, FAIL when its Holm-adjusted interval lies wholly below the same margin, otherwise reported. <b>INFO</b> rows are
 reported, not gated.</p>
@@ -256,4 +329,4 @@ the Holm-adjusted p-value of a loss beyond the margin.</dd></dl>
 {_scored(report)}
 {_floor(report)}
 {imgs}<h2>Inputs</h2><ul>{lineage}</ul><p>Baseline cache: {html.escape(cache)}</p>
-<p>Timings (s): {html.escape(json.dumps(report['timings']))}</p>""")
+<p>Timings (s): {html.escape(json.dumps(report["timings"]))}</p>""")

@@ -15,6 +15,7 @@ An unbounded CI end (a quantile the sample cannot pin down) can never decide in 
 Every thresholded check with a CI also states its minimum detectable effect at its n (`mde`):
 the true distance from the observed value that an 80%-power test at this CI's width would detect.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,27 +36,54 @@ class GateResult:
     ci: tuple[float, float] | None = None
     p_value: float | None = None
     passed: bool = False
-    decided_on: str = "point"       # the rule that decided the verdict: "ci" / "point" / "holm-guard" / "report-only" / "not-run"
+    decided_on: str = (
+        "point"  # the rule that decided the verdict: "ci" / "point" / "holm-guard" / "report-only" / "not-run"
+    )
     evidence: dict = field(default_factory=dict)
     verdict: str = "fail"
-    mde: float | None = None        # minimum detectable effect at this n (metric units)
+    mde: float | None = None  # minimum detectable effect at this n (metric units)
     n_to_decide: int | None = None  # inconclusive only: roughly how many items would decide it
 
     @classmethod
-    def check(cls, gate: str, metric: str, observed: float, threshold: float | None, higher_is_better: bool, n: int,
-              ci: tuple[float, float] | None = None, p_value: float | None = None, evidence: dict | None = None) -> "GateResult":
+    def check(
+        cls,
+        gate: str,
+        metric: str,
+        observed: float,
+        threshold: float | None,
+        higher_is_better: bool,
+        n: int,
+        ci: tuple[float, float] | None = None,
+        p_value: float | None = None,
+        evidence: dict | None = None,
+    ) -> GateResult:
         ev = evidence or {}
         mde = _mde(ci)
         if threshold is None:
-            return cls(gate, metric, observed, None, higher_is_better, n, ci, p_value, True, "report-only", ev, "info", mde)
+            return cls(
+                gate, metric, observed, None, higher_is_better, n, ci, p_value, True, "report-only", ev, "info", mde
+            )
         if math.isnan(observed):
-            return cls(gate, metric, observed, threshold, higher_is_better, n, ci, p_value, False, "point",
-                       ev | {"error": "no finite value"}, "error", mde)
-        sign = 1.0 if higher_is_better else -1.0          # work in "higher is better" units
-        if ci is None or any(math.isnan(x) for x in ci) or math.isinf(observed):   # an infinite KL: on the point
+            return cls(
+                gate,
+                metric,
+                observed,
+                threshold,
+                higher_is_better,
+                n,
+                ci,
+                p_value,
+                False,
+                "point",
+                ev | {"error": "no finite value"},
+                "error",
+                mde,
+            )
+        sign = 1.0 if higher_is_better else -1.0  # work in "higher is better" units
+        if ci is None or any(math.isnan(x) for x in ci) or math.isinf(observed):  # an infinite KL: on the point
             verdict, how = ("pass" if sign * (observed - threshold) >= 0 else "fail"), "point"
         else:
-            good, bad = (ci[0], ci[1]) if higher_is_better else (ci[1], ci[0])   # the CI end nearer failing, the other
+            good, bad = (ci[0], ci[1]) if higher_is_better else (ci[1], ci[0])  # the CI end nearer failing, the other
             how = "ci"
             if sign * (good - threshold) >= 0 and math.isfinite(good):
                 verdict = "pass"
@@ -64,25 +92,62 @@ class GateResult:
             else:
                 verdict = "inconclusive"
         more = _n_to_decide(observed, threshold, ci, n) if verdict == "inconclusive" else None
-        return cls(gate, metric, observed, threshold, higher_is_better, n, ci, p_value, verdict == "pass", how, ev, verdict,
-                   mde, more)
+        return cls(
+            gate,
+            metric,
+            observed,
+            threshold,
+            higher_is_better,
+            n,
+            ci,
+            p_value,
+            verdict == "pass",
+            how,
+            ev,
+            verdict,
+            mde,
+            more,
+        )
 
     @classmethod
-    def could_not_run(cls, gate: str, metric: str, reason: str) -> "GateResult":
+    def could_not_run(cls, gate: str, metric: str, reason: str) -> GateResult:
         return cls(gate, metric, float("nan"), None, True, 0, None, None, False, "not-run", {"error": reason}, "error")
 
     @classmethod
-    def guard(cls, gate: str, metric: str, observed: float, threshold: float, higher_is_better: bool, n: int,
-              ci: tuple[float, float], may_fail: bool = True, p_value: float | None = None,
-              evidence: dict | None = None) -> "GateResult":
+    def guard(
+        cls,
+        gate: str,
+        metric: str,
+        observed: float,
+        threshold: float,
+        higher_is_better: bool,
+        n: int,
+        ci: tuple[float, float],
+        may_fail: bool = True,
+        p_value: float | None = None,
+        evidence: dict | None = None,
+    ) -> GateResult:
         """A check that can stop a candidate but never pass one: fail when `ci` (already adjusted for the other
         guards it is tested beside) lies wholly on the bad side of `threshold` and `may_fail` (a step-down procedure
         such as Holm's has not stopped before it); otherwise info, reported with its threshold."""
         sign = 1.0 if higher_is_better else -1.0
-        best = ci[1] if higher_is_better else ci[0]     # the CI end nearest passing: wholly bad when even it is bad
+        best = ci[1] if higher_is_better else ci[0]  # the CI end nearest passing: wholly bad when even it is bad
         failed = may_fail and math.isfinite(best) and sign * (best - threshold) < 0
-        return cls(gate, metric, observed, threshold, higher_is_better, n, ci, p_value, not failed, "holm-guard",
-                   evidence or {}, "fail" if failed else "info", _mde(ci))
+        return cls(
+            gate,
+            metric,
+            observed,
+            threshold,
+            higher_is_better,
+            n,
+            ci,
+            p_value,
+            not failed,
+            "holm-guard",
+            evidence or {},
+            "fail" if failed else "info",
+            _mde(ci),
+        )
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -90,7 +155,7 @@ class GateResult:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GateResult":
+    def from_dict(cls, d: dict) -> GateResult:
         known = {f for f in cls.__dataclass_fields__}
         d = {k: v for k, v in d.items() if k in known}
         return cls(**{**d, "ci": tuple(d["ci"]) if d.get("ci") else None})

@@ -6,6 +6,7 @@
 Baseline work (shadow answers, eval scores) is cached by content hash in cache_dir,
 so gating a second candidate against the same baseline does not recompute it.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,20 +16,28 @@ from pathlib import Path
 
 from qgate.artifact import Artifact, engine_checkpoint, sha256_json, sha256_tree, typed_config
 from qgate.cache import read_cached, write_cached
+from qgate.errors import ConfigError
 from qgate.gates.contract import ContractConfig, contract_gate
 from qgate.gates.evalgate import SCORES_VERSION, TASK_DIR, EvalConfig, eval_gate, run_tasks
 from qgate.gates.longctx import LongContextConfig, baseline_long_reference, long_context_gate
 from qgate.gates.noise import check_thresholds, noise_floor
 from qgate.gates.report import write_report
-from qgate.errors import ConfigError
 from qgate.gates.result import GateResult, overall
-from qgate.gates.shadow import (ShadowConfig, baseline_reference, candidate_metrics, kl_top1_checks, load_shadow,
-                                prompt_coverage, rescore_reference, shadow_gate)
+from qgate.gates.shadow import (
+    ShadowConfig,
+    baseline_reference,
+    candidate_metrics,
+    kl_top1_checks,
+    load_shadow,
+    prompt_coverage,
+    rescore_reference,
+    shadow_gate,
+)
 
 
 @dataclass(frozen=True)
 class PerfConfig:
-    min_prefill_speedup: float | None = None   # candidate vs baseline teacher-forced scoring throughput
+    min_prefill_speedup: float | None = None  # candidate vs baseline teacher-forced scoring throughput
     VERSION = 1
 
 
@@ -36,6 +45,7 @@ class PerfConfig:
 class ParityConfig:
     """Engine candidates: the engine vs its own checkpoint on the reference path, on the gated shadow positions.
     Tells a kernel or runtime bug from quantization loss. Report-only unless a threshold is set."""
+
     enabled: bool = True
     kl_mean_max: float | None = None
     kl_p99_max: float | None = None
@@ -49,14 +59,14 @@ class GateConfig:
     contract: ContractConfig = field(default_factory=ContractConfig)
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     eval: EvalConfig | None = field(default_factory=EvalConfig)
-    long_context: LongContextConfig | None = field(default_factory=LongContextConfig)   # None: not probed
+    long_context: LongContextConfig | None = field(default_factory=LongContextConfig)  # None: not probed
     perf: PerfConfig = field(default_factory=PerfConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
-    on_inconclusive: str = "block"     # "block": an inconclusive check blocks promotion; "warn": it passes with a warning
-    score_anyway: bool = False         # score a candidate whose serving contract failed (its verdict is FAIL regardless)
-    device: str = "auto"               # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
-    dtype: str = "auto"                # reference checkpoints' compute dtype: auto (float32 on CPU, served dtype on CUDA)
-    VERSION = 9                        # of the report's layout and the gates' rules; history in git
+    on_inconclusive: str = "block"  # "block": an inconclusive check blocks promotion; "warn": it passes with a warning
+    score_anyway: bool = False  # score a candidate whose serving contract failed (its verdict is FAIL regardless)
+    device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
+    dtype: str = "auto"  # reference checkpoints' compute dtype: auto (float32 on CPU, served dtype on CUDA)
+    VERSION = 9  # of the report's layout and the gates' rules; history in git
 
     def __post_init__(self):
         from qgate.device import check_device, check_dtype
@@ -68,13 +78,27 @@ class GateConfig:
 
 
 def _describe(art: Artifact, name: str | None = None) -> dict:
-    return {"name": name or art.path.name, "path": str(art.path), "kind": art.kind, "sha256": art.sha256,
-            "scheme": art.meta.get("scheme"), "backend": art.meta.get("backend", "torch-reference"),
-            "kv_cache_dtype": art.meta.get("kv_cache_dtype")}
+    return {
+        "name": name or art.path.name,
+        "path": str(art.path),
+        "kind": art.kind,
+        "sha256": art.sha256,
+        "scheme": art.meta.get("scheme"),
+        "backend": art.meta.get("backend", "torch-reference"),
+        "kv_cache_dtype": art.meta.get("kv_cache_dtype"),
+    }
 
 
 def _cached_eval(runner_factory, baseline: Artifact, cfg: EvalConfig, cache_dir: Path) -> tuple[dict, bool]:
-    key = sha256_json({"baseline": baseline.sha256, "tasks": cfg.tasks, "limit": cfg.limit, "data": sha256_tree(TASK_DIR), "v": SCORES_VERSION})
+    key = sha256_json(
+        {
+            "baseline": baseline.sha256,
+            "tasks": cfg.tasks,
+            "limit": cfg.limit,
+            "data": sha256_tree(TASK_DIR),
+            "v": SCORES_VERSION,
+        }
+    )
     path = cache_dir / f"eval-baseline-{key[:24]}.json"
     if (data := read_cached(path)) is not None:
         return json.loads(data), True
@@ -96,17 +120,25 @@ def _checkpoint_side(ckpt: Artifact | None, ref: dict, cfg: GateConfig) -> tuple
     return m_ckpt, ckpt_ref
 
 
-def _parity(cand_runner, ckpt: Artifact | None, side: tuple[dict, dict] | None, ref: dict, gated, cfg: GateConfig) -> list[GateResult]:
+def _parity(
+    cand_runner, ckpt: Artifact | None, side: tuple[dict, dict] | None, ref: dict, gated, cfg: GateConfig
+) -> list[GateResult]:
     """Checkpoint vs baseline and engine vs checkpoint, on the baseline's shadow tokens and the gated positions."""
     if side is None:
         why = "the engine's checkpoint is not on disk or changed since the build"
-        return [GateResult.check("parity", m, float("nan"), None, False, 0, evidence={"error": why})
-                for m in ("engine_vs_checkpoint.kl_p99", "checkpoint_vs_baseline.kl_p99")]
+        return [
+            GateResult.check("parity", m, float("nan"), None, False, 0, evidence={"error": why})
+            for m in ("engine_vs_checkpoint.kl_p99", "checkpoint_vs_baseline.kl_p99")
+        ]
     m_ckpt, ckpt_ref = side
     m_eng = candidate_metrics(cand_runner, ckpt_ref, desc="parity: engine vs checkpoint")
     ev = {"checkpoint": ckpt.sha256, "checkpoint_path": str(ckpt.path)}
-    results = kl_top1_checks(m_eng, ref["prompt_of"], gated, cfg.parity, prefix="engine_vs_checkpoint.", evidence=ev, gate="parity")
-    return results + kl_top1_checks(m_ckpt, ref["prompt_of"], gated, None, prefix="checkpoint_vs_baseline.", gate="parity")
+    results = kl_top1_checks(
+        m_eng, ref["prompt_of"], gated, cfg.parity, prefix="engine_vs_checkpoint.", evidence=ev, gate="parity"
+    )
+    return results + kl_top1_checks(
+        m_ckpt, ref["prompt_of"], gated, None, prefix="checkpoint_vs_baseline.", gate="parity"
+    )
 
 
 def scoring_numerics(art: Artifact, device: str = "auto", dtype: str = "auto") -> str:
@@ -150,7 +182,9 @@ class _LazyRunner:
             release(device)
 
 
-def baseline_floor(baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_dir: Path, runner=None) -> tuple[dict, dict, bool]:
+def baseline_floor(
+    baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_dir: Path, runner=None
+) -> tuple[dict, dict, bool]:
     """The baseline's shadow reference and noise floor (both cached), after checking the thresholds against the floor:
     ConfigError if a threshold is tighter than the baseline itself can meet. Returns (reference, floor, reference cached)."""
     runner = runner or _LazyRunner(baseline, cfg.device, cfg.dtype)
@@ -182,13 +216,29 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
     ref, hit = baseline_reference(base, baseline, shadow, cfg.shadow, base.cache(cache_dir))
     base.release()
     m = candidate_metrics(load_runner(candidate, cfg.device, cfg.dtype), ref)
-    results, scored, _ = shadow_gate(m, ref, cfg.shadow, prompt_coverage(baseline, load_shadow(shadow, cfg.shadow), cfg.shadow))
-    return {"verdict": overall(results), "results": [r.to_dict() for r in results], "scoring": scored,
-            "baseline_cached": hit, "seconds": {"baseline": 0.0 if hit else float(ref["seconds"]), "candidate": m["score_seconds"]}}
+    results, scored, _ = shadow_gate(
+        m, ref, cfg.shadow, prompt_coverage(baseline, load_shadow(shadow, cfg.shadow), cfg.shadow)
+    )
+    return {
+        "verdict": overall(results),
+        "results": [r.to_dict() for r in results],
+        "scoring": scored,
+        "baseline_cached": hit,
+        "seconds": {"baseline": 0.0 if hit else float(ref["seconds"]), "candidate": m["score_seconds"]},
+    }
 
 
-def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: GateConfig, out: Path, cache_dir: Path,
-              name: str | None = None, checkpoint: Artifact | None = None, notes: tuple[str, ...] = ()) -> Artifact:
+def run_gates(
+    candidate: Artifact,
+    baseline: Artifact,
+    shadow: Artifact,
+    cfg: GateConfig,
+    out: Path,
+    cache_dir: Path,
+    name: str | None = None,
+    checkpoint: Artifact | None = None,
+    notes: tuple[str, ...] = (),
+) -> Artifact:
     """checkpoint: for an engine candidate, the checkpoint it was built from (default: its manifest's record).
     notes: what the caller wants every reader to know (for example an engine that could not be built).
     A candidate whose serving contract fails is not scored unless cfg.score_anyway: its verdict is FAIL whatever
@@ -201,42 +251,90 @@ def run_gates(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: Ga
     timings["contract"] = time.perf_counter() - t
     refused = [r.metric for r in results if r.verdict in ("fail", "error")]
     if refused and not cfg.score_anyway:
-        notes = notes + (f"Not scored: the serving contract failed ({', '.join(refused)}), so the verdict is FAIL "
-                         "whatever the scores. `qgate gate --score-anyway` (gates.score_anyway: true) scores it anyway.",)
-        scored, m = {"inputs": {"candidate_runtime": None}, "noise_floor": None, "shadow_scoring": None, "long_context": None,
-                     "cache": {"shadow_baseline": "skipped", "noise_floor": "skipped", "eval_baseline": "skipped"}}, None
+        notes = notes + (
+            f"Not scored: the serving contract failed ({', '.join(refused)}), so the verdict is FAIL "
+            "whatever the scores. `qgate gate --score-anyway` (gates.score_anyway: true) scores it anyway.",
+        )
+        scored, m = (
+            {
+                "inputs": {"candidate_runtime": None},
+                "noise_floor": None,
+                "shadow_scoring": None,
+                "long_context": None,
+                "cache": {"shadow_baseline": "skipped", "noise_floor": "skipped", "eval_baseline": "skipped"},
+            },
+            None,
+        )
     else:
         more, scored, m = _score(candidate, baseline, shadow, rows, cfg, cache_dir, checkpoint, timings)
         results += more
     verdict = overall(results)
     passed = verdict == "pass" or (verdict == "inconclusive" and cfg.on_inconclusive == "warn")
     report = {
-        "version": 2, "verdict": verdict, "passed": passed, "on_inconclusive": cfg.on_inconclusive, "candidate": _describe(candidate, name), "baseline": _describe(baseline, "baseline"),
-        "inputs": {"candidate_sha256": candidate.sha256, "baseline_sha256": baseline.sha256, "shadow_sha256": shadow.sha256,
-                   "calibration_sha256": candidate.meta.get("calibration_sha256")} | scored["inputs"],
-        "noise_floor": scored["noise_floor"], "cache": scored["cache"], "shadow_scoring": scored["shadow_scoring"],
+        "version": 2,
+        "verdict": verdict,
+        "passed": passed,
+        "on_inconclusive": cfg.on_inconclusive,
+        "candidate": _describe(candidate, name),
+        "baseline": _describe(baseline, "baseline"),
+        "inputs": {
+            "candidate_sha256": candidate.sha256,
+            "baseline_sha256": baseline.sha256,
+            "shadow_sha256": shadow.sha256,
+            "calibration_sha256": candidate.meta.get("calibration_sha256"),
+        }
+        | scored["inputs"],
+        "noise_floor": scored["noise_floor"],
+        "cache": scored["cache"],
+        "shadow_scoring": scored["shadow_scoring"],
         "long_context": scored["long_context"],
         "scored": m is not None,
-        "config": {"contract": typed_config(cfg.contract), "shadow": typed_config(cfg.shadow), "parity": typed_config(cfg.parity), "eval": typed_config(cfg.eval) if cfg.eval else None, "perf": typed_config(cfg.perf),
-                   "long_context": typed_config(cfg.long_context) if cfg.long_context else None,
-                   "on_inconclusive": cfg.on_inconclusive, "score_anyway": cfg.score_anyway},
+        "config": {
+            "contract": typed_config(cfg.contract),
+            "shadow": typed_config(cfg.shadow),
+            "parity": typed_config(cfg.parity),
+            "eval": typed_config(cfg.eval) if cfg.eval else None,
+            "perf": typed_config(cfg.perf),
+            "long_context": typed_config(cfg.long_context) if cfg.long_context else None,
+            "on_inconclusive": cfg.on_inconclusive,
+            "score_anyway": cfg.score_anyway,
+        },
         "results": [r.to_dict() for r in results],
         "timings": {k: round(v, 2) for k, v in timings.items()},
         "notes": list(notes),
     }
     source = checkpoint or (engine_checkpoint(candidate) if candidate.kind == "engine" else candidate)
-    if source is not None and source.meta.get("search"):   # a searched checkpoint carries its search's evidence
+    if source is not None and source.meta.get("search"):  # a searched checkpoint carries its search's evidence
         report["search"] = source.meta["search"] | {"plot": str(source.path / "qgate-search.png")}
     write_report(out, report, m)
     summary = {r.gate + "." + r.metric: r.observed for r in results}
-    return Artifact.create("gate-report", out, report["config"], (candidate.sha256, baseline.sha256, shadow.sha256),
-                           {"passed": passed, "verdict": verdict, "summary": summary, "candidate": candidate.sha256,
-                            "failed": [r.metric for r in results if r.verdict in ("fail", "error")],
-                            "inconclusive": [r.metric for r in results if r.verdict == "inconclusive"], "scored": m is not None})
+    return Artifact.create(
+        "gate-report",
+        out,
+        report["config"],
+        (candidate.sha256, baseline.sha256, shadow.sha256),
+        {
+            "passed": passed,
+            "verdict": verdict,
+            "summary": summary,
+            "candidate": candidate.sha256,
+            "failed": [r.metric for r in results if r.verdict in ("fail", "error")],
+            "inconclusive": [r.metric for r in results if r.verdict == "inconclusive"],
+            "scored": m is not None,
+        },
+    )
 
 
-def _score(candidate: Artifact, baseline: Artifact, shadow: Artifact, rows: list[dict], cfg: GateConfig, cache_dir: Path,
-           checkpoint: Artifact | None, timings: dict[str, float]) -> tuple[list[GateResult], dict, dict]:
+def _score(
+    candidate: Artifact,
+    baseline: Artifact,
+    shadow: Artifact,
+    rows: list[dict],
+    cfg: GateConfig,
+    cache_dir: Path,
+    checkpoint: Artifact | None,
+    timings: dict[str, float],
+) -> tuple[list[GateResult], dict, dict]:
     """Every gate after the contract: (results, what the report records of the scoring, the shadow metrics with the
     mask of gated positions). Adds its timings to `timings`."""
     from qgate.engines.runners import load_runner
@@ -275,22 +373,43 @@ def _score(candidate: Artifact, baseline: Artifact, shadow: Artifact, rows: list
         timings["parity"] = parity_s + time.perf_counter() - t
     long_cov = None
     if lref is not None:
-        long_results, long_cov = long_context_gate(cand, lref, cfg.long_context,
-                                                   cfg.shadow.max_prompt_tokens + cfg.shadow.max_new_tokens)
+        long_results, long_cov = long_context_gate(
+            cand, lref, cfg.long_context, cfg.shadow.max_prompt_tokens + cfg.shadow.max_new_tokens
+        )
         timings["candidate_long_context"] = long_cov["seconds"]
         results += long_results
-    base_s = float(floor.get("baseline_score_seconds", ref["score_seconds"]))   # the baseline on the same scoring path
+    base_s = float(floor.get("baseline_score_seconds", ref["score_seconds"]))  # the baseline on the same scoring path
     speedup = base_s / m["score_seconds"] if m["score_seconds"] > 0 else float("nan")
-    results.append(GateResult.check("perf", "prefill_speedup", speedup, cfg.perf.min_prefill_speedup, True, int(len(ref["seq_lens"])),
-                                    evidence={"baseline_score_seconds": base_s,
-                                              "candidate_score_seconds": m["score_seconds"], "candidate_runtime": cand.kind,
-                                              "baseline_timing_from_cache": bool(floor.get("cached"))}))  # cached: measured in an earlier run
+    results.append(
+        GateResult.check(
+            "perf",
+            "prefill_speedup",
+            speedup,
+            cfg.perf.min_prefill_speedup,
+            True,
+            int(len(ref["seq_lens"])),
+            evidence={
+                "baseline_score_seconds": base_s,
+                "candidate_score_seconds": m["score_seconds"],
+                "candidate_runtime": cand.kind,
+                "baseline_timing_from_cache": bool(floor.get("cached")),
+            },
+        )
+    )  # cached: measured in an earlier run
     if cfg.eval is not None:
         t = time.perf_counter()
         cand_scores = run_tasks(cand, cfg.eval)
         timings["candidate_eval"] = time.perf_counter() - t
         results += eval_gate(base_scores, cand_scores, cfg.eval)
-    record = {"inputs": {"candidate_runtime": cand.kind, "numerics": cand.numerics}, "noise_floor": floor, "shadow_scoring": scored, "long_context": long_cov,
-              "cache": {"shadow_baseline": "hit" if shadow_hit else "miss", "noise_floor": "hit" if floor["cached"] else "miss",
-                        "eval_baseline": {None: "off", True: "hit", False: "miss"}[eval_hit]}}
+    record = {
+        "inputs": {"candidate_runtime": cand.kind, "numerics": cand.numerics},
+        "noise_floor": floor,
+        "shadow_scoring": scored,
+        "long_context": long_cov,
+        "cache": {
+            "shadow_baseline": "hit" if shadow_hit else "miss",
+            "noise_floor": "hit" if floor["cached"] else "miss",
+            "eval_baseline": {None: "off", True: "hit", False: "miss"}[eval_hit],
+        },
+    }
     return results, record, m | {"gated": gated}

@@ -14,17 +14,20 @@ Logits a runner leaves on a GPU (a torch tensor on CUDA) are reduced there by th
 chunks, and only the reduced arrays come back: copying [T, V] float32 logits to the host and reducing them on its
 cores would cost more than the forward pass that made them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
 
-MAX_BATCH_TOKENS = 1024   # padded tokens per scoring batch: 1024 x 49k vocab x 4 bytes = 200 MB of logits
+MAX_BATCH_TOKENS = 1024  # padded tokens per scoring batch: 1024 x 49k vocab x 4 bytes = 200 MB of logits
 MAX_BATCH_ROWS = 16
 
 
-def length_batches(lengths: Sequence[int], max_tokens: int = MAX_BATCH_TOKENS, max_rows: int = MAX_BATCH_ROWS) -> list[list[int]]:
+def length_batches(
+    lengths: Sequence[int], max_tokens: int = MAX_BATCH_TOKENS, max_rows: int = MAX_BATCH_ROWS
+) -> list[list[int]]:
     """Indices grouped into batches of similar length (stable sort, so the grouping is deterministic), each at most
     max_tokens once padded to its longest row, and at most max_rows rows. A row longer than max_tokens is alone."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
@@ -44,7 +47,7 @@ def split_sequences(tokens: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
     return [tokens[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-ROWS_PER_PASS = 8   # positions reduced together: a [8, V] slab stays in cache (4x faster than one [T, V] pass)
+ROWS_PER_PASS = 8  # positions reduced together: a [8, V] slab stays in cache (4x faster than one [T, V] pass)
 
 
 def _array(logits) -> np.ndarray:
@@ -63,13 +66,13 @@ def _log_norm(x: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     6,318 x 49k positions where torch's max, subtract, exp and sum took 0.40 s; both return the first of tied maxima."""
     top1 = x.argmax(-1)
     m = np.take_along_axis(x, top1[:, None], -1)
-    z = np.subtract(x, m, out=work[:len(x)])
+    z = np.subtract(x, m, out=work[: len(x)])
     np.exp(z, out=z)
     return top1, m, np.log(z.sum(-1).astype(np.float64))
 
 
-UNDEFINED = -1   # reduce_logits' argmax for a position whose logits define no distribution
-DEVICE_ROWS = 4096   # positions reduced together on a GPU: bounds the [n, V] float32 temporary of exp(x - max)
+UNDEFINED = -1  # reduce_logits' argmax for a position whose logits define no distribution
+DEVICE_ROWS = 4096  # positions reduced together on a GPU: bounds the [n, V] float32 temporary of exp(x - max)
 
 
 def on_device(logits) -> bool:
@@ -97,12 +100,12 @@ def reduce_logits_torch(logits, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray
         top1 = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
         picked = torch.empty(idx.shape, dtype=torch.float64, device=x.device)
         for a in range(0, x.shape[0], DEVICE_ROWS):
-            xs = x[a:a + DEVICE_ROWS]
+            xs = x[a : a + DEVICE_ROWS]
             t1, m, log_s = _torch_norm(xs)
-            p = (xs.gather(-1, idx[a:a + len(xs)]) - m).double() - log_s[:, None]
+            p = (xs.gather(-1, idx[a : a + len(xs)]) - m).double() - log_s[:, None]
             bad = torch.isnan(log_s)
-            top1[a:a + len(xs)] = torch.where(bad, torch.full_like(t1, UNDEFINED), t1)
-            picked[a:a + len(xs)] = torch.where(bad[:, None], torch.full_like(p, -np.inf), p)
+            top1[a : a + len(xs)] = torch.where(bad, torch.full_like(t1, UNDEFINED), t1)
+            picked[a : a + len(xs)] = torch.where(bad[:, None], torch.full_like(p, -np.inf), p)
         return top1.cpu().numpy(), picked.cpu().numpy()
 
 
@@ -115,7 +118,7 @@ def top_k_logprobs_torch(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
         k = min(k, x.shape[-1])
         ids, lp = [], []
         for a in range(0, x.shape[0], DEVICE_ROWS):
-            xs = x[a:a + DEVICE_ROWS]
+            xs = x[a : a + DEVICE_ROWS]
             vals, top = torch.topk(xs, k, dim=-1, sorted=True)
             _, m, log_s = _torch_norm(xs)
             lp.append(((vals - m).double() - log_s[:, None]).float())
@@ -136,11 +139,13 @@ def reduce_logits(logits, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     picked = np.empty(ids.shape, np.float64)
     work = np.empty((min(ROWS_PER_PASS, x.shape[0]), x.shape[1]), np.float32)
     for a in range(0, x.shape[0], ROWS_PER_PASS):
-        xs = x[a:a + ROWS_PER_PASS]
-        with np.errstate(invalid="ignore"):     # inf - inf in a row that defines no distribution
-            top1[a:a + len(xs)], m, log_s = _log_norm(xs, work)
-            picked[a:a + len(xs)] = (np.take_along_axis(xs, ids[a:a + len(xs)], -1) - m).astype(np.float64) - log_s[:, None]
-        bad = np.isnan(log_s)      # exp(x - max) is NaN somewhere exactly when the row defines no distribution
+        xs = x[a : a + ROWS_PER_PASS]
+        with np.errstate(invalid="ignore"):  # inf - inf in a row that defines no distribution
+            top1[a : a + len(xs)], m, log_s = _log_norm(xs, work)
+            picked[a : a + len(xs)] = (np.take_along_axis(xs, ids[a : a + len(xs)], -1) - m).astype(np.float64) - log_s[
+                :, None
+            ]
+        bad = np.isnan(log_s)  # exp(x - max) is NaN somewhere exactly when the row defines no distribution
         if bad.any():
             rows = a + np.flatnonzero(bad)
             top1[rows], picked[rows] = UNDEFINED, -np.inf
@@ -161,13 +166,13 @@ def top_k_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
     work = np.empty((min(ROWS_PER_PASS, x.shape[0]), x.shape[1]), np.float32)
     with torch.inference_mode():
         for a in range(0, x.shape[0], ROWS_PER_PASS):
-            xs = x[a:a + ROWS_PER_PASS]
+            xs = x[a : a + ROWS_PER_PASS]
             # on torch's threads: k=1024 of 49k took 1.3 s for 6,318 positions on two, 2.3 s on one
             vals, top = torch.topk(torch.from_numpy(xs), k, dim=-1, sorted=True)
             with np.errstate(invalid="ignore"):
                 _, m, log_s = _log_norm(xs, work)
-                lp[a:a + len(xs)] = (vals.numpy() - m).astype(np.float64) - log_s[:, None]
-            ids[a:a + len(xs)] = top.numpy()
+                lp[a : a + len(xs)] = (vals.numpy() - m).astype(np.float64) - log_s[:, None]
+            ids[a : a + len(xs)] = top.numpy()
     return ids, lp
 
 
@@ -180,7 +185,7 @@ def kl_with_tail(top_lp: np.ndarray, cand_lp: np.ndarray) -> tuple[np.ndarray, n
     pk = np.exp(tl)
     p_tail = np.clip(1 - pk.sum(-1), 0, 1)
     q_tail = np.clip(1 - np.exp(lq).sum(-1), 1e-12, 1)
-    with np.errstate(invalid="ignore"):     # -inf - -inf where both give an id probability 0
+    with np.errstate(invalid="ignore"):  # -inf - -inf where both give an id probability 0
         terms = np.where(pk > 0, pk * (tl - lq), 0.0)
     kl = terms.sum(-1) + np.where(p_tail > 1e-12, p_tail * (np.log(np.maximum(p_tail, 1e-12)) - np.log(q_tail)), 0.0)
     return np.maximum(kl, 0.0), p_tail

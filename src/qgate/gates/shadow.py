@@ -32,6 +32,7 @@ batches, and logits are reduced in float32 with a stable log-sum-exp (gates/scor
 the gate costs little more than the candidate's forward passes. The baseline's answers
 are generated in batches with its KV cache.
 """
+
 from __future__ import annotations
 
 import io
@@ -41,37 +42,44 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from qgate.progress import progress
 
 from qgate.artifact import Artifact, sha256_json
 from qgate.cache import read_cached_arrays, write_cached
 from qgate.chat import encode_with_sources
 from qgate.errors import ConfigError, InputError
 from qgate.gates.result import GateResult
-from qgate.gates.scoring import (MAX_BATCH_TOKENS, UNDEFINED, kl_with_tail, length_batches, reduce_logits,
-                                 split_sequences, top_k_logprobs)
+from qgate.gates.scoring import (
+    MAX_BATCH_TOKENS,
+    UNDEFINED,
+    kl_with_tail,
+    length_batches,
+    reduce_logits,
+    split_sequences,
+    top_k_logprobs,
+)
 from qgate.gates.stats import cluster_bootstrap, quantile, quantile_ci, wilson
+from qgate.progress import progress
 
-TEMPLATE, PROMPT, ANSWER = 0, 1, 2        # token classes: chat template, traffic prompt text, baseline answer
+TEMPLATE, PROMPT, ANSWER = 0, 1, 2  # token classes: chat template, traffic prompt text, baseline answer
 POSITION_SETS = {"answer": (ANSWER,), "answer+prompt": (ANSWER, PROMPT)}
-GREEDY_BATCH_ROWS = 48          # prompts decoded together: a decode step costs far less than rows x one-row steps
-GREEDY_BATCH_TOKENS = 6144      # padded prompt + answer tokens per decode batch (wider batches pay for padding in
-                                # attention and cache copies); benchmarks/bench_gates_engines.py measured 4k-32k
+GREEDY_BATCH_ROWS = 48  # prompts decoded together: a decode step costs far less than rows x one-row steps
+GREEDY_BATCH_TOKENS = 6144  # padded prompt + answer tokens per decode batch (wider batches pay for padding in
+# attention and cache copies); benchmarks/bench_gates_engines.py measured 4k-32k
 
 
 @dataclass(frozen=True)
 class ShadowConfig:
     max_prompt_tokens: int = 384
     max_new_tokens: int = 48
-    top_k: int = 1024               # baseline log-probs kept per position; KL is exact up to the tail mass left out
+    top_k: int = 1024  # baseline log-probs kept per position; KL is exact up to the tail mass left out
     max_prompts: int | None = None
     kl_mean_max: float | None = None
     kl_p99_max: float | None = 0.5
     kl_p999_max: float | None = None
     top1_agreement_min: float | None = 0.9
     identical_generation_min: float | None = None
-    positions: str = "answer"       # which positions the gated checks score: "answer" or "answer+prompt"
-    VERSION = 3                     # 3: log-probs by numpy's exp and pairwise sum (scoring.py): KL within 1.1e-6 of float64
+    positions: str = "answer"  # which positions the gated checks score: "answer" or "answer+prompt"
+    VERSION = 3  # 3: log-probs by numpy's exp and pairwise sum (scoring.py): KL within 1.1e-6 of float64
 
     def __post_init__(self):
         if self.max_new_tokens < 1 or self.max_prompt_tokens < 4 or self.top_k < 2:
@@ -80,8 +88,12 @@ class ShadowConfig:
             raise ConfigError(f"gates.shadow.positions: {self.positions!r} is not one of {sorted(POSITION_SETS)}")
 
     def reference_key(self) -> dict:  # the fields that change what the baseline computes
-        return {"max_prompt_tokens": self.max_prompt_tokens, "max_new_tokens": self.max_new_tokens,
-                "top_k": self.top_k, "max_prompts": self.max_prompts}
+        return {
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "max_new_tokens": self.max_new_tokens,
+            "top_k": self.top_k,
+            "max_prompts": self.max_prompts,
+        }
 
 
 def rescore_reference(runner, ref: dict, top_k: int, desc: str = "shadow: reference") -> dict:
@@ -108,7 +120,9 @@ def score_sequences(runner, seqs: list[list[int]], desc: str, reduce) -> list:
     at a time (holding batches until their sequences' turn in input order kept up to all of them, and slowed the
     forward passes beside them by ~10%)."""
     out: list = [None] * len(seqs)
-    batches = length_batches([len(s) for s in seqs], max_tokens=runner.batch_tokens or MAX_BATCH_TOKENS)   # GPU: by free memory
+    batches = length_batches(
+        [len(s) for s in seqs], max_tokens=runner.batch_tokens or MAX_BATCH_TOKENS
+    )  # GPU: by free memory
     for batch in progress(batches, f"{desc} ({len(seqs)} prompts)", unit="batch"):
         logits = runner.logits_batch([seqs[i] for i in batch])
         for j, i in enumerate(batch):
@@ -122,7 +136,9 @@ def greedy_answers(runner, prompts: list[list[int]], max_new_tokens: int, desc: 
     if not hasattr(runner, "greedy_batch"):
         return [runner.greedy(p, max_new_tokens) for p in progress(prompts, desc, unit="prompt")]
     answers: list[list[int] | None] = [None] * len(prompts)
-    batches = length_batches([len(p) + max_new_tokens for p in prompts], max_tokens=GREEDY_BATCH_TOKENS, max_rows=GREEDY_BATCH_ROWS)
+    batches = length_batches(
+        [len(p) + max_new_tokens for p in prompts], max_tokens=GREEDY_BATCH_TOKENS, max_rows=GREEDY_BATCH_ROWS
+    )
     for batch in progress(batches, f"{desc} ({len(prompts)} prompts)", unit="batch"):
         for i, a in zip(batch, runner.greedy_batch([prompts[i] for i in batch], max_new_tokens), strict=True):
             answers[i] = a
@@ -133,7 +149,9 @@ def greedy_scored(runner, prompts: list[list[int]], max_new_tokens: int, top_k: 
     """(answer, (top-k ids, top-k log-probs) over prompt + answer positions) per prompt, in input order, from
     runner.greedy_scored in batches of similar length."""
     results: list = [None] * len(prompts)
-    batches = length_batches([len(p) + max_new_tokens for p in prompts], max_tokens=GREEDY_BATCH_TOKENS, max_rows=GREEDY_BATCH_ROWS)
+    batches = length_batches(
+        [len(p) + max_new_tokens for p in prompts], max_tokens=GREEDY_BATCH_TOKENS, max_rows=GREEDY_BATCH_ROWS
+    )
     for batch in progress(batches, f"shadow: baseline answers ({len(prompts)} prompts)", unit="batch"):
         out = runner.greedy_scored([prompts[i] for i in batch], max_new_tokens, lambda x: top_k_logprobs(x, top_k))
         for i, r in zip(batch, out, strict=True):
@@ -143,19 +161,32 @@ def greedy_scored(runner, prompts: list[list[int]], max_new_tokens: int, top_k: 
 
 def load_shadow(shadow: Artifact, cfg: ShadowConfig) -> list[dict]:
     if shadow.kind != "calibration-set" or shadow.meta.get("split") not in ("shadow", "search"):
-        raise InputError(f"{shadow.path}: --shadow must be the shadow split written by `qgate calibrate sample` "
-                         "(or its search split: held-out traffic too)")
+        raise InputError(
+            f"{shadow.path}: --shadow must be the shadow split written by `qgate calibrate sample` "
+            "(or its search split: held-out traffic too)"
+        )
     rows = [json.loads(x) for x in (shadow.path / "data.jsonl").read_text().splitlines() if x.strip()]
     return rows[: cfg.max_prompts] if cfg.max_prompts else rows
 
 
-REFERENCE_VERSION = 4   # of what a baseline reference holds and how its log-probs are computed (4: gates/scoring.py in numpy)
+REFERENCE_VERSION = (
+    4  # of what a baseline reference holds and how its log-probs are computed (4: gates/scoring.py in numpy)
+)
 
 
-def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg: ShadowConfig, cache_dir: Path) -> tuple[dict, bool]:
+def baseline_reference(
+    runner_factory, baseline: Artifact, shadow: Artifact, cfg: ShadowConfig, cache_dir: Path
+) -> tuple[dict, bool]:
     """Baseline answers and top-k log-probs, computed once per (baseline, shadow set, settings)."""
-    key = sha256_json({"baseline": baseline.sha256, "shadow": shadow.sha256, "cfg": cfg.reference_key(), "v": REFERENCE_VERSION,
-                       "batches": [MAX_BATCH_TOKENS, GREEDY_BATCH_TOKENS, GREEDY_BATCH_ROWS]})
+    key = sha256_json(
+        {
+            "baseline": baseline.sha256,
+            "shadow": shadow.sha256,
+            "cfg": cfg.reference_key(),
+            "v": REFERENCE_VERSION,
+            "batches": [MAX_BATCH_TOKENS, GREEDY_BATCH_TOKENS, GREEDY_BATCH_ROWS],
+        }
+    )
     path = Path(cache_dir) / f"shadow-baseline-{key[:24]}.npz"
     if (cached := read_cached_arrays(path)) is not None:
         return cached, True
@@ -164,7 +195,7 @@ def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg
     encoded = [encode_with_sources(runner.tokenizer, row["messages"], cfg.max_prompt_tokens) for row in rows]
     t0 = time.perf_counter()
     prompts = [ids for ids, _ in encoded]
-    if hasattr(runner, "greedy_scored"):   # answers and scores in one pass: prefill + KV-cached decode steps
+    if hasattr(runner, "greedy_scored"):  # answers and scores in one pass: prefill + KV-cached decode steps
         answers, idx, lp = [], [], []
         for ans, (top_i, top_l) in greedy_scored(runner, prompts, cfg.max_new_tokens, cfg.top_k):
             answers.append(ans)
@@ -175,24 +206,31 @@ def baseline_reference(runner_factory, baseline: Artifact, shadow: Artifact, cfg
     else:
         answers = greedy_answers(runner, prompts, cfg.max_new_tokens, "shadow: baseline answers")
         gen_s = time.perf_counter() - t0
-        top_idx, top_lp = top_k_reference(runner, [p + a for p, a in zip(prompts, answers, strict=True)], cfg.top_k,
-                                          "shadow: baseline scoring")
+        top_idx, top_lp = top_k_reference(
+            runner, [p + a for p, a in zip(prompts, answers, strict=True)], cfg.top_k, "shadow: baseline scoring"
+        )
     seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
     _check_defined(baseline, top_lp, [len(s) - 1 for s in seqs])
-    classes = [np.array([PROMPT if f else TEMPLATE for f in src] + [ANSWER] * len(a), np.int8)
-               for (_, src), a in zip(encoded, answers, strict=True)]
+    classes = [
+        np.array([PROMPT if f else TEMPLATE for f in src] + [ANSWER] * len(a), np.int8)
+        for (_, src), a in zip(encoded, answers, strict=True)
+    ]
     ref = {
-        "tokens": np.concatenate([np.asarray(s, np.int32) for s in seqs]), "seq_lens": np.array([len(s) for s in seqs], np.int32),
-        "prompt_lens": np.array([len(ids) for ids, _ in encoded], np.int32), "top_idx": top_idx,
+        "tokens": np.concatenate([np.asarray(s, np.int32) for s in seqs]),
+        "seq_lens": np.array([len(s) for s in seqs], np.int32),
+        "prompt_lens": np.array([len(ids) for ids, _ in encoded], np.int32),
+        "top_idx": top_idx,
         "top_lp": top_lp,
         "prompt_of": np.concatenate([np.full(len(s) - 1, i, np.int32) for i, s in enumerate(seqs)]),
         "token_class": np.concatenate(classes),
         "seconds": np.array(time.perf_counter() - t0),
-        "generate_seconds": np.array(gen_s),   # with greedy_scored: answers and scores together
+        "generate_seconds": np.array(gen_s),  # with greedy_scored: answers and scores together
         "score_seconds": np.array(time.perf_counter() - t0 - gen_s),
     }
     buf = io.BytesIO()
-    np.savez(buf, **ref)   # not compressed: top-k log-probs barely compress (36 of ~50 MB) and zlib took 4.5 s of a 33 s reference
+    np.savez(
+        buf, **ref
+    )  # not compressed: top-k log-probs barely compress (36 of ~50 MB) and zlib took 4.5 s of a 33 s reference
     write_cached(path, buf.getvalue())
     return ref, False
 
@@ -204,35 +242,50 @@ def _check_defined(baseline: Artifact, top_lp: np.ndarray, positions: list[int])
     if len(bad):
         ends = np.cumsum(positions)
         i = int(np.searchsorted(ends, bad[0], side="right"))
-        raise InputError(f"{baseline.path}: the baseline's logits define no distribution at {len(bad)} of {len(top_lp)} "
-                         f"shadow positions (NaN or +inf logits), the first at shadow prompt {i}, position "
-                         f"{int(bad[0] - (ends[i - 1] if i else 0))}",
-                         hint="the baseline is broken, not the candidate: look for NaN or inf in its weights "
-                              "(safetensors' tensors) and gate against a baseline that scores")
+        raise InputError(
+            f"{baseline.path}: the baseline's logits define no distribution at {len(bad)} of {len(top_lp)} "
+            f"shadow positions (NaN or +inf logits), the first at shadow prompt {i}, position "
+            f"{int(bad[0] - (ends[i - 1] if i else 0))}",
+            hint="the baseline is broken, not the candidate: look for NaN or inf in its weights "
+            "(safetensors' tensors) and gate against a baseline that scores",
+        )
 
 
 def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dict:
     """Per-position KL, tail mass, top-1 agreement and whether the candidate's logits defined no distribution there
     (its KL is then +inf: gates/scoring.reduce_logits); per-prompt first divergence."""
     seqs = _sequences(ref)
-    starts = np.concatenate([[0], np.cumsum(ref["seq_lens"] - 1)])   # sequence i's positions in ref's arrays
+    starts = np.concatenate([[0], np.cumsum(ref["seq_lens"] - 1)])  # sequence i's positions in ref's arrays
 
     def per_sequence(i: int, logits) -> tuple:
         a, b, p = int(starts[i]), int(starts[i + 1]), int(ref["prompt_lens"][i])
-        ti, tl = ref["top_idx"][a:b], ref["top_lp"][a:b]                # [T-1, k]
+        ti, tl = ref["top_idx"][a:b], ref["top_lp"][a:b]  # [T-1, k]
         cand_top1, lq_k = reduce_logits(logits[:-1], ti)
         kl, p_tail = kl_with_tail(tl, lq_k)
-        answer = np.asarray(seqs[i][p:])                                 # baseline's greedy answer
-        miss = np.nonzero(cand_top1[p - 1:p - 1 + len(answer)] != answer)[0]
-        return kl, p_tail, cand_top1 == ti[:, 0], cand_top1 == UNDEFINED, int(miss[0]) if len(miss) else len(answer), len(answer)
+        answer = np.asarray(seqs[i][p:])  # baseline's greedy answer
+        miss = np.nonzero(cand_top1[p - 1 : p - 1 + len(answer)] != answer)[0]
+        return (
+            kl,
+            p_tail,
+            cand_top1 == ti[:, 0],
+            cand_top1 == UNDEFINED,
+            int(miss[0]) if len(miss) else len(answer),
+            len(answer),
+        )
 
     ts = time.perf_counter()
     rows = score_sequences(runner, seqs, desc, per_sequence)
     score_s = time.perf_counter() - ts
     kls, tails, agree, undefined, first_div, gen_lens = zip(*rows, strict=True)
-    return {"kl": np.concatenate(kls), "tail": np.concatenate(tails), "agree": np.concatenate(agree),
-            "undefined": np.concatenate(undefined), "first_div": np.array(first_div), "gen_lens": np.array(gen_lens),
-            "score_seconds": score_s}
+    return {
+        "kl": np.concatenate(kls),
+        "tail": np.concatenate(tails),
+        "agree": np.concatenate(agree),
+        "undefined": np.concatenate(undefined),
+        "first_div": np.array(first_div),
+        "gen_lens": np.array(gen_lens),
+        "score_seconds": score_s,
+    }
 
 
 def position_classes(ref: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -242,7 +295,7 @@ def position_classes(ref: dict) -> tuple[np.ndarray, np.ndarray]:
     seen: set[int] = set()
     start = 0
     for n in ref["seq_lens"]:
-        seq, c = ref["tokens"][start:start + n].tolist(), ref["token_class"][start:start + n]
+        seq, c = ref["tokens"][start : start + n].tolist(), ref["token_class"][start : start + n]
         cls.append(c[1:])
         h, new = hash((seq[0],)), np.zeros(n - 1, bool)
         for t in range(1, n):
@@ -257,34 +310,79 @@ def position_classes(ref: dict) -> tuple[np.ndarray, np.ndarray]:
 def scoring_summary(ref: dict, cfg: ShadowConfig) -> tuple[dict[str, np.ndarray], dict]:
     """Masks of the gated, answer and traffic-prompt positions (repeated prefixes dropped), and what was scored."""
     cls, new = position_classes(ref)
-    masks = {"gated": np.isin(cls, POSITION_SETS[cfg.positions]) & new, "answer": (cls == ANSWER) & new,
-             "prompt": (cls == PROMPT) & new}
-    info = {"positions": cfg.positions, "total_positions": int(len(cls)), "answer_positions": int(np.sum(cls == ANSWER)),
-            "traffic_prompt_positions": int(np.sum(cls == PROMPT)), "template_positions_excluded": int(np.sum(cls == TEMPLATE)),
-            "repeated_prefix_excluded": int(np.sum(np.isin(cls, (ANSWER, PROMPT)) & ~new)),
-            "gated_positions": int(masks["gated"].sum()), "unique_positions": int(new.sum()),
-            "prompts": int(len(ref["seq_lens"]))}
+    masks = {
+        "gated": np.isin(cls, POSITION_SETS[cfg.positions]) & new,
+        "answer": (cls == ANSWER) & new,
+        "prompt": (cls == PROMPT) & new,
+    }
+    info = {
+        "positions": cfg.positions,
+        "total_positions": int(len(cls)),
+        "answer_positions": int(np.sum(cls == ANSWER)),
+        "traffic_prompt_positions": int(np.sum(cls == PROMPT)),
+        "template_positions_excluded": int(np.sum(cls == TEMPLATE)),
+        "repeated_prefix_excluded": int(np.sum(np.isin(cls, (ANSWER, PROMPT)) & ~new)),
+        "gated_positions": int(masks["gated"].sum()),
+        "unique_positions": int(new.sum()),
+        "prompts": int(len(ref["seq_lens"])),
+    }
     return masks, info
 
 
-def kl_top1_checks(m: dict, clusters: np.ndarray, mask: np.ndarray, cfg, prefix: str = "",
-                   evidence: dict | None = None, gate: str = "shadow") -> list[GateResult]:
+def kl_top1_checks(
+    m: dict,
+    clusters: np.ndarray,
+    mask: np.ndarray,
+    cfg,
+    prefix: str = "",
+    evidence: dict | None = None,
+    gate: str = "shadow",
+) -> list[GateResult]:
     """kl_mean, kl_p99, kl_p999 and top1_agreement over the masked positions. Thresholds are read from cfg's
     kl_mean_max, kl_p99_max, kl_p999_max and top1_agreement_min; report-only when cfg is None."""
     kl, agree, cl = m["kl"][mask], m["agree"][mask].astype(float), clusters[mask]
     n = int(mask.sum())
     if n == 0:
-        return [GateResult.could_not_run(gate, f"{prefix}{x}", "no positions of this kind were scored")
-                for x in ("kl_mean", "kl_p99", "top1_agreement")] if cfg else []
+        return (
+            [
+                GateResult.could_not_run(gate, f"{prefix}{x}", "no positions of this kind were scored")
+                for x in ("kl_mean", "kl_p99", "top1_agreement")
+            ]
+            if cfg
+            else []
+        )
     thr = (lambda name: getattr(cfg, name)) if cfg else (lambda name: None)
-    out = [GateResult.check(gate, f"{prefix}kl_mean", float(kl.mean()), thr("kl_mean_max"), False, n,
-                            cluster_bootstrap(kl, cl, np.mean), evidence=evidence)]
+    out = [
+        GateResult.check(
+            gate,
+            f"{prefix}kl_mean",
+            float(kl.mean()),
+            thr("kl_mean_max"),
+            False,
+            n,
+            cluster_bootstrap(kl, cl, np.mean),
+            evidence=evidence,
+        )
+    ]
     for q, name in ((0.99, "kl_p99"), (0.999, "kl_p999")):
         lo, hi, ev = quantile_ci(kl, cl, q)
-        out.append(GateResult.check(gate, f"{prefix}{name}", quantile(kl, q), thr(f"{name}_max"), False, n,
-                                    (lo, hi), evidence=ev))
-    out.append(GateResult.check(gate, f"{prefix}top1_agreement", float(agree.mean()), thr("top1_agreement_min"), True, n,
-                                cluster_bootstrap(agree, cl, np.mean), evidence={"flip_rate": float(1 - agree.mean())}))
+        out.append(
+            GateResult.check(
+                gate, f"{prefix}{name}", quantile(kl, q), thr(f"{name}_max"), False, n, (lo, hi), evidence=ev
+            )
+        )
+    out.append(
+        GateResult.check(
+            gate,
+            f"{prefix}top1_agreement",
+            float(agree.mean()),
+            thr("top1_agreement_min"),
+            True,
+            n,
+            cluster_bootstrap(agree, cl, np.mean),
+            evidence={"flip_rate": float(1 - agree.mean())},
+        )
+    )
     return out
 
 
@@ -297,8 +395,10 @@ def defined_check(m: dict, ref: dict, gate: str = "shadow") -> GateResult:
     if len(bad):
         i = int(ref["prompt_of"][bad[0]])
         ev["first"] = {"prompt": i, "position": int(bad[0] - np.flatnonzero(ref["prompt_of"] == i)[0])}
-        ev["why"] = (f"{len(bad)} of {n} positions have NaN or +inf logits; the first: shadow prompt {i}, "
-                     f"position {ev['first']['position']}")
+        ev["why"] = (
+            f"{len(bad)} of {n} positions have NaN or +inf logits; the first: shadow prompt {i}, "
+            f"position {ev['first']['position']}"
+        )
     return GateResult.check(gate, "defined_logits", 1 - len(bad) / n if n else float("nan"), 1.0, True, n, evidence=ev)
 
 
@@ -310,8 +410,11 @@ def prompt_coverage(baseline: Artifact, rows: list[dict], cfg: ShadowConfig) -> 
 
     tok = load_tokenizer(baseline.path)
     lens = [len(tok(render(tok, r["messages"]), add_special_tokens=False)["input_ids"]) for r in rows]
-    return {"max_prompt_tokens": cfg.max_prompt_tokens, "prompts_cut": sum(n > cfg.max_prompt_tokens for n in lens),
-            "longest_prompt_tokens": max(lens, default=0)}
+    return {
+        "max_prompt_tokens": cfg.max_prompt_tokens,
+        "prompts_cut": sum(n > cfg.max_prompt_tokens for n in lens),
+        "longest_prompt_tokens": max(lens, default=0),
+    }
 
 
 def coverage_caveat(scored: dict, cfg: ShadowConfig) -> str | None:
@@ -319,12 +422,16 @@ def coverage_caveat(scored: dict, cfg: ShadowConfig) -> str | None:
     cut, m = scored.get("prompts_cut", 0), cfg.max_prompt_tokens
     if not cut:
         return None
-    return (f"{cut} of {scored['prompts']} shadow prompts are longer than gates.shadow.max_prompt_tokens ({m}; the "
-            f"longest has {scored['longest_prompt_tokens']} tokens) and were scored on their last {m} tokens: this "
-            f"evidence covers contexts of up to {m + cfg.max_new_tokens} tokens, not those prompts whole")
+    return (
+        f"{cut} of {scored['prompts']} shadow prompts are longer than gates.shadow.max_prompt_tokens ({m}; the "
+        f"longest has {scored['longest_prompt_tokens']} tokens) and were scored on their last {m} tokens: this "
+        f"evidence covers contexts of up to {m + cfg.max_new_tokens} tokens, not those prompts whole"
+    )
 
 
-def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig, coverage: dict | None = None) -> tuple[list[GateResult], dict, np.ndarray]:
+def shadow_gate(
+    m: dict, ref: dict, cfg: ShadowConfig, coverage: dict | None = None
+) -> tuple[list[GateResult], dict, np.ndarray]:
     """The gated checks on cfg.positions, report-only figures for the other classes, what was scored, and the
     mask of gated positions. coverage: `prompt_coverage` of the shadow prompts; the gated checks then carry a caveat
     when some were cut."""
@@ -333,16 +440,31 @@ def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig, coverage: dict | None = N
     scored |= coverage or {}
     ev = {"tail_mass_mean": float(m["tail"].mean()), "tail_mass_max": float(m["tail"].max()), "scored": scored}
     results = [defined_check(m, ref)] + kl_top1_checks(m, clusters, masks["gated"], cfg, evidence=ev)
-    for part in ("answer", "prompt"):   # the classes the gate did not decide on alone, reported beside it
+    for part in ("answer", "prompt"):  # the classes the gate did not decide on alone, reported beside it
         if part != cfg.positions:
             results += kl_top1_checks(m, clusters, masks[part], None, prefix=f"{part}.")
     ident = int(np.sum(m["first_div"] >= m["gen_lens"]))
-    results.append(GateResult.check("shadow", "identical_generation", ident / len(m["first_div"]), cfg.identical_generation_min,
-                                    True, len(m["first_div"]), wilson(ident, len(m["first_div"])),
-                                    evidence={"first_divergence_mean": float(m["first_div"].mean()),
-                                              "first_divergence_median": float(np.median(m["first_div"])),
-                                              "answer_tokens_mean": float(m["gen_lens"].mean())}))
+    results.append(
+        GateResult.check(
+            "shadow",
+            "identical_generation",
+            ident / len(m["first_div"]),
+            cfg.identical_generation_min,
+            True,
+            len(m["first_div"]),
+            wilson(ident, len(m["first_div"])),
+            evidence={
+                "first_divergence_mean": float(m["first_div"].mean()),
+                "first_divergence_median": float(np.median(m["first_div"])),
+                "answer_tokens_mean": float(m["gen_lens"].mean()),
+            },
+        )
+    )
     if caveat := coverage_caveat(scored, cfg):
-        results = [replace(r, evidence=r.evidence | {"caveat": caveat}) if r.threshold is not None and r.metric != "defined_logits"
-                   else r for r in results]
+        results = [
+            replace(r, evidence=r.evidence | {"caveat": caveat})
+            if r.threshold is not None and r.metric != "defined_logits"
+            else r
+            for r in results
+        ]
     return results, scored, masks["gated"]

@@ -1,8 +1,9 @@
 """Paired statistics for gates: cluster bootstrap, clustered quantile intervals, exact McNemar, paired accuracy differences.
 
-    lo, hi = cluster_bootstrap(values, clusters, np.mean)
-    lo, hi, ev = quantile_ci(values, clusters, 0.99)      # hi is inf when the sample cannot bound the tail
+lo, hi = cluster_bootstrap(values, clusters, np.mean)
+lo, hi, ev = quantile_ci(values, clusters, 0.99)      # hi is inf when the sample cannot bound the tail
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,8 +25,14 @@ def quantile(values, q: float) -> float:
     return float("inf") if v > 1e300 else v
 
 
-def cluster_bootstrap(values: np.ndarray, clusters: np.ndarray, stat: Callable[[np.ndarray], float],
-                      n_boot: int = N_BOOT, level: float = 0.95, seed: int = SEED) -> tuple[float, float]:
+def cluster_bootstrap(
+    values: np.ndarray,
+    clusters: np.ndarray,
+    stat: Callable[[np.ndarray], float],
+    n_boot: int = N_BOOT,
+    level: float = 0.95,
+    seed: int = SEED,
+) -> tuple[float, float]:
     """Percentile CI resampling whole clusters (prompts): tokens of one prompt are not independent."""
     values = np.asarray(values)
     ids, inverse = np.unique(clusters, return_inverse=True)
@@ -34,7 +41,7 @@ def cluster_bootstrap(values: np.ndarray, clusters: np.ndarray, stat: Callable[[
         return v, v
     order = np.argsort(inverse, kind="stable")
     bounds = np.searchsorted(inverse[order], np.arange(len(ids) + 1))
-    groups = [values[order[bounds[i]:bounds[i + 1]]] for i in range(len(ids))]
+    groups = [values[order[bounds[i] : bounds[i + 1]]] for i in range(len(ids))]
     rng = np.random.default_rng(seed)
     stats = np.empty(n_boot)
     for b in range(n_boot):
@@ -66,24 +73,38 @@ def quantile_ci(values: np.ndarray, clusters: np.ndarray, q: float, level: float
     k = len(ids)
     tot, size = np.bincount(inv, above, k), np.bincount(inv, minlength=k).astype(float)
     p_hat = float(above.mean())
-    var_cluster = (k / max(k - 1, 1)) * np.sum((tot - p_hat * size) ** 2) / n ** 2
+    var_cluster = (k / max(k - 1, 1)) * np.sum((tot - p_hat * size) ** 2) / n**2
     var_iid = p_hat * (1 - p_hat) / n
     deff = float(max(var_cluster / var_iid, 1.0)) if var_iid > 0 else 1.0
-    m = max(int(n / deff), 1)                                   # effective n
+    m = max(int(n / deff), 1)  # effective n
     a = (1 - level) / 2
-    lo_rank, hi_rank = int(binom.ppf(a, m, q)), int(binom.ppf(1 - a, m, q)) + 1   # 1-based ranks among m
+    lo_rank, hi_rank = int(binom.ppf(a, m, q)), int(binom.ppf(1 - a, m, q)) + 1  # 1-based ranks among m
     lo = quantile(x, max(lo_rank, 1) / m * (1 - 1e-12)) if lo_rank >= 1 else float(x.min())
     hi = quantile(x, hi_rank / m) if hi_rank <= m else float("inf")
     need = int(np.ceil(np.log(a) / np.log(q)))
-    ev = {"n": n, "clusters": int(k), "tail_count": int(above.sum()), "tail_clusters": int(np.sum(tot > 0)),
-          "design_effect": round(deff, 3), "n_effective": m, "min_n_effective": need, "method": "order-statistic-clustered"}
+    ev = {
+        "n": n,
+        "clusters": int(k),
+        "tail_count": int(above.sum()),
+        "tail_clusters": int(np.sum(tot > 0)),
+        "design_effect": round(deff, 3),
+        "n_effective": m,
+        "min_n_effective": need,
+        "method": "order-statistic-clustered",
+    }
     if not np.isfinite(hi):
         ev["unbounded_because"] = f"effective n {m} < {need}: the sample cannot bound p{100 * q:g} from above"
     return lo, hi, ev
 
 
-def paired_bootstrap(a: np.ndarray, b: np.ndarray, stat: Callable[[np.ndarray, np.ndarray], float],
-                     n_boot: int = N_BOOT, level: float = 0.95, seed: int = SEED) -> tuple[float, float]:
+def paired_bootstrap(
+    a: np.ndarray,
+    b: np.ndarray,
+    stat: Callable[[np.ndarray, np.ndarray], float],
+    n_boot: int = N_BOOT,
+    level: float = 0.95,
+    seed: int = SEED,
+) -> tuple[float, float]:
     """Percentile CI of stat(a, b), resampling items (paired rows of a and b together)."""
     a, b = np.asarray(a), np.asarray(b)
     rng = np.random.default_rng(seed)
@@ -102,14 +123,20 @@ def mcnemar_exact(base_correct: np.ndarray, cand_correct: np.ndarray) -> dict:
 
     base_correct = np.asarray(base_correct, bool)
     cand_correct = np.asarray(cand_correct, bool)
-    lost = int(np.sum(base_correct & ~cand_correct))    # baseline right, candidate wrong
+    lost = int(np.sum(base_correct & ~cand_correct))  # baseline right, candidate wrong
     gained = int(np.sum(~base_correct & cand_correct))  # baseline wrong, candidate right
     flipped = lost + gained
     p = 1.0 if flipped == 0 else float(binomtest(lost, flipped, 0.5).pvalue)
     p_loss = 1.0 if flipped == 0 else float(binomtest(lost, flipped, 0.5, alternative="greater").pvalue)
     n = len(base_correct)
-    return {"lost": lost, "gained": gained, "n": n, "flip_rate": flipped / n if n else float("nan"), "p_value": p,
-            "p_loss": p_loss}
+    return {
+        "lost": lost,
+        "gained": gained,
+        "n": n,
+        "flip_rate": flipped / n if n else float("nan"),
+        "p_value": p,
+        "p_loss": p_loss,
+    }
 
 
 def agresti_min(base_correct: np.ndarray, cand_correct: np.ndarray) -> tuple[float, float]:
@@ -121,7 +148,9 @@ def agresti_min(base_correct: np.ndarray, cand_correct: np.ndarray) -> tuple[flo
     return (gained - lost) / m, float(np.sqrt(max((gained + lost) - (gained - lost) ** 2 / m, 0.0)) / m)
 
 
-def paired_binary_ci(base_correct: np.ndarray, cand_correct: np.ndarray, z: float = 1.959964) -> tuple[float, float, float]:
+def paired_binary_ci(
+    base_correct: np.ndarray, cand_correct: np.ndarray, z: float = 1.959964
+) -> tuple[float, float, float]:
     """Observed difference in accuracy (candidate - baseline) of paired right/wrong items, with the Agresti-Min
     interval (`agresti_min` +- z standard errors). Unlike a t-interval on the differences, it never has zero width:
     with no discordant item among n it still spans about +-2/(n+2), since n agreements cannot rule out a loss
@@ -130,7 +159,7 @@ def paired_binary_ci(base_correct: np.ndarray, cand_correct: np.ndarray, z: floa
     if len(b) == 0:
         return float("nan"), float("nan"), float("nan")
     d, se = agresti_min(b, c)
-    base = float(b.mean())    # the candidate's accuracy lies in [0, 1], so the difference in [-base, 1 - base]
+    base = float(b.mean())  # the candidate's accuracy lies in [0, 1], so the difference in [-base, 1 - base]
     return float(c.mean()) - base, float(max(d - z * se, -base)), float(min(d + z * se, 1.0 - base))
 
 

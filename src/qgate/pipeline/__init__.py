@@ -1,4 +1,4 @@
 """Pipelines: a strict YAML spec that chains every stage.
 
-    qgate run pipelines/promote.yaml
+qgate run pipelines/promote.yaml
 """

@@ -10,17 +10,26 @@ Two kinds of drift, reported side by side:
 Every step is a ledger stage or an idempotent registry call, so a killed job re-run finishes without duplicate versions.
 One job per registered model at a time (locks.job_lock).
 """
+
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from qgate.errors import PromotionRefused
-from qgate.pipeline.runner import (Runner, best_passing, calibrate_stage, gate_variants, model_stage, recipe,
-                                   register_outcomes, cached_traffic_sha)
+from qgate.pipeline.runner import (
+    Runner,
+    best_passing,
+    cached_traffic_sha,
+    calibrate_stage,
+    gate_variants,
+    model_stage,
+    recipe,
+    register_outcomes,
+)
 from qgate.pipeline.spec import PipelineSpec, VariantSpec
 
 
@@ -46,8 +55,14 @@ def _scans(spec: PipelineSpec) -> Path:
     return spec.path(spec.workdir) / "drift" / "scans"
 
 
-def drift_check(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None] = print, record: bool = True,
-                wait: float = 0.0, engine: str = "serial") -> dict:
+def drift_check(
+    spec: PipelineSpec,
+    recent: str | Path,
+    echo: Callable[[str], None] = print,
+    record: bool = True,
+    wait: float = 0.0,
+    engine: str = "serial",
+) -> dict:
     """Traffic and quality drift of production on `recent`; under the model's drift lock (a running drift job refuses it).
     engine: how the recent traffic's partitions are hashed and scanned (execute.py)."""
     from qgate.locks import job_lock, workdir_lock
@@ -55,12 +70,22 @@ def drift_check(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], No
     sha, parts = _traffic(spec, recent, engine)
     main, _ = _dirs(spec, sha, echo)
     what = f"qgate drift check for {spec.registry.model_name}"
-    with job_lock(_lock_path(spec, main), what, wait=wait, echo=echo), workdir_lock(main.workdir, what, wait=wait, echo=echo):
+    with (
+        job_lock(_lock_path(spec, main), what, wait=wait, echo=echo),
+        workdir_lock(main.workdir, what, wait=wait, echo=echo),
+    ):
         return _check(spec, recent, sha, parts, engine, echo, record)
 
 
-def _check(spec: PipelineSpec, recent: str | Path, sha: str, parts: list, engine: str, echo: Callable[[str], None],
-           record: bool) -> dict:
+def _check(
+    spec: PipelineSpec,
+    recent: str | Path,
+    sha: str,
+    parts: list,
+    engine: str,
+    echo: Callable[[str], None],
+    record: bool,
+) -> dict:
     from qgate.calibrate.drift import traffic_drift
     from qgate.gates.result import caveats
     from qgate.gates.run import shadow_check
@@ -72,14 +97,18 @@ def _check(spec: PipelineSpec, recent: str | Path, sha: str, parts: list, engine
     main, r = _dirs(spec, sha, echo)
     model = spec.registry.model_name
     prod = production_evidence(model, cfg.alias, store, main.workdir / "drift" / "production")
-    echo(f"  production: {model} v{prod['version']} ({prod['variant']}) @{cfg.alias}, calibrated on "
-         f"{prod['profile']['requests']} requests")
+    echo(
+        f"  production: {model} v{prod['version']} ({prod['variant']}) @{cfg.alias}, calibrated on "
+        f"{prod['profile']['requests']} requests"
+    )
     _, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(spec), parts=parts)
     new = json.loads((profile.path / "profile.json").read_text())
     rows = traffic_drift(prod["profile"], new, cfg)
     for row in rows:
-        echo(f"  traffic {row['facet']:10s} JS {row['js']:.4f}  limit {row['threshold']:g}  noise p99 {row['noise_p99']:.4f}  "
-             f"{row['verdict'].upper()}" + (f" ({row['note']})" if row.get("note") else ""))
+        echo(
+            f"  traffic {row['facet']:10s} JS {row['js']:.4f}  limit {row['threshold']:g}  noise p99 {row['noise_p99']:.4f}  "
+            f"{row['verdict'].upper()}" + (f" ({row['note']})" if row.get("note") else "")
+        )
     reasons = [f"{x['facet']} moved (JS {x['js']:.3f} > {x['threshold']:g})" for x in rows if x["verdict"] == "drift"]
     quality = None
     if cfg.quality:
@@ -90,29 +119,56 @@ def _check(spec: PipelineSpec, recent: str | Path, sha: str, parts: list, engine
         for x in quality["results"]:
             if x["threshold"] is not None:
                 then = prod["gated"].get(x["metric"])
-                ci = f" [{x['ci'][0]:.4g}, {x['ci'][1]:.4g}]" if x["ci"] else ""     # defined_logits has none
-                echo(f"  quality {x['metric']:16s} when gated {then if then is None else f'{then:.4g}'}  recent {x['observed']:.4g}"
-                     f"{ci}  threshold {x['threshold']:g}  {x['verdict'].upper()}")
+                ci = f" [{x['ci'][0]:.4g}, {x['ci'][1]:.4g}]" if x["ci"] else ""  # defined_logits has none
+                echo(
+                    f"  quality {x['metric']:16s} when gated {then if then is None else f'{then:.4g}'}  recent {x['observed']:.4g}"
+                    f"{ci}  threshold {x['threshold']:g}  {x['verdict'].upper()}"
+                )
         for c in caveats(quality["results"]):
             echo(f"  quality caveat: {c}")
-        bad = quality["verdict"] in ("fail", "error") or (quality["verdict"] == "inconclusive" and gate_cfg.on_inconclusive == "block")
+        bad = quality["verdict"] in ("fail", "error") or (
+            quality["verdict"] == "inconclusive" and gate_cfg.on_inconclusive == "block"
+        )
         if bad:
             reasons.append(f"production's shadow gate is {quality['verdict'].upper()} on the recent traffic")
     verdict = "drift" if reasons else "no-drift"
-    report = {"version": 1, "verdict": verdict, "drift": bool(reasons), "reasons": reasons, "model": model, "alias": cfg.alias,
-              "checked_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "production": {"version": prod["version"], "variant": prod["variant"], "recipe": prod["recipe"],
-                             "calibrated_requests": prod["profile"]["requests"], "profile_sha256": prod["profile_sha256"]},
-              "recent": {"source": str(recent), "requests": new["requests"], "profile_sha256": profile.sha256,
-                         "shadow_sha256": shadow.sha256, "workdir": str(r.workdir)},
-              "traffic": rows, "quality": quality, "config": spec.drift}
+    report = {
+        "version": 1,
+        "verdict": verdict,
+        "drift": bool(reasons),
+        "reasons": reasons,
+        "model": model,
+        "alias": cfg.alias,
+        "checked_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "production": {
+            "version": prod["version"],
+            "variant": prod["variant"],
+            "recipe": prod["recipe"],
+            "calibrated_requests": prod["profile"]["requests"],
+            "profile_sha256": prod["profile_sha256"],
+        },
+        "recent": {
+            "source": str(recent),
+            "requests": new["requests"],
+            "profile_sha256": profile.sha256,
+            "shadow_sha256": shadow.sha256,
+            "workdir": str(r.workdir),
+        },
+        "traffic": rows,
+        "quality": quality,
+        "config": spec.drift,
+    }
 
     out = r.workdir / "report"
     write_drift_report(out, report, prod["profile"], new)
     report["report"] = str(out / "drift.html")
     if record:
         report["report_artifact"] = record_drift(model, prod["version"], out, verdict, store)
-    echo(f"  = drift check: {verdict.upper()}" + (f" ({'; '.join(reasons)})" if reasons else "") + f"; report {out / 'drift.html'}")
+    echo(
+        f"  = drift check: {verdict.upper()}"
+        + (f" ({'; '.join(reasons)})" if reasons else "")
+        + f"; report {out / 'drift.html'}"
+    )
     return report
 
 
@@ -132,12 +188,19 @@ def _variants(prod: dict, spec: PipelineSpec, echo) -> list[VariantSpec]:
 
 def _lock_path(spec: PipelineSpec, main: Runner) -> Path:
     """One lock per registered model: beside the embedded store, else (a remote server) under the workdir."""
-    where = main.workdir / "locks" if os.environ.get("MLFLOW_TRACKING_URI") else spec.path(spec.registry.store) / "locks"
+    where = (
+        main.workdir / "locks" if os.environ.get("MLFLOW_TRACKING_URI") else spec.path(spec.registry.store) / "locks"
+    )
     return where / f"drift-{spec.registry.model_name}.lock"
 
 
-def drift_run(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None] = print, wait: float = 0.0,
-              engine: str = "serial") -> dict:
+def drift_run(
+    spec: PipelineSpec,
+    recent: str | Path,
+    echo: Callable[[str], None] = print,
+    wait: float = 0.0,
+    engine: str = "serial",
+) -> dict:
     """Check; on drift, recalibrate production's recipe and every spec variant on the recent traffic, gate and register them,
     then promote the best passing one (drift.auto_promote) or leave that to a person. Raises PromotionRefused when none passes.
     engine: how the recent traffic's partitions are hashed and scanned (execute.py)."""
@@ -149,40 +212,64 @@ def drift_run(spec: PipelineSpec, recent: str | Path, echo: Callable[[str], None
     main, r = _dirs(spec, sha, echo)
     model = spec.registry.model_name
     what = f"qgate drift run for {model}"
-    with job_lock(_lock_path(spec, main), what, wait=wait, echo=echo), workdir_lock(main.workdir, what, wait=wait, echo=echo):
+    with (
+        job_lock(_lock_path(spec, main), what, wait=wait, echo=echo),
+        workdir_lock(main.workdir, what, wait=wait, echo=echo),
+    ):
         report = _check(spec, recent, sha, parts, engine, echo, record=True)
         result = {"check": report, "action": "none", "promoted": None, "variants": []}
         if not report["drift"]:
             return result
         from qgate.registry.evidence import production_evidence
 
-        prod = production_evidence(model, cfg.alias, spec.path(spec.registry.store), main.workdir / "drift" / "production")
+        prod = production_evidence(
+            model, cfg.alias, spec.path(spec.registry.store), main.workdir / "drift" / "production"
+        )
         variants = _variants(prod, spec, echo)
-        main, r = _dirs(spec, sha, echo)   # fresh ledgers: the check has recorded its calibrate stage since
-        echo(f"  > recalibrating {len(variants)} variant(s) on the recent traffic: {', '.join(v.name for v in variants)}")
+        main, r = _dirs(spec, sha, echo)  # fresh ledgers: the check has recorded its calibrate stage since
+        echo(
+            f"  > recalibrating {len(variants)} variant(s) on the recent traffic: {', '.join(v.name for v in variants)}"
+        )
         base = model_stage(main, spec)
-        calib, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(spec),
-                                                 parts=parts)
+        calib, shadow, profile = calibrate_stage(
+            r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(spec), parts=parts
+        )
         outcomes = gate_variants(r, spec, base, calib, shadow, profile, variants, main.workdir / "cache")
         register_outcomes(r, spec, outcomes, profile)
-        result["variants"] = [{"variant": o["variant"], "version": o["version"], "verdict": o["report"].meta["verdict"],
-                               "kl_p99": o["report"].meta["summary"].get("shadow.kl_p99"),
-                               "report": str(o["report"].path / "report.html")} for o in outcomes]
+        result["variants"] = [
+            {
+                "variant": o["variant"],
+                "version": o["version"],
+                "verdict": o["report"].meta["verdict"],
+                "kl_p99": o["report"].meta["summary"].get("shadow.kl_p99"),
+                "report": str(o["report"].path / "report.html"),
+            }
+            for o in outcomes
+        ]
         chosen = best_passing(spec, outcomes)
         if chosen is None:
             (r.workdir / "result.json").write_text(json.dumps(result, indent=2, default=str))
-            raise PromotionRefused(f"drift found ({'; '.join(report['reasons'])}) and no recalibrated variant passed its gates "
-                                   f"({', '.join(o['variant'] + ' ' + o['report'].meta['verdict'].upper() for o in outcomes)}); "
-                                   f"production stays at v{prod['version']}", hint=f"see the reports under {r.workdir / 'variants'}")
+            raise PromotionRefused(
+                f"drift found ({'; '.join(report['reasons'])}) and no recalibrated variant passed its gates "
+                f"({', '.join(o['variant'] + ' ' + o['report'].meta['verdict'].upper() for o in outcomes)}); "
+                f"production stays at v{prod['version']}",
+                hint=f"see the reports under {r.workdir / 'variants'}",
+            )
         if not cfg.auto_promote:
             result["action"] = "registered"
             result["candidate"] = {"variant": chosen["variant"], "version": chosen["version"]}
-            echo(f"  = {chosen['variant']} v{chosen['version']} passed; not promoted (drift.auto_promote: false): "
-                 f"qgate promote --model {model} --version {chosen['version']}")
+            echo(
+                f"  = {chosen['variant']} v{chosen['version']} passed; not promoted (drift.auto_promote: false): "
+                f"qgate promote --model {model} --version {chosen['version']}"
+            )
         else:
             result["action"] = "promoted"
-            result["promoted"] = promote(model, chosen["version"], cfg.alias, spec.path(spec.registry.store)) | {"variant": chosen["variant"]}
-            echo(f"  + promoted {chosen['variant']} as {model} v{chosen['version']} @{cfg.alias} "
-                 f"(previous: v{result['promoted']['previous']})")
+            result["promoted"] = promote(model, chosen["version"], cfg.alias, spec.path(spec.registry.store)) | {
+                "variant": chosen["variant"]
+            }
+            echo(
+                f"  + promoted {chosen['variant']} as {model} v{chosen['version']} @{cfg.alias} "
+                f"(previous: v{result['promoted']['previous']})"
+            )
         (r.workdir / "result.json").write_text(json.dumps(result, indent=2, default=str))
         return result

@@ -6,6 +6,7 @@ Each stage's key is the hash of its config and its input artifacts' sha256. A st
 whose key matches the last run's and whose artifact is still on disk is skipped.
 Stage functions never call each other: this module is the only place they meet.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,11 +15,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-
 from qgate.artifact import MANIFEST, Artifact, build_atomically, sha256_json, sha256_tree, typed_config
 from qgate.errors import PromotionRefused, QgateError
 from qgate.pipeline.spec import PipelineSpec, VariantSpec
-
 
 WORKER_LOG = "ray-workers.log"
 
@@ -33,7 +32,7 @@ class StageLedger:
         self.workdir = Path(workdir)
         self.path = self.workdir / "stages.json"
         self.echo = echo
-        self.persist = persist    # False in a Ray task: the driver records what it returns, one writer per ledger
+        self.persist = persist  # False in a Ray task: the driver records what it returns, one writer per ledger
         self.recorded: list[tuple[str, str, dict]] = []
         self.data = {}
         if self.path.exists():
@@ -50,23 +49,27 @@ class StageLedger:
         if not isinstance(rec, dict) or rec.get("key") != key or not rec.get("paths"):
             return None
         root = self.workdir.resolve()
-        paths = [(self.workdir / p).resolve() for p in rec["paths"]]   # relative: the workdir can move
+        paths = [(self.workdir / p).resolve() for p in rec["paths"]]  # relative: the workdir can move
         if any(not p.is_relative_to(root) for p in paths):
             self.echo(f"  ! {name}: ledger entry points outside the workdir ({rec['paths']}); running the stage again")
             return None
-        if not all(Path(p, MANIFEST).exists() for p in paths) or "sha256" not in rec:   # gone, or an older ledger
+        if not all(Path(p, MANIFEST).exists() for p in paths) or "sha256" not in rec:  # gone, or an older ledger
             return None
         actual = sha256_tree(paths[0])
         if actual != rec.get("sha256"):
-            self.echo(f"  ! {name}: {paths[0]} changed since it was built (sha256 {actual[:12]} != recorded "
-                      f"{str(rec.get('sha256'))[:12]}); running the stage again")
+            self.echo(
+                f"  ! {name}: {paths[0]} changed since it was built (sha256 {actual[:12]} != recorded "
+                f"{str(rec.get('sha256'))[:12]}); running the stage again"
+            )
             return None
         return rec | {"paths": [str(p) for p in paths]}
 
     def record(self, name: str, key: str, **values) -> None:
         if "paths" in values:
-            values["paths"] = [os.path.relpath(p, self.workdir) if Path(p).is_relative_to(self.workdir) else str(p)
-                               for p in values["paths"]]
+            values["paths"] = [
+                os.path.relpath(p, self.workdir) if Path(p).is_relative_to(self.workdir) else str(p)
+                for p in values["paths"]
+            ]
         self.data[name] = {"key": key, **values}
         self.recorded.append((name, key, values))
         if not self.persist:
@@ -77,8 +80,13 @@ class StageLedger:
 
 
 class Runner:
-    def __init__(self, spec: PipelineSpec, echo: Callable[[str], None] = print, workdir: Path | None = None,
-                 persist_ledger: bool = True):
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        echo: Callable[[str], None] = print,
+        workdir: Path | None = None,
+        persist_ledger: bool = True,
+    ):
         self.spec = spec
         self.workdir = Path(workdir) if workdir is not None else spec.path(spec.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -136,8 +144,12 @@ class _StageBar:
 
 def recipe(v: VariantSpec) -> dict:
     """How to rebuild a variant: kept with its registered version, so a drift job can re-run it."""
-    return {"scheme": v.scheme, "options": dict(v.options), "kv_cache": v.kv_cache,
-            "engine": v.engine.model_dump() if v.engine is not None else None} | ({"search": dict(v.search)} if v.search is not None else {})
+    return {
+        "scheme": v.scheme,
+        "options": dict(v.options),
+        "kv_cache": v.kv_cache,
+        "engine": v.engine.model_dump() if v.engine is not None else None,
+    } | ({"search": dict(v.search)} if v.search is not None else {})
 
 
 def model_stage(r: Runner, spec: PipelineSpec) -> Artifact:
@@ -146,8 +158,12 @@ def model_stage(r: Runner, spec: PipelineSpec) -> Artifact:
     msrc = ModelSource(**spec.model.model_dump())
     if msrc.hf_dir:
         msrc = ModelSource(hf_dir=str(spec.path(msrc.hf_dir)))
-    return r.stage("model", {"src": source_fingerprint(msrc), "import": IMPORT_VERSION}, r.workdir / "base",
-                   lambda out: import_model(msrc, out))
+    return r.stage(
+        "model",
+        {"src": source_fingerprint(msrc), "import": IMPORT_VERSION},
+        r.workdir / "base",
+        lambda out: import_model(msrc, out),
+    )
 
 
 def cached_traffic_sha(spec: PipelineSpec, parts: list, engine: str, scans: Path) -> str:
@@ -162,9 +178,15 @@ def cached_traffic_sha(spec: PipelineSpec, parts: list, engine: str, scans: Path
     return traffic_sha256(parts, engine, known=cache.sha256)
 
 
-def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path, engine: str = "serial",
-                    traffic_sha: str | None = None, scan_cache: Path | None = None,
-                    parts: list | None = None) -> tuple[Artifact, Artifact, Artifact]:
+def calibrate_stage(
+    r: Runner,
+    spec: PipelineSpec,
+    traffic: str | Path,
+    engine: str = "serial",
+    traffic_sha: str | None = None,
+    scan_cache: Path | None = None,
+    parts: list | None = None,
+) -> tuple[Artifact, Artifact, Artifact]:
     """(calibration set, shadow set, traffic profile) sampled from `traffic` (a file, glob, directory or URI); the
     engine does not enter the key: serial and Ray scans give the same sets. traffic_sha and parts: the traffic's
     `traffic_sha256` (`cached_traffic_sha`) and the partitions it was hashed from, when the caller has them already.
@@ -179,14 +201,27 @@ def calibrate_stage(r: Runner, spec: PipelineSpec, traffic: str | Path, engine: 
     if parts is None:
         parts = list_partitions(traffic)
     key = {"traffic": traffic_sha or cached_traffic_sha(spec, parts, engine, scans), "cfg": scfg.__dict__}
-    calib = r.stage("calibrate", key, r.workdir / "calib",
-                    lambda out: sample_traffic(traffic, out, scfg, engine=engine, scan_cache=scans, parts=parts,
-                                               picture=True, failed_rejects=r.workdir / "calib.rejects.jsonl")["calib"])
+    calib = r.stage(
+        "calibrate",
+        key,
+        r.workdir / "calib",
+        lambda out: sample_traffic(
+            traffic,
+            out,
+            scfg,
+            engine=engine,
+            scan_cache=scans,
+            parts=parts,
+            picture=True,
+            failed_rejects=r.workdir / "calib.rejects.jsonl",
+        )["calib"],
+    )
     return calib, Artifact.load(r.workdir / "calib" / "shadow"), Artifact.load(r.workdir / "calib" / "profile")
 
 
-def search_stage(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact, calib: Artifact, shadow: Artifact,
-                 cache_dir: Path) -> Artifact:
+def search_stage(
+    r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact, calib: Artifact, shadow: Artifact, cache_dir: Path
+) -> Artifact:
     """The variant's searched checkpoint (its `search:` settings, defaults when it has none); `qgate search` and
     `qgate run` share the stage, so one reuses what the other found. Points are gated on the calibration stage's
     search split, so the shadow split that gates the chosen point afterwards is data the search never saw."""
@@ -199,20 +234,44 @@ def search_stage(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact, 
     scheme, gate_cfg = scheme_config(v.scheme, **v.options), spec.gate_config()
     kv = KVCacheConfig(v.kv_cache) if v.kv_cache else None
     opts, scfg = CalibOptions(**spec.quantize.model_dump()), search_config(v)
-    held = Artifact.load(calib.path.parent / "search", "calibration-set")   # sample_traffic's sibling of calib/ and shadow/
-    key = {"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "kv": v.kv_cache, "opts": opts.__dict__,
-           "search": typed_config(scfg), "points_on": held.sha256, "shadow_cfg": typed_config(gate_cfg.shadow)}
+    held = Artifact.load(
+        calib.path.parent / "search", "calibration-set"
+    )  # sample_traffic's sibling of calib/ and shadow/
+    key = {
+        "base": base.sha256,
+        "calib": calib.sha256,
+        "scheme": typed_config(scheme),
+        "kv": v.kv_cache,
+        "opts": opts.__dict__,
+        "search": typed_config(scfg),
+        "points_on": held.sha256,
+        "shadow_cfg": typed_config(gate_cfg.shadow),
+    }
     numerics = scoring_numerics(base, gate_cfg.device, gate_cfg.dtype)
-    if numerics != "cpu-float32":     # points are gated in these numerics; float32 on the CPU keeps the keys it had
+    if numerics != "cpu-float32":  # points are gated in these numerics; float32 on the CPU keeps the keys it had
         key["numerics"] = numerics
-    return r.stage(f"search:{v.name}", key, r.workdir / "variants" / v.name / "checkpoint",
-                   lambda out: search_checkpoint(base, calib, held, scheme, scfg, gate_cfg, out, cache_dir, kv=kv, opts=opts,
-                                                 echo=r.echo, confirm=shadow))
+    return r.stage(
+        f"search:{v.name}",
+        key,
+        r.workdir / "variants" / v.name / "checkpoint",
+        lambda out: search_checkpoint(
+            base, calib, held, scheme, scfg, gate_cfg, out, cache_dir, kv=kv, opts=opts, echo=r.echo, confirm=shadow
+        ),
+    )
 
 
-def gate_variants(r: Runner, spec: PipelineSpec, base: Artifact, calib: Artifact, shadow: Artifact, profile: Artifact,
-                  variants: list[VariantSpec], cache_dir: Path, step: Callable[[Artifact], Artifact] = lambda a: a,
-                  parallel: str = "serial") -> list[dict]:
+def gate_variants(
+    r: Runner,
+    spec: PipelineSpec,
+    base: Artifact,
+    calib: Artifact,
+    shadow: Artifact,
+    profile: Artifact,
+    variants: list[VariantSpec],
+    cache_dir: Path,
+    step: Callable[[Artifact], Artifact] = lambda a: a,
+    parallel: str = "serial",
+) -> list[dict]:
     """Per variant: quantize, build its engine, gate it. Returns one outcome per variant, in spec order.
     parallel="ray": each variant's chain is a Ray task with the variant's `resources` (execute.py); the tasks skip
     what the ledger already holds and return what they built, which this process records. A chain that fails
@@ -225,8 +284,16 @@ def gate_variants(r: Runner, spec: PipelineSpec, base: Artifact, calib: Artifact
     calls = [(spec, v.name, base, calib, shadow, profile, cache_dir, r.workdir) for v in variants]
     r.echo(f"  > {len(calls)} variant(s) as Ray tasks; their library logs: {r.workdir / 'logs' / WORKER_LOG}")
     outcomes, failed = [], None
-    for v, (outcome, records, ran, skipped, error) in zip(variants, map_ordered(
-            _variant_task, calls, parallel, [dict(v.resources) for v in variants], stop_after=lambda res: res[4] is not None)):
+    for v, (outcome, records, ran, skipped, error) in zip(
+        variants,
+        map_ordered(
+            _variant_task,
+            calls,
+            parallel,
+            [dict(v.resources) for v in variants],
+            stop_after=lambda res: res[4] is not None,
+        ),
+    ):
         for name, key, values in records:
             r.ledger.record(name, key, **values)
         r.ran += ran
@@ -235,7 +302,7 @@ def gate_variants(r: Runner, spec: PipelineSpec, base: Artifact, calib: Artifact
             r.echo(f"  ! {v.name} failed: {error}; variants already running finish, and every finished stage is kept")
             failed = failed or error
             continue
-        for _ in range(3):   # quantize (or search), engine, gate
+        for _ in range(3):  # quantize (or search), engine, gate
             step(None)
         outcomes.append(outcome)
     if failed is not None:
@@ -243,22 +310,30 @@ def gate_variants(r: Runner, spec: PipelineSpec, base: Artifact, calib: Artifact
     return outcomes
 
 
-def _variant_task(spec: PipelineSpec, name: str, base: Artifact, calib: Artifact, shadow: Artifact, profile: Artifact,
-                  cache_dir: Path, workdir: Path) -> tuple[dict | None, list, list, list, Exception | None]:
+def _variant_task(
+    spec: PipelineSpec,
+    name: str,
+    base: Artifact,
+    calib: Artifact,
+    shadow: Artifact,
+    profile: Artifact,
+    cache_dir: Path,
+    workdir: Path,
+) -> tuple[dict | None, list, list, list, Exception | None]:
     """One variant's chain in a Ray worker: (outcome, ledger records, stages run, stages skipped, None), or, when it
     fails, (None, the stages it finished, ..., its error): the driver records them before raising the error."""
     from qgate.progress import console_err, quiet_console
 
     v = next(x for x in spec.variants if x.name == name)
-    quiet_console(Path(workdir) / "logs" / WORKER_LOG)   # libraries' output to the log; Ray forwards only qgate's lines
+    quiet_console(Path(workdir) / "logs" / WORKER_LOG)  # libraries' output to the log; Ray forwards only qgate's lines
     err = console_err()
     r = Runner(spec, lambda m: print(f"[{name}] {m}", file=err, flush=True), workdir=workdir, persist_ledger=False)
     try:
         outcome = variant_chain(r, spec, v, base, calib, shadow, profile, cache_dir)
-    except Exception as e:   # noqa: BLE001  returned, not raised: the stages before it are recorded by the driver
+    except Exception as e:  # noqa: BLE001  returned, not raised: the stages before it are recorded by the driver
         import traceback
 
-        traceback.print_exc()     # into the worker log, where the libraries' output is
+        traceback.print_exc()  # into the worker log, where the libraries' output is
         return None, r.ledger.recorded, r.ran, r.skipped, _portable(e)
     return outcome, r.ledger.recorded, r.ran, r.skipped, None
 
@@ -271,12 +346,21 @@ def _portable(e: Exception) -> Exception:
     try:
         pickle.loads(pickle.dumps(e))
         return e
-    except Exception:   # noqa: BLE001  any pickling failure: the message still reaches the driver
+    except Exception:  # noqa: BLE001  any pickling failure: the message still reaches the driver
         return QgateError(f"{type(e).__name__}: {e}")
 
 
-def variant_chain(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact, calib: Artifact, shadow: Artifact,
-                  profile: Artifact, cache_dir: Path, step: Callable[[Artifact], Artifact] = lambda a: a) -> dict:
+def variant_chain(
+    r: Runner,
+    spec: PipelineSpec,
+    v: VariantSpec,
+    base: Artifact,
+    calib: Artifact,
+    shadow: Artifact,
+    profile: Artifact,
+    cache_dir: Path,
+    step: Callable[[Artifact], Artifact] = lambda a: a,
+) -> dict:
     """Quantize (or search), build the engine, gate: one variant's outcome."""
     from qgate.engines.build import build_engine, engine_config, unsupported
     from qgate.gates.run import run_gates
@@ -286,21 +370,42 @@ def variant_chain(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact,
 
     w = r.workdir
     gate_cfg = spec.gate_config()
-    gate_key = typed_config(gate_cfg)   # every gate setting, defaults included
-    if gate_cfg.eval is not None:       # and the shipped eval data: a larger task set re-gates
+    gate_key = typed_config(gate_cfg)  # every gate setting, defaults included
+    if gate_cfg.eval is not None:  # and the shipped eval data: a larger task set re-gates
         from qgate.gates.evalgate import TASK_DIR
 
         gate_key = {"cfg": gate_key, "tasks": sha256_tree(TASK_DIR)}
     opts = CalibOptions(**spec.quantize.model_dump())
     scheme = scheme_config(v.scheme, **v.options)
     kv = KVCacheConfig(v.kv_cache) if v.kv_cache else None
-    key = {"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "kv": v.kv_cache, "opts": opts.__dict__}
-    if v.search is not None:   # the checkpoint is the smallest point that passed the shadow gate
+    key = {
+        "base": base.sha256,
+        "calib": calib.sha256,
+        "scheme": typed_config(scheme),
+        "kv": v.kv_cache,
+        "opts": opts.__dict__,
+    }
+    if v.search is not None:  # the checkpoint is the smallest point that passed the shadow gate
         ckpt = step(search_stage(r, spec, v, base, calib, shadow, cache_dir))
     else:
-        ckpt = step(r.stage(f"quantize:{v.name}", key, w / "variants" / v.name / "checkpoint",
-                            lambda out: quantize(base, calib, scheme, out, kv=kv, opts=opts, smoothed=cached_smoothing(
-                                base, calib, scheme, opts, cache_dir, r.echo) if smooths(scheme, kv) else None)))
+        ckpt = step(
+            r.stage(
+                f"quantize:{v.name}",
+                key,
+                w / "variants" / v.name / "checkpoint",
+                lambda out: quantize(
+                    base,
+                    calib,
+                    scheme,
+                    out,
+                    kv=kv,
+                    opts=opts,
+                    smoothed=cached_smoothing(base, calib, scheme, opts, cache_dir, r.echo)
+                    if smooths(scheme, kv)
+                    else None,
+                ),
+            )
+        )
     cand, notes = ckpt, ()
     why = unsupported(ckpt, v.engine.backend) if v.engine is not None else None
     if why:
@@ -309,13 +414,26 @@ def variant_chain(r: Runner, spec: PipelineSpec, v: VariantSpec, base: Artifact,
     elif v.engine is not None:
         ecfg = typed_config(engine_config(v.engine.backend, **v.engine.options))
         key = {"ckpt": ckpt.sha256, "engine": [v.engine.backend, ecfg], "profile": profile.sha256}
-        cand = r.stage(f"engine:{v.name}", key, w / "variants" / v.name / "engine",
-                       lambda out: build_engine(ckpt, v.engine.backend, out, profile, **v.engine.options))
+        cand = r.stage(
+            f"engine:{v.name}",
+            key,
+            w / "variants" / v.name / "engine",
+            lambda out: build_engine(ckpt, v.engine.backend, out, profile, **v.engine.options),
+        )
     step(cand)
-    key = {"cand": cand.sha256, "base": base.sha256, "shadow": shadow.sha256, "gates": gate_key} | ({"notes": notes} if notes else {})
-    report = step(r.stage(f"gate:{v.name}", key, w / "variants" / v.name / "gate",
-                          lambda out: run_gates(cand, base, shadow, gate_cfg, out, cache_dir, name=v.name, checkpoint=ckpt,
-                                                notes=notes)))
+    key = {"cand": cand.sha256, "base": base.sha256, "shadow": shadow.sha256, "gates": gate_key} | (
+        {"notes": notes} if notes else {}
+    )
+    report = step(
+        r.stage(
+            f"gate:{v.name}",
+            key,
+            w / "variants" / v.name / "gate",
+            lambda out: run_gates(
+                cand, base, shadow, gate_cfg, out, cache_dir, name=v.name, checkpoint=ckpt, notes=notes
+            ),
+        )
+    )
     return {"variant": v.name, "candidate": cand, "report": report, "recipe": recipe(v)}
 
 
@@ -326,15 +444,24 @@ def register_outcomes(r: Runner, spec: PipelineSpec, outcomes: list[dict], profi
     store = spec.path(spec.registry.store)
     uri = tracking_uri(store)
     for o in outcomes:
-        key = sha256_json({"report": o["report"].sha256, "uri": uri, "name": spec.registry.model_name, "profile": profile.sha256})
+        key = sha256_json(
+            {"report": o["report"].sha256, "uri": uri, "name": spec.registry.model_name, "profile": profile.sha256}
+        )
         rec = r.ledger.lookup(f"register:{o['variant']}", key)
         if rec:
             o["version"] = rec["version"]
             r.echo(f"  = register:{o['variant']}: already v{o['version']}")
         else:
-            o["version"] = register(o["report"], o["candidate"], spec.registry.model_name, store, profile=profile, recipe=o["recipe"])
-            r.ledger.record(f"register:{o['variant']}", key, version=o["version"], paths=[str(o["report"].path)],
-                            sha256=o["report"].sha256)
+            o["version"] = register(
+                o["report"], o["candidate"], spec.registry.model_name, store, profile=profile, recipe=o["recipe"]
+            )
+            r.ledger.record(
+                f"register:{o['variant']}",
+                key,
+                version=o["version"],
+                paths=[str(o["report"].path)],
+                sha256=o["report"].sha256,
+            )
             r.echo(f"  + register:{o['variant']}: {spec.registry.model_name} v{o['version']}")
     return uri
 
@@ -349,13 +476,15 @@ def best_passing(spec: PipelineSpec, outcomes: list[dict]) -> dict | None:
     return passing[0] if passing else None
 
 
-def run_pipeline(spec: PipelineSpec, echo: Callable[[str], None] = print, wait: float = 0.0, parallel: str = "serial") -> dict:
+def run_pipeline(
+    spec: PipelineSpec, echo: Callable[[str], None] = print, wait: float = 0.0, parallel: str = "serial"
+) -> dict:
     """Under the workdir lock: a second job on the same workdir waits `wait` seconds, then raises LockHeld (exit 1).
     parallel: "serial" (default) or "ray": traffic partitions are scanned and variants run as Ray tasks."""
     from qgate.execute import check_engine
     from qgate.locks import workdir_lock
 
-    check_engine(parallel, ("serial", "ray"))   # variants need the resources they declare: Ray places them
+    check_engine(parallel, ("serial", "ray"))  # variants need the resources they declare: Ray places them
     if parallel == "ray":
         placeable(spec.variants, echo)
     with workdir_lock(spec.path(spec.workdir), f"qgate run {spec.name}", wait=wait, echo=echo):
@@ -373,16 +502,22 @@ def placeable(variants: list[VariantSpec], echo: Callable[[str], None]) -> None:
     short, largest, local = unplaceable([dict(v.resources) for v in variants])
     for i, need in short:
         v = variants[i]
-        what = (f"{key_path('variants', i, 'resources')}: variant {v.name} asks one node for {_amounts(need)}; the largest "
-                f"node of this Ray {'instance' if local else 'cluster'} has {_amounts(largest) or 'nothing'}")
+        what = (
+            f"{key_path('variants', i, 'resources')}: variant {v.name} asks one node for {_amounts(need)}; the largest "
+            f"node of this Ray {'instance' if local else 'cluster'} has {_amounts(largest) or 'nothing'}"
+        )
         if local:
-            raise ConfigError(f"{what}, so its task would wait forever",
-                              hint="lower the variant's resources, or set RAY_ADDRESS to a cluster whose nodes have them")
+            raise ConfigError(
+                f"{what}, so its task would wait forever",
+                hint="lower the variant's resources, or set RAY_ADDRESS to a cluster whose nodes have them",
+            )
         echo(f"  ! {what}: its task waits until such a node joins (an autoscaler adds one); Ctrl-C stops the run")
 
 
 def _amounts(res: dict) -> str:
-    return ", ".join(f"{k} {v / 2**30:.1f} GiB" if k.endswith("memory") else f"{k} {v:g}" for k, v in sorted(res.items()))
+    return ", ".join(
+        f"{k} {v / 2**30:.1f} GiB" if k.endswith("memory") else f"{k} {v:g}" for k, v in sorted(res.items())
+    )
 
 
 def _run(spec: PipelineSpec, echo: Callable[[str], None], parallel: str = "serial") -> dict:
@@ -391,7 +526,7 @@ def _run(spec: PipelineSpec, echo: Callable[[str], None], parallel: str = "seria
 
     r = Runner(spec, echo)
     w = r.workdir
-    total = 2 + 3 * len(spec.variants) + 1   # model, calibrate; per variant quantize, engine, gate; register
+    total = 2 + 3 * len(spec.variants) + 1  # model, calibrate; per variant quantize, engine, gate; register
     bar = _StageBar(total, f"pipeline {spec.name}")
 
     def step(art):
@@ -401,33 +536,49 @@ def _run(spec: PipelineSpec, echo: Callable[[str], None], parallel: str = "seria
     from qgate.calibrate.sources import list_partitions
 
     traffic = spec.traffic_source()
-    parts = list_partitions(traffic)        # a missing traffic log fails here, not after the model's import
+    parts = list_partitions(traffic)  # a missing traffic log fails here, not after the model's import
     base = step(model_stage(r, spec))
     calib, shadow, profile = calibrate_stage(r, spec, traffic, engine=parallel, parts=parts)
     step(calib)
     gate_cfg = spec.gate_config()
     echo("  > baseline references and noise floor (cached per baseline) ...")
     t = time.perf_counter()
-    floor = warm_baseline(base, shadow, gate_cfg, w / "cache")   # once, before any fan-out; an impossible threshold fails here
+    floor = warm_baseline(
+        base, shadow, gate_cfg, w / "cache"
+    )  # once, before any fan-out; an impossible threshold fails here
     steps = {"baseline": round(time.perf_counter() - t, 1)}
-    echo(f"  + noise floor: KL p99 {floor['kl_p99']['observed']:.3g}, top-1 {floor['top1_agreement']['observed']:.4f} "
-         f"({floor['path']}); baseline references {steps['baseline']}s")
+    echo(
+        f"  + noise floor: KL p99 {floor['kl_p99']['observed']:.3g}, top-1 {floor['top1_agreement']['observed']:.4f} "
+        f"({floor['path']}); baseline references {steps['baseline']}s"
+    )
     outcomes = gate_variants(r, spec, base, calib, shadow, profile, list(spec.variants), w / "cache", step, parallel)
     t = time.perf_counter()
     uri = register_outcomes(r, spec, outcomes, profile)
     steps["register"] = round(time.perf_counter() - t, 1)
     bar.update(1)
     bar.close()
-    summary = {"tracking_uri": uri, "model_name": spec.registry.model_name, "workdir": str(w), "stage_seconds": r.seconds(),
-               "step_seconds": steps, "stages_run": r.ran, "stages_skipped": r.skipped,
-               "variants": [_variant_summary(o) for o in outcomes], "promoted": None}
+    summary = {
+        "tracking_uri": uri,
+        "model_name": spec.registry.model_name,
+        "workdir": str(w),
+        "stage_seconds": r.seconds(),
+        "step_seconds": steps,
+        "stages_run": r.ran,
+        "stages_skipped": r.skipped,
+        "variants": [_variant_summary(o) for o in outcomes],
+        "promoted": None,
+    }
     chosen = best_passing(spec, outcomes)
     if chosen is None:
         (w / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        raise PromotionRefused(f"no variant passed its gates: {', '.join(o['variant'] for o in outcomes)}",
-                               hint=f"see the reports under {w / 'variants'}")
+        raise PromotionRefused(
+            f"no variant passed its gates: {', '.join(o['variant'] for o in outcomes)}",
+            hint=f"see the reports under {w / 'variants'}",
+        )
     store = spec.path(spec.registry.store)
-    summary["promoted"] = promote(spec.registry.model_name, chosen["version"], spec.promote.alias, store) | {"variant": chosen["variant"]}
+    summary["promoted"] = promote(spec.registry.model_name, chosen["version"], spec.promote.alias, store) | {
+        "variant": chosen["variant"]
+    }
     (w / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
@@ -436,15 +587,29 @@ def _variant_summary(o: dict) -> dict:
     s = o["report"].meta["summary"]
     meta = o["report"].meta
     report = json.loads((o["report"].path / "report.json").read_text())
-    checks = [{k: r[k] for k in ("gate", "metric", "verdict", "observed", "ci", "n", "mde", "n_to_decide")}
-              | {"caveat": r["evidence"].get("caveat")} for r in report["results"] if r["threshold"] is not None]
-    return {"variant": o["variant"], "version": o.get("version"), "passed": meta["passed"], "verdict": meta["verdict"],
-            "failed_checks": meta.get("failed", []), "inconclusive_checks": meta.get("inconclusive", []), "checks": checks,
-            "report": str(o["report"].path / "report.html"),
-            "kl_p99": s.get("shadow.kl_p99"), "top1_agreement": s.get("shadow.top1_agreement"),
-            "metrics": s, "weights_bytes": o["candidate"].meta.get("weights_bytes"),
-            "bits_per_weight": _bits_per_weight(o["candidate"]), "search": _search_summary(o["candidate"].meta.get("search")),
-            "backend": o["candidate"].meta.get("backend", "torch-reference")}
+    checks = [
+        {k: r[k] for k in ("gate", "metric", "verdict", "observed", "ci", "n", "mde", "n_to_decide")}
+        | {"caveat": r["evidence"].get("caveat")}
+        for r in report["results"]
+        if r["threshold"] is not None
+    ]
+    return {
+        "variant": o["variant"],
+        "version": o.get("version"),
+        "passed": meta["passed"],
+        "verdict": meta["verdict"],
+        "failed_checks": meta.get("failed", []),
+        "inconclusive_checks": meta.get("inconclusive", []),
+        "checks": checks,
+        "report": str(o["report"].path / "report.html"),
+        "kl_p99": s.get("shadow.kl_p99"),
+        "top1_agreement": s.get("shadow.top1_agreement"),
+        "metrics": s,
+        "weights_bytes": o["candidate"].meta.get("weights_bytes"),
+        "bits_per_weight": _bits_per_weight(o["candidate"]),
+        "search": _search_summary(o["candidate"].meta.get("search")),
+        "backend": o["candidate"].meta.get("backend", "torch-reference"),
+    }
 
 
 def _bits_per_weight(candidate: Artifact) -> float | None:
@@ -460,8 +625,21 @@ def _bits_per_weight(candidate: Artifact) -> float | None:
 def _search_summary(search: dict | None) -> dict | None:
     if not search:
         return None
-    out = {k: search[k] for k in ("found", "chosen_k", "layers_total", "points_tried", "gate_runs", "seconds", "bits_per_weight",
-                                  "fallback_bits")}
-    return out | {"smoothing_seconds": search.get("smoothing_seconds"),
-                  "sensitivity_seconds": (search.get("sensitivity") or {}).get("seconds"),
-                  "point_seconds": [p.get("seconds") for p in search.get("points", [])]}
+    out = {
+        k: search[k]
+        for k in (
+            "found",
+            "chosen_k",
+            "layers_total",
+            "points_tried",
+            "gate_runs",
+            "seconds",
+            "bits_per_weight",
+            "fallback_bits",
+        )
+    }
+    return out | {
+        "smoothing_seconds": search.get("smoothing_seconds"),
+        "sensitivity_seconds": (search.get("sensitivity") or {}).get("seconds"),
+        "point_seconds": [p.get("seconds") for p in search.get("points", [])],
+    }

@@ -16,6 +16,7 @@ Each gated point's result is cached by content hash, so a killed search resumes 
 points on the calibration stage's search split, disjoint from the shadow split that then gates the chosen checkpoint:
 a point chosen because it passed one sample of traffic is confirmed on another, and the report says which.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,9 +39,20 @@ def _metric(results: list[dict], name: str) -> tuple[float, list | None]:
     return float("nan"), None
 
 
-def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme, cfg: SearchConfig, gate_cfg, out: Path,
-                      cache_dir: Path, kv=None, opts=None, echo: Callable[[str], None] = print,
-                      confirm: Artifact | None = None) -> Artifact:
+def search_checkpoint(
+    base: Artifact,
+    calib: Artifact,
+    shadow: Artifact,
+    scheme,
+    cfg: SearchConfig,
+    gate_cfg,
+    out: Path,
+    cache_dir: Path,
+    kv=None,
+    opts=None,
+    echo: Callable[[str], None] = print,
+    confirm: Artifact | None = None,
+) -> Artifact:
     """shadow: the held-out split the points are gated on. confirm: the split that gates the chosen checkpoint
     afterwards, recorded in the evidence; when it is `shadow` itself (or not given) the evidence says that the chosen
     point's shadow checks are not independent of its choice."""
@@ -54,7 +66,9 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
     opts = opts or CalibOptions()
     out, cache_dir = Path(out), Path(cache_dir)
     scfg = SensitivityConfig(samples=cfg.samples, max_seq_length=opts.max_seq_length, seed=opts.seed)
-    skey = sha256_json({"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "cfg": typed_config(scfg)})
+    skey = sha256_json(
+        {"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "cfg": typed_config(scfg)}
+    )
     spath = cache_dir / f"sensitivity-{skey[:24]}.json"
     if (data := read_cached(spath)) is not None:
         sens = json.loads(data)
@@ -66,7 +80,9 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
     smoothed = cached_smoothing(base, calib, scheme, opts, cache_dir, echo) if smooths(scheme, kv) else None
     built = BUILT if smoothed else "full quantization"
     order = fallback_order(sens["layers"])
-    kmax = max_count(order, cfg.max_bits_per_weight, scheme.num_bits, cfg.fallback_bits, scheme.group_size, scheme.symmetric)
+    kmax = max_count(
+        order, cfg.max_bits_per_weight, scheme.num_bits, cfg.fallback_bits, scheme.group_size, scheme.symmetric
+    )
     k0 = start_count(order, cfg.start_share)
     tried: dict[int, bool] = {}
     points: list[dict] = []
@@ -76,10 +92,20 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
     numerics = scoring_numerics(base, gate_cfg.device, gate_cfg.dtype)
     while len(points) < cfg.max_steps and (k := next_count(tried, k0, kmax)) is not None and k not in tried:
         fb = FallbackConfig(tuple(r["layer"] for r in order[:k]), cfg.fallback_bits)
-        key = sha256_json({"base": base.sha256, "calib": calib.sha256, "shadow": shadow.sha256, "scheme": typed_config(scheme),
-                           "kv": typed_config(kv) if kv else None, "opts": opts.__dict__, "fallback": typed_config(fb),
-                           "shadow_cfg": typed_config(gate_cfg.shadow), "smoothed": smoothed.sha256 if smoothed else None}
-                          | ({"numerics": numerics} if numerics != "cpu-float32" else {}))   # gated in these numerics
+        key = sha256_json(
+            {
+                "base": base.sha256,
+                "calib": calib.sha256,
+                "shadow": shadow.sha256,
+                "scheme": typed_config(scheme),
+                "kv": typed_config(kv) if kv else None,
+                "opts": opts.__dict__,
+                "fallback": typed_config(fb),
+                "shadow_cfg": typed_config(gate_cfg.shadow),
+                "smoothed": smoothed.sha256 if smoothed else None,
+            }
+            | ({"numerics": numerics} if numerics != "cpu-float32" else {})
+        )  # gated in these numerics
         ppath = cache_dir / f"search-point-{key[:24]}.json"
         t = time.perf_counter()
         if (data := read_cached(ppath)) is not None:
@@ -90,47 +116,98 @@ def search_checkpoint(base: Artifact, calib: Artifact, shadow: Artifact, scheme,
             gate_runs += 1
             kl, kl_ci = _metric(chk["results"], "kl_p99")
             top1, top1_ci = _metric(chk["results"], "top1_agreement")
-            point = {"k": k, "verdict": chk["verdict"], "layers": list(fb.layers), "weights_bytes": ckpt.meta["weights_bytes"],
-                     "bits_per_weight": ckpt.meta["bits_per_weight"], "kl_p99": kl, "kl_p99_ci": kl_ci, "top1": top1,
-                     "top1_ci": top1_ci, "quantize_seconds": ckpt.meta["quantize_seconds"],
-                     "seconds": round(time.perf_counter() - t, 1), "checkpoint_sha256": ckpt.sha256}
+            point = {
+                "k": k,
+                "verdict": chk["verdict"],
+                "layers": list(fb.layers),
+                "weights_bytes": ckpt.meta["weights_bytes"],
+                "bits_per_weight": ckpt.meta["bits_per_weight"],
+                "kl_p99": kl,
+                "kl_p99_ci": kl_ci,
+                "top1": top1,
+                "top1_ci": top1_ci,
+                "quantize_seconds": ckpt.meta["quantize_seconds"],
+                "seconds": round(time.perf_counter() - t, 1),
+                "checkpoint_sha256": ckpt.sha256,
+            }
             write_cached(ppath, json.dumps(point).encode())
             kept[k] = ckpt
         tried[k] = point["verdict"] == "pass"
         points.append(point)
-        echo(f"    k={k:>3} fallback layers: {point['verdict'].upper():12s} KL p99 {point['kl_p99']:.4g}  top-1 "
-             f"{point['top1']:.4f}  {point['bits_per_weight']:.2f} bits/weight{' (cached)' if point.get('cached') else ''}")
+        echo(
+            f"    k={k:>3} fallback layers: {point['verdict'].upper():12s} KL p99 {point['kl_p99']:.4g}  top-1 "
+            f"{point['top1']:.4f}  {point['bits_per_weight']:.2f} bits/weight{' (cached)' if point.get('cached') else ''}"
+        )
         _prune(kept, points)
     passing = [p for p in points if p["verdict"] == "pass"]
-    chosen = min(passing, key=lambda p: (p["weights_bytes"], p["k"])) if passing else \
-        min(points, key=lambda p: (p["kl_p99"] if p["kl_p99"] == p["kl_p99"] else float("inf"), -p["k"]))
+    chosen = (
+        min(passing, key=lambda p: (p["weights_bytes"], p["k"]))
+        if passing
+        else min(points, key=lambda p: (p["kl_p99"] if p["kl_p99"] == p["kl_p99"] else float("inf"), -p["k"]))
+    )
     ck = chosen["k"]
     ckpt = kept.get(ck)
-    if ckpt is None:   # gated in an earlier, killed run: quantize it again (seeded: the same bytes)
-        ckpt = quantize(base, calib, scheme, work / f"k{ck:04d}", kv=kv, opts=opts,
-                        fallback=FallbackConfig(tuple(chosen["layers"]), cfg.fallback_bits), smoothed=smoothed)
+    if ckpt is None:  # gated in an earlier, killed run: quantize it again (seeded: the same bytes)
+        ckpt = quantize(
+            base,
+            calib,
+            scheme,
+            work / f"k{ck:04d}",
+            kv=kv,
+            opts=opts,
+            fallback=FallbackConfig(tuple(chosen["layers"]), cfg.fallback_bits),
+            smoothed=smoothed,
+        )
     for f in ckpt.path.iterdir():
         if f.name != MANIFEST:
             shutil.move(str(f), str(out / f.name))
     shutil.rmtree(work, ignore_errors=True)
     rank = {r["layer"]: i + 1 for i, r in enumerate(sens["layers"])}
-    fell = [{"layer": r["layer"], "params": r["params"], "kl": r["kl"], "kl_per_mparam": r["kl_per_mparam"],
-             "kl_rank": rank[r["layer"]]} for r in order[:ck]]
+    fell = [
+        {
+            "layer": r["layer"],
+            "params": r["params"],
+            "kl": r["kl"],
+            "kl_per_mparam": r["kl_per_mparam"],
+            "kl_rank": rank[r["layer"]],
+        }
+        for r in order[:ck]
+    ]
     independent = confirm is not None and confirm.sha256 != shadow.sha256
     summary = {
-        "chosen_on": {"split": shadow.meta.get("split"), "sha256": shadow.sha256, "prompts": shadow.meta.get("n"),
-                      "gated_on": confirm.sha256 if confirm else None, "independent": independent},
-        "found": bool(passing), "points_built_by": built, "smoothed_weights": smoothed.sha256 if smoothed else None,
-        "smoothing_seconds": smoothed.meta.get("smoothing_seconds") if smoothed else None, "chosen_k": ck, "chosen_verdict": chosen["verdict"], "fallback_bits": cfg.fallback_bits,
-        "gate_runs": gate_runs, "points_tried": len(points), "seconds": round(time.perf_counter() - t_start, 1),
-        "start_k": k0, "max_k": kmax, "layers_total": len(order), "budget_bits_per_weight": cfg.max_bits_per_weight,
-        "bits_per_weight": chosen["bits_per_weight"], "weights_bytes": chosen["weights_bytes"],
-        "uniform_bits_per_weight": round(predicted_bits(order, 0, scheme.num_bits, cfg.fallback_bits, scheme.group_size,
-                                                        scheme.symmetric), 3),
-        "points": [{k: v for k, v in p.items() if k != "layers"} for p in points], "fallback": fell,
+        "chosen_on": {
+            "split": shadow.meta.get("split"),
+            "sha256": shadow.sha256,
+            "prompts": shadow.meta.get("n"),
+            "gated_on": confirm.sha256 if confirm else None,
+            "independent": independent,
+        },
+        "found": bool(passing),
+        "points_built_by": built,
+        "smoothed_weights": smoothed.sha256 if smoothed else None,
+        "smoothing_seconds": smoothed.meta.get("smoothing_seconds") if smoothed else None,
+        "chosen_k": ck,
+        "chosen_verdict": chosen["verdict"],
+        "fallback_bits": cfg.fallback_bits,
+        "gate_runs": gate_runs,
+        "points_tried": len(points),
+        "seconds": round(time.perf_counter() - t_start, 1),
+        "start_k": k0,
+        "max_k": kmax,
+        "layers_total": len(order),
+        "budget_bits_per_weight": cfg.max_bits_per_weight,
+        "bits_per_weight": chosen["bits_per_weight"],
+        "weights_bytes": chosen["weights_bytes"],
+        "uniform_bits_per_weight": round(
+            predicted_bits(order, 0, scheme.num_bits, cfg.fallback_bits, scheme.group_size, scheme.symmetric), 3
+        ),
+        "points": [{k: v for k, v in p.items() if k != "layers"} for p in points],
+        "fallback": fell,
         "sensitivity": {k: v for k, v in sens.items() if k != "layers"} | {"top": sens["layers"][:20]},
-        "note": None if passing else f"no point passed the shadow gate within {cfg.max_steps} steps and "
-                                     f"{cfg.max_bits_per_weight or 'no'} bits/weight budget; the point closest to passing is kept",
+        "note": None
+        if passing
+        else f"no point passed the shadow gate within {cfg.max_steps} steps and "
+        f"{cfg.max_bits_per_weight or 'no'} bits/weight budget; the point closest to passing is kept",
     }
     (out / "qgate-search.json").write_text(json.dumps(summary | {"sensitivity_all": sens["layers"]}, indent=2))
     plot_points(points, gate_cfg.shadow.kl_p99_max, gate_cfg.shadow.top1_agreement_min, ck, out / "qgate-search.png")
@@ -157,7 +234,9 @@ def run_search(spec, variant: str, echo: Callable[[str], None] = print, wait: fl
 
     names = [v.name for v in spec.variants]
     if variant not in names:
-        raise ConfigError(f"variant {variant!r} is not in the spec{suggest(variant, names)}", hint=f"variants: {', '.join(names)}")
+        raise ConfigError(
+            f"variant {variant!r} is not in the spec{suggest(variant, names)}", hint=f"variants: {', '.join(names)}"
+        )
     v = spec.variants[names.index(variant)]
     with workdir_lock(spec.path(spec.workdir), f"qgate search {spec.name} {variant}", wait=wait, echo=echo):
         r = Runner(spec, echo)

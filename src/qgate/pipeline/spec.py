@@ -6,6 +6,7 @@
 
 Relative paths in a spec are relative to the spec file's directory.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,17 +32,17 @@ class ModelSpec(_Strict):
 class CalibrateSpec(_Strict):
     calib_size: int = 256
     shadow_size: int = 64
-    search_size: int = 0               # prompts `search:` variants choose their point on, disjoint from the shadow split
+    search_size: int = 0  # prompts `search:` variants choose their point on, disjoint from the shadow split
     seed: int = 0
-    max_reject_fraction: float = 0.5   # a log with more malformed records than this fails the calibrate stage
-    min_words: int = 1                 # shorter prompts are dropped (counted as too short, not rejected)
-    max_line_bytes: int = 4 << 20      # a longer JSONL line is rejected unread
+    max_reject_fraction: float = 0.5  # a log with more malformed records than this fails the calibrate stage
+    min_words: int = 1  # shorter prompts are dropped (counted as too short, not rejected)
+    max_line_bytes: int = 4 << 20  # a longer JSONL line is rejected unread
 
 
 class QuantizeSpec(_Strict):
     max_seq_length: int = 512
     max_samples: int | None = None
-    seed: int = 0   # seeds llm-compressor's calibration shuffle: the same inputs give byte-identical checkpoints
+    seed: int = 0  # seeds llm-compressor's calibration shuffle: the same inputs give byte-identical checkpoints
 
 
 class EngineSpec(_Strict):
@@ -54,10 +55,10 @@ class VariantSpec(_Strict):
     scheme: str
     options: dict[str, Any] = Field(default_factory=dict)
     kv_cache: Literal["fp8", "int8"] | None = None
-    engine: EngineSpec | None = None   # None: gate the checkpoint on the PyTorch reference path
-    search: dict[str, Any] | None = None   # per-layer fallback search (search/plan.py SearchConfig); `qgate search`
-    resources: dict[str, float] = Field(default_factory=dict)   # Ray task resources under `qgate run --parallel ray`:
-                                                                # num_cpus, num_gpus, memory (bytes) or custom ones
+    engine: EngineSpec | None = None  # None: gate the checkpoint on the PyTorch reference path
+    search: dict[str, Any] | None = None  # per-layer fallback search (search/plan.py SearchConfig); `qgate search`
+    resources: dict[str, float] = Field(default_factory=dict)  # Ray task resources under `qgate run --parallel ray`:
+    # num_cpus, num_gpus, memory (bytes) or custom ones
 
     @field_validator("resources")
     @classmethod
@@ -78,25 +79,25 @@ class VariantSpec(_Strict):
 class GatesSpec(_Strict):
     contract: dict[str, Any] = Field(default_factory=dict)
     shadow: dict[str, Any] = Field(default_factory=dict)
-    eval: dict[str, Any] | None = Field(default_factory=dict)   # null: no eval gate
-    long_context: dict[str, Any] | None = Field(default_factory=dict)   # null: the served context is not probed
+    eval: dict[str, Any] | None = Field(default_factory=dict)  # null: no eval gate
+    long_context: dict[str, Any] | None = Field(default_factory=dict)  # null: the served context is not probed
     perf: dict[str, Any] = Field(default_factory=dict)
     parity: dict[str, Any] = Field(default_factory=dict)
     on_inconclusive: Literal["block", "warn"] = "block"
-    score_anyway: bool = False   # score a candidate whose serving contract failed (its verdict is FAIL regardless)
-    device: str = "auto"         # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
-    dtype: str = "auto"          # reference checkpoints' compute dtype: auto, float32, bfloat16, float16
+    score_anyway: bool = False  # score a candidate whose serving contract failed (its verdict is FAIL regardless)
+    device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
+    dtype: str = "auto"  # reference checkpoints' compute dtype: auto, float32, bfloat16, float16
 
 
 class RegistrySpec(_Strict):
     model_name: str
-    store: str = ".qgate/mlflow"   # embedded SQLite store; MLFLOW_TRACKING_URI overrides
+    store: str = ".qgate/mlflow"  # embedded SQLite store; MLFLOW_TRACKING_URI overrides
 
 
 class PromoteSpec(_Strict):
     alias: str = "production"
-    choose: Literal["best", "smallest", "first"] = "best"   # best: passing variant with the lowest shadow kl_p99;
-                                                            # smallest: the fewest weights bytes (ties: lower kl_p99)
+    choose: Literal["best", "smallest", "first"] = "best"  # best: passing variant with the lowest shadow kl_p99;
+    # smallest: the fewest weights bytes (ties: lower kl_p99)
 
 
 class PipelineSpec(_Strict):
@@ -111,8 +112,8 @@ class PipelineSpec(_Strict):
     gates: GatesSpec = Field(default_factory=GatesSpec)
     registry: RegistrySpec
     promote: PromoteSpec = Field(default_factory=PromoteSpec)
-    drift: dict[str, Any] = Field(default_factory=dict)   # `qgate drift`: see calibrate/drift.py DriftConfig
-    root: Path = Path(".")   # the spec file's directory; set by load_spec
+    drift: dict[str, Any] = Field(default_factory=dict)  # `qgate drift`: see calibrate/drift.py DriftConfig
+    root: Path = Path(".")  # the spec file's directory; set by load_spec
 
     def path(self, p: str) -> Path:
         return (self.root / p).resolve()
@@ -133,14 +134,21 @@ class PipelineSpec(_Strict):
 
         ev = None if self.gates.eval is None else build_config(EvalConfig, self.gates.eval, "gates.eval")
         lc = self.gates.long_context
-        if lc is not None and lc.get("documents"):   # relative to the spec file, like every path in it
+        if lc is not None and lc.get("documents"):  # relative to the spec file, like every path in it
             lc = lc | {"documents": str(self.path(lc["documents"]))}
         long_ctx = None if lc is None else build_config(LongContextConfig, lc, "gates.long_context")
-        return GateConfig(contract=build_config(ContractConfig, self.gates.contract, "gates.contract"),
-                          shadow=build_config(ShadowConfig, self.gates.shadow, "gates.shadow"), eval=ev, long_context=long_ctx,
-                          perf=build_config(PerfConfig, self.gates.perf, "gates.perf"),
-                          parity=build_config(ParityConfig, self.gates.parity, "gates.parity"), on_inconclusive=self.gates.on_inconclusive,
-                          score_anyway=self.gates.score_anyway, device=self.gates.device, dtype=self.gates.dtype)
+        return GateConfig(
+            contract=build_config(ContractConfig, self.gates.contract, "gates.contract"),
+            shadow=build_config(ShadowConfig, self.gates.shadow, "gates.shadow"),
+            eval=ev,
+            long_context=long_ctx,
+            perf=build_config(PerfConfig, self.gates.perf, "gates.perf"),
+            parity=build_config(ParityConfig, self.gates.parity, "gates.parity"),
+            on_inconclusive=self.gates.on_inconclusive,
+            score_anyway=self.gates.score_anyway,
+            device=self.gates.device,
+            dtype=self.gates.dtype,
+        )
 
     def on_device(self, device: str | None) -> PipelineSpec:
         """This spec with gates.device set (the CLI's --device); unchanged for None."""
@@ -150,7 +158,6 @@ class PipelineSpec(_Strict):
 
         check_device(device, "--device")
         return self.model_copy(update={"gates": self.gates.model_copy(update={"device": device})})
-
 
     def drift_config(self):
         from qgate.calibrate.drift import DriftConfig
@@ -165,7 +172,9 @@ def search_config(v: VariantSpec, where: str = "search"):
 
     cfg = build_config(SearchConfig, v.search or {}, where)
     if not hasattr(scheme_config(v.scheme, **v.options), "group_size"):
-        raise ConfigError(f"{where}: scheme {v.scheme} has no per-layer fallback", hint="search awq-w4a16 or gptq-w4a16")
+        raise ConfigError(
+            f"{where}: scheme {v.scheme} has no per-layer fallback", hint="search awq-w4a16 or gptq-w4a16"
+        )
     return cfg
 
 
@@ -181,7 +190,7 @@ def _fields_at(loc: tuple) -> list[str]:
         if field is None:
             return []
         todo, model = [field.annotation], None
-        while todo:   # unwrap Optional[...] and list[...] down to a model class
+        while todo:  # unwrap Optional[...] and list[...] down to a model class
             t = todo.pop()
             if isinstance(t, type) and issubclass(t, BaseModel):
                 model = t
@@ -191,7 +200,7 @@ def _fields_at(loc: tuple) -> list[str]:
 
 
 def _pydantic_error(path: Path, e: ValidationError) -> ConfigError:
-    errors = sorted(e.errors(), key=lambda x: x["type"] != "extra_forbidden")   # an unknown key explains a missing one
+    errors = sorted(e.errors(), key=lambda x: x["type"] != "extra_forbidden")  # an unknown key explains a missing one
     first = errors[0]
     loc = tuple(first["loc"])
     where = key_path(*loc)
@@ -237,20 +246,27 @@ def _check_engine(v: VariantSpec, where: str) -> None:
 
     keep = "drop `engine:` to gate the checkpoint on the PyTorch reference path"
     if v.engine.backend == "trtllm":
-        raise ConfigError(f"{where}: the gates run checkpoints and cpu engines, not TensorRT-LLM bundles, so this variant "
-                          f"could never be gated",
-                          hint=f"{keep}, then bundle the promoted checkpoint with `qgate engine build --backend trtllm`")
+        raise ConfigError(
+            f"{where}: the gates run checkpoints and cpu engines, not TensorRT-LLM bundles, so this variant "
+            f"could never be gated",
+            hint=f"{keep}, then bundle the promoted checkpoint with `qgate engine build --backend trtllm`",
+        )
     fmt = weight_format(scheme_config(v.scheme, **v.options))
     if v.engine.backend == "cpu" and fmt not in SUPPORTED_FORMATS:
-        raise ConfigError(f"{where}: the cpu engine takes {' or '.join(SUPPORTED_FORMATS)} checkpoints; scheme {v.scheme} "
-                          f"makes {fmt}", hint=f"{keep}, or choose a 4-bit scheme (awq-w4a16, gptq-w4a16)")
+        raise ConfigError(
+            f"{where}: the cpu engine takes {' or '.join(SUPPORTED_FORMATS)} checkpoints; scheme {v.scheme} "
+            f"makes {fmt}",
+            hint=f"{keep}, or choose a 4-bit scheme (awq-w4a16, gptq-w4a16)",
+        )
     if v.engine.backend == "torch-int4":
         from qgate.engines.torch_int4 import refusal
 
         scheme = scheme_config(v.scheme, **v.options)
         why = refusal(fmt, getattr(scheme, "actorder", None), v.kv_cache)
         if why:
-            raise ConfigError(f"{where}: {why}", hint=f"{keep}, or choose awq-w4a16, gptq-w4a16 or gptq-w8a16 without kv_cache")
+            raise ConfigError(
+                f"{where}: {why}", hint=f"{keep}, or choose awq-w4a16, gptq-w4a16 or gptq-w8a16 without kv_cache"
+            )
 
 
 def _check_semantics(spec: PipelineSpec) -> None:
@@ -259,7 +275,7 @@ def _check_semantics(spec: PipelineSpec) -> None:
     from qgate.engines.build import engine_config
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
-    SampleConfig(**spec.calibrate.model_dump())    # sizes, the malformed-records limit
+    SampleConfig(**spec.calibrate.model_dump())  # sizes, the malformed-records limit
     names = [v.name for v in spec.variants]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -275,9 +291,11 @@ def _check_semantics(spec: PipelineSpec) -> None:
             if v.search is not None:
                 search_config(v, where=key_path("variants", i, "search"))
                 if not spec.calibrate.search_size:
-                    raise ConfigError(f"{key_path('variants', i, 'search')}: its points would be chosen on the shadow "
-                                      "split that then gates the chosen one, which flatters it",
-                                      hint="set calibrate.search_size (e.g. 48): a held-out split of its own for the search")
+                    raise ConfigError(
+                        f"{key_path('variants', i, 'search')}: its points would be chosen on the shadow "
+                        "split that then gates the chosen one, which flatters it",
+                        hint="set calibrate.search_size (e.g. 48): a held-out split of its own for the search",
+                    )
         except ConfigError as e:
             msg = e.message if e.message.startswith("variants[") else f"{key_path('variants', i)}: {e.message}"
             raise ConfigError(f"{msg} (variant {v.name})", hint=e.hint) from e

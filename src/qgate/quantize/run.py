@@ -6,6 +6,7 @@ The model is checked (group sizes) before any calibration work starts. On a CUDA
 served dtype into host memory and llm-compressor's sequential pipeline runs each layer on the GPU; on a host
 without CUDA it runs in float32 and llm-compressor's pinned-memory cache is switched off for the call only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,9 +24,9 @@ from qgate.quantize.schemes import FallbackConfig, KVCacheConfig, weight_format
 @dataclass(frozen=True)
 class CalibOptions:
     max_seq_length: int = 512
-    max_samples: int | None = None   # None: every calibration record
-    seed: int = 0                    # llm-compressor shuffles calibration samples with torch's global RNG: seeded here,
-                                     # so the same inputs give byte-identical checkpoints (a killed run re-made exactly)
+    max_samples: int | None = None  # None: every calibration record
+    seed: int = 0  # llm-compressor shuffles calibration samples with torch's global RNG: seeded here,
+    # so the same inputs give byte-identical checkpoints (a killed run re-made exactly)
     VERSION = 1
 
     def __post_init__(self):
@@ -102,7 +103,11 @@ def linear_size(ckpt_dir: Path, unquantized: tuple[str, ...] = ()) -> dict:
                     t = st.get_slice(k)
                     params += _numel(t.get_shape())
                     nbytes += _numel(t.get_shape()) * _dtype_bytes(t.get_dtype())
-    return {"linear_bytes": nbytes, "linear_params": params, "bits_per_weight": round(8 * nbytes / params, 4) if params else None}
+    return {
+        "linear_bytes": nbytes,
+        "linear_params": params,
+        "bits_per_weight": round(8 * nbytes / params, 4) if params else None,
+    }
 
 
 def _numel(shape) -> int:
@@ -113,13 +118,31 @@ def _numel(shape) -> int:
 
 
 def _dtype_bytes(dtype: str) -> int:
-    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "F8_E4M3": 1,
-            "F8_E5M2": 1}.get(dtype, 4)
+    return {
+        "F64": 8,
+        "I64": 8,
+        "F32": 4,
+        "I32": 4,
+        "F16": 2,
+        "BF16": 2,
+        "I16": 2,
+        "I8": 1,
+        "U8": 1,
+        "F8_E4M3": 1,
+        "F8_E5M2": 1,
+    }.get(dtype, 4)
 
 
-def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCacheConfig | None = None,
-             opts: CalibOptions = CalibOptions(), fallback: FallbackConfig | None = None,
-             smoothed: Artifact | None = None) -> Artifact:
+def quantize(
+    base: Artifact,
+    calib: Artifact | None,
+    scheme,
+    out: Path,
+    kv: KVCacheConfig | None = None,
+    opts: CalibOptions = CalibOptions(),
+    fallback: FallbackConfig | None = None,
+    smoothed: Artifact | None = None,
+) -> Artifact:
     """fallback: layers kept at higher precision (chosen by `qgate search`); recorded in the manifest.
     smoothed: AWQ only, this baseline with AWQ's smoothing already folded in (quantize/smoothing.py): only the
     round-to-nearest step runs, on those weights, with no calibration data (seconds instead of AWQ's minutes)."""
@@ -127,12 +150,17 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
     from llmcompressor import oneshot
 
     if base.kind != "checkpoint" or base.meta.get("scheme") != "baseline":
-        raise InputError(f"{base.path}: --model must be a full-precision baseline checkpoint (got {base.meta.get('scheme')})")
+        raise InputError(
+            f"{base.path}: --model must be a full-precision baseline checkpoint (got {base.meta.get('scheme')})"
+        )
     from qgate.quantize.schemes import BUILT, smooths
 
     if smoothed is not None and (not smooths(scheme, kv) or smoothed.meta.get("base_model") != base.sha256):
-        raise InputError(f"{smoothed.path}: smoothed weights quantize only AWQ schemes without a KV-cache scheme, from the "
-                         "baseline they were smoothed from", hint="drop `smoothed` to run AWQ in full")
+        raise InputError(
+            f"{smoothed.path}: smoothed weights quantize only AWQ schemes without a KV-cache scheme, from the "
+            "baseline they were smoothed from",
+            hint="drop `smoothed` to run AWQ in full",
+        )
     needs_data = (scheme.needs_calibration or kv is not None) and smoothed is None
     if needs_data and calib is None:
         raise InputError(f"scheme {type(scheme).__name__} needs --calib (a calibration-set artifact)")
@@ -152,7 +180,10 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
         names = {n for n, _ in model.named_modules()}
         unknown = [x for x in fallback.layers if x not in names]
         if unknown:
-            raise ConfigError(f"fallback layers not in the model: {unknown[:3]}", hint="names are module paths, e.g. model.layers.0.mlp.down_proj")
+            raise ConfigError(
+                f"fallback layers not in the model: {unknown[:3]}",
+                hint="names are module paths, e.g. model.layers.0.mlp.down_proj",
+            )
     kwargs = {}
     if needs_data:
         ds = load_calibration(calib, tok, opts)
@@ -164,24 +195,32 @@ def quantize(base: Artifact, calib: Artifact | None, scheme, out: Path, kv: KVCa
     seconds = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, save_compressed=True)
-    copy_tokenizer_files(base.path, out)   # the baseline's own files, byte for byte: only the weights may change
+    copy_tokenizer_files(base.path, out)  # the baseline's own files, byte for byte: only the weights may change
     config = {"scheme": typed_config(scheme), "kv_cache": typed_config(kv) if kv else None, "calib": typed_config(opts)}
     if fallback:
         config["fallback"] = typed_config(fallback)
     size = linear_size(out, fallback.layers if fallback and fallback.bits == 16 else ())
     meta = {
-        "scheme": scheme.name, "weight_format": weight_format(scheme, fallback), "kv_cache_dtype": kv.dtype if kv else None,
-        "fallback_layers": list(fallback.layers) if fallback else [], "fallback_bits": fallback.bits if fallback else None,
-        "bits_per_weight": size["bits_per_weight"], "linear_bytes": size["linear_bytes"],
-        "calibration_samples": kwargs.get("num_calibration_samples", 0), "quantize_seconds": round(seconds, 1),
+        "scheme": scheme.name,
+        "weight_format": weight_format(scheme, fallback),
+        "kv_cache_dtype": kv.dtype if kv else None,
+        "fallback_layers": list(fallback.layers) if fallback else [],
+        "fallback_bits": fallback.bits if fallback else None,
+        "bits_per_weight": size["bits_per_weight"],
+        "linear_bytes": size["linear_bytes"],
+        "calibration_samples": kwargs.get("num_calibration_samples", 0),
+        "quantize_seconds": round(seconds, 1),
         "weights_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
-        "base_model": base.sha256, "calibration_sha256": calib.sha256 if calib else None,
+        "base_model": base.sha256,
+        "calibration_sha256": calib.sha256 if calib else None,
     }
     parents = (base.sha256,) + ((calib.sha256,) if calib and needs_data else ())
-    if smoothed is not None:   # the calibration data reached these weights through the smoothing
-        meta |= {"smoothed_weights": smoothed.sha256, "calibration_sha256": smoothed.meta.get("calibration_sha256"),
-                 "built": BUILT}
+    if smoothed is not None:  # the calibration data reached these weights through the smoothing
+        meta |= {
+            "smoothed_weights": smoothed.sha256,
+            "calibration_sha256": smoothed.meta.get("calibration_sha256"),
+            "built": BUILT,
+        }
         config["smoothed"] = smoothed.sha256
         parents += (smoothed.sha256,)
     return Artifact.create("checkpoint", out, config, parents, meta)
-

@@ -5,6 +5,7 @@
 
 Each config validates in __post_init__ and raises ConfigError with the key at fault.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,12 +49,14 @@ class FallbackConfig:
             raise ConfigError(f"fallback layers must be unique module names, got {list(self.layers)[:5]}")
 
 
-def _weight_scheme(num_bits: int, group_size: int, symmetric: bool, actorder: str | None = None,
-                   targets: tuple[str, ...] = ("Linear",)):
+def _weight_scheme(
+    num_bits: int, group_size: int, symmetric: bool, actorder: str | None = None, targets: tuple[str, ...] = ("Linear",)
+):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy="group",
-                            group_size=group_size, actorder=actorder)
+    args = QuantizationArgs(
+        num_bits=num_bits, type="int", symmetric=symmetric, strategy="group", group_size=group_size, actorder=actorder
+    )
     return QuantizationScheme(targets=list(targets), weights=args)
 
 
@@ -66,7 +69,9 @@ class _GroupWise:
 
     def __post_init__(self):
         if self.group_size <= 0 or self.group_size & (self.group_size - 1):
-            raise ConfigError(f"{type(self).__name__}.group_size must be a positive power of two, got {self.group_size}")
+            raise ConfigError(
+                f"{type(self).__name__}.group_size must be a positive power of two, got {self.group_size}"
+            )
 
     def check_model(self, model) -> None:
         """Every quantized Linear's input width must be a multiple of group_size."""
@@ -85,7 +90,9 @@ class _GroupWise:
                 hint=f"use a group_size dividing all widths {sorted(widths)}: {ok or 'none of 32..256; add the layers to ignore'}",
             )
 
-    def groups(self, fallback: FallbackConfig | None, symmetric: bool, actorder: str | None = None) -> tuple[dict, list[str]]:
+    def groups(
+        self, fallback: FallbackConfig | None, symmetric: bool, actorder: str | None = None
+    ) -> tuple[dict, list[str]]:
         """(config_groups, ignore): the scheme on every Linear; fallback layers named exactly, which compressed-tensors
         matches before the class name, so they take the W8 group (or join the ignore list when unquantized)."""
         groups = {"group_0": _weight_scheme(self.num_bits, self.group_size, symmetric, actorder)}
@@ -102,7 +109,7 @@ class _GroupWise:
 class AWQConfig(_GroupWise):
     symmetric: bool = False
     duo_scaling: bool = True
-    n_grid: int = 20               # scale candidates searched per layer; calibration time is linear in it
+    n_grid: int = 20  # scale candidates searched per layer; calibration time is linear in it
     VERSION: ClassVar[int] = 1
     name: ClassVar[str] = "awq-w4a16"
 
@@ -123,14 +130,16 @@ class AWQConfig(_GroupWise):
         from llmcompressor.modifiers.quantization import QuantizationModifier
 
         groups, ignore = self.groups(fallback, self.symmetric)
-        return [QuantizationModifier(config_groups=groups, ignore=ignore, kv_cache_scheme=kv.scheme_args() if kv else None)]
+        return [
+            QuantizationModifier(config_groups=groups, ignore=ignore, kv_cache_scheme=kv.scheme_args() if kv else None)
+        ]
 
 
 @dataclass(frozen=True)
 class GPTQConfig(_GroupWise):
     num_bits: int = 4
     symmetric: bool = True
-    actorder: str | None = "static"   # "group" stores a g_idx permutation the CPU engine cannot repack
+    actorder: str | None = "static"  # "group" stores a g_idx permutation the CPU engine cannot repack
     dampening_frac: float = 0.01
     VERSION: ClassVar[int] = 1
 
@@ -151,8 +160,14 @@ class GPTQConfig(_GroupWise):
         from llmcompressor.modifiers.quantization import GPTQModifier
 
         groups, ignore = self.groups(fallback, self.symmetric, self.actorder)
-        return [GPTQModifier(config_groups=groups, ignore=ignore, dampening_frac=self.dampening_frac,
-                             kv_cache_scheme=kv.scheme_args() if kv else None)]
+        return [
+            GPTQModifier(
+                config_groups=groups,
+                ignore=ignore,
+                dampening_frac=self.dampening_frac,
+                kv_cache_scheme=kv.scheme_args() if kv else None,
+            )
+        ]
 
 
 @dataclass(frozen=True)
@@ -172,9 +187,17 @@ class FP8Config:
         from llmcompressor.modifiers.quantization import QuantizationModifier
 
         if fallback and fallback.layers:
-            raise ConfigError("fp8-dynamic has no per-layer fallback; search a group-wise int scheme (awq-w4a16, gptq-w4a16)")
-        return [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=list(self.ignore),
-                                     kv_cache_scheme=kv.scheme_args() if kv else None)]
+            raise ConfigError(
+                "fp8-dynamic has no per-layer fallback; search a group-wise int scheme (awq-w4a16, gptq-w4a16)"
+            )
+        return [
+            QuantizationModifier(
+                targets="Linear",
+                scheme="FP8_DYNAMIC",
+                ignore=list(self.ignore),
+                kv_cache_scheme=kv.scheme_args() if kv else None,
+            )
+        ]
 
 
 SCHEMES: Registry[tuple[type, dict]] = Registry("quantization scheme")
@@ -199,8 +222,7 @@ def weight_format(cfg, fallback: FallbackConfig | None = None) -> str:
     return f"w{cfg.num_bits}a16"
 
 
-
-BUILT = "rtn on AWQ-smoothed weights"   # how a checkpoint made from cached AWQ smoothing says it was made
+BUILT = "rtn on AWQ-smoothed weights"  # how a checkpoint made from cached AWQ smoothing says it was made
 
 
 def smooths(scheme, kv) -> bool:
@@ -209,4 +231,15 @@ def smooths(scheme, kv) -> bool:
     return hasattr(scheme, "rtn_modifiers") and kv is None
 
 
-__all__ = ["AWQConfig", "GPTQConfig", "FP8Config", "FallbackConfig", "KVCacheConfig", "SCHEMES", "scheme_config", "weight_format", "BUILT", "smooths"]
+__all__ = [
+    "AWQConfig",
+    "GPTQConfig",
+    "FP8Config",
+    "FallbackConfig",
+    "KVCacheConfig",
+    "SCHEMES",
+    "scheme_config",
+    "weight_format",
+    "BUILT",
+    "smooths",
+]

@@ -12,6 +12,7 @@ whose fallback layers are W8 differs from AWQ run with that fallback only in the
 balance: AWQ searches them for the bit width it will quantize to, W4 here. The search's report says how each point
 was built, and benchmarks/bench_search.py measures the gap against quantizing each point for real.
 """
+
 from __future__ import annotations
 
 import time
@@ -43,10 +44,15 @@ def smooth_awq(base: Artifact, calib: Artifact, scheme, opts, out: Path) -> Arti
     t0 = time.perf_counter()
     torch.manual_seed(opts.seed)
     with cpu_safe_intermediates():
-        oneshot(model=model, recipe=scheme.modifiers(None), dataset=ds, max_seq_length=opts.max_seq_length,
-                num_calibration_samples=len(ds))
+        oneshot(
+            model=model,
+            recipe=scheme.modifiers(None),
+            dataset=ds,
+            max_seq_length=opts.max_seq_length,
+            num_calibration_samples=len(ds),
+        )
     seconds = time.perf_counter() - t0
-    smoothed = {k: v for k, v in model.state_dict().items() if k in names}   # the quantization parameters left out
+    smoothed = {k: v for k, v in model.state_dict().items() if k in names}  # the quantization parameters left out
     del model
     clean = load_causal_lm(base.path, dtype=load_dtype(base.path))
     clean.load_state_dict(smoothed)
@@ -55,23 +61,38 @@ def smooth_awq(base: Artifact, calib: Artifact, scheme, opts, out: Path) -> Arti
     clean.save_pretrained(out)
     copy_tokenizer_files(base.path, out)
     config = {"smoothing": typed_config(scheme), "calib": typed_config(opts), "v": SMOOTHING_VERSION}
-    meta = base.meta | {"scheme": "awq-smoothed", "smoothing_seconds": round(seconds, 1), "base_model": base.sha256,
-                        "calibration_sha256": calib.sha256}
+    meta = base.meta | {
+        "scheme": "awq-smoothed",
+        "smoothing_seconds": round(seconds, 1),
+        "base_model": base.sha256,
+        "calibration_sha256": calib.sha256,
+    }
     return Artifact.create("checkpoint", out, config, (base.sha256, calib.sha256), meta)
 
 
-def cached_smoothing(base: Artifact, calib: Artifact, scheme, opts, cache_dir: Path, echo: Callable[[str], None]) -> Artifact:
+def cached_smoothing(
+    base: Artifact, calib: Artifact, scheme, opts, cache_dir: Path, echo: Callable[[str], None]
+) -> Artifact:
     """AWQ's smoothing of the baseline for `scheme`, computed once per (baseline, calibration set, scheme, options) and
     kept in `cache_dir`: the uniform variant and every point of a search over it are built from it."""
     from qgate.artifact import MANIFEST, build_atomically, sha256_json
 
-    key = sha256_json({"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "opts": opts.__dict__,
-                       "v": SMOOTHING_VERSION})
+    key = sha256_json(
+        {
+            "base": base.sha256,
+            "calib": calib.sha256,
+            "scheme": typed_config(scheme),
+            "opts": opts.__dict__,
+            "v": SMOOTHING_VERSION,
+        }
+    )
     path = cache_dir / f"awq-smoothed-{key[:24]}"
     if (path / MANIFEST).exists():
         art = Artifact.load(path, "checkpoint")
         echo(f"    AWQ smoothing: cached ({art.meta['smoothing_seconds']}s when computed)")
         return art
     art = build_atomically(path, lambda tmp: smooth_awq(base, calib, scheme, opts, tmp))
-    echo(f"    AWQ smoothing: computed once, {art.meta['smoothing_seconds']}s; this scheme's checkpoints are round-to-nearest on it")
+    echo(
+        f"    AWQ smoothing: computed once, {art.meta['smoothing_seconds']}s; this scheme's checkpoints are round-to-nearest on it"
+    )
     return art

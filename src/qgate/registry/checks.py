@@ -3,6 +3,7 @@ files hash to what was gated.
 
     sha256 = check_version(client.get_model_version("smollm2-135m", "7"))   # PromotionRefused (exit 2) otherwise
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,10 @@ def check_version(mv) -> str:
         local = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(Path(tmp) / "model"))
         actual = sha256_tree(Path(local))
     if actual != expected:
-        raise PromotionRefused(f"{name} v{version}: stored artifact sha256 {actual[:12]} != gated {str(expected)[:12]}",
-                               hint="the registered files changed after gating; re-gate and re-register")
+        raise PromotionRefused(
+            f"{name} v{version}: stored artifact sha256 {actual[:12]} != gated {str(expected)[:12]}",
+            hint="the registered files changed after gating; re-gate and re-register",
+        )
     return actual
 
 
@@ -43,19 +46,28 @@ def _check_stored_report(mv, dst: Path) -> None:
     name, version, tags = mv.name, mv.version, mv.tags
     uri = tags.get("qgate.gate_report_artifact", "")
     if not uri.startswith("runs:/") or not uri.endswith("/report.html"):
-        raise PromotionRefused(f"{name} v{version}: no stored gate report (tag qgate.gate_report_artifact is {uri or 'missing'})",
-                               hint="register versions with qgate register / qgate run, which store the report with them")
+        raise PromotionRefused(
+            f"{name} v{version}: no stored gate report (tag qgate.gate_report_artifact is {uri or 'missing'})",
+            hint="register versions with qgate register / qgate run, which store the report with them",
+        )
     dst.mkdir(parents=True)
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri.removesuffix("/report.html"), dst_path=str(dst)))
     actual = sha256_tree(local)
     if actual != tags.get("qgate.gate_report_sha256"):
-        raise PromotionRefused(f"{name} v{version}: stored gate report sha256 {actual[:12]} != registered "
-                               f"{str(tags.get('qgate.gate_report_sha256'))[:12]}",
-                               hint="the gate report was changed after registration; re-gate and re-register")
+        raise PromotionRefused(
+            f"{name} v{version}: stored gate report sha256 {actual[:12]} != registered "
+            f"{str(tags.get('qgate.gate_report_sha256'))[:12]}",
+            hint="the gate report was changed after registration; re-gate and re-register",
+        )
     report = json.loads((local / "report.json").read_text())
     if report.get("passed") is not True:
-        raise PromotionRefused(f"{name} v{version}: its stored gate report says {report.get('verdict')}, although its tags say "
-                               f"passed", hint="the version's tags were edited; only a version whose gate passed may serve")
+        raise PromotionRefused(
+            f"{name} v{version}: its stored gate report says {report.get('verdict')}, although its tags say passed",
+            hint="the version's tags were edited; only a version whose gate passed may serve",
+        )
     if report.get("candidate", {}).get("sha256") != tags.get("qgate.artifact_sha256"):
-        raise PromotionRefused(f"{name} v{version}: its stored gate report is for another artifact "
-                               f"({str(report.get('candidate', {}).get('sha256'))[:12]})", hint="re-gate this version's artifact")
+        raise PromotionRefused(
+            f"{name} v{version}: its stored gate report is for another artifact "
+            f"({str(report.get('candidate', {}).get('sha256'))[:12]})",
+            hint="re-gate this version's artifact",
+        )

@@ -11,6 +11,7 @@ creates one. So each takes a lock:
   registered model is atomic and unique by name, so `qgate-lease.<model>` exists while a qgate process holds the lease.
   Its description names the holder and the time; a lease older than `ttl` (its holder died) is taken over.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +27,7 @@ from pathlib import Path
 from qgate.errors import RegistryError
 
 LEASE_PREFIX = "qgate-lease."
-LEASE_TTL = 900.0       # seconds: a promotion downloads and hashes the model, so allow minutes, not hours
+LEASE_TTL = 900.0  # seconds: a promotion downloads and hashes the model, so allow minutes, not hours
 WAIT = 600.0
 
 
@@ -52,8 +53,11 @@ def server_lease(client, model_name: str, wait: float = WAIT, ttl: float = LEASE
     while True:
         me["t"] = time.time()
         try:
-            client.create_registered_model(name, description=json.dumps(me),
-                                           tags={"qgate.lease": f"held by qgate for {model_name}; deleted when released"})
+            client.create_registered_model(
+                name,
+                description=json.dumps(me),
+                tags={"qgate.lease": f"held by qgate for {model_name}; deleted when released"},
+            )
             break
         except MlflowException as e:
             # RESOURCE_DOES_NOT_EXIST: seen from a server whose create raced another job's release of the lease
@@ -61,15 +65,17 @@ def server_lease(client, model_name: str, wait: float = WAIT, ttl: float = LEASE
                 raise
         holder = _holder(client, name)
         if holder is not None and holder.get("id") == me["id"]:
-            break                                        # the create went through though its answer did not
+            break  # the create went through though its answer did not
         if holder is not None and time.time() - float(holder.get("t", 0)) > ttl:
-            with contextlib.suppress(MlflowException):   # its holder died: take it over
+            with contextlib.suppress(MlflowException):  # its holder died: take it over
                 client.delete_registered_model(name)
             continue
         if time.monotonic() > deadline:
-            raise RegistryError(f"registry lease {name!r} is held by {holder or 'another process'} for more than {wait:.0f}s",
-                                hint=f"if no qgate job is running, delete the registered model {name!r}; "
-                                     f"it also expires {ttl:.0f}s after it was taken")
+            raise RegistryError(
+                f"registry lease {name!r} is held by {holder or 'another process'} for more than {wait:.0f}s",
+                hint=f"if no qgate job is running, delete the registered model {name!r}; "
+                f"it also expires {ttl:.0f}s after it was taken",
+            )
         time.sleep(0.2 + random.random() * 0.3)
     try:
         yield me

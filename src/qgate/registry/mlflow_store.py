@@ -8,10 +8,12 @@ Tracking URI: $MLFLOW_TRACKING_URI if set, else an embedded SQLite store
 directories are logged through MLflow's logged-model API and registered from
 models:/<model_id>. Versions carry lineage and gate evidence as tags.
 """
+
 from __future__ import annotations
 
 import json
 import os
+from datetime import UTC
 from pathlib import Path
 
 from qgate.artifact import Artifact
@@ -34,8 +36,10 @@ def tracking_uri(store: Path | None = None, *, create: bool = True) -> str:
         where.mkdir(parents=True, exist_ok=True)
     elif not (where / "mlflow.db").exists():
         origin = "--store" if store else f"the default {DEFAULT_STORE} under the current directory"
-        raise RegistryError(f"no MLflow store at {where} (searched {origin})",
-                            hint="pass --store with the pipeline's registry.store directory, or set MLFLOW_TRACKING_URI")
+        raise RegistryError(
+            f"no MLflow store at {where} (searched {origin})",
+            hint="pass --store with the pipeline's registry.store directory, or set MLFLOW_TRACKING_URI",
+        )
     return f"sqlite:///{where / 'mlflow.db'}"
 
 
@@ -60,10 +64,14 @@ def refusals(what: str):
                     raise
                 user = os.environ.get("MLFLOW_TRACKING_USERNAME") or "(no MLFLOW_TRACKING_USERNAME)"
                 where = os.environ.get("MLFLOW_TRACKING_URI") or "the tracking server"
-                raise RegistryError(f"{where} refused to {what} for user {user}: {code or 'HTTP 401/403'}: {getattr(e, 'message', e)}",
-                                    hint="ask an admin of the tracking server for EDIT (register) or MANAGE (aliases) permission; "
-                                         "credentials come from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD") from None
+                raise RegistryError(
+                    f"{where} refused to {what} for user {user}: {code or 'HTTP 401/403'}: {getattr(e, 'message', e)}",
+                    hint="ask an admin of the tracking server for EDIT (register) or MANAGE (aliases) permission; "
+                    "credentials come from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD",
+                ) from None
+
         return inner
+
     return wrap
 
 
@@ -78,14 +86,14 @@ def _client(store: Path | None, *, create: bool = True):
     uri = tracking_uri(store, create=create)
     embedded = uri.startswith("sqlite:///") and not os.environ.get("MLFLOW_TRACKING_URI")
     if embedded and create:
-        with _init_lock(uri):   # one process creates the schema, and nobody sees it half made
-            _create_embedded(Path(uri[len("sqlite:///"):]))
+        with _init_lock(uri):  # one process creates the schema, and nobody sees it half made
+            _create_embedded(Path(uri[len("sqlite:///") :]))
     client = MlflowClient(uri, uri)
     if create and not embedded and client.get_experiment_by_name(EXPERIMENT) is None:
         try:
             client.create_experiment(EXPERIMENT)
         except mlflow.exceptions.MlflowException as e:
-            if e.error_code != "RESOURCE_ALREADY_EXISTS":   # another process created it first: fine
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":  # another process created it first: fine
                 raise
     _set_uris(mlflow, uri)
     return mlflow, client
@@ -111,7 +119,7 @@ def _init_lock(uri: str):
     """Two processes opening a new embedded store at once would both run MLflow's schema migrations, and one fails."""
     from filelock import FileLock
 
-    locks = Path(uri[len("sqlite:///"):]).parent / "locks"
+    locks = Path(uri[len("sqlite:///") :]).parent / "locks"
     locks.mkdir(parents=True, exist_ok=True)
     return FileLock(str(locks / "init.lock"), timeout=600)
 
@@ -130,25 +138,43 @@ def _set_uris(mlflow, uri: str) -> None:
             os.environ[k] = v
 
 
-def find_version(model_name: str, gate_sha256: str, candidate_sha256: str, store: Path | None = None,
-                 profile_sha256: str | None = None):
+def find_version(
+    model_name: str,
+    gate_sha256: str,
+    candidate_sha256: str,
+    store: Path | None = None,
+    profile_sha256: str | None = None,
+):
     """The version already registered for this gate report and candidate, if any: registering twice (a re-run after
     a kill between registering and recording it) returns the first version instead of making a duplicate."""
     import mlflow
 
     _, client = _client(store)
     try:
-        found = client.search_model_versions(f"name = '{model_name}' and tags.`qgate.gate_report_sha256` = '{gate_sha256}'")
+        found = client.search_model_versions(
+            f"name = '{model_name}' and tags.`qgate.gate_report_sha256` = '{gate_sha256}'"
+        )
     except mlflow.exceptions.MlflowException:
         return None
-    found = [mv for mv in found if mv.tags.get("qgate.artifact_sha256") == candidate_sha256
-             and (profile_sha256 is None or mv.tags.get("qgate.profile_sha256") == profile_sha256)]
+    found = [
+        mv
+        for mv in found
+        if mv.tags.get("qgate.artifact_sha256") == candidate_sha256
+        and (profile_sha256 is None or mv.tags.get("qgate.profile_sha256") == profile_sha256)
+    ]
     return min(found, key=lambda mv: int(mv.version)) if found else None
 
 
 @refusals("register a model version")
-def register(gate: Artifact, candidate: Artifact, model_name: str, store: Path | None = None, *,
-             profile: Artifact | None = None, recipe: dict | None = None) -> str:
+def register(
+    gate: Artifact,
+    candidate: Artifact,
+    model_name: str,
+    store: Path | None = None,
+    *,
+    profile: Artifact | None = None,
+    recipe: dict | None = None,
+) -> str:
     """Log the candidate artifact and its gate report, register a new version, tag it. Returns the version.
 
     profile: the traffic profile the candidate was calibrated on, logged with the version so a drift job can compare
@@ -159,42 +185,61 @@ def register(gate: Artifact, candidate: Artifact, model_name: str, store: Path |
     if gate.kind != "gate-report":
         raise RegistryError(f"{gate.path}: --gate must be a gate-report artifact")
     if gate.meta.get("candidate") != candidate.sha256:
-        raise RegistryError(f"{gate.path}: this gate report is for candidate {str(gate.meta.get('candidate'))[:12]}, "
-                            f"not {candidate.sha256[:12]} ({candidate.path})", hint="gate this candidate first")
-    gate.verify()                       # a report edited after gating is not evidence
+        raise RegistryError(
+            f"{gate.path}: this gate report is for candidate {str(gate.meta.get('candidate'))[:12]}, "
+            f"not {candidate.sha256[:12]} ({candidate.path})",
+            hint="gate this candidate first",
+        )
+    gate.verify()  # a report edited after gating is not evidence
     candidate.verify()
     if profile is not None:
         profile.verify()
     stated = json.loads((gate.path / "report.json").read_text()).get("passed")
     if stated != gate.meta.get("passed"):
-        raise RegistryError(f"{gate.path}: report.json says passed={stated}, its manifest passed={gate.meta.get('passed')}",
-                            hint="re-run the gate; do not edit gate reports")
+        raise RegistryError(
+            f"{gate.path}: report.json says passed={stated}, its manifest passed={gate.meta.get('passed')}",
+            hint="re-run the gate; do not edit gate reports",
+        )
     _, client = _client(store)
-    with registry_lock(client, store, model_name):   # the existence check and the registration, as one step
+    with registry_lock(client, store, model_name):  # the existence check and the registration, as one step
         return _register(gate, candidate, model_name, store, profile, recipe)
 
 
-def _register(gate: Artifact, candidate: Artifact, model_name: str, store: Path | None, profile: Artifact | None,
-              recipe: dict | None) -> str:
+def _register(
+    gate: Artifact,
+    candidate: Artifact,
+    model_name: str,
+    store: Path | None,
+    profile: Artifact | None,
+    recipe: dict | None,
+) -> str:
     from qgate.gates.markdown import version_description
     from qgate.progress import console_err
     from qgate.registry.repair import remove_orphans
 
     mlflow, client = _client(store)
     report = json.loads((gate.path / "report.json").read_text())
-    existing = find_version(model_name, gate.sha256, candidate.sha256, store, profile.sha256 if profile is not None else None)
+    existing = find_version(
+        model_name, gate.sha256, candidate.sha256, store, profile.sha256 if profile is not None else None
+    )
     if existing is not None:
-        if not existing.description:   # killed between creating the version and describing it
-            client.update_model_version(model_name, existing.version, description=version_description(
-                report, candidate.meta, existing.tags["qgate.gate_report_artifact"]))
+        if not existing.description:  # killed between creating the version and describing it
+            client.update_model_version(
+                model_name,
+                existing.version,
+                description=version_description(report, candidate.meta, existing.tags["qgate.gate_report_artifact"]),
+            )
         return str(existing.version)
     exp = client.get_experiment_by_name(EXPERIMENT)
     for what in remove_orphans(client, exp.experiment_id, model_name, gate.sha256):
         print(f"  ! removed {what}: left by a registration that was killed before it finished", file=console_err())
     verdict = report.get("verdict") or ("pass" if gate.meta["passed"] else "fail")
     variant = report["candidate"]["name"]
-    with mlflow.start_run(experiment_id=exp.experiment_id, run_name=f"gate-{variant}",
-                          tags={"qgate.variant": variant, "qgate.verdict": verdict, "qgate.gate_report_sha256": gate.sha256}) as run:
+    with mlflow.start_run(
+        experiment_id=exp.experiment_id,
+        run_name=f"gate-{variant}",
+        tags={"qgate.variant": variant, "qgate.verdict": verdict, "qgate.gate_report_sha256": gate.sha256},
+    ) as run:
         mlflow.log_artifacts(str(gate.path), artifact_path="gate-report")
         for r in report["results"]:
             key = f"{r['gate']}.{r['metric']}".replace("/", "_")
@@ -203,14 +248,22 @@ def _register(gate: Artifact, candidate: Artifact, model_name: str, store: Path 
         mlflow.log_param("candidate_sha256", candidate.sha256)
         if profile is not None:
             mlflow.log_artifacts(str(profile.path), artifact_path="traffic-profile")
-        model = mlflow.initialize_logged_model(name=model_name, source_run_id=run.info.run_id, experiment_id=exp.experiment_id,
-                                               tags={"qgate.kind": candidate.kind, "qgate.gate_report_sha256": gate.sha256})
+        model = mlflow.initialize_logged_model(
+            name=model_name,
+            source_run_id=run.info.run_id,
+            experiment_id=exp.experiment_id,
+            tags={"qgate.kind": candidate.kind, "qgate.gate_report_sha256": gate.sha256},
+        )
         client.log_model_artifacts(model.model_id, str(candidate.path))
         mlflow.finalize_logged_model(model.model_id, "READY")
         run_id = run.info.run_id
         tags = _version_tags(gate, candidate, report, verdict, run_id, model.model_id, profile, recipe)
         mv = mlflow.register_model(f"models:/{model.model_id}", model_name, tags=tags)
-    client.update_model_version(model_name, mv.version, description=version_description(report, candidate.meta, tags["qgate.gate_report_artifact"]))
+    client.update_model_version(
+        model_name,
+        mv.version,
+        description=version_description(report, candidate.meta, tags["qgate.gate_report_artifact"]),
+    )
     if not client.get_registered_model(model_name).description:
         client.update_registered_model(model_name, description=MODEL_DESCRIPTION)
     return str(mv.version)
@@ -227,8 +280,16 @@ MODEL_DESCRIPTION = """Quantized variants gated by **qgate** against the baselin
 """
 
 
-def _version_tags(gate: Artifact, candidate: Artifact, report: dict, verdict: str, run_id: str, model_id: str,
-                  profile: Artifact | None, recipe: dict | None) -> dict[str, str]:
+def _version_tags(
+    gate: Artifact,
+    candidate: Artifact,
+    report: dict,
+    verdict: str,
+    run_id: str,
+    model_id: str,
+    profile: Artifact | None,
+    recipe: dict | None,
+) -> dict[str, str]:
     tags = {
         "qgate.gate_passed": str(bool(gate.meta["passed"])).lower(),
         "qgate.gate_verdict": verdict,
@@ -251,12 +312,21 @@ def _version_tags(gate: Artifact, candidate: Artifact, report: dict, verdict: st
         tags["qgate.recipe"] = json.dumps(recipe, sort_keys=True)
     if candidate.meta.get("bits_per_weight") is not None:
         tags["qgate.bits_per_weight"] = f"{candidate.meta['bits_per_weight']:.3f}"
-    if search := candidate.meta.get("search"):   # what a search traded: which layers fell back, at what size
+    if search := candidate.meta.get("search"):  # what a search traded: which layers fell back, at what size
         layers = ",".join(candidate.meta.get("fallback_layers", [])) or "-"
-        tags |= {"qgate.search.fallback_layers": layers if len(layers) < 4000 else f"{search['chosen_k']} layers (see the report)",
-                 "qgate.search.fallback_count": str(search["chosen_k"]), "qgate.search.found": str(search["found"]).lower(),
-                 "qgate.search.points_tried": str(search["points_tried"])}
-    tags |= {f"qgate.{r['gate']}.{r['metric']}": f"{r['observed']:.6g}" for r in report["results"] if r["threshold"] is not None}
+        tags |= {
+            "qgate.search.fallback_layers": layers
+            if len(layers) < 4000
+            else f"{search['chosen_k']} layers (see the report)",
+            "qgate.search.fallback_count": str(search["chosen_k"]),
+            "qgate.search.found": str(search["found"]).lower(),
+            "qgate.search.points_tried": str(search["points_tried"]),
+        }
+    tags |= {
+        f"qgate.{r['gate']}.{r['metric']}": f"{r['observed']:.6g}"
+        for r in report["results"]
+        if r["threshold"] is not None
+    }
     return tags
 
 
@@ -276,7 +346,7 @@ def _version(client, model_name: str, version: str | None, alias: str | None, st
 def promote(model_name: str, version: str, alias: str = "production", store: Path | None = None) -> dict:
     """Point `alias` at `version` if its gate passed and its stored artifact still hashes to what was gated."""
     _, client = _client(store, create=False)
-    with registry_lock(client, store, model_name):   # read production, then move both aliases, as one step
+    with registry_lock(client, store, model_name):  # read production, then move both aliases, as one step
         return _promote(client, model_name, version, alias, store)
 
 
@@ -292,8 +362,14 @@ def _promote(client, model_name: str, version: str, alias: str, store: Path | No
     if previous is not None and previous != str(version) and alias == "production":
         client.set_registered_model_alias(model_name, PREVIOUS, previous)
     client.set_registered_model_alias(model_name, alias, str(version))
-    return {"model": model_name, "version": str(version), "alias": alias, "previous": previous,
-            "tracking_uri": tracking_uri(store, create=False), "artifact_sha256": actual}
+    return {
+        "model": model_name,
+        "version": str(version),
+        "alias": alias,
+        "previous": previous,
+        "tracking_uri": tracking_uri(store, create=False),
+        "artifact_sha256": actual,
+    }
 
 
 @refusals("move an alias")
@@ -311,8 +387,10 @@ def _rollback(client, model_name: str, store: Path | None) -> dict:
     try:
         target = client.get_model_version_by_alias(model_name, PREVIOUS)
     except mlflow.exceptions.MlflowException as e:
-        raise RegistryError(f"model {model_name!r} has no @{PREVIOUS} to roll back to in {tracking_uri(store, create=False)}",
-                            hint="promote a version by hand: qgate promote --model NAME --version N") from e
+        raise RegistryError(
+            f"model {model_name!r} has no @{PREVIOUS} to roll back to in {tracking_uri(store, create=False)}",
+            hint="promote a version by hand: qgate promote --model NAME --version N",
+        ) from e
     actual = check_version(target)
     try:
         current = str(client.get_model_version_by_alias(model_name, "production").version)
@@ -321,8 +399,14 @@ def _rollback(client, model_name: str, store: Path | None) -> dict:
     client.set_registered_model_alias(model_name, "production", str(target.version))
     if current is not None and current != str(target.version):
         client.set_registered_model_alias(model_name, PREVIOUS, current)
-    return {"model": model_name, "version": str(target.version), "alias": "production", "previous": current,
-            "tracking_uri": tracking_uri(store, create=False), "artifact_sha256": actual}
+    return {
+        "model": model_name,
+        "version": str(target.version),
+        "alias": "production",
+        "previous": current,
+        "tracking_uri": tracking_uri(store, create=False),
+        "artifact_sha256": actual,
+    }
 
 
 def status(model_name: str, store: Path | None = None) -> list[dict]:
@@ -341,19 +425,27 @@ def status(model_name: str, store: Path | None = None) -> list[dict]:
         tags = client.get_model_version(model_name, str(version)).tags if version is not None else {}
         mv = client.get_model_version(model_name, str(version)) if version is not None else None
         drift = tags.get("qgate.drift.verdict")
-        rows.append({"alias": alias, "version": None if version is None else str(version),
-                     "verdict": tags.get("qgate.gate_verdict", "-"), "variant": tags.get("qgate.variant", "-"),
-                     "scheme": tags.get("qgate.scheme", "-"), "backend": tags.get("qgate.backend", "-"),
-                     "created": "-" if mv is None else _when(mv.creation_timestamp),
-                     "drift": f"{drift} at {tags.get('qgate.drift.last_check')}" if drift else "-",
-                     "gate_report": tags.get("qgate.gate_report_artifact", "-"), "artifact_sha256": tags.get("qgate.artifact_sha256")})
+        rows.append(
+            {
+                "alias": alias,
+                "version": None if version is None else str(version),
+                "verdict": tags.get("qgate.gate_verdict", "-"),
+                "variant": tags.get("qgate.variant", "-"),
+                "scheme": tags.get("qgate.scheme", "-"),
+                "backend": tags.get("qgate.backend", "-"),
+                "created": "-" if mv is None else _when(mv.creation_timestamp),
+                "drift": f"{drift} at {tags.get('qgate.drift.last_check')}" if drift else "-",
+                "gate_report": tags.get("qgate.gate_report_artifact", "-"),
+                "artifact_sha256": tags.get("qgate.artifact_sha256"),
+            }
+        )
     return rows
 
 
 def _when(ms: int | None) -> str:
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    return "-" if not ms else datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return "-" if not ms else datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def verify(model_name: str, alias: str = "production", store: Path | None = None) -> dict:
@@ -365,5 +457,11 @@ def verify(model_name: str, alias: str = "production", store: Path | None = None
     _, client = _client(store, create=False)
     mv = _version(client, model_name, None, alias, store)
     actual = check_version(mv)
-    return {"model": model_name, "alias": alias, "version": str(mv.version), "artifact_sha256": actual,
-            "tracking_uri": tracking_uri(store, create=False), "source": mv.source}
+    return {
+        "model": model_name,
+        "alias": alias,
+        "version": str(mv.version),
+        "artifact_sha256": actual,
+        "tracking_uri": tracking_uri(store, create=False),
+        "source": mv.source,
+    }

@@ -7,6 +7,7 @@ version with its tags, write its description. A kill between them leaves a run o
 points at (removed here), or a version without its description (rewritten by the caller, which finds the version
 by its gate report's sha256). A version never exists without its tags: they are set when it is created.
 """
+
 from __future__ import annotations
 
 GATE_TAG = "qgate.gate_report_sha256"
@@ -21,7 +22,7 @@ def remove_orphans(client, experiment_id: str, model_name: str, gate_sha256: str
         for mv in client.search_model_versions(f"name = '{model_name}' and tags.`{GATE_TAG}` = '{gate_sha256}'"):
             used_models.add(mv.tags.get("qgate.model_id"))
             used_runs.add(mv.run_id)
-    except mlflow.exceptions.MlflowException:   # the registered model does not exist yet
+    except mlflow.exceptions.MlflowException:  # the registered model does not exist yet
         pass
     removed = []
     for lm in client.search_logged_models([experiment_id], filter_string=f"tags.`{GATE_TAG}` = '{gate_sha256}'"):

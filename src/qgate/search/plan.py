@@ -8,6 +8,7 @@ proportional to its parameters), so the k-layer point is a prefix of the (k+1)-l
 treated as monotone in k. The search doubles k from `start` until a point passes, then bisects between the largest
 failing and the smallest passing count. Counts above `max_count` (the size budget) are never tried.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,11 +19,13 @@ from qgate.errors import ConfigError
 
 @dataclass(frozen=True)
 class SearchConfig:
-    fallback_bits: int = 8                    # 8: fallen-back layers become W8A16; 16: they stay unquantized
-    max_steps: int = 6                        # gate runs (each: a real quantization and the shadow gate)
-    max_bits_per_weight: float | None = None  # size budget over the quantized layers; None: up to every layer fallen back
-    samples: int = 32                         # calibration sequences for the sensitivity pass
-    start_share: float = 0.5                  # first point: the fewest layers holding this share of the estimated KL
+    fallback_bits: int = 8  # 8: fallen-back layers become W8A16; 16: they stay unquantized
+    max_steps: int = 6  # gate runs (each: a real quantization and the shadow gate)
+    max_bits_per_weight: float | None = (
+        None  # size budget over the quantized layers; None: up to every layer fallen back
+    )
+    samples: int = 32  # calibration sequences for the sensitivity pass
+    start_share: float = 0.5  # first point: the fewest layers holding this share of the estimated KL
     VERSION: ClassVar[int] = 1
 
     def __post_init__(self):
@@ -55,11 +58,19 @@ def start_count(order: list[dict], share: float) -> int:
     return len(order)
 
 
-def predicted_bits(order: list[dict], k: int, bits: int, fallback_bits: int, group_size: int, symmetric: bool = False,
-                   scale_bits: int = 32) -> float:
+def predicted_bits(
+    order: list[dict],
+    k: int,
+    bits: int,
+    fallback_bits: int,
+    group_size: int,
+    symmetric: bool = False,
+    scale_bits: int = 32,
+) -> float:
     """Bits per weight of the quantized layers with the first k fallen back, as compressed-tensors stores them: the codes,
     one scale per group (`scale_bits`: the checkpoint's float32) and, when asymmetric, a packed zero point per group
     of the code width. Unquantized fallback layers keep 32-bit weights. Measured values are reported for every point."""
+
     def per_weight(b: int) -> float:
         if b >= 16:
             return 32.0
@@ -70,8 +81,9 @@ def predicted_bits(order: list[dict], k: int, bits: int, fallback_bits: int, gro
     return ((params - hi) * per_weight(bits) + hi * per_weight(fallback_bits)) / params
 
 
-def max_count(order: list[dict], budget: float | None, bits: int, fallback_bits: int, group_size: int,
-              symmetric: bool = False) -> int:
+def max_count(
+    order: list[dict], budget: float | None, bits: int, fallback_bits: int, group_size: int, symmetric: bool = False
+) -> int:
     """The largest k whose predicted bits per weight stay within `budget` (every layer when None)."""
     if budget is None:
         return len(order)

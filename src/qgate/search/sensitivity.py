@@ -18,6 +18,7 @@ bf16 on one 80 GB GPU: 14 GB of weights, 14 GB of gradients and one sequence's a
 take about a minute. RTN is a pessimistic stand-in for AWQ or GPTQ error; the ranking, not the scale, is what is used,
 and every point the search tries is then quantized for real and gated.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,14 +33,16 @@ from qgate.errors import ConfigError, InputError
 
 @dataclass(frozen=True)
 class SensitivityConfig:
-    samples: int = 32            # calibration sequences
+    samples: int = 32  # calibration sequences
     max_seq_length: int = 256
-    seed: int = 0                # the labels sampled from the model
+    seed: int = 0  # the labels sampled from the model
     VERSION: ClassVar[int] = 1
 
     def __post_init__(self):
         if self.samples < 1 or self.max_seq_length < 8:
-            raise ConfigError(f"search.samples >= 1 and max_seq_length >= 8 are required, got {self.samples}, {self.max_seq_length}")
+            raise ConfigError(
+                f"search.samples >= 1 and max_seq_length >= 8 are required, got {self.samples}, {self.max_seq_length}"
+            )
 
 
 def rtn_error(w, bits: int, group_size: int, symmetric: bool):
@@ -47,16 +50,16 @@ def rtn_error(w, bits: int, group_size: int, symmetric: bool):
     import torch
 
     o, i = w.shape
-    g = w.reshape(o, i // group_size, group_size)                              # [O, G, g]
+    g = w.reshape(o, i // group_size, group_size)  # [O, G, g]
     if symmetric:
         qmax = 2 ** (bits - 1)
-        scale = (g.abs().amax(-1, keepdim=True) / (qmax - 0.5)).clamp_min(1e-12)   # [O, G, 1]
+        scale = (g.abs().amax(-1, keepdim=True) / (qmax - 0.5)).clamp_min(1e-12)  # [O, G, 1]
         q = torch.clamp(torch.round(g / scale), -qmax, qmax - 1) * scale
     else:
         lo, hi = g.amin(-1, keepdim=True).clamp_max(0), g.amax(-1, keepdim=True).clamp_min(0)
-        scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-12)
+        scale = ((hi - lo) / (2**bits - 1)).clamp_min(1e-12)
         zp = torch.round(-lo / scale)
-        q = (torch.clamp(torch.round(g / scale) + zp, 0, 2 ** bits - 1) - zp) * scale
+        q = (torch.clamp(torch.round(g / scale) + zp, 0, 2**bits - 1) - zp) * scale
     return (q - g).reshape(o, i)
 
 
@@ -64,8 +67,11 @@ def quantized_linears(model, scheme) -> dict:
     """name -> Linear for every layer the scheme quantizes (its ignore list left out)."""
     import torch
 
-    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-            and not any(n == x or n.endswith("." + x) for x in scheme.ignore)}
+    return {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not any(n == x or n.endswith("." + x) for x in scheme.ignore)
+    }
 
 
 def fisher_sensitivity(base: Artifact, calib: Artifact, scheme, cfg: SensitivityConfig = SensitivityConfig()) -> dict:
@@ -90,25 +96,33 @@ def fisher_sensitivity(base: Artifact, calib: Artifact, scheme, cfg: Sensitivity
     deltas = {}
     for name, mod in layers.items():
         mod.weight.requires_grad_(True)
-        deltas[name] = rtn_error(mod.weight.detach(), scheme.num_bits, scheme.group_size, scheme.symmetric) ** 2  # [O, I]
+        deltas[name] = (
+            rtn_error(mod.weight.detach(), scheme.num_bits, scheme.group_size, scheme.symmetric) ** 2
+        )  # [O, I]
     acc = {name: 0.0 for name in layers}
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens, t0 = 0, time.perf_counter()
     for row in progress(rows, desc="search: layer sensitivity", unit="seq"):
-        ids = torch.tensor([encode_messages(tok, row["messages"], cfg.max_seq_length)])   # [1, T]
-        logits = model(input_ids=ids).logits[0].float()                               # [T, V]
+        ids = torch.tensor([encode_messages(tok, row["messages"], cfg.max_seq_length)])  # [1, T]
+        logits = model(input_ids=ids).logits[0].float()  # [T, V]
         with torch.no_grad():
-            labels = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]   # [T], from the model itself
+            labels = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]  # [T], from the model itself
         loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
         model.zero_grad(set_to_none=True)
         loss.backward()
         with torch.no_grad():
             for name, mod in layers.items():
-                acc[name] += float((mod.weight.grad ** 2 * deltas[name]).sum())
+                acc[name] += float((mod.weight.grad**2 * deltas[name]).sum())
         tokens += ids.shape[1]
     out = [{"layer": n, "params": layers[n].weight.numel(), "kl": 0.5 * acc[n] / tokens} for n in layers]
     for r in out:
         r["kl_per_mparam"] = r["kl"] / (r["params"] / 1e6)
     out.sort(key=lambda r: -r["kl"])
-    return {"layers": out, "tokens": tokens, "sequences": len(rows), "seconds": round(time.perf_counter() - t0, 1),
-            "method": "diagonal Fisher (labels sampled from the model) x RTN error", "config": cfg.__dict__}
+    return {
+        "layers": out,
+        "tokens": tokens,
+        "sequences": len(rows),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "method": "diagonal Fisher (labels sampled from the model) x RTN error",
+        "config": cfg.__dict__,
+    }

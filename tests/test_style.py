@@ -1,0 +1,29 @@
+"""The house style, checked where CI runs: ruff's lint rules and its formatter, as configured in pyproject.toml."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TREES = ("src", "tests", "scripts", "benchmarks")
+
+
+def _ruff() -> str:
+    found = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    assert found, "ruff is not installed: it is a dev dependency (pip install -e '.[dev]')"
+    return found
+
+
+def test_ruff_lint_is_clean():
+    p = subprocess.run(
+        [_ruff(), "check", "--output-format", "concise", *TREES], cwd=ROOT, capture_output=True, text=True
+    )
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+
+
+def test_ruff_format_is_clean():
+    p = subprocess.run([_ruff(), "format", "--check", *TREES], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, "run `ruff format`: " + p.stdout[-4000:] + p.stderr[-2000:]
