@@ -703,3 +703,15 @@ def test_a_candidate_with_a_nan_weight_fails_with_evidence_and_a_nan_baseline_is
         r"positions \(NaN or \+inf logits\), the first at shadow prompt 0, position 0",
     ):
         run_gates(base_art, cand, calib_arts["shadow"], cfg, workdir / "gate-nan-base", workdir / "cache-nan")
+
+
+@pytest.mark.parametrize(
+    ("verdict", "block", "warn"),
+    [("pass", True, True), ("inconclusive", False, True), ("fail", False, False), ("error", False, False)],
+)
+def test_the_inconclusive_policy_is_decided_in_one_place(verdict, block, warn):
+    from qgate.gates.result import passes
+
+    assert passes(verdict, "block") is block and passes(verdict, "warn") is warn
+    with pytest.raises(ValueError, match="on_inconclusive"):
+        passes(verdict, "ignore")

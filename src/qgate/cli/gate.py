@@ -11,6 +11,7 @@ import typer
 from qgate.cli.options import Device, Json, Junit, OutDir, quiet_libraries
 from qgate.cli.output import Output
 from qgate.errors import GateFailed
+from qgate.gates.result import OnInconclusive
 
 
 def gate_cmd(
@@ -80,7 +81,7 @@ def gate_doc(art, report: dict, candidate: str):
     )
 
 
-def ci_outputs(o: Output, reports: dict[str, dict], on_inconclusive: str, junit: Path | None) -> None:
+def ci_outputs(o: Output, reports: dict[str, dict], on_inconclusive: OnInconclusive, junit: Path | None) -> None:
     """JUnit file and GitHub job summary for these gate reports (name -> report.json content)."""
     from qgate.cli.output import step_summary, write_junit
     from qgate.gates.markdown import ICON, checks_table

@@ -19,6 +19,8 @@ from typing import Literal
 import typer
 from pydantic import BaseModel, ConfigDict, Field
 
+from qgate.gates.result import OnInconclusive, passes
+
 VERDICT = Literal["pass", "fail", "inconclusive", "error", "info"]
 
 
@@ -154,7 +156,7 @@ def step_summary(markdown: str) -> None:
             f.write(markdown.rstrip() + "\n\n")
 
 
-def write_junit(path: Path, suites: dict[str, list[dict]], on_inconclusive: str = "block") -> Path:
+def write_junit(path: Path, suites: dict[str, list[dict]], on_inconclusive: OnInconclusive = "block") -> Path:
     """One <testsuite> per candidate, one <testcase> per check. fail/error fail the case; inconclusive fails it under
     `block` and is skipped (with its reason) under `warn`; report-only checks pass with their value in system-out."""
     import xml.etree.ElementTree as ET
@@ -172,7 +174,7 @@ def write_junit(path: Path, suites: dict[str, list[dict]], on_inconclusive: str 
                 + (f", threshold {cmp} {r['threshold']}" if r["threshold"] is not None else "")
                 + f", n {r['n']}, decided on {r['decided_on']}"
             )
-            if r["verdict"] in ("fail", "error") or (r["verdict"] == "inconclusive" and on_inconclusive == "block"):
+            if not passes(r["verdict"], on_inconclusive):
                 failures += 1
                 ET.SubElement(case, "failure", type=r["verdict"], message=f"{r['verdict'].upper()}: {text}").text = text
             elif r["verdict"] == "inconclusive":

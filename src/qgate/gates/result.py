@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Literal, get_args
 
 VERDICTS = ("pass", "fail", "inconclusive", "error", "info")
+OnInconclusive = Literal["block", "warn"]  # gates.on_inconclusive: does an undecided check block promotion?
+ON_INCONCLUSIVE: tuple[str, ...] = get_args(OnInconclusive)
 Z95, Z80 = 1.959964, 0.841621
 
 
@@ -214,3 +217,11 @@ def overall(results: list[GateResult]) -> str:
     if vs & {"fail", "error"}:
         return "fail"
     return "inconclusive" if "inconclusive" in vs else "pass"
+
+
+def passes(verdict: str, on_inconclusive: OnInconclusive = "block") -> bool:
+    """Whether a verdict (a report's, or one check's) lets the candidate through under the inconclusive policy: pass
+    does; fail and error never do; inconclusive does only under "warn". Every caller decides it here."""
+    if on_inconclusive not in ON_INCONCLUSIVE:
+        raise ValueError(f"on_inconclusive must be one of {ON_INCONCLUSIVE}, got {on_inconclusive!r}")
+    return verdict in ("pass", "info") or (verdict == "inconclusive" and on_inconclusive == "warn")

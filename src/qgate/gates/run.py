@@ -22,7 +22,7 @@ from qgate.gates.evalgate import SCORES_VERSION, TASK_DIR, EvalConfig, eval_gate
 from qgate.gates.longctx import LongContextConfig, baseline_long_reference, long_context_gate
 from qgate.gates.noise import check_thresholds, noise_floor
 from qgate.gates.report import write_report
-from qgate.gates.result import GateResult, overall
+from qgate.gates.result import ON_INCONCLUSIVE, GateResult, OnInconclusive, overall, passes
 from qgate.gates.shadow import (
     ShadowConfig,
     baseline_reference,
@@ -62,7 +62,9 @@ class GateConfig:
     long_context: LongContextConfig | None = field(default_factory=LongContextConfig)  # None: not probed
     perf: PerfConfig = field(default_factory=PerfConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
-    on_inconclusive: str = "block"  # "block": an inconclusive check blocks promotion; "warn": it passes with a warning
+    on_inconclusive: OnInconclusive = (
+        "block"  # "block": an inconclusive check blocks promotion; "warn": it passes, warned
+    )
     score_anyway: bool = False  # score a candidate whose serving contract failed (its verdict is FAIL regardless)
     device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
     dtype: str = "auto"  # reference checkpoints' compute dtype: auto (float32 on CPU, served dtype on CUDA)
@@ -71,7 +73,7 @@ class GateConfig:
     def __post_init__(self):
         from qgate.device import check_device, check_dtype
 
-        if self.on_inconclusive not in ("block", "warn"):
+        if self.on_inconclusive not in ON_INCONCLUSIVE:
             raise ConfigError(f"gates.on_inconclusive: {self.on_inconclusive!r} is not 'block' or 'warn'")
         check_device(self.device)
         check_dtype(self.dtype)
@@ -269,7 +271,7 @@ def run_gates(
         more, scored, m = _score(candidate, baseline, shadow, rows, cfg, cache_dir, checkpoint, timings)
         results += more
     verdict = overall(results)
-    passed = verdict == "pass" or (verdict == "inconclusive" and cfg.on_inconclusive == "warn")
+    passed = passes(verdict, cfg.on_inconclusive)
     report = {
         "version": 2,
         "verdict": verdict,

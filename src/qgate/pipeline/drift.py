@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from qgate.errors import PromotionRefused
+from qgate.gates.result import passes
 from qgate.pipeline.runner import (
     Runner,
     best_passing,
@@ -126,10 +127,7 @@ def _check(
                 )
         for c in caveats(quality["results"]):
             echo(f"  quality caveat: {c}")
-        bad = quality["verdict"] in ("fail", "error") or (
-            quality["verdict"] == "inconclusive" and gate_cfg.on_inconclusive == "block"
-        )
-        if bad:
+        if not passes(quality["verdict"], gate_cfg.on_inconclusive):
             reasons.append(f"production's shadow gate is {quality['verdict'].upper()} on the recent traffic")
     verdict = "drift" if reasons else "no-drift"
     report = {

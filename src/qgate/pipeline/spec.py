@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from qgate.errors import ConfigError, InputError
+from qgate.gates.result import OnInconclusive
 from qgate.naming import build_config, key_path, suggest
 
 
@@ -83,7 +84,7 @@ class GatesSpec(_Strict):
     long_context: dict[str, Any] | None = Field(default_factory=dict)  # null: the served context is not probed
     perf: dict[str, Any] = Field(default_factory=dict)
     parity: dict[str, Any] = Field(default_factory=dict)
-    on_inconclusive: Literal["block", "warn"] = "block"
+    on_inconclusive: OnInconclusive = "block"
     score_anyway: bool = False  # score a candidate whose serving contract failed (its verdict is FAIL regardless)
     device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
     dtype: str = "auto"  # reference checkpoints' compute dtype: auto, float32, bfloat16, float16
