@@ -139,7 +139,7 @@ def main() -> None:
     from qgate.artifact import Artifact
     from qgate.cli.options import quiet_libraries
     from qgate.engines.runners import load_runner
-    from qgate.gates.evalgate import DEFAULT_TASKS, task_config
+    from qgate.gates.evalgate import DEFAULT_TASKS
     from qgate.gates.lm import RunnerLM
 
     quiet_libraries()
@@ -192,10 +192,7 @@ def main() -> None:
         f"multiple-choice eval wall time: before {n_before} items {base:.1f} s (full-16), after {n_now} items {secs:.1f} s "
         f"(default): {secs / base:.2f}x the time for {n_now / n_before:.2f}x the items"
     )
-    docs = [
-        SimpleNamespace(args=(d["text"],))
-        for d in map(json.loads, open(task_config("chatterbot_ppl")["dataset_kwargs"]["data_files"]["test"]))
-    ]
+    docs = perplexity_docs()
     lm = RunnerLM(runner)
     t = time.perf_counter()
     one = [lm.loglikelihood_rolling([d], disable_tqdm=True)[0] for d in docs]
@@ -241,7 +238,7 @@ def dtype_comparison(f32, other) -> None:
     lm = RunnerLM(FullLogits(f32))
     lm.batch_tokens = 10**9
     full16, _ = timed(lm, reqs)
-    docs = [SimpleNamespace(args=(d["text"],)) for d in map(json.loads, open(task_config_path()))][:PPL_BEFORE]
+    docs = perplexity_docs()[:PPL_BEFORE]
     lm = RunnerLM(f32)
     t = time.perf_counter()
     for d in docs:
@@ -272,10 +269,12 @@ def dtype_comparison(f32, other) -> None:
             print(f"  {name}: log-likelihood sum float32 {sum(a['ll']):.1f}, {tag} {sum(b['ll']):.1f}")
 
 
-def task_config_path() -> str:
+def perplexity_docs() -> list:
+    """The perplexity task's documents as lm-eval loglikelihood_rolling requests."""
     from qgate.gates.evalgate import task_config
 
-    return task_config("chatterbot_ppl")["dataset_kwargs"]["data_files"]["test"]
+    path = task_config("chatterbot_ppl")["dataset_kwargs"]["data_files"]["test"]
+    return [SimpleNamespace(args=(d["text"],)) for d in map(json.loads, open(path))]
 
 
 if __name__ == "__main__":

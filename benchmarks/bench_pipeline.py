@@ -86,14 +86,12 @@ def main() -> None:
         print(f"{stage:36s} {secs:9.1f} {w:>9s}")
     for step, secs in cold.get("step_seconds", {}).items():  # timed work outside the ledger's stages
         print(f"{'(' + step + ')':36s} {secs:9.1f} {warm.get('step_seconds', {}).get(step, 0):9.1f}")
-    timed = {
-        k: sum(run["stage_seconds"].values()) + sum(run.get("step_seconds", {}).values())
-        for k, run in (("cold", cold), ("warm", warm))
-    }
-    warm_stages = sum(warm["stage_seconds"].get(s, 0) for s in warm["stages_run"]) + sum(
-        warm.get("step_seconds", {}).values()
-    )
-    print(f"{'(rest: start-up, imports, summary)':36s} {cold_wall - timed['cold']:9.1f} {warm_wall - warm_stages:9.1f}")
+
+    def timed(run: dict, stages) -> float:  # the seconds its stages (those given) and steps account for
+        return sum(run["stage_seconds"].get(s, 0) for s in stages) + sum(run.get("step_seconds", {}).values())
+
+    rest_cold, rest_warm = cold_wall - timed(cold, cold["stage_seconds"]), warm_wall - timed(warm, warm["stages_run"])
+    print(f"{'(rest: start-up, imports, summary)':36s} {rest_cold:9.1f} {rest_warm:9.1f}")
     print(f"{'wall (whole command)':36s} {cold_wall:9.1f} {warm_wall:9.1f}   warm / cold = {warm_wall / cold_wall:.3f}")
     for v in cold["variants"]:
         print(f"  {v['variant']:22s} {v['verdict']:12s} KL p99 {v['kl_p99']:.4f}  top-1 {v['top1_agreement']:.3f}")

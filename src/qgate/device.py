@@ -10,6 +10,7 @@ torch is imported only when a device is resolved.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -62,6 +63,15 @@ def native_bf16(device) -> bool:
     return any(bool(c()) for c in checks if callable(c))
 
 
+@functools.cache
+def _warn_emulated_bf16() -> None:
+    """Once per process: compute_dtype runs for every cache key and model load."""
+    logging.getLogger("qgate").warning(
+        "gates.dtype bfloat16 on a CPU without AMX or AVX512-BF16: torch emulates "
+        "it, slower than float32 (set gates.dtype: float32 on this host)"
+    )
+
+
 def compute_dtype(config: dict, device, name: str = "auto"):
     """The float format a reference model computes in. auto: float32 on the CPU (the reference of record there);
     on CUDA the dtype config.json says the model is served in (bfloat16 or float16; bfloat16 for a float32 config,
@@ -72,10 +82,7 @@ def compute_dtype(config: dict, device, name: str = "auto"):
     check_dtype(name)
     if name != "auto":
         if name == "bfloat16" and not native_bf16(device):
-            logging.getLogger("qgate").warning(
-                "gates.dtype bfloat16 on a CPU without AMX or AVX512-BF16: torch emulates "
-                "it, slower than float32 (set gates.dtype: float32 on this host)"
-            )
+            _warn_emulated_bf16()
         return getattr(torch, name)
     if device.type != "cuda":
         return torch.float32

@@ -143,6 +143,9 @@ def _parity(
     )
 
 
+REFERENCE_OF_RECORD = "cpu-float32"  # the numerics whose cached work keeps the keys and paths it had before devices
+
+
 def scoring_numerics(art: Artifact, device: str = "auto", dtype: str = "auto") -> str:
     """The numerics a checkpoint is scored in on the reference path ('cpu-float32', 'cpu-bfloat16', 'cuda-bfloat16'):
     part of the key of anything computed from its scores."""
@@ -150,6 +153,13 @@ def scoring_numerics(art: Artifact, device: str = "auto", dtype: str = "auto") -
 
     dev = resolve_device(device)
     return numerics(dev, compute_dtype(json.loads((art.path / "config.json").read_text()), dev, dtype))
+
+
+def numerics_key(art: Artifact, device: str = "auto", dtype: str = "auto") -> dict:
+    """The part of a cache key that names the numerics scores were computed in: nothing for the reference of record,
+    so keys made before other numerics existed stay valid."""
+    tag = scoring_numerics(art, device, dtype)
+    return {} if tag == REFERENCE_OF_RECORD else {"numerics": tag}
 
 
 class _LazyRunner:
@@ -173,7 +183,7 @@ class _LazyRunner:
     def cache(self, cache_dir: Path) -> Path:
         """Where this model's cached reference work lives: `cache_dir` for float32 on the CPU (the reference of
         record), a subdirectory per device and dtype otherwise, so CPU and GPU references never mix."""
-        return Path(cache_dir) if self.tag() == "cpu-float32" else Path(cache_dir) / self.tag()
+        return Path(cache_dir) if self.tag() == REFERENCE_OF_RECORD else Path(cache_dir) / self.tag()
 
     def release(self) -> None:
         from qgate.device import release

@@ -225,7 +225,7 @@ def search_stage(
     """The variant's searched checkpoint (its `search:` settings, defaults when it has none); `qgate search` and
     `qgate run` share the stage, so one reuses what the other found. Points are gated on the calibration stage's
     search split, so the shadow split that gates the chosen point afterwards is data the search never saw."""
-    from qgate.gates.run import scoring_numerics
+    from qgate.gates.run import numerics_key
     from qgate.pipeline.search import search_checkpoint
     from qgate.pipeline.spec import search_config
     from qgate.quantize.run import CalibOptions
@@ -247,9 +247,7 @@ def search_stage(
         "points_on": held.sha256,
         "shadow_cfg": typed_config(gate_cfg.shadow),
     }
-    numerics = scoring_numerics(base, gate_cfg.device, gate_cfg.dtype)
-    if numerics != "cpu-float32":  # points are gated in these numerics; float32 on the CPU keeps the keys it had
-        key["numerics"] = numerics
+    key |= numerics_key(base, gate_cfg.device, gate_cfg.dtype)  # the points are gated in these numerics
     return r.stage(
         f"search:{v.name}",
         key,

@@ -56,7 +56,7 @@ def search_checkpoint(
     """shadow: the held-out split the points are gated on. confirm: the split that gates the chosen checkpoint
     afterwards, recorded in the evidence; when it is `shadow` itself (or not given) the evidence says that the chosen
     point's shadow checks are not independent of its choice."""
-    from qgate.gates.run import scoring_numerics, shadow_check
+    from qgate.gates.run import numerics_key, shadow_check
     from qgate.quantize.run import CalibOptions, quantize
     from qgate.quantize.schemes import FallbackConfig
     from qgate.search.plot import plot_points
@@ -89,7 +89,7 @@ def search_checkpoint(
     work = out / "_points"
     kept: dict[int, Artifact] = {}
     gate_runs = 0
-    numerics = scoring_numerics(base, gate_cfg.device, gate_cfg.dtype)
+    numerics = numerics_key(base, gate_cfg.device, gate_cfg.dtype)  # the points are gated in these numerics
     while len(points) < cfg.max_steps and (k := next_count(tried, k0, kmax)) is not None and k not in tried:
         fb = FallbackConfig(tuple(r["layer"] for r in order[:k]), cfg.fallback_bits)
         key = sha256_json(
@@ -104,8 +104,8 @@ def search_checkpoint(
                 "shadow_cfg": typed_config(gate_cfg.shadow),
                 "smoothed": smoothed.sha256 if smoothed else None,
             }
-            | ({"numerics": numerics} if numerics != "cpu-float32" else {})
-        )  # gated in these numerics
+            | numerics
+        )
         ppath = cache_dir / f"search-point-{key[:24]}.json"
         t = time.perf_counter()
         if (data := read_cached(ppath)) is not None:
