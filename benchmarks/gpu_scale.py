@@ -133,6 +133,107 @@ def engine_bytes_per_token(engine_dir: Path, config: dict, context: int) -> int:
     return total + 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2 * context
 
 
+def step_breakdown(engine, device) -> dict:
+    """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps), and
+    the model's Linears alone at one row, in total and per weight shape (the bytes each reads per millisecond)."""
+    import torch
+
+    from qgate.engines.static_llama import Linear
+
+    graph, _ = engine.graphs[1, min(n for b, n in engine.graphs if b == 1)]
+    for _ in range(3):
+        graph.replay()
+    reps = 100
+    step_ms = _timed(device, lambda: [graph.replay() for _ in range(reps)]) / reps * 1e3
+    lins = [m for m in engine.model.modules() if isinstance(m, Linear)]
+
+    def width(m) -> int:
+        return m.weight.shape[1] if m.weight is not None else m.codes.shape[1] * 2
+
+    def nbytes(m) -> int:
+        if m.weight is not None:
+            return m.weight.numel() * m.weight.element_size()
+        return m.packed.numel() * m.packed.element_size() + m.sz.numel() * m.sz.element_size()
+
+    xs = {w: torch.randn(1, w, dtype=torch.bfloat16, device=device) for w in {width(m) for m in lins}}
+    shapes: dict = {}
+    with torch.inference_mode():
+        for m in lins:
+            shapes.setdefault((m.out_features, width(m), m.weight is None), []).append(m)
+        [m(xs[width(m)]) for m in lins]
+        lin_ms = _timed(device, lambda: [m(xs[width(m)]) for _ in range(10) for m in lins]) / 10 * 1e3
+        per_shape = {}
+        for (o, i, q), ms in shapes.items():
+            m = ms[0]
+            t = _timed(device, lambda m=m, i=i: [m(xs[i]) for _ in range(50)]) / 50
+            per_shape[f"{'int4' if q else 'bf16'} {o}x{i}"] = {
+                "count": len(ms),
+                "us": round(t * 1e6, 1),
+                "read_tb_s": round(nbytes(m) / t / 1e12, 3),
+            }
+    total = sum(nbytes(m) for m in lins)
+    return {
+        "graph_step_ms": step_ms,
+        "linears_ms": lin_ms,
+        "linears_bytes": total,
+        "linears_read_tb_s": total / lin_ms / 1e9,
+        "per_shape": per_shape,
+    }
+
+
+def scoring_seconds(fn, seqs, budget: int, device) -> float:
+    """Seconds to run `fn` (a runner's batch scoring) over `seqs` in the gates' length-sorted batches, synchronized."""
+    from qgate.gates.scoring import length_batches
+
+    def run():
+        for batch in length_batches([len(s) for s in seqs], max_tokens=budget):
+            out = fn(batch)
+            del out
+
+    run()  # warm
+    return _timed(device, run)
+
+
+class TokenCounter:
+    """Real (unpadded) tokens the runners compute in the eval's scoring calls, counted during a gate: calls with
+    keep_last (scored continuations, perplexity windows) and continuation_logits (shared contexts, computed once)."""
+
+    def __init__(self):
+        self.tokens = {"engine": 0, "reference": 0}
+
+    def __enter__(self):
+        from qgate.engines.runners import TorchRunner
+        from qgate.engines.static_runner import StaticRunner
+
+        self.saved = [(c, n, c.__dict__[n]) for c in (StaticRunner, TorchRunner) for n in ("logits_batch",)]
+        self.saved.append((TorchRunner, "continuation_logits", TorchRunner.continuation_logits))
+        counter = self.tokens
+
+        def logits(kind, orig):
+            def f(self, seqs, keep_last=None):
+                if keep_last is not None:
+                    counter[kind] += sum(len(s) for s in seqs)
+                return orig(self, seqs, keep_last)
+
+            return f
+
+        def continuation(orig):
+            def f(self, groups, prefix=()):
+                counter["reference"] += len(prefix) + sum(len(c) + sum(len(k) - 1 for k in ks) for c, ks in groups)
+                return orig(self, groups, prefix)
+
+            return f
+
+        StaticRunner.logits_batch = logits("engine", StaticRunner.logits_batch)
+        TorchRunner.logits_batch = logits("reference", TorchRunner.logits_batch)
+        TorchRunner.continuation_logits = continuation(TorchRunner.continuation_logits)
+        return self
+
+    def __exit__(self, *exc):
+        for c, n, f in self.saved:
+            setattr(c, n, f)
+
+
 def decode_rate(generate, prompts, steps: int) -> float:
     """Tokens per second per row of decode steps alone: (time of 1 + steps tokens - time of 1 token) / steps."""
     generate(prompts, 2)  # warm
@@ -145,22 +246,59 @@ def decode_rate(generate, prompts, steps: int) -> float:
     return steps / max(tn - t1, 1e-9)
 
 
+class Results:
+    """The run's figures, written to every --json path after each phase: a run cut short keeps what it measured."""
+
+    def __init__(self, paths: list[Path], **head):
+        self.paths, self.data = paths, dict(head, seconds={}, failed={})
+
+    def save(self) -> None:
+        for p in self.paths:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps(self.data, indent=1, default=str))
+
+    def phase(self, name: str, fn):
+        """Run one phase, timed; a failure is recorded with its message and the run goes on where it can."""
+        import traceback
+
+        t = time.perf_counter()
+        print(f"phase {name}: start", flush=True)
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - recorded and printed; later phases that need it are skipped
+            traceback.print_exc()
+            self.data["failed"][name] = f"{type(e).__name__}: {e}"[:2000]
+            return None
+        finally:
+            self.data["seconds"][name] = round(time.perf_counter() - t, 2)
+            print(f"phase {name}: {self.data['seconds'][name]} s", flush=True)
+            self.save()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--layers", type=int, help="decoder layers instead of the shape's own (a cheaper run, same widths)")
     ap.add_argument("--spec", type=Path, default=ROOT / "pipelines/promote.yaml", help="whose gates: section is used")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak of the card (H100 SXM: ~790)")
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
+    ap.add_argument("--json", type=Path, action="append", default=[], help="more paths the results are written to")
+    ap.add_argument("--no-dense", action="store_true", help="skip the bf16 engine (it writes the model again)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import logging
+
     import torch
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
     from qgate.calibrate.sample import SampleConfig, sample_traffic
-    from qgate.device import resolve_device
+    from qgate.device import release, resolve_device
     from qgate.engines.build import build_engine
     from qgate.engines.runners import load_runner
+    from qgate.engines.static_runner import StaticRunner
     from qgate.gates.run import run_gates
     from qgate.pipeline.spec import load_spec
     from qgate.quantize.run import CalibOptions, quantize
@@ -169,93 +307,189 @@ def main() -> int:
     device = resolve_device("auto")
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"device: {card}; torch {torch.__version__}", flush=True)
-    res: dict = {"date": time.strftime("%Y-%m-%d"), "device": card, "shape": args.shape, "seconds": {}}
-    sec = res["seconds"]
-    work = args.out
-    t = time.perf_counter()
-    base, params = build_model(args.shape, args.tokenizer, work / "base", device)
-    sec["build_model"] = time.perf_counter() - t
-    res["params"] = params
-    spec = load_spec(args.spec)
-    sets = sample_traffic(spec.path(spec.traffic), work / "calib", SampleConfig(**spec.calibrate.model_dump()))
-    t = time.perf_counter()
-    ckpt = quantize(
-        base,
-        sets["calib"],
-        scheme_config("gptq-w4a16", group_size=128),
-        work / "gptq",
-        opts=CalibOptions(max_seq_length=spec.quantize.max_seq_length),
+    if args.layers:
+        SHAPES[args.shape] = SHAPES[args.shape] | {"num_hidden_layers": args.layers}
+    res = Results(
+        [args.out / "scale.json", *args.json],
+        date=time.strftime("%Y-%m-%d"),
+        device=card,
+        torch=torch.__version__,
+        shape=args.shape,
+        layers=SHAPES[args.shape]["num_hidden_layers"],
     )
-    sec["quantize"] = time.perf_counter() - t
-    t = time.perf_counter()
-    eng = build_engine(ckpt, "torch-int4", work / "engine", sets["profile"])
-    sec["engine_build"] = time.perf_counter() - t
-    res["graph_batch_sizes"] = eng.meta.get("captured_batch_sizes")
-    print(json.dumps(sec), flush=True)
+    work, r = args.out, res.data
+    built = res.phase("build_model", lambda: build_model(args.shape, args.tokenizer, work / "base", device))
+    if built is None:
+        return 1
+    base, r["params"] = built
+    spec = load_spec(args.spec)
+    sets = res.phase(
+        "calibrate",
+        lambda: sample_traffic(spec.path(spec.traffic), work / "calib", SampleConfig(**spec.calibrate.model_dump())),
+    )
+    ckpt = res.phase(
+        "quantize",
+        lambda: quantize(
+            base,
+            sets["calib"],
+            scheme_config("gptq-w4a16", group_size=128),
+            work / "gptq",
+            opts=CalibOptions(max_seq_length=spec.quantize.max_seq_length),
+        ),
+    )
+    if ckpt is None:  # the engine and the gate are still measured, on group-wise round-to-nearest weights
+
+        def rtn():
+            from qgate.quantize.schemes import AWQConfig
+
+            class RTN(AWQConfig):  # AWQ's quantization step alone: no smoothing, no GPTQ
+                def modifiers(self, kv, fallback=None):
+                    return self.rtn_modifiers(kv, fallback)
+
+            return quantize(
+                base, sets["calib"], RTN(group_size=128), work / "rtn", opts=CalibOptions(max_seq_length=64)
+            )
+
+        ckpt = res.phase("quantize_rtn_fallback", rtn)
+        if ckpt is None:
+            return 1
+    r["checkpoint"] = {k: ckpt.meta.get(k) for k in ("scheme", "bits_per_weight", "weights_bytes", "quantize_seconds")}
+    eng = res.phase("engine_build", lambda: build_engine(ckpt, "torch-int4", work / "engine", sets["profile"]))
+    if eng is None:
+        return 1
+    r["engine"] = {k: eng.meta.get(k) for k in ("graph_batch_sizes", "captured_graphs", "load_seconds", "engine_bytes")}
 
     # decode: the engine against transformers eager bf16 and against its roofline, on the same card
     config = json.loads((base.path / "config.json").read_text())
     from transformers import AutoTokenizer
 
     prompt = AutoTokenizer.from_pretrained(base.path).encode("Write a long story about a lighthouse keeper.")
-    bw = read_bandwidth(device, config["hidden_size"], (config["intermediate_size"], config["vocab_size"]))
-    rows = {}
-    engine = load_runner(eng, str(device))
-    for b in (1, 8, 32):
-        rows[b] = {"engine_tok_s": b * decode_rate(engine.greedy_batch, [prompt] * b, args.steps)}
-    bytes_tok = engine_bytes_per_token(eng.path, config, len(prompt) + args.steps)
-    del engine
-    dense = build_engine(base, "torch-int4", work / "engine-bf16", sets["profile"])
-    bf16 = load_runner(dense, str(device))
-    for b in (1, 8, 32):
-        rows[b]["bf16_graph_tok_s"] = b * decode_rate(bf16.greedy_batch, [prompt] * b, args.steps)
-    del bf16
-    ref = load_runner(base, str(device))
-    for b in (1, 8):
-        rows[b]["eager_bf16_tok_s"] = b * decode_rate(ref.greedy_batch, [prompt] * b, min(args.steps, 32))
-    del ref
-    roof = bw / bytes_tok
-    res["decode"] = {
-        "read_bandwidth_tb_s": bw / 1e12,
-        "bytes_per_token": bytes_tok,
-        "int4_roofline_tok_s": roof,
-        "by_batch": rows,
-        "batch1_vs_roofline": rows[1]["engine_tok_s"] / roof,
-        "batch1_vs_eager": rows[1]["engine_tok_s"] / rows[1]["eager_bf16_tok_s"],
-    }
-    print(json.dumps(res["decode"], indent=1), flush=True)
+    rows: dict = {1: {}, 8: {}, 32: {}}
+    dec = r["decode"] = {"by_batch": rows, "prompt_tokens": len(prompt), "steps": args.steps}
+
+    def engine_decode():
+        dec["read_bandwidth_tb_s"] = (
+            read_bandwidth(device, config["hidden_size"], (config["intermediate_size"], config["vocab_size"])) / 1e12
+        )
+        dec["bytes_per_token"] = engine_bytes_per_token(eng.path, config, len(prompt) + args.steps)
+        dec["int4_roofline_tok_s"] = dec["read_bandwidth_tb_s"] * 1e12 / dec["bytes_per_token"]
+        engine = StaticRunner(eng.path, device, graph_batch_sizes=sorted(rows))
+        for b in rows:
+            rows[b]["engine_tok_s"] = b * decode_rate(engine.greedy_batch, [prompt] * b, args.steps)
+            res.save()
+        dec["batch1_vs_roofline"] = rows[1]["engine_tok_s"] / dec["int4_roofline_tok_s"]
+        if device.type == "cuda":
+            dec["batch1_step"] = step_breakdown(engine, device)
+            dec["batch1_step"]["loop_ms_per_token"] = 1e3 / rows[1]["engine_tok_s"]
+        del engine
+        release(device)
+        import qgate.engines.static_llama as sl
+
+        sl.FUSE = False  # the same engine with q/k/v and gate/up as separate Linears
+        try:
+            unfused = StaticRunner(eng.path, device, graph_batch_sizes=[1])
+            dec["batch1_unfused_tok_s"] = decode_rate(unfused.greedy_batch, [prompt], args.steps)
+            del unfused
+        finally:
+            sl.FUSE = True
+        release(device)
+
+    def eager_decode():
+        ref = load_runner(base, str(device))
+        for b in (1, 8):
+            rows[b]["eager_bf16_tok_s"] = b * decode_rate(ref.greedy_batch, [prompt] * b, min(args.steps, 32))
+            res.save()
+        dec["batch1_vs_eager"] = rows[1]["engine_tok_s"] / rows[1]["eager_bf16_tok_s"]
+        del ref
+        release(device)
+
+    res.phase("engine_decode", engine_decode)
+    res.phase("eager_decode", eager_decode)
+    print(json.dumps(dec, indent=1), flush=True)
 
     # the gate, cold: the demo's gate config on this device
-    from qgate.device import release
+    def gate():
+        cfg = spec.gate_config()
+        t = time.perf_counter()
+        with TokenCounter() as counted:
+            art = run_gates(eng, base, sets["shadow"], cfg, work / "gate", work / "cache")
+        wall = time.perf_counter() - t
+        report = json.loads((art.path / "report.json").read_text())
+        timings = report["timings"]
+        by = {x["gate"] + "." + x["metric"]: x for x in report["results"]}
+        n_tok = _shadow_tokens(work / "cache")
+        mfu = {}
+        for name, seconds in (
+            ("candidate_teacher_forced", timings.get("candidate_shadow")),
+            ("baseline_teacher_forced", (report.get("noise_floor") or {}).get("baseline_score_seconds")),
+            ("baseline_reference_with_decode", timings.get("baseline_shadow")),
+        ):
+            if seconds and n_tok:
+                mfu[name] = 2 * r["params"] * n_tok / seconds / (args.peak_tflops * 1e12)
+        for name, kind, seconds in (
+            ("candidate_eval", "engine", timings.get("candidate_eval")),
+            ("baseline_eval", "reference", timings.get("baseline_eval")),
+        ):
+            if seconds and counted.tokens[kind]:
+                mfu[name] = 2 * r["params"] * counted.tokens[kind] / seconds / (args.peak_tflops * 1e12)
+        r["gate"] = {
+            "verdict": report["verdict"],
+            "timings": timings,
+            "wall_seconds": wall,
+            "shadow_tokens": n_tok,
+            "eval_tokens": counted.tokens,
+            "shadow_mfu": mfu,
+            "parity_kl_p99": by.get("parity.engine_vs_checkpoint.kl_p99", {}).get("observed"),
+            "results": {k: (v.get("observed"), v.get("verdict")) for k, v in by.items()},
+        }
 
+    res.phase("gate", gate)
     release(device)
-    cfg = spec.gate_config()
-    t = time.perf_counter()
-    gate = run_gates(eng, base, sets["shadow"], cfg, work / "gate", work / "cache")
-    sec["gate"] = time.perf_counter() - t
-    report = json.loads((gate.path / "report.json").read_text())
-    timings = report["timings"]
-    by = {r["gate"] + "." + r["metric"]: r for r in report["results"]}
-    n_tok = _shadow_tokens(work / "cache")
-    mfu = {}
-    for name, seconds in (
-        ("candidate_teacher_forced", timings.get("candidate_shadow")),
-        ("baseline_teacher_forced", (report.get("noise_floor") or {}).get("baseline_score_seconds")),
-        ("baseline_reference_with_decode", timings.get("baseline_shadow")),
-    ):
-        if seconds and n_tok:
-            mfu[name] = 2 * params * n_tok / seconds / (args.peak_tflops * 1e12)
-    res["gate"] = {
-        "verdict": report["verdict"],
-        "timings": timings,
-        "wall_seconds": sec["gate"],
-        "shadow_tokens": n_tok,
-        "shadow_mfu": mfu,
-        "parity_kl_p99": by.get("parity.engine_vs_checkpoint.kl_p99", {}).get("observed"),
-    }
-    print(json.dumps(res, indent=1), flush=True)
-    (work / "scale.json").write_text(json.dumps(res, indent=1))
-    return 0
+
+    def scoring():  # the shadow split's forward passes alone, warm: the gate's scoring less its reductions
+        import numpy as np
+
+        ref = next(iter(sorted((work / "cache").rglob("shadow-baseline-*.npz"))))
+        with np.load(ref) as z:
+            tokens, lens, plens = z["tokens"], z["seq_lens"], z["prompt_lens"]
+        bounds = np.concatenate([[0], np.cumsum(lens)])
+        seqs = [tokens[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        flops = 2 * r["params"] * int(lens.sum())
+        out = r["scoring"] = {"shadow_tokens": int(lens.sum())}
+        engine = load_runner(eng, str(device))
+        budget = engine.batch_tokens or 1024
+        for name, fn in (
+            ("engine_prefill", lambda ix: engine.logits_batch([seqs[i] for i in ix])),
+            (
+                "engine_served",
+                lambda ix: engine.served_logits_batch([seqs[i] for i in ix], [int(plens[i]) for i in ix]),
+            ),
+        ):
+            sec = scoring_seconds(fn, seqs, budget, device)
+            out[name] = {"seconds": sec, "mfu": flops / sec / (args.peak_tflops * 1e12)}
+            res.save()
+        engine = None  # freed before the baseline loads
+        release(device)
+        ref_runner = load_runner(base, str(device))
+        sec = scoring_seconds(lambda ix: ref_runner.logits_batch([seqs[i] for i in ix]), seqs, budget, device)
+        out["baseline_forward"] = {"seconds": sec, "mfu": flops / sec / (args.peak_tflops * 1e12)}
+        ref_runner = None
+        release(device)
+
+    if r.get("gate"):
+        res.phase("scoring", scoring)
+
+    def dense_decode():  # the same engine serving dense bf16 weights: where int4 loses at larger batch
+        dense = build_engine(base, "torch-int4", work / "engine-bf16", sets["profile"])
+        runner = StaticRunner(dense.path, device, graph_batch_sizes=sorted(rows))
+        for b in rows:
+            rows[b]["bf16_graph_tok_s"] = b * decode_rate(runner.greedy_batch, [prompt] * b, args.steps)
+            res.save()
+
+    if not args.no_dense:
+        res.phase("dense_decode", dense_decode)
+    print(json.dumps(r, indent=1, default=str), flush=True)
+    return 1 if r["failed"] else 0
 
 
 def _shadow_tokens(cache: Path) -> int:

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from qgate.engines.build import build_engine
-from qgate.engines.int4pack import check_scheme, device_pack, int4_mm, pack_nibbles, repack, unpack_nibbles
+from qgate.engines.int4pack import (
+    Int4Weight,
+    check_scheme,
+    device_pack,
+    int4_mm,
+    pack_nibbles,
+    repack,
+    unpack_nibbles,
+)
 from qgate.engines.runners import TorchRunner, load_runner
 from qgate.errors import BackendUnavailable, ConfigError
 
@@ -61,6 +69,27 @@ def test_int4_kernel_computes_the_checkpoints_weights(zero_point):
     y = int4_mm(x, device_pack(q.codes, torch.device("cpu")), 32, q.scales_and_zeros)
     ref = x @ w.T
     assert (y - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_path_dequantizes_what_the_int4_kernel_computes(monkeypatch, dtype):
+    """Prefill-sized inputs on CUDA run a dense GEMM on dequantized codes: the same weights as the int4 kernel's,
+    up to one rounding to the activation dtype. Checked on the CPU by enabling the dense path there."""
+    import qgate.engines.static_llama as sl
+
+    state, w = _ct_layer(64, 128, 32)
+    q = repack(state, _qconfig())[0]["l"]
+    monkeypatch.setattr(sl, "DENSE_ROWS", {"cpu": 4})
+    lin = sl.Linear(q, None, dtype, torch.device("cpu"))
+    dense = lin.dequantized().float()
+    assert lin.dequantized().dtype == dtype and dense.shape == w.shape
+    tol = 1e-6 if dtype == torch.float32 else 2**-7  # bf16: scale and zero rounded as the kernel holds them
+    assert ((dense - w).abs() <= tol * w.abs().max()).all()
+    x = torch.randn(6, 128).to(dtype)
+    few, many = lin(x[:3]), lin(x)  # 3 rows: the int4 kernel; 6 rows: the dense GEMM
+    assert torch.allclose(few.float(), many[:3].float(), rtol=0.02, atol=0.02 * many.float().abs().max().item())
+    ref = x.float() @ w.T
+    assert (many.float() - ref).abs().max().item() < (1e-4 if dtype == torch.float32 else 0.03) * ref.abs().max().item()
 
 
 def test_int8_layers_are_dense_and_exact():
@@ -116,7 +145,11 @@ def test_engine_in_float32_computes_what_the_checkpoint_says(awq_art, int4_f32, 
     assert eng.kind == "torch-int4" and eng.numerics == "cpu-torch-int4-float32"
     for a, b in zip(ref.logits_batch(SEQS), eng.logits_batch(SEQS), strict=True):
         assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
-    assert eng.greedy_batch(SEQS, 12) == ref.greedy_batch(SEQS, 12)
+    assert eng.greedy_batch(SEQS, 12) == ref.greedy_batch(SEQS, 12) and eng.greedy_batch(SEQS, 0) == [[], [], []]
+    # as served: prompts by prefill, answers by decode steps fed the sequence's tokens; answers of 0 to 5 tokens
+    served = eng.served_logits_batch(SEQS, [2, 3, 4])
+    for a, b in zip(ref.logits_batch(SEQS), served, strict=True):
+        assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
     groups = [([5, 6, 7], [[8, 9], [10]]), ([1, 2], [[3, 4, 5]])]
     for g0, g1 in zip(
         ref.continuation_logits(groups, [11, 12]), eng.continuation_logits(groups, [11, 12]), strict=True
@@ -127,6 +160,36 @@ def test_engine_in_float32_computes_what_the_checkpoint_says(awq_art, int4_f32, 
     assert meta["graph_batch_sizes"] == graph_batch_sizes(profile_concurrency(calib_arts["profile"]), 256)[0]
     spec = json.loads((int4_f32.path / "engine.json").read_text())
     assert spec["max_seq_len"] == 512 and set(spec["group_sizes"].values()) == {32}
+
+
+def test_fused_projections_compute_what_separate_ones_do(int4_f32):
+    """q/k/v and gate/up run as one wider Linear each when their weights share a kind; a layer whose q_proj is dense
+    and k/v int4 (a searched variant's fallback) keeps them apart, with the same logits."""
+    import qgate.engines.static_llama as sl
+    from qgate.engines.static_runner import load_model
+
+    model, _, config = load_model(int4_f32.path, torch.device("cpu"))
+    assert all("qkv" in layer and "gate_up" in layer and "q_proj" not in layer for layer in model.layers)
+    from safetensors.torch import load_file
+
+    spec = json.loads((int4_f32.path / "engine.json").read_text())
+    tensors = load_file(str(int4_f32.path / "engine.safetensors"))
+    for p, kind in spec["layers"].items():
+        tensors[p] = Int4Weight(tensors.pop(f"{p}.codes"), tensors.pop(f"{p}.scales_and_zeros"), spec["group_sizes"][p])
+    q = "model.layers.0.self_attn.q_proj"
+    tensors[q] = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        torch.eye(tensors[q].codes.shape[1] * 2),
+        device_pack(tensors[q].codes, torch.device("cpu")),
+        tensors[q].group_size,
+        tensors[q].scales_and_zeros,
+    ).T.contiguous()  # the same weights, dense
+    mixed = sl.StaticLlama(config, tensors, torch.float32, torch.device("cpu")).eval()
+    assert "q_proj" in mixed.layers[0] and "qkv" not in mixed.layers[0] and "qkv" in mixed.layers[1]
+    tok = torch.tensor([SEQS[0]])
+    pos = torch.arange(tok.shape[1])[None]
+    valid = torch.ones_like(tok, dtype=torch.bool)
+    with torch.inference_mode():
+        assert torch.allclose(model(tok, pos, valid), mixed(tok, pos, valid), atol=1e-5)
 
 
 def test_bf16_engine_stays_close_and_mixed_or_unquantized_checkpoints_serve(awq_art, w8_art, base_art, workdir):
@@ -306,8 +369,13 @@ def test_cuda_graph_decode_equals_eager_decode(awq_art, calib_arts, workdir):
     runner.graphs = {}
     assert runner.greedy_batch(prompts, 16) == graphed
     ref = load_runner(awq_art, "cuda", "bfloat16")
-    for a, b in zip(ref.logits_batch(SEQS), runner.logits_batch(SEQS), strict=True):
-        pa, pb = torch.log_softmax(torch.from_numpy(a), -1), torch.log_softmax(torch.from_numpy(b), -1)
+    for a, b in zip(ref.logits_batch(SEQS), runner.logits_batch(SEQS), strict=True):  # logits stay on the GPU
+        pa, pb = torch.log_softmax(torch.as_tensor(a).float(), -1), torch.log_softmax(torch.as_tensor(b).float(), -1)
+        assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
+    # answers as served: decode steps through the int4 kernel (graphs), prompts through the dense prefill
+    served = runner.served_logits_batch(SEQS, [2, 3, 4])
+    for a, b in zip(ref.logits_batch(SEQS), served, strict=True):
+        pa, pb = torch.log_softmax(torch.as_tensor(a).float(), -1), torch.log_softmax(b.float(), -1)
         assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
 
 

@@ -43,8 +43,17 @@ def check_architecture(config: dict) -> None:
         raise ConfigError(f"config.json hidden_act {config.get('hidden_act')!r}: the torch-int4 engine serves silu")
 
 
+FUSE = True  # q/k/v and gate/up as one wider Linear each where their weights allow (StaticLlama.__init__)
+DENSE_ROWS = {"cuda": 128}  # rows (tokens) from which an int4 Linear dequantizes and runs a dense GEMM, per device
+
+
 class Linear(nn.Module):
-    """y = x W^T (+ b), W held as torch's packed int4 layout or as a dense matrix in the activation dtype."""
+    """y = x W^T (+ b), W held as torch's packed int4 layout or as a dense matrix in the activation dtype.
+
+    An int4 Linear runs torch's int4 kernel on few rows (decode steps). On a CUDA device, from DENSE_ROWS rows on
+    (prefill, teacher-forced scoring) it dequantizes its codes to the activation dtype, w = (q - 8) * scale + zero
+    rounded once, and runs a dense GEMM: the int4 kernel is built for matrix-vector products and reads its weights
+    several times slower at large row counts. On a CPU every row count runs the int4 kernel."""
 
     def __init__(self, weight: Int4Weight | torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device):
         super().__init__()
@@ -53,6 +62,9 @@ class Linear(nn.Module):
             self.out_features = weight.codes.shape[0]
             self.register_buffer("packed", device_pack(weight.codes, device))
             self.register_buffer("sz", weight.scales_and_zeros.to(device, dtype))  # [G, O, 2]
+            self.dense_rows = DENSE_ROWS.get(torch.device(device).type)
+            # the portable codes, kept for dequantizing where the dense path runs
+            self.register_buffer("codes", weight.codes.to(device) if self.dense_rows else None)  # [O, I/2] uint8
             self.weight = None
         else:
             self.out_features = weight.shape[0]
@@ -62,10 +74,21 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., I] -> [..., O]
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
+        if self.dense_rows is not None and x.numel() >= self.dense_rows * x.shape[-1]:
+            return F.linear(x, self.dequantized(), self.bias)
         y = int4_mm(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, self.sz).reshape(
             *x.shape[:-1], self.out_features
         )
         return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The int4 weight as a dense [O, I] matrix in the activation dtype: (q - 8) * scale + zero per group, as
+        torch's int4 kernels define it, rounded once (addcmul computes in float32)."""
+        c = self.codes
+        o, g = c.shape[0], self.sz.shape[0]
+        q = torch.stack((c >> 4, c & 0xF), -1).view(o, g, -1).to(self.sz.dtype) - 8  # [O, G, group]: exact
+        scale, zero = self.sz.permute(1, 0, 2).contiguous().unbind(-1)  # [O, G] each
+        return torch.addcmul(zero[..., None], q, scale[..., None]).view(o, -1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -94,6 +117,7 @@ class StaticLlama(nn.Module):
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.max_positions = c.max_position_embeddings
+        self.qkv_widths = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2
 
         def lin(p: str) -> Linear:
             w = tensors.get(p, tensors.get(f"{p}.weight"))
@@ -104,20 +128,38 @@ class StaticLlama(nn.Module):
         def vec(k: str) -> torch.Tensor:
             return tensors[k].to(device, dtype)
 
+        def fused(prefixes: list[str]) -> Linear | None:
+            """One Linear computing these Linears' outputs side by side (one wider kernel instead of several), when
+            their weights are all int4 with one group size or all dense; None otherwise."""
+            ws = [tensors.get(p, tensors.get(f"{p}.weight")) for p in prefixes]
+            bs = [tensors.get(f"{p}.bias") for p in prefixes]
+            if any(w is None for w in ws) or len({b is None for b in bs}) > 1:
+                return None
+            bias = None if bs[0] is None else torch.cat(bs)
+            if all(isinstance(w, Int4Weight) for w in ws) and len({w.group_size for w in ws}) == 1:
+                w = Int4Weight(
+                    torch.cat([w.codes for w in ws]), torch.cat([w.scales_and_zeros for w in ws], 1), ws[0].group_size
+                )
+                return Linear(w, bias, dtype, device)
+            if all(isinstance(w, torch.Tensor) for w in ws):
+                return Linear(torch.cat(ws), bias, dtype, device)
+            return None
+
         self.register_buffer("embed", tensors["model.embed_tokens.weight"].to(device, dtype))  # [V, H]
         self.layers = nn.ModuleList()
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}"
-            layer = nn.ModuleDict(
-                {
-                    n: lin(f"{p}.{m}.{n}")
-                    for m, names in (
-                        ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                        ("mlp", ("gate_proj", "up_proj", "down_proj")),
-                    )
-                    for n in names
-                }
-            )
+            layer = nn.ModuleDict()
+            for m, groups in (
+                ("self_attn", (("qkv", ("q_proj", "k_proj", "v_proj")), ("o_proj", ("o_proj",)))),
+                ("mlp", (("gate_up", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))),
+            ):
+                for name, parts in groups:
+                    one = fused([f"{p}.{m}.{n}" for n in parts]) if FUSE and len(parts) > 1 else None
+                    if one is not None:
+                        layer[name] = one
+                    else:
+                        layer.update({n: lin(f"{p}.{m}.{n}") for n in parts})
             layer.register_buffer("in_norm", vec(f"{p}.input_layernorm.weight"))
             layer.register_buffer("post_norm", vec(f"{p}.post_attention_layernorm.weight"))
             self.layers.append(layer)
@@ -173,9 +215,13 @@ class StaticLlama(nn.Module):
         mask = mask[:, None, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, -1)  # [B, 1, G*T, S]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.in_norm, self.eps)
-            q = layer["q_proj"](h).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-            k = layer["k_proj"](h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-            v = layer["v_proj"](h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            if "qkv" in layer:
+                q, k, v = layer["qkv"](h).split(self.qkv_widths, -1)
+            else:
+                q, k, v = layer["q_proj"](h), layer["k_proj"](h), layer["v_proj"](h)
+            q = q.reshape(b, t, self.heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+            k = k.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+            v = v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             if slot is not None:
                 self.k_cache[i][:b].index_copy_(2, slots, k)
@@ -186,6 +232,10 @@ class StaticLlama(nn.Module):
             a = a.reshape(b, self.heads, t, self.head_dim)  # [B, H, T, D]
             x = x + layer["o_proj"](a.transpose(1, 2).reshape(b, t, -1))
             h = rms_norm(x, layer.post_norm, self.eps)
-            x = x + layer["down_proj"](F.silu(layer["gate_proj"](h)) * layer["up_proj"](h))
+            if "gate_up" in layer:
+                gate, up = layer["gate_up"](h).chunk(2, -1)
+            else:
+                gate, up = layer["gate_proj"](h), layer["up_proj"](h)
+            x = x + layer["down_proj"](F.silu(gate) * up)
         x = rms_norm(x[:, -logits_to_keep:] if logits_to_keep else x, self.norm, self.eps)
         return self.lm_head(x).float()

@@ -27,6 +27,7 @@ from qgate.errors import ConfigError
 
 SERVED_SUBDIR = "checkpoint"  # an engine's config, generation config and tokenizer files: what the contract reads
 SERVED_FILES = ("config.json", "generation_config.json")
+SCORING_TOKENS = 2048  # padded tokens per continuation-scoring forward where the device sets no budget (a CPU)
 
 
 def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dict, dict]:
@@ -53,7 +54,8 @@ def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dic
 class StaticRunner:
     kind = "torch-int4"
 
-    def __init__(self, engine_dir: Path, device: torch.device):
+    def __init__(self, engine_dir: Path, device: torch.device, graph_batch_sizes: Sequence[int] | None = None):
+        """graph_batch_sizes: the decode batch sizes captured on CUDA; None: the engine's own (engine.json)."""
         from qgate.device import batch_tokens
         from qgate.trust import check_loadable, load_tokenizer
 
@@ -74,7 +76,7 @@ class StaticRunner:
         )
         self.graphs: dict[tuple[int, int], tuple] = {}  # (batch size, context slots) -> (graph, its logits)
         if device.type == "cuda":
-            self._capture(self.spec["graph_batch_sizes"], self.spec["max_seq_len"])
+            self._capture(graph_batch_sizes or self.spec["graph_batch_sizes"], self.spec["max_seq_len"])
 
     def _capture(self, sizes: Sequence[int], slots: int) -> None:
         """One CUDA graph of a decode step per (batch size, context bucket), all over one KV cache of `slots` slots and
@@ -127,13 +129,25 @@ class StaticRunner:
         self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], prefix: Sequence[int] = ()
     ) -> list[list[np.ndarray]]:
         """As TorchRunner.continuation_logits, each continuation scored as one whole sequence prefix + context +
-        continuation (no cache reuse: the engine is measured on what it computes, not on how little)."""
+        continuation (no cache reuse: the engine is measured on what it computes, not on how little), in batches of
+        similar length within the runner's token budget."""
         rows = [
             (g, list(prefix) + list(c) + list(k[:-1]), len(k)) for g, (c, conts) in enumerate(groups) for k in conts
         ]
-        res: list[list[np.ndarray]] = [[] for _ in groups]
-        for g, seq, n in rows:
-            res[g].append(self.logits_batch([seq], keep_last=n)[0])
+        budget = self.batch_tokens or SCORING_TOKENS
+        res: list[list] = [[None] * len(conts) for _, conts in groups]
+        slot = [j for _, conts in groups for j in range(len(conts))]
+        order = sorted(range(len(rows)), key=lambda r: len(rows[r][1]))
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and (end - start + 1) * len(rows[order[end]][1]) <= budget:
+                end += 1
+            chunk = order[start:end]
+            start = end
+            out = self.logits_batch([rows[r][1] for r in chunk], keep_last=max(rows[r][2] for r in chunk))
+            for r, logits in zip(chunk, out, strict=True):
+                res[rows[r][0]][slot[r]] = logits[-rows[r][2] :]
         return res
 
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
@@ -142,8 +156,61 @@ class StaticRunner:
     def greedy_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy answers, each ending at its first stop token (included): one prefill into the static cache, then
         one decode step per token, replayed from a captured graph when one holds the batch."""
+        answers: list[list[int]] = [[] for _ in prompts]
+        if max_new_tokens < 1:
+            return answers
+        live = [True] * len(prompts)
+
+        def take(step: int, logits: torch.Tensor) -> torch.Tensor | None:
+            nxt = logits[:, -1].argmax(-1)  # [rows]
+            for r, t in enumerate(nxt[: len(prompts)].tolist()):
+                if live[r]:
+                    answers[r].append(t)
+                    live[r] = t not in self.stops
+            return nxt if any(live) else None
+
+        self._decode(prompts, max_new_tokens - 1, 1, take)
+        return answers
+
+    def served_logits_batch(self, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list:
+        """Teacher-forced logits [T, V] per sequence as the engine serves them: its first prompt_lens[i] positions
+        from one prefill, every later position from one decode step fed the sequence's next token (the captured
+        graphs when one holds the batch). On CUDA the two run different kernels (engines/static_llama.py), so this
+        is what a gate scores an answer's positions with; logits_batch runs every position as prefill."""
+        prompts = [list(s[:p]) for s, p in zip(seqs, prompt_lens, strict=True)]
+        answers = [list(s[p:]) for s, p in zip(seqs, prompt_lens, strict=True)]
+        steps = max(len(a) for a in answers)
+        parts: list[torch.Tensor] = []
+        feed: list[torch.Tensor] = []
+
+        def take(step: int, logits: torch.Tensor) -> torch.Tensor | None:
+            if step < 0:
+                rows = logits.shape[0]
+                feed.append(
+                    torch.tensor(
+                        [a + [self.pad] * (steps - len(a)) for a in answers]
+                        + [[self.pad] * steps] * (rows - len(seqs)),
+                        dtype=torch.long,
+                        device=self.device,
+                    ).reshape(rows, steps)
+                )
+            parts.append(logits if step < 0 else logits.clone())  # a graph's output is overwritten by its next replay
+            return feed[0][:, step + 1] if step + 1 < steps else None
+
+        width = self._decode(prompts, steps, 0, take)
+        decoded = torch.cat(parts[1:], 1) if len(parts) > 1 else parts[0][:, :0]  # [rows, steps, V]
+        return [
+            as_logits(torch.cat([parts[0][i, width - len(p) :], decoded[i, : len(a)]]))
+            for i, (p, a) in enumerate(zip(prompts, answers, strict=True))
+        ]
+
+    def _decode(self, prompts: Sequence[Sequence[int]], steps: int, keep: int, take) -> int:
+        """Prefill `prompts` (left-padded) into the static cache, then up to `steps` decode steps. take(step, logits)
+        gets the prefill's float32 logits (step -1: [rows, keep or the padded width, V]) and each step's ([rows, 1,
+        V]), and returns the tokens [rows] the next step feeds, or None to stop. Rows past len(prompts) are padding of
+        a captured graph's batch size. Returns the padded prompt width."""
         b, width = len(prompts), max(len(p) for p in prompts)
-        need = width + max_new_tokens
+        need = width + steps + 1
         fits = [(s, n) for s, n in self.graphs if s >= b and n >= need]
         rows, n = min(fits) if fits else (b, need)
         m = self.model
@@ -153,20 +220,14 @@ class StaticRunner:
             self.g_valid[:rows].zero_()
             valid = self.g_valid[:rows, :n]
         else:
-            m.setup_cache(rows, width + max_new_tokens)
-            valid = torch.zeros(rows, width + max_new_tokens, dtype=torch.bool, device=self.device)
+            m.setup_cache(rows, need)
+            valid = torch.zeros(rows, need, dtype=torch.bool, device=self.device)
         valid[:, :width] = valid_w
         lengths = valid_w.sum(-1, keepdim=True)  # [rows, 1]
-        answers: list[list[int]] = [[] for _ in prompts]
-        live = [True] * b
         with torch.inference_mode():
-            nxt = m(tok, pos, valid, 0, logits_to_keep=1)[:, -1].argmax(-1)  # [rows]
-            for step in range(max_new_tokens):
-                for r, t in enumerate(nxt[:b].tolist()):
-                    if live[r]:
-                        answers[r].append(t)
-                        live[r] = t not in self.stops
-                if step == max_new_tokens - 1 or not any(live):
+            nxt = take(-1, m(tok, pos, valid, 0, logits_to_keep=keep))
+            for step in range(steps):
+                if nxt is None:
                     break
                 slot = width + step
                 valid[:, slot] = True
@@ -178,5 +239,5 @@ class StaticRunner:
                     graph.replay()
                 else:
                     out = m(nxt[:, None], lengths + step, valid, slot)
-                nxt = out[:, -1].argmax(-1)
-        return answers
+                nxt = take(step, out)
+        return width

@@ -113,18 +113,24 @@ def _sequences(ref: dict) -> list[list[int]]:
     return split_sequences(ref["tokens"], ref["seq_lens"])
 
 
-def score_sequences(runner, seqs: list[list[int]], desc: str, reduce) -> list:
+def score_sequences(runner, seqs: list[list[int]], desc: str, reduce, prompt_lens=None) -> list:
     """reduce(i, teacher-forced logits [T, V] of sequence i) for every sequence, returned in input order. The
     sequences run in length-sorted batches (runner.logits_batch: left-padded with position ids on the reference
     path), and each batch's logits are reduced and dropped before the next batch runs: one batch of logits is alive
     at a time (holding batches until their sequences' turn in input order kept up to all of them, and slowed the
-    forward passes beside them by ~10%)."""
+    forward passes beside them by ~10%). prompt_lens: where each sequence's answer starts; a runner that computes
+    answers with other kernels than prompts (the torch-int4 engine's decode steps) then scores each position as it
+    serves it (runner.served_logits_batch)."""
     out: list = [None] * len(seqs)
     batches = length_batches(
         [len(s) for s in seqs], max_tokens=runner.batch_tokens or MAX_BATCH_TOKENS
     )  # GPU: by free memory
+    served = prompt_lens is not None and hasattr(runner, "served_logits_batch")
     for batch in progress(batches, f"{desc} ({len(seqs)} prompts)", unit="batch"):
-        logits = runner.logits_batch([seqs[i] for i in batch])
+        if served:
+            logits = runner.served_logits_batch([seqs[i] for i in batch], [int(prompt_lens[i]) for i in batch])
+        else:
+            logits = runner.logits_batch([seqs[i] for i in batch])
         for j, i in enumerate(batch):
             out[i] = reduce(i, logits[j])
         del logits
@@ -274,7 +280,7 @@ def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dic
         )
 
     ts = time.perf_counter()
-    rows = score_sequences(runner, seqs, desc, per_sequence)
+    rows = score_sequences(runner, seqs, desc, per_sequence, prompt_lens=ref["prompt_lens"])
     score_s = time.perf_counter() - ts
     kls, tails, agree, undefined, first_div, gen_lens = zip(*rows, strict=True)
     return {

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One call on a GPU machine (DEVELOPERS.md, "A session with a GPU machine"): install the wheels `scripts/gpu_wheels.sh`
+# put in .whl/, run the 8B scale benchmark, then the gpu-marked tests in the time left. Logs and scale.json go to $OUT.
+#   bash scripts/gpu_session.sh [SECONDS [ARGS for benchmarks/gpu_scale.py...]]     # SECONDS: the whole budget (560)
+set -uo pipefail
+budget=${1:-560}
+shift || true
+start=$SECONDS
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  2>&1 | tail -3 || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1 TOKENIZERS_PARALLELISM=false
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
+  nproc
+  free -g | head -2
+  df -h /dev/shm /tmp | tail -2
+} >"$OUT/host.txt" 2>&1
+cat "$OUT/host.txt"
+# the 8B run's checkpoints (~16 + 5.5 + 4.5 GB) in memory when /dev/shm has room, else on disk
+shm=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
+work=/tmp/scale
+[ "${shm:-0}" -ge 40 ] && work=/dev/shm/scale
+timeout $((budget - 100)) python3 benchmarks/gpu_scale.py --tokenizer .whl/tokenizer --out "$work" \
+  --json "$OUT/scale.json" "$@" 2>&1 | grep -v "it/s\]$" | tee "$OUT/scale.log"
+rm -rf "$work"
+left=$((budget - (SECONDS - start)))
+echo "tests: ${left} s left"
+[ "$left" -gt 20 ] && timeout "$left" python3 -m pytest -q -m gpu tests/test_torch_int4.py tests/test_engines.py \
+  -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -30
+echo "total $((SECONDS - start)) s"
