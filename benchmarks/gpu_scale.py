@@ -286,6 +286,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
     ap.add_argument("--json", type=Path, action="append", default=[], help="more paths the results are written to")
     ap.add_argument("--no-dense", action="store_true", help="skip the bf16 engine (it writes the model again)")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode figures: quantize, build and gate only")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import logging
@@ -403,9 +404,10 @@ def main() -> int:
         del ref
         release(device)
 
-    res.phase("engine_decode", engine_decode)
-    res.phase("eager_decode", eager_decode)
-    print(json.dumps(dec, indent=1), flush=True)
+    if not args.no_decode:
+        res.phase("engine_decode", engine_decode)
+        res.phase("eager_decode", eager_decode)
+        print(json.dumps(dec, indent=1), flush=True)
 
     # the gate, cold: the demo's gate config on this device
     def gate():

@@ -24,11 +24,12 @@ cat "$OUT/host.txt"
 shm=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
 work=/tmp/scale
 [ "${shm:-0}" -ge 40 ] && work=/dev/shm/scale
-timeout $((budget - 100)) python3 benchmarks/gpu_scale.py --tokenizer .whl/tokenizer --out "$work" \
+tests=${GPU_TESTS:-1}   # GPU_TESTS=0: the scale run alone, with the whole budget
+timeout $((budget - 100 * tests - 5)) python3 benchmarks/gpu_scale.py --tokenizer .whl/tokenizer --out "$work" \
   --json "$OUT/scale.json" "$@" 2>&1 | grep -v "it/s\]$" | tee "$OUT/scale.log"
 rm -rf "$work"
 left=$((budget - (SECONDS - start)))
 echo "tests: ${left} s left"
-[ "$left" -gt 20 ] && timeout "$left" python3 -m pytest -q -m gpu tests/test_torch_int4.py tests/test_engines.py \
+[ "$tests" = 1 ] && [ "$left" -gt 20 ] && timeout "$left" python3 -m pytest -q -m gpu tests/test_torch_int4.py tests/test_engines.py \
   -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -30
 echo "total $((SECONDS - start)) s"

@@ -100,6 +100,38 @@ def test_candidate_identical_to_baseline_passes_with_zero_disagreement(base_art,
     assert by["bigbench_general_knowledge.recovery"]["evidence"]["label_bias"]["share"] >= 1 / 12
 
 
+def test_a_memory_budget_batches_every_row_together_with_the_same_scores(base_art, calib_arts, monkeypatch):
+    """A GPU runner's memory budget (batch_tokens) replaces the CPU's row caps: the baseline's answers decode in one
+    batch and the shadow sequences score in one forward, with the answers and log-probs the CPU's batches give."""
+    from qgate.chat import encode_with_sources
+    from qgate.engines.runners import load_runner
+    from qgate.gates import shadow as sh
+
+    runner = load_runner(base_art)
+    cfg = sh.ShadowConfig(max_new_tokens=6, max_prompt_tokens=48)
+    rows = sh.load_shadow(calib_arts["shadow"], cfg)
+    prompts = [encode_with_sources(runner.tokenizer, r["messages"], 48)[0] for r in rows]
+    monkeypatch.setattr(sh, "GREEDY_BATCH_ROWS", 5)
+    monkeypatch.setattr(sh, "MAX_BATCH_ROWS", 5)
+    assert len(sh.greedy_batches(runner, prompts, 6)) > 1
+    capped = sh.greedy_scored(runner, prompts, 6, 4)
+    seqs = [p + a for p, (a, _) in zip(prompts, capped, strict=True)]
+    calls = []
+    inner = runner.logits_batch
+    runner.logits_batch = lambda batch, keep_last=None: calls.append(len(batch)) or inner(batch, keep_last)
+    capped_scores = sh.score_sequences(runner, seqs, "t", lambda i, x: x.max(-1))
+    assert max(calls) <= 5
+    runner.batch_tokens = 10**6
+    assert sh.greedy_batches(runner, prompts, 6) == [sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))]
+    budgeted = sh.greedy_scored(runner, prompts, 6, 4)
+    calls.clear()
+    scores = sh.score_sequences(runner, seqs, "t", lambda i, x: x.max(-1))
+    assert calls == [len(seqs)]
+    for (a, (ids, lp)), (b, (ids2, lp2)) in zip(capped, budgeted, strict=True):
+        assert a == b and np.abs(lp - lp2).max() < 1e-4
+    assert all(np.abs(x - y).max() < 1e-4 for x, y in zip(capped_scores, scores, strict=True))
+
+
 def test_second_candidate_reuses_cached_baseline(base_art, w8_art, awq_art, calib_arts, workdir, monkeypatch):
     import qgate.engines.runners as runners
 
@@ -456,6 +488,30 @@ def test_runner_lm_batched_and_shared_context_scores_match_single_sequences(base
     shared, prefix = tiny.check_lm_scores(runner)
     assert shared == 9  # the choices of all four multiple-choice contexts went through the shared-context path
     assert prefix >= 8  # and the instructions two of them share were computed once
+
+
+def test_runner_lm_finishes_a_whole_batch_as_request_by_request():
+    """Device logits are reduced for the whole batch at once (one host copy); the sums and greedy flags equal the
+    per-request reduction, and a request whose logits define no distribution still scores -inf."""
+    import torch
+
+    from qgate.gates.lm import RunnerLM
+
+    g = torch.Generator().manual_seed(0)
+    items = [
+        (i, torch.randn(n, 50, generator=g) * 3, [int(t) for t in torch.randint(0, 50, (n,), generator=g)])
+        for i, n in enumerate([1, 4, 2, 7])
+    ]
+    items[1][1][2, 5] = float("nan")
+    top = items[2][1].argmax(-1).tolist()
+    items[2] = (2, items[2][1], top)  # the greedy path
+    got, want = [None] * 4, [None] * 4
+    RunnerLM._finish_batched(items, got)
+    for i, logits, target in items:
+        want[i] = RunnerLM._finish(None, logits, target)
+    assert got[1] == (float("-inf"), False) and got[2][1] is True
+    for (a, ga), (b, gb) in zip(got, want, strict=True):
+        assert ga == gb and a == pytest.approx(b, rel=1e-6, abs=1e-5)
 
 
 @pytest.mark.parametrize("forward_cost", [0, 10**6])

@@ -110,6 +110,34 @@ class RunnerLM(LM):
             return float("-inf"), False
         return ll, bool((x.argmax(-1) == t).all())
 
+    def _finish_all(self, items: list[tuple[int, object, list[int]]], out: list) -> None:
+        """out[i] = _finish(logits, target) for each (i, logits, target). Logits on an accelerator are reduced in one
+        pass over the whole batch there, with one copy of the per-position log-probs to the host, where each request's
+        are summed: request by request, the small reductions and their host synchronizations cost more than the
+        forward pass that made the logits. Host logits go request by request (no copy into one array)."""
+        import torch
+
+        if not items or not isinstance(items[0][1], torch.Tensor) or items[0][1].device.type == "cpu":
+            for i, logits, target in items:
+                out[i] = self._finish(logits, target)
+        else:
+            self._finish_batched(items, out)
+
+    @staticmethod
+    def _finish_batched(items: list[tuple[int, object, list[int]]], out: list) -> None:
+        import torch
+
+        x = torch.cat([logits.float() for _, logits, _ in items])  # [N, V]
+        t = torch.as_tensor([tok for _, _, target in items for tok in target], device=x.device)
+        lp = (x[torch.arange(len(t), device=x.device), t] - torch.logsumexp(x, -1)).cpu()
+        hit = (x.argmax(-1) == t).cpu()
+        a = 0
+        for i, _, target in items:
+            b = a + len(target)
+            ll = float(lp[a:b].sum())
+            out[i] = (float("-inf"), False) if ll != ll else (ll, bool(hit[a:b].all()))
+            a = b
+
     def _score_shared(self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], out: list) -> None:
         """Batches of contexts with one shared prefix each: padded suffixes, and continuation tokens (which the runner
         pads only within groups of similar length), within the token budget."""
@@ -133,9 +161,14 @@ class RunnerLM(LM):
             batch = self.runner.continuation_logits(
                 [(list(c[p:]), [pairs[i][1] for i in ix]) for _, c, ix in chunk], prefix=list(c0[:p])
             )
-            for (_, _, ix), per_cont in zip(chunk, batch, strict=True):
-                for i, logits in zip(ix, per_cont, strict=True):
-                    out[i] = self._finish(logits, pairs[i][1])
+            self._finish_all(
+                [
+                    (i, logits, pairs[i][1])
+                    for (_, _, ix), per_cont in zip(chunk, batch, strict=True)
+                    for i, logits in zip(ix, per_cont, strict=True)
+                ],
+                out,
+            )
 
     def _score_whole(self, pairs, todo: list[int], out: list) -> None:
         seqs = {i: (pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in todo}
@@ -149,9 +182,13 @@ class RunnerLM(LM):
             start = end
             need = max(len(pairs[i][1]) for i in chunk)
             batch = self.runner.logits_batch([seqs[i][:-1] for i in chunk], keep_last=need)  # each [<=need, V]
-            for i, logits in zip(chunk, batch, strict=True):
-                n = len(pairs[i][1])
-                out[i] = self._finish(logits[-n:], seqs[i][-n:])
+            self._finish_all(
+                [
+                    (i, logits[-len(pairs[i][1]) :], seqs[i][-len(pairs[i][1]) :])
+                    for i, logits in zip(chunk, batch, strict=True)
+                ],
+                out,
+            )
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         pairs = []

@@ -49,6 +49,7 @@ from qgate.chat import encode_with_sources
 from qgate.errors import ConfigError, InputError
 from qgate.gates.result import GateResult
 from qgate.gates.scoring import (
+    MAX_BATCH_ROWS,
     MAX_BATCH_TOKENS,
     UNDEFINED,
     kl_with_tail,
@@ -122,9 +123,12 @@ def score_sequences(runner, seqs: list[list[int]], desc: str, reduce, prompt_len
     answers with other kernels than prompts (the torch-int4 engine's decode steps) then scores each position as it
     serves it (runner.served_logits_batch)."""
     out: list = [None] * len(seqs)
+    budget = runner.batch_tokens  # a GPU runner's, from its free memory: rows are bounded by it alone
     batches = length_batches(
-        [len(s) for s in seqs], max_tokens=runner.batch_tokens or MAX_BATCH_TOKENS
-    )  # GPU: by free memory
+        [len(s) for s in seqs],
+        max_tokens=budget or MAX_BATCH_TOKENS,
+        max_rows=len(seqs) if budget else MAX_BATCH_ROWS,
+    )
     served = prompt_lens is not None and hasattr(runner, "served_logits_batch")
     for batch in progress(batches, f"{desc} ({len(seqs)} prompts)", unit="batch"):
         if served:
@@ -137,14 +141,23 @@ def score_sequences(runner, seqs: list[list[int]], desc: str, reduce, prompt_len
     return out
 
 
+def greedy_batches(runner, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Decode batches of similar length: within GREEDY_BATCH_TOKENS and GREEDY_BATCH_ROWS on a CPU; on a GPU within
+    the runner's memory budget alone, since a decode step there costs about the same for one row as for dozens."""
+    budget = getattr(runner, "batch_tokens", None)
+    return length_batches(
+        [len(p) + max_new_tokens for p in prompts],
+        max_tokens=max(GREEDY_BATCH_TOKENS, budget or 0),
+        max_rows=len(prompts) if budget else GREEDY_BATCH_ROWS,
+    )
+
+
 def greedy_answers(runner, prompts: list[list[int]], max_new_tokens: int, desc: str) -> list[list[int]]:
     """The runner's greedy answers, in batches of similar prompt length when it can batch (KV cache, left padding)."""
     if not hasattr(runner, "greedy_batch"):
         return [runner.greedy(p, max_new_tokens) for p in progress(prompts, desc, unit="prompt")]
     answers: list[list[int] | None] = [None] * len(prompts)
-    batches = length_batches(
-        [len(p) + max_new_tokens for p in prompts], max_tokens=GREEDY_BATCH_TOKENS, max_rows=GREEDY_BATCH_ROWS
-    )
+    batches = greedy_batches(runner, prompts, max_new_tokens)
     for batch in progress(batches, f"{desc} ({len(prompts)} prompts)", unit="batch"):
         for i, a in zip(batch, runner.greedy_batch([prompts[i] for i in batch], max_new_tokens), strict=True):
             answers[i] = a
@@ -155,11 +168,15 @@ def greedy_scored(runner, prompts: list[list[int]], max_new_tokens: int, top_k: 
     """(answer, (top-k ids, top-k log-probs) over prompt + answer positions) per prompt, in input order, from
     runner.greedy_scored in batches of similar length."""
     results: list = [None] * len(prompts)
-    batches = length_batches(
-        [len(p) + max_new_tokens for p in prompts], max_tokens=GREEDY_BATCH_TOKENS, max_rows=GREEDY_BATCH_ROWS
-    )
-    for batch in progress(batches, f"shadow: baseline answers ({len(prompts)} prompts)", unit="batch"):
-        out = runner.greedy_scored([prompts[i] for i in batch], max_new_tokens, lambda x: top_k_logprobs(x, top_k))
+    budget = {"prefill_tokens": runner.batch_tokens} if getattr(runner, "batch_tokens", None) else {}
+    for batch in progress(
+        greedy_batches(runner, prompts, max_new_tokens),
+        f"shadow: baseline answers ({len(prompts)} prompts)",
+        unit="batch",
+    ):
+        out = runner.greedy_scored(
+            [prompts[i] for i in batch], max_new_tokens, lambda x: top_k_logprobs(x, top_k), **budget
+        )
         for i, r in zip(batch, out, strict=True):
             results[i] = r
     return results
