@@ -1,6 +1,6 @@
 """The 8B scale run: an 8B Llama-3-shaped model quantized, built into the torch-int4 engine and gated on one GPU.
 
-    python benchmarks/gpu_scale.py --tokenizer DIR --out /tmp/scale           # on a CUDA host, ~15 min on one H100
+    python benchmarks/gpu_scale.py --tokenizer DIR --out /tmp/scale           # on a CUDA host, ~5 min on one H200
     python benchmarks/gpu_scale.py --tokenizer DIR --out /tmp/s --shape tiny  # the same steps at toy size (CPU too)
 
 Steps, each timed: build the model from a config with random bf16 weights (SmolLM2's tokenizer, vocab 49,152, from
