@@ -8,9 +8,10 @@ Run it alone: two CPU-heavy processes on 2 cores distort each other badly.
    the W8A16 checkpoint on the reference path).
 2. Cold baseline reference (greedy answers + top-k log-probs) / the baseline's teacher-forced forward time on the
    same tokens.
-3. Decode: greedy tok/s of onnxruntime-genai int4 engines (lm_head fp32 / int8 / int4, accuracy level, threads) /
-   transformers eager fp32, at batch 1 and batch 8, each engine with its shadow-gate KL p99 and top-1 against the
-   baseline: the gate, not a guess, says whether a faster head is acceptable.
+3. Decode-only tok/s (from the first new token on, benchmarks/bench_cpu_decode.py) of onnxruntime-genai int4 engines
+   (lm_head fp32 / int8 / int4, accuracy level, threads set explicitly) / transformers eager fp32 decode-only, at
+   batch 1 and batch 8, each engine with its shadow-gate KL p99 and top-1 against the baseline: the gate, not a
+   guess, says whether a faster head is acceptable. Host, bandwidth and roofline: benchmarks/bench_cpu_decode.py.
 4. Eval scoring items/s (the demo's task set) for the baseline and the int4 engine.
 Pipeline wall time by stage: benchmarks/bench_pipeline.py.
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cpu_decode's decode loops
 
 
 def load(workdir: Path):
@@ -110,64 +112,19 @@ def _prompts(arts: dict, n: int) -> list[list[int]]:
     return [encode_messages(tok, r["messages"], 256) for r in rows]
 
 
-def decode_hf(arts: dict, prompts: list[list[int]], new: int, batch: int) -> float:
-    import torch
-
-    from qgate.engines.runners import load_runner
-
-    runner = load_runner(arts["base"])
-
-    def run():
-        n, t = 0, time.perf_counter()
-        for a in range(0, len(prompts), batch):
-            chunk = prompts[a : a + batch]
-            width = max(map(len, chunk))
-            x = torch.tensor([[2] * (width - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            with torch.inference_mode():
-                out = runner.model.generate(
-                    x, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=2
-                )
-            n += (out.shape[1] - width) * len(chunk)
-        return n / (time.perf_counter() - t)
-
-    run()  # warm-up
-    return max(run(), run())  # best of two: a slow spell of a shared machine is not the engine
-
-
-def decode_ort(engine_dir: Path, prompts: list[list[int]], new: int, batch: int, threads: int | None) -> float:
-    import onnxruntime_genai as og
-
-    config = og.Config(str(engine_dir))
-    if threads:
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
-    model = og.Model(config)
-
-    def run():
-        n, t = 0, time.perf_counter()
-        for a in range(0, len(prompts), batch):
-            chunk = prompts[a : a + batch]
-            width = max(map(len, chunk))
-            p = og.GeneratorParams(model)
-            p.set_search_options(max_length=width + new, min_length=width + new, do_sample=False, batch_size=len(chunk))
-            g = og.Generator(model, p)
-            g.append_tokens(np.asarray([[2] * (width - len(x)) + x for x in chunk], np.int32))  # pad id 2, left
-            while not g.is_done():
-                g.generate_next_token()
-                n += len(chunk)
-        return n / (time.perf_counter() - t)
-
-    run()  # warm-up
-    return max(run(), run())  # best of two: a slow spell of a shared machine is not the engine
-
-
 def bench_decode(arts: dict, cache: Path, prompts: int, new: int) -> dict:
+    from bench_cpu_decode import hf_decode, ort_decode
+
     from qgate.engines.cpu import CpuEngineConfig, build_cpu
     from qgate.gates.run import GateConfig, shadow_check
 
     ps = _prompts(arts, prompts)
-    res = {"transformers_fp32": {b: decode_hf(arts, ps, new, b) for b in (1, 8)}, "engines": []}
-    options = [("fp32", 4, None), ("int8", 4, None), ("int4", 4, None), ("fp32", 1, None), ("int8", 4, 1)]
+    res = {
+        "transformers_fp32": {b: hf_decode(arts["base"].path, ps, new, b)["decode_tok_s"] for b in (1, 8)},
+        "engines": [],
+    }
+    cores = len(os.sched_getaffinity(0))
+    options = [("fp32", 4, cores), ("int8", 4, cores), ("int4", 4, cores), ("fp32", 1, cores), ("int8", 4, 1)]
     with tempfile.TemporaryDirectory() as tmp:
         built = {}
         for head, level, threads in options:
@@ -187,12 +144,12 @@ def bench_decode(arts: dict, cache: Path, prompts: int, new: int) -> dict:
             row = {
                 "lm_head": head,
                 "accuracy_level": level,
-                "threads": threads or os.cpu_count(),
+                "threads": threads,
                 "engine_mb": eng.meta["engine_bytes"] / 1e6,
                 **eng.meta["bench_gate"],
             }
             for b in (1, 8):
-                row[f"tok_s_b{b}"] = decode_ort(eng.path / "onnx", ps, new, b, threads)
+                row[f"tok_s_b{b}"] = ort_decode(eng.path / "onnx", ps, new, b, threads)["decode_tok_s"]
                 row[f"speedup_b{b}"] = row[f"tok_s_b{b}"] / res["transformers_fp32"][b]
             res["engines"].append(row)
     return res
@@ -253,7 +210,7 @@ def main() -> None:
     if d:
         tf = d["transformers_fp32"]
         print(
-            f"3. decode, greedy {args.new_tokens} new tokens x {args.prompts} prompts; transformers eager fp32: "
+            f"3. decode only, greedy {args.new_tokens} new tokens x {args.prompts} prompts; transformers eager fp32: "
             f"{tf[1]:.1f} tok/s at batch 1, {tf[8]:.1f} at batch 8"
         )
         print(
