@@ -119,8 +119,12 @@ class StaticLlama(nn.Module):
         self.max_positions = c.max_position_embeddings
         self.qkv_widths = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2
 
+        def weight(p: str):
+            """A Linear's weight: an Int4Weight or dense tensor under its prefix, or its `.weight` tensor."""
+            return tensors.get(p, tensors.get(f"{p}.weight"))
+
         def lin(p: str) -> Linear:
-            w = tensors.get(p, tensors.get(f"{p}.weight"))
+            w = weight(p)
             if w is None:
                 raise ConfigError(f"checkpoint has no weight for {p}")
             return Linear(w, tensors.get(f"{p}.bias"), dtype, device)
@@ -131,7 +135,7 @@ class StaticLlama(nn.Module):
         def fused(prefixes: list[str]) -> Linear | None:
             """One Linear computing these Linears' outputs side by side (one wider kernel instead of several), when
             their weights are all int4 with one group size or all dense; None otherwise."""
-            ws = [tensors.get(p, tensors.get(f"{p}.weight")) for p in prefixes]
+            ws = [weight(p) for p in prefixes]
             bs = [tensors.get(f"{p}.bias") for p in prefixes]
             if any(w is None for w in ws) or len({b is None for b in bs}) > 1:
                 return None

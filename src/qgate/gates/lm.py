@@ -38,6 +38,20 @@ def prefix_runs(
     return [r for r, w in zip(runs, worth, strict=True) if w] + ([(0, alone)] if alone else [])
 
 
+def _per_position(x, t):
+    """Per position of logits x [n, V] (float32): log p(t) and whether t is the argmax."""
+    import torch
+
+    return x[torch.arange(len(t), device=x.device), t] - torch.logsumexp(x, -1), x.argmax(-1) == t
+
+
+def _summed(lp, hit) -> tuple[float, bool]:
+    """(sum of log p(target), every target the argmax) for one request's positions. NaN: a position whose logits
+    define no distribution (NaN or +inf) gives the target nothing."""
+    ll = float(lp.sum())
+    return (float("-inf"), False) if ll != ll else (ll, bool(hit.all()))
+
+
 class RunnerLM(LM):
     BATCH_TOKENS = (
         2048  # padded tokens per runner.logits_batch call (benchmarks/bench_eval.py: fastest of 2k-8k on 2 cores)
@@ -103,12 +117,7 @@ class RunnerLM(LM):
             if isinstance(logits, torch.Tensor)
             else torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
         )
-        t = torch.as_tensor(target, device=x.device)
-        picked = x[torch.arange(len(target)), t]
-        ll = float((picked - torch.logsumexp(x, -1)).sum())
-        if ll != ll:  # NaN: a position whose logits define no distribution (NaN or +inf) gives the target nothing
-            return float("-inf"), False
-        return ll, bool((x.argmax(-1) == t).all())
+        return _summed(*_per_position(x, torch.as_tensor(target, device=x.device)))
 
     def _finish_all(self, items: list[tuple[int, object, list[int]]], out: list) -> None:
         """out[i] = _finish(logits, target) for each (i, logits, target). Logits on an accelerator are reduced in one
@@ -128,14 +137,12 @@ class RunnerLM(LM):
         import torch
 
         x = torch.cat([logits.float() for _, logits, _ in items])  # [N, V]
-        t = torch.as_tensor([tok for _, _, target in items for tok in target], device=x.device)
-        lp = (x[torch.arange(len(t), device=x.device), t] - torch.logsumexp(x, -1)).cpu()
-        hit = (x.argmax(-1) == t).cpu()
+        lp, hit = _per_position(x, torch.as_tensor([tok for _, _, target in items for tok in target], device=x.device))
+        lp, hit = lp.cpu(), hit.cpu()
         a = 0
         for i, _, target in items:
             b = a + len(target)
-            ll = float(lp[a:b].sum())
-            out[i] = (float("-inf"), False) if ll != ll else (ll, bool(hit[a:b].all()))
+            out[i] = _summed(lp[a:b], hit[a:b])
             a = b
 
     def _score_shared(self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], out: list) -> None:
