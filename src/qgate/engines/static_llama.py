@@ -92,15 +92,16 @@ class Linear(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalized in float32, scaled in the activation dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    """RMSNorm in one kernel where torch has a fused one (CUDA): normalized and scaled in float32, rounded once to the
+    activation dtype. transformers' LlamaRMSNorm rounds twice, after normalizing and after scaling, in eight kernels;
+    the two differ by at most one rounding step of the activation dtype, which engine parity measures."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE as transformers computes it, x * cos + rotate_half(x) * sin, in four kernels: rotate_half(x) * sin equals
+    roll(x, D/2) * sin_signed exactly, where sin_signed negates the first half of sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 class StaticLlama(nn.Module):
@@ -117,7 +118,6 @@ class StaticLlama(nn.Module):
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.max_positions = c.max_position_embeddings
-        self.qkv_widths = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2
 
         def weight(p: str):
             """A Linear's weight: an Int4Weight or dense tensor under its prefix, or its `.weight` tensor."""
@@ -176,7 +176,8 @@ class StaticLlama(nn.Module):
         pos = torch.arange(c.max_position_embeddings)[None]  # [1, P]
         cos, sin = rope(torch.empty(0, dtype=torch.float32), pos)  # [1, P, D] float32
         self.register_buffer("cos", cos[0].to(device, dtype))  # [P, D]
-        self.register_buffer("sin", sin[0].to(device, dtype))
+        half = cos.shape[-1] // 2
+        self.register_buffer("sin", torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1).to(device, dtype))  # signed
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
 
@@ -203,7 +204,7 @@ class StaticLlama(nn.Module):
         b, t = tokens.shape
         s = valid.shape[1]
         x = F.embedding(tokens, self.embed)  # [B, T, H]
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, D]
+        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, T, 1, D]
         if slot is None:
             slots = torch.arange(t, device=tokens.device)
             keys = slots
@@ -217,23 +218,28 @@ class StaticLlama(nn.Module):
         ]  # [B, T, S]
         g = self.heads // self.kv_heads
         mask = mask[:, None, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, -1)  # [B, 1, G*T, S]
+        # additive, built once per forward: SDPA would convert a boolean mask again in every layer
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        nq, nkv = self.heads, self.kv_heads
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.in_norm, self.eps)
-            if "qkv" in layer:
-                q, k, v = layer["qkv"](h).split(self.qkv_widths, -1)
+            if "qkv" in layer:  # q and k side by side in the fused output: rotated together
+                qkv = layer["qkv"](h)
+                qk = _rotate(qkv[..., : (nq + nkv) * self.head_dim].view(b, t, nq + nkv, -1), cos, sin)
+                q, k = qk[:, :, :nq], qk[:, :, nq:]  # [B, T, H or Hkv, D]
+                v = qkv[..., (nq + nkv) * self.head_dim :].view(b, t, nkv, -1)
             else:
-                q, k, v = layer["q_proj"](h), layer["k_proj"](h), layer["v_proj"](h)
-            q = q.reshape(b, t, self.heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-            k = k.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-            v = v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                q = _rotate(layer["q_proj"](h).view(b, t, nq, -1), cos, sin)
+                k = _rotate(layer["k_proj"](h).view(b, t, nkv, -1), cos, sin)
+                v = layer["v_proj"](h).view(b, t, nkv, -1)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H or Hkv, T, D]
             if slot is not None:
                 self.k_cache[i][:b].index_copy_(2, slots, k)
                 self.v_cache[i][:b].index_copy_(2, slots, v)
                 k, v = self.k_cache[i][:b, :, :s], self.v_cache[i][:b, :, :s]  # [B, Hkv, S, D]
             # grouped-query attention as Hkv heads of G*T queries each: K/V are read as stored, never copied per head
-            a = F.scaled_dot_product_attention(q.reshape(b, self.kv_heads, g * t, self.head_dim), k, v, attn_mask=mask)
-            a = a.reshape(b, self.heads, t, self.head_dim)  # [B, H, T, D]
+            a = F.scaled_dot_product_attention(q.reshape(b, nkv, g * t, self.head_dim), k, v, attn_mask=bias)
+            a = a.reshape(b, nq, t, self.head_dim)  # [B, H, T, D]
             x = x + layer["o_proj"](a.transpose(1, 2).reshape(b, t, -1))
             h = rms_norm(x, layer.post_norm, self.eps)
             if "gate_up" in layer:
