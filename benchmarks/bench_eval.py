@@ -176,10 +176,10 @@ def main() -> None:
     print(f"max |log-likelihood difference| across strategies: {worst:.2e}")
     print("current default tasks:")
     now, n_now = requests_for({t: None for t in DEFAULT_TASKS if t != "chatterbot_ppl"})
-    forward_cost = runner.FORWARD_COST
-    runner.FORWARD_COST = 10**9  # one group: every continuation of a batch padded to the longest
+    forward_cost = runner.forward_cost
+    runner.forward_cost = 10**9  # one group: every continuation of a batch padded to the longest
     padded, s0 = timed(RunnerLM(runner), now)
-    runner.FORWARD_COST = forward_cost
+    runner.forward_cost = forward_cost
     count = Positions(runner.model)
     secs, s1 = timed(RunnerLM(runner), now)
     ran = count.n

@@ -519,7 +519,7 @@ def test_runner_lm_scores_match_with_every_continuation_length_alone_or_all_padd
     from qgate.engines.runners import load_runner
 
     runner = load_runner(base_art)
-    runner.FORWARD_COST = forward_cost  # 0: one forward per continuation length; huge: one padded forward per batch
+    runner.forward_cost = forward_cost  # 0: one forward per continuation length; huge: one padded forward per batch
     assert tiny.check_lm_scores(runner)[0] == 9
 
 
@@ -547,6 +547,28 @@ def test_length_groups_is_the_cheapest_grouping():
         assert cost(got, lengths, fc) == best
     assert length_groups([], 24) == []
     assert length_groups([1, 1, 9], 0) == [(1, 1), (9, 9)] and length_groups([1, 1, 9], 10**6) == [(1, 9)]
+
+
+def test_padded_batches_cover_every_row_once_within_the_budget_and_the_cheapest_groups():
+    import random
+
+    from qgate.engines.runners import length_groups, padded_batches
+
+    rng = random.Random(1)
+    for _ in range(100):
+        lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 200))]
+        fc, budget = rng.choice([0, 24, 256]), rng.choice([64, 2048, 65536])
+        batches = padded_batches(lengths, fc, budget)
+        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+        groups = length_groups(lengths, fc)
+        for b in batches:
+            top = max(lengths[i] for i in b)
+            assert len(b) == 1 or len(b) * top <= budget  # a row longer than the budget runs alone
+            lo, hi = next(g for g in groups if g[0] <= top <= g[1])
+            assert all(lo <= lengths[i] <= hi for i in b)  # one group's rows only
+    assert padded_batches([5, 1, 5, 1], 10**6, 100) == [[1, 3, 0, 2]]  # one forward, shortest first
+    assert padded_batches([5, 1, 5, 1], 0, 100) == [[1, 3], [0, 2]]  # one per length
+    assert padded_batches([5, 5, 5], 10**6, 10) == [[0, 1], [2]]
 
 
 def test_prefix_runs_group_contexts_by_what_they_share():

@@ -134,17 +134,31 @@ def length_groups(lengths: Sequence[int], forward_cost: float) -> list[tuple[int
     return groups[::-1]
 
 
+def padded_batches(lengths: Sequence[int], forward_cost: float, max_tokens: int) -> list[list[int]]:
+    """Indices of rows of these lengths, batched for right- or left-padded forwards: the groups of `length_groups`,
+    each split into batches of at most max_tokens padded tokens (rows x the group's longest), rows by length."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    at = 0
+    for _, hi in length_groups(lengths, forward_cost):
+        group = []
+        while at < len(order) and lengths[order[at]] <= hi:
+            group.append(order[at])
+            at += 1
+        rows = max(1, max_tokens // max(hi, 1))
+        batches += [group[a : a + rows] for a in range(0, len(group), rows)]
+    return batches
+
+
 class TorchRunner:
     """PyTorch eager reference path on a device (float32 on the CPU, the served dtype on CUDA; compressed-tensors
     checkpoints are decompressed on load)."""
 
     kind = "torch-reference"
-    FORWARD_COST = 24  # positions one forward's fixed cost is worth: reading 540 MB of weights ~ 24 positions' compute
-    # for the 135M demo model on 2 cores (a [1, 2] forward 0.15 s, 5 ms per further position)
 
     def __init__(self, path: Path, device: str = "cpu", dtype: str = "auto"):
         """device: auto, cpu, cuda or cuda:N; dtype: auto (float32 on the CPU, the served dtype on CUDA) or a name."""
-        from qgate.device import batch_tokens, compute_dtype, numerics, resolve_device
+        from qgate.device import batch_tokens, compute_dtype, forward_cost, numerics, resolve_device
         from qgate.trust import check_loadable, load_causal_lm, load_tokenizer
 
         check_loadable(path)
@@ -160,6 +174,7 @@ class TorchRunner:
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.batch_tokens = batch_tokens(self.device, self.model.config.vocab_size, self.model.config.hidden_size)
         self.numerics = numerics(self.device, self.dtype)
+        self.forward_cost = forward_cost(self.device)  # continuation_logits' length groups
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         import torch
@@ -231,7 +246,7 @@ class TorchRunner:
                 logits_to_keep=1,
             )
             first = as_logits(out.logits[:, -1])  # [G, V]: predicts each continuation's first token
-            todo = length_groups([f for f in fed if f > 0], self.FORWARD_COST)
+            todo = length_groups([f for f in fed if f > 0], self.forward_cost)
             for j, (lo, hi) in enumerate(todo):
                 rs = [r for r, f in enumerate(fed) if lo <= f <= hi]
                 idx = torch.tensor([rows[r][0] for r in rs], device=self.device)

@@ -56,7 +56,7 @@ class StaticRunner:
 
     def __init__(self, engine_dir: Path, device: torch.device, graph_batch_sizes: Sequence[int] | None = None):
         """graph_batch_sizes: the decode batch sizes captured on CUDA; None: the engine's own (engine.json)."""
-        from qgate.device import batch_tokens
+        from qgate.device import batch_tokens, forward_cost
         from qgate.trust import check_loadable, load_tokenizer
 
         engine_dir = Path(engine_dir)
@@ -68,6 +68,7 @@ class StaticRunner:
         check_vocab(engine_dir, self.tokenizer, self.model.embed.shape[0])
         self.max_length = int(config.get("max_position_embeddings", 2048))
         self.batch_tokens = batch_tokens(device, self.model.embed.shape[0], config["hidden_size"])
+        self.forward_cost = forward_cost(device)
         gen = engine_dir / SERVED_SUBDIR / "generation_config.json"
         eos = (json.loads(gen.read_text()) if gen.exists() else config).get("eos_token_id")
         self.stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -130,21 +131,16 @@ class StaticRunner:
     ) -> list[list[np.ndarray]]:
         """As TorchRunner.continuation_logits, each continuation scored as one whole sequence prefix + context +
         continuation (no cache reuse: the engine is measured on what it computes, not on how little), in batches of
-        similar length within the runner's token budget."""
+        similar length within the runner's token budget (engines/runners.padded_batches)."""
+        from qgate.engines.runners import padded_batches
+
         rows = [
             (g, list(prefix) + list(c) + list(k[:-1]), len(k)) for g, (c, conts) in enumerate(groups) for k in conts
         ]
-        budget = self.batch_tokens or SCORING_TOKENS
         res: list[list] = [[None] * len(conts) for _, conts in groups]
         slot = [j for _, conts in groups for j in range(len(conts))]
-        order = sorted(range(len(rows)), key=lambda r: len(rows[r][1]))
-        start = 0
-        while start < len(order):
-            end = start + 1
-            while end < len(order) and (end - start + 1) * len(rows[order[end]][1]) <= budget:
-                end += 1
-            chunk = order[start:end]
-            start = end
+        lengths = [len(r[1]) for r in rows]
+        for chunk in padded_batches(lengths, self.forward_cost, self.batch_tokens or SCORING_TOKENS):
             out = self.logits_batch([rows[r][1] for r in chunk], keep_last=max(rows[r][2] for r in chunk))
             for r, logits in zip(chunk, out, strict=True):
                 res[rows[r][0]][slot[r]] = logits[-rows[r][2] :]

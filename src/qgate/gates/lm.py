@@ -178,23 +178,17 @@ class RunnerLM(LM):
             )
 
     def _score_whole(self, pairs, todo: list[int], out: list) -> None:
-        seqs = {i: (pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in todo}
-        order = sorted(todo, key=lambda i: len(seqs[i]))  # similar lengths share a batch: less padding
-        start = 0
-        while start < len(order):
-            end = start + 1
-            while end < len(order) and (end - start + 1) * len(seqs[order[end]]) <= self.batch_tokens:
-                end += 1
-            chunk = order[start:end]
-            start = end
-            need = max(len(pairs[i][1]) for i in chunk)
-            batch = self.runner.logits_batch([seqs[i][:-1] for i in chunk], keep_last=need)  # each [<=need, V]
+        """Whole sequences (truncated like lm-eval does) in left-padded batches of similar length: the runner's
+        cheapest grouping of lengths for its device, within the token budget (engines/runners.padded_batches)."""
+        from qgate.engines.runners import padded_batches
+
+        whole = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in todo]
+        n = [len(pairs[i][1]) for i in todo]  # continuation tokens: the last n positions are scored
+        cost = getattr(self.runner, "forward_cost", 0)  # 0: a runner that runs rows one at a time
+        for chunk in padded_batches([len(w) - 1 for w in whole], cost, self.batch_tokens):
+            batch = self.runner.logits_batch([whole[j][:-1] for j in chunk], keep_last=max(n[j] for j in chunk))
             self._finish_all(
-                [
-                    (i, logits[-len(pairs[i][1]) :], seqs[i][-len(pairs[i][1]) :])
-                    for i, logits in zip(chunk, batch, strict=True)
-                ],
-                out,
+                [(todo[j], logits[-n[j] :], whole[j][-n[j] :]) for j, logits in zip(chunk, batch, strict=True)], out
             )
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
