@@ -195,19 +195,34 @@ def scoring_seconds(fn, seqs, budget: int, device) -> float:
 
 
 class TokenCounter:
-    """Real (unpadded) tokens the runners compute in the eval's scoring calls, counted during a gate: calls with
-    keep_last (scored continuations, perplexity windows) and continuation_logits (shared contexts, computed once)."""
+    """What the eval's scoring computes during a gate, per runner kind (engine, reference): real (unpadded) tokens
+    in the runners' scoring calls (calls with keep_last: scored continuations, perplexity windows; and
+    continuation_logits: shared contexts, computed once), the seconds spent scoring (RunnerLM._score_many: the
+    runners' calls and the reductions of their logits, without lm-eval's request building and tokenization), and the
+    forward passes run and their padded positions."""
 
     def __init__(self):
         self.tokens = {"engine": 0, "reference": 0}
+        self.seconds = {"engine": 0.0, "reference": 0.0}
+        self.forwards = {"engine": 0, "reference": 0}
+        self.positions = {"engine": 0, "reference": 0}
 
     def __enter__(self):
+        from transformers import LlamaForCausalLM
+
         from qgate.engines.runners import TorchRunner
+        from qgate.engines.static_llama import StaticLlama
         from qgate.engines.static_runner import StaticRunner
+        from qgate.gates.lm import RunnerLM
 
         self.saved = [(c, n, c.__dict__[n]) for c in (StaticRunner, TorchRunner) for n in ("logits_batch",)]
-        self.saved.append((TorchRunner, "continuation_logits", TorchRunner.continuation_logits))
-        counter = self.tokens
+        self.saved += [
+            (TorchRunner, "continuation_logits", TorchRunner.continuation_logits),
+            (RunnerLM, "_score_many", RunnerLM._score_many),
+            (StaticLlama, "forward", StaticLlama.forward),
+            (LlamaForCausalLM, "forward", LlamaForCausalLM.forward),
+        ]
+        counter, now = self.tokens, {"kind": None}
 
         def logits(kind, orig):
             def f(self, seqs, keep_last=None):
@@ -224,14 +239,61 @@ class TokenCounter:
 
             return f
 
+        def scored(orig):
+            def f(lm, pairs):
+                kind = now["kind"] = "engine" if isinstance(lm.runner, StaticRunner) else "reference"
+                t = time.perf_counter()
+                try:
+                    return orig(lm, pairs)  # its reductions copy to the host: the device's work is done
+                finally:
+                    self.seconds[kind] += time.perf_counter() - t
+                    now["kind"] = None
+
+            return f
+
+        def forward(orig):
+            def f(model, *a, **k):
+                if now["kind"] is not None:
+                    ids = a[0] if a else k.get("input_ids")
+                    self.forwards[now["kind"]] += 1
+                    self.positions[now["kind"]] += int(ids.numel())
+                return orig(model, *a, **k)
+
+            return f
+
         StaticRunner.logits_batch = logits("engine", StaticRunner.logits_batch)
         TorchRunner.logits_batch = logits("reference", TorchRunner.logits_batch)
         TorchRunner.continuation_logits = continuation(TorchRunner.continuation_logits)
+        RunnerLM._score_many = scored(RunnerLM._score_many)
+        StaticLlama.forward = forward(StaticLlama.forward)
+        LlamaForCausalLM.forward = forward(LlamaForCausalLM.forward)
         return self
 
     def __exit__(self, *exc):
         for c, n, f in self.saved:
             setattr(c, n, f)
+
+
+def profile_eval(runner, cfg, path: Path) -> None:
+    """The eval on `runner` under torch.profiler: the ops that take the most device and host time, to `path`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from qgate.gates.evalgate import run_tasks
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        run_tasks(runner, cfg)
+    wall = time.perf_counter() - t
+    avg = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(f"eval under the profiler: {wall:.1f} s wall\n")
+        for key in ("self_device_time_total", "device_time_total", "cpu_time_total", "self_cpu_time_total"):
+            try:
+                f.write(f"\n## by {key}\n{avg.table(sort_by=key, row_limit=30, max_name_column_width=70)}\n")
+            except Exception as e:  # noqa: BLE001 - a key this torch names differently
+                f.write(f"\n## by {key}: {e}\n")
 
 
 def decode_rate(generate, prompts, steps: int) -> float:
@@ -287,6 +349,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, action="append", default=[], help="more paths the results are written to")
     ap.add_argument("--no-dense", action="store_true", help="skip the bf16 engine (it writes the model again)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode figures: quantize, build and gate only")
+    ap.add_argument("--profile", type=Path, help="profile the baseline's eval after the gate; the tables go here")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import logging
@@ -384,16 +447,6 @@ def main() -> int:
             dec["batch1_step"]["loop_ms_per_token"] = 1e3 / rows[1]["engine_tok_s"]
         del engine
         release(device)
-        import qgate.engines.static_llama as sl
-
-        sl.FUSE = False  # the same engine with q/k/v and gate/up as separate Linears
-        try:
-            unfused = StaticRunner(eng.path, device, graph_batch_sizes=[1])
-            dec["batch1_unfused_tok_s"] = decode_rate(unfused.greedy_batch, [prompt], args.steps)
-            del unfused
-        finally:
-            sl.FUSE = True
-        release(device)
 
     def eager_decode():
         ref = load_runner(base, str(device))
@@ -420,26 +473,35 @@ def main() -> int:
         timings = report["timings"]
         by = {x["gate"] + "." + x["metric"]: x for x in report["results"]}
         n_tok = _shadow_tokens(work / "cache")
-        mfu = {}
+        mfu, peak = {}, args.peak_tflops * 1e12
         for name, seconds in (
             ("candidate_teacher_forced", timings.get("candidate_shadow")),
             ("baseline_teacher_forced", (report.get("noise_floor") or {}).get("baseline_score_seconds")),
             ("baseline_reference_with_decode", timings.get("baseline_shadow")),
         ):
             if seconds and n_tok:
-                mfu[name] = 2 * r["params"] * n_tok / seconds / (args.peak_tflops * 1e12)
+                mfu[name] = 2 * r["params"] * n_tok / seconds / peak
         for name, kind, seconds in (
             ("candidate_eval", "engine", timings.get("candidate_eval")),
             ("baseline_eval", "reference", timings.get("baseline_eval")),
         ):
             if seconds and counted.tokens[kind]:
-                mfu[name] = 2 * r["params"] * counted.tokens[kind] / seconds / (args.peak_tflops * 1e12)
+                mfu[name] = 2 * r["params"] * counted.tokens[kind] / seconds / peak
+            if counted.seconds[kind]:
+                mfu[f"{name}_scoring"] = 2 * r["params"] * counted.tokens[kind] / counted.seconds[kind] / peak
+        if counted.seconds["engine"] and counted.tokens["reference"]:  # the engine on the reference's own work
+            mfu["candidate_eval_scoring_unique_tokens"] = (
+                2 * r["params"] * counted.tokens["reference"] / counted.seconds["engine"] / peak
+            )
         r["gate"] = {
             "verdict": report["verdict"],
             "timings": timings,
             "wall_seconds": wall,
             "shadow_tokens": n_tok,
             "eval_tokens": counted.tokens,
+            "eval_scoring_seconds": counted.seconds,
+            "eval_forwards": counted.forwards,
+            "eval_padded_positions": counted.positions,
             "shadow_mfu": mfu,
             "parity_kl_p99": by.get("parity.engine_vs_checkpoint.kl_p99", {}).get("observed"),
             "results": {k: (v.get("observed"), v.get("verdict")) for k, v in by.items()},
@@ -447,6 +509,14 @@ def main() -> int:
 
     res.phase("gate", gate)
     release(device)
+    if args.profile:
+
+        def profile():
+            ref = load_runner(base, str(device))
+            profile_eval(ref, spec.gate_config().eval, args.profile / "profile-eval-reference.txt")
+
+        res.phase("profile_eval", profile)
+        release(device)
 
     def scoring():  # the shadow split's forward passes alone, warm: the gate's scoring less its reductions
         import numpy as np

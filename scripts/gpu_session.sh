@@ -16,6 +16,8 @@ export PYTHONPATH=/tmp/site:$PWD/src HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DI
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
   nproc
+  python3 -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1
+  echo "compilers: $(command -v gcc cc nvcc | tr '\n' ' ')"
   free -g | head -2
   df -h /dev/shm /tmp | tail -2
 } >"$OUT/host.txt" 2>&1
