@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from qgate.artifact import Artifact
 
 WORKER = Path(__file__).parent / "concurrency_worker.py"
@@ -121,6 +123,81 @@ def test_a_lease_whose_create_answer_was_lost_is_still_held_by_its_creator():
             del self.models[name]
 
     client = Flaky()
-    with server_lease(client, "m", wait=2.0) as me:
-        assert json.loads(client.models["qgate-lease.m"])["id"] == me["id"] and client.calls == 1
+    with server_lease(client, "m", wait=2.0) as lease:
+        assert json.loads(client.models["qgate-lease.m"])["id"] == lease.info["id"] and client.calls == 1
     assert client.models == {}
+
+
+class _Registry:
+    """Registered models as a tracking server keeps them (create is unique by name), shared by threads."""
+
+    def __init__(self):
+        import threading
+
+        self.models, self.lock = {}, threading.Lock()
+
+    def _missing(self, name):
+        from mlflow.exceptions import MlflowException
+        from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
+
+        return MlflowException(f"{name} not found", error_code=RESOURCE_DOES_NOT_EXIST)
+
+    def create_registered_model(self, name, description=None, tags=None):
+        from mlflow.exceptions import MlflowException
+        from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS
+
+        with self.lock:
+            if name in self.models:
+                raise MlflowException(f"{name} exists", error_code=RESOURCE_ALREADY_EXISTS)
+            self.models[name] = description
+
+    def get_registered_model(self, name):
+        with self.lock:
+            if name not in self.models:
+                raise self._missing(name)
+            return type("M", (), {"description": self.models[name]})()
+
+    def update_registered_model(self, name, description=None):
+        with self.lock:
+            if name not in self.models:
+                raise self._missing(name)
+            self.models[name] = description
+
+    def delete_registered_model(self, name):
+        with self.lock:
+            if self.models.pop(name, None) is None:
+                raise self._missing(name)
+
+
+def test_a_heartbeat_keeps_a_live_lease_and_a_stalled_holder_stops_before_writing():
+    """With a 0.3 s TTL: a holder that keeps beating keeps the lease for 3 TTLs against another job; one whose
+    heartbeat stopped (a process paused past the TTL) is taken over, its next check names the taker, and its exit
+    leaves the taker's lease alone."""
+    import time
+
+    from qgate.errors import RegistryError
+    from qgate.registry.lease import server_lease
+
+    reg, ttl = _Registry(), 0.3
+    with server_lease(reg, "m", wait=1.0, ttl=ttl) as held:
+        time.sleep(3 * ttl)
+        with pytest.raises(RegistryError, match=r"is held by pid \d+"), server_lease(reg, "m", wait=2 * ttl, ttl=ttl):
+            pass
+        held.check("a write")
+        assert held.lost is None and json.loads(reg.models["qgate-lease.m"])["t"] > time.time() - ttl
+    assert reg.models == {}
+
+    stalled_cm = server_lease(reg, "m", wait=1.0, ttl=ttl)
+    stalled = stalled_cm.__enter__()
+    stalled.stop()  # its heartbeat stops, as in a process paused past the TTL
+    time.sleep(1.5 * ttl)
+    taker_cm = server_lease(reg, "m", wait=2.0, ttl=ttl)
+    taker = taker_cm.__enter__()
+    with pytest.raises(RegistryError, match=r"taken over by pid \d+ on .*; stopped before moving @production"):
+        stalled.check("moving @production")
+    stalled_cm.__exit__(None, None, None)
+    taker.check("a write")  # the stalled job's exit did not release the taker's lease
+    time.sleep(2 * ttl)
+    taker.check("a later write")  # and the taker's own heartbeat keeps it
+    taker_cm.__exit__(None, None, None)
+    assert reg.models == {}

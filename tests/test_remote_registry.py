@@ -1,5 +1,6 @@
 """Against a real MLflow tracking server with basic authentication, started on localhost for the test."""
 
+import json
 import os
 import socket
 import subprocess
@@ -154,3 +155,32 @@ def test_parallel_registrations_and_promotions_through_the_server(server, gated,
         for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
             os.environ.pop(k, None)
     check_promotion_chain(results, None, str(aliases["production"]), str(aliases.get("previous-production")))
+
+
+def test_a_promotion_whose_lease_is_taken_over_moves_no_alias(server, gated, w8_art, monkeypatch, capsys):
+    """Another job takes the registry lease while `qgate promote` verifies checksums (as after a pause past the TTL):
+    the promotion stops before its first alias write, says who took the lease, and leaves the aliases as they were."""
+    from mlflow import MlflowClient
+
+    from qgate.registry import lease as lease_mod
+    from qgate.registry import mlflow_store
+
+    url, _ = server
+    _as(monkeypatch, url, "ci", "ci-pass-1234")
+    client, ok = MlflowClient(url, url), gated[0]
+    version = mlflow_store.register(ok, w8_art, "lease-llm")
+    name, real_check = lease_mod.LEASE_PREFIX + "lease-llm", mlflow_store.check_version
+
+    def taken_over_meanwhile(mv):
+        client.delete_registered_model(name)
+        client.create_registered_model(name, description=json.dumps({"id": "other", "pid": 4242, "host": "ci-2"}))
+        return real_check(mv)
+
+    monkeypatch.setattr(mlflow_store, "check_version", taken_over_meanwhile)
+    capsys.readouterr()
+    assert main(["promote", "--model", "lease-llm", "--version", version]) == 1
+    err = capsys.readouterr().err
+    assert "was taken over by pid 4242 on ci-2" in err and "stopped before moving @production" in err
+    assert "Traceback" not in err and not client.get_registered_model("lease-llm").aliases
+    assert json.loads(client.get_registered_model(name).description)["id"] == "other"  # the taker's lease stays
+    client.delete_registered_model(name)

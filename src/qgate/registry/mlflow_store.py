@@ -19,7 +19,7 @@ from pathlib import Path
 from qgate.artifact import Artifact
 from qgate.errors import RegistryError
 from qgate.registry.checks import check_version
-from qgate.registry.lease import registry_lock
+from qgate.registry.lease import Lease, registry_lock
 
 DEFAULT_STORE = Path(".qgate/mlflow")
 EXPERIMENT = "qgate"
@@ -201,8 +201,8 @@ def register(
             hint="re-run the gate; do not edit gate reports",
         )
     _, client = _client(store)
-    with registry_lock(client, store, model_name):  # the existence check and the registration, as one step
-        return _register(gate, candidate, model_name, store, profile, recipe)
+    with registry_lock(client, store, model_name) as lease:  # the existence check and the registration, as one step
+        return _register(gate, candidate, model_name, store, profile, recipe, lease)
 
 
 def _register(
@@ -212,6 +212,7 @@ def _register(
     store: Path | None,
     profile: Artifact | None,
     recipe: dict | None,
+    lease: Lease,
 ) -> str:
     from qgate.gates.markdown import version_description
     from qgate.progress import console_err
@@ -224,6 +225,7 @@ def _register(
     )
     if existing is not None:
         if not existing.description:  # killed between creating the version and describing it
+            lease.check(f"describing {model_name} version {existing.version}")
             client.update_model_version(
                 model_name,
                 existing.version,
@@ -231,6 +233,7 @@ def _register(
             )
         return str(existing.version)
     exp = client.get_experiment_by_name(EXPERIMENT)
+    lease.check(f"registering a version of {model_name}")
     for what in remove_orphans(client, exp.experiment_id, model_name, gate.sha256):
         print(f"  ! removed {what}: left by a registration that was killed before it finished", file=console_err())
     verdict = report.get("verdict") or ("pass" if gate.meta["passed"] else "fail")
@@ -258,6 +261,7 @@ def _register(
         mlflow.finalize_logged_model(model.model_id, "READY")
         run_id = run.info.run_id
         tags = _version_tags(gate, candidate, report, verdict, run_id, model.model_id, profile, recipe)
+        lease.check(f"creating the {model_name} version of gate run {run_id}")
         mv = mlflow.register_model(f"models:/{model.model_id}", model_name, tags=tags)
     client.update_model_version(
         model_name,
@@ -346,11 +350,11 @@ def _version(client, model_name: str, version: str | None, alias: str | None, st
 def promote(model_name: str, version: str, alias: str = "production", store: Path | None = None) -> dict:
     """Point `alias` at `version` if its gate passed and its stored artifact still hashes to what was gated."""
     _, client = _client(store, create=False)
-    with registry_lock(client, store, model_name):  # read production, then move both aliases, as one step
-        return _promote(client, model_name, version, alias, store)
+    with registry_lock(client, store, model_name) as lease:  # read production, then move both aliases, as one step
+        return _promote(client, model_name, version, alias, store, lease)
 
 
-def _promote(client, model_name: str, version: str, alias: str, store: Path | None) -> dict:
+def _promote(client, model_name: str, version: str, alias: str, store: Path | None, lease: Lease) -> dict:
     import mlflow
 
     actual = check_version(_version(client, model_name, version, None, store))
@@ -359,6 +363,7 @@ def _promote(client, model_name: str, version: str, alias: str, store: Path | No
         previous = str(client.get_model_version_by_alias(model_name, alias).version)
     except mlflow.exceptions.MlflowException:
         pass
+    lease.check(f"moving @{alias} of {model_name} to version {version}")
     if previous is not None and previous != str(version) and alias == "production":
         client.set_registered_model_alias(model_name, PREVIOUS, previous)
     client.set_registered_model_alias(model_name, alias, str(version))
@@ -377,11 +382,11 @@ def rollback(model_name: str, store: Path | None = None) -> dict:
     """Point `production` at `previous-production` after re-checking it (check_version), and `previous-production` at
     the version production held, so a second rollback undoes the first."""
     _, client = _client(store, create=False)
-    with registry_lock(client, store, model_name):
-        return _rollback(client, model_name, store)
+    with registry_lock(client, store, model_name) as lease:
+        return _rollback(client, model_name, store, lease)
 
 
-def _rollback(client, model_name: str, store: Path | None) -> dict:
+def _rollback(client, model_name: str, store: Path | None, lease: Lease) -> dict:
     import mlflow
 
     try:
@@ -396,6 +401,7 @@ def _rollback(client, model_name: str, store: Path | None) -> dict:
         current = str(client.get_model_version_by_alias(model_name, "production").version)
     except mlflow.exceptions.MlflowException:
         current = None
+    lease.check(f"moving @production of {model_name} back to version {target.version}")
     client.set_registered_model_alias(model_name, "production", str(target.version))
     if current is not None and current != str(target.version):
         client.set_registered_model_alias(model_name, PREVIOUS, current)
