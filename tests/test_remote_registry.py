@@ -184,3 +184,37 @@ def test_a_promotion_whose_lease_is_taken_over_moves_no_alias(server, gated, w8_
     assert "Traceback" not in err and not client.get_registered_model("lease-llm").aliases
     assert json.loads(client.get_registered_model(name).description)["id"] == "other"  # the taker's lease stays
     client.delete_registered_model(name)
+
+
+def test_tracking_credentials_land_in_nothing_a_job_writes(server, gated, w8_art, tmp_path, monkeypatch, capsys):
+    """Register, promote, verify and status as a user with a distinctive password, then grep every file the server
+    and the job wrote (artifacts, the tracking database with its params and tags, the server's log) and everything
+    printed: the password appears nowhere."""
+    url, root = server
+    secret = "Qz7-distinct-SECRET-9931"
+    r = requests.post(
+        f"{url}/api/2.0/mlflow/users/create",
+        json={"username": "cred-user", "password": secret},
+        auth=("admin", "admin-pass-1234"),
+        timeout=30,
+    )
+    assert r.ok, r.text
+    r = requests.patch(  # an admin: earlier tests' experiment belongs to another user
+        f"{url}/api/2.0/mlflow/users/update-admin",
+        json={"username": "cred-user", "is_admin": True},
+        auth=("admin", "admin-pass-1234"),
+        timeout=30,
+    )
+    assert r.ok, r.text
+    _as(monkeypatch, url, "cred-user", secret)
+    monkeypatch.chdir(tmp_path)
+    ok = gated[0]
+    assert main(["register", "--gate", str(ok.path), "--candidate", str(w8_art.path), "--model", "cred-llm"]) == 0
+    assert main(["promote", "--model", "cred-llm", "--version", "1"]) == 0
+    assert main(["verify", "--model", "cred-llm"]) == 0
+    assert main(["status", "--model", "cred-llm", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "cred-llm" in out.out and secret not in out.out + out.err
+    files = [p for d in (root, tmp_path) for p in d.rglob("*") if p.is_file()]
+    assert any(p.name == "report.json" for p in files) and any(p.suffix == ".db" for p in files)  # what was written
+    assert [p for p in files if secret.encode() in p.read_bytes()] == []
