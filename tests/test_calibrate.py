@@ -401,3 +401,36 @@ def test_scrub_prefilters_never_change_the_result():
         assert scrub(t) == scrub(t, prefilter=False), t
         skipped += not any(ch.isdigit() for ch in t)
     assert skipped > 100  # the digit precondition was exercised, not only texts that run every rule
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".zst"])
+def test_a_decompression_bomb_is_refused_after_a_bounded_read(tmp_path, suffix, monkeypatch):
+    """Real records, then a stream of zeros that inflates ~1,000x: the records are kept and the stream is refused as
+    a bomb once it has inflated past the floor, long before its end, by both readers (records and sampling blocks)."""
+    import gzip
+
+    from backports.zstd import ZstdFile
+
+    from qgate.calibrate import reader
+    from qgate.calibrate.batches import read_units
+    from qgate.calibrate.sources import list_partitions
+
+    monkeypatch.setattr(reader, "INFLATION_FLOOR", 8 << 20)  # the same check at a test's size
+    lines = tiny.make_traffic(tmp_path / "t.jsonl", n=20).read_bytes()
+    bomb = tmp_path / f"bomb.jsonl{suffix}"
+    with gzip.open(bomb, "wb", 9) if suffix == ".gz" else ZstdFile(bomb, "wb", level=19) as f:
+        f.write(lines)
+        for _ in range(64):  # 64 MiB of zeros: one line the line limit skips unread, inflated at ~1,000x
+            f.write(bytes(1 << 20))
+    assert bomb.stat().st_size < (64 << 20) / 500
+    items = list(reader.read_traffic(bomb))
+    assert sum(isinstance(i, reader.Request) for i in items) == 20
+    assert "decompression bomb, refused" in items[-1].reason and reader.STREAM_BROKE in items[-1].reason
+    units = list(read_units(list_partitions(bomb)[0], reader.MAX_LINE_BYTES))
+    assert units[-1][0] == "items" and "decompression bomb" in units[-1][2][0].reason
+    monkeypatch.setattr(reader, "INFLATION_FLOOR", 1 << 20)
+    many = tiny.make_traffic(tmp_path / "many.jsonl", n=20000).read_bytes()  # distinct records, past the floor
+    ordinary = tmp_path / f"many.jsonl{suffix}"
+    with gzip.open(ordinary, "wb", 9) if suffix == ".gz" else ZstdFile(ordinary, "wb", level=19) as f:
+        f.write(many)
+    assert len(many) > 2 << 20 and sum(isinstance(i, reader.Request) for i in reader.read_traffic(ordinary)) == 20000

@@ -216,3 +216,48 @@ def test_killed_stage_reruns_to_the_same_result(stage, inputs, tmp_path):
         assert not leftovers, leftovers
         outcomes.append(f"{at:.1f}s:{'killed' if rc == -signal.SIGKILL else 'finished'}:{state}")
     print(f"\n{stage}: {duration:.1f}s uninterrupted; kills {outcomes}")
+
+
+def test_a_full_disk_fails_in_one_line_and_leaves_nothing_half_written(tmp_path, monkeypatch, capsys):
+    """The disk fills while `qgate calibrate sample` writes its shadow set (ENOSPC after part of a file went out):
+    one line on stderr names the output, what it had written and what is free; no temporary directory and no output
+    are left; the next run, with space, finishes."""
+    import errno
+
+    import tiny
+
+    from qgate.cli.main import main
+
+    traffic = tiny.make_traffic(tmp_path / "t.jsonl")
+    out = tmp_path / "calib"
+    argv = ["calibrate", "sample", "--traffic", str(traffic), "--out", str(out), "--calib-size", "32"]
+    real = Path.write_text
+
+    def fills_up(self, data, *a, **k):
+        if self.name == "data.jsonl" and self.parent.name == "shadow":
+            with open(self, "w") as f:
+                f.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, data, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", fills_up)
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]  # beside the progress lines
+    assert len(errors) == 1 and err.splitlines()[-1] == errors[0] and "Traceback" not in err
+    line = errors[0]
+    assert str(out) in line and "disk filled after" in line and "free there now" in line and "needs more than" in line
+    assert not out.exists() and not list(tmp_path.glob(".calib.*"))
+    monkeypatch.setattr(Path, "write_text", real)
+    assert main(argv) == 0
+    assert Artifact.load(out / "shadow").kind and not list(tmp_path.glob(".calib.*"))
+
+
+def test_a_full_disk_outside_a_stage_output_names_the_file():
+    import errno
+
+    from qgate.cli.main import _message
+
+    msg, code = _message(OSError(errno.ENOSPC, "No space left on device", "/tmp/cache/x.npz"))
+    assert code == 1 and msg.startswith("error: no space left on the device holding /tmp/cache/x.npz")
+    assert "\n" not in msg and "free" in msg

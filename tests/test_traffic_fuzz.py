@@ -126,17 +126,37 @@ def test_a_100_mb_line_is_rejected_without_being_read_into_memory(tmp_path):
     assert peak < 4 << 20, f"peak {peak / 2**20:.1f} MiB for a 1 MiB line limit"
 
 
-def test_a_gzip_bomb_line_stays_bounded(tmp_path):
-    """100 MB of one line compresses to ~100 KB: decompression is streamed, so memory stays at the line limit."""
+def test_a_gzip_bomb_line_stays_bounded_and_is_refused(tmp_path):
+    """100 MB of one line compresses to ~100 KB (~1,000x): decompression is streamed, so memory stays at the line
+    limit, and the stream is refused as a decompression bomb once it has inflated past the floor (64 MiB); the
+    records before it are kept."""
     path = tmp_path / "t.jsonl.gz"
     with gzip.open(path, "wb") as f:
-        f.write(b'{"prompt": "' + b"y" * (100 << 20) + b'"}\n' + _valid("after the bomb") + b"\n")
+        f.write(_valid("before the bomb") + b'\n{"prompt": "' + b"y" * (100 << 20) + b'"}\n' + _valid("after") + b"\n")
     assert path.stat().st_size < 1 << 20
     tracemalloc.start()
     items = list(read_traffic(path, max_line_bytes=1 << 20))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert [type(x).__name__ for x in items] == ["Reject", "Request"]
+    assert [type(x).__name__ for x in items] == ["Request", "Reject"] and "decompression bomb" in items[-1].reason
+    assert peak < 4 << 20, f"peak {peak / 2**20:.1f} MiB"
+
+
+def test_an_over_long_line_in_a_compressed_stream_is_skipped_and_reading_goes_on(tmp_path):
+    """A 3 MiB line of text that compresses like text (not a bomb) past a 1 MiB line limit: rejected unread, memory
+    at the line limit, and the record after it is read."""
+    import base64
+    import random
+
+    text = base64.b64encode(random.Random(0).randbytes(9 << 18))  # 3 MiB of letters: ~1.3x compressible
+    path = tmp_path / "t.jsonl.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(b'{"prompt": "' + text + b'"}\n' + _valid("after the long line") + b"\n")
+    tracemalloc.start()
+    items = list(read_traffic(path, max_line_bytes=1 << 20))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [type(x).__name__ for x in items] == ["Reject", "Request"] and "longer than" in items[0].reason
     assert peak < 4 << 20, f"peak {peak / 2**20:.1f} MiB"
 
 

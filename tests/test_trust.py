@@ -195,3 +195,20 @@ def test_a_checkpoint_without_a_loadable_tokenizer_is_refused_by_name(tmp_path, 
     with pytest.raises(InputError, match=rf"{re.escape(str(d))}: its tokenizer cannot be loaded"):
         run_gates(cand, base_art, calib_arts["shadow"], GateConfig(eval=None), tmp_path / "g", tmp_path / "cache")
     assert not (tmp_path / "g").exists()
+
+
+@pytest.mark.parametrize(("fname", "size"), [("tokenizer.json", (256 << 20) + 1), ("config.json", (32 << 20) + 1)])
+def test_a_tokenizer_or_config_file_larger_than_any_real_one_is_refused_by_name(tmp_path, base_art, fname, size):
+    """A tokenizer library parses tokenizer.json whole into memory: one of gigabytes would exhaust the host before any
+    check ran. Files past the bound (sparse here: no disk used) are refused, naming the file, its size and the bound;
+    the checkpoint's own files pass."""
+    check_loadable(base_art.path)
+    d = tmp_path / "cand"
+    shutil.copytree(base_art.path, d)
+    with open(d / fname, "r+b") as f:
+        f.truncate(size)
+    with pytest.raises(InputError, match=rf"{re.escape(str(d / fname))}: {size:,} bytes, over the \d+ MiB"):
+        check_loadable(d)
+    with pytest.raises(InputError, match=re.escape(fname)):
+        import_model(ModelSource(hf_dir=str(d)), tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()

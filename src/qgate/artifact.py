@@ -9,6 +9,7 @@ from the manifest; it never re-parses a file name or guesses what a directory ho
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -16,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from qgate.errors import InputError
+from qgate.errors import DiskFull, InputError, free_bytes, human_bytes
 
 MANIFEST = "qgate-artifact.json"
 UNHASHED = (MANIFEST, "build.log")  # what qgate writes about an artifact, not its content: a build log has timestamps
@@ -143,6 +144,20 @@ def engine_checkpoint(engine: Artifact) -> Artifact | None:
     return ckpt if ckpt.sha256 == engine.meta.get("checkpoint") else None
 
 
+def _disk_full(out: Path, tmp: Path) -> DiskFull:
+    """The one-line error of a stage whose output filled the disk; `tmp`, its partial output, is removed first."""
+    import shutil
+
+    written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.exists() else 0
+    shutil.rmtree(tmp, ignore_errors=True)
+    free = free_bytes(out.parent)
+    return DiskFull(
+        f"{out}: the disk filled after {human_bytes(written)} of this output were written (removed, nothing kept); "
+        f"{'an unknown amount' if free is None else human_bytes(free)} free there now, and the output needs more "
+        f"than {human_bytes(written)}: free space or point the workdir at a larger disk, then run again"
+    )
+
+
 def build_atomically(out: Path, fn) -> Artifact:
     """Run `fn(tmp)`, which writes a stage's whole output under `tmp` and returns its artifact (at `tmp` or below),
     then rename `tmp` to `out`. A stage killed at any moment leaves either the previous complete `out` or none,
@@ -156,7 +171,12 @@ def build_atomically(out: Path, fn) -> Artifact:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
-        art = fn(tmp)
+        try:
+            art = fn(tmp)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise _disk_full(out, tmp) from e
         rel = Path(art.path).resolve().relative_to(tmp.resolve())
         for m in list(tmp.rglob(MANIFEST)) + list(tmp.rglob("*.qgate.json")):  # manifests name their final place
             data = json.loads(m.read_text())

@@ -55,5 +55,31 @@ class PromotionRefused(RegistryError):
     exit_code = EXIT_REFUSED
 
 
+class DiskFull(QgateError):
+    """A write ran out of disk space (names the output, what it wrote before and what is free)."""
+
+
 class LockHeld(QgateError):
     """Another live process holds the job's lock (names it and the lock file)."""
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def free_bytes(path) -> int | None:
+    """Free bytes on the filesystem holding `path` (its nearest existing parent); None if it cannot be read."""
+    import shutil
+    from pathlib import Path
+
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None

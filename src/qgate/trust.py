@@ -87,10 +87,23 @@ def pickled_files(path: Path) -> list[Path]:
     return sorted(p for p in Path(path).rglob("*") if p.is_file() and p.name.endswith(PICKLE_SUFFIXES))
 
 
+MAX_FILE_BYTES = {"tokenizer.json": 256 << 20, "tokenizer.model": 256 << 20}  # the biggest real ones: ~35 MB
+MAX_METADATA_BYTES = 32 << 20  # any other tokenizer or config file: real ones are kilobytes to a few megabytes
+
+
 def check_loadable(path: Path, *, allow_pickle: bool = False) -> None:
-    """InputError if loading `path` as a model or tokenizer could run code or read outside it."""
+    """InputError if loading `path` as a model or tokenizer could run code or read outside it, or if a tokenizer or
+    config file is larger than any real one (a tokenizer library parses it whole into memory)."""
     path = Path(path)
     root = path.resolve()
+    for name in (*TOKENIZER_FILES, *_REMOTE_CODE_FILES, "generation_config.json"):
+        f = path / name
+        limit = MAX_FILE_BYTES.get(name, MAX_METADATA_BYTES)
+        if f.is_file() and f.stat().st_size > limit:
+            raise InputError(
+                f"{f}: {f.stat().st_size:,} bytes, over the {limit >> 20} MiB qgate reads for a {name}",
+                hint="real tokenizers and configs are far smaller: this file is broken or hostile; export it again",
+            )
     for p in sorted(path.rglob("*")):
         if p.is_symlink() and not p.resolve().is_relative_to(root):
             raise InputError(

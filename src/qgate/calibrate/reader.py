@@ -58,16 +58,69 @@ def read_traffic(source: str | Path | Partition, max_line_bytes: int = MAX_LINE_
     return _read_parquet(part) if part.name.endswith(PARQUET) else _read_jsonl(part, max_line_bytes)
 
 
+MAX_INFLATION = 500  # inflated bytes per compressed byte past which a stream is refused (gzip's ceiling is ~1,032)
+INFLATION_FLOOR = 64 << 20  # inflated bytes before the ratio is checked: a small file of repeated lines is fine
+
+
+class DecompressionBomb(ValueError):
+    """A compressed stream that inflates past MAX_INFLATION times the compressed bytes read."""
+
+
 def open_decoded(part: Partition, raw):
-    """The file's JSONL bytes from its raw stream, decompressing `.gz` and `.zst` on the fly."""
+    """The file's JSONL bytes from its raw stream, decompressing `.gz` and `.zst` on the fly. A compressed stream that
+    has inflated past INFLATION_FLOOR bytes at more than MAX_INFLATION times what it read raises DecompressionBomb:
+    memory is bounded by the line limit anyway, but a bomb would keep the job inflating zeros for hours."""
+    if not part.name.endswith((".gz", ".zst")):
+        return contextlib.nullcontext(raw)
+    counted = _Counted(raw)
     if part.name.endswith(".gz"):
-        return io.BufferedReader(_Gunzip(part, raw), 1 << 16)
-    if part.name.endswith(".zst"):
+        inner = _Gunzip(part, counted)
+    else:
         from backports.zstd import ZstdFile  # the standard library's compression.zstd (3.14), backported: reads
 
-        # every frame and raises EOFError on a truncated one
-        return ZstdFile(raw, "rb")
-    return contextlib.nullcontext(raw)
+        inner = ZstdFile(counted, "rb")  # every frame, and raises EOFError on a truncated one
+    return io.BufferedReader(_Bounded(inner, counted), 1 << 16)
+
+
+class _Counted(io.RawIOBase):
+    """`raw`'s bytes, counted as they are read."""
+
+    def __init__(self, raw):
+        self.raw, self.n = raw, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        n = self.raw.readinto(buf) or 0
+        self.n += n
+        return n
+
+
+class _Bounded(io.RawIOBase):
+    """`inner`'s inflated bytes, counted against the compressed bytes read so far (`counted`)."""
+
+    def __init__(self, inner, counted: _Counted):
+        self.inner, self.counted, self.inflated = inner, counted, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        n = self.inner.readinto(buf) or 0
+        self.inflated += n
+        if self.inflated > INFLATION_FLOOR:
+            read = max(self.counted.n, 1)
+            if self.inflated > MAX_INFLATION * read:
+                raise DecompressionBomb(
+                    f"{self.inflated:,} bytes inflated from {read:,} compressed, over {MAX_INFLATION}x: a "
+                    "decompression bomb, refused"
+                )
+        return n
+
+    def close(self) -> None:
+        self.inner.close()
+        super().close()
 
 
 class _Gunzip(io.RawIOBase):

@@ -7,6 +7,7 @@ Set QGATE_DEBUG=1 for tracebacks.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from typing import Annotated
@@ -15,7 +16,7 @@ import typer
 from typer._click.exceptions import NoArgsIsHelpError  # typer 0.29 vendors click: its classes, not click's
 
 from qgate.cli import calibrate, drift, engine, gate, model, quantize, registry, run, search
-from qgate.errors import EXIT_ERROR, GateFailed, PromotionRefused, QgateError
+from qgate.errors import EXIT_ERROR, GateFailed, PromotionRefused, QgateError, free_bytes, human_bytes
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -100,6 +101,11 @@ def _message(e: BaseException, argv: list[str] | None = None) -> tuple[str, int]
         msg = f"usage error: {e.format_message()}"
         ctx = getattr(e, "ctx", None)
         return msg + f"\n  see: {ctx.command_path if ctx is not None else _command_path(argv)} --help", EXIT_ERROR
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # a write outside a stage's output (caches, logs)
+        free = free_bytes(e.filename) if e.filename else None
+        where = e.filename or "a file"
+        left = "" if free is None else f" ({human_bytes(free)} free there now)"
+        return f"error: no space left on the device holding {where}{left}: free space and run again", EXIT_ERROR
     if isinstance(e, FileNotFoundError):
         return f"error: file not found: {e.filename}", EXIT_ERROR
     if isinstance(e, MemoryError):
