@@ -452,3 +452,29 @@ def test_drift_policy_keys_are_strict(fresh):
     bad = _spec(root, src, [W8], STRICT, {"max_js_route": 2}, name="bad2.yaml")
     with pytest.raises(ConfigError, match=r"drift: max_js_route must be in \(0, 1\]"):
         load_spec(bad)
+
+
+MARKUP = ("$\\frac{$", "<script>alert(1)</script>", "![x](http://evil.example/x.png)")
+
+
+def test_traffic_text_with_markup_stays_inert_in_pictures_and_reports(fresh, monkeypatch, capsys):
+    """Tenants named, and prompts ending in, TeX that matplotlib would parse (and fail on), a script tag and a remote
+    Markdown image: the calibration picture and the drift check's picture are made, and the drift report's page holds
+    none of it as markup."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root, _ = fresh
+    log = tiny.make_traffic(root / "markup.jsonl", n=300, seed=13, tenants=MARKUP)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    for i, r in enumerate(records):
+        r["messages"][-1]["content"] += " " + MARKUP[i % len(MARKUP)]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = root / "markup-calib"
+    assert main(["calibrate", "sample", "--traffic", str(log), "--out", str(out), "--calib-size", "32"]) == 0
+    assert (out / "profile.png").stat().st_size > 1000
+    capsys.readouterr()
+    assert main(["drift", "check", "--spec", str(root / "spec.yaml"), "--traffic", str(log)]) == 3  # tenants moved
+    printed = capsys.readouterr()
+    page = open(printed.out.split("report ")[-1].strip()).read()
+    assert "tenant" in page and "<img" in page
+    assert "tenant moved" in page and "<script>" not in page  # tenants are drawn in the picture, never as markup
+    assert 'src="http' not in page  # a Markdown image in traffic is not an image in the report

@@ -17,10 +17,9 @@ TOP_WORDS = 15
 
 
 def plot_profile(profile: dict, path: Path) -> Path:
-    import matplotlib
+    from qgate.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))

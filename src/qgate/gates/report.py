@@ -17,10 +17,9 @@ COLORS = {"pass": "#228833", "fail": "#cc3311", "inconclusive": "#ee7733", "erro
 
 
 def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
-    import matplotlib
+    from qgate.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     files = {}

@@ -18,10 +18,9 @@ _VCOLOR = {"ok": COLORS["pass"], "drift": COLORS["fail"], "no-drift": COLORS["pa
 
 
 def _facet_plot(report: dict, old: dict, new: dict) -> str:
-    import matplotlib
+    from qgate.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     fo, fn = facets(old), facets(new)

@@ -20,10 +20,9 @@ def plot_points(
 ) -> Path:
     """points: {k, bits_per_weight, kl_p99, kl_p99_ci, top1, top1_ci, verdict}; references: {label, bits_per_weight}
     drawn as vertical lines (for example the uniform W4 and W8 sizes)."""
-    import matplotlib
+    from qgate.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, thr, label in (
