@@ -527,7 +527,7 @@ def test_length_groups_is_the_cheapest_grouping():
     import itertools
     import random
 
-    from qgate.engines.runners import length_groups
+    from qgate.engines.padding import length_groups
 
     def cost(groups, lengths, fc):
         return sum(fc + sum(1 for x in lengths if lo <= x <= hi) * hi for lo, hi in groups)
@@ -552,7 +552,7 @@ def test_length_groups_is_the_cheapest_grouping():
 def test_padded_batches_cover_every_row_once_within_the_budget_and_the_cheapest_groups():
     import random
 
-    from qgate.engines.runners import length_groups, padded_batches
+    from qgate.engines.padding import length_groups, padded_batches
 
     rng = random.Random(1)
     for _ in range(100):

@@ -10,7 +10,6 @@ are compared on identical inputs (onnxruntime-genai's own tokenizer adds no BOS)
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 
 from qgate.artifact import Artifact
 from qgate.engines.logits import as_logits, cat_rows, check_vocab
+from qgate.engines.padding import length_groups
 from qgate.errors import BackendUnavailable, InputError
 
 
@@ -106,48 +106,6 @@ def _reserved_cache(cache, capacity: int):
 
     cache.layers = [ReservedLayer(layer.keys, layer.values) for layer in cache.layers]
     return cache
-
-
-def length_groups(lengths: Sequence[int], forward_cost: float) -> list[tuple[int, int]]:
-    """Rows of these lengths, grouped into ranges [lo, hi] run as one right-padded forward each: the grouping that
-    minimizes forward_cost x forwards + padded positions (rows x hi), exactly, by dynamic programming over the sorted
-    distinct lengths. A forward reads every weight once whatever its size, so a group of a few short rows costs more
-    alone than as padding in the next group."""
-    if not lengths:
-        return []
-    counts = Counter(lengths)
-    ls = sorted(counts)
-    count = [counts[v] for v in ls]
-    best = [0.0] + [float("inf")] * len(ls)  # best[j]: cost of ls[:j]
-    cut = [0] * (len(ls) + 1)
-    for j in range(1, len(ls) + 1):
-        rows = 0
-        for i in range(j - 1, -1, -1):  # last group ls[i:j], padded to ls[j - 1]
-            rows += count[i]
-            c = best[i] + forward_cost + rows * ls[j - 1]
-            if c < best[j]:
-                best[j], cut[j] = c, i
-    groups, j = [], len(ls)
-    while j:
-        groups.append((ls[cut[j]], ls[j - 1]))
-        j = cut[j]
-    return groups[::-1]
-
-
-def padded_batches(lengths: Sequence[int], forward_cost: float, max_tokens: int) -> list[list[int]]:
-    """Indices of rows of these lengths, batched for right- or left-padded forwards: the groups of `length_groups`,
-    each split into batches of at most max_tokens padded tokens (rows x the group's longest), rows by length."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches: list[list[int]] = []
-    at = 0
-    for _, hi in length_groups(lengths, forward_cost):
-        group = []
-        while at < len(order) and lengths[order[at]] <= hi:
-            group.append(order[at])
-            at += 1
-        rows = max(1, max_tokens // max(hi, 1))
-        batches += [group[a : a + rows] for a in range(0, len(group), rows)]
-    return batches
 
 
 class TorchRunner:

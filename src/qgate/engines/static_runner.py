@@ -132,7 +132,7 @@ class StaticRunner:
         """As TorchRunner.continuation_logits, each continuation scored as one whole sequence prefix + context +
         continuation (no cache reuse: the engine is measured on what it computes, not on how little), in batches of
         similar length within the runner's token budget (engines/runners.padded_batches)."""
-        from qgate.engines.runners import padded_batches
+        from qgate.engines.padding import padded_batches
 
         rows = [
             (g, list(prefix) + list(c) + list(k[:-1]), len(k)) for g, (c, conts) in enumerate(groups) for k in conts
