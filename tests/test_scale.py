@@ -1047,3 +1047,33 @@ def test_a_ray_worker_with_other_qgate_code_runs_nothing(tmp_path):
         and here["torch"] == version("torch").split("+")[0]
         and here["pyarrow"] == version("pyarrow")
     )
+
+
+def test_s3_keys_land_in_nothing_a_sampling_job_writes(tmp_path, s3, monkeypatch, capsys):
+    """`qgate calibrate sample` from S3 with distinctive keys, one run that works (with a malformed record, so rejects
+    are written) and one whose prefix is missing: neither the key id nor the secret appears in anything printed or in
+    any file the job wrote."""
+    import os
+
+    import boto3
+
+    from qgate.cli.main import main
+
+    key_id, secret = "AKIAQGATEDISTINCT77", "qgate/Distinct+Secret/Key-9931"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    body = b"".join(r if r.endswith(b"\n") else r + b"\n" for r in _records(400, seed=5)) + b"{not json\n"
+    boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"]).put_object(
+        Bucket=s3, Key="keys/part-000.jsonl", Body=body
+    )
+    out = tmp_path / "calib"
+    argv = ["calibrate", "sample", "--traffic", f"s3://{s3}/keys/", "--out", str(out), "--calib-size", "32"]
+    assert main(argv) == 0
+    missing = ["calibrate", "sample", "--traffic", f"s3://{s3}/nothing-here/", "--out", str(tmp_path / "none")]
+    assert main(missing) == 1
+    printed = capsys.readouterr()
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert (out / "rejects.jsonl").stat().st_size > 0 and len(files) > 5
+    for s in (key_id, secret):
+        assert s not in printed.out + printed.err
+        assert [p for p in files if s.encode() in p.read_bytes()] == []
