@@ -112,7 +112,7 @@ FORWARD_COST = {"cpu": 24, "cuda": 256}  # positions a forward's fixed cost is w
 
 def forward_cost(device) -> int:
     """Padded positions one forward pass's fixed cost is worth, for grouping rows of different lengths into padded
-    forwards (engines/runners.length_groups). A forward reads every weight once and launches every kernel once,
+    forwards (engines/padding.length_groups). A forward reads every weight once and launches every kernel once,
     whatever its rows; one more position costs 2 x params FLOPs. On 2 CPU cores a [1, 2] forward of the 135M demo
     model takes 0.15 s and each further position 5 ms: ~24. On a GPU the compute is hundreds of times faster while the
     weight read (an 8B model's 16 GB at ~3 TB/s) and the launches are not: ~256."""

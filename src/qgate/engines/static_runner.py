@@ -131,7 +131,7 @@ class StaticRunner:
     ) -> list[list[np.ndarray]]:
         """As TorchRunner.continuation_logits, each continuation scored as one whole sequence prefix + context +
         continuation (no cache reuse: the engine is measured on what it computes, not on how little), in batches of
-        similar length within the runner's token budget (engines/runners.padded_batches)."""
+        similar length within the runner's token budget (engines/padding.padded_batches)."""
         from qgate.engines.padding import padded_batches
 
         rows = [

@@ -179,7 +179,7 @@ class RunnerLM(LM):
 
     def _score_whole(self, pairs, todo: list[int], out: list) -> None:
         """Whole sequences (truncated like lm-eval does) in left-padded batches of similar length: the runner's
-        cheapest grouping of lengths for its device, within the token budget (engines/runners.padded_batches)."""
+        cheapest grouping of lengths for its device, within the token budget (engines/padding.padded_batches)."""
         from qgate.engines.padding import padded_batches
 
         whole = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in todo]

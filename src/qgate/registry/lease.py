@@ -154,13 +154,14 @@ def _who(holder: dict | None) -> str:
 
 
 def _current(client, name: str) -> dict | None:
-    """The lease's holder as stored, None when there is no lease; a server error other than that propagates."""
+    """The lease's holder as stored; None when there is no lease or its description is not one qgate wrote. A server
+    error other than that propagates."""
     from mlflow.exceptions import MlflowException
 
     try:
         return json.loads(client.get_registered_model(name).description or "{}")
     except ValueError:
-        return {}
+        return None
     except MlflowException as e:
         if e.error_code == "RESOURCE_DOES_NOT_EXIST":
             return None
@@ -168,9 +169,10 @@ def _current(client, name: str) -> dict | None:
 
 
 def _holder(client, name: str) -> dict | None:
+    """_current, with any server error read as no holder (while acquiring and releasing, which retry or give up)."""
     from mlflow.exceptions import MlflowException
 
     try:
-        return json.loads(client.get_registered_model(name).description or "{}")
-    except (MlflowException, ValueError):
+        return _current(client, name)
+    except MlflowException:
         return None
