@@ -793,3 +793,46 @@ def test_the_inconclusive_policy_is_decided_in_one_place(verdict, block, warn):
     assert passes(verdict, "block") is block and passes(verdict, "warn") is warn
     with pytest.raises(ValueError, match="on_inconclusive"):
         passes(verdict, "ignore")
+
+
+def test_stop_on_fail_skips_long_context_and_eval_after_a_decided_fail_and_says_so(
+    base_art, awq_art, calib_arts, workdir
+):
+    """A decided FAIL on the shadow check fixes the verdict; under stop_on_fail the costly long-context and eval gates
+    are not run, the report names what was skipped and after which failure. Without it the same gate runs them."""
+    from qgate.gates.longctx import LongContextConfig
+
+    cfg = GateConfig(
+        shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=1e-4),
+        eval=EvalConfig(tasks=("bigbench_general_knowledge",), limit=8),
+        long_context=LongContextConfig(max_documents=2, context_tokens=256, windows=2),
+    )
+    full = run_gates(awq_art, base_art, calib_arts["shadow"], cfg, workdir / "stop-off", workdir / "cache-stop")
+    stopped = run_gates(
+        awq_art,
+        base_art,
+        calib_arts["shadow"],
+        replace(cfg, stop_on_fail=True),
+        workdir / "stop-on",
+        workdir / "cache-stop",
+    )
+    rf, rs = (json.loads((a.path / "report.json").read_text()) for a in (full, stopped))
+    assert rf["verdict"] == rs["verdict"] == "fail" and not stopped.meta["passed"]
+    gates_full, gates_stopped = ({r["gate"] for r in r_["results"]} for r_ in (rf, rs))
+    assert {"long_context", "eval"} <= gates_full and rf["stopped"] is None
+    assert gates_stopped.isdisjoint({"long_context", "eval"}) and {"shadow", "perf"} <= gates_stopped
+    assert rs["stopped"] == {"after": ["shadow.kl_p99"], "skipped": ["long_context", "eval"]}
+    assert rs["long_context"] is None and rs["config"]["stop_on_fail"] is True
+    note = "Not run: long_context and eval. The gate had already failed on shadow.kl_p99"
+    assert any(n.startswith(note) for n in rs["notes"]) and note in (stopped.path / "report.html").read_text()
+    # a passing candidate under stop_on_fail runs everything
+    ok = run_gates(
+        base_art,
+        base_art,
+        calib_arts["shadow"],
+        replace(cfg, stop_on_fail=True, shadow=replace(cfg.shadow, kl_p99_max=0.5)),
+        workdir / "stop-pass",
+        workdir / "cache-stop",
+    )
+    ro = json.loads((ok.path / "report.json").read_text())
+    assert ro["stopped"] is None and {"long_context", "eval"} <= {r["gate"] for r in ro["results"]}

@@ -66,9 +66,10 @@ class GateConfig:
         "block"  # "block": an inconclusive check blocks promotion; "warn": it passes, warned
     )
     score_anyway: bool = False  # score a candidate whose serving contract failed (its verdict is FAIL regardless)
+    stop_on_fail: bool = False  # after a decided FAIL on shadow, parity or perf, skip long context and eval
     device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
     dtype: str = "auto"  # reference checkpoints' compute dtype: auto (float32 on CPU, served dtype on CUDA)
-    VERSION = 9  # of the report's layout and the gates' rules; history in git
+    VERSION = 10  # of the report's layout and the gates' rules; history in git
 
     def __post_init__(self):
         from qgate.device import check_device, check_dtype
@@ -273,6 +274,7 @@ def run_gates(
                 "noise_floor": None,
                 "shadow_scoring": None,
                 "long_context": None,
+                "stopped": None,
                 "cache": {"shadow_baseline": "skipped", "noise_floor": "skipped", "eval_baseline": "skipped"},
             },
             None,
@@ -280,6 +282,11 @@ def run_gates(
     else:
         more, scored, m = _score(candidate, baseline, shadow, rows, cfg, cache_dir, checkpoint, timings)
         results += more
+        if stop := scored["stopped"]:
+            notes = notes + (
+                f"Not run: {' and '.join(stop['skipped'])}. The gate had already failed on {', '.join(stop['after'])}, "
+                "so the verdict is FAIL whatever they show (gates.stop_on_fail: true; set it false to score them).",
+            )
     verdict = overall(results)
     passed = passes(verdict, cfg.on_inconclusive)
     report = {
@@ -300,6 +307,7 @@ def run_gates(
         "cache": scored["cache"],
         "shadow_scoring": scored["shadow_scoring"],
         "long_context": scored["long_context"],
+        "stopped": scored["stopped"],
         "scored": m is not None,
         "config": {
             "contract": typed_config(cfg.contract),
@@ -310,6 +318,7 @@ def run_gates(
             "long_context": typed_config(cfg.long_context) if cfg.long_context else None,
             "on_inconclusive": cfg.on_inconclusive,
             "score_anyway": cfg.score_anyway,
+            "stop_on_fail": cfg.stop_on_fail,
         },
         "results": [r.to_dict() for r in results],
         "timings": {k: round(v, 2) for k, v in timings.items()},
@@ -383,13 +392,6 @@ def _score(
         t = time.perf_counter()
         results += _parity(cand, ckpt, side, ref, gated, cfg)
         timings["parity"] = parity_s + time.perf_counter() - t
-    long_cov = None
-    if lref is not None:
-        long_results, long_cov = long_context_gate(
-            cand, lref, cfg.long_context, cfg.shadow.max_prompt_tokens + cfg.shadow.max_new_tokens
-        )
-        timings["candidate_long_context"] = long_cov["seconds"]
-        results += long_results
     base_s = float(floor.get("baseline_score_seconds", ref["score_seconds"]))  # the baseline on the same scoring path
     speedup = base_s / m["score_seconds"] if m["score_seconds"] > 0 else float("nan")
     results.append(
@@ -408,7 +410,15 @@ def _score(
             },
         )
     )  # cached: measured in an earlier run
-    if cfg.eval is not None:
+    stopped = _stopped(results, cfg)
+    long_cov = None
+    if lref is not None and stopped is None:
+        long_results, long_cov = long_context_gate(
+            cand, lref, cfg.long_context, cfg.shadow.max_prompt_tokens + cfg.shadow.max_new_tokens
+        )
+        timings["candidate_long_context"] = long_cov["seconds"]
+        results += long_results
+    if cfg.eval is not None and stopped is None:
         t = time.perf_counter()
         cand_scores = run_tasks(cand, cfg.eval)
         timings["candidate_eval"] = time.perf_counter() - t
@@ -418,6 +428,7 @@ def _score(
         "noise_floor": floor,
         "shadow_scoring": scored,
         "long_context": long_cov,
+        "stopped": stopped,
         "cache": {
             "shadow_baseline": "hit" if shadow_hit else "miss",
             "noise_floor": "hit" if floor["cached"] else "miss",
@@ -425,3 +436,13 @@ def _score(
         },
     }
     return results, record, m | {"gated": gated}
+
+
+def _stopped(results: list[GateResult], cfg: GateConfig) -> dict | None:
+    """Under `stop_on_fail`, the checks left unscored because a decided FAIL already fixes the verdict: {"after":
+    the failed checks, "skipped": the gates not run}; None when every configured check runs."""
+    failed = [f"{r.gate}.{r.metric}" for r in results if r.verdict == "fail"]
+    skipped = [g for g, on in (("long_context", cfg.long_context), ("eval", cfg.eval)) if on is not None]
+    if not (cfg.stop_on_fail and failed and skipped):
+        return None
+    return {"after": failed, "skipped": skipped}

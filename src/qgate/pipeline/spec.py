@@ -86,6 +86,7 @@ class GatesSpec(_Strict):
     parity: dict[str, Any] = Field(default_factory=dict)
     on_inconclusive: OnInconclusive = "block"
     score_anyway: bool = False  # score a candidate whose serving contract failed (its verdict is FAIL regardless)
+    stop_on_fail: bool = False  # after a decided FAIL on shadow, parity or perf, skip long context and eval
     device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
     dtype: str = "auto"  # reference checkpoints' compute dtype: auto, float32, bfloat16, float16
 
@@ -147,6 +148,7 @@ class PipelineSpec(_Strict):
             parity=build_config(ParityConfig, self.gates.parity, "gates.parity"),
             on_inconclusive=self.gates.on_inconclusive,
             score_anyway=self.gates.score_anyway,
+            stop_on_fail=self.gates.stop_on_fail,
             device=self.gates.device,
             dtype=self.gates.dtype,
         )
