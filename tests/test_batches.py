@@ -370,3 +370,36 @@ def test_parquet_timestamps_take_the_columnar_path_when_their_zone_is_known(tmp_
         assert got == _oracle(path), name
         assert (columnar[0] is not None) == (name != "naive"), name
     assert len(_oracle(tmp_path / "nan.parquet")[1]) == 8  # the NaN latencies are rejected, by parse_record
+
+
+def test_a_parquet_row_over_the_line_bound_is_rejected_before_python_sees_it(tmp_path, monkeypatch):
+    """Rows whose strings (nested in messages, or a top-level prompt) exceed max_line_bytes are rejected by number, in
+    both readers, and never reach to_pylist; the rows around them read as they would without them."""
+    import pyarrow.parquet as pq
+
+    from qgate.calibrate import reader
+
+    limit = 1 << 16
+    rows = [
+        {"messages": [{"role": "user", "content": f"question {i} about rivers"}], "route": "chat"} for i in range(40)
+    ]
+    rows[3]["messages"] = [{"role": "system", "content": "s"}, {"role": "user", "content": "x" * (limit + 1)}]
+    rows[17]["route"] = "r" * limit  # with its message, over the bound by a few bytes
+    rows[39]["messages"][0]["content"] = "y" * (4 * limit)
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=16)
+    seen = []
+    real = reader.table_rows
+    monkeypatch.setattr(
+        reader, "table_rows", lambda p, f, t: seen.append(int(reader.row_bytes(t).max())) or real(p, f, t)
+    )
+    reqs, rejects = _oracle(path, limit)
+    assert [(r.line, r.reason) for r in rejects] == [
+        (n, f"row larger than {limit} bytes (not read)") for n in (4, 18, 40)
+    ]
+    assert [r.line for r in reqs] == [n for n in range(1, 41) if n not in (4, 18, 40)]
+    assert max(seen) <= limit
+    assert _records_of(Partition(str(path)), limit) == (reqs, rejects)
+    # under a bound that admits them, the rows read whole; the long route is then refused as a label
+    ok, bad = _oracle(path, 8 * limit)
+    assert len(ok) == 39 and [r.line for r in bad] == [18] and "route" in bad[0].reason

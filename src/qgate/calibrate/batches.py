@@ -35,7 +35,7 @@ from qgate.calibrate.reader import (
     Request,
     lines_of,
     open_decoded,
-    parquet_tables,
+    parquet_pieces,
     parse_line,
     parse_record,
     read_traffic,
@@ -125,8 +125,8 @@ def read_units(part: Partition, max_line_bytes: int, digest=None) -> Iterator[tu
     batch by `unit_batch`, in this process or another (a unit pickles). Kinds: "jsonl" (a block of whole lines),
     "parquet" (a table of rows), "items" (records already decided: an over-long line, a cut compressed stream)."""
     if part.name.endswith(PARQUET):
-        for first, table in parquet_tables(part, PARQUET_BATCH * 16):
-            yield "parquet", first, table
+        for first, piece in parquet_pieces(part, PARQUET_BATCH * 16, max_line_bytes):
+            yield ("items", first, [piece]) if isinstance(piece, Reject) else ("parquet", first, piece)
         if digest is not None:
             with part.open(digest) as f:
                 drain(f)

@@ -6,7 +6,7 @@ Accepts JSONL (plain, `.gz` or `.zst`) or Parquet rows holding an OpenAI chat `m
 `prompt` string, with optional `route`, `tenant` (strings), `ts` (ISO-8601 or epoch seconds) and `latency_ms`.
 Whatever else a line holds (bad UTF-8, NUL bytes, a truncated tail, nesting deeper than orjson's 1,024 levels,
 a field of the wrong type, a line longer than `max_line_bytes`) becomes a Reject with its line number and reason.
-Memory is bounded by `max_line_bytes` (JSONL) or one Parquet batch, however long a line in the file is.
+A record over `max_line_bytes` is rejected unread: a JSONL line is skipped without being held, a Parquet row is\ncounted on pyarrow's buffers and never converted (pyarrow decodes the data page that holds it).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+
+import numpy as np
 
 from qgate.calibrate.sources import PARQUET, Partition
 from qgate.errors import InputError
@@ -55,7 +57,7 @@ def read_traffic(source: str | Path | Partition, max_line_bytes: int = MAX_LINE_
         if not path.is_file():
             what = "is a directory, not a file" if path.is_dir() else "not found"
             raise InputError(f"{path}: traffic log {what}", hint="pass --traffic with a JSONL or Parquet file")
-    return _read_parquet(part) if part.name.endswith(PARQUET) else _read_jsonl(part, max_line_bytes)
+    return _read_parquet(part, max_line_bytes) if part.name.endswith(PARQUET) else _read_jsonl(part, max_line_bytes)
 
 
 MAX_INFLATION = 500  # inflated bytes per compressed byte past which a stream is refused (gzip's ceiling is ~1,032)
@@ -231,10 +233,58 @@ def parse_line(n: int, raw: bytes | None, max_line_bytes: int) -> Request | Reje
     return parse_record(n, obj, raw)
 
 
-def _read_parquet(part: Partition) -> Iterator[Request | Reject]:
-    for first, table in parquet_tables(part, PARQUET_BATCH):
-        for i, row in enumerate(table_rows(part, first, table)):
+def _read_parquet(part: Partition, max_line_bytes: int) -> Iterator[Request | Reject]:
+    for first, piece in parquet_pieces(part, PARQUET_BATCH, max_line_bytes):
+        if isinstance(piece, Reject):
+            yield piece
+            continue
+        for i, row in enumerate(table_rows(part, first, piece)):
             yield parse_record(first + i, row, row_text(row))
+
+
+def parquet_pieces(part: Partition, rows: int, max_line_bytes: int) -> Iterator[tuple[int, object]]:
+    """`parquet_tables` with every row over `max_line_bytes` (its strings and binaries, nested ones included) taken
+    out as a Reject before any of it becomes a Python object: (first row, Table of consecutive rows) or (row, Reject),
+    in file order. The bound is the JSONL reader's, so one limit holds for both formats."""
+    for first, table in parquet_tables(part, rows):
+        big = np.flatnonzero(row_bytes(table) > max_line_bytes)
+        start = 0
+        for i in big.tolist():
+            if i > start:
+                yield first + start, table.slice(start, i - start)
+            yield first + i, Reject(first + i, f"row larger than {max_line_bytes} bytes (not read)", "")
+            start = i + 1
+        if start < table.num_rows:
+            yield first + start, table.slice(start) if start else table
+
+
+def row_bytes(table) -> np.ndarray:
+    """int64 [rows]: each row's bytes of string and binary data, through lists, maps and structs, plus 8 per other
+    value; computed on pyarrow's buffers, without converting a row."""
+    total = np.zeros(table.num_rows, dtype=np.int64)
+    for column in table.columns:
+        total += _array_bytes(column.combine_chunks())
+    return total
+
+
+def _array_bytes(arr) -> np.ndarray:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        return _array_bytes(arr.dictionary_decode())
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return pc.binary_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t) or pa.types.is_fixed_size_list(t):
+        parents = pc.list_parent_indices(arr).to_numpy(zero_copy_only=False)
+        return np.bincount(parents, weights=_array_bytes(arr.flatten()), minlength=len(arr)).astype(np.int64)
+    if pa.types.is_struct(t):
+        out = np.zeros(len(arr), dtype=np.int64)
+        for child in arr.flatten():
+            out += _array_bytes(child)
+        return out
+    return np.full(len(arr), 8, dtype=np.int64)
 
 
 def table_rows(part: Partition, first: int, table) -> list[dict]:
