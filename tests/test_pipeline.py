@@ -62,10 +62,17 @@ def test_pipeline_end_to_end_promotes_the_passing_variant_and_skips_on_rerun(tmp
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     spec = _spec(tmp_path, workdir)
+    doc = yaml.safe_load(spec.read_text())
+    doc["gates"]["stop_on_fail"] = True  # awq-cpu fails on shadow: its long-context and eval passes are skipped
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
     assert main(["run", str(spec)]) == 0
     summary = json.loads((tmp_path / "work/summary.json").read_text())
     by = {v["variant"]: v for v in summary["variants"]}
     assert by["w8"]["passed"] and not by["awq-cpu"]["passed"]
+    assert by["awq-cpu"]["stopped"]["skipped"] == ["long_context", "eval"] and by["w8"]["stopped"] is None
+    assert {c["gate"] for c in by["w8"]["checks"]} >= {"eval"} and "eval" not in {
+        c["gate"] for c in by["awq-cpu"]["checks"]
+    }
     assert by["awq-cpu"]["backend"] == "cpu" and "kl_mean" in by["awq-cpu"]["failed_checks"]
     assert summary["promoted"]["variant"] == "w8"
     assert (tmp_path / "work/calib/profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the traffic, pictured
@@ -74,6 +81,7 @@ def test_pipeline_end_to_end_promotes_the_passing_variant_and_skips_on_rerun(tmp
     assert len(client.search_model_versions("name='tiny-llm'")) == 2
     out = capsys.readouterr()
     assert "promoted w8 as tiny-llm" in out.out and "mlflow ui --backend-store-uri" in out.out
+    assert out.out.count("not run: long_context and eval (decided FAIL first; gates.stop_on_fail)") == 1
     assert out.err.index("+ noise floor: KL p99") < out.err.index("> quantize:")  # thresholds checked before quantizing
     first_seconds = summary["stage_seconds"]
     assert set(first_seconds) == set(summary["stages_run"]) and len(first_seconds) == 7

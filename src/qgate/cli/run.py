@@ -147,6 +147,8 @@ def _print_table(spec, o: Output) -> None:
         for what in ("failed", "inconclusive"):
             if v[f"{what}_checks"]:
                 typer_echo(f"{'':22s} {what}: {', '.join(v[f'{what}_checks'])}")
+        if stop := v.get("stopped"):
+            typer_echo(f"{'':22s} not run: {' and '.join(stop['skipped'])} (decided FAIL first; gates.stop_on_fail)")
         said: set[str] = set()
         for c in v.get("checks", []):
             if (

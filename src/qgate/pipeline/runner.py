@@ -598,6 +598,7 @@ def _variant_summary(o: dict) -> dict:
         "verdict": meta["verdict"],
         "failed_checks": meta.get("failed", []),
         "inconclusive_checks": meta.get("inconclusive", []),
+        "stopped": report.get("stopped"),  # gates.stop_on_fail: what was not run, after which failures
         "checks": checks,
         "report": str(o["report"].path / "report.html"),
         "kl_p99": s.get("shadow.kl_p99"),
