@@ -2,79 +2,25 @@
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import requests
+from servers import ADMIN, mlflow_server
 
 from qgate.cli.main import main
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     pytest.importorskip("flask_wtf", reason="mlflow[auth] is in the dev extra: bash scripts/setup.sh installs it")
     root = tmp_path_factory.mktemp("mlflow-server")
-    ini = root / "auth.ini"
-    ini.write_text(
-        f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{root / 'auth.db'}\nadmin_username = admin\n"
-        "admin_password = admin-pass-1234\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
-    )
-    port = _free_port()
-    env = os.environ | {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": "qgate-test-secret"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    mlflow_bin = Path(sys.executable).parent / "mlflow"
-    proc = subprocess.Popen(
-        [
-            str(mlflow_bin),
-            "server",
-            "--app-name",
-            "basic-auth",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{root / 'mlflow.db'}",
-            "--artifacts-destination",
-            str(root / "artifacts"),
-            "--workers",
-            "1",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=open(root / "server.log", "w"),
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):
-            try:
-                if requests.get(f"{url}/health", timeout=1).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited: {(root / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-        admin = ("admin", "admin-pass-1234")
+    with mlflow_server(root, auth=True) as url:
         for user, pw in (("ci", "ci-pass-1234"), ("reader", "reader-pass-1234")):
             r = requests.post(
-                f"{url}/api/2.0/mlflow/users/create", json={"username": user, "password": pw}, auth=admin, timeout=10
+                f"{url}/api/2.0/mlflow/users/create", json={"username": user, "password": pw}, auth=ADMIN, timeout=10
             )
             assert r.ok, r.text
         yield url, root
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def _as(monkeypatch, url, user, pw):

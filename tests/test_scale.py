@@ -10,7 +10,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import sys
 import tracemalloc
 from collections import Counter
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from servers import s3_server
 
 from qgate.calibrate import sketches
 from qgate.calibrate.profile import Concurrency
@@ -496,41 +496,13 @@ def test_a_missing_bucket_prefix_fails_at_the_call(s3):
         list_partitions(f"s3://{s3}/no-such-prefix/")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3():
     """A real S3-compatible server (moto in server mode) on localhost, found through the standard AWS variables."""
-    import os
-
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-    }
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
-        sys.modules[
-            "ray"
-        ].shutdown()  # a local Ray's workers keep the environment it started with: restart it with these
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="traffic")
-    yield "traffic"
-    for k, v in old.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    server.stop()
+    with s3_server() as (_, bucket):
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()  # a local Ray keeps the environment it started with: restart it
+        yield bucket
 
 
 def test_s3_partitions_and_ray_give_the_local_serial_sample(tmp_path, s3):

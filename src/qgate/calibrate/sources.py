@@ -106,10 +106,8 @@ class Partition:
         return is_uri(self.location)
 
     def _fs(self):
-        from pyarrow import fs
-
         try:
-            return fs.FileSystem.from_uri(self.location)
+            return filesystem_of(self.location)
         except Exception as e:  # pyarrow raises ArrowInvalid / OSError by scheme
             raise InputError(
                 f"{self.location}: cannot open this URI ({e})",
@@ -187,6 +185,34 @@ class _Raw(io.RawIOBase):
         super().close()
 
 
+# S3 through pyarrow's client (the AWS SDK): its standard retry strategy retries throttling, 5xx answers, dropped
+# connections and timeouts with jittered backoff. qgate reads objects only, so every call it makes is idempotent.
+S3_ATTEMPTS = 6  # tries per request in all (the SDK's default is 3)
+S3_CONNECT_TIMEOUT = 10.0  # seconds to open a connection
+S3_REQUEST_TIMEOUT = 60.0  # seconds without an answer before the try counts as failed
+
+
+def filesystem_of(uri: str):
+    """(pyarrow filesystem, path) for a URI; an s3:// one with qgate's retries and timeouts, in the bucket's region,
+    unless the URI sets its own options in a query string."""
+    from pyarrow import fs
+
+    filesystem, path = fs.FileSystem.from_uri(uri)
+    if filesystem.type_name == "s3" and "?" not in uri:
+        found = filesystem.__reduce__()[1][0]  # what from_uri resolved: the bucket's region, AWS_ENDPOINT_URL, ...
+        where = {k: found[k] for k in _S3_WHERE if found.get(k) is not None}  # credentials stay with the SDK's chain
+        filesystem = fs.S3FileSystem(
+            **where,
+            retry_strategy=fs.AwsStandardS3RetryStrategy(max_attempts=S3_ATTEMPTS),
+            connect_timeout=S3_CONNECT_TIMEOUT,
+            request_timeout=S3_REQUEST_TIMEOUT,
+        )
+    return filesystem, path
+
+
+_S3_WHERE = ("region", "endpoint_override", "scheme", "force_virtual_addressing", "proxy_options", "tls_ca_file_path")
+
+
 def list_partitions(where: str | Path) -> list[Partition]:
     """Every traffic file of a source, in a stable order, each named by its path below the source's root (a
     directory, or a glob's part before its first wildcard). Fails at the call when there is none."""
@@ -199,7 +225,7 @@ def list_partitions(where: str | Path) -> list[Partition]:
     pattern = any(c in uri for c in "*?[")
     base_uri = _glob_root(uri) if pattern else uri
     try:
-        filesystem, base = fs.FileSystem.from_uri(base_uri)
+        filesystem, base = filesystem_of(base_uri)
         info = filesystem.get_file_info(base)
     except Exception as e:
         raise InputError(

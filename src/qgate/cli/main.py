@@ -17,6 +17,7 @@ from typer._click.exceptions import NoArgsIsHelpError  # typer 0.29 vendors clic
 
 from qgate.cli import calibrate, drift, engine, gate, model, quantize, registry, run, search
 from qgate.errors import EXIT_ERROR, GateFailed, PromotionRefused, QgateError, free_bytes, human_bytes
+from qgate.registry.transport import server_failure
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -106,6 +107,8 @@ def _message(e: BaseException, argv: list[str] | None = None) -> tuple[str, int]
         where = e.filename or "a file"
         left = "" if free is None else f" ({human_bytes(free)} free there now)"
         return f"error: no space left on the device holding {where}{left}: free space and run again", EXIT_ERROR
+    if (failed := server_failure(e)) is not None:
+        return f"error: {failed}", EXIT_ERROR
     if isinstance(e, FileNotFoundError):
         return f"error: file not found: {e.filename}", EXIT_ERROR
     if isinstance(e, MemoryError):

@@ -20,6 +20,7 @@ from qgate.artifact import Artifact
 from qgate.errors import RegistryError
 from qgate.registry.checks import check_version
 from qgate.registry.lease import Lease, registry_lock
+from qgate.registry.transport import absent, configure_http
 
 DEFAULT_STORE = Path(".qgate/mlflow")
 EXPERIMENT = "qgate"
@@ -83,6 +84,7 @@ def _client(store: Path | None, *, create: bool = True):
     import mlflow
     from mlflow import MlflowClient
 
+    configure_http()
     uri = tracking_uri(store, create=create)
     embedded = uri.startswith("sqlite:///") and not os.environ.get("MLFLOW_TRACKING_URI")
     if embedded and create:
@@ -147,22 +149,31 @@ def find_version(
 ):
     """The version already registered for this gate report and candidate, if any: registering twice (a re-run after
     a kill between registering and recording it) returns the first version instead of making a duplicate."""
+
+    found = _versions_of(_client(store)[1], model_name, gate_sha256, candidate_sha256, profile_sha256)
+    return found[0] if found else None
+
+
+def _versions_of(client, model_name: str, gate_sha256: str, candidate_sha256: str, profile_sha256: str | None):
+    """The versions registered for this gate report and candidate, oldest first. A server that cannot answer raises:
+    reading that as "none" would register a duplicate."""
     import mlflow
 
-    _, client = _client(store)
     try:
         found = client.search_model_versions(
             f"name = '{model_name}' and tags.`qgate.gate_report_sha256` = '{gate_sha256}'"
         )
-    except mlflow.exceptions.MlflowException:
-        return None
+    except mlflow.exceptions.MlflowException as e:
+        if not absent(e):
+            raise
+        return []
     found = [
         mv
         for mv in found
         if mv.tags.get("qgate.artifact_sha256") == candidate_sha256
         and (profile_sha256 is None or mv.tags.get("qgate.profile_sha256") == profile_sha256)
     ]
-    return min(found, key=lambda mv: int(mv.version)) if found else None
+    return sorted(found, key=lambda mv: int(mv.version))
 
 
 @refusals("register a model version")
@@ -263,6 +274,7 @@ def _register(
         tags = _version_tags(gate, candidate, report, verdict, run_id, model.model_id, profile, recipe)
         lease.check(f"creating the {model_name} version of gate run {run_id}")
         mv = mlflow.register_model(f"models:/{model.model_id}", model_name, tags=tags)
+    mv = _one_version(client, model_name, gate, candidate, profile, exp.experiment_id, lease) or mv
     client.update_model_version(
         model_name,
         mv.version,
@@ -271,6 +283,26 @@ def _register(
     if not client.get_registered_model(model_name).description:
         client.update_registered_model(model_name, description=MODEL_DESCRIPTION)
     return str(mv.version)
+
+
+def _one_version(client, model_name, gate, candidate, profile, experiment_id, lease):
+    """After registering: the one version of this gate report and candidate. A request the client retried after the
+    server had acted on it (an answer lost on the way back) can have created a second version, run or logged model;
+    the later versions are deleted, then what no version uses, so the registry holds what a run without faults
+    leaves. Returns the version kept, or None when the search does not list it yet."""
+    from qgate.progress import console_err
+    from qgate.registry.repair import deleted, remove_orphans
+
+    found = _versions_of(client, model_name, gate.sha256, candidate.sha256, profile.sha256 if profile else None)
+    for extra in found[1:]:
+        lease.check(f"deleting duplicate version {extra.version} of {model_name}")
+        deleted(client.delete_model_version, model_name, extra.version)
+        print(
+            f"  ! removed duplicate version {extra.version}: a retried request registered it twice", file=console_err()
+        )
+    for what in remove_orphans(client, experiment_id, model_name, gate.sha256):
+        print(f"  ! removed duplicate {what}: a retried request created it twice", file=console_err())
+    return found[0] if found else None
 
 
 MODEL_DESCRIPTION = """Quantized variants gated by **qgate** against the baseline on held-out production traffic and offline evals.
@@ -342,6 +374,8 @@ def _version(client, model_name: str, version: str | None, alias: str | None, st
             return client.get_model_version_by_alias(model_name, alias)
         return client.get_model_version(model_name, str(version))
     except mlflow.exceptions.MlflowException as e:
+        if not absent(e):
+            raise
         what = f"alias @{alias}" if alias is not None else f"version {version}"
         raise RegistryError(f"model {model_name!r} {what} not found in {tracking_uri(store, create=False)}") from e
 
@@ -361,8 +395,9 @@ def _promote(client, model_name: str, version: str, alias: str, store: Path | No
     previous = None
     try:
         previous = str(client.get_model_version_by_alias(model_name, alias).version)
-    except mlflow.exceptions.MlflowException:
-        pass
+    except mlflow.exceptions.MlflowException as e:
+        if not absent(e):
+            raise
     lease.check(f"moving @{alias} of {model_name} to version {version}")
     if previous is not None and previous != str(version) and alias == "production":
         client.set_registered_model_alias(model_name, PREVIOUS, previous)
@@ -392,6 +427,8 @@ def _rollback(client, model_name: str, store: Path | None, lease: Lease) -> dict
     try:
         target = client.get_model_version_by_alias(model_name, PREVIOUS)
     except mlflow.exceptions.MlflowException as e:
+        if not absent(e):
+            raise
         raise RegistryError(
             f"model {model_name!r} has no @{PREVIOUS} to roll back to in {tracking_uri(store, create=False)}",
             hint="promote a version by hand: qgate promote --model NAME --version N",
@@ -399,7 +436,9 @@ def _rollback(client, model_name: str, store: Path | None, lease: Lease) -> dict
     actual = check_version(target)
     try:
         current = str(client.get_model_version_by_alias(model_name, "production").version)
-    except mlflow.exceptions.MlflowException:
+    except mlflow.exceptions.MlflowException as e:
+        if not absent(e):
+            raise
         current = None
     lease.check(f"moving @production of {model_name} back to version {target.version}")
     client.set_registered_model_alias(model_name, "production", str(target.version))
@@ -423,6 +462,8 @@ def status(model_name: str, store: Path | None = None) -> list[dict]:
     try:
         aliases = dict(client.get_registered_model(model_name).aliases)
     except mlflow.exceptions.MlflowException as e:
+        if not absent(e):
+            raise
         raise RegistryError(f"model {model_name!r} not found in {tracking_uri(store, create=False)}") from e
     order = ["production", PREVIOUS] + sorted(a for a in aliases if a not in ("production", PREVIOUS))
     rows = []

@@ -10,6 +10,8 @@ by its gate report's sha256). A version never exists without its tags: they are 
 
 from __future__ import annotations
 
+from qgate.registry.transport import absent
+
 GATE_TAG = "qgate.gate_report_sha256"
 
 
@@ -22,17 +24,30 @@ def remove_orphans(client, experiment_id: str, model_name: str, gate_sha256: str
         for mv in client.search_model_versions(f"name = '{model_name}' and tags.`{GATE_TAG}` = '{gate_sha256}'"):
             used_models.add(mv.tags.get("qgate.model_id"))
             used_runs.add(mv.run_id)
-    except mlflow.exceptions.MlflowException:  # the registered model does not exist yet
-        pass
+    except mlflow.exceptions.MlflowException as e:  # the registered model does not exist yet
+        if not absent(e):
+            raise
     removed = []
     for lm in client.search_logged_models([experiment_id], filter_string=f"tags.`{GATE_TAG}` = '{gate_sha256}'"):
         if lm.model_id not in used_models:
-            client.delete_logged_model(lm.model_id)
+            deleted(client.delete_logged_model, lm.model_id)
             removed.append(f"logged model {lm.model_id}")
         else:
             used_runs.add(lm.source_run_id)
     for run in client.search_runs([experiment_id], filter_string=f"tags.`{GATE_TAG}` = '{gate_sha256}'"):
         if run.info.run_id not in used_runs:
-            client.delete_run(run.info.run_id)
+            deleted(client.delete_run, run.info.run_id)
             removed.append(f"run {run.info.run_id}")
     return removed
+
+
+def deleted(delete, *args) -> None:
+    """`delete(*args)`, where "it does not exist" counts as done: a delete the client retried after the server had
+    acted on it is answered that way."""
+    import mlflow
+
+    try:
+        delete(*args)
+    except mlflow.exceptions.MlflowException as e:
+        if not absent(e):
+            raise
