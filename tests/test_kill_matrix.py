@@ -49,25 +49,26 @@ RUN_POINTS = [
     ("> quantize:awq-cpu", 2.0),
     ("> engine:awq-cpu", 1.0),
     ("> gate:awq-cpu", 2.0),
-    ("> quantize:w8", 2.0),
-    ("> gate:w8", 2.0),
+    ("> quantize:w8", 0.5),
+    ("> gate:w8", 0.3),
     ("+ gate:w8", 0.5),  # registering the first variant
     ("+ register:awq-cpu", 0.2),  # registering the second
     ("+ register:w8", 0.05),  # promoting
     ("+ register:w8", 0.5),
 ]
-DRIFT_POINTS = [
-    (None, 3.0),
+DRIFT_POINTS = [  # the tiny drift run takes ~9 s: ~0.2 s registering after its gate, ~0.06 s promoting
+    (None, 1.5),
+    ("production:", 0.1),
     ("> calibrate", 0.3),
-    ("drift", 1.0),
-    ("> quantize:w8", 1.0),
-    ("> quantize:w8", 4.0),
-    ("> gate:w8", 1.0),
-    ("> gate:w8", 3.0),
-    ("+ gate:w8", 0.3),  # registering the recalibrated variant
-    ("+ gate:w8", 1.5),
-    ("+ register:w8", 0.05),  # promoting
-    ("+ register:w8", 0.5),
+    ("> quality", 1.5),
+    ("drift check: DRIFT", 0.1),
+    ("> quantize:w8", 0.2),
+    ("> gate:w8", 0.3),
+    ("> gate:w8", 0.7),
+    ("+ gate:w8", 0.05),  # registering the recalibrated variant
+    ("+ gate:w8", 0.12),
+    ("+ register:w8", 0.02),  # promoting
+    ("+ register:w8", 0.04),
 ]
 
 
@@ -123,7 +124,7 @@ def _registry(root: Path) -> dict:
     except Exception:  # noqa: BLE001 - no registered model yet
         versions = []
     keys = [
-        (mv.tags.get("qgate.variant"), mv.tags.get("qgate.artifact_sha256"), mv.tags.get("qgate.profile_sha256"))
+        (mv.tags.get("qgate.variant"), mv.tags.get("qgate.artifact_sha256"), mv.tags.get("qgate.calibration_sha256"))
         for mv in versions
     ]
     assert len(keys) == len(set(keys)), f"duplicate versions: {sorted(keys)}"
@@ -132,7 +133,10 @@ def _registry(root: Path) -> dict:
     if versions:
         for alias, v in c.get_registered_model(MODEL).aliases.items():
             assert by_version[v].tags.get("qgate.gate_passed") == "true", f"@{alias} on v{v}, whose gate did not pass"
-            aliases[alias] = (by_version[v].tags.get("qgate.variant"), by_version[v].tags.get("qgate.profile_sha256"))
+            aliases[alias] = (
+                by_version[v].tags.get("qgate.variant"),
+                by_version[v].tags.get("qgate.calibration_sha256"),
+            )
     return {"versions": sorted(k[:2] for k in keys), "aliases": aliases}
 
 
@@ -192,7 +196,7 @@ def _rewind(src: Path, dst: Path, workdir: str, stage: str | None) -> None:
 
 def _stage_of(trigger: str | None, names: list[str]) -> str | None | bool:
     """The ledger stage a point's trigger starts (False: the job must start from nothing; None: registration)."""
-    if trigger is None or trigger.startswith(("> calibrate", "> baseline", "drift")):
+    if trigger is None or trigger.startswith(("> calibrate", "> baseline")):
         return False
     if trigger.startswith("+ "):
         return None
@@ -231,7 +235,7 @@ def _matrix(
                 "killed": "yes" if killed["killed"] else f"no (exit {killed['rc']})",
                 "last line before the kill": killed["last"][:60],
                 "versions after kill": len(after["versions"]),
-                "production after kill": (prod or ("-",))[0],
+                "production after kill": f"{prod[0]} (calibration {prod[1][:8]})" if prod else "-",
                 "re-run": f"exit 0, same ({time.perf_counter() - t:.0f}s)",
             }
         )
