@@ -22,8 +22,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def mlflow_server(root: Path, auth: bool = False):
-    """An `mlflow server` with its own SQLite store and proxied artifacts under root; yields its URL."""
+def mlflow_server(root: Path, auth: bool = False, db: Path | None = None):
+    """An `mlflow server` with its own SQLite store (or the store `db`) and proxied artifacts under root; yields its
+    URL."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     app = []
     if auth:
@@ -35,11 +36,17 @@ def mlflow_server(root: Path, auth: bool = False):
         )
         env |= {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": "qgate-test-secret"}
         app = ["--app-name", "basic-auth"]
+    root.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log = open(root / "server.log", "w")  # noqa: SIM115 - open for the server's lifetime
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "mlflow"), "server", *app, "--host", "127.0.0.1", "--port", str(port)]
-        + ["--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts")]
+        + [
+            "--backend-store-uri",
+            f"sqlite:///{db or root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+        ]
         + ["--workers", "1"],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -51,7 +58,7 @@ def mlflow_server(root: Path, auth: bool = False):
             try:
                 if requests.get(f"{url}/health", timeout=1).ok:
                     break
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or slow while starting
                 pass
             if proc.poll() is not None:
                 raise RuntimeError(f"mlflow server exited: {(root / 'server.log').read_text()[-2000:]}")

@@ -5,27 +5,16 @@ runs:/ URI), rendered by MLflow's own UI, not just stored. (The README's docs/im
 for the demo's promoted version, taken with the same Chromium flags.)
 """
 
-import os
 import shutil
-import socket
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-import requests
+from servers import mlflow_server
 
 from qgate.registry.mlflow_store import register
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: scripts/setup.sh installs it with apt-get")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _chromium(*args: str) -> subprocess.CompletedProcess:
@@ -52,41 +41,12 @@ def test_version_page_renders_the_gate_evidence(gated, w8_art, tmp_path, monkeyp
     ok, _ = gated
     store = tmp_path / "mlflow"
     version = register(ok, w8_art, "tiny-llm", store)
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "mlflow"),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{store / 'mlflow.db'}",
-            "--workers",
-            "1",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "server.log", "w"),
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):
-            try:
-                if requests.get(f"{url}/health", timeout=1).ok:
-                    break
-            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or slow to answer while starting
-                time.sleep(0.5)
+    with mlflow_server(tmp_path, db=store / "mlflow.db") as url:
         page = f"{url}/#/models/tiny-llm/versions/{version}"
         run = _chromium("--dump-dom", page)
         dom = run.stdout
         shot = tmp_path / "version.png"
         _chromium(f"--screenshot={shot}", page)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     assert "qgate gate:" in dom and "PASS" in dom, (
         dom[-1500:],
         run.stderr[-1500:],

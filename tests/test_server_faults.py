@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from faultproxy import KINDS, FaultProxy
 from servers import mlflow_server
 
+from qgate.artifact import sha256_file
 from qgate.cli.main import main
 from qgate.registry.transport import HTTP_SETTINGS
 
@@ -26,7 +28,7 @@ def fast_retries(monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
 
 
-def _state(url: str, model: str) -> dict:
+def _state(url: str, model: str, root: Path) -> dict:
     """What a registry holds for a model, without ids that differ between runs: its versions (evidence tags, whether
     described, the files of each version's model), its aliases, and the runs and logged models made for its gates."""
     from mlflow import MlflowClient
@@ -42,7 +44,7 @@ def _state(url: str, model: str) -> dict:
                 "version": mv.version,
                 "tags": {k: mv.tags.get(k) for k in keep},
                 "described": bool(mv.description),
-                "files": sorted(f.path for f in c.list_logged_model_artifacts(mv.tags["qgate.model_id"])),
+                "files": _files(root, mv.tags["qgate.model_id"]),
             }
             for mv in versions
         ],
@@ -56,6 +58,13 @@ def _state(url: str, model: str) -> dict:
             for _ in c.search_logged_models([exp.experiment_id], filter_string=f"tags.`{GATE}` = '{g}'")
         ),
     }
+
+
+def _files(root: Path, model_id: str) -> list[tuple[str, str]]:
+    """A logged model's files as the server stored them (name, sha256), read from its artifact directory: MLflow's
+    client caches an artifact repository with the tracking URI it was first made for, the proxy's here."""
+    (where,) = [d for d in (root / "artifacts").rglob(model_id) if d.is_dir()]
+    return sorted((f.relative_to(where).as_posix(), sha256_file(f)) for f in where.rglob("*") if f.is_file())
 
 
 def _registry_job(uri: str, model: str, gated, w8_art, awq_art, monkeypatch, capsys) -> None:
@@ -81,7 +90,7 @@ def test_registry_jobs_through_a_faulty_server_end_as_they_do_without_faults(
         _registry_job(url, "clean", gated, w8_art, awq_art, monkeypatch, capsys)
         with FaultProxy(url, rate=0.2, seed=11, stall_s=3.0) as proxy:
             _registry_job(proxy.url, "faulty", gated, w8_art, awq_art, monkeypatch, capsys)
-        clean, faulty = _state(url, "clean"), _state(url, "faulty")
+        clean, faulty = _state(url, "clean", tmp_path), _state(url, "faulty", tmp_path)
     print(f"\nfaults injected: {proxy.counts}")
     assert faulty == clean and len(clean["versions"]) == 2 and clean["aliases"] == {"production": "1"}
     assert all(proxy.counts[k] > 0 for k in KINDS) and proxy.faults >= 0.1 * sum(proxy.counts.values())
@@ -100,7 +109,7 @@ def test_a_create_answered_after_the_server_acted_is_not_registered_twice(
             monkeypatch.setenv("MLFLOW_TRACKING_URI", proxy.url)
             assert main(["register", "--gate", str(ok.path), "--candidate", str(w8_art.path), "--model", "m"]) == 0
         out = capsys.readouterr()
-        state = _state(url, "m")
+        state = _state(url, "m", tmp_path)
     assert sorted(p for _, p, what in proxy.log if what == "drop_after") == sorted(creates)
     assert [v["version"] for v in state["versions"]] == ["1"] and state["versions"][0]["described"]
     assert len(state["runs"]) == len(state["logged_models"]) == 1
@@ -151,3 +160,45 @@ def test_sampling_through_a_faulty_s3_server_gives_the_sample_of_a_clean_read(tm
         if k in clean:
             assert faulty[k].sha256 == clean[k].sha256, k
     assert faulty["profile"].parents == clean["profile"].parents  # the same content hash of the traffic
+
+
+def test_a_pipeline_and_a_drift_check_through_a_faulty_server_end_as_without_faults(
+    tmp_path, workdir, monkeypatch, capsys, fast_retries
+):
+    """`qgate run` (the tiny model) registers and promotes, and `qgate drift check` reads production's profile and
+    tags its verdict, once straight to the server and once through 20% faults: the same registry either way."""
+    import tiny
+    import yaml
+    from test_drift import SHIFT, STRICT, W8, _spec
+
+    src = workdir / "tiny-src"
+    if not src.exists():
+        tiny.make_model(src)
+    tiny.make_traffic(tmp_path / "traffic.jsonl", n=300, seed=0)
+    tiny.make_traffic(tmp_path / "shifted.jsonl", n=300, seed=12, **SHIFT)
+    spec = _spec(tmp_path, src, [W8, W8 | {"name": "w8-again"}], STRICT)
+    doc = yaml.safe_load(spec.read_text())
+
+    def job(uri: str, model: str) -> int:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        spec.write_text(yaml.safe_dump(doc | {"registry": doc["registry"] | {"model_name": model}}))
+        assert main(["run", str(spec)]) == 0
+        rc = main(["drift", "check", "--spec", str(spec), "--traffic", str(tmp_path / "shifted.jsonl")])
+        assert "Traceback" not in capsys.readouterr().err
+        return rc
+
+    with mlflow_server(tmp_path / "srv") as url:
+        clean_rc = job(url, "clean")
+        with FaultProxy(url, rate=0.2, seed=4, stall_s=3.0) as proxy:
+            faulty_rc = job(proxy.url, "faulty")
+        clean, faulty = _state(url, "clean", tmp_path / "srv"), _state(url, "faulty", tmp_path / "srv")
+        from mlflow import MlflowClient
+
+        c = MlflowClient(url, url)
+        drift = [
+            c.get_model_version_by_alias(m, "production").tags.get("qgate.drift.verdict") for m in ("clean", "faulty")
+        ]
+    print(f"\nfaults injected: {proxy.counts}")
+    assert clean_rc == faulty_rc == 3 and drift == ["drift", "drift"]
+    assert faulty == clean and len(clean["versions"]) == 2 and clean["aliases"] == {"production": "1"}
+    assert proxy.faults >= 10
