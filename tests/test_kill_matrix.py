@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 import tiny
-from test_drift import SHIFT, STRICT, W8, _spec
+from test_crash import _content
+from test_drift import SHIFT, STRICT, W8, _client, _spec
 
 from qgate.artifact import Artifact
 
@@ -106,13 +107,6 @@ def _job(cmd: list[str], cwd: Path, trigger: str | None = None, delay: float = 0
     return {"rc": p.returncode, "lines": lines, "killed": killed, "last": (last or "").strip()}
 
 
-def _client(root: Path):
-    from mlflow import MlflowClient
-
-    uri = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
-    return MlflowClient(uri, uri)
-
-
 def _registry(root: Path) -> dict:
     """Versions by (variant, candidate sha256), aliases by variant; asserts no duplicate, no alias on a failed gate,
     and no run or logged model that no version uses."""
@@ -165,14 +159,7 @@ def _outputs(workdir: Path) -> dict:
 def _output(path: Path):
     art = Artifact.load(path)
     art.verify()
-    if art.kind == "gate-report":
-        report = json.loads((path / "report.json").read_text())
-        return [
-            {k: r[k] for k in ("gate", "metric", "observed", "ci", "verdict", "n")}
-            for r in report["results"]
-            if r["gate"] != "perf"
-        ]
-    return art.sha256
+    return _content("gate", path) if art.kind == "gate-report" else art.sha256  # a gate report: its checks
 
 
 def _rewind(src: Path, dst: Path, workdir: str, stage: str | None) -> None:

@@ -6,7 +6,8 @@ Accepts JSONL (plain, `.gz` or `.zst`) or Parquet rows holding an OpenAI chat `m
 `prompt` string, with optional `route`, `tenant` (strings), `ts` (ISO-8601 or epoch seconds) and `latency_ms`.
 Whatever else a line holds (bad UTF-8, NUL bytes, a truncated tail, nesting deeper than orjson's 1,024 levels,
 a field of the wrong type, a line longer than `max_line_bytes`) becomes a Reject with its line number and reason.
-A record over `max_line_bytes` is rejected unread: a JSONL line is skipped without being held, a Parquet row is\ncounted on pyarrow's buffers and never converted (pyarrow decodes the data page that holds it).
+A record over `max_line_bytes` is rejected unread: a JSONL line is skipped without being held, a Parquet row is
+counted on pyarrow's buffers and never converted (pyarrow decodes the data page that holds it).
 """
 
 from __future__ import annotations

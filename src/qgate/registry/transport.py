@@ -1,7 +1,7 @@
 """How qgate talks to a remote tracking server: MLflow's own retry settings, chosen, and one line when they run out.
 
     configure_http()          # before the first MlflowClient call to a server
-    line = server_failure(e)  # "the MLflow tracking server at http://... failed POST /api/2.0/... after 5 retries ..."
+    line = server_failure(e)  # "the MLflow tracking server at http://... failed /api/2.0/... after 5 retries (...)"
 
 MLflow's REST client retries through urllib3: a refused or dropped connection, a read past the timeout, and answers
 408, 429, 500, 502, 503 and 504, for every method. qgate sets that client's retry count, backoff and timeout unless
