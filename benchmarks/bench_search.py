@@ -31,8 +31,9 @@ def main() -> int:
     import torch
 
     from qgate.gates.run import baseline_floor, shadow_check
-    from qgate.pipeline.runner import Runner, calibrate_stage, model_stage
+    from qgate.pipeline.ledger import Ledger
     from qgate.pipeline.spec import load_spec, search_config
+    from qgate.pipeline.stages import calibrate_stage, model_stage
     from qgate.quantize.run import CalibOptions, quantize
     from qgate.quantize.schemes import FallbackConfig, scheme_config
     from qgate.quantize.smoothing import cached_smoothing
@@ -42,10 +43,11 @@ def main() -> int:
     print(f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}", flush=True)
     spec = load_spec(args.spec)
     v = next(x for x in spec.variants if x.name == args.variant)
-    r = Runner(spec, print)
-    base = model_stage(r, spec)
-    calib, shadow, _ = calibrate_stage(r, spec, spec.path(spec.traffic))
-    cache = r.workdir / "cache"
+    led = Ledger(spec.path(spec.workdir), print)
+    base = model_stage(led, spec)
+    cal = calibrate_stage(led, spec, spec.traffic_source())
+    calib, shadow = cal.calib, cal.shadow
+    cache = led.workdir / "cache"
     gate = spec.gate_config()
     baseline_floor(base, shadow, gate, cache)
     scheme = scheme_config(v.scheme, **v.options)

@@ -347,7 +347,7 @@ class Killed(BaseException):
 @pytest.mark.parametrize("where", ["calibrate", "quantize", "gate", "register", "register-recorded", "promote"])
 def test_drift_run_killed_at_each_step_reruns_without_duplicates(fresh, monkeypatch, where):
     import qgate.pipeline.drift as drift_mod
-    import qgate.pipeline.runner as runner_mod
+    import qgate.pipeline.ledger as ledger_mod
     import qgate.registry.mlflow_store as store_mod
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -369,19 +369,19 @@ def test_drift_run_killed_at_each_step_reruns_without_duplicates(fresh, monkeypa
     if where == "calibrate":
         after(drift_mod, "calibrate_stage")
     elif where in ("quantize", "gate"):
-        real_stage = runner_mod.Runner.stage
+        real_run = ledger_mod.Ledger.run
 
-        def stage(self, name, key, out, fn):
-            art = real_stage(self, name, key, out, fn)
+        def run(self, name, key, out, fn):
+            art = real_run(self, name, key, out, fn)
             if name.startswith(where + ":"):
                 raise Killed(name)
             return art
 
-        monkeypatch.setattr(runner_mod.Runner, "stage", stage)
+        monkeypatch.setattr(ledger_mod.Ledger, "run", run)
     elif where == "register":  # the version exists in the registry, the ledger does not know it
         after(store_mod, "register")
     elif where == "register-recorded":
-        after(drift_mod, "register_outcomes")
+        after(drift_mod, "register_stage")
     else:
         after(store_mod, "promote")
     with pytest.raises(Killed):

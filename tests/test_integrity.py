@@ -7,7 +7,7 @@ import numpy as np
 
 from qgate.artifact import Artifact
 from qgate.cache import read_cached, read_cached_arrays, write_cached
-from qgate.pipeline.runner import Runner
+from qgate.pipeline.ledger import Ledger
 
 
 def test_cache_roundtrip_and_every_kind_of_damage(tmp_path, capsys):
@@ -73,41 +73,34 @@ def test_truncated_baseline_cache_is_recomputed_not_used(base_art, calib_arts, t
     assert "recomputing" in capsys.readouterr().err
 
 
-class _Spec:  # the Runner needs only the workdir from a spec
-    workdir = "w"
-
-    def path(self, p):
-        return Path(p)
-
-
-def _stage(r: Runner, out: Path, calls: list) -> Artifact:
+def _stage(r: Ledger, out: Path, calls: list) -> Artifact:
     def build(tmp: Path):
         calls.append(1)
         tmp.mkdir(parents=True)
         (tmp / "data.txt").write_text("payload")
         return Artifact.create("calibration-set", tmp, {"type": "T", "version": 1, "data": {}})
 
-    return r.stage("s", {"k": 1}, out, build)
+    return r.run("s", {"k": 1}, out, build)
 
 
 def test_ledger_entries_are_verified_before_a_stage_is_skipped(tmp_path):
     lines, calls = [], []
     w = tmp_path / "w"
-    r = Runner(_Spec(), lines.append, workdir=w)
+    r = Ledger(w, lines.append)
     art = _stage(r, w / "out", calls)
-    _stage(Runner(_Spec(), lines.append, workdir=w), w / "out", calls)
+    _stage(Ledger(w, lines.append), w / "out", calls)
     assert len(calls) == 1  # unchanged: skipped
     (w / "out" / "data.txt").write_text("edited")  # edited after it was built
-    again = _stage(Runner(_Spec(), lines.append, workdir=w), w / "out", calls)
+    again = _stage(Ledger(w, lines.append), w / "out", calls)
     assert len(calls) == 2 and again.sha256 == art.sha256
     assert any("changed since it was built" in x for x in lines)
     ledger = json.loads((w / "stages.json").read_text())
     ledger["s"]["paths"] = ["../../../etc"]  # path traversal
     (w / "stages.json").write_text(json.dumps(ledger))
-    _stage(Runner(_Spec(), lines.append, workdir=w), w / "out", calls)
+    _stage(Ledger(w, lines.append), w / "out", calls)
     assert len(calls) == 3 and any("points outside the workdir" in x for x in lines)
     (w / "stages.json").write_text('{"s": {"key": ')  # a ledger cut short
-    _stage(Runner(_Spec(), lines.append, workdir=w), w / "out", calls)
+    _stage(Ledger(w, lines.append), w / "out", calls)
     assert len(calls) == 4 and any("stages.json is unreadable" in x for x in lines)
     assert sorted(p.name for p in w.iterdir()) == ["out", "stages.json"]  # no temporary directories left
     assert json.loads((w / "out" / "qgate-artifact.json").read_text())["path"] == str((w / "out").absolute())

@@ -146,7 +146,7 @@ def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch
                     {"name": "t", "scheme": "awq-w4a16", "engine": {"backend": "trtllm", "options": {"verify": False}}}
                 ]
             },
-            "variants[0].engine: the gates run checkpoints and cpu engines, not TensorRT-LLM bundles",
+            "variants[0].engine: the gates cannot run trtllm engines (TensorRT-LLM (PyTorch backend) bundle for NVIDIA GPUs)",
         ),
         ({"calibrate": {"calib_size": 1, "extra": 2}}, "calibrate.extra: unknown key"),
         ({"calibrate": {"calib_sise": 1}}, "calibrate.calib_sise: unknown key; did you mean 'calib_size'"),
@@ -293,7 +293,7 @@ def test_help_does_not_import_heavy_libraries():
 
 def test_pipeline_progress_counts_each_stage_once(tmp_path, workdir, monkeypatch):
     """The stage bar moves one step per stage and ends exactly at its total (it once jumped 2/10 -> 4/10)."""
-    import qgate.pipeline.runner as runner
+    import qgate.progress as progress
 
     bars = []
 
@@ -302,14 +302,14 @@ def test_pipeline_progress_counts_each_stage_once(tmp_path, workdir, monkeypatch
             self.total, self.steps = total, []
             bars.append(self)
 
-        def update(self, k):
+        def update(self, k=1):
             self.steps.append(k)
 
         def close(self):
             pass
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setattr(runner, "_StageBar", Bar)
+    monkeypatch.setattr(progress, "StageBar", Bar)
     spec = _spec(tmp_path, workdir)
     assert main(["run", str(spec)]) == 0
     (bar,) = bars

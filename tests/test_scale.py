@@ -427,9 +427,9 @@ def test_a_scan_cache_rescans_only_new_or_changed_partitions_and_changes_nothing
     monkeypatch.setattr(sample, "scan_partition_json", counting_scan)
     cfg, cache = SampleConfig(calib_size=30, shadow_size=10, seed=4), tmp_path / "scans"
 
-    def run(name: str, cached: bool = True, engine: str = "serial"):
+    def run(name: str, cached: bool = True, executor: str = "serial"):
         scanned.clear()
-        sample_traffic(logs, tmp_path / name, cfg, engine=engine, scan_cache=cache if cached else None)
+        sample_traffic(logs, tmp_path / name, cfg, executor=executor, scan_cache=cache if cached else None)
         return _artifact_bytes(tmp_path / name), sorted(scanned)
 
     for i in range(3):
@@ -440,7 +440,7 @@ def test_a_scan_cache_rescans_only_new_or_changed_partitions_and_changes_nothing
     assert not prof["estimates"]["unigrams_half_0"]["exact"]  # each partition's sketches purged: cached past capacity
     assert run("warm") == (cold, []) and run("plain", cached=False)[0] == cold
     monkeypatch.setattr(sample, "scan_partition_json", real_scan)  # workers cannot import a local function
-    assert run("processes", cached=False, engine="processes")[0] == cold  # scans that crossed a process boundary
+    assert run("processes", cached=False, executor="processes")[0] == cold  # scans that crossed a process boundary
     monkeypatch.setattr(sample, "scan_partition_json", counting_scan)
     shutil.rmtree(logs / "day=00")  # the window slides by a day
     day(3)
@@ -478,17 +478,19 @@ def test_a_scan_cache_rescans_only_new_or_changed_partitions_and_changes_nothing
         state_to_json(st)  # a field the cache would drop is refused
 
 
-def test_unknown_engine_and_missing_ray_are_clear(tmp_path, monkeypatch):
+def test_unknown_executor_and_missing_ray_are_clear(tmp_path, monkeypatch):
     import sys
 
     (tmp_path / "t.jsonl").write_bytes(b"\n".join(_records(100)) + b"\n")
-    with pytest.raises(ConfigError, match="unknown execution engine 'spark'"):
-        sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=5, shadow_size=5), engine="spark")
+    with pytest.raises(ConfigError, match="unknown executor 'spark'"):
+        sample_traffic(
+            tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=5, shadow_size=5), executor="spark"
+        )
     monkeypatch.setitem(sys.modules, "ray", None)
     from qgate.errors import BackendUnavailable
 
     with pytest.raises(BackendUnavailable, match="ray"):
-        sample_traffic(tmp_path / "t.jsonl", tmp_path / "o2", SampleConfig(calib_size=5, shadow_size=5), engine="ray")
+        sample_traffic(tmp_path / "t.jsonl", tmp_path / "o2", SampleConfig(calib_size=5, shadow_size=5), executor="ray")
 
 
 def test_a_missing_bucket_prefix_fails_at_the_call(s3):
@@ -506,7 +508,7 @@ def s3():
 
 
 def test_s3_partitions_and_ray_give_the_local_serial_sample(tmp_path, s3):
-    """The object-store path against a real S3 endpoint, and the processes and Ray (local Ray) engines on both local
+    """The object-store path against a real S3 endpoint, and the processes and Ray (local Ray) executors on both local
     and S3 partitions: every combination selects the same sets as one serial pass over local files."""
     import os
 
@@ -524,10 +526,10 @@ def test_s3_partitions_and_ray_give_the_local_serial_sample(tmp_path, s3):
     assert [p.name for p in list_partitions(uri)] == [p.name for p in list_partitions(parts)]
     runs = {
         "s3-serial": sample_traffic(uri, tmp_path / "s3-serial", cfg),
-        "local-processes": sample_traffic(parts, tmp_path / "local-processes", cfg, engine="processes"),
-        "s3-processes": sample_traffic(uri, tmp_path / "s3-processes", cfg, engine="processes"),
-        "local-ray": sample_traffic(parts, tmp_path / "local-ray", cfg, engine="ray"),
-        "s3-ray": sample_traffic(uri, tmp_path / "s3-ray", cfg, engine="ray"),
+        "local-processes": sample_traffic(parts, tmp_path / "local-processes", cfg, executor="processes"),
+        "s3-processes": sample_traffic(uri, tmp_path / "s3-processes", cfg, executor="processes"),
+        "local-ray": sample_traffic(parts, tmp_path / "local-ray", cfg, executor="ray"),
+        "s3-ray": sample_traffic(uri, tmp_path / "s3-ray", cfg, executor="ray"),
     }
     for name, arts in runs.items():
         assert _sets(arts) == _sets(ref), name
@@ -537,7 +539,7 @@ def test_s3_partitions_and_ray_give_the_local_serial_sample(tmp_path, s3):
     import ray
 
     assert ray.is_initialized() and ray.cluster_resources().get("CPU", 0) >= 1  # the scans were Ray tasks
-    # the pipeline's cache key hashes the source on the scan's engine: the same value as the scans' own hashes
+    # the pipeline's cache key hashes the source on the scan's executor: the same value as the scans' own hashes
     assert (
         traffic_sha256(list_partitions(uri), "ray")
         == traffic_sha256(list_partitions(parts), "processes")
@@ -599,20 +601,23 @@ def test_a_pipeline_samples_exactly_the_partitions_its_stage_key_hashed(tmp_path
     second listing keyed one set of partitions and sampled another)."""
     from test_pipeline import _spec
 
-    from qgate.pipeline import runner
+    from qgate.pipeline import stages
+    from qgate.pipeline.ledger import Ledger
     from qgate.pipeline.spec import load_spec
 
     logs = _write_parts(tmp_path / "logs", _records(300, seed=5), [150])
     spec = load_spec(_spec(tmp_path, workdir, traffic="logs"))
-    real, keyed = runner.cached_traffic_sha, []
+    real, keyed = stages.traffic_key, []
 
     def then_a_file_lands(*a, **k):
         keyed.append(real(*a, **k))
         (logs / "part-late.jsonl").write_bytes(b"\n".join(_records(40, seed=6)) + b"\n")
         return keyed[-1]
 
-    monkeypatch.setattr(runner, "cached_traffic_sha", then_a_file_lands)
-    _, _, profile = runner.calibrate_stage(runner.Runner(spec, echo=lambda m: None), spec, spec.traffic_source())
+    monkeypatch.setattr(stages, "traffic_key", then_a_file_lands)
+    profile = stages.calibrate_stage(
+        Ledger(spec.path(spec.workdir), lambda m: None), spec, spec.traffic_source()
+    ).profile
     assert profile.parents[0] == keyed[0] and profile.meta["requests"] <= 300
 
 
@@ -638,7 +643,7 @@ def test_a_variant_no_ray_node_can_hold_is_refused_before_any_work(tmp_path, wor
         match=r"variants\[1\]\.resources: variant w8 asks one node for CPU 1, GPU 1; the largest "
         r"node of this Ray instance has CPU \d+, memory [\d.]+ GiB, so its task would wait forever",
     ):
-        run_pipeline(spec, echo=lambda m: None, parallel="ray")
+        run_pipeline(spec, echo=lambda m: None, executor="ray")
     assert not (tmp_path / "work").exists()  # refused before anything was made
     said: list[str] = []
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")  # the same nodes, as a cluster's: a warning
@@ -678,7 +683,7 @@ def test_a_variant_failing_on_ray_keeps_every_stage_that_finished(tmp_path, work
     ]
     spec, said = PipelineSpec(**data, root=tmp_path.resolve()), []
     with pytest.raises(BackendUnavailable, match="TensorRT-LLM bundle written to .* but not verified"):
-        run_pipeline(spec, echo=said.append, parallel="ray")
+        run_pipeline(spec, echo=said.append, executor="ray")
     assert any(
         m.startswith("  ! trt failed: TensorRT-LLM bundle") and "every finished stage is kept" in m for m in said
     )
@@ -687,7 +692,7 @@ def test_a_variant_failing_on_ray_keeps_every_stage_that_finished(tmp_path, work
     built = {d: (tmp_path / "work/variants" / d).stat().st_ino for d in ("trt/checkpoint", "w8/checkpoint", "w8/gate")}
     said.clear()
     with pytest.raises(BackendUnavailable):
-        run_pipeline(spec, echo=said.append, parallel="ray")
+        run_pipeline(spec, echo=said.append, executor="ray")
     assert not any("stale lock" in m for m in said)  # the failed run released its lock cleanly
     assert {d: (tmp_path / "work/variants" / d).stat().st_ino for d in built} == built  # nothing was built again
 
@@ -733,37 +738,37 @@ def test_a_failing_ray_task_raises_its_own_error_and_leaves_nothing_running(tmp_
 
     ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
     with pytest.raises(ValueError, match="bad partition 1"):
-        list(map_ordered(_slow_or_bad, [(i, str(tmp_path)) for i in range(40)], engine="ray"))
+        list(map_ordered(_slow_or_bad, [(i, str(tmp_path)) for i in range(40)], executor="ray"))
     ran = sorted(p.name for p in tmp_path.iterdir())
     time.sleep(1.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ran  # nothing was left running behind the caller
     assert "0" in ran and len(ran) < 20  # the window was awaited; later calls never ran
-    assert list(map_ordered(_slow_or_bad, [(0, str(tmp_path)), (2, str(tmp_path))], engine="ray")) == [
+    assert list(map_ordered(_slow_or_bad, [(0, str(tmp_path)), (2, str(tmp_path))], executor="ray")) == [
         0,
         2,
     ]  # driver alive
 
 
-@pytest.mark.parametrize("engine", ["serial", "processes", "ray"])
-def test_a_result_that_stops_the_submitting_loses_none_of_the_work_in_flight(tmp_path, engine):
+@pytest.mark.parametrize("executor", ["serial", "processes", "ray"])
+def test_a_result_that_stops_the_submitting_loses_none_of_the_work_in_flight(tmp_path, executor):
     """stop_after: after a result it flags, no more calls are made, and the calls already running finish and are
     yielded, in order: a variant fan-out records every chain that finished beside a failed one."""
     import sys
 
     from qgate.execute import map_ordered
 
-    if engine == "ray":
+    if executor == "ray":
         pytest.importorskip("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
     got = list(
         map_ordered(
             _slow_or_bad,
             [(i, str(tmp_path), True) for i in range(40)],
-            engine=engine,
+            executor=executor,
             stop_after=lambda r: isinstance(r, tuple),
         )
     )
     assert got[:2] == [0, ("failed", 1)] and got[2:] == list(range(2, len(got))) and len(got) < 12
-    if engine == "serial":
+    if executor == "serial":
         assert len(got) == 2  # nothing else was running
     else:
         assert len(got) > 2  # the calls in flight were yielded, not dropped
@@ -804,29 +809,29 @@ def _bad_input(i: int) -> int:
     return i * i
 
 
-def test_the_processes_engine_keeps_order_raises_each_error_as_itself_and_places_no_gpus(tmp_path):
+def test_the_processes_executor_keeps_order_raises_each_error_as_itself_and_places_no_gpus(tmp_path):
     """Results in input order from worker processes; a worker's QgateError arrives with its hint; calls not yet
     started after a failure never run; GPU resources, and variant fan-out (which needs them), are refused."""
     from qgate.execute import map_ordered
     from qgate.pipeline.runner import run_pipeline
 
-    assert list(map_ordered(_bad_input, [(i,) for i in (3, 0, 1)], engine="processes")) == [9, 0, 1]
+    assert list(map_ordered(_bad_input, [(i,) for i in (3, 0, 1)], executor="processes")) == [9, 0, 1]
     with pytest.raises(InputError) as err:
-        list(map_ordered(_bad_input, [(i,) for i in range(5)], engine="processes"))
+        list(map_ordered(_bad_input, [(i,) for i in range(5)], executor="processes"))
     assert err.value.message == "part-2.jsonl:7: bad record" and err.value.hint == "fix the writer"
     with pytest.raises(ValueError, match="bad partition 1"):
-        list(map_ordered(_slow_or_bad, [(i, str(tmp_path)) for i in range(40)], engine="processes"))
+        list(map_ordered(_slow_or_bad, [(i, str(tmp_path)) for i in range(40)], executor="processes"))
     ran = sorted(p.name for p in tmp_path.iterdir())
     assert "0" in ran and len(ran) < 10  # the window was awaited; later calls never ran
     with pytest.raises(
-        QgateError, match="worker process of the processes engine died while running _bad_input"
+        QgateError, match="worker process of the processes executor died while running _bad_input"
     ) as died:
-        list(map_ordered(_bad_input, [(i,) for i in (0, 9, 1)], engine="processes"))
-    assert "serial engine" in died.value.hint and 'if __name__ == "__main__":' in died.value.hint
+        list(map_ordered(_bad_input, [(i,) for i in (0, 9, 1)], executor="processes"))
+    assert "serial executor" in died.value.hint and 'if __name__ == "__main__":' in died.value.hint
     with pytest.raises(ConfigError, match="cannot place num_gpus\n"):
-        list(map_ordered(_bad_input, [(1,)], engine="processes", resources={"num_gpus": 1}))
-    with pytest.raises(ConfigError, match="unknown execution engine 'processes'; choose one of serial, ray"):
-        run_pipeline(None, parallel="processes")
+        list(map_ordered(_bad_input, [(1,)], executor="processes", resources={"num_gpus": 1}))
+    with pytest.raises(ConfigError, match="unknown executor 'processes'; choose one of serial, ray"):
+        run_pipeline(None, executor="processes")
 
 
 class _StreamedConcurrency:
@@ -946,16 +951,16 @@ def test_a_local_file_a_ray_task_cannot_find_is_explained(tmp_path, monkeypatch)
     parts = list_partitions("logs")
     assert all(Path(p.location).is_absolute() for p in parts) and [p.name for p in parts][0] == "part-000.jsonl"
 
-    def as_on_another_node(fn, calls, engine="serial", resources=None):  # what the worker raises, re-raised here
+    def as_on_another_node(fn, calls, executor="serial", resources=None):  # what the worker raises, re-raised here
         yield fn(*calls[0])
         raise InputError(f"{calls[1][0].location}: traffic log not found", hint="pass a JSONL or Parquet file")
 
     monkeypatch.setattr(sample, "map_ordered", as_on_another_node)
     with pytest.raises(InputError, match="a Ray task could not find this local file") as e:
-        sample_traffic("logs", tmp_path / "out", SampleConfig(calib_size=20, shadow_size=10), engine="ray")
+        sample_traffic("logs", tmp_path / "out", SampleConfig(calib_size=20, shadow_size=10), executor="ray")
     assert str(e.value).startswith(parts[1].location) and "s3://" in e.value.hint
-    with pytest.raises(InputError, match="traffic log not found"):  # the processes engine: the file's own error
-        sample_traffic("logs", tmp_path / "out2", SampleConfig(calib_size=20, shadow_size=10), engine="processes")
+    with pytest.raises(InputError, match="traffic log not found"):  # the processes executor: the file's own error
+        sample_traffic("logs", tmp_path / "out2", SampleConfig(calib_size=20, shadow_size=10), executor="processes")
     gone = Partition(str(tmp_path / "gone.jsonl"))
 
     def missing():

@@ -301,7 +301,7 @@ def test_pipeline_search_chooses_on_its_own_split_and_the_shadow_split_confirms(
 
     from qgate.artifact import Artifact
     from qgate.gates.run import run_gates
-    from qgate.pipeline.search import run_search
+    from qgate.pipeline.runner import run_search
     from qgate.pipeline.spec import load_spec
 
     shadow_gate = {
@@ -378,22 +378,25 @@ def test_search_cli_names_an_unknown_variant(tmp_path, workdir, capsys):
     assert "variant 'awq-cpx' is not in the spec; did you mean 'awq-cpu'?" in err
 
 
-def test_promotion_policy_smallest_picks_the_fewest_bytes_among_passing():
+def test_promotion_policy_smallest_picks_the_fewest_bytes_among_passing(tmp_path):
     from types import SimpleNamespace as NS
 
-    from qgate.pipeline.runner import best_passing
+    from qgate.gates.result import GateResult
+    from qgate.pipeline.summary import best_passing
 
-    def outcome(name, passed, nbytes, kl):
-        return {
-            "variant": name,
-            "report": NS(meta={"passed": passed, "summary": {"shadow.kl_p99": kl}}),
-            "candidate": NS(meta={"weights_bytes": nbytes}),
-        }
+    def chain(tmp, name, passed, nbytes, kl):
+        (tmp / name).mkdir()
+        kl_check = GateResult.check("shadow", "kl_p99", kl, 0.5, False, 100, (kl * 0.9, kl * 1.1))
+        report = {"verdict": kl_check.verdict, "on_inconclusive": "block", "results": [kl_check.to_dict()]}
+        (tmp / name / "report.json").write_text(json.dumps(report))
+        assert (kl_check.verdict == "pass") == passed
+        return NS(variant=NS(name=name), report=NS(path=tmp / name), candidate=NS(meta={"weights_bytes": nbytes}))
 
-    outs = [outcome("w4", False, 100, 1.2), outcome("w8", True, 220, 0.01), outcome("searched", True, 130, 0.3)]
-    assert best_passing(NS(promote=NS(choose="smallest")), outs)["variant"] == "searched"
-    assert best_passing(NS(promote=NS(choose="best")), outs)["variant"] == "w8"
-    assert best_passing(NS(promote=NS(choose="first")), outs)["variant"] == "w8"
+    outs = [chain(tmp_path, "w4", False, 100, 1.2), chain(tmp_path, "w8", True, 220, 0.01)]
+    outs.append(chain(tmp_path, "searched", True, 130, 0.3))
+    assert best_passing(NS(promote=NS(choose="smallest")), outs).variant.name == "searched"
+    assert best_passing(NS(promote=NS(choose="best")), outs).variant.name == "w8"
+    assert best_passing(NS(promote=NS(choose="first")), outs).variant.name == "w8"
     assert best_passing(NS(promote=NS(choose="smallest")), outs[:1]) is None
 
 

@@ -1,16 +1,16 @@
 """The one seam where work is fanned out: the same function on the same arguments, serially, in local processes or
 as Ray tasks.
 
-    for result in map_ordered(scan_partition, [(p, cfg) for p in parts], engine="ray"):   # results in input order
+    for result in map_ordered(scan_partition, [(p, cfg) for p in parts], executor="ray"):   # results in input order
 
-`engine="serial"` (the default everywhere) calls the function in this process. `engine="processes"` runs the calls
-in one spawned process per core of this machine (no extra needed; CPU work only: it places no GPUs). `engine="ray"`
+`executor="serial"` (the default everywhere) calls the function in this process. `executor="processes"` runs the calls
+in one spawned process per core of this machine (no extra needed; CPU work only: it places no GPUs). `executor="ray"`
 runs each call as a Ray task with the given resources (`{"num_cpus": 1, "num_gpus": 1, "memory": ...}` or custom
 resources); Ray starts locally unless RAY_ADDRESS points at a cluster, whose nodes must have this machine's qgate
 and dependencies: a worker that does not (`environment`) refuses the call before running it. Both yield the results
 in input order as they complete, from a window of calls submitted ahead, so the driver holds a few results at a
 time; an exception raised in a call is raised again here as itself, so a bad partition reads the same under every
-engine.
+executor.
 """
 
 from __future__ import annotations
@@ -22,19 +22,19 @@ from typing import Any
 
 from qgate.errors import BackendUnavailable, ConfigError, QgateError
 
-ENGINES = ("serial", "processes", "ray")
+EXECUTORS = ("serial", "processes", "ray")
 
 
-def check_engine(engine: str, allowed: tuple[str, ...] = ENGINES) -> str:
-    if engine not in allowed:
-        raise ConfigError(f"unknown execution engine {engine!r}; choose one of {', '.join(allowed)}")
-    return engine
+def check_executor(executor: str, allowed: tuple[str, ...] = EXECUTORS) -> str:
+    if executor not in allowed:
+        raise ConfigError(f"unknown executor {executor!r}; choose one of {', '.join(allowed)}")
+    return executor
 
 
 def map_ordered(
     fn: Callable[..., Any],
     calls: Iterable[tuple],
-    engine: str = "serial",
+    executor: str = "serial",
     resources: list[dict] | dict | None = None,
     stop_after: Callable[[Any], bool] | None = None,
 ) -> Iterator[Any]:
@@ -45,13 +45,13 @@ def map_ordered(
     submitted still run and their results are yielded (a caller that returns its failures as results loses none of
     the work in flight)."""
     stop = stop_after or (lambda _: False)
-    if check_engine(engine) == "serial":
+    if check_executor(executor) == "serial":
         for args in calls:
             yield (result := fn(*args))
             if stop(result):
                 return
         return
-    if engine == "processes":
+    if executor == "processes":
         yield from _in_processes(fn, calls, resources, stop)
         return
     ray = ray_session()
@@ -188,9 +188,9 @@ def _in_processes(
     for res in resources if isinstance(resources, list) else [resources or {}]:
         if set(res) - {"num_cpus", "memory"}:
             raise ConfigError(
-                f"the processes engine runs CPU work on this machine only; it cannot place "
+                f"the processes executor runs CPU work on this machine only; it cannot place "
                 f"{', '.join(sorted(set(res) - {'num_cpus', 'memory'}))}",
-                hint="use the ray engine for tasks that need GPUs or custom resources",
+                hint="use the ray executor for tasks that need GPUs or custom resources",
             )
     procs = local_cores() if not isinstance(calls, list) else max(1, min(len(calls), local_cores()))
     window = 2 * procs
@@ -201,10 +201,10 @@ def _in_processes(
         except BrokenProcessPool as e:
             of = f" of {len(calls)}" if isinstance(calls, list) else ""
             raise QgateError(
-                f"a worker process of the processes engine died while running {getattr(fn, '__name__', fn)} "
+                f"a worker process of the processes executor died while running {getattr(fn, '__name__', fn)} "
                 f"(call {i + 1}{of}): killed, or out of memory",
-                hint="re-run with the serial engine to see the failure in this process; a script that "
-                'calls qgate with this engine needs an `if __name__ == "__main__":` guard (each '
+                hint="re-run with the serial executor to see the failure in this process; a script that "
+                'calls qgate with this executor needs an `if __name__ == "__main__":` guard (each '
                 "worker imports the script, and one without it starts the job again)",
             ) from e
 
@@ -223,12 +223,12 @@ def local_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def workers(engine: str) -> int:
-    """How many calls `map_ordered` runs at once on this engine: 1 serially, a process per core of this machine, or
+def workers(executor: str) -> int:
+    """How many calls `map_ordered` runs at once on this executor: 1 serially, a process per core of this machine, or
     the CPUs of the Ray cluster (connecting to it)."""
-    if check_engine(engine) == "serial":
+    if check_executor(executor) == "serial":
         return 1
-    if engine == "processes":
+    if executor == "processes":
         return local_cores()
     return max(1, int(ray_session().cluster_resources().get("CPU", 1)))
 
@@ -239,7 +239,7 @@ def ray_session():
         import ray
     except ImportError as e:
         raise BackendUnavailable(
-            "the Ray engine needs ray", hint="pip install -e '.[scale]' (scripts/setup.sh does)"
+            "the Ray executor needs ray", hint="pip install -e '.[scale]' (scripts/setup.sh does)"
         ) from e
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or None

@@ -50,6 +50,25 @@ def progress(items: Iterable[T], desc: str, total: int | None = None, unit: str 
     yield from _lines(items, desc, total, unit)
 
 
+class StageBar:
+    """A stage-count bar on a terminal; nothing without one (each stage already logs its start and end line)."""
+
+    def __init__(self, total: int, desc: str):
+        self.bar = None
+        if interactive():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit=" stage", position=0, leave=True)
+
+    def update(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _lines(items: Iterable[T], desc: str, total: int | None, unit: str) -> Iterator[T]:
     start = last_t = time.monotonic()
     last_done, done = 0, 0

@@ -1,6 +1,6 @@
 """Sample a calibration set and a disjoint shadow set from a traffic log of any size.
 
-    arts = sample_traffic("s3://bucket/logs/", Path("runs/calib"), SampleConfig(calib_size=256, shadow_size=64), engine="ray")
+    arts = sample_traffic("s3://bucket/logs/", Path("runs/calib"), SampleConfig(calib_size=256, shadow_size=64), executor="ray")
 
 Each partition (file) is scanned once, on its own (calibrate/state.py), or in blocks by every worker when it is too
 big for its share of them (calibrate/split_scan.py): parse, scrub PII, profile, and keep per stratum (route x
@@ -14,8 +14,8 @@ calibration set's `estimates` says which, with bounds). Memory is bounded by the
 Each partition is read once: its scan hashes the bytes it reads, and the source's content hash (the artifacts' parent)
 is made of those, so it describes exactly what was sampled. A sampled row's `file` (logs of several files) is the
 partition's path below the source's root, and `line` its line there.
-Output: calib/ and shadow/ (calibration-set artifacts), profile/ (traffic-profile),
-rejects.jsonl (every malformed record with its file, line number and reason).
+Output: calib/, shadow/ and, with a search_size, search/ (calibration-set artifacts), profile/ (traffic-profile),
+rejects.jsonl (every malformed record with its file, line number and reason). `load_sampled(out)` reads them back.
 """
 
 from __future__ import annotations
@@ -33,8 +33,17 @@ from qgate.calibrate.split_scan import phases, scan_partition_split
 from qgate.calibrate.state import SampleState
 from qgate.calibrate.state_json import scan_partition_json, state_from_json
 from qgate.errors import ConfigError, InputError
-from qgate.execute import check_engine, map_ordered, workers
+from qgate.execute import check_executor, map_ordered, workers
 from qgate.progress import progress
+
+SPLITS = ("calib", "shadow", "search")  # the calibration-set artifacts, by directory name under `out`
+
+
+def load_sampled(out: Path) -> dict[str, Artifact]:
+    """The artifacts `sample_traffic` wrote under `out`, by name: calib, shadow, profile and, when sampled, search."""
+    out = Path(out)
+    arts = {"profile": Artifact.load(out / "profile", "traffic-profile")}
+    return arts | {s: Artifact.load(out / s, "calibration-set") for s in SPLITS if (out / s).is_dir()}
 
 
 @dataclass(frozen=True)
@@ -86,16 +95,16 @@ def sample_traffic(
     traffic: str | Path,
     out: Path,
     config: SampleConfig,
-    engine: str = "serial",
+    executor: str = "serial",
     scan_cache: Path | None = None,
     parts: list | None = None,
     picture: bool = False,
     failed_rejects: Path | None = None,
 ) -> dict[str, Artifact]:
     """traffic: a file, a glob, a directory of partitions or an object-store URI (calibrate/sources.py).
-    engine: "serial"; "processes" to scan partitions in one local process per core; or "ray" to scan them as Ray
+    executor: "serial"; "processes" to scan partitions in one local process per core; or "ray" to scan them as Ray
     tasks (execute.py). A partition too big for its share of the workers (one file, or one much larger than the rest)
-    is read here and its blocks are scanned by the workers instead (calibrate/split_scan.py). Every engine gives the
+    is read here and its blocks are scanned by the workers instead (calibrate/split_scan.py). Every executor gives the
     same artifacts.
     scan_cache: a directory of earlier scans (calibrate/scan_cache.py): partitions unchanged since are not read
     again, the artifacts are the same, and entries this run did not use are removed afterwards.
@@ -104,7 +113,7 @@ def sample_traffic(
     failed_rejects: where rejects.jsonl goes when the traffic fails the sample's checks (too many malformed records,
     too few prompts), for a caller whose `out` is removed on failure (artifact.build_atomically); the error names it.
     A successful run removes an earlier run's file there."""
-    check_engine(engine)
+    check_executor(executor)
     if parts is None:
         parts = list_partitions(traffic)  # a missing log fails here, before anything is created
     many = len(parts) > 1
@@ -114,7 +123,7 @@ def sample_traffic(
     cache = ScanCache(scan_cache, config, many) if scan_cache is not None else None
     keys = [cache.key(p) for p in parts] if cache else [None] * len(parts)
     fresh = [i for i, k in enumerate(keys) if not (cache and cache.has(k))]
-    scans = explained(_scans([parts[i] for i in fresh], config, many, engine), [parts[i] for i in fresh], engine)
+    scans = explained(_scans([parts[i] for i in fresh], config, many, executor), [parts[i] for i in fresh], executor)
     states = _in_order(parts, keys, set(fresh), scans, cache, config, many)
     if many:
         reused = (
@@ -122,7 +131,7 @@ def sample_traffic(
         )
         states = progress(
             states,
-            f"calibrate: scanning {len(fresh)} of {len(parts)} partitions ({engine}{reused})",
+            f"calibrate: scanning {len(fresh)} of {len(parts)} partitions ({executor}{reused})",
             unit="partition",
             total=len(parts),
         )
@@ -180,15 +189,15 @@ def sample_traffic(
     return arts
 
 
-def _scans(todo: list, config: SampleConfig, many: bool, engine: str):
-    """(state JSON, rejects) of each partition in `todo`, in order: runs of them scanned whole by the engine's workers,
+def _scans(todo: list, config: SampleConfig, many: bool, executor: str):
+    """(state JSON, rejects) of each partition in `todo`, in order: runs of them scanned whole by the executor's workers,
     and a partition too big for its share of the workers scanned in blocks (calibrate/split_scan.py)."""
-    for how, idx in phases([p.size for p in todo], workers(engine)) if todo else []:
+    for how, idx in phases([p.size for p in todo], workers(executor)) if todo else []:
         if how == "blocks":
-            yield scan_partition_split(todo[idx[0]], config, many, engine, show_progress=not many)
+            yield scan_partition_split(todo[idx[0]], config, many, executor, show_progress=not many)
         else:
             yield from map_ordered(
-                scan_partition_json, [(todo[i], config, many, engine == "serial" and not many) for i in idx], engine
+                scan_partition_json, [(todo[i], config, many, executor == "serial" and not many) for i in idx], executor
             )
 
 

@@ -15,7 +15,7 @@ A partition counts as unchanged when its location, its name below the source's r
 time are (a file rewritten in place keeping both is not noticed). The key also holds the scan's settings, the
 versions of the libraries whose behaviour defines a scan, and the hash of qgate.calibrate's own source, so any
 change to parsing, scrubbing, words or sampling misses instead of reusing an old scan. An entry is the scan's state
-in the JSON form every engine merges (calibrate/state_json.py), checked against its sha256 (cache.py), never a
+in the JSON form every executor merges (calibrate/state_json.py), checked against its sha256 (cache.py), never a
 pickle: a cached partition gives the same artifacts as a fresh scan, byte for byte.
 """
 

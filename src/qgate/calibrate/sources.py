@@ -258,20 +258,20 @@ def list_partitions(where: str | Path) -> list[Partition]:
 
 
 def traffic_sha256(
-    parts: list[Partition], engine: str = "serial", known: Callable[[Partition], str | None] | None = None
+    parts: list[Partition], executor: str = "serial", known: Callable[[Partition], str | None] | None = None
 ) -> str:
-    """The content hash of a traffic source, reading every partition, on an execution engine (execute.py: on Ray the
+    """The content hash of a traffic source, reading every partition, on an executor (execute.py: on Ray the
     partitions are hashed in parallel, by the workers). A scan hashes what it reads: `combined_sha256` of its
     partitions' hashes is the same value, without this pass. known: a partition's sha256 when it is known without
     reading it (ScanCache.sha256), else None; only the others are read."""
-    from qgate.execute import check_engine, map_ordered
+    from qgate.execute import check_executor, map_ordered
 
-    check_engine(engine)  # a bad name fails even when no partition needs reading
+    check_executor(executor)  # a bad name fails even when no partition needs reading
     shas = [known(p) if known else None for p in parts]
     todo = [i for i, sha in enumerate(shas) if sha is None]
     if todo:
         hashed = explained(
-            map_ordered(partition_sha256, [(parts[i],) for i in todo], engine), [parts[i] for i in todo], engine
+            map_ordered(partition_sha256, [(parts[i],) for i in todo], executor), [parts[i] for i in todo], executor
         )
         for i, sha in zip(todo, hashed, strict=True):
             shas[i] = sha
@@ -282,14 +282,16 @@ def partition_sha256(part: Partition) -> str:
     return part.sha256()
 
 
-def explained(results: Iterator, parts: list[Partition], engine: str) -> Iterator:
+def explained(results: Iterator, parts: list[Partition], executor: str) -> Iterator:
     """`results` of calls that each read one of `parts`, passed through; on Ray, a local partition that a task could
     not find while this machine reads it fails with why: each task reads its partition on the node it runs on."""
     try:
         yield from results
     except (InputError, FileNotFoundError) as e:
         here = [
-            p for p in parts if engine == "ray" and not p.remote and p.location in str(e) and os.path.isfile(p.location)
+            p
+            for p in parts
+            if executor == "ray" and not p.remote and p.location in str(e) and os.path.isfile(p.location)
         ]
         if not here:
             raise
@@ -299,7 +301,7 @@ def explained(results: Iterator, parts: list[Partition], engine: str) -> Iterato
             "its partition on the node it runs on",
             hint="put the traffic where every node of the cluster sees it (an object-store URI such as "
             "s3://bucket/logs/, or a filesystem mounted at the same path on every node), or scan it on "
-            "this machine with --engine processes",
+            "this machine with --executor processes",
         ) from e
 
 

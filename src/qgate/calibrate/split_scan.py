@@ -1,6 +1,6 @@
 """One partition scanned in blocks by many workers: a log that comes as one big file, or one far larger than the rest.
 
-    doc, rejects = scan_partition_split(part, config, tag_file, engine="processes")   # what scan_partition_json gives
+    doc, rejects = scan_partition_split(part, config, tag_file, executor="processes")   # what scan_partition_json gives
     phases([p.size for p in parts], workers=8)   # [("parts", [0, 1]), ("blocks", [2]), ...]: which files go which way
 
 A file too big for its share of the workers (scanned whole, it would still be running long after the others) is
@@ -90,9 +90,9 @@ def _limits(st: SampleState) -> dict[str, int]:
 
 
 def scan_partition_split(
-    part: Partition, config, tag_file: bool, engine: str, show_progress: bool = False
+    part: Partition, config, tag_file: bool, executor: str, show_progress: bool = False
 ) -> tuple[dict, bytes]:
-    """`state_json.scan_partition_json` of one partition, its blocks scanned by the engine's workers."""
+    """`state_json.scan_partition_json` of one partition, its blocks scanned by the executor's workers."""
     from qgate.progress import progress
 
     st = SampleState.empty(config)
@@ -100,9 +100,9 @@ def scan_partition_split(
     rejects: list[bytes] = []
     units = prefetched(read_units(part, config.max_line_bytes, digest))  # inflating on a thread, beside the merging
     calls = ((part, unit, config, tag_file, _limits(st)) for unit in units)
-    results = map_ordered(scan_block, calls, engine)
+    results = map_ordered(scan_block, calls, executor)
     if show_progress:
-        results = progress(results, f"calibrate: reading {part.name} in blocks ({engine})", unit="block")
+        results = progress(results, f"calibrate: reading {part.name} in blocks ({executor})", unit="block")
     for block, inputs, lines in results:
         st.merge_sample(block)
         for args in inputs:

@@ -3,7 +3,7 @@
     doc, rejects = scan_partition_json(part, config, tag_file)   # in any process: serial, a local worker or a Ray task
     state = state_from_json(doc)                                  # on the driver, then SampleState.merge(state)
 
-Every engine, and the scan cache (calibrate/scan_cache.py), merges `state_from_json(state_to_json(scan))` exactly
+Every executor, and the scan cache (calibrate/scan_cache.py), merges `state_from_json(state_to_json(scan))` exactly
 once. That matters past a word sketch's capacity: DataSketches' frequent-items sketch rebuilt from its serialized
 form purges tied tail items differently on later merges than the sketch that was serialized, so a state merged as
 the live object and one that crossed a process boundary (or a cache file) would give profiles that differ within
@@ -120,7 +120,7 @@ def state_to_json(st) -> dict:
 
 
 def _sketch(obj, fields: set[str]) -> dict:
-    """A sketch's own pickling state (what the processes and Ray engines ship), its bytes in base64."""
+    """A sketch's own pickling state (what the processes and Ray executors ship), its bytes in base64."""
     _check_fields(obj, fields)
     return {k: _b64(v) if k == "bytes" else v for k, v in obj.__getstate__().items()}
 

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from qgate.calibrate.sample import SampleConfig
-from qgate.cli.options import OutDir, ScanEngine
+from qgate.cli.options import Executor, OutDir
 
 app = typer.Typer(no_args_is_help=True, help="Calibration sets from production traffic logs.")
 _D = SampleConfig()
@@ -42,7 +42,7 @@ def sample_cmd(
     max_line_bytes: Annotated[
         int, typer.Option(help="Reject longer JSONL lines without reading them.")
     ] = _D.max_line_bytes,
-    engine: ScanEngine = "serial",
+    executor: Executor = "serial",
     scan_cache: Annotated[
         Path | None,
         typer.Option(
@@ -69,7 +69,7 @@ def sample_cmd(
     build_atomically(
         out,
         lambda tmp: sample_traffic(
-            traffic, tmp, cfg, engine=engine, scan_cache=scan_cache, picture=True, failed_rejects=kept
+            traffic, tmp, cfg, executor=executor, scan_cache=scan_cache, picture=True, failed_rejects=kept
         )["calib"],
     )
     arts = {

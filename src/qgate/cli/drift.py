@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from qgate.cli.options import ScanEngine, quiet_libraries
+from qgate.cli.options import Executor, quiet_libraries
 from qgate.errors import EXIT_DRIFT
 
 app = typer.Typer(
@@ -63,13 +63,13 @@ def check_cmd(
         bool, typer.Option("--record/--no-record", help="Tag the production version and log the report in MLflow.")
     ] = True,
     wait: Annotated[float, typer.Option(help="Seconds to wait for a running drift job on this model.")] = 0.0,
-    engine: ScanEngine = "serial",
+    executor: Executor = "serial",
 ) -> None:
     """Compare recent traffic with production's calibration profile and re-gate production on it. Exit 3 on drift."""
     from qgate.pipeline.drift import drift_check
 
     s = _load(spec)
-    report = drift_check(s, traffic, echo=_err, record=record, wait=wait, engine=engine)
+    report = drift_check(s, traffic, echo=_err, record=record, wait=wait, executor=executor)
     _out(f"drift check: {report['verdict'].upper()}  report {report['report']}")
     if report["drift"]:
         raise typer.Exit(EXIT_DRIFT)
@@ -80,13 +80,13 @@ def run_cmd(
     spec: Spec,
     traffic: Recent,
     wait: Annotated[float, typer.Option(help="Seconds to wait for another drift run on this model to finish.")] = 0.0,
-    engine: ScanEngine = "serial",
+    executor: Executor = "serial",
 ) -> None:
     """The scheduled job: check; on drift recalibrate, gate and register every variant, then promote per drift.auto_promote."""
     from qgate.pipeline.drift import drift_run
 
     s = _load(spec)
-    result = drift_run(s, traffic, echo=_err, wait=wait, engine=engine)
+    result = drift_run(s, traffic, echo=_err, wait=wait, executor=executor)
     check = result["check"]
     _out(f"drift check: {check['verdict'].upper()}  report {check['report']}")
     for v in result["variants"]:

@@ -68,11 +68,13 @@ def gate_cmd(
 
 def gate_doc(art, report: dict, candidate: str):
     from qgate.cli.output import GateDoc, checks
+    from qgate.gates.result import GateReport
 
+    decided = GateReport.from_json(report)
     return GateDoc(
-        exit_code=0 if art.meta["passed"] else 2,
-        verdict=report["verdict"],
-        passed=report["passed"],
+        exit_code=0 if decided.passed else 2,
+        verdict=decided.verdict,
+        passed=decided.passed,
         candidate=candidate,
         candidate_sha256=art.meta["candidate"],
         report_json=str(art.path / "report.json"),
@@ -98,14 +100,16 @@ def ci_outputs(o: Output, reports: dict[str, dict], on_inconclusive: OnInconclus
 
 def raise_unless_passed(art, what: str) -> None:
     """GateFailed (exit 2) for a failed gate, or an inconclusive one under on_inconclusive: block."""
-    meta = art.meta
+    from qgate.gates.result import GateReport
+
+    report = GateReport.of(art)
     evidence = f"evidence: {art.path / 'report.html'}"
-    if meta["verdict"] == "fail":
-        unscored = "" if meta.get("scored", True) else " (the serving contract; not scored: --score-anyway scores it)"
-        raise GateFailed(f"gate failed for {what}: {', '.join(meta['failed'])}{unscored}", hint=evidence)
-    if not meta["passed"]:
+    if report.verdict == "fail":
+        unscored = "" if report.scored else " (the serving contract; not scored: --score-anyway scores it)"
+        raise GateFailed(f"gate failed for {what}: {', '.join(report.failed)}{unscored}", hint=evidence)
+    if not report.passed:
         raise GateFailed(
-            f"gate inconclusive for {what}: {', '.join(meta['inconclusive'])} (gates.on_inconclusive: block)",
+            f"gate inconclusive for {what}: {', '.join(report.inconclusive)} (gates.on_inconclusive: block)",
             hint=f"{evidence}; more shadow prompts or eval items would decide it, or set on_inconclusive: warn",
         )
 
@@ -114,7 +118,7 @@ def print_verdict(art, o: Output | None = None) -> dict:
     import json
 
     from qgate.gates.contract import describe
-    from qgate.gates.result import GateResult
+    from qgate.gates.result import GateReport, GateResult
 
     o = o or Output(False)
     report = json.loads((art.path / "report.json").read_text())
@@ -130,10 +134,11 @@ def print_verdict(art, o: Output | None = None) -> dict:
             o.say("      caveat: " + caveat)
     for note in report.get("notes", []):
         o.say("  note: " + note)
-    verdict = report["verdict"].upper()
-    if report["verdict"] == "inconclusive" and report["passed"]:
+    decided = GateReport.from_json(report)
+    verdict = decided.verdict.upper()
+    if decided.warned:
         typer.echo(
-            f"warning: inconclusive checks passed under on_inconclusive: warn: {', '.join(art.meta['inconclusive'])}",
+            f"warning: inconclusive checks passed under on_inconclusive: warn: {', '.join(decided.inconclusive)}",
             err=True,
         )
         verdict += " (warn: passed)"

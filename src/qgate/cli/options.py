@@ -29,10 +29,11 @@ Device = Annotated[
         "cpu, cuda or cuda:N (default: the spec's gates.device, else auto).",
     ),
 ]
-ScanEngine = Annotated[
+Executor = Annotated[
     str,
     typer.Option(
-        "--engine",
+        "--executor",
+        "--engine",  # the flag's earlier name, still accepted
         help="How traffic partitions are scanned: serial; processes (one local "
         "process per core); or ray (local Ray, or RAY_ADDRESS). A file "
         "too big for its share of the workers is read here and its blocks "

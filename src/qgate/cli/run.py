@@ -23,11 +23,13 @@ def run_cmd(
             "(default: exit 1 at once, naming the job that holds it)."
         ),
     ] = 0.0,
-    parallel: Annotated[
+    executor: Annotated[
         str,
         typer.Option(
+            "--executor",
+            "--parallel",  # the flag's earlier name, still accepted
             help="serial, or ray: traffic partitions and variants (each with its "
-            "spec `resources`) run as Ray tasks; the same artifacts either way."
+            "spec `resources`) run as Ray tasks; the same artifacts either way.",
         ),
     ] = "serial",
     device: Device = None,
@@ -46,7 +48,7 @@ def run_cmd(
     o.say(f"pipeline {s.name}: workdir {workdir}" + (f"; library logs: {log_file}" if log_file else ""))
     summary, refused = None, None
     try:
-        summary = run_pipeline(s, echo=lambda m: typer.echo(m, file=console_err()), wait=wait, parallel=parallel)
+        summary = run_pipeline(s, echo=lambda m: typer.echo(m, file=console_err()), wait=wait, executor=executor)
     except PromotionRefused as e:
         refused = e
     finally:
@@ -127,7 +129,7 @@ def _print_table(spec, o: Output) -> None:
     )
     for v in summary["variants"]:
         kl, top1 = v.get("kl_p99"), v.get("top1_agreement")
-        verdict = v["verdict"].upper() + ("*" if v["verdict"] == "inconclusive" and v["passed"] else "")
+        verdict = v["verdict"].upper() + ("*" if v["warned"] else "")
         mb = f"{v['weights_bytes'] / 1e6:10.1f}" if v.get("weights_bytes") else f"{'-':>10s}"
         bits = f"{v['bits_per_weight']:6.2f}" if v.get("bits_per_weight") else f"{'-':>6s}"
         kl_s, top1_s = (
@@ -168,7 +170,7 @@ def _print_table(spec, o: Output) -> None:
                     if c["gate"] in ("eval", "long_context")
                     else f"{'':22s} caveat: {c['caveat']}"
                 )
-    if any(v["verdict"] == "inconclusive" and v["passed"] for v in summary["variants"]):
+    if any(v["warned"] for v in summary["variants"]):
         typer_echo("* inconclusive, passed under gates.on_inconclusive: warn")
     secs = summary.get("stage_seconds") or {}
     if secs:

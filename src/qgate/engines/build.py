@@ -1,10 +1,17 @@
-"""Build a serving engine for a checkpoint with the backend chosen by name.
+"""The serving-engine backends as one table: name -> config, builder, runner, and the variants it refuses.
 
-art = build_engine(checkpoint_art, "cpu", out=Path("runs/awq-cpu"))
+    art = build_engine(checkpoint_art, "cpu", out=Path("runs/awq-cpu"))
+    runner = load_runner(art)          # engines/runners.py, through this table
+
+Building, loading for the gates and spec validation all read BACKENDS, so a new engine is one module and one row.
+Each row names its functions as "module:function" and imports them only when used: `qgate --help` imports no
+engine library.
 """
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,50 +19,91 @@ from qgate.artifact import Artifact
 from qgate.errors import InputError
 from qgate.naming import Registry, build_config
 
-BACKENDS: Registry[str] = Registry("engine backend")
-BACKENDS.register("cpu", "onnxruntime-genai on CPU, int4 MatMulNBits kernels")
-BACKENDS.register("trtllm", "TensorRT-LLM (PyTorch backend) bundle for NVIDIA GPUs")
-BACKENDS.register("torch-int4", "torch int4 weight-only kernels, static KV cache, CUDA-graph decode (runs on CPU too)")
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    description: str
+    config: str  # its frozen config class
+    builder: str  # (checkpoint, config, out, profile) -> engine Artifact
+    runner: str | None  # (engine artifact, device, dtype) -> engines.protocol.Runner; None: the gates cannot run it
+    refuses: str | None = None  # (scheme name, scheme config, kv_cache) -> why it cannot serve that variant, or None
+    cannot_hold: str | None = None  # (checkpoint) -> why it cannot hold this checkpoint's layout, or None
+    serves: str = ""  # the schemes to choose instead, for a refusal's hint
 
 
-def engine_config(backend: str, where: str = "engine.options", **options: Any):
-    """The frozen config for `backend`, with defaults filled in; unknown options are ConfigErrors naming `where`."""
-    from qgate.engines.cpu import CpuEngineConfig
-    from qgate.engines.torch_int4 import TorchInt4Config
-    from qgate.engines.trtllm import TrtllmConfig
-
-    BACKENDS.get(backend)  # unknown names fail with a suggestion
-    configs = {"cpu": CpuEngineConfig, "trtllm": TrtllmConfig, "torch-int4": TorchInt4Config}
-    return build_config(configs[backend], options, where)
+def _load(ref: str) -> Any:
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def unsupported(ckpt: Artifact, backend: str) -> str | None:
-    """Why `backend` cannot build this checkpoint's layout, or None. The pipeline then gates the checkpoint on the
+BACKENDS: Registry[Backend] = Registry("engine backend")
+for _b in (
+    Backend(
+        "cpu",
+        "onnxruntime-genai on CPU, int4 MatMulNBits kernels",
+        "qgate.engines.cpu:CpuEngineConfig",
+        "qgate.engines.cpu:build_cpu",
+        "qgate.engines.cpu:load_runner",
+        refuses="qgate.engines.cpu:refusal",
+        cannot_hold="qgate.engines.cpu:cannot_hold",
+        serves="a 4-bit scheme (awq-w4a16, gptq-w4a16)",
+    ),
+    Backend(
+        "trtllm",
+        "TensorRT-LLM (PyTorch backend) bundle for NVIDIA GPUs",
+        "qgate.engines.trtllm:TrtllmConfig",
+        "qgate.engines.trtllm:build_trtllm",
+        None,
+    ),
+    Backend(
+        "torch-int4",
+        "torch int4 weight-only kernels, static KV cache, CUDA-graph decode (runs on CPU too)",
+        "qgate.engines.torch_int4:TorchInt4Config",
+        "qgate.engines.torch_int4:build_torch_int4",
+        "qgate.engines.static_runner:load_runner",
+        refuses="qgate.engines.torch_int4:refusal",
+        serves="awq-w4a16, gptq-w4a16 or gptq-w8a16 without kv_cache",
+    ),
+):
+    BACKENDS.register(_b.name, _b)
+
+
+def backend(name: str) -> Backend:
+    """The row for `name`; an unknown name fails with a suggestion."""
+    return BACKENDS.get(name)
+
+
+def engine_config(name: str, where: str = "engine.options", **options: Any):
+    """The frozen config for backend `name`, with defaults filled in; unknown options are ConfigErrors naming
+    `where`."""
+    return build_config(_load(backend(name).config), options, where)
+
+
+def refusal(name: str, scheme_name: str, scheme, kv_cache: str | None) -> str | None:
+    """Why backend `name` could never serve a variant of this scheme and KV cache, or None: checked at spec load."""
+    row = backend(name)
+    if row.runner is None:
+        return f"the gates cannot run {name} engines"
+    return _load(row.refuses)(scheme_name, scheme, kv_cache) if row.refuses else None
+
+
+def unsupported(ckpt: Artifact, name: str) -> str | None:
+    """Why backend `name` cannot build this checkpoint's layout, or None. The pipeline then gates the checkpoint on the
     reference path and says so in the report, instead of failing a search result the engine cannot hold."""
-    fmt = ckpt.meta.get("weight_format")
-    if backend == "cpu" and fmt and "+" in fmt:
-        from qgate.engines.cpu import SUPPORTED_FORMATS
-
-        if fmt not in SUPPORTED_FORMATS:
-            return (
-                f"its layout is {fmt} ({len(ckpt.meta.get('fallback_layers', []))} layers fall back) and onnxruntime-genai's "
-                f"builder takes only {', '.join(SUPPORTED_FORMATS)}"
-            )
-    return None
+    row = backend(name)
+    return _load(row.cannot_hold)(ckpt) if row.cannot_hold else None
 
 
-def build_engine(ckpt: Artifact, backend: str, out: Path, profile: Artifact | None = None, **options: Any) -> Artifact:
-    config = engine_config(backend, **options)
+def build_engine(ckpt: Artifact, name: str, out: Path, profile: Artifact | None = None, **options: Any) -> Artifact:
+    config = engine_config(name, **options)
     if ckpt.kind != "checkpoint":
         raise InputError(f"{ckpt.path}: engines are built from checkpoints, this is a {ckpt.kind}")
-    if backend == "cpu":
-        from qgate.engines.cpu import build_cpu
+    return _load(backend(name).builder)(ckpt, config, out, profile)
 
-        return build_cpu(ckpt, config, out)
-    if backend == "torch-int4":
-        from qgate.engines.torch_int4 import build_torch_int4
 
-        return build_torch_int4(ckpt, config, out, profile)
-    from qgate.engines.trtllm import build_trtllm
-
-    return build_trtllm(ckpt, config, out, profile)
+def engine_runner(art: Artifact, device: str, dtype: str):
+    """The runner for an engine artifact, by the backend its manifest names; None when the gates cannot run it."""
+    name = art.meta.get("backend")
+    row = backend(name) if name in BACKENDS.names() else None
+    return _load(row.runner)(art, device, dtype) if row is not None and row.runner else None

@@ -39,7 +39,36 @@ class CpuEngineConfig:
             raise ConfigError(f"engine.lm_head must be one of {', '.join(LM_HEAD)}, got {self.lm_head!r}")
 
 
-def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path) -> Artifact:
+def refusal(scheme_name: str, scheme, kv_cache: str | None) -> str | None:
+    """Why this engine cannot serve a variant of this scheme config, or None: checked at spec load."""
+    from qgate.quantize.schemes import weight_format
+
+    fmt = weight_format(scheme)
+    if fmt not in SUPPORTED_FORMATS:
+        return f"the cpu engine takes {' or '.join(SUPPORTED_FORMATS)} checkpoints; scheme {scheme_name} makes {fmt}"
+    return None
+
+
+def cannot_hold(ckpt: Artifact) -> str | None:
+    """Why the builder cannot take this checkpoint's layout (a searched mix it has no kernel for), or None."""
+    fmt = ckpt.meta.get("weight_format")
+    if fmt and "+" in fmt and fmt not in SUPPORTED_FORMATS:
+        return (
+            f"its layout is {fmt} ({len(ckpt.meta.get('fallback_layers', []))} layers fall back) and onnxruntime-genai's "
+            f"builder takes only {', '.join(SUPPORTED_FORMATS)}"
+        )
+    return None
+
+
+def load_runner(art: Artifact, device: str = "cpu", dtype: str = "auto"):
+    """The gates' runner for a built engine: onnxruntime on this host's CPU (device and dtype do not apply)."""
+    from qgate.engines.runners import OrtRunner
+
+    return OrtRunner(art.path / ENGINE_SUBDIR, art.path / ENGINE_SUBDIR)
+
+
+def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artifact | None = None) -> Artifact:
+    """profile: not used (onnxruntime-genai takes no batch sizes); accepted like every backend's builder."""
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError as e:

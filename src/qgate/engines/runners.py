@@ -435,19 +435,14 @@ def load_runner(art: Artifact, device: str = "cpu", dtype: str = "auto"):
     TorchRunner), the CPU engine on onnxruntime, the torch-int4 engine on `device`."""
     if art.kind == "checkpoint":
         return TorchRunner(art.path, device, dtype)
-    backend = art.meta.get("backend")
-    if art.kind == "engine" and backend == "cpu":
-        from qgate.engines.cpu import ENGINE_SUBDIR
-
-        return OrtRunner(art.path / ENGINE_SUBDIR, art.path / ENGINE_SUBDIR)
-    if art.kind == "engine" and backend == "torch-int4":
-        from qgate.device import resolve_device
-        from qgate.engines.static_runner import StaticRunner
-
-        return StaticRunner(art.path, resolve_device(device))
     if art.kind == "engine":
+        from qgate.engines.build import engine_runner
+
+        runner = engine_runner(art, device, dtype)
+        if runner is not None:
+            return runner
         raise BackendUnavailable(
-            f"{art.path}: gates cannot run a {backend} engine on this host",
+            f"{art.path}: gates cannot run a {art.meta.get('backend')} engine on this host",
             hint="gate the checkpoint on the reference path, or build a torch-int4 engine",
         )
     raise InputError(

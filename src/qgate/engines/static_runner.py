@@ -237,3 +237,10 @@ class StaticRunner:
                     out = m(nxt[:, None], lengths + step, valid, slot)
                 nxt = take(step, out)
         return width
+
+
+def load_runner(art, device: str = "cpu", dtype: str = "auto") -> StaticRunner:
+    """The gates' runner for a built torch-int4 engine on `device`; the engine's own dtype applies, not `dtype`."""
+    from qgate.device import resolve_device
+
+    return StaticRunner(art.path, resolve_device(device))

@@ -52,9 +52,11 @@ class TorchInt4Config:
             )
 
 
-def refusal(weight_format: str, actorder: str | None, kv_cache: str | None) -> str | None:
-    """Why this engine cannot serve a variant, or None: checked at spec load. weight_format as quantize/schemes.py
-    names it ('w4a16', 'w4a16+w8a16', 'fp8', ...)."""
+def refusal(scheme_name: str, scheme, kv_cache: str | None) -> str | None:
+    """Why this engine cannot serve a variant of this scheme config and KV cache, or None: checked at spec load."""
+    from qgate.quantize.schemes import weight_format as format_of
+
+    weight_format, actorder = format_of(scheme), getattr(scheme, "actorder", None)
     if not all(part in ("w4a16", "w8a16", "unquantized") for part in weight_format.split("+")):
         return f"the torch-int4 engine serves 4- and 8-bit integer weights with float activations, not {weight_format}"
     if actorder == "group":

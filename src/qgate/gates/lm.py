@@ -9,6 +9,7 @@ import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from qgate.engines.protocol import ScoresContinuations
 from qgate.progress import progress
 
 
@@ -82,7 +83,7 @@ class RunnerLM(LM):
         for i, (c, k) in enumerate(pairs):
             groups.setdefault(tuple(c), []).append(i)
         shared: list[tuple[int, tuple[int, ...], list[int]]] = []  # (shared prefix length, context, request indices)
-        if hasattr(self.runner, "continuation_logits"):
+        if isinstance(self.runner, ScoresContinuations):
             fits = {
                 c: ix
                 for c, ix in groups.items()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from qgate.gates.result import caveats
+from qgate.gates.result import GateReport, caveats
 
 ICON = {"pass": "✅ PASS", "fail": "❌ FAIL", "inconclusive": "⚠️ INCONCLUSIVE", "error": "⛔ ERROR", "info": "ℹ️ info"}
 
@@ -44,7 +44,7 @@ def version_description(report: dict, meta: dict, report_uri: str) -> str:
     cand = report["candidate"]
     verdict = report["verdict"]
     head = f"## qgate gate: {ICON.get(verdict, verdict)}"
-    if verdict == "inconclusive" and report.get("passed"):
+    if GateReport.from_json(report).warned:
         head += " (passed under `on_inconclusive: warn`)"
     lineage = [
         ("variant", cand.get("name")),

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qgate.gates.result import GateReport
+
 KL_FLOOR = 1e-8  # the histogram's log axis clips smaller per-token KL values (exact agreement) to this
 COLORS = {"pass": "#228833", "fail": "#cc3311", "inconclusive": "#ee7733", "error": "#aa3377", "info": "#777777"}
 
@@ -292,7 +294,7 @@ def write_report(out: Path, report: dict, shadow_metrics: dict | None) -> None:
         for k, p in files.items()
     )
     verdict = report["verdict"].upper() + (
-        " (passed under on_inconclusive: warn)" if report["verdict"] == "inconclusive" and report["passed"] else ""
+        " (passed under on_inconclusive: warn)" if GateReport.from_json(report).warned else ""
     )
     cand = report["candidate"]
     title = f"{cand['name']} ({cand.get('scheme') or 'unquantized'}, {cand.get('backend')})"

@@ -225,3 +225,83 @@ def passes(verdict: str, on_inconclusive: OnInconclusive = "block") -> bool:
     if on_inconclusive not in ON_INCONCLUSIVE:
         raise ValueError(f"on_inconclusive must be one of {ON_INCONCLUSIVE}, got {on_inconclusive!r}")
     return verdict in ("pass", "info") or (verdict == "inconclusive" and on_inconclusive == "warn")
+
+
+@dataclass(frozen=True)
+class GateReport:
+    """A gate report's verdict under its inconclusive policy. Whether a candidate passes is asked of this type and
+    decided nowhere else.
+
+        report = GateReport.decide(results, "block")    # as run_gates writes it
+        GateReport.of(gate_artifact).passed             # as every reader asks it
+    """
+
+    verdict: str  # overall(results): pass, fail or inconclusive
+    on_inconclusive: OnInconclusive
+    results: tuple[dict, ...]  # GateResult.to_dict() of every check, in report order
+    stopped: dict | None = None  # gates.stop_on_fail: {"after": [failed checks], "skipped": [gates]}
+    scored: bool = True  # False: the serving contract failed and nothing was scored
+
+    @classmethod
+    def decide(
+        cls,
+        results: list[GateResult],
+        on_inconclusive: OnInconclusive,
+        stopped: dict | None = None,
+        scored: bool = True,
+    ) -> GateReport:
+        if on_inconclusive not in ON_INCONCLUSIVE:
+            raise ValueError(f"on_inconclusive must be one of {ON_INCONCLUSIVE}, got {on_inconclusive!r}")
+        return cls(overall(results), on_inconclusive, tuple(r.to_dict() for r in results), stopped, scored)
+
+    @classmethod
+    def from_json(cls, report: dict) -> GateReport:
+        """From a report.json's content; the verdict is the one recorded there."""
+        return cls(
+            report["verdict"],
+            report.get("on_inconclusive", "block"),
+            tuple(report["results"]),
+            report.get("stopped"),
+            report.get("scored", True),
+        )
+
+    @classmethod
+    def of(cls, art) -> GateReport:
+        """The report of a gate-report artifact (its report.json)."""
+        import json
+
+        return cls.from_json(json.loads((art.path / "report.json").read_text()))
+
+    @property
+    def passed(self) -> bool:
+        return passes(self.verdict, self.on_inconclusive)
+
+    @property
+    def warned(self) -> bool:
+        """Inconclusive, and let through only because the policy is "warn"."""
+        return self.verdict == "inconclusive" and self.passed
+
+    @property
+    def failed(self) -> list[str]:
+        return [r["metric"] for r in self.results if r["verdict"] in ("fail", "error")]
+
+    @property
+    def inconclusive(self) -> list[str]:
+        return [r["metric"] for r in self.results if r["verdict"] == "inconclusive"]
+
+    @property
+    def summary(self) -> dict[str, float]:
+        """ "gate.metric" -> observed value, for every check."""
+        return {r["gate"] + "." + r["metric"]: r["observed"] for r in self.results}
+
+    def checks(self) -> list[dict]:
+        """The thresholded checks, each with its caveat: what a summary table shows."""
+        keys = ("gate", "metric", "verdict", "observed", "ci", "n", "mde", "n_to_decide")
+        return [
+            {k: r[k] for k in keys} | {"caveat": r["evidence"].get("caveat")}
+            for r in self.results
+            if r["threshold"] is not None
+        ]
+
+    def caveats(self) -> dict[str, list[str]]:
+        return caveats(list(self.results))

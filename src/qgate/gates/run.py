@@ -22,7 +22,7 @@ from qgate.gates.evalgate import SCORES_VERSION, TASK_DIR, EvalConfig, eval_gate
 from qgate.gates.longctx import LongContextConfig, baseline_long_reference, long_context_gate
 from qgate.gates.noise import check_thresholds, noise_floor
 from qgate.gates.report import write_report
-from qgate.gates.result import ON_INCONCLUSIVE, GateResult, OnInconclusive, overall, passes
+from qgate.gates.result import ON_INCONCLUSIVE, GateReport, GateResult, OnInconclusive
 from qgate.gates.shadow import (
     ShadowConfig,
     baseline_reference,
@@ -232,9 +232,12 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
     results, scored, _ = shadow_gate(
         m, ref, cfg.shadow, prompt_coverage(baseline, load_shadow(shadow, cfg.shadow), cfg.shadow)
     )
+    decided = GateReport.decide(results, cfg.on_inconclusive)
     return {
-        "verdict": overall(results),
-        "results": [r.to_dict() for r in results],
+        "verdict": decided.verdict,
+        "passed": decided.passed,
+        "on_inconclusive": cfg.on_inconclusive,
+        "results": list(decided.results),
         "scoring": scored,
         "baseline_cached": hit,
         "seconds": {"baseline": 0.0 if hit else float(ref["seconds"]), "candidate": m["score_seconds"]},
@@ -287,8 +290,8 @@ def run_gates(
                 f"Not run: {' and '.join(stop['skipped'])}. The gate had already failed on {', '.join(stop['after'])}, "
                 "so the verdict is FAIL whatever they show (gates.stop_on_fail: true; set it false to score them).",
             )
-    verdict = overall(results)
-    passed = passes(verdict, cfg.on_inconclusive)
+    decided = GateReport.decide(results, cfg.on_inconclusive, scored["stopped"], m is not None)
+    verdict, passed = decided.verdict, decided.passed
     report = {
         "version": 2,
         "verdict": verdict,
@@ -320,7 +323,7 @@ def run_gates(
             "score_anyway": cfg.score_anyway,
             "stop_on_fail": cfg.stop_on_fail,
         },
-        "results": [r.to_dict() for r in results],
+        "results": list(decided.results),
         "timings": {k: round(v, 2) for k, v in timings.items()},
         "notes": list(notes),
     }
@@ -328,7 +331,6 @@ def run_gates(
     if source is not None and source.meta.get("search"):  # a searched checkpoint carries its search's evidence
         report["search"] = source.meta["search"] | {"plot": str(source.path / "qgate-search.png")}
     write_report(out, report, m)
-    summary = {r.gate + "." + r.metric: r.observed for r in results}
     return Artifact.create(
         "gate-report",
         out,
@@ -337,10 +339,10 @@ def run_gates(
         {
             "passed": passed,
             "verdict": verdict,
-            "summary": summary,
+            "summary": decided.summary,
             "candidate": candidate.sha256,
-            "failed": [r.metric for r in results if r.verdict in ("fail", "error")],
-            "inconclusive": [r.metric for r in results if r.verdict == "inconclusive"],
+            "failed": decided.failed,
+            "inconclusive": decided.inconclusive,
             "scored": m is not None,
         },
     )

@@ -46,6 +46,7 @@ import numpy as np
 from qgate.artifact import Artifact, sha256_json
 from qgate.cache import read_cached_arrays, write_cached
 from qgate.chat import encode_with_sources
+from qgate.engines.protocol import Generates, GeneratesScored, ScoresServed
 from qgate.errors import ConfigError, InputError
 from qgate.gates.result import GateResult
 from qgate.gates.scoring import (
@@ -129,7 +130,7 @@ def score_sequences(runner, seqs: list[list[int]], desc: str, reduce, prompt_len
         max_tokens=budget or MAX_BATCH_TOKENS,
         max_rows=len(seqs) if budget else MAX_BATCH_ROWS,
     )
-    served = prompt_lens is not None and hasattr(runner, "served_logits_batch")
+    served = prompt_lens is not None and isinstance(runner, ScoresServed)
     for batch in progress(batches, f"{desc} ({len(seqs)} prompts)", unit="batch"):
         if served:
             logits = runner.served_logits_batch([seqs[i] for i in batch], [int(prompt_lens[i]) for i in batch])
@@ -154,7 +155,7 @@ def greedy_batches(runner, prompts: list[list[int]], max_new_tokens: int) -> lis
 
 def greedy_answers(runner, prompts: list[list[int]], max_new_tokens: int, desc: str) -> list[list[int]]:
     """The runner's greedy answers, in batches of similar prompt length when it can batch (KV cache, left padding)."""
-    if not hasattr(runner, "greedy_batch"):
+    if not isinstance(runner, Generates):
         return [runner.greedy(p, max_new_tokens) for p in progress(prompts, desc, unit="prompt")]
     answers: list[list[int] | None] = [None] * len(prompts)
     batches = greedy_batches(runner, prompts, max_new_tokens)
@@ -218,7 +219,7 @@ def baseline_reference(
     encoded = [encode_with_sources(runner.tokenizer, row["messages"], cfg.max_prompt_tokens) for row in rows]
     t0 = time.perf_counter()
     prompts = [ids for ids, _ in encoded]
-    if hasattr(runner, "greedy_scored"):  # answers and scores in one pass: prefill + KV-cached decode steps
+    if isinstance(runner, GeneratesScored):  # answers and scores in one pass: prefill + KV-cached decode steps
         answers, idx, lp = [], [], []
         for ans, (top_i, top_l) in greedy_scored(runner, prompts, cfg.max_new_tokens, cfg.top_k):
             answers.append(ans)

@@ -20,34 +20,28 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from qgate.errors import PromotionRefused
-from qgate.gates.result import passes
-from qgate.pipeline.runner import (
-    Runner,
-    best_passing,
-    cached_traffic_sha,
-    calibrate_stage,
-    gate_variants,
-    model_stage,
-    recipe,
-    register_outcomes,
-)
+from qgate.gates.result import GateReport
+from qgate.pipeline.ledger import Ledger
+from qgate.pipeline.runner import gate_variants
 from qgate.pipeline.spec import PipelineSpec, VariantSpec
+from qgate.pipeline.stages import Chain, calibrate_stage, model_stage, register_stage, traffic_key
+from qgate.pipeline.summary import best_passing
 
 
-def _traffic(spec: PipelineSpec, recent: str | Path, engine: str) -> tuple[str, list]:
+def _traffic(spec: PipelineSpec, recent: str | Path, executor: str) -> tuple[str, list]:
     """(the recent traffic's content hash, its partitions), once per job: listed once, so every stage of the job
-    samples the partitions it was keyed by, and hashed on the scan's engine, reading only the partitions the drift
-    scan cache has not seen unchanged (runner.cached_traffic_sha)."""
+    samples the partitions it was keyed by, and hashed on the executor, reading only the partitions the drift
+    scan cache has not seen unchanged (stages.traffic_key)."""
     from qgate.calibrate.sources import list_partitions
 
     parts = list_partitions(recent)
-    return cached_traffic_sha(spec, parts, engine, _scans(spec)), parts
+    return traffic_key(spec, parts, executor, _scans(spec)), parts
 
 
-def _dirs(spec: PipelineSpec, sha: str, echo) -> tuple[Runner, Runner]:
-    """(main runner: model import and caches shared with `qgate run`; drift runner: one workdir per recent traffic)."""
-    main = Runner(spec, echo)
-    return main, Runner(spec, echo, workdir=main.workdir / "drift" / sha[:16])
+def _dirs(spec: PipelineSpec, sha: str, echo) -> tuple[Ledger, Ledger]:
+    """(main ledger: model import and caches shared with `qgate run`; drift ledger: one workdir per recent traffic)."""
+    main = Ledger(spec.path(spec.workdir), echo)
+    return main, Ledger(main.workdir / "drift" / sha[:16], echo)
 
 
 def _scans(spec: PipelineSpec) -> Path:
@@ -62,20 +56,20 @@ def drift_check(
     echo: Callable[[str], None] = print,
     record: bool = True,
     wait: float = 0.0,
-    engine: str = "serial",
+    executor: str = "serial",
 ) -> dict:
     """Traffic and quality drift of production on `recent`; under the model's drift lock (a running drift job refuses it).
-    engine: how the recent traffic's partitions are hashed and scanned (execute.py)."""
+    executor: how the recent traffic's partitions are hashed and scanned (execute.py)."""
     from qgate.locks import job_lock, workdir_lock
 
-    sha, parts = _traffic(spec, recent, engine)
+    sha, parts = _traffic(spec, recent, executor)
     main, _ = _dirs(spec, sha, echo)
     what = f"qgate drift check for {spec.registry.model_name}"
     with (
         job_lock(_lock_path(spec, main), what, wait=wait, echo=echo),
         workdir_lock(main.workdir, what, wait=wait, echo=echo),
     ):
-        return _check(spec, recent, sha, parts, engine, echo, record)
+        return _check(spec, recent, sha, parts, executor, echo, record)
 
 
 def _check(
@@ -83,7 +77,7 @@ def _check(
     recent: str | Path,
     sha: str,
     parts: list,
-    engine: str,
+    executor: str,
     echo: Callable[[str], None],
     record: bool,
 ) -> dict:
@@ -102,7 +96,8 @@ def _check(
         f"  production: {model} v{prod['version']} ({prod['variant']}) @{cfg.alias}, calibrated on "
         f"{prod['profile']['requests']} requests"
     )
-    _, shadow, profile = calibrate_stage(r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(spec), parts=parts)
+    cal = calibrate_stage(r, spec, recent, executor, traffic_sha=sha, scan_cache=_scans(spec), parts=parts)
+    shadow, profile = cal.shadow, cal.profile
     new = json.loads((profile.path / "profile.json").read_text())
     rows = traffic_drift(prod["profile"], new, cfg)
     for row in rows:
@@ -127,7 +122,7 @@ def _check(
                 )
         for c in caveats(quality["results"]):
             echo(f"  quality caveat: {c}")
-        if not passes(quality["verdict"], gate_cfg.on_inconclusive):
+        if not quality["passed"]:
             reasons.append(f"production's shadow gate is {quality['verdict'].upper()} on the recent traffic")
     verdict = "drift" if reasons else "no-drift"
     report = {
@@ -176,7 +171,7 @@ def _variants(prod: dict, spec: PipelineSpec, echo) -> list[VariantSpec]:
     if prod["recipe"] is None:
         echo(f"  ! production v{prod['version']} carries no recipe: recalibrating the spec's variants only")
         return out
-    if any(recipe(v) == prod["recipe"] for v in out):
+    if any(v.recipe() == prod["recipe"] for v in out):
         return out
     name = prod["variant"] or f"production-v{prod['version']}"
     if any(v.name == name for v in out):
@@ -184,7 +179,7 @@ def _variants(prod: dict, spec: PipelineSpec, echo) -> list[VariantSpec]:
     return [VariantSpec(name=name, **prod["recipe"])] + out
 
 
-def _lock_path(spec: PipelineSpec, main: Runner) -> Path:
+def _lock_path(spec: PipelineSpec, main: Ledger) -> Path:
     """One lock per registered model: beside the embedded store, else (a remote server) under the workdir."""
     where = (
         main.workdir / "locks" if os.environ.get("MLFLOW_TRACKING_URI") else spec.path(spec.registry.store) / "locks"
@@ -197,16 +192,16 @@ def drift_run(
     recent: str | Path,
     echo: Callable[[str], None] = print,
     wait: float = 0.0,
-    engine: str = "serial",
+    executor: str = "serial",
 ) -> dict:
     """Check; on drift, recalibrate production's recipe and every spec variant on the recent traffic, gate and register them,
     then promote the best passing one (drift.auto_promote) or leave that to a person. Raises PromotionRefused when none passes.
-    engine: how the recent traffic's partitions are hashed and scanned (execute.py)."""
+    executor: how the recent traffic's partitions are hashed and scanned (execute.py)."""
     from qgate.locks import job_lock, workdir_lock
     from qgate.registry.mlflow_store import promote
 
     cfg = spec.drift_config()
-    sha, parts = _traffic(spec, recent, engine)
+    sha, parts = _traffic(spec, recent, executor)
     main, r = _dirs(spec, sha, echo)
     model = spec.registry.model_name
     what = f"qgate drift run for {model}"
@@ -214,7 +209,7 @@ def drift_run(
         job_lock(_lock_path(spec, main), what, wait=wait, echo=echo),
         workdir_lock(main.workdir, what, wait=wait, echo=echo),
     ):
-        report = _check(spec, recent, sha, parts, engine, echo, record=True)
+        report = _check(spec, recent, sha, parts, executor, echo, record=True)
         result = {"check": report, "action": "none", "promoted": None, "variants": []}
         if not report["drift"]:
             return result
@@ -229,44 +224,43 @@ def drift_run(
             f"  > recalibrating {len(variants)} variant(s) on the recent traffic: {', '.join(v.name for v in variants)}"
         )
         base = model_stage(main, spec)
-        calib, shadow, profile = calibrate_stage(
-            r, spec, recent, engine, traffic_sha=sha, scan_cache=_scans(spec), parts=parts
-        )
-        outcomes = gate_variants(r, spec, base, calib, shadow, profile, variants, main.workdir / "cache")
-        register_outcomes(r, spec, outcomes, profile)
+        cal = calibrate_stage(r, spec, recent, executor, traffic_sha=sha, scan_cache=_scans(spec), parts=parts)
+        chains = gate_variants(r, spec, Chain(base, cal, main.workdir / "cache"), variants)
+        chains = [register_stage(r, spec, c) for c in chains]
+        reports = [GateReport.of(c.report) for c in chains]
         result["variants"] = [
             {
-                "variant": o["variant"],
-                "version": o["version"],
-                "verdict": o["report"].meta["verdict"],
-                "kl_p99": o["report"].meta["summary"].get("shadow.kl_p99"),
-                "report": str(o["report"].path / "report.html"),
+                "variant": c.variant.name,
+                "version": c.version,
+                "verdict": g.verdict,
+                "kl_p99": g.summary.get("shadow.kl_p99"),
+                "report": str(c.report.path / "report.html"),
             }
-            for o in outcomes
+            for c, g in zip(chains, reports, strict=True)
         ]
-        chosen = best_passing(spec, outcomes)
+        chosen = best_passing(spec, chains)
         if chosen is None:
             (r.workdir / "result.json").write_text(json.dumps(result, indent=2, default=str))
             raise PromotionRefused(
                 f"drift found ({'; '.join(report['reasons'])}) and no recalibrated variant passed its gates "
-                f"({', '.join(o['variant'] + ' ' + o['report'].meta['verdict'].upper() for o in outcomes)}); "
+                f"({', '.join(c.variant.name + ' ' + g.verdict.upper() for c, g in zip(chains, reports, strict=True))}); "
                 f"production stays at v{prod['version']}",
                 hint=f"see the reports under {r.workdir / 'variants'}",
             )
         if not cfg.auto_promote:
             result["action"] = "registered"
-            result["candidate"] = {"variant": chosen["variant"], "version": chosen["version"]}
+            result["candidate"] = {"variant": chosen.variant.name, "version": chosen.version}
             echo(
-                f"  = {chosen['variant']} v{chosen['version']} passed; not promoted (drift.auto_promote: false): "
-                f"qgate promote --model {model} --version {chosen['version']}"
+                f"  = {chosen.variant.name} v{chosen.version} passed; not promoted (drift.auto_promote: false): "
+                f"qgate promote --model {model} --version {chosen.version}"
             )
         else:
             result["action"] = "promoted"
-            result["promoted"] = promote(model, chosen["version"], cfg.alias, spec.path(spec.registry.store)) | {
-                "variant": chosen["variant"]
+            result["promoted"] = promote(model, chosen.version, cfg.alias, spec.path(spec.registry.store)) | {
+                "variant": chosen.variant.name
             }
             echo(
-                f"  + promoted {chosen['variant']} as {model} v{chosen['version']} @{cfg.alias} "
+                f"  + promoted {chosen.variant.name} as {model} v{chosen.version} @{cfg.alias} "
                 f"(previous: v{result['promoted']['previous']})"
             )
         (r.workdir / "result.json").write_text(json.dumps(result, indent=2, default=str))

@@ -221,26 +221,3 @@ def _prune(kept: dict[int, Artifact], points: list[dict]) -> None:
     keep = min(passing, key=lambda p: (p["weights_bytes"], p["k"]))["k"] if passing else max(kept, default=None)
     for k in [k for k in kept if k != keep]:
         shutil.rmtree(kept.pop(k).path, ignore_errors=True)
-
-
-def run_search(spec, variant: str, echo: Callable[[str], None] = print, wait: float = 0.0) -> Artifact:
-    """`qgate search`: the model, calibration and baseline stages of `spec`, then the search for `variant`, under the
-    workdir lock. `qgate run` on the same spec reuses the result."""
-    from qgate.errors import ConfigError
-    from qgate.gates.run import baseline_floor
-    from qgate.locks import workdir_lock
-    from qgate.naming import suggest
-    from qgate.pipeline.runner import Runner, calibrate_stage, model_stage, search_stage
-
-    names = [v.name for v in spec.variants]
-    if variant not in names:
-        raise ConfigError(
-            f"variant {variant!r} is not in the spec{suggest(variant, names)}", hint=f"variants: {', '.join(names)}"
-        )
-    v = spec.variants[names.index(variant)]
-    with workdir_lock(spec.path(spec.workdir), f"qgate search {spec.name} {variant}", wait=wait, echo=echo):
-        r = Runner(spec, echo)
-        base = model_stage(r, spec)
-        calib, shadow, _ = calibrate_stage(r, spec, spec.path(spec.traffic))
-        baseline_floor(base, shadow, spec.gate_config(), r.workdir / "cache")
-        return search_stage(r, spec, v, base, calib, shadow, r.workdir / "cache")

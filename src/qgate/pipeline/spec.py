@@ -47,7 +47,7 @@ class QuantizeSpec(_Strict):
 
 
 class EngineSpec(_Strict):
-    backend: Literal["cpu", "trtllm", "torch-int4"]
+    backend: str  # a row of engines/build.py BACKENDS (checked at load, with a suggestion)
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -75,6 +75,15 @@ class VariantSpec(_Strict):
         if not v or not all(c.isalnum() or c in "-_." for c in v):
             raise ValueError("variant names may use letters, digits, '-', '_' and '.' only")
         return v
+
+    def recipe(self) -> dict:
+        """How to rebuild this variant: kept with its registered version, so a drift job can re-run it."""
+        return {
+            "scheme": self.scheme,
+            "options": dict(self.options),
+            "kv_cache": self.kv_cache,
+            "engine": self.engine.model_dump() if self.engine is not None else None,
+        } | ({"search": dict(self.search)} if self.search is not None else {})
 
 
 class GatesSpec(_Strict):
@@ -240,36 +249,23 @@ def load_spec(path: Path) -> PipelineSpec:
 
 
 def _check_engine(v: VariantSpec, where: str) -> None:
-    """An engine the pipeline could build and gate for this variant, or a ConfigError now: the gates run checkpoints,
-    cpu engines and torch-int4 engines; the cpu engine takes 4-bit weights, torch-int4 integer weights without a
-    quantized KV cache (a searched variant's W8 or unquantized layers are
-    handled at build time: it is gated on the reference path and its report says so)."""
-    from qgate.engines.cpu import SUPPORTED_FORMATS
-    from qgate.quantize.schemes import scheme_config, weight_format
+    """An engine the pipeline could build and gate for this variant, or a ConfigError now (engines/build.py's table
+    says which backends the gates can run and which variants each refuses). A searched variant's W8 or unquantized
+    layers are handled at build time: it is gated on the reference path and its report says so."""
+    from qgate.engines.build import backend, refusal
+    from qgate.quantize.schemes import scheme_config
 
     keep = "drop `engine:` to gate the checkpoint on the PyTorch reference path"
-    if v.engine.backend == "trtllm":
+    row = backend(v.engine.backend)
+    if row.runner is None:
         raise ConfigError(
-            f"{where}: the gates run checkpoints and cpu engines, not TensorRT-LLM bundles, so this variant "
-            f"could never be gated",
-            hint=f"{keep}, then bundle the promoted checkpoint with `qgate engine build --backend trtllm`",
+            f"{where}: the gates cannot run {row.name} engines ({row.description}), so this variant could never "
+            "be gated",
+            hint=f"{keep}, then bundle the promoted checkpoint with `qgate engine build --backend {row.name}`",
         )
-    fmt = weight_format(scheme_config(v.scheme, **v.options))
-    if v.engine.backend == "cpu" and fmt not in SUPPORTED_FORMATS:
-        raise ConfigError(
-            f"{where}: the cpu engine takes {' or '.join(SUPPORTED_FORMATS)} checkpoints; scheme {v.scheme} "
-            f"makes {fmt}",
-            hint=f"{keep}, or choose a 4-bit scheme (awq-w4a16, gptq-w4a16)",
-        )
-    if v.engine.backend == "torch-int4":
-        from qgate.engines.torch_int4 import refusal
-
-        scheme = scheme_config(v.scheme, **v.options)
-        why = refusal(fmt, getattr(scheme, "actorder", None), v.kv_cache)
-        if why:
-            raise ConfigError(
-                f"{where}: {why}", hint=f"{keep}, or choose awq-w4a16, gptq-w4a16 or gptq-w8a16 without kv_cache"
-            )
+    why = refusal(row.name, v.scheme, scheme_config(v.scheme, **v.options), v.kv_cache)
+    if why:
+        raise ConfigError(f"{where}: {why}", hint=f"{keep}, or choose {row.serves}")
 
 
 def _check_semantics(spec: PipelineSpec) -> None:

@@ -91,13 +91,12 @@ def _file_lock(path: Path, wait: float) -> Iterator[Lease]:
         yield Lease()
 
 
-def registry_lock(client, store: Path | None, model_name: str, wait: float = WAIT):
-    """A context manager holding the model's registry lock; it yields the Lease to check before each write."""
+def registry_lock(client, store: Path, model_name: str, wait: float = WAIT):
+    """A context manager holding the model's registry lock; it yields the Lease to check before each write.
+    store: the embedded store's directory, which holds the lock file (a tracking server holds a lease instead)."""
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return server_lease(client, model_name, wait=wait)
-    from qgate.registry.mlflow_store import DEFAULT_STORE
-
-    where = Path(store or DEFAULT_STORE).resolve() / "locks"
+    where = Path(store).resolve() / "locks"
     where.mkdir(parents=True, exist_ok=True)
     return _file_lock(where / "registry.lock", wait)
 

@@ -212,7 +212,9 @@ def register(
             hint="re-run the gate; do not edit gate reports",
         )
     _, client = _client(store)
-    with registry_lock(client, store, model_name) as lease:  # the existence check and the registration, as one step
+    with registry_lock(
+        client, store or DEFAULT_STORE, model_name
+    ) as lease:  # the existence check and the registration, as one step
         return _register(gate, candidate, model_name, store, profile, recipe, lease)
 
 
@@ -384,7 +386,9 @@ def _version(client, model_name: str, version: str | None, alias: str | None, st
 def promote(model_name: str, version: str, alias: str = "production", store: Path | None = None) -> dict:
     """Point `alias` at `version` if its gate passed and its stored artifact still hashes to what was gated."""
     _, client = _client(store, create=False)
-    with registry_lock(client, store, model_name) as lease:  # read production, then move both aliases, as one step
+    with registry_lock(
+        client, store or DEFAULT_STORE, model_name
+    ) as lease:  # read production, then move both aliases, as one step
         return _promote(client, model_name, version, alias, store, lease)
 
 
@@ -417,7 +421,7 @@ def rollback(model_name: str, store: Path | None = None) -> dict:
     """Point `production` at `previous-production` after re-checking it (check_version), and `previous-production` at
     the version production held, so a second rollback undoes the first."""
     _, client = _client(store, create=False)
-    with registry_lock(client, store, model_name) as lease:
+    with registry_lock(client, store or DEFAULT_STORE, model_name) as lease:
         return _rollback(client, model_name, store, lease)
 
 
