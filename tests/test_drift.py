@@ -211,7 +211,8 @@ def test_drift_check_exit_codes_reports_and_registry_tags(fresh, monkeypatch, ca
     }
     assert report["quality"]["gated"]["kl_mean"] >= 0 and "<img" in open(report_path).read()
     cut = report["quality"]["scoring"]["prompts_cut"]
-    assert cut > 0 and f"<b>{cut} of them were cut</b> to their last 48 tokens" in open(report_path).read()
+    assert cut > 0 and f"<b>Caveat</b>: {cut} of " in open(report_path).read()
+    assert "were scored on their last 48 tokens" in open(report_path).read()
     tags = _client(root).get_model_version("tiny-llm", _alias(root)).tags
     assert tags["qgate.drift.verdict"] == "drift" and tags["qgate.drift.report_artifact"].startswith("runs:/")
     assert main(["drift", "check", "--spec", spec, "--traffic", str(root / "missing.jsonl")]) == 1

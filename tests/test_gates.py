@@ -190,7 +190,7 @@ def test_report_files_and_evidence(base_art, w8_art, calib_arts, workdir):
         f"{max(lens)} tokens) and were scored on their last 64 tokens: this evidence covers contexts of up to "
         "84 tokens, not those prompts whole"
     }
-    assert f"{cut} of {len(rows)} prompts were cut</b>" in html
+    assert f"<b>Caveat</b>: {cut} of {len(rows)} shadow prompts are longer than" in html
     from qgate.gates.markdown import version_description
 
     md = version_description(report, {}, "runs:/x").split("**Caveats**\n\n")[1].split("\n\n")[0]
@@ -591,8 +591,10 @@ def test_encode_with_sources_marks_traffic_tokens_not_template(base_art):
 
     tok = AutoTokenizer.from_pretrained(base_art.path)
     msgs = [{"role": "user", "content": "why the cat dog"}]
-    ids, flags = encode_with_sources(tok, msgs, 64)
-    assert ids == encode_messages(tok, msgs, 64)
+    ids, flags, tokens = encode_with_sources(tok, msgs, 64)
+    assert ids == encode_messages(tok, msgs, 64) and tokens == len(ids)
+    cut = encode_with_sources(tok, msgs, 4)
+    assert cut.ids == ids[-4:] and cut.from_traffic == flags[-4:] and cut.tokens == len(ids)
     text = "".join(tok.decode([i]) for i, f in zip(ids, flags) if f)
     assert text.strip() == "why the cat dog"  # every traffic token, and only those
     assert not flags[0] and not flags[-1]  # <|im_start|> ... assistant\n are the template's
@@ -610,6 +612,7 @@ def _synthetic(template_kl: float):
         "tokens": np.concatenate(seqs),
         "seq_lens": np.array([12] * 40),
         "prompt_lens": np.array([7] * 40),
+        "prompt_tokens": np.array([7] * 40),  # none cut
         "token_class": np.concatenate(cls).astype(np.int8),
         "prompt_of": np.repeat(np.arange(40), 11),
     }

@@ -1,10 +1,18 @@
 """Turn chat messages into token ids the same way in every stage, and say which tokens came from traffic.
 
 ids = encode_messages(tokenizer, [{"role": "user", "content": "hi"}], max_tokens=512)
-ids, from_traffic = encode_with_sources(tokenizer, messages, max_tokens=512)   # from_traffic: list[bool]
+ids, from_traffic, tokens = encode_with_sources(tokenizer, messages, max_tokens=512)   # tokens: before the cut
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Encoded(NamedTuple):
+    ids: list[int]  # the rendered prompt's last max_tokens token ids
+    from_traffic: list[bool]  # per id: whether it comes from a message's content rather than the chat template
+    tokens: int  # the rendered prompt's whole length: more than len(ids) when it was cut
 
 
 def render(tokenizer, messages: list[dict]) -> str:
@@ -33,11 +41,11 @@ def content_spans(text: str, messages: list[dict]) -> list[tuple[int, int]]:
     return spans
 
 
-def encode_with_sources(tokenizer, messages: list[dict], max_tokens: int) -> tuple[list[int], list[bool]]:
+def encode_with_sources(tokenizer, messages: list[dict], max_tokens: int) -> Encoded:
     """encode_messages, plus per token whether any of its characters come from a message's content (traffic)
-    rather than from the chat template. Needs a fast tokenizer (character offsets)."""
+    rather than from the chat template, and the length before the cut. Needs a fast tokenizer (character offsets)."""
     text = render(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     spans = content_spans(text, messages)
     flags = [any(a < e and s < b for s, e in spans) for a, b in enc["offset_mapping"]]
-    return enc["input_ids"][-max_tokens:], flags[-max_tokens:]
+    return Encoded(enc["input_ids"][-max_tokens:], flags[-max_tokens:], len(enc["input_ids"]))

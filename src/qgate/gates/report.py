@@ -234,11 +234,7 @@ def _coverage(s: dict) -> str:
             f"<p>Every prompt was scored whole (the longest has {s['longest_prompt_tokens']} tokens; "
             f"<code>gates.shadow.max_prompt_tokens</code> is {s['max_prompt_tokens']}).</p>"
         )
-    return (
-        f"<p><b>{s['prompts_cut']} of {s['prompts']} prompts were cut</b> to their last {s['max_prompt_tokens']} tokens "
-        f"(<code>gates.shadow.max_prompt_tokens</code>; the longest has {s['longest_prompt_tokens']}): the checks say "
-        f"nothing of longer contexts. Raise the limit to score them whole.</p>"
-    )
+    return f"<p><b>Caveat</b>: {html.escape(s['caveat'])}. Raise the limit to score them whole.</p>"
 
 
 def _search(report: dict) -> str:

@@ -29,9 +29,8 @@ from qgate.gates.shadow import (
     candidate_metrics,
     kl_top1_checks,
     load_shadow,
-    prompt_coverage,
     rescore_reference,
-    shadow_gate,
+    run_shadow,
 )
 
 
@@ -228,19 +227,16 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
     base = _LazyRunner(baseline, cfg.device, cfg.dtype)
     ref, hit = baseline_reference(base, baseline, shadow, cfg.shadow, base.cache(cache_dir))
     base.release()
-    m = candidate_metrics(load_runner(candidate, cfg.device, cfg.dtype), ref)
-    results, scored, _ = shadow_gate(
-        m, ref, cfg.shadow, prompt_coverage(baseline, load_shadow(shadow, cfg.shadow), cfg.shadow)
-    )
-    decided = GateReport.decide(results, cfg.on_inconclusive)
+    check = run_shadow(load_runner(candidate, cfg.device, cfg.dtype), ref, cfg.shadow)
+    decided = GateReport.decide(check.results, cfg.on_inconclusive)
     return {
         "verdict": decided.verdict,
         "passed": decided.passed,
         "on_inconclusive": cfg.on_inconclusive,
         "results": list(decided.results),
-        "scoring": scored,
+        "scoring": check.scored,
         "baseline_cached": hit,
-        "seconds": {"baseline": 0.0 if hit else float(ref["seconds"]), "candidate": m["score_seconds"]},
+        "seconds": {"baseline": 0.0 if hit else float(ref["seconds"]), "candidate": check.metrics["score_seconds"]},
     }
 
 
@@ -283,7 +279,7 @@ def run_gates(
             None,
         )
     else:
-        more, scored, m = _score(candidate, baseline, shadow, rows, cfg, cache_dir, checkpoint, timings)
+        more, scored, m = _score(candidate, baseline, shadow, cfg, cache_dir, checkpoint, timings)
         results += more
         if stop := scored["stopped"]:
             notes = notes + (
@@ -352,7 +348,6 @@ def _score(
     candidate: Artifact,
     baseline: Artifact,
     shadow: Artifact,
-    rows: list[dict],
     cfg: GateConfig,
     cache_dir: Path,
     checkpoint: Artifact | None,
@@ -387,9 +382,9 @@ def _score(
     t = time.perf_counter()
     cand = load_runner(candidate, cfg.device, cfg.dtype)
     timings["candidate_load"] = time.perf_counter() - t
-    m = candidate_metrics(cand, ref)
+    check = run_shadow(cand, ref, cfg.shadow)
+    m, results, scored, gated = check.metrics, list(check.results), check.scored, check.gated
     timings["candidate_shadow"] = m["score_seconds"]
-    results, scored, gated = shadow_gate(m, ref, cfg.shadow, prompt_coverage(baseline, rows, cfg.shadow))
     if parity:
         t = time.perf_counter()
         results += _parity(cand, ckpt, side, ref, gated, cfg)

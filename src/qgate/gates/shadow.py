@@ -1,6 +1,7 @@
 """Shadow-disagreement gate: candidate vs baseline on held-out real traffic, teacher-forced.
 
-    result = shadow_gate(cand_runner, baseline_ref, ShadowConfig())
+    ref, cached = baseline_reference(base_runner, baseline, shadow, cfg, cache_dir)   # once per baseline
+    check = run_shadow(cand_runner, ref, cfg)   # check.results, check.scored (coverage, caveat), check.gated
 
 The baseline answers each shadow prompt greedily; both models then score the same
 token sequence (prompt + baseline answer). Per position we measure KL(base || cand)
@@ -21,8 +22,8 @@ is unbounded above when the sample is too small to bound them: such a check cann
 
 A position where the candidate's logits define no distribution (a NaN or +inf logit) scores
 KL +inf and never agrees, and `defined_logits` fails the candidate if there is one anywhere.
-A prompt longer than `max_prompt_tokens` is scored on its last tokens; the gated checks then
-carry a caveat saying how many were cut (`prompt_coverage`).
+A prompt longer than `max_prompt_tokens` is scored on its last tokens; the baseline reference records
+every prompt's whole length, and the gated checks then carry a caveat saying how many were cut.
 
 The baseline keeps only its top-k log-probabilities per position (cached by content
 hash). KL is computed over those k tokens plus one bucket for the rest: a lower
@@ -193,9 +194,7 @@ def load_shadow(shadow: Artifact, cfg: ShadowConfig) -> list[dict]:
     return rows[: cfg.max_prompts] if cfg.max_prompts else rows
 
 
-REFERENCE_VERSION = (
-    4  # of what a baseline reference holds and how its log-probs are computed (4: gates/scoring.py in numpy)
-)
+REFERENCE_VERSION = 5  # of what a baseline reference holds and how its log-probs are computed
 
 
 def baseline_reference(
@@ -218,7 +217,7 @@ def baseline_reference(
     rows = load_shadow(shadow, cfg)
     encoded = [encode_with_sources(runner.tokenizer, row["messages"], cfg.max_prompt_tokens) for row in rows]
     t0 = time.perf_counter()
-    prompts = [ids for ids, _ in encoded]
+    prompts = [e.ids for e in encoded]
     if isinstance(runner, GeneratesScored):  # answers and scores in one pass: prefill + KV-cached decode steps
         answers, idx, lp = [], [], []
         for ans, (top_i, top_l) in greedy_scored(runner, prompts, cfg.max_new_tokens, cfg.top_k):
@@ -237,12 +236,13 @@ def baseline_reference(
     _check_defined(baseline, top_lp, [len(s) - 1 for s in seqs])
     classes = [
         np.array([PROMPT if f else TEMPLATE for f in src] + [ANSWER] * len(a), np.int8)
-        for (_, src), a in zip(encoded, answers, strict=True)
+        for (_, src, _), a in zip(encoded, answers, strict=True)
     ]
     ref = {
         "tokens": np.concatenate([np.asarray(s, np.int32) for s in seqs]),
         "seq_lens": np.array([len(s) for s in seqs], np.int32),
-        "prompt_lens": np.array([len(ids) for ids, _ in encoded], np.int32),
+        "prompt_lens": np.array([len(e.ids) for e in encoded], np.int32),
+        "prompt_tokens": np.array([e.tokens for e in encoded], np.int32),  # before the cut to max_prompt_tokens
         "top_idx": top_idx,
         "top_lp": top_lp,
         "prompt_of": np.concatenate([np.full(len(s) - 1, i, np.int32) for i, s in enumerate(seqs)]),
@@ -426,42 +426,43 @@ def defined_check(m: dict, ref: dict, gate: str = "shadow") -> GateResult:
     return GateResult.check(gate, "defined_logits", 1 - len(bad) / n if n else float("nan"), 1.0, True, n, evidence=ev)
 
 
-def prompt_coverage(baseline: Artifact, rows: list[dict], cfg: ShadowConfig) -> dict:
-    """How much of the shadow prompts the gate sees: each is rendered as the baseline serves it, and one longer than
-    max_prompt_tokens is scored on its last max_prompt_tokens tokens (chat.encode_with_sources keeps the latest turn)."""
-    from qgate.chat import render
-    from qgate.trust import load_tokenizer
-
-    tok = load_tokenizer(baseline.path)
-    lens = [len(tok(render(tok, r["messages"]), add_special_tokens=False)["input_ids"]) for r in rows]
-    return {
-        "max_prompt_tokens": cfg.max_prompt_tokens,
-        "prompts_cut": sum(n > cfg.max_prompt_tokens for n in lens),
-        "longest_prompt_tokens": max(lens, default=0),
-    }
-
-
-def coverage_caveat(scored: dict, cfg: ShadowConfig) -> str | None:
-    """What a gate on cut prompts cannot say, for the checks it weakens; None when every prompt was scored whole."""
-    cut, m = scored.get("prompts_cut", 0), cfg.max_prompt_tokens
-    if not cut:
-        return None
-    return (
-        f"{cut} of {scored['prompts']} shadow prompts are longer than gates.shadow.max_prompt_tokens ({m}; the "
-        f"longest has {scored['longest_prompt_tokens']} tokens) and were scored on their last {m} tokens: this "
-        f"evidence covers contexts of up to {m + cfg.max_new_tokens} tokens, not those prompts whole"
+def coverage(ref: dict, cfg: ShadowConfig) -> dict:
+    """How much of the shadow prompts the gate sees: a prompt longer than max_prompt_tokens is scored on its last
+    max_prompt_tokens tokens (chat.encode_with_sources keeps the latest turn). `caveat`: what a gate on cut prompts
+    cannot say, for the checks it weakens; None when every prompt was scored whole."""
+    lens, m = ref["prompt_tokens"], cfg.max_prompt_tokens
+    cut, longest = int(np.sum(lens > m)), int(lens.max(initial=0))
+    caveat = (
+        f"{cut} of {len(lens)} shadow prompts are longer than gates.shadow.max_prompt_tokens ({m}; the longest has "
+        f"{longest} tokens) and were scored on their last {m} tokens: this evidence covers contexts of up to "
+        f"{m + cfg.max_new_tokens} tokens, not those prompts whole"
+        if cut
+        else None
     )
+    return {"max_prompt_tokens": m, "prompts_cut": cut, "longest_prompt_tokens": longest, "caveat": caveat}
 
 
-def shadow_gate(
-    m: dict, ref: dict, cfg: ShadowConfig, coverage: dict | None = None
-) -> tuple[list[GateResult], dict, np.ndarray]:
-    """The gated checks on cfg.positions, report-only figures for the other classes, what was scored, and the
-    mask of gated positions. coverage: `prompt_coverage` of the shadow prompts; the gated checks then carry a caveat
-    when some were cut."""
+@dataclass(frozen=True)
+class ShadowCheck:
+    results: list[GateResult]  # defined_logits, the gated KL and top-1 checks, report-only classes, generation
+    scored: dict  # what was scored: positions per class, prompts, coverage and its caveat
+    gated: np.ndarray  # bool per position: the positions the checks decided on
+    metrics: dict  # candidate_metrics: per-position KL, top-1 agreement, timings
+
+
+def run_shadow(runner, ref: dict, cfg: ShadowConfig, desc: str = "shadow: candidate") -> ShadowCheck:
+    """The shadow gate: the candidate scored on the baseline reference's sequences, and its checks."""
+    m = candidate_metrics(runner, ref, desc)
+    results, scored, gated = shadow_gate(m, ref, cfg)
+    return ShadowCheck(results, scored, gated, m)
+
+
+def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> tuple[list[GateResult], dict, np.ndarray]:
+    """The gated checks on cfg.positions, report-only figures for the other classes, what was scored (with its
+    coverage), and the mask of gated positions. The gated checks carry the coverage caveat when prompts were cut."""
     clusters = ref["prompt_of"]
     masks, scored = scoring_summary(ref, cfg)
-    scored |= coverage or {}
+    scored |= coverage(ref, cfg)
     ev = {"tail_mass_mean": float(m["tail"].mean()), "tail_mass_max": float(m["tail"].max()), "scored": scored}
     results = [defined_check(m, ref)] + kl_top1_checks(m, clusters, masks["gated"], cfg, evidence=ev)
     for part in ("answer", "prompt"):  # the classes the gate did not decide on alone, reported beside it
@@ -484,7 +485,7 @@ def shadow_gate(
             },
         )
     )
-    if caveat := coverage_caveat(scored, cfg):
+    if caveat := scored["caveat"]:
         results = [
             replace(r, evidence=r.evidence | {"caveat": caveat})
             if r.threshold is not None and r.metric != "defined_logits"

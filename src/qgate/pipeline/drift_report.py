@@ -65,13 +65,9 @@ def _num(x) -> str:
 
 def _cut(scoring: dict) -> str:
     """The prompts the re-gate scored on their last max_prompt_tokens tokens: longer recent traffic shows here."""
-    if not scoring.get("prompts_cut"):
+    if not scoring.get("caveat"):
         return ""
-    return (
-        f" <b>{scoring['prompts_cut']} of them were cut</b> to their last {scoring['max_prompt_tokens']} tokens "
-        f"(<code>gates.shadow.max_prompt_tokens</code>; the longest has {scoring['longest_prompt_tokens']}): the "
-        "checks say nothing of longer contexts."
-    )
+    return f" <b>Caveat</b>: {html.escape(scoring['caveat'])}."
 
 
 def _quality(q: dict | None) -> str:
