@@ -9,15 +9,18 @@ Relative paths in a spec are relative to the spec file's directory.
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
+from qgate.calibrate.sample import SampleConfig
 from qgate.errors import ConfigError, InputError
 from qgate.gates.result import OnInconclusive
 from qgate.naming import build_config, key_path, suggest
+from qgate.quantize.run import CalibOptions
 
 
 class _Strict(BaseModel):
@@ -30,20 +33,20 @@ class ModelSpec(_Strict):
     gguf_file: str | None = None
 
 
-class CalibrateSpec(_Strict):
-    calib_size: int = 256
-    shadow_size: int = 64
-    search_size: int = 0  # prompts `search:` variants choose their point on, disjoint from the shadow split
-    seed: int = 0
-    max_reject_fraction: float = 0.5  # a log with more malformed records than this fails the calibrate stage
-    min_words: int = 1  # shorter prompts are dropped (counted as too short, not rejected)
-    max_line_bytes: int = 4 << 20  # a longer JSONL line is rejected unread
+def _section(config: type, name: str) -> type[_Strict]:
+    """A strict spec section with exactly the fields, types and defaults of the frozen dataclass `config`: the
+    stage's own config is where a setting is defined and documented; its range checks run when the spec loads."""
+    import dataclasses
+
+    hints = typing.get_type_hints(config)
+    fields = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(config)}
+    return create_model(
+        name, __base__=_Strict, __doc__=f"`{name}` fields: {config.__module__}.{config.__name__}", **fields
+    )
 
 
-class QuantizeSpec(_Strict):
-    max_seq_length: int = 512
-    max_samples: int | None = None
-    seed: int = 0  # seeds llm-compressor's calibration shuffle: the same inputs give byte-identical checkpoints
+CalibrateSpec = _section(SampleConfig, "CalibrateSpec")
+QuantizeSpec = _section(CalibOptions, "QuantizeSpec")
 
 
 class EngineSpec(_Strict):
@@ -87,17 +90,23 @@ class VariantSpec(_Strict):
 
 
 class GatesSpec(_Strict):
+    """Each section is its gate's config (gates/*.py), built by gate_config(); an unset scalar takes GateConfig's
+    default (gates/run.py), which is where each one is defined and documented."""
+
     contract: dict[str, Any] = Field(default_factory=dict)
     shadow: dict[str, Any] = Field(default_factory=dict)
     eval: dict[str, Any] | None = Field(default_factory=dict)  # null: no eval gate
     long_context: dict[str, Any] | None = Field(default_factory=dict)  # null: the served context is not probed
     perf: dict[str, Any] = Field(default_factory=dict)
     parity: dict[str, Any] = Field(default_factory=dict)
-    on_inconclusive: OnInconclusive = "block"
-    score_anyway: bool = False  # score a candidate whose serving contract failed (its verdict is FAIL regardless)
-    stop_on_fail: bool = False  # after a decided FAIL on shadow, parity or perf, skip long context and eval
-    device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
-    dtype: str = "auto"  # reference checkpoints' compute dtype: auto, float32, bfloat16, float16
+    on_inconclusive: OnInconclusive | None = None
+    score_anyway: bool | None = None
+    stop_on_fail: bool | None = None
+    device: str | None = None
+    dtype: str | None = None
+
+
+_GATE_SCALARS = ("on_inconclusive", "score_anyway", "stop_on_fail", "device", "dtype")
 
 
 class RegistrySpec(_Strict):
@@ -155,11 +164,7 @@ class PipelineSpec(_Strict):
             long_context=long_ctx,
             perf=build_config(PerfConfig, self.gates.perf, "gates.perf"),
             parity=build_config(ParityConfig, self.gates.parity, "gates.parity"),
-            on_inconclusive=self.gates.on_inconclusive,
-            score_anyway=self.gates.score_anyway,
-            stop_on_fail=self.gates.stop_on_fail,
-            device=self.gates.device,
-            dtype=self.gates.dtype,
+            **{k: v for k in _GATE_SCALARS if (v := getattr(self.gates, k)) is not None},
         )
 
     def on_device(self, device: str | None) -> PipelineSpec:
@@ -192,8 +197,6 @@ def search_config(v: VariantSpec, where: str = "search"):
 
 def _fields_at(loc: tuple) -> list[str]:
     """The keys the spec allows at `loc` (a pydantic error location), for did-you-mean suggestions."""
-    import typing
-
     model: Any = PipelineSpec
     for part in loc:
         if isinstance(part, int):
@@ -270,11 +273,11 @@ def _check_engine(v: VariantSpec, where: str) -> None:
 
 def _check_semantics(spec: PipelineSpec) -> None:
     """Fail at load time, not an hour in: scheme names, option names, thresholds, unique variant names."""
-    from qgate.calibrate.sample import SampleConfig
     from qgate.engines.build import engine_config
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
     SampleConfig(**spec.calibrate.model_dump())  # sizes, the malformed-records limit
+    CalibOptions(**spec.quantize.model_dump())
     names = [v.name for v in spec.variants]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
