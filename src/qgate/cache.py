@@ -46,8 +46,8 @@ def read_cached(path: Path) -> bytes | None:
 
 def read_cached_arrays(path: Path) -> dict | None:
     """An .npz cache written by np.savez (uncompressed), checked as `read_cached` checks it: {name: array}, each a
-    read-only view of the file mapped into memory, so nothing is copied (copying a 50 MB shadow reference into fresh
-    memory took ~0.15 s of page faults per warm gate). Compressed members are read by np.load, as copies."""
+    read-only view of the file mapped into memory, so nothing is copied (a warm gate would otherwise fault in a fresh
+    copy of the shadow reference). Compressed members are read by np.load, as copies."""
     import io
     import mmap
 

@@ -45,9 +45,9 @@ from qgate.calibrate.reader import (
 )
 from qgate.calibrate.sources import PARQUET, Partition, drain
 
-# decompressed JSONL bytes per block. Each MB of block costs about 25 MB of transient memory (parsed columns, word
-# splits, Python strings), so peak RSS is set by the largest block's: 4 MB blocks peaked 1.18x higher on 1M records than
-# on 100k, 2 MB ones 1.03x, for about 10% more time (per-block costs, and distinct turns deduplicated per block).
+# decompressed JSONL bytes per block. A block's parsed columns, word splits and strings are transient memory many times
+# its size, so peak RSS follows the largest block: smaller blocks keep it flat as the log grows, at a small cost in
+# per-block work (benchmarks/RESULTS.md, "Block size").
 BLOCK_BYTES = 2 << 20
 # Python's whitespace (str.isspace, what str.strip() removes), as an RE2 class; the tests check it code point by point
 PY_SPACE = r"\t\n\x0b\x0c\r\x1c-\x20\x85\xa0\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}"

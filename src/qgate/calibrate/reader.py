@@ -127,7 +127,7 @@ class _Bounded(io.RawIOBase):
 
 
 class _Gunzip(io.RawIOBase):
-    """A gzip stream inflated by Intel ISA-L (`isal`: 2.4x the standard library's zlib on traffic logs), whose bytes
+    """A gzip stream inflated by Intel ISA-L (`isal`, faster than the standard library's zlib), whose bytes
     end exactly where the standard library's would. ISA-L drops the output of the read that meets a cut or corrupt
     stream, so after a failure the file is read again with `gzip` (no digest: the raw stream is hashed once, by the
     caller) past what ISA-L gave, up to where it fails; that second read happens for broken files only."""

@@ -56,9 +56,8 @@ def scan_block(
     return st, inputs.calls, rejects
 
 
-# the share of a worker's time a scan in blocks turns into progress, against a whole file's: 0.76 measured for one
-# file on 2 workers (1.52x a one-pass scan, 2026-11-25), less for a file beside others (a second round of workers
-# to start); a 70% file beside seven small ones on 2 workers took 13.8 s in blocks against 12.8 s whole
+# the share of a worker's time a scan in blocks turns into progress, against a whole file's: less than 1, since the
+# blocks are read and cut here and the workers start a second round (benchmarks/RESULTS.md, "Split scans")
 BLOCK_EFFICIENCY = 0.6
 
 

@@ -30,7 +30,7 @@ LM_HEAD = ("fp32", "int8", "int4")  # the vocabulary projection: on a small mode
 class CpuEngineConfig:
     accuracy_level: int = 4  # 4: int8 activations (ORT's CPU default, fastest); 1: fp32, exact
     lm_head: str = "fp32"  # "int8" / "int4": the builder quantizes lm_head (RTN, per block): faster decode, gated
-    VERSION = 4  # 4: the checkpoint's own tokenizer files are served
+    VERSION = 4  # of what the builder writes; what changed in each is in git
 
     def __post_init__(self):
         if self.accuracy_level not in (1, 2, 3, 4):

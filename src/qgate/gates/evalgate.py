@@ -65,7 +65,7 @@ class EvalConfig:
     pool: bool = False  # one gated check over all multiple-choice items; per-task rows are guards
     significant_loss_alpha: float | None = None  # a number: also FAIL a recovery check's items on an exact McNemar
     # loss (one-sided p below it), as its own row; None: off
-    VERSION = 4  # 4: one rule per check (recovery on its CI alone; Holm-adjusted task guards)
+    VERSION = 4  # of the checks' rules; what changed in each is in git
 
     def __post_init__(self):
         for t in self.tasks:
@@ -110,7 +110,7 @@ def _compile_templates_once() -> None:
     lm_utils.apply_template = apply_template
 
 
-SCORES_VERSION = 3  # of what run_tasks returns (3: the chosen answer per item): the baseline's cached scores' key
+SCORES_VERSION = 3  # of what run_tasks returns: part of the key of the baseline's cached scores
 NO_ANSWER = -1  # the chosen answer of an item whose every choice has log-likelihood -inf
 
 

@@ -67,7 +67,7 @@ TEMPLATE, PROMPT, ANSWER = 0, 1, 2  # token classes: chat template, traffic prom
 POSITION_SETS = {"answer": (ANSWER,), "answer+prompt": (ANSWER, PROMPT)}
 GREEDY_BATCH_ROWS = 48  # prompts decoded together: a decode step costs far less than rows x one-row steps
 GREEDY_BATCH_TOKENS = 6144  # padded prompt + answer tokens per decode batch (wider batches pay for padding in
-# attention and cache copies); benchmarks/bench_gates_engines.py measured 4k-32k
+# attention and cache copies; benchmarks/bench_gates_engines.py sweeps it)
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class ShadowConfig:
     top1_agreement_min: float | None = 0.9
     identical_generation_min: float | None = None
     positions: str = "answer"  # which positions the gated checks score: "answer" or "answer+prompt"
-    VERSION = 3  # 3: log-probs by numpy's exp and pairwise sum (scoring.py): KL within 1.1e-6 of float64
+    VERSION = 3  # of how the checks are computed; what changed in each is in git
 
     def __post_init__(self):
         if self.max_new_tokens < 1 or self.max_prompt_tokens < 4 or self.top_k < 2:
@@ -254,7 +254,7 @@ def baseline_reference(
     buf = io.BytesIO()
     np.savez(
         buf, **ref
-    )  # not compressed: top-k log-probs barely compress (36 of ~50 MB) and zlib took 4.5 s of a 33 s reference
+    )  # not compressed: top-k log-probs barely compress, and zlib costs a large share of the reference's time
     write_cached(path, buf.getvalue())
     return ref, False
 
