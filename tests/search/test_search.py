@@ -5,11 +5,11 @@ while every other layer's weights are shrunk 10x: those two layers carry the sig
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import tiny
+from specs import pipeline_spec
 
 from qgate.errors import ConfigError
 from qgate.search.plan import SearchConfig, fallback_order, max_count, next_count, predicted_bits, start_count
@@ -263,32 +263,32 @@ def test_search_that_cannot_pass_says_so_and_keeps_the_closest_point(planted):
 
 
 def test_spec_search_key_is_strict(tmp_path, workdir):
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_pipeline import _spec
 
     from qgate.pipeline.spec import load_spec
 
     split = {"calib_size": 24, "shadow_size": 48, "search_size": 24}
-    ok = _spec(
+    ok = pipeline_spec(
         tmp_path,
         workdir,
         variants=[{"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32}, "search": {"max_steps": 3}}],
         calibrate=split,
     )
     assert load_spec(ok).variants[0].search == {"max_steps": 3}
-    biased = _spec(
+    biased = pipeline_spec(
         tmp_path,
         workdir,
         variants=[{"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32}, "search": {"max_steps": 3}}],
     )
     with pytest.raises(ConfigError, match=r"variants\[0\]\.search: its points would be chosen on the shadow split"):
         load_spec(biased)
-    bad = _spec(
+    bad = pipeline_spec(
         tmp_path, workdir, variants=[{"name": "s", "scheme": "awq-w4a16", "search": {"max_step": 3}}], calibrate=split
     )
     with pytest.raises(ConfigError, match=r"variants\[0\]\.search.*max_step.*did you mean 'max_steps'"):
         load_spec(bad)
-    fp8 = _spec(tmp_path, workdir, variants=[{"name": "s", "scheme": "fp8-dynamic", "search": {}}], calibrate=split)
+    fp8 = pipeline_spec(
+        tmp_path, workdir, variants=[{"name": "s", "scheme": "fp8-dynamic", "search": {}}], calibrate=split
+    )
     with pytest.raises(ConfigError, match="no per-layer fallback"):
         load_spec(fp8)
 
@@ -296,8 +296,6 @@ def test_spec_search_key_is_strict(tmp_path, workdir):
 def test_pipeline_search_chooses_on_its_own_split_and_the_shadow_split_confirms(tmp_path, workdir):
     """No selection bias: the pipeline's search gates its points on the search split; the chosen checkpoint's gate
     runs on the shadow split, which the search never saw, and its report says so."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_pipeline import _spec
 
     from qgate.artifact import Artifact
     from qgate.gates.run import run_gates
@@ -312,7 +310,7 @@ def test_pipeline_search_chooses_on_its_own_split_and_the_shadow_split_confirms(
         "top1_agreement_min": None,
     }
     spec = load_spec(
-        _spec(
+        pipeline_spec(
             tmp_path,
             workdir,
             calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 32},
@@ -344,7 +342,7 @@ def test_pipeline_search_chooses_on_its_own_split_and_the_shadow_split_confirms(
         "search:s: unchanged" in m for m in said
     )
     bf16 = load_spec(
-        _spec(
+        pipeline_spec(
             tmp_path,
             workdir,
             calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 32},
@@ -367,12 +365,10 @@ def test_pipeline_search_chooses_on_its_own_split_and_the_shadow_split_confirms(
 
 
 def test_search_cli_names_an_unknown_variant(tmp_path, workdir, capsys):
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_pipeline import _spec
 
     from qgate.cli.main import main
 
-    spec = _spec(tmp_path, workdir)
+    spec = pipeline_spec(tmp_path, workdir)
     assert main(["search", "--spec", str(spec), "--variant", "awq-cpx"]) == 1
     err = capsys.readouterr().err
     assert "variant 'awq-cpx' is not in the spec; did you mean 'awq-cpu'?" in err

@@ -1,14 +1,12 @@
-"""Scale-out: sampling state in bounded memory that merges across partitions, traffic in object storage (a real
-S3-compatible server on localhost), and the same results from serial and Ray execution."""
+"""Sampling at scale: state in bounded memory that merges across partitions, traffic in object storage (a real
+S3-compatible server on localhost), scan caches, and the same sets from every executor."""
 
-import gzip
 import hashlib
 import heapq
 import json
 import math
 import os
 import random
-import re
 import shutil
 import sys
 import tracemalloc
@@ -20,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from servers import s3_server
+from traffic_gen import ROUTES, make_records, write_parts
 
 from qgate.calibrate import sketches
 from qgate.calibrate.profile import Concurrency
@@ -27,45 +26,7 @@ from qgate.calibrate.sample import SampleConfig, sample_traffic
 from qgate.calibrate.sketches import DistinctCount, HeavyHitters
 from qgate.calibrate.sources import Partition, list_partitions, traffic_sha256
 from qgate.calibrate.state import SampleState, scan_partition
-from qgate.errors import ConfigError, InputError, QgateError
-
-ROUTES = ("chat", "code-assist", "summarize")
-
-
-def _records(n: int, seed: int = 0, dup_every: int = 7) -> list[bytes]:
-    """n requests; every dup_every-th repeats an earlier prompt (sometimes under another route), as real logs do."""
-    rng = random.Random(seed)
-    vocab = [f"w{i}" for i in range(400)]
-    out, prompts = [], []
-    for i in range(n):
-        if prompts and i % dup_every == 0:
-            text = rng.choice(prompts)
-        else:
-            text = " ".join(rng.choice(vocab) for _ in range(rng.randint(2, 60)))
-            prompts.append(text)
-        out.append(
-            json.dumps(
-                {
-                    "ts": 1_700_000_000 + i * 0.2,
-                    "latency_ms": 400 + rng.random() * 900,
-                    "route": rng.choice(ROUTES),
-                    "tenant": f"t{rng.randint(0, 30)}",
-                    "messages": [{"role": "user", "content": text}],
-                }
-            ).encode()
-        )
-    return out
-
-
-def _write_parts(d, records: list[bytes], cuts: list[int]):
-    d.mkdir(parents=True, exist_ok=True)
-    bounds = [0, *sorted(cuts), len(records)]
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        body = b"\n".join(records[a:b]) + b"\n" if b > a else b""
-        (d / f"part-{i:03d}.jsonl.gz").write_bytes(gzip.compress(body)) if i % 2 else (
-            d / f"part-{i:03d}.jsonl"
-        ).write_bytes(body)
-    return d
+from qgate.errors import ConfigError, InputError
 
 
 def _sets(arts) -> dict:
@@ -81,9 +42,9 @@ def _sets(arts) -> dict:
 
 
 def test_partitions_merge_to_exactly_the_single_pass_sample(tmp_path):
-    records = _records(6000)
+    records = make_records(6000)
     (tmp_path / "one.jsonl").write_bytes(b"\n".join(records) + b"\n")
-    parts = _write_parts(tmp_path / "parts", records, [1000, 2500, 2600, 5999])
+    parts = write_parts(tmp_path / "parts", records, [1000, 2500, 2600, 5999])
     cfg = SampleConfig(calib_size=40, shadow_size=20, seed=5)  # small: every stratum's sample fills, sketches estimate
     one = sample_traffic(tmp_path / "one.jsonl", tmp_path / "o1", cfg)
     many = sample_traffic(parts, tmp_path / "o2", cfg)
@@ -113,7 +74,7 @@ def test_each_stratum_keeps_the_k_smallest_priorities_of_its_distinct_prompts(tm
 
     monkeypatch.setattr(batches, "BLOCK_BYTES", 8 << 10)
     path = tmp_path / "log.jsonl"
-    path.write_bytes(b"\n".join(_records(3000, seed=2, dup_every=3)) + b"\n")
+    path.write_bytes(b"\n".join(make_records(3000, seed=2, dup_every=3)) + b"\n")
     cfg = SampleConfig(calib_size=10, shadow_size=5, seed=9)
     st_, _ = scan_partition(Partition(str(path)), cfg, tag_file=False)
     expected: dict[str, dict[bytes, tuple]] = {}
@@ -142,10 +103,10 @@ def test_any_partitioning_merges_to_the_same_state(cuts, seed, tmp_path_factory)
     """Bottom-k samples, HLL registers and exact counters are set functions of the records: how the log is cut into
     partitions, and so which machine scanned what, cannot change the sample."""
     d = tmp_path_factory.mktemp("p")
-    records = _records(400, seed=seed, dup_every=5)
+    records = make_records(400, seed=seed, dup_every=5)
     cfg = SampleConfig(calib_size=12, shadow_size=6, seed=seed)
-    whole = _write_parts(d / "whole", records, [])
-    cut = _write_parts(d / "cut", records, cuts)
+    whole = write_parts(d / "whole", records, [])
+    cut = write_parts(d / "cut", records, cuts)
 
     def state(where):
         total = SampleState.empty(cfg)
@@ -171,7 +132,7 @@ def test_sampler_memory_is_bounded_by_the_sample_not_the_log(tmp_path, monkeypat
 
     def peak(n):
         path = tmp_path / f"log{n}.jsonl"
-        path.write_bytes(b"\n".join(_records(n, dup_every=10**9)) + b"\n")  # all distinct: a seen-set would grow
+        path.write_bytes(b"\n".join(make_records(n, dup_every=10**9)) + b"\n")  # all distinct: a seen-set would grow
         tracemalloc.start()
         st_, _ = scan_partition(Partition(str(path)), cfg, tag_file=False)
         p = tracemalloc.get_traced_memory()[1]
@@ -208,7 +169,7 @@ def test_a_serial_scan_of_many_partitions_holds_one_partition_state_at_a_time(tm
     monkeypatch.setattr(sample, "scan_partition_json", scan)
     monkeypatch.setattr(sample, "state_from_json", load)
     sample_traffic(
-        _write_parts(tmp_path / "parts", _records(600), [150, 300, 450]),
+        write_parts(tmp_path / "parts", make_records(600), [150, 300, 450]),
         tmp_path / "out",
         SampleConfig(calib_size=20, shadow_size=8),
     )
@@ -240,7 +201,7 @@ def test_sketches_round_trip_and_bound_their_error(monkeypatch):
 
 
 def test_profile_states_which_counts_are_estimates(tmp_path):
-    records = _records(800)
+    records = make_records(800)
     (tmp_path / "t.jsonl").write_bytes(b"\n".join(records) + b"\n")
     arts = sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=20, shadow_size=10))
     prof = json.loads((arts["profile"].path / "profile.json").read_text())
@@ -300,7 +261,7 @@ def test_too_short_prompts_leave_the_profile_even_when_a_partition_has_nothing_e
 def test_hive_style_partitions_are_named_by_their_path_below_the_root(tmp_path):
     """Hive-style logs repeat file names in every directory: a sampled row's (file, line) must find its record, and a
     prompt logged in two partitions is attributed to its first occurrence in partition order."""
-    records = _records(120, seed=4, dup_every=10**9)  # 120 distinct prompts
+    records = make_records(120, seed=4, dup_every=10**9)  # 120 distinct prompts
     dup = records[30]  # also the first line of the later day
     (tmp_path / "dt=01").mkdir()
     (tmp_path / "dt=02").mkdir()
@@ -342,7 +303,7 @@ def test_each_partition_is_read_once_and_the_source_hash_is_of_what_was_read(tmp
     from qgate.calibrate import sources
 
     d = tmp_path / "logs"
-    _write_parts(d, _records(3000, seed=6), [1000, 2000])  # part-000.jsonl, part-001.jsonl.gz, part-002.jsonl
+    write_parts(d, make_records(3000, seed=6), [1000, 2000])  # part-000.jsonl, part-001.jsonl.gz, part-002.jsonl
     # a gzip partition corrupt near its start, with far more bytes after it than one buffered read takes. The noise is
     # seeded: with about one draw in four, 16 bytes of 0xff still inflate (to garbage lines, up to the CRC check at the
     # end) instead of failing at once, and the garbage then fails the sample's malformed-records limit
@@ -481,7 +442,7 @@ def test_a_scan_cache_rescans_only_new_or_changed_partitions_and_changes_nothing
 def test_unknown_executor_and_missing_ray_are_clear(tmp_path, monkeypatch):
     import sys
 
-    (tmp_path / "t.jsonl").write_bytes(b"\n".join(_records(100)) + b"\n")
+    (tmp_path / "t.jsonl").write_bytes(b"\n".join(make_records(100)) + b"\n")
     with pytest.raises(ConfigError, match="unknown executor 'spark'"):
         sample_traffic(
             tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=5, shadow_size=5), executor="spark"
@@ -510,12 +471,11 @@ def s3():
 def test_s3_partitions_and_ray_give_the_local_serial_sample(tmp_path, s3):
     """The object-store path against a real S3 endpoint, and the processes and Ray (local Ray) executors on both local
     and S3 partitions: every combination selects the same sets as one serial pass over local files."""
-    import os
 
     import boto3
 
-    records = _records(3000, seed=2)
-    parts = _write_parts(tmp_path / "parts", records, [700, 1900])
+    records = make_records(3000, seed=2)
+    parts = write_parts(tmp_path / "parts", records, [700, 1900])
     client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
     for f in sorted(parts.iterdir()):
         client.upload_file(str(f), s3, f"logs/2026-11-22/{f.name}")
@@ -551,287 +511,6 @@ def test_s3_partitions_and_ray_give_the_local_serial_sample(tmp_path, s3):
     assert [p.name for p in list_partitions(f"s3://{s3}/logs/2026-11-*/")] == [
         f"2026-11-22/{p.name}" for p in list_partitions(parts)
     ]
-
-
-def test_variants_fanned_out_on_ray_match_the_serial_run(tmp_path, workdir, monkeypatch):
-    """`qgate run --parallel ray`: the variants' chains run as Ray tasks with their declared resources; the
-    baseline caches are computed once before the fan-out; calibration sets, checkpoints, engines and every check's
-    verdict and observation equal the serial run's, and the driver alone writes the ledger."""
-    import yaml
-    from test_pipeline import _spec
-
-    from qgate.cli.main import main
-
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    runs = {}
-    for mode in ("serial", "ray"):
-        d = tmp_path / mode
-        d.mkdir()
-        spec = _spec(d, workdir)
-        data = yaml.safe_load(spec.read_text())
-        for v in data["variants"]:
-            v["resources"] = {"num_cpus": 1}
-        spec.write_text(yaml.safe_dump(data, sort_keys=False))
-        assert main(["run", str(spec), "--parallel", mode]) == 0
-        runs[mode] = d / "work"
-    ledgers = {m: json.loads((w / "stages.json").read_text()) for m, w in runs.items()}
-    assert set(ledgers["ray"]) == set(ledgers["serial"])
-    for name in ledgers["serial"]:
-        if name.startswith(("model", "calibrate", "quantize:", "engine:")):
-            assert ledgers["ray"][name]["sha256"] == ledgers["serial"][name]["sha256"], name
-    reports = {
-        m: {v: json.loads((w / "variants" / v / "gate" / "report.json").read_text()) for v in ("awq-cpu", "w8")}
-        for m, w in runs.items()
-    }
-    for v in ("awq-cpu", "w8"):
-        a, b = reports["serial"][v], reports["ray"][v]
-        assert a["verdict"] == b["verdict"]
-        assert [(r["gate"], r["metric"], r["verdict"], r["observed"]) for r in a["results"] if r["gate"] != "perf"] == [
-            (r["gate"], r["metric"], r["verdict"], r["observed"]) for r in b["results"] if r["gate"] != "perf"
-        ]
-    summary = json.loads((runs["ray"] / "summary.json").read_text())
-    assert summary["promoted"]["variant"] == "w8"
-    assert main(["run", str(tmp_path / "ray" / "spec.yaml"), "--parallel", "ray"]) == 0  # re-run: every stage skipped
-    assert json.loads((runs["ray"] / "summary.json").read_text())["stages_run"] == []
-
-
-def test_a_pipeline_samples_exactly_the_partitions_its_stage_key_hashed(tmp_path, workdir, monkeypatch):
-    """The calibrate stage lists its traffic once: a partition that lands after the stage key was hashed (a live log
-    directory or bucket) is not sampled under that key, so the artifacts' source hash is the key's traffic hash (a
-    second listing keyed one set of partitions and sampled another)."""
-    from test_pipeline import _spec
-
-    from qgate.pipeline import stages
-    from qgate.pipeline.ledger import Ledger
-    from qgate.pipeline.spec import load_spec
-
-    logs = _write_parts(tmp_path / "logs", _records(300, seed=5), [150])
-    spec = load_spec(_spec(tmp_path, workdir, traffic="logs"))
-    real, keyed = stages.traffic_key, []
-
-    def then_a_file_lands(*a, **k):
-        keyed.append(real(*a, **k))
-        (logs / "part-late.jsonl").write_bytes(b"\n".join(_records(40, seed=6)) + b"\n")
-        return keyed[-1]
-
-    monkeypatch.setattr(stages, "traffic_key", then_a_file_lands)
-    profile = stages.calibrate_stage(
-        Ledger(spec.path(spec.workdir), lambda m: None), spec, spec.traffic_source()
-    ).profile
-    assert profile.parents[0] == keyed[0] and profile.meta["requests"] <= 300
-
-
-def test_a_variant_no_ray_node_can_hold_is_refused_before_any_work(tmp_path, workdir, monkeypatch):
-    """A variant asking for a GPU on a local Ray instance without one would wait forever (Ray only logs that the
-    task cannot be scheduled): the run refuses it before the model import, naming the key and what the node has. On
-    a cluster (RAY_ADDRESS), where an autoscaler may add such a node, it says what the task waits for instead."""
-    import yaml
-    from test_pipeline import _spec
-
-    from qgate.pipeline import runner
-    from qgate.pipeline.runner import placeable, run_pipeline
-    from qgate.pipeline.spec import load_spec
-
-    path = _spec(tmp_path, workdir)
-    data = yaml.safe_load(path.read_text())
-    data["variants"][1]["resources"] = {"num_gpus": 1}
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    spec = load_spec(path)
-    monkeypatch.setattr(runner, "_run", lambda *a, **k: pytest.fail("the run started: it would wait forever"))
-    with pytest.raises(
-        ConfigError,
-        match=r"variants\[1\]\.resources: variant w8 asks one node for CPU 1, GPU 1; the largest "
-        r"node of this Ray instance has CPU \d+, memory [\d.]+ GiB, so its task would wait forever",
-    ):
-        run_pipeline(spec, echo=lambda m: None, executor="ray")
-    assert not (tmp_path / "work").exists()  # refused before anything was made
-    said: list[str] = []
-    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")  # the same nodes, as a cluster's: a warning
-    placeable(spec.variants, said.append)  # (the first variant asks for nothing: it fits)
-    assert (
-        len(said) == 1
-        and said[0].startswith("  ! variants[1].resources: variant w8 asks one node for CPU 1, GPU 1")
-        and "of this Ray cluster has" in said[0]
-        and "waits until such a node joins" in said[0]
-    )
-
-
-def test_a_variant_failing_on_ray_keeps_every_stage_that_finished(tmp_path, workdir, monkeypatch):
-    """`--parallel ray` with a variant whose chain fails after its checkpoint, listed before one that passes: the
-    run fails with that variant's own error, and the ledger holds every stage that finished, the failed chain's
-    checkpoint and the whole chain that ran beside it, so a re-run rebuilds nothing (before, the driver dropped what
-    the tasks returned once one had failed). The failure: a TensorRT-LLM bundle cannot be verified without CUDA (a
-    spec file naming one is refused at load now; the spec object here is built without that check)."""
-    import yaml
-    from test_pipeline import _spec
-
-    from qgate.errors import BackendUnavailable
-    from qgate.pipeline.runner import run_pipeline
-    from qgate.pipeline.spec import PipelineSpec
-
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    data = yaml.safe_load(_spec(tmp_path, workdir).read_text())
-    data["variants"] = [
-        {
-            "name": "trt",
-            "scheme": "gptq-w8a16",
-            "options": {"group_size": 32},
-            "engine": {"backend": "trtllm"},
-            "resources": {"num_cpus": 1},
-        },
-        {"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}, "resources": {"num_cpus": 1}},
-    ]
-    spec, said = PipelineSpec(**data, root=tmp_path.resolve()), []
-    with pytest.raises(BackendUnavailable, match="TensorRT-LLM bundle written to .* but not verified"):
-        run_pipeline(spec, echo=said.append, executor="ray")
-    assert any(
-        m.startswith("  ! trt failed: TensorRT-LLM bundle") and "every finished stage is kept" in m for m in said
-    )
-    ledger = json.loads((tmp_path / "work" / "stages.json").read_text())
-    assert {"quantize:trt", "quantize:w8", "gate:w8"} <= set(ledger) and "engine:trt" not in ledger
-    built = {d: (tmp_path / "work/variants" / d).stat().st_ino for d in ("trt/checkpoint", "w8/checkpoint", "w8/gate")}
-    said.clear()
-    with pytest.raises(BackendUnavailable):
-        run_pipeline(spec, echo=said.append, executor="ray")
-    assert not any("stale lock" in m for m in said)  # the failed run released its lock cleanly
-    assert {d: (tmp_path / "work/variants" / d).stat().st_ino for d in built} == built  # nothing was built again
-
-
-class _TwoArgs(Exception):
-    def __init__(self, what: str, where: str):  # pickles, but cannot be rebuilt from its message alone
-        super().__init__(f"{what} at {where}")
-
-
-def test_a_failed_chains_error_reaches_the_driver_whatever_its_class():
-    """A chain's error travels back beside its finished stages: as itself when it survives a pickle round trip, else
-    as a QgateError with its type and message (never a serialization error that would lose the stages too)."""
-    from qgate.pipeline.runner import _portable
-
-    same = InputError("part-1.jsonl:7: bad record", hint="fix the writer")
-    assert _portable(same) is same
-    odd = _portable(_TwoArgs("CUDA out of memory", "layer 3"))
-    assert type(odd) is QgateError and str(odd) == "_TwoArgs: CUDA out of memory at layer 3"
-
-
-def _slow_or_bad(i: int, marks: str, returned: bool = False):
-    """Call 1 fails: raised, or `returned` as a result (as a variant chain returns its failure)."""
-    import pathlib
-    import time
-
-    if i == 1:
-        if returned:
-            return ("failed", i)
-        raise ValueError(f"bad partition {i}")
-    time.sleep(0.3)
-    (pathlib.Path(marks) / str(i)).write_text("done")
-    return i
-
-
-def test_a_failing_ray_task_raises_its_own_error_and_leaves_nothing_running(tmp_path):
-    """A task's exception reaches the caller as itself; tasks already submitted are waited for, not cancelled (a
-    cancel racing a finishing task aborted the whole driver in Ray 2.60), and later calls are never submitted."""
-    import sys
-    import time
-
-    ray_cloudpickle = pytest.importorskip("ray.cloudpickle")
-    from qgate.execute import map_ordered
-
-    ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
-    with pytest.raises(ValueError, match="bad partition 1"):
-        list(map_ordered(_slow_or_bad, [(i, str(tmp_path)) for i in range(40)], executor="ray"))
-    ran = sorted(p.name for p in tmp_path.iterdir())
-    time.sleep(1.0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ran  # nothing was left running behind the caller
-    assert "0" in ran and len(ran) < 20  # the window was awaited; later calls never ran
-    assert list(map_ordered(_slow_or_bad, [(0, str(tmp_path)), (2, str(tmp_path))], executor="ray")) == [
-        0,
-        2,
-    ]  # driver alive
-
-
-@pytest.mark.parametrize("executor", ["serial", "processes", "ray"])
-def test_a_result_that_stops_the_submitting_loses_none_of_the_work_in_flight(tmp_path, executor):
-    """stop_after: after a result it flags, no more calls are made, and the calls already running finish and are
-    yielded, in order: a variant fan-out records every chain that finished beside a failed one."""
-    import sys
-
-    from qgate.execute import map_ordered
-
-    if executor == "ray":
-        pytest.importorskip("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
-    got = list(
-        map_ordered(
-            _slow_or_bad,
-            [(i, str(tmp_path), True) for i in range(40)],
-            executor=executor,
-            stop_after=lambda r: isinstance(r, tuple),
-        )
-    )
-    assert got[:2] == [0, ("failed", 1)] and got[2:] == list(range(2, len(got))) and len(got) < 12
-    if executor == "serial":
-        assert len(got) == 2  # nothing else was running
-    else:
-        assert len(got) > 2  # the calls in flight were yielded, not dropped
-    assert sorted(int(p.name) for p in tmp_path.iterdir()) == [0] + got[2:]  # and no call beyond them ran
-
-
-_INTERRUPTED = """
-import os, signal, threading, time
-from qgate.execute import map_ordered
-threading.Timer(12, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-t = time.perf_counter()
-try:
-    list(map_ordered(time.sleep, [(120,), (120,)], "ray"))
-except KeyboardInterrupt:
-    print("INTERRUPTED after", round(time.perf_counter() - t))
-"""
-
-
-def test_ctrl_c_during_a_ray_fan_out_returns_at_once(tmp_path):
-    """A failed task makes the driver wait for the tasks in flight (their work is kept), but Ctrl-C does not: the
-    tasks end with the driver's job, and a user who stops a run of hour-long chains gets the prompt back now."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-c", _INTERRUPTED], capture_output=True, text=True, timeout=300, env=env)
-    took = re.search(r"INTERRUPTED after (\d+)", out.stdout)
-    assert took and int(took[1]) < 60, out.stdout + out.stderr[-3000:]  # the tasks sleep 120 s
-
-
-def _bad_input(i: int) -> int:
-    import os
-
-    if i == 2:
-        raise InputError(f"part-{i}.jsonl:7: bad record", hint="fix the writer")
-    if i == 9:
-        os._exit(1)  # a worker killed mid-call (the OOM killer, a segfault in a native library)
-    return i * i
-
-
-def test_the_processes_executor_keeps_order_raises_each_error_as_itself_and_places_no_gpus(tmp_path):
-    """Results in input order from worker processes; a worker's QgateError arrives with its hint; calls not yet
-    started after a failure never run; GPU resources, and variant fan-out (which needs them), are refused."""
-    from qgate.execute import map_ordered
-    from qgate.pipeline.runner import run_pipeline
-
-    assert list(map_ordered(_bad_input, [(i,) for i in (3, 0, 1)], executor="processes")) == [9, 0, 1]
-    with pytest.raises(InputError) as err:
-        list(map_ordered(_bad_input, [(i,) for i in range(5)], executor="processes"))
-    assert err.value.message == "part-2.jsonl:7: bad record" and err.value.hint == "fix the writer"
-    with pytest.raises(ValueError, match="bad partition 1"):
-        list(map_ordered(_slow_or_bad, [(i, str(tmp_path)) for i in range(40)], executor="processes"))
-    ran = sorted(p.name for p in tmp_path.iterdir())
-    assert "0" in ran and len(ran) < 10  # the window was awaited; later calls never ran
-    with pytest.raises(
-        QgateError, match="worker process of the processes executor died while running _bad_input"
-    ) as died:
-        list(map_ordered(_bad_input, [(i,) for i in (0, 9, 1)], executor="processes"))
-    assert "serial executor" in died.value.hint and 'if __name__ == "__main__":' in died.value.hint
-    with pytest.raises(ConfigError, match="cannot place num_gpus\n"):
-        list(map_ordered(_bad_input, [(1,)], executor="processes", resources={"num_gpus": 1}))
-    with pytest.raises(ConfigError, match="unknown executor 'processes'; choose one of serial, ray"):
-        run_pipeline(None, executor="processes")
 
 
 class _StreamedConcurrency:
@@ -883,6 +562,8 @@ class _StreamedConcurrency:
 _TIMES = st.one_of(
     st.none(), st.sampled_from([0.0, 0.5, 0.999, 1.0, 1.25, 2.0, 7.0]), st.floats(0, 20, allow_nan=False)
 )
+
+
 _LATENCIES = st.one_of(st.none(), st.sampled_from([0.0, 1.0, 500.0, 1000.0]), st.floats(0, 5000, allow_nan=False))
 
 
@@ -946,7 +627,7 @@ def test_a_local_file_a_ray_task_cannot_find_is_explained(tmp_path, monkeypatch)
     from qgate.calibrate.sources import explained
 
     logs = tmp_path / "logs"
-    _write_parts(logs, _records(300, seed=2), [100, 200])
+    write_parts(logs, make_records(300, seed=2), [100, 200])
     monkeypatch.chdir(tmp_path)
     parts = list_partitions("logs")
     assert all(Path(p.location).is_absolute() for p in parts) and [p.name for p in parts][0] == "part-000.jsonl"
@@ -971,66 +652,10 @@ def test_a_local_file_a_ray_task_cannot_find_is_explained(tmp_path, monkeypatch)
         list(explained(missing(), [gone], "ray"))
 
 
-_OTHER_CODE = """
-import sys
-import ray
-ray.init(runtime_env={"py_modules": [sys.argv[1]]}, include_dashboard=False, logging_level="ERROR")
-from qgate.errors import ConfigError
-from qgate.execute import map_ordered
-try:
-    print("RAN", list(map_ordered(sys.argv.append, [("ran on the worker",)], "ray")))
-except ConfigError as e:
-    print("REFUSED", e)
-"""
-
-
-def test_a_ray_worker_with_other_qgate_code_runs_nothing(tmp_path):
-    """Ray tasks run on whatever the cluster's nodes have installed: a worker whose qgate source (or a dependency's
-    version) is not the driver's refuses the call before running it, so a scan or a variant chain is never made by
-    code other than what the artifacts record. Here the workers import an edited copy of qgate (runtime_env), then a
-    copy that fails to import at all, which Ray reports in its own words: qgate names the node and the fix."""
-    import subprocess
-    import sys
-
-    import qgate
-
-    copy = tmp_path / "mods" / "qgate"
-    shutil.copytree(Path(qgate.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "calibrate" / "words.py").write_text(
-        (copy / "calibrate" / "words.py").read_text() + "\n# edited on the cluster\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run(
-        [sys.executable, "-c", _OTHER_CODE, str(copy)], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert "REFUSED a Ray worker on" in out.stdout, out.stdout + out.stderr[-3000:]
-    assert "qgate source" in out.stdout and "nothing was run there" in out.stdout and "RAN" not in out.stdout
-    (copy / "__init__.py").write_text('raise ImportError("no module named qgate.calibrate (a broken install)")\n')
-    out = subprocess.run(
-        [sys.executable, "-c", _OTHER_CODE, str(copy)], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert re.search(
-        r"REFUSED a Ray worker on [0-9a-f.:]+ could not import qgate's code \(ImportError: no module named "
-        r"qgate\.calibrate \(a broken install\)\); nothing was run there",
-        out.stdout,
-    ), out.stdout + out.stderr[-3000:]
-    from importlib.metadata import version
-
-    from qgate.execute import environment
-
-    here = environment()  # releases, not builds: this machine's torch is a +cpu build
-    assert (
-        "+" in version("torch")
-        and here["torch"] == version("torch").split("+")[0]
-        and here["pyarrow"] == version("pyarrow")
-    )
-
-
 def test_s3_keys_land_in_nothing_a_sampling_job_writes(tmp_path, s3, monkeypatch, capsys):
     """`qgate calibrate sample` from S3 with distinctive keys, one run that works (with a malformed record, so rejects
     are written) and one whose prefix is missing: neither the key id nor the secret appears in anything printed or in
     any file the job wrote."""
-    import os
 
     import boto3
 
@@ -1039,7 +664,7 @@ def test_s3_keys_land_in_nothing_a_sampling_job_writes(tmp_path, s3, monkeypatch
     key_id, secret = "AKIAQGATEDISTINCT77", "qgate/Distinct+Secret/Key-9931"
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
-    body = b"".join(r if r.endswith(b"\n") else r + b"\n" for r in _records(400, seed=5)) + b"{not json\n"
+    body = b"".join(r if r.endswith(b"\n") else r + b"\n" for r in make_records(400, seed=5)) + b"{not json\n"
     boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"]).put_object(
         Bucket=s3, Key="keys/part-000.jsonl", Body=body
     )

@@ -12,7 +12,7 @@ import pytest
 from qgate.cli.main import main
 from qgate.cli.output import ErrorDoc, GateDoc, PromoteDoc, RunDoc, json_schema
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_checked_in_schema_matches_the_models():

@@ -7,7 +7,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_scale import _records
+from traffic_gen import make_records
 
 from qgate.calibrate import batches, sample, sketches
 from qgate.calibrate.sample import SampleConfig, sample_traffic
@@ -22,7 +22,7 @@ def _log(tmp_path, fmt: str):
     rare route (one request in 200) whose sample is still filling while the others are full."""
     recs = [
         json.dumps(json.loads(r) | {"route": "rare"}).encode() if i % 200 == 7 else r
-        for i, r in enumerate(_records(6000, seed=5))
+        for i, r in enumerate(make_records(6000, seed=5))
     ]
     if fmt == "parquet":
         rows = [json.loads(r) for r in recs]
@@ -78,11 +78,11 @@ def test_a_partition_scanned_in_blocks_gives_the_one_pass_state(tmp_path, small_
     assert split["partitions"][0]["sha256"] == hashlib.sha256(part.open().read()).hexdigest()
 
 
-@pytest.mark.parametrize("engine", ["processes", "ray"])
+@pytest.mark.parametrize("executor", ["processes", "ray"])
 def test_a_file_too_big_for_its_share_of_the_workers_is_scanned_in_blocks_with_the_same_artifacts(
-    tmp_path, small_units, monkeypatch, engine
+    tmp_path, small_units, monkeypatch, executor
 ):
-    """`--engine processes` or `ray` on a big file and a small one: the big one is read here and its blocks scanned by
+    """`--executor processes` or `ray` on a big file and a small one: the big one is read here and its blocks scanned by
     the workers, the small one scanned whole by a worker, and the calibration, shadow and profile artifacts, the
     profile itself and the rejects equal a serial pass's; a scan cache filled that way gives them again."""
     # the small file is scanned in a worker process, which this test's smaller word sketches would not reach
@@ -90,7 +90,7 @@ def test_a_file_too_big_for_its_share_of_the_workers_is_scanned_in_blocks_with_t
     log = tmp_path / "logs"
     log.mkdir()
     _log(log, "jsonl")
-    (log / "z-small.jsonl").write_bytes(b"\n".join(_records(40, seed=9)) + b"\n")
+    (log / "z-small.jsonl").write_bytes(b"\n".join(make_records(40, seed=9)) + b"\n")
     cfg = SampleConfig(calib_size=12, shadow_size=6, seed=3)
     split_calls, whole = [], []
     monkeypatch.setattr(
@@ -100,12 +100,12 @@ def test_a_file_too_big_for_its_share_of_the_workers_is_scanned_in_blocks_with_t
     monkeypatch.setattr(
         sample,
         "map_ordered",
-        lambda fn, calls, engine: whole.append([c[0].name for c in calls]) or real_map(fn, calls, engine),
+        lambda fn, calls, executor: whole.append([c[0].name for c in calls]) or real_map(fn, calls, executor),
     )
     serial = sample_traffic(log, tmp_path / "serial", cfg)
     assert not split_calls and whole == [["traffic.jsonl.gz", "z-small.jsonl"]]
     whole.clear()
-    runs = {engine: sample_traffic(log, tmp_path / engine, cfg, engine=engine, scan_cache=tmp_path / "scans")}
+    runs = {executor: sample_traffic(log, tmp_path / executor, cfg, executor=executor, scan_cache=tmp_path / "scans")}
     assert split_calls == ["traffic.jsonl.gz"] and whole == [["z-small.jsonl"]]
     runs["from the cache"] = sample_traffic(log, tmp_path / "cached", cfg, scan_cache=tmp_path / "scans")
     assert split_calls == ["traffic.jsonl.gz"] and whole == [["z-small.jsonl"]]  # nothing scanned again
@@ -137,8 +137,8 @@ def _count(i: int) -> int:
     return i
 
 
-@pytest.mark.parametrize("engine", ["serial", "processes"])
-def test_calls_are_taken_as_they_are_submitted_not_all_at_once(engine):
+@pytest.mark.parametrize("executor", ["serial", "processes"])
+def test_calls_are_taken_as_they_are_submitted_not_all_at_once(executor):
     """A scan in blocks hands its blocks out as a stream: map_ordered takes each call when it submits it, a window
     ahead of the result awaited, so the stream is never held whole."""
     from qgate.execute import map_ordered, workers
@@ -150,8 +150,8 @@ def test_calls_are_taken_as_they_are_submitted_not_all_at_once(engine):
             taken.append(i)
             yield (i,)
 
-    results = map_ordered(_count, calls(), engine)
-    assert next(results) == 0 and len(taken) <= 2 * workers(engine) + 1
+    results = map_ordered(_count, calls(), executor)
+    assert next(results) == 0 and len(taken) <= 2 * workers(executor) + 1
     assert list(results) == list(range(1, 100)) and len(taken) == 100
 
 
@@ -179,7 +179,7 @@ def test_hostile_logs_scanned_in_blocks_equal_one_pass(tmp_path, monkeypatch):
     from backports import zstd
 
     monkeypatch.setattr(batches, "BLOCK_BYTES", 1 << 14)
-    recs = _records(800, seed=1)
+    recs = make_records(800, seed=1)
     body = b"\n".join(recs) + b"\n"
     logs = {
         "empty.jsonl": b"",

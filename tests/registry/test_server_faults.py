@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from faultproxy import KINDS, FaultProxy
 from servers import mlflow_server
+from specs import SHIFT, STRICT, W8, drift_spec
 
 from qgate.artifact import sha256_file
 from qgate.cli.main import main
@@ -169,14 +170,13 @@ def test_a_pipeline_and_a_drift_check_through_a_faulty_server_end_as_without_fau
     tags its verdict, once straight to the server and once through 20% faults: the same registry either way."""
     import tiny
     import yaml
-    from test_drift import SHIFT, STRICT, W8, _spec
 
     src = workdir / "tiny-src"
     if not src.exists():
         tiny.make_model(src)
     tiny.make_traffic(tmp_path / "traffic.jsonl", n=300, seed=0)
     tiny.make_traffic(tmp_path / "shifted.jsonl", n=300, seed=12, **SHIFT)
-    spec = _spec(tmp_path, src, [W8, W8 | {"name": "w8-again"}], STRICT)
+    spec = drift_spec(tmp_path, src, [W8, W8 | {"name": "w8-again"}], STRICT)
     doc = yaml.safe_load(spec.read_text())
 
     def job(uri: str, model: str) -> int:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 import tiny
+from specs import SHIFT, STRICT, W8, drift_spec, mlflow_client
 from test_crash import _content
-from test_drift import SHIFT, STRICT, W8, _client, _spec
 
 from qgate.artifact import Artifact
 
@@ -112,7 +112,7 @@ def _registry(root: Path) -> dict:
     and no run or logged model that no version uses."""
     if not (root / "mlflow" / "mlflow.db").exists():
         return {"versions": [], "aliases": {}}
-    c = _client(root)
+    c = mlflow_client(root)
     try:
         versions = c.search_model_versions(f"name = '{MODEL}'")
     except Exception:  # noqa: BLE001 - no registered model yet
@@ -135,7 +135,7 @@ def _registry(root: Path) -> dict:
 
 
 def _orphans(root: Path) -> int:
-    c = _client(root)
+    c = mlflow_client(root)
     exp = c.get_experiment_by_name("qgate")
     versions = c.search_model_versions(f"name = '{MODEL}'")
     runs = c.search_runs([exp.experiment_id], filter_string="tags.`qgate.gate_report_sha256` != ''")
@@ -243,7 +243,7 @@ def test_qgate_run_killed_at_points_through_stages_registration_and_promotion(tm
     def fresh(root: Path) -> None:
         root.mkdir(parents=True)
         tiny.make_traffic(root / "traffic.jsonl", n=300, seed=0)
-        _spec(root, src, [AWQ_ENGINE, W8], STRICT)
+        drift_spec(root, src, [AWQ_ENGINE, W8], STRICT)
 
     ref = tmp_path / "ref"
     fresh(ref)
@@ -262,7 +262,7 @@ def test_qgate_drift_run_killed_at_points_through_stages_registration_and_promot
     deployed.mkdir()
     tiny.make_traffic(deployed / "traffic.jsonl", n=300, seed=0)
     tiny.make_traffic(deployed / "shifted.jsonl", n=300, seed=12, **SHIFT)
-    _spec(deployed, src, [W8], STRICT, {"auto_promote": True})
+    drift_spec(deployed, src, [W8], STRICT, {"auto_promote": True})
     assert _job(["run", "spec.yaml"], deployed)["rc"] == 0
 
     def fresh(root: Path) -> None:

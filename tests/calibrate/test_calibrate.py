@@ -47,7 +47,7 @@ def test_splits_are_disjoint_sized_and_hashed(tmp_path):
     assert not text["calib"] & text["shadow"]
     for art in arts.values():
         Artifact.load(art.path).verify()
-    assert arts["calib"].parents[1] == arts["profile"].sha256
+    assert arts["calib"].parents[2] == arts["profile"].sha256
     assert "search" not in arts and not (tmp_path / "out" / "search").exists()
 
 
@@ -336,7 +336,7 @@ def test_pii_recall_and_precision_per_type_on_the_labeled_set():
 
     from qgate.calibrate.scrub_eval import demo_prompts, load_labeled, score
 
-    s = score(load_labeled(Path(__file__).parents[1] / "data/pii/labeled.jsonl"), demo_prompts())
+    s = score(load_labeled(Path(__file__).parents[2] / "data/pii/labeled.jsonl"), demo_prompts())
     assert s["rows"] >= 2000 and s["negative_rows"] >= 500
     for kind, v in s["types"].items():
         assert v["injected"] >= 300, kind
@@ -389,7 +389,7 @@ def test_scrub_prefilters_never_change_the_result():
 
     rows = [
         json.loads(line)["text"]
-        for line in (Path(__file__).parents[1] / "data/pii/labeled.jsonl").read_text().splitlines()
+        for line in (Path(__file__).parents[2] / "data/pii/labeled.jsonl").read_text().splitlines()
     ]
     rng = random.Random(7)
     texts = rows + ["Authorization: BeArEr " + "x" * 24, "-----BEGIN PRIVATE KEY-----\nabc\n-----END PRIVATE KEY-----"]

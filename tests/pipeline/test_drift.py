@@ -11,13 +11,11 @@ import time
 
 import pytest
 import tiny
-import yaml
+from specs import AWQ, LENIENT, SHIFT, STRICT, W8, drift_spec, mlflow_client, model_alias
 
 from qgate.calibrate.drift import DriftConfig, traffic_drift
 from qgate.calibrate.profile import TrafficProfiler, words
 from qgate.cli.main import main
-
-SHIFT = {"route_weights": (1, 8, 1), "tenants": ("t1", "t2"), "lengths": (30, 90)}  # code-heavy, long, a new tenant
 
 
 def _profile(path):
@@ -57,7 +55,7 @@ def test_real_demo_traffic_halves_do_not_alarm_and_the_shifted_demo_log_does(tmp
 
     from qgate.calibrate.sample import SampleConfig, sample_traffic
 
-    demo = Path(__file__).resolve().parents[1] / "data" / "demo"
+    demo = Path(__file__).resolve().parents[2] / "data" / "demo"
     cfg = SampleConfig(calib_size=8, shadow_size=8)
 
     def profile(lines_or_path, name):
@@ -104,32 +102,6 @@ def test_traffic_can_be_a_directory_of_partitions_or_a_glob(tmp_path):
     assert main(["calibrate", "sample", "--traffic", f"{tmp_path}/nothing/*.jsonl", "--out", str(tmp_path / "o3")]) == 1
 
 
-def _spec(tmp_path, src, variants, gates, drift=None, name="spec.yaml"):
-    spec = {
-        "version": 1,
-        "name": "tiny-drift",
-        "workdir": "work",
-        "model": {"hf_dir": str(src)},
-        "traffic": "traffic.jsonl",
-        "calibrate": {"calib_size": 24, "shadow_size": 48},
-        "quantize": {"max_seq_length": 48},
-        "variants": variants,
-        "gates": gates,
-        "registry": {"model_name": "tiny-llm", "store": "mlflow"},
-        "drift": drift or {},
-    }
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
-
-
-W8 = {"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}}
-AWQ = {"name": "awq", "scheme": "awq-w4a16", "options": {"group_size": 32}}
-SHADOW = {"max_new_tokens": 16, "max_prompt_tokens": 48, "kl_p99_max": None}
-STRICT = {"shadow": SHADOW | {"kl_mean_max": 0.005, "top1_agreement_min": 0.8}, "eval": None}  # w8 passes, awq fails
-LENIENT = {"shadow": SHADOW | {"kl_mean_max": 10.0, "top1_agreement_min": 0.0}, "eval": None}  # both pass
-
-
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory, workdir):
     """A store where production is w8, gated and calibrated on the original traffic; plus a snapshot to restore."""
@@ -140,7 +112,7 @@ def deployed(tmp_path_factory, workdir):
     tiny.make_traffic(root / "traffic.jsonl", n=300, seed=0)
     tiny.make_traffic(root / "same.jsonl", n=300, seed=11)  # the same traffic, sampled again
     tiny.make_traffic(root / "shifted.jsonl", n=300, seed=12, **SHIFT)
-    spec = _spec(root, src, [W8], STRICT, {"auto_promote": True})
+    spec = drift_spec(root, src, [W8], STRICT, {"auto_promote": True})
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     assert main(["run", str(spec)]) == 0
     snap = root.parent / (root.name + "-snapshot")
@@ -157,20 +129,9 @@ def fresh(deployed, tmp_path):
     return root, src
 
 
-def _client(root):
-    from mlflow import MlflowClient
-
-    uri = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
-    return MlflowClient(uri, uri)  # the registry URI too: MLflow's default is the process-wide one qgate last set
-
-
-def _alias(root, alias="production"):
-    return str(_client(root).get_model_version_by_alias("tiny-llm", alias).version)
-
-
 def test_registered_version_carries_its_calibration_profile_and_recipe(fresh):
     root, _ = fresh
-    tags = _client(root).get_model_version("tiny-llm", _alias(root)).tags
+    tags = mlflow_client(root).get_model_version("tiny-llm", model_alias(root)).tags
     assert json.loads(tags["qgate.recipe"]) == {
         "scheme": "gptq-w8a16",
         "options": {"group_size": 32},
@@ -213,7 +174,7 @@ def test_drift_check_exit_codes_reports_and_registry_tags(fresh, monkeypatch, ca
     cut = report["quality"]["scoring"]["prompts_cut"]
     assert cut > 0 and f"<b>Caveat</b>: {cut} of " in open(report_path).read()
     assert "were scored on their last 48 tokens" in open(report_path).read()
-    tags = _client(root).get_model_version("tiny-llm", _alias(root)).tags
+    tags = mlflow_client(root).get_model_version("tiny-llm", model_alias(root)).tags
     assert tags["qgate.drift.verdict"] == "drift" and tags["qgate.drift.report_artifact"].startswith("runs:/")
     assert main(["drift", "check", "--spec", spec, "--traffic", str(root / "missing.jsonl")]) == 1
     assert "traffic log not found" in capsys.readouterr().err
@@ -223,7 +184,7 @@ def test_a_drift_check_reads_the_recent_log_twice_and_every_engine_gives_one_rep
     fresh, monkeypatch, tmp_path, partition_opens
 ):
     """The job hashes the recent traffic once (its workdir and the calibrate stage's key) and scans it once: on object
-    storage every extra pass is a download of the whole log. `--engine processes` gives the serial check's report."""
+    storage every extra pass is a download of the whole log. `--executor processes` gives the serial check's report."""
     from collections import Counter
     from pathlib import Path
 
@@ -250,7 +211,7 @@ def test_a_drift_check_reads_the_recent_log_twice_and_every_engine_gives_one_rep
                 "--traffic",
                 str(twin / "shifted.jsonl"),
                 "--no-record",
-                "--engine",
+                "--executor",
                 "processes",
             ]
         )
@@ -293,20 +254,20 @@ def test_quality_drift_when_production_points_at_a_worse_version(fresh, monkeypa
     alone, no traffic drift. A drift run then finds no recalibrated variant that passes and leaves production alone."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     root, src = fresh
-    lenient = _spec(root, src, [AWQ], LENIENT, name="lenient.yaml")
+    lenient = drift_spec(root, src, [AWQ], LENIENT, name="lenient.yaml")
     assert main(["run", str(lenient)]) == 0
-    awq_version = _alias(root)
-    assert _client(root).get_model_version("tiny-llm", awq_version).tags["qgate.variant"] == "awq"
-    strict_awq = _spec(root, src, [AWQ], STRICT, {"auto_promote": True}, name="strict-awq.yaml")
+    awq_version = model_alias(root)
+    assert mlflow_client(root).get_model_version("tiny-llm", awq_version).tags["qgate.variant"] == "awq"
+    strict_awq = drift_spec(root, src, [AWQ], STRICT, {"auto_promote": True}, name="strict-awq.yaml")
     assert main(["drift", "check", "--spec", str(strict_awq), "--traffic", str(root / "same.jsonl")]) == 3
     err = capsys.readouterr().err
     assert "production's shadow gate is FAIL" in err and "route moved" not in err
-    n_before = len(_client(root).search_model_versions("name='tiny-llm'"))
+    n_before = len(mlflow_client(root).search_model_versions("name='tiny-llm'"))
     assert main(["drift", "run", "--spec", str(strict_awq), "--traffic", str(root / "same.jsonl")]) == 2
     assert "no recalibrated variant passed" in capsys.readouterr().err
-    assert _alias(root) == awq_version  # production left alone
+    assert model_alias(root) == awq_version  # production left alone
     assert (
-        len(_client(root).search_model_versions("name='tiny-llm'")) == n_before + 1
+        len(mlflow_client(root).search_model_versions("name='tiny-llm'")) == n_before + 1
     )  # awq recalibrated, registered, refused
 
 
@@ -314,31 +275,33 @@ def test_drift_run_recalibrates_promotes_and_a_rerun_does_nothing(fresh, monkeyp
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     root, _ = fresh
     spec = str(root / "spec.yaml")
-    old = _alias(root)
+    old = model_alias(root)
     assert main(["drift", "run", "--spec", spec, "--traffic", str(root / "shifted.jsonl")]) == 0
     out = capsys.readouterr().out
-    new = _alias(root)
-    assert new != old and _alias(root, "previous-production") == old and f"v{new} @production" in out
-    tags = _client(root).get_model_version("tiny-llm", new).tags
+    new = model_alias(root)
+    assert new != old and model_alias(root, "previous-production") == old and f"v{new} @production" in out
+    tags = mlflow_client(root).get_model_version("tiny-llm", new).tags
     shifted_profile = json.loads((next((root / "work/drift").glob("*/calib/profile/profile.json"))).read_text())
     assert (
         shifted_profile["routes"]["code-assist"] > 150
         and tags["qgate.profile_sha256"]
-        != _client(root).get_model_version("tiny-llm", old).tags["qgate.profile_sha256"]
+        != mlflow_client(root).get_model_version("tiny-llm", old).tags["qgate.profile_sha256"]
     )
-    n = len(_client(root).search_model_versions("name='tiny-llm'"))
+    n = len(mlflow_client(root).search_model_versions("name='tiny-llm'"))
     assert main(["drift", "run", "--spec", spec, "--traffic", str(root / "shifted.jsonl")]) == 0  # production now fits
-    assert "NO-DRIFT" in capsys.readouterr().err and len(_client(root).search_model_versions("name='tiny-llm'")) == n
+    assert (
+        "NO-DRIFT" in capsys.readouterr().err and len(mlflow_client(root).search_model_versions("name='tiny-llm'")) == n
+    )
 
 
 def test_drift_run_without_auto_promote_registers_and_exits_3(fresh, monkeypatch, capsys):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     root, src = fresh
-    spec = _spec(root, src, [W8], STRICT, {"auto_promote": False}, name="manual.yaml")
-    old = _alias(root)
+    spec = drift_spec(root, src, [W8], STRICT, {"auto_promote": False}, name="manual.yaml")
+    old = model_alias(root)
     assert main(["drift", "run", "--spec", str(spec), "--traffic", str(root / "shifted.jsonl")]) == 3
     out = capsys.readouterr().out
-    assert "awaits promotion" in out and _alias(root) == old
+    assert "awaits promotion" in out and model_alias(root) == old
 
 
 class Killed(BaseException):
@@ -354,7 +317,7 @@ def test_drift_run_killed_at_each_step_reruns_without_duplicates(fresh, monkeypa
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     root, _ = fresh
     spec = str(root / "spec.yaml")
-    old = _alias(root)
+    old = model_alias(root)
 
     def after(mod, name, when=lambda *a, **k: True):
         real = getattr(mod, name)
@@ -393,9 +356,9 @@ def test_drift_run_killed_at_each_step_reruns_without_duplicates(fresh, monkeypa
     monkeypatch.undo()
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert main(["drift", "run", "--spec", spec, "--traffic", str(root / "shifted.jsonl")]) == 0
-    versions = _client(root).search_model_versions("name='tiny-llm'")
+    versions = mlflow_client(root).search_model_versions("name='tiny-llm'")
     assert len(versions) == 2, [v.version for v in versions]  # the deployed w8 and one recalibrated w8
-    assert _alias(root) != old and _alias(root, "previous-production") == old
+    assert model_alias(root) != old and model_alias(root, "previous-production") == old
     assert not list((root / "mlflow" / "locks").glob("*.owner.json"))  # the lock's owner record is cleaned up
 
 
@@ -447,10 +410,10 @@ def test_drift_policy_keys_are_strict(fresh):
     from qgate.pipeline.spec import load_spec
 
     root, src = fresh
-    bad = _spec(root, src, [W8], STRICT, {"max_js_rout": 0.1}, name="bad.yaml")
+    bad = drift_spec(root, src, [W8], STRICT, {"max_js_rout": 0.1}, name="bad.yaml")
     with pytest.raises(ConfigError, match=r"drift.max_js_rout: unknown key; did you mean 'max_js_route'"):
         load_spec(bad)
-    bad = _spec(root, src, [W8], STRICT, {"max_js_route": 2}, name="bad2.yaml")
+    bad = drift_spec(root, src, [W8], STRICT, {"max_js_route": 2}, name="bad2.yaml")
     with pytest.raises(ConfigError, match=r"drift: max_js_route must be in \(0, 1\]"):
         load_spec(bad)
 

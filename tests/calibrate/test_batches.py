@@ -37,7 +37,7 @@ FUZZ = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 _text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 _role = st.sampled_from(["system", "user", "assistant", "tool", "developer", "user"])

@@ -4,64 +4,19 @@ import subprocess
 import sys
 
 import pytest
-import tiny
 import yaml
+from specs import pipeline_spec
 
 from qgate.cli.main import main
 from qgate.errors import ConfigError
 from qgate.pipeline.spec import load_spec
 
 
-def _spec(tmp_path, workdir, **over):
-    src = workdir / "tiny-src"
-    if not src.exists():
-        tiny.make_model(src)
-    tiny.make_traffic(tmp_path / "traffic.jsonl", n=240, bad_lines={5: "{oops"})
-    spec = {
-        "version": 1,
-        "name": "tiny",
-        "workdir": "work",
-        "model": {"hf_dir": str(src)},
-        "traffic": "traffic.jsonl",
-        "calibrate": {"calib_size": 24, "shadow_size": 48},  # 48 prompts x 16 answer tokens: enough to bound p99
-        "quantize": {"max_seq_length": 48},
-        "variants": [
-            {
-                "name": "awq-cpu",
-                "scheme": "awq-w4a16",
-                "options": {"group_size": 32},
-                "engine": {"backend": "cpu", "options": {"accuracy_level": 1}},
-            },
-            {"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}},
-        ],
-        "gates": {
-            "shadow": {
-                "max_new_tokens": 16,
-                "max_prompt_tokens": 48,
-                "kl_p99_max": None,
-                "kl_mean_max": 0.005,
-                "top1_agreement_min": 0.8,
-            },
-            "eval": {
-                "tasks": ["bigbench_general_knowledge", "chatterbot_ppl"],
-                "limit": 69,
-                "min_recovery": 0.5,
-                "max_bpb_increase": 0.2,
-            },
-        },
-        "registry": {"model_name": "tiny-llm", "store": "mlflow"},
-    }
-    spec.update(over)
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
-
-
 def test_pipeline_end_to_end_promotes_the_passing_variant_and_skips_on_rerun(tmp_path, workdir, monkeypatch, capsys):
     from mlflow import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    spec = _spec(tmp_path, workdir)
+    spec = pipeline_spec(tmp_path, workdir)
     doc = yaml.safe_load(spec.read_text())
     doc["gates"]["stop_on_fail"] = True  # awq-cpu fails on shadow: its long-context and eval passes are skipped
     spec.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -100,7 +55,7 @@ def test_pipeline_end_to_end_promotes_the_passing_variant_and_skips_on_rerun(tmp
 
 def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    spec = _spec(
+    spec = pipeline_spec(
         tmp_path,
         workdir,
         variants=[{"name": "w4", "scheme": "gptq-w4a16", "options": {"group_size": 32}}],
@@ -160,7 +115,7 @@ def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch
     ],
 )
 def test_strict_spec_errors_name_file_key_path_and_suggestion(tmp_path, workdir, patch, message):
-    path = _spec(tmp_path, workdir, **patch)
+    path = pipeline_spec(tmp_path, workdir, **patch)
     if "registy" in patch:
         data = yaml.safe_load(path.read_text())
         del data["registry"]
@@ -173,7 +128,7 @@ def test_strict_spec_errors_name_file_key_path_and_suggestion(tmp_path, workdir,
 
 
 def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
-    bad = _spec(tmp_path, workdir, surprise=1)
+    bad = pipeline_spec(tmp_path, workdir, surprise=1)
     capsys.readouterr()  # the tiny model's making, when this test runs first
     assert main(["run", str(bad)]) == 1
     err = capsys.readouterr().err
@@ -188,12 +143,12 @@ def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
     (tmp_path / "bad.jsonl").write_text(
         "\n".join([json.dumps({"prompt": f"p {i}"}) for i in range(10)] + ["{oops"] * 11)
     )
-    assert main(["run", str(_spec(tmp_path, workdir, traffic="missing.jsonl"))]) == 1
+    assert main(["run", str(pipeline_spec(tmp_path, workdir, traffic="missing.jsonl"))]) == 1
     err = capsys.readouterr().err
     assert (
         f"{tmp_path / 'missing.jsonl'}: traffic log not found" in err and "> model" not in err
     )  # before the model stage
-    assert main(["run", str(_spec(tmp_path, workdir, traffic="bad.jsonl"))]) == 1  # the calibrate stage fails
+    assert main(["run", str(pipeline_spec(tmp_path, workdir, traffic="bad.jsonl"))]) == 1  # the calibrate stage fails
     err = capsys.readouterr().err
     kept = tmp_path / "work" / "calib.rejects.jsonl"
     assert "bad.jsonl: 11 of 21 records are malformed (52%" in err and f"reason: {kept}\n" in err, err
@@ -201,7 +156,7 @@ def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
 
 
 def test_gate_cli_exit_code_2_on_failure(base_art, awq_art, calib_arts, tmp_path, capsys):
-    spec = _spec(
+    spec = pipeline_spec(
         tmp_path,
         base_art.path.parent,
         gates={"shadow": {"max_new_tokens": 4, "max_prompt_tokens": 32, "kl_p99_max": 1e-4}, "eval": None},
@@ -233,7 +188,7 @@ def test_inconclusive_check_blocks_or_warns(base_art, awq_art, calib_arts, tmp_p
     """A threshold 5% above the observed value, well inside its CI: the check is INCONCLUSIVE."""
 
     def gate(shadow, **gates):
-        spec = _spec(
+        spec = pipeline_spec(
             tmp_path,
             base_art.path.parent,
             gates={
@@ -310,7 +265,7 @@ def test_pipeline_progress_counts_each_stage_once(tmp_path, workdir, monkeypatch
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setattr(progress, "StageBar", Bar)
-    spec = _spec(tmp_path, workdir)
+    spec = pipeline_spec(tmp_path, workdir)
     assert main(["run", str(spec)]) == 0
     (bar,) = bars
     assert bar.steps == [1] * bar.total and bar.total == 2 + 3 * 2 + 1
@@ -331,7 +286,7 @@ def test_a_second_job_on_the_same_workdir_exits_at_once_naming_the_holder(tmp_pa
     import time
 
     monkeypatch.chdir(tmp_path)
-    spec = _spec(tmp_path, workdir)
+    spec = pipeline_spec(tmp_path, workdir)
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD_WORKDIR, str(tmp_path / "work")], stdout=subprocess.PIPE, text=True
     )
