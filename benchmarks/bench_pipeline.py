@@ -2,9 +2,9 @@
 
     .venv/bin/python benchmarks/bench_pipeline.py                     # the whole demo spec, the search included
     .venv/bin/python benchmarks/bench_pipeline.py --variants awq-w4a16-cpu,gptq-w8a16
-    .venv/bin/python benchmarks/bench_pipeline.py --variants awq-w4a16-cpu,gptq-w8a16 --parallel serial,ray
+    .venv/bin/python benchmarks/bench_pipeline.py --variants awq-w4a16-cpu,gptq-w8a16 --executor serial,ray
 
-With --parallel serial,ray the cold run is repeated in a fresh workdir and store per mode (`qgate run --parallel MODE`),
+With --executor serial,ray the cold run is repeated in a fresh workdir and store per mode (`qgate run --executor MODE`),
 and the Ray fan-out's wall time is printed as a ratio to the serial run's, with the core count and both runs' verdicts.
 
 Runs `qgate run` as the README does (a subprocess, no TTY) in a scratch directory; nothing under .qgate/ is touched.
@@ -27,11 +27,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(spec: Path, workdir: Path, parallel: str = "serial") -> tuple[float, dict]:
+def run(spec: Path, workdir: Path, executor: str = "serial") -> tuple[float, dict]:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     t = time.perf_counter()
     p = subprocess.run(
-        [str(Path(sys.executable).parent / "qgate"), "run", str(spec), "--parallel", parallel],
+        [str(Path(sys.executable).parent / "qgate"), "run", str(spec), "--executor", executor],
         capture_output=True,
         text=True,
         env=env,
@@ -48,14 +48,14 @@ def main() -> None:
     ap.add_argument("--spec", type=Path, default=ROOT / "pipelines/promote.yaml")
     ap.add_argument("--variants", help="comma-separated subset of the spec's variants")
     ap.add_argument(
-        "--parallel",
+        "--executor",
         default="serial",
         help="comma-separated modes to compare, e.g. serial,ray (the first is the reference)",
     )
     args = ap.parse_args()
     import torch
 
-    modes = args.parallel.split(",")
+    modes = args.executor.split(",")
     others = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -106,7 +106,7 @@ def main() -> None:
             (v["variant"], v["verdict"]) for v in cold["variants"]
         ]
         print(
-            f"cold wall --parallel {mode} / --parallel {modes[0]} ({os.cpu_count()} cores, {len(cold['variants'])} variants): "
+            f"cold wall --executor {mode} / --executor {modes[0]} ({os.cpu_count()} cores, {len(cold['variants'])} variants): "
             f"{wall / cold_wall:.3f}x ({wall:.0f} s / {cold_wall:.0f} s); same verdicts: {same}; "
             f"promoted {(summary.get('promoted') or {}).get('variant')} vs {(cold.get('promoted') or {}).get('variant')}"
         )

@@ -17,11 +17,11 @@ Every measurement runs in a child process of its own, so each peak RSS is its ow
    record checks: `read_batches` on one thread, nothing sampled), as the same ratio: the ceiling of the sampler's
    throughput while its parser is this one.
 2. Peak RSS of the serial sampler per size, as a ratio to the smallest size. Goal: flat within 10% beyond 100k.
-3. `--engine processes` (one spawned worker per core) and `--engine ray` (local Ray, one task per partition, Ray's
+3. `--executor processes` (one spawned worker per core) and `--executor ray` (local Ray, one task per partition, Ray's
    start-up included) against serial on one size, with the core count; all must give the same calibration set.
    On the same size, a scan cache filled by one run and reused by the next (every partition unchanged), and the
    traffic hash a pipeline's calibrate stage is keyed by, from that cache against reading every partition. And the
-   same records as one file, which the processes and Ray engines scan in blocks (fewer files than workers).
+   same records as one file, which the processes and Ray executors scan in blocks (fewer files than workers).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def child(mode: str, where: str, out: str) -> None:
     else:
         from qgate.calibrate.sample import SampleConfig, sample_traffic
 
-        arts = sample_traffic(where, Path(out), SampleConfig(calib_size=256, shadow_size=64), engine=mode)
+        arts = sample_traffic(where, Path(out), SampleConfig(calib_size=256, shadow_size=64), executor=mode)
         result = {
             "records": arts["calib"].meta["stats"]["records"],
             "calib_sha256": arts["calib"].sha256,
@@ -278,7 +278,7 @@ def main() -> None:
                 f"the sampling adds {serial[n]['seconds'] - parse['seconds']:.1f} s on the main thread beside the reading thread"
             )
             print(
-                f"     {n:>9,} records, --engine processes ({cores} workers): {raw[n]['seconds'] / procs['seconds']:.2f}x"
+                f"     {n:>9,} records, --executor processes ({cores} workers): {raw[n]['seconds'] / procs['seconds']:.2f}x"
             )
             print(
                 f"     {n:>9,} records, every partition's scan reused from --scan-cache: {raw[n]['seconds'] / cached['warm']:.2f}x "
@@ -310,7 +310,7 @@ def main() -> None:
                 f"could go at most {n / drv:,.0f} records/s, {raw[n]['seconds'] / drv:.2f}x the orjson parse (a bound from "
                 f"this CPU time, not a measured rate: {cores} cores here)"
             )
-        print("   variant fan-out on Ray vs serial: benchmarks/bench_pipeline.py --parallel serial,ray")
+        print("   variant fan-out on Ray vs serial: benchmarks/bench_pipeline.py --executor serial,ray")
 
 
 if __name__ == "__main__":

@@ -27,3 +27,23 @@ def test_ruff_lint_is_clean():
 def test_ruff_format_is_clean():
     p = subprocess.run([_ruff(), "format", "--check", *TREES], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, "run `ruff format`: " + p.stdout[-4000:] + p.stderr[-2000:]
+
+
+def test_the_spec_reference_is_generated_from_the_configs():
+    """docs/spec.md lists every spec key with the default the code uses: regenerated, it must not change."""
+    p = subprocess.run(
+        [sys.executable, "scripts/spec_reference.py", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert p.returncode == 0, p.stderr
+
+
+def test_docs_link_only_to_files_that_exist():
+    """Every relative link in README.md and docs/*.md names a file of this checkout."""
+    import re
+
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken

@@ -31,14 +31,14 @@ class DriftConfig:
     """`drift:` in the pipeline spec."""
 
     max_js_length: float = 0.05  # bits; per facet: above this (and above sampling noise) is drift
-    max_js_route: float = 0.05
-    max_js_tenant: float = 0.05
+    max_js_route: float = 0.05  # bits, for the route mix
+    max_js_tenant: float = 0.05  # bits, for the tenant mix
     max_js_vocabulary: float = 0.1  # word mixes of two samples differ more: thousands of categories
     quality: bool = True  # re-gate production on a fresh shadow sample of the recent traffic
     auto_promote: bool = False  # drift run: promote the best passing recalibrated variant
     alias: str = "production"  # the version the job watches
-    noise_draws: int = 200
-    seed: int = 0
+    noise_draws: int = 200  # resamples that estimate each facet's sampling noise
+    seed: int = 0  # of those resamples
     VERSION = 1
 
     def __post_init__(self):

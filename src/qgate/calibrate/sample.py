@@ -48,10 +48,10 @@ def load_sampled(out: Path) -> dict[str, Artifact]:
 
 @dataclass(frozen=True)
 class SampleConfig:
-    calib_size: int = 256
-    shadow_size: int = 64
+    calib_size: int = 256  # prompts in the calibration set quantization runs on
+    shadow_size: int = 64  # held-out prompts the gates score on, disjoint from the calibration set
     search_size: int = 0  # a third held-out split, disjoint from both: where `qgate search` chooses its point
-    seed: int = 0
+    seed: int = 0  # of the sample's priorities: the same seed and traffic give the same sets
     min_words: int = 1  # prompts shorter than this are dropped (not rejected)
     max_reject_fraction: float = 0.5  # above this the log is probably not what you meant
     max_line_bytes: int = MAX_LINE_BYTES  # a longer JSONL line is rejected without being read into memory

@@ -58,7 +58,7 @@ DEFAULT_TASKS = (
 
 @dataclass(frozen=True)
 class EvalConfig:
-    tasks: tuple[str, ...] = DEFAULT_TASKS
+    tasks: tuple[str, ...] = DEFAULT_TASKS  # gates/tasks/*.yaml by name
     limit: int | None = None  # items per task; None: all
     min_recovery: float | None = 0.9  # candidate acc / baseline acc: PASS needs the 95% CI above it
     max_bpb_increase: float | None = 0.05  # perplexity tasks: relative increase: PASS needs the 95% CI below it

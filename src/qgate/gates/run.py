@@ -45,11 +45,11 @@ class ParityConfig:
     """Engine candidates: the engine vs its own checkpoint on the reference path, on the gated shadow positions.
     Tells a kernel or runtime bug from quantization loss. Report-only unless a threshold is set."""
 
-    enabled: bool = True
-    kl_mean_max: float | None = None
-    kl_p99_max: float | None = None
-    kl_p999_max: float | None = None
-    top1_agreement_min: float | None = None
+    enabled: bool = True  # score an engine against its own checkpoint
+    kl_mean_max: float | None = None  # as gates.shadow's, engine vs checkpoint; None: reported only
+    kl_p99_max: float | None = None  # as gates.shadow's, engine vs checkpoint
+    kl_p999_max: float | None = None  # as gates.shadow's, engine vs checkpoint
+    top1_agreement_min: float | None = None  # as gates.shadow's, engine vs checkpoint
     VERSION = 1
 
 
@@ -61,9 +61,7 @@ class GateConfig:
     long_context: LongContextConfig | None = field(default_factory=LongContextConfig)  # None: not probed
     perf: PerfConfig = field(default_factory=PerfConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
-    on_inconclusive: OnInconclusive = (
-        "block"  # "block": an inconclusive check blocks promotion; "warn": it passes, warned
-    )
+    on_inconclusive: OnInconclusive = "block"  # block: an inconclusive check blocks promotion; warn: it passes
     score_anyway: bool = False  # score a candidate whose serving contract failed (its verdict is FAIL regardless)
     stop_on_fail: bool = False  # after a decided FAIL on shadow, parity or perf, skip long context and eval
     device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N

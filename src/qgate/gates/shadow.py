@@ -72,15 +72,15 @@ GREEDY_BATCH_TOKENS = 6144  # padded prompt + answer tokens per decode batch (wi
 
 @dataclass(frozen=True)
 class ShadowConfig:
-    max_prompt_tokens: int = 384
-    max_new_tokens: int = 48
+    max_prompt_tokens: int = 384  # a longer prompt is scored on its last this many tokens, with a caveat
+    max_new_tokens: int = 48  # tokens of the baseline's greedy answer to each prompt
     top_k: int = 1024  # baseline log-probs kept per position; KL is exact up to the tail mass left out
-    max_prompts: int | None = None
-    kl_mean_max: float | None = None
-    kl_p99_max: float | None = 0.5
-    kl_p999_max: float | None = None
-    top1_agreement_min: float | None = 0.9
-    identical_generation_min: float | None = None
+    max_prompts: int | None = None  # the first this many shadow prompts; None: all of them
+    kl_mean_max: float | None = None  # per-token KL(baseline / candidate), mean; None: reported, not gated
+    kl_p99_max: float | None = 0.5  # its 99th percentile, with a clustered order-statistic CI
+    kl_p999_max: float | None = None  # its 99.9th percentile (needs ~10x the positions p99 needs)
+    top1_agreement_min: float | None = 0.9  # share of positions where both models' argmax agree
+    identical_generation_min: float | None = None  # share of prompts whose greedy answers are identical
     positions: str = "answer"  # which positions the gated checks score: "answer" or "answer+prompt"
     VERSION = 3  # of how the checks are computed; what changed in each is in git
 

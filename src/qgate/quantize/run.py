@@ -23,7 +23,7 @@ from qgate.quantize.schemes import FallbackConfig, KVCacheConfig, weight_format
 
 @dataclass(frozen=True)
 class CalibOptions:
-    max_seq_length: int = 512
+    max_seq_length: int = 512  # calibration sequences are cut to this many tokens
     max_samples: int | None = None  # None: every calibration record
     seed: int = 0  # llm-compressor shuffles calibration samples with torch's global RNG: seeded here,
     # so the same inputs give byte-identical checkpoints (a killed run re-made exactly)

@@ -21,9 +21,7 @@ from qgate.errors import ConfigError
 class SearchConfig:
     fallback_bits: int = 8  # 8: fallen-back layers become W8A16; 16: they stay unquantized
     max_steps: int = 6  # gate runs (each: a real quantization and the shadow gate)
-    max_bits_per_weight: float | None = (
-        None  # size budget over the quantized layers; None: up to every layer fallen back
-    )
+    max_bits_per_weight: float | None = None  # size budget over the quantized layers; None: up to every layer
     samples: int = 32  # calibration sequences for the sensitivity pass
     start_share: float = 0.5  # first point: the fewest layers holding this share of the estimated KL
     VERSION: ClassVar[int] = 1
