@@ -116,7 +116,7 @@ def bench_decode(arts: dict, cache: Path, prompts: int, new: int) -> dict:
     from bench_cpu_decode import hf_decode, ort_decode
 
     from qgate.engines.cpu import CpuEngineConfig, build_cpu
-    from qgate.gates.run import GateConfig, shadow_check
+    from qgate.gates.gating import GateConfig, shadow_check
 
     ps = _prompts(arts, prompts)
     res = {

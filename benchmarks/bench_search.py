@@ -30,11 +30,11 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from qgate.gates.run import baseline_floor, shadow_check
+    from qgate.gates.gating import baseline_floor, shadow_check
     from qgate.pipeline.ledger import Ledger
     from qgate.pipeline.spec import load_spec, search_config
     from qgate.pipeline.stages import calibrate_stage, model_stage
-    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.compress import CalibOptions, quantize
     from qgate.quantize.schemes import FallbackConfig, scheme_config
     from qgate.quantize.smoothing import cached_smoothing
     from qgate.search.plan import fallback_order

@@ -363,9 +363,9 @@ def main() -> int:
     from qgate.engines.build import build_engine
     from qgate.engines.runners import load_runner
     from qgate.engines.static_runner import StaticRunner
-    from qgate.gates.run import run_gates
+    from qgate.gates.gating import run_gates
     from qgate.pipeline.spec import load_spec
-    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.compress import CalibOptions, quantize
     from qgate.quantize.schemes import scheme_config
 
     device = resolve_device("auto")

@@ -54,7 +54,7 @@ def main() -> None:
     from qgate.engines.runners import TorchRunner
     from qgate.gates.longctx import LongContextConfig, baseline_long_reference, long_context_gate
     from qgate.models import ModelSource, import_model
-    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.compress import CalibOptions, quantize
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
     ap = argparse.ArgumentParser()

@@ -92,24 +92,24 @@ def _table(cls, skip: tuple[str, ...] = ()) -> str:
 
 
 def render() -> str:
-    from qgate.calibrate.drift import DriftConfig
     from qgate.calibrate.sample import SampleConfig
+    from qgate.calibrate.traffic_drift import DriftConfig
     from qgate.engines.build import BACKENDS, backend
     from qgate.gates.contract import ContractConfig
     from qgate.gates.evalgate import EvalConfig
+    from qgate.gates.gating import GateConfig, ParityConfig, PerfConfig
     from qgate.gates.longctx import LongContextConfig
-    from qgate.gates.run import GateConfig, ParityConfig, PerfConfig
     from qgate.gates.shadow import ShadowConfig
-    from qgate.quantize.run import CalibOptions
+    from qgate.quantize.compress import CalibOptions
     from qgate.search.plan import SearchConfig
 
     sections = [
         ("`calibrate:`", "calibrate/sample.py", SampleConfig, ()),
-        ("`quantize:`", "quantize/run.py", CalibOptions, ()),
+        ("`quantize:`", "quantize/compress.py", CalibOptions, ()),
         ("`variants[].search:`", "search/plan.py", SearchConfig, ()),
         (
             "`gates:`",
-            "gates/run.py; each sub-section below is its gate's own config",
+            "gates/gating.py; each sub-section below is its gate's own config",
             GateConfig,
             ("contract", "shadow", "eval", "long_context", "perf", "parity"),
         ),
@@ -117,9 +117,9 @@ def render() -> str:
         ("`gates.contract:`", "gates/contract.py", ContractConfig, ()),
         ("`gates.eval:` (null: no eval gate)", "gates/evalgate.py", EvalConfig, ()),
         ("`gates.long_context:` (null: not probed)", "gates/longctx.py", LongContextConfig, ()),
-        ("`gates.parity:`", "gates/run.py", ParityConfig, ()),
-        ("`gates.perf:`", "gates/run.py", PerfConfig, ()),
-        ("`drift:`", "calibrate/drift.py", DriftConfig, ()),
+        ("`gates.parity:`", "gates/gating.py", ParityConfig, ()),
+        ("`gates.perf:`", "gates/gating.py", PerfConfig, ()),
+        ("`drift:`", "calibrate/traffic_drift.py", DriftConfig, ()),
     ]
     parts = [HEAD]
     parts.append(

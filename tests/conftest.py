@@ -36,7 +36,7 @@ def calib_arts(workdir):
 
 @pytest.fixture(scope="session")
 def awq_art(workdir, base_art, calib_arts):
-    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.compress import CalibOptions, quantize
     from qgate.quantize.schemes import scheme_config
 
     return quantize(
@@ -50,7 +50,7 @@ def awq_art(workdir, base_art, calib_arts):
 
 @pytest.fixture(scope="session")
 def w8_art(workdir, base_art, calib_arts):
-    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.compress import CalibOptions, quantize
     from qgate.quantize.schemes import scheme_config
 
     return quantize(
@@ -66,7 +66,7 @@ def w8_art(workdir, base_art, calib_arts):
 def gated(base_art, w8_art, awq_art, calib_arts, workdir):
     """w8 passes lenient thresholds; awq fails an impossible KL threshold."""
     from qgate.gates.evalgate import EvalConfig
-    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.gating import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig
 
     lenient = GateConfig(

@@ -109,7 +109,7 @@ def test_the_processes_executor_keeps_order_raises_each_error_as_itself_and_plac
     """Results in input order from worker processes; a worker's QgateError arrives with its hint; calls not yet
     started after a failure never run; GPU resources, and variant fan-out (which needs them), are refused."""
     from qgate.execute import map_ordered
-    from qgate.pipeline.runner import run_pipeline
+    from qgate.pipeline.jobs import run_pipeline
 
     assert list(map_ordered(_bad_input, [(i,) for i in (3, 0, 1)], executor="processes")) == [9, 0, 1]
     with pytest.raises(InputError) as err:

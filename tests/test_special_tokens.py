@@ -80,7 +80,7 @@ def test_a_converted_checkpoint_is_fixed_from_its_source_metadata(src, tmp_path)
 
 def test_a_gate_refuses_a_baseline_whose_files_disagree(base_art, w8_art, calib_arts, tmp_path):
     from qgate.artifact import Artifact
-    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.gating import GateConfig, run_gates
 
     d = tmp_path / "old-base"
     shutil.copytree(base_art.path, d, ignore=shutil.ignore_patterns("qgate-artifact.json"))

@@ -179,7 +179,7 @@ def test_a_checkpoint_without_a_loadable_tokenizer_is_refused_by_name(tmp_path, 
     """Without tokenizer.json the tiny model's tokenizer cannot be built, and the gate said 'internal error:
     ValueError'. Import refuses such a directory before copying anything, and the gate names the candidate."""
     from qgate.artifact import Artifact
-    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.gating import GateConfig, run_gates
     from qgate.trust import load_tokenizer
 
     d = tmp_path / "cand"

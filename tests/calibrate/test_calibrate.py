@@ -6,9 +6,9 @@ import pytest
 import tiny
 
 from qgate.artifact import Artifact
-from qgate.calibrate.drift import DriftConfig, traffic_drift
 from qgate.calibrate.sample import SampleConfig, sample_traffic
 from qgate.calibrate.scrub import scrub
+from qgate.calibrate.traffic_drift import DriftConfig, traffic_drift
 from qgate.errors import ConfigError, InputError
 
 BAD = {

@@ -90,7 +90,7 @@ def test_json_error_document_for_a_usage_of_missing_files(tmp_path, capsys):
 
 @pytest.fixture
 def two_versions(base_art, w8_art, calib_arts, tmp_path, monkeypatch):
-    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.gating import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig
     from qgate.registry.mlflow_store import promote, register
 

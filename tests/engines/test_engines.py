@@ -136,7 +136,7 @@ def test_trtllm_bundle_written_then_unavailable_without_cuda(awq_art, calib_arts
 
 
 def test_trtllm_rejects_int8_kv(base_art, calib_arts, tmp_path):
-    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.compress import CalibOptions, quantize
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
     ck = quantize(
@@ -163,7 +163,7 @@ def test_trtllm_bundle_verifies_on_cuda(awq_art, calib_arts, tmp_path):
 def test_engine_parity_separates_runtime_from_quantization(base_art, awq_art, cpu_exact, calib_arts, workdir):
     """Engine vs its own checkpoint (runtime error) is reported beside checkpoint vs baseline (quantization loss)."""
     from qgate.gates.contract import ContractConfig, contract_gate
-    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.gating import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig, load_shadow
 
     cfg = GateConfig(

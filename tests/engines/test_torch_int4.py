@@ -210,7 +210,7 @@ def test_bf16_engine_stays_close_and_mixed_or_unquantized_checkpoints_serve(awq_
 
 def test_engine_refuses_quantized_kv_and_other_architectures(base_art, calib_arts, tmp_path):
     from qgate.artifact import Artifact
-    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.compress import CalibOptions, quantize
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
     kv = quantize(
@@ -273,7 +273,7 @@ def test_gate_scores_the_engine_and_separates_runtime_from_quantization(
     baseline is freed before the checkpoint loads, and the checkpoint before the engine: one model at a time."""
     import qgate.device
     import qgate.engines.runners as runners
-    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.gating import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig
 
     events = []
@@ -312,7 +312,7 @@ def test_gate_scores_the_engine_and_separates_runtime_from_quantization(
 
 def test_devices_are_checked_before_anything_loads(monkeypatch):
     from qgate.device import compute_dtype, resolve_device
-    from qgate.gates.run import GateConfig
+    from qgate.gates.gating import GateConfig
 
     with pytest.raises(ConfigError, match="cuda:N"):
         GateConfig(device="gpu0")
@@ -385,7 +385,7 @@ def test_gate_runs_on_cuda(awq_art, base_art, calib_arts, workdir):
     with its graphs, and parity with its own checkpoint within the issue's 0.01 KL p99."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.gating import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig
 
     eng = build_engine(awq_art, "torch-int4", workdir / "int4-gate-cuda", calib_arts["profile"])
@@ -411,7 +411,7 @@ def test_gate_runs_in_bfloat16_on_the_cpu(w8_art, base_art, calib_arts, workdir,
     import logging
 
     import qgate.device as device
-    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.gating import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig
 
     shadow = ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=0.5, top1_agreement_min=None)

@@ -105,7 +105,7 @@ def test_two_swapped_vocab_ids_fail_tokenizer_and_rendering(base_art, rows, tmp_
 
 
 def test_allowed_difference_passes_and_is_listed_in_the_report(base_art, calib_arts, tmp_path):
-    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.gating import GateConfig, run_gates
 
     cand = _variant(
         base_art, tmp_path, "temp", _edit_json("generation_config.json", lambda g: g.update(temperature=0.3))

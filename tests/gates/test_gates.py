@@ -7,8 +7,8 @@ import tiny
 
 from qgate.errors import ConfigError
 from qgate.gates.evalgate import EvalConfig, eval_gate, task_config
+from qgate.gates.gating import GateConfig, run_gates
 from qgate.gates.result import GateResult, overall
-from qgate.gates.run import GateConfig, run_gates
 from qgate.gates.shadow import ShadowConfig, baseline_reference, candidate_metrics
 from qgate.gates.stats import cluster_bootstrap, holm, mcnemar_exact, paired_binary_ci, quantile_ci
 

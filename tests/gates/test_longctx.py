@@ -137,7 +137,7 @@ def test_bad_documents_and_settings_are_refused_with_where(tmp_path):
 
 
 def test_the_gate_runs_long_context_by_default_and_reports_the_coverage(base_art, w8_art, calib_arts, workdir):
-    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.gating import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig
 
     cfg = GateConfig(

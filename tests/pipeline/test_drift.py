@@ -13,8 +13,8 @@ import pytest
 import tiny
 from specs import AWQ, LENIENT, SHIFT, STRICT, W8, drift_spec, mlflow_client, model_alias
 
-from qgate.calibrate.drift import DriftConfig, traffic_drift
 from qgate.calibrate.profile import TrafficProfiler, words
+from qgate.calibrate.traffic_drift import DriftConfig, traffic_drift
 from qgate.cli.main import main
 
 
@@ -188,7 +188,7 @@ def test_a_drift_check_reads_the_recent_log_twice_and_every_engine_gives_one_rep
     from collections import Counter
     from pathlib import Path
 
-    from qgate.pipeline.drift import drift_check
+    from qgate.pipeline.drift_jobs import drift_check
     from qgate.pipeline.spec import load_spec
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -310,7 +310,7 @@ class Killed(BaseException):
 
 @pytest.mark.parametrize("where", ["calibrate", "quantize", "gate", "register", "register-recorded", "promote"])
 def test_drift_run_killed_at_each_step_reruns_without_duplicates(fresh, monkeypatch, where):
-    import qgate.pipeline.drift as drift_mod
+    import qgate.pipeline.drift_jobs as drift_mod
     import qgate.pipeline.ledger as ledger_mod
     import qgate.registry.mlflow_store as store_mod
 
@@ -349,7 +349,7 @@ def test_drift_run_killed_at_each_step_reruns_without_duplicates(fresh, monkeypa
     else:
         after(store_mod, "promote")
     with pytest.raises(Killed):
-        from qgate.pipeline.drift import drift_run
+        from qgate.pipeline.drift_jobs import drift_run
         from qgate.pipeline.spec import load_spec
 
         drift_run(load_spec(root / "spec.yaml"), str(root / "shifted.jsonl"), echo=lambda m: None)

@@ -82,8 +82,8 @@ def test_a_variant_no_ray_node_can_hold_is_refused_before_any_work(tmp_path, wor
     a cluster (RAY_ADDRESS), where an autoscaler may add such a node, it says what the task waits for instead."""
     import yaml
 
-    from qgate.pipeline import runner
-    from qgate.pipeline.runner import placeable, run_pipeline
+    from qgate.pipeline import jobs
+    from qgate.pipeline.jobs import placeable, run_pipeline
     from qgate.pipeline.spec import load_spec
 
     path = pipeline_spec(tmp_path, workdir)
@@ -91,7 +91,7 @@ def test_a_variant_no_ray_node_can_hold_is_refused_before_any_work(tmp_path, wor
     data["variants"][1]["resources"] = {"num_gpus": 1}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     spec = load_spec(path)
-    monkeypatch.setattr(runner, "_run", lambda *a, **k: pytest.fail("the run started: it would wait forever"))
+    monkeypatch.setattr(jobs, "_run", lambda *a, **k: pytest.fail("the run started: it would wait forever"))
     with pytest.raises(
         ConfigError,
         match=r"variants\[1\]\.resources: variant w8 asks one node for CPU 1, GPU 1; the largest "
@@ -119,7 +119,7 @@ def test_a_variant_failing_on_ray_keeps_every_stage_that_finished(tmp_path, work
     import yaml
 
     from qgate.errors import BackendUnavailable
-    from qgate.pipeline.runner import run_pipeline
+    from qgate.pipeline.jobs import run_pipeline
     from qgate.pipeline.spec import PipelineSpec
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -158,7 +158,7 @@ class _TwoArgs(Exception):
 def test_a_failed_chains_error_reaches_the_driver_whatever_its_class():
     """A chain's error travels back beside its finished stages: as itself when it survives a pickle round trip, else
     as a QgateError with its type and message (never a serialization error that would lose the stages too)."""
-    from qgate.pipeline.runner import _portable
+    from qgate.pipeline.jobs import _portable
 
     same = InputError("part-1.jsonl:7: bad record", hint="fix the writer")
     assert _portable(same) is same

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qgate.errors import ConfigError, InputError
-from qgate.quantize.run import CalibOptions, quantize
+from qgate.quantize.compress import CalibOptions, quantize
 from qgate.quantize.schemes import GPTQConfig, KVCacheConfig, scheme_config
 
 

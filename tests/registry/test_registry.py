@@ -6,7 +6,7 @@ import pytest
 from qgate.artifact import Artifact
 from qgate.cli.main import main
 from qgate.errors import PromotionRefused
-from qgate.gates.run import GateConfig, run_gates
+from qgate.gates.gating import GateConfig, run_gates
 from qgate.gates.shadow import ShadowConfig
 from qgate.registry.mlflow_store import promote, register
 

@@ -32,7 +32,7 @@ def _as(monkeypatch, url, user, pw):
 def test_register_and_promote_through_an_authenticated_server_and_refuse_a_reader(
     server, base_art, w8_art, calib_arts, tmp_path, monkeypatch, capsys
 ):
-    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.gating import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig
 
     url, root = server

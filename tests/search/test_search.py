@@ -54,7 +54,7 @@ def planted(tmp_path_factory):
 
 
 def _gate(kl_mean_max: float):
-    from qgate.gates.run import GateConfig
+    from qgate.gates.gating import GateConfig
     from qgate.gates.shadow import ShadowConfig
 
     return GateConfig(
@@ -144,9 +144,9 @@ def test_sensitivity_ranks_the_planted_layers_first(planted):
 def test_search_falls_back_the_planted_layers_and_passes_where_uniform_w4_fails(planted):
     from qgate.artifact import sha256_tree
     from qgate.engines.build import unsupported
-    from qgate.gates.run import baseline_floor, shadow_check
+    from qgate.gates.gating import baseline_floor, shadow_check
     from qgate.pipeline.search import search_checkpoint
-    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.compress import CalibOptions, quantize
     from qgate.quantize.schemes import scheme_config
 
     d, base, arts = planted
@@ -214,7 +214,7 @@ def test_cpu_engine_builds_the_mixed_layout_exactly(planted):
     """W4 layers and W8 fallback layers in one onnxruntime-genai model: the engine computes what the checkpoint says."""
     from qgate.artifact import Artifact
     from qgate.engines.build import build_engine, unsupported
-    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.gating import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig
 
     d, base, arts = planted
@@ -241,7 +241,7 @@ def test_cpu_engine_builds_the_mixed_layout_exactly(planted):
 
 def test_search_that_cannot_pass_says_so_and_keeps_the_closest_point(planted):
     from qgate.pipeline.search import search_checkpoint
-    from qgate.quantize.run import CalibOptions
+    from qgate.quantize.compress import CalibOptions
     from qgate.quantize.schemes import scheme_config
 
     d, base, arts = planted
@@ -298,8 +298,8 @@ def test_pipeline_search_chooses_on_its_own_split_and_the_shadow_split_confirms(
     runs on the shadow split, which the search never saw, and its report says so."""
 
     from qgate.artifact import Artifact
-    from qgate.gates.run import run_gates
-    from qgate.pipeline.runner import run_search
+    from qgate.gates.gating import run_gates
+    from qgate.pipeline.jobs import run_search
     from qgate.pipeline.spec import load_spec
 
     shadow_gate = {
@@ -405,7 +405,7 @@ def test_awq_points_are_rtn_on_weights_smoothed_once(planted):
 
     from qgate.engines.runners import TorchRunner
     from qgate.errors import InputError
-    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.compress import CalibOptions, quantize
     from qgate.quantize.schemes import FallbackConfig, KVCacheConfig, scheme_config
     from qgate.quantize.smoothing import smooth_awq
 

@@ -1,7 +1,7 @@
 """Traffic profile: what the traffic looked like, so drift can be measured later.
 
     prof = TrafficProfiler(); prof.add(route, tenant, words(text), ts, latency_ms); prof.merge(other); prof.result()
-    (drift between two profiles: calibrate/drift.py)
+    (drift between two profiles: calibrate/traffic_drift.py)
 
 Tokens here are model-independent words (lowercased \\w+ runs and punctuation), so profiles taken before and
 after a model change still compare. Every request the model would serve is profiled, repeats included.
@@ -205,7 +205,7 @@ class TrafficProfiler:
         self.tenants = HeavyHitters()
         self.total_words = 0
         # the vocabulary again, split in two halves of the requests: how far two samples of this same traffic differ,
-        # with words of one request co-varying as they do (calibrate/drift.py scales it to the sizes compared)
+        # with words of one request co-varying as they do (calibrate/traffic_drift.py scales it to the sizes compared)
         self.split = [HeavyHitters(), HeavyHitters()]
         self.split_n = [0, 0]
         self.split_words = [0, 0]

@@ -129,7 +129,7 @@ def drift_cmd(
     """Compare two traffic profiles facet by facet; exit 3 when traffic moved (default limits; `qgate drift check` reads
     them from a spec and finds production's profile in the registry)."""
     from qgate.artifact import Artifact
-    from qgate.calibrate.drift import DriftConfig, traffic_drift
+    from qgate.calibrate.traffic_drift import DriftConfig, traffic_drift
     from qgate.errors import EXIT_DRIFT
 
     a, b = (

@@ -66,7 +66,7 @@ def check_cmd(
     executor: Executor = "serial",
 ) -> None:
     """Compare recent traffic with production's calibration profile and re-gate production on it. Exit 3 on drift."""
-    from qgate.pipeline.drift import drift_check
+    from qgate.pipeline.drift_jobs import drift_check
 
     s = _load(spec)
     report = drift_check(s, traffic, echo=_err, record=record, wait=wait, executor=executor)
@@ -83,7 +83,7 @@ def run_cmd(
     executor: Executor = "serial",
 ) -> None:
     """The scheduled job: check; on drift recalibrate, gate and register every variant, then promote per drift.auto_promote."""
-    from qgate.pipeline.drift import drift_run
+    from qgate.pipeline.drift_jobs import drift_run
 
     s = _load(spec)
     result = drift_run(s, traffic, echo=_err, wait=wait, executor=executor)

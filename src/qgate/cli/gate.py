@@ -45,7 +45,7 @@ def gate_cmd(
     A candidate that fails the serving contract is not scored unless --score-anyway."""
     quiet_libraries()
     from qgate.artifact import Artifact, build_atomically
-    from qgate.gates.run import GateConfig, run_gates
+    from qgate.gates.gating import GateConfig, run_gates
     from qgate.pipeline.spec import load_spec
 
     o = Output(json_out)

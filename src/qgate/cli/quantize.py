@@ -9,7 +9,7 @@ import typer
 
 from qgate.cli.options import ModelDir, OutDir, quiet_libraries
 from qgate.cli.output import checkpoint_line
-from qgate.quantize.run import CalibOptions
+from qgate.quantize.compress import CalibOptions
 from qgate.quantize.schemes import SCHEMES
 
 _D = CalibOptions()
@@ -29,7 +29,7 @@ def quantize_cmd(
     """Quantize a baseline checkpoint with llm-compressor."""
     quiet_libraries()
     from qgate.artifact import Artifact, build_atomically
-    from qgate.quantize.run import quantize
+    from qgate.quantize.compress import quantize
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
     cfg = scheme_config(scheme, group_size=group_size)

@@ -37,7 +37,7 @@ def run_cmd(
     """Calibrate, quantize each variant, build engines, gate, register, and promote the best passing variant."""
     quiet_libraries()
     from qgate.errors import LockHeld, PromotionRefused
-    from qgate.pipeline.runner import run_pipeline
+    from qgate.pipeline.jobs import run_pipeline
     from qgate.pipeline.spec import load_spec
     from qgate.progress import console_err, interactive, quiet_console
 

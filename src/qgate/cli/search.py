@@ -29,7 +29,7 @@ def search_cmd(
     """Rank layers by sensitivity, then quantize and gate fallback points until the smallest passing one is found."""
     quiet_libraries()
     from qgate.errors import GateFailed
-    from qgate.pipeline.runner import run_search
+    from qgate.pipeline.jobs import run_search
     from qgate.pipeline.spec import load_spec
     from qgate.progress import console_err, interactive, quiet_console
 

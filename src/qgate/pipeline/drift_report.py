@@ -11,7 +11,7 @@ import io
 import json
 from pathlib import Path
 
-from qgate.calibrate.drift import facets
+from qgate.calibrate.traffic_drift import facets
 from qgate.gates.report import COLORS
 
 _VCOLOR = {"ok": COLORS["pass"], "drift": COLORS["fail"], "no-drift": COLORS["pass"]} | COLORS

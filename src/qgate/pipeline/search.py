@@ -56,8 +56,8 @@ def search_checkpoint(
     """shadow: the held-out split the points are gated on. confirm: the split that gates the chosen checkpoint
     afterwards, recorded in the evidence; when it is `shadow` itself (or not given) the evidence says that the chosen
     point's shadow checks are not independent of its choice."""
-    from qgate.gates.run import numerics_key, shadow_check
-    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.gates.gating import numerics_key, shadow_check
+    from qgate.quantize.compress import CalibOptions, quantize
     from qgate.quantize.schemes import FallbackConfig
     from qgate.search.plot import plot_points
     from qgate.search.sensitivity import SensitivityConfig, fisher_sensitivity

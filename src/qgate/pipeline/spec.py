@@ -20,7 +20,7 @@ from qgate.calibrate.sample import SampleConfig
 from qgate.errors import ConfigError, InputError
 from qgate.gates.result import OnInconclusive
 from qgate.naming import build_config, key_path, suggest
-from qgate.quantize.run import CalibOptions
+from qgate.quantize.compress import CalibOptions
 
 
 class _Strict(BaseModel):
@@ -91,7 +91,7 @@ class VariantSpec(_Strict):
 
 class GatesSpec(_Strict):
     """Each section is its gate's config (gates/*.py), built by gate_config(); an unset scalar takes GateConfig's
-    default (gates/run.py), which is where each one is defined and documented."""
+    default (gates/gating.py), which is where each one is defined and documented."""
 
     contract: dict[str, Any] = Field(default_factory=dict)
     shadow: dict[str, Any] = Field(default_factory=dict)
@@ -132,7 +132,7 @@ class PipelineSpec(_Strict):
     gates: GatesSpec = Field(default_factory=GatesSpec)
     registry: RegistrySpec
     promote: PromoteSpec = Field(default_factory=PromoteSpec)
-    drift: dict[str, Any] = Field(default_factory=dict)  # `qgate drift`: see calibrate/drift.py DriftConfig
+    drift: dict[str, Any] = Field(default_factory=dict)  # `qgate drift`: see calibrate/traffic_drift.py DriftConfig
     root: Path = Path(".")  # the spec file's directory; set by load_spec
 
     def path(self, p: str) -> Path:
@@ -148,8 +148,8 @@ class PipelineSpec(_Strict):
     def gate_config(self):
         from qgate.gates.contract import ContractConfig
         from qgate.gates.evalgate import EvalConfig
+        from qgate.gates.gating import GateConfig, ParityConfig, PerfConfig
         from qgate.gates.longctx import LongContextConfig
-        from qgate.gates.run import GateConfig, ParityConfig, PerfConfig
         from qgate.gates.shadow import ShadowConfig
 
         ev = None if self.gates.eval is None else build_config(EvalConfig, self.gates.eval, "gates.eval")
@@ -177,7 +177,7 @@ class PipelineSpec(_Strict):
         return self.model_copy(update={"gates": self.gates.model_copy(update={"device": device})})
 
     def drift_config(self):
-        from qgate.calibrate.drift import DriftConfig
+        from qgate.calibrate.traffic_drift import DriftConfig
 
         return build_config(DriftConfig, self.drift, "drift")
 

@@ -120,7 +120,7 @@ def checkpoint_stage(led: Ledger, spec: PipelineSpec, v: VariantSpec, chain: Cha
     """The variant's checkpoint: quantized by its scheme, or, with `search:`, the smallest searched point that passed."""
     if v.search is not None:
         return replace(chain, checkpoint=search_stage(led, spec, v, chain.base, chain.cal, chain.cache_dir))
-    from qgate.quantize.run import CalibOptions, quantize
+    from qgate.quantize.compress import CalibOptions, quantize
     from qgate.quantize.schemes import KVCacheConfig, scheme_config, smooths
     from qgate.quantize.smoothing import cached_smoothing
 
@@ -160,10 +160,10 @@ def search_stage(
     """The variant's searched checkpoint (its `search:` settings). `qgate search` and `qgate run` share the stage, so
     one reuses what the other found. Points are gated on the search split, so the shadow split that gates the chosen
     point afterwards is data the search never saw."""
-    from qgate.gates.run import numerics_key
+    from qgate.gates.gating import numerics_key
     from qgate.pipeline.search import search_checkpoint
     from qgate.pipeline.spec import search_config
-    from qgate.quantize.run import CalibOptions
+    from qgate.quantize.compress import CalibOptions
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
     scheme, gate_cfg = scheme_config(v.scheme, **v.options), spec.gate_config()
@@ -228,7 +228,7 @@ def engine_stage(led: Ledger, spec: PipelineSpec, v: VariantSpec, chain: Chain) 
 
 def gate_stage(led: Ledger, spec: PipelineSpec, v: VariantSpec, chain: Chain) -> Chain:
     """The candidate's gate report against the baseline on the shadow split, under every gate the spec configures."""
-    from qgate.gates.run import run_gates
+    from qgate.gates.gating import run_gates
 
     gate_cfg = spec.gate_config()
     gate_key = typed_config(gate_cfg)  # every gate setting, defaults included

@@ -52,7 +52,7 @@ def variant_summary(c: Chain) -> dict:
 
 def _bits_per_weight(candidate: Artifact) -> float | None:
     """From the manifest; for checkpoints made before it recorded the figure, measured from the checkpoint's files."""
-    from qgate.quantize.run import linear_size
+    from qgate.quantize.compress import linear_size
 
     if candidate.meta.get("bits_per_weight") is not None:
         return candidate.meta["bits_per_weight"]

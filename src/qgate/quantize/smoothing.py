@@ -1,7 +1,7 @@
 """AWQ's smoothing once, as a float checkpoint; quantization points are then round-to-nearest on it, in seconds.
 
     smooth = smooth_awq(base_art, calib_art, AWQConfig(group_size=64), CalibOptions(), out=Path("cache/awq-smoothed"))
-    ckpt = quantize(base_art, None, scheme, out, fallback=fb, smoothed=smooth)     # quantize/run.py: RTN, no data
+    ckpt = quantize(base_art, None, scheme, out, fallback=fb, smoothed=smooth)     # quantize/compress.py: RTN, no data
 
 AWQ is two steps: a search for per-channel scales folded into the weights (the smoothing: a norm divided, the next
 Linears multiplied, so the float model computes the same function), then group-wise round-to-nearest of the smoothed
@@ -31,7 +31,7 @@ def smooth_awq(base: Artifact, calib: Artifact, scheme, opts, out: Path) -> Arti
     import torch
     from llmcompressor import oneshot
 
-    from qgate.quantize.run import cpu_safe_intermediates, load_calibration, load_dtype
+    from qgate.quantize.compress import cpu_safe_intermediates, load_calibration, load_dtype
     from qgate.trust import check_loadable, copy_tokenizer_files, load_causal_lm, load_tokenizer
 
     if base.kind != "checkpoint" or base.meta.get("scheme") != "baseline":

@@ -107,7 +107,7 @@ def _tracking_uri(spec: PipelineSpec) -> str:
 def _warm_baseline(spec: PipelineSpec, base: Artifact, shadow: Artifact, cache: Path, echo) -> float:
     """The baseline's references and noise floor, once before any fan-out (an impossible threshold fails here).
     Returns the seconds it took."""
-    from qgate.gates.run import warm_baseline
+    from qgate.gates.gating import warm_baseline
 
     echo("  > baseline references and noise floor (cached per baseline) ...")
     t = time.perf_counter()
@@ -229,7 +229,7 @@ def run_search(spec: PipelineSpec, variant: str, echo: Callable[[str], None] = p
     """`qgate search`: the model, calibrate and baseline stages of `spec`, then the search for `variant`, under the
     workdir lock. `qgate run` on the same spec reuses the result."""
     from qgate.errors import ConfigError
-    from qgate.gates.run import baseline_floor
+    from qgate.gates.gating import baseline_floor
     from qgate.locks import workdir_lock
     from qgate.naming import suggest
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from qgate.errors import PromotionRefused
 from qgate.gates.result import GateReport
+from qgate.pipeline.jobs import gate_variants
 from qgate.pipeline.ledger import Ledger
-from qgate.pipeline.runner import gate_variants
 from qgate.pipeline.spec import PipelineSpec, VariantSpec
 from qgate.pipeline.stages import Chain, calibrate_stage, model_stage, register_stage, traffic_key
 from qgate.pipeline.summary import best_passing
@@ -81,9 +81,9 @@ def _check(
     echo: Callable[[str], None],
     record: bool,
 ) -> dict:
-    from qgate.calibrate.drift import traffic_drift
+    from qgate.calibrate.traffic_drift import traffic_drift
+    from qgate.gates.gating import shadow_check
     from qgate.gates.result import caveats
-    from qgate.gates.run import shadow_check
     from qgate.pipeline.drift_report import write_drift_report
     from qgate.registry.evidence import production_evidence, record_drift
 
