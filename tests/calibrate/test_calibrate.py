@@ -47,7 +47,7 @@ def test_splits_are_disjoint_sized_and_hashed(tmp_path):
     assert not text["calib"] & text["shadow"]
     for art in arts.values():
         Artifact.load(art.path).verify()
-    assert arts["calib"].parents[2] == arts["profile"].sha256
+    assert arts["calib"].parents[1] == arts["profile"].sha256
     assert "search" not in arts and not (tmp_path / "out" / "search").exists()
 
 
