@@ -11,7 +11,7 @@ import typer
 from qgate.cli.options import Device, Json, Junit, OutDir, quiet_libraries
 from qgate.cli.output import Output
 from qgate.errors import GateFailed
-from qgate.gates.result import OnInconclusive
+from qgate.gates.result import GateReport
 
 
 def gate_cmd(
@@ -61,14 +61,13 @@ def gate_cmd(
     base, shadow_set = Artifact.load(baseline, "checkpoint"), Artifact.load(shadow, "calibration-set")
     art = build_atomically(out, lambda tmp: run_gates(cand, base, shadow_set, cfg, tmp, cache, name=label))
     report = print_verdict(art, o)
-    ci_outputs(o, {label: report}, cfg.on_inconclusive, junit)
+    ci_outputs(o, {label: report}, junit)
     o.emit(gate_doc(art, report, str(candidate)))
     raise_unless_passed(art, str(candidate))
 
 
 def gate_doc(art, report: dict, candidate: str):
     from qgate.cli.output import GateDoc, checks
-    from qgate.gates.result import GateReport
 
     decided = GateReport.from_json(report)
     return GateDoc(
@@ -83,13 +82,13 @@ def gate_doc(art, report: dict, candidate: str):
     )
 
 
-def ci_outputs(o: Output, reports: dict[str, dict], on_inconclusive: OnInconclusive, junit: Path | None) -> None:
+def ci_outputs(o: Output, reports: dict[str, dict], junit: Path | None) -> None:
     """JUnit file and GitHub job summary for these gate reports (name -> report.json content)."""
     from qgate.cli.output import step_summary, write_junit
     from qgate.gates.markdown import ICON, checks_table
 
     if junit is not None:
-        o.say(f"junit: {write_junit(junit, {k: r['results'] for k, r in reports.items()}, on_inconclusive)}")
+        o.say(f"junit: {write_junit(junit, {k: GateReport.from_json(r) for k, r in reports.items()})}")
     step_summary(
         "\n\n".join(
             f"### qgate gate {name}: {ICON.get(r['verdict'], r['verdict'])}\n\n{checks_table(r['results'])}"
@@ -100,8 +99,6 @@ def ci_outputs(o: Output, reports: dict[str, dict], on_inconclusive: OnInconclus
 
 def raise_unless_passed(art, what: str) -> None:
     """GateFailed (exit 2) for a failed gate, or an inconclusive one under on_inconclusive: block."""
-    from qgate.gates.result import GateReport
-
     report = GateReport.of(art)
     evidence = f"evidence: {art.path / 'report.html'}"
     if report.verdict == "fail":
@@ -118,7 +115,7 @@ def print_verdict(art, o: Output | None = None) -> dict:
     import json
 
     from qgate.gates.contract import describe
-    from qgate.gates.result import GateReport, GateResult
+    from qgate.gates.result import GateResult
 
     o = o or Output(False)
     report = json.loads((art.path / "report.json").read_text())

@@ -3,7 +3,7 @@ summaries people read of a checkpoint (`checkpoint_line`).
 
     out = Output(json_mode)            # out.say(text): stdout, or stderr when stdout carries JSON
     out.emit(GateDoc(...))             # the one JSON document, when --json
-    write_junit(Path("gate.xml"), {"awq-w4a16": report["results"]}, on_inconclusive="block")
+    write_junit(Path("gate.xml"), {"awq-w4a16": GateReport.from_json(report)})
     step_summary(markdown)             # appended to $GITHUB_STEP_SUMMARY when it is set
 
 Every document has `schema_version` and `command`; floats that are undefined or unbounded (NaN, an infinite CI end) are
@@ -19,7 +19,7 @@ from typing import Literal
 import typer
 from pydantic import BaseModel, ConfigDict, Field
 
-from qgate.gates.result import OnInconclusive, passes
+from qgate.gates.result import GateReport
 
 VERDICT = Literal["pass", "fail", "inconclusive", "error", "info"]
 
@@ -156,13 +156,15 @@ def step_summary(markdown: str) -> None:
             f.write(markdown.rstrip() + "\n\n")
 
 
-def write_junit(path: Path, suites: dict[str, list[dict]], on_inconclusive: OnInconclusive = "block") -> Path:
+def write_junit(path: Path, suites: dict[str, GateReport]) -> Path:
     """One <testsuite> per candidate, one <testcase> per check. fail/error fail the case; inconclusive fails it under
-    `block` and is skipped (with its reason) under `warn`; report-only checks pass with their value in system-out."""
+    the report's `block` and is skipped (with its reason) under `warn`; report-only checks pass with their value in
+    system-out."""
     import xml.etree.ElementTree as ET
 
     root = ET.Element("testsuites", name="qgate")
-    for suite_name, results in suites.items():
+    for suite_name, report in suites.items():
+        results = report.results
         suite = ET.SubElement(root, "testsuite", name=suite_name, tests=str(len(results)))
         failures = skipped = 0
         for r in results:
@@ -174,7 +176,7 @@ def write_junit(path: Path, suites: dict[str, list[dict]], on_inconclusive: OnIn
                 + (f", threshold {cmp} {r['threshold']}" if r["threshold"] is not None else "")
                 + f", n {r['n']}, decided on {r['decided_on']}"
             )
-            if not passes(r["verdict"], on_inconclusive):
+            if not report.lets_through(r):
                 failures += 1
                 ET.SubElement(case, "failure", type=r["verdict"], message=f"{r['verdict'].upper()}: {text}").text = text
             elif r["verdict"] == "inconclusive":

@@ -90,7 +90,7 @@ def _ci_outputs(spec, summary: dict, o: Output, junit, log_file, exit_code: int)
         v["variant"]: json.loads(Path(v["report"]).with_name("report.json").read_text()) for v in summary["variants"]
     }
     step_summary(run_summary(summary | {"pipeline": spec.name}))
-    ci_outputs(o, reports, spec.gate_config().on_inconclusive, junit)
+    ci_outputs(o, reports, junit)
     variants = [
         VariantDoc(
             variant=v["variant"],

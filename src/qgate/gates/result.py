@@ -276,6 +276,10 @@ class GateReport:
     def passed(self) -> bool:
         return passes(self.verdict, self.on_inconclusive)
 
+    def lets_through(self, check: dict) -> bool:
+        """Whether one of this report's checks (a `results` row) lets the candidate through under its policy."""
+        return passes(check["verdict"], self.on_inconclusive)
+
     @property
     def warned(self) -> bool:
         """Inconclusive, and let through only because the policy is "warn"."""
