@@ -179,7 +179,6 @@ def bench_eval(arts: dict) -> dict:
 
 
 def main() -> None:
-    import torch
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", type=Path, default=ROOT / ".qgate/demo")
@@ -192,9 +191,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved forward/gate pairs for the warm shadow ratio")
     args = ap.parse_args()
     arts = load(args.workdir)
+    from bench_cpu_decode import host_line
+
+    host = host_line({})
     print(
-        f"machine: {os.cpu_count()} cores; torch {torch.__version__} threads {torch.get_num_threads()}; "
-        f"onnxruntime default threads (all cores) unless stated",
+        f"host: {host['cpu']}, {host['usable_cpus']} usable CPUs, {' '.join(host['isa'])}; torch {host['torch']}; "
+        f"onnxruntime {host['onnxruntime']} (default threads: all cores, unless stated)",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as cache:

@@ -212,3 +212,24 @@ def test_a_tokenizer_or_config_file_larger_than_any_real_one_is_refused_by_name(
     with pytest.raises(InputError, match=re.escape(fname)):
         import_model(ModelSource(hf_dir=str(d)), tmp_path / "imported")
     assert not (tmp_path / "imported").exists()
+
+
+def test_an_import_writes_the_same_bytes_online_or_offline(tmp_path, monkeypatch):
+    """Transformers writes how the tokenizer was loaded (local_files_only follows HF_HUB_OFFLINE) into the
+    tokenizer_config.json it saves: the import leaves it out, so one source imports to one sha256."""
+    import json
+
+    import huggingface_hub.constants
+    import transformers.utils.hub
+
+    src, shas = _pickled_model(tmp_path), []
+    for offline in (True, False):
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1" if offline else "0")
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
+        if hasattr(transformers.utils.hub, "_is_offline_mode"):
+            monkeypatch.setattr(transformers.utils.hub, "_is_offline_mode", offline)
+        art = import_model(ModelSource(hf_dir=str(src), allow_pickle=True), tmp_path / f"base-{offline}")
+        cfg = json.loads((art.path / "tokenizer_config.json").read_text())
+        assert "local_files_only" not in cfg and "is_local" not in cfg and cfg["eos_token"]
+        shas.append(art.sha256)
+    assert shas[0] == shas[1]

@@ -21,7 +21,10 @@ from pathlib import Path
 from qgate.artifact import Artifact, typed_config
 from qgate.errors import ConfigError, InputError
 
-IMPORT_VERSION = 2  # of what import_model writes for a given source (the pipeline's model stage key)
+IMPORT_VERSION = 3  # of what import_model writes for a given source (the pipeline's model stage key)
+# what Transformers writes back into tokenizer_config.json from how the tokenizer was loaded, not what it is:
+# local_files_only follows HF_HUB_OFFLINE, so keeping it would make one source import to different bytes
+LOADING_ARGS = ("local_files_only", "is_local")
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
             )
             out.mkdir(parents=True)
             model.save_pretrained(out)
-            tok.save_pretrained(out)
+            _save_tokenizer(tok, out)
         check_loadable(out)
     else:
         root, name = _gguf_location(src)
@@ -105,7 +108,7 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
             model.hf_quantizer.remove_quantization_config(model)
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out)
-        tok.save_pretrained(out)
+        _save_tokenizer(tok, out)
         fixes = special_tokens.reconcile(out, special_tokens.gguf_special_tokens(root / name))
         special_tokens.check(out)
     cfg = _read_config(out)
@@ -119,6 +122,17 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
         "special_tokens_fixed": fixes,
     }
     return Artifact.create("checkpoint", out, typed_config(src), (), meta)
+
+
+def _save_tokenizer(tok, out: Path) -> None:
+    """tok.save_pretrained(out), without the loading arguments Transformers adds to tokenizer_config.json."""
+    tok.save_pretrained(out)
+    path = out / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    if any(k in cfg for k in LOADING_ARGS):
+        path.write_text(
+            json.dumps({k: v for k, v in cfg.items() if k not in LOADING_ARGS}, indent=2, ensure_ascii=False) + "\n"
+        )
 
 
 def _read_config(d: Path) -> dict:
