@@ -61,7 +61,7 @@ class VariantSpec(_Strict):
     kv_cache: Literal["fp8", "int8"] | None = None
     engine: EngineSpec | None = None  # None: gate the checkpoint on the PyTorch reference path
     search: dict[str, Any] | None = None  # per-layer fallback search (search/plan.py SearchConfig); `qgate search`
-    resources: dict[str, float] = Field(default_factory=dict)  # Ray task resources under `qgate run --parallel ray`:
+    resources: dict[str, float] = Field(default_factory=dict)  # Ray task resources under `qgate run --executor ray`:
     # num_cpus, num_gpus, memory (bytes) or custom ones
 
     @field_validator("resources")
