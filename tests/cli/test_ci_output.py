@@ -154,44 +154,9 @@ def test_rollback_refuses_a_target_whose_files_changed(two_versions, capsys):
 
 def test_run_without_a_tty_is_quiet_machine_readable_and_logs_libraries_to_a_file(tmp_path, workdir):
     """The CI view of `qgate run`: a subprocess with pipes (no TTY), --json and --junit."""
-    import tiny
-    import yaml
+    from specs import W8, pipeline_spec
 
-    src = workdir / "tiny-src"
-    if not src.exists():
-        tiny.make_model(src)
-    tiny.make_traffic(tmp_path / "traffic.jsonl", n=240)
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(
-        yaml.safe_dump(
-            {
-                "version": 1,
-                "name": "tiny-ci",
-                "workdir": "work",
-                "model": {"hf_dir": str(src)},
-                "traffic": "traffic.jsonl",
-                "calibrate": {"calib_size": 24, "shadow_size": 48},
-                "quantize": {"max_seq_length": 48},
-                "variants": [{"name": "w8", "scheme": "gptq-w8a16", "options": {"group_size": 32}}],
-                "gates": {
-                    "shadow": {
-                        "max_new_tokens": 16,
-                        "max_prompt_tokens": 48,
-                        "kl_p99_max": None,
-                        "kl_mean_max": 0.005,
-                        "top1_agreement_min": 0.8,
-                    },
-                    "eval": {
-                        "tasks": ["bigbench_general_knowledge", "chatterbot_ppl"],
-                        "limit": 69,
-                        "min_recovery": 0.5,
-                        "max_bpb_increase": 0.2,
-                    },
-                },
-                "registry": {"model_name": "tiny-llm", "store": "mlflow"},
-            }
-        )
-    )
+    spec = pipeline_spec(tmp_path, workdir, name="tiny-ci", variants=[W8])
     env = {
         k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "TQDM_DISABLE", "QGATE_PLAIN_PROGRESS")
     }
