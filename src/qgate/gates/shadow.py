@@ -146,7 +146,7 @@ def score_sequences(runner, seqs: list[list[int]], desc: str, reduce, prompt_len
 def greedy_batches(runner, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Decode batches of similar length: within GREEDY_BATCH_TOKENS and GREEDY_BATCH_ROWS on a CPU; on a GPU within
     the runner's memory budget alone, since a decode step there costs about the same for one row as for dozens."""
-    budget = getattr(runner, "batch_tokens", None)
+    budget = runner.batch_tokens
     return length_batches(
         [len(p) + max_new_tokens for p in prompts],
         max_tokens=max(GREEDY_BATCH_TOKENS, budget or 0),
@@ -170,7 +170,7 @@ def greedy_scored(runner, prompts: list[list[int]], max_new_tokens: int, top_k: 
     """(answer, (top-k ids, top-k log-probs) over prompt + answer positions) per prompt, in input order, from
     runner.greedy_scored in batches of similar length."""
     results: list = [None] * len(prompts)
-    budget = {"prefill_tokens": runner.batch_tokens} if getattr(runner, "batch_tokens", None) else {}
+    budget = {"prefill_tokens": runner.batch_tokens} if runner.batch_tokens else {}
     for batch in progress(
         greedy_batches(runner, prompts, max_new_tokens),
         f"shadow: baseline answers ({len(prompts)} prompts)",
