@@ -170,6 +170,8 @@ def _print_table(spec, o: Output) -> None:
                     if c["gate"] in ("eval", "long_context")
                     else f"{'':22s} caveat: {c['caveat']}"
                 )
+    if summary.get("frontier"):
+        typer_echo(f"size against shadow KL p99, every variant and search point: {summary['frontier']}")
     if any(v["warned"] for v in summary["variants"]):
         typer_echo("* inconclusive, passed under gates.on_inconclusive: warn")
     secs = summary.get("stage_seconds") or {}

@@ -28,7 +28,7 @@ from qgate.pipeline.stages import (
     search_stage,
     variant_chain,
 )
-from qgate.pipeline.summary import best_passing, variant_summary
+from qgate.pipeline.summary import best_passing, frontier, variant_summary
 
 WORKER_LOG = "ray-workers.log"
 EXECUTORS = ("serial", "ray")  # variants need the resources they declare: Ray places them, local processes cannot
@@ -83,6 +83,7 @@ def _run(spec: PipelineSpec, echo: Callable[[str], None], executor: str = "seria
         "variants": [variant_summary(c) for c in chains],
         "promoted": None,
     }
+    summary["frontier"] = frontier(spec, summary["variants"], chains, w)
     chosen = best_passing(spec, chains)
     if chosen is None:
         (w / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -2,6 +2,7 @@
 
 chosen = best_passing(spec, chains)          # None when no variant passed
 rows = [variant_summary(c) for c in chains]  # summary.json's "variants", the CLI's table
+frontier(spec, rows, chains, workdir)        # workdir/frontier.json and .png: size against shadow KL p99
 """
 
 from __future__ import annotations
@@ -48,6 +49,32 @@ def variant_summary(c: Chain) -> dict:
         "search": _search_summary(c.candidate.meta.get("search")),
         "backend": c.candidate.meta.get("backend", "torch-reference"),
     }
+
+
+def frontier(spec: PipelineSpec, rows: list[dict], chains: list[Chain], out: Path) -> str:
+    """The run's size/quality frontier (search/frontier.py) from its variant summaries and the points its searched
+    checkpoints tried. Returns the picture's path."""
+    from qgate.search.frontier import write_frontier
+
+    keys = ("k", "bits_per_weight", "weights_bytes", "kl_p99", "kl_p99_ci", "verdict")
+    variants = [
+        {
+            "name": r["variant"],
+            "bits_per_weight": r["bits_per_weight"],
+            "weights_bytes": r["weights_bytes"],
+            "kl_p99": r["kl_p99"],
+            "kl_p99_ci": next((c["ci"] for c in r["checks"] if (c["gate"], c["metric"]) == ("shadow", "kl_p99")), None),
+            "verdict": r["verdict"],
+        }
+        for r in rows
+        if r["kl_p99"] is not None  # not scored: its serving contract failed
+    ]
+    points = [
+        {"name": f"{c.variant.name} k={p['k']}", "variant": c.variant.name} | {k: p.get(k) for k in keys}
+        for c in chains
+        for p in ((c.checkpoint or c.candidate).meta.get("search") or {}).get("points", [])
+    ]
+    return write_frontier(variants, points, spec.gate_config().shadow.kl_p99_max, out)["picture"]
 
 
 def _bits_per_weight(candidate: Artifact) -> float | None:

@@ -1,0 +1,103 @@
+"""A run's size/quality frontier: every gated variant and every search point, bits per weight against shadow KL p99.
+
+    frontier = write_frontier(variants, points, kl_p99_max=0.5, out=Path(".qgate/demo"))
+    frontier["pareto"]      # the passing variants no other passing variant beats on both size and KL p99
+
+Variants are gated on the shadow split and search points on the search split, so their KL figures come from
+different prompts; the picture marks them apart and frontier.json says so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from qgate.search.plot import COLORS
+
+SPLITS_NOTE = (
+    "variants are gated on the shadow split and search points on the search split: their KL p99 figures come from "
+    "different prompts, each with its own 95% interval"
+)
+
+
+def pareto(entries: list[dict]) -> list[str]:
+    """Names of the passing entries that no other passing entry matches or beats on both bits per weight and KL p99
+    while beating it on one."""
+    passing = [e for e in entries if e["verdict"] == "pass" and e["bits_per_weight"] is not None]
+
+    def beaten(e: dict) -> bool:
+        return any(
+            o is not e
+            and o["bits_per_weight"] <= e["bits_per_weight"]
+            and o["kl_p99"] <= e["kl_p99"]
+            and (o["bits_per_weight"] < e["bits_per_weight"] or o["kl_p99"] < e["kl_p99"])
+            for o in passing
+        )
+
+    return [e["name"] for e in sorted(passing, key=lambda e: e["bits_per_weight"]) if not beaten(e)]
+
+
+def write_frontier(variants: list[dict], points: list[dict], kl_p99_max: float | None, out: Path) -> dict:
+    """variants: {name, bits_per_weight, weights_bytes, kl_p99, kl_p99_ci, verdict}; points: the same with the
+    searched variant's name and the point's k. Writes out/frontier.json and out/frontier.png; returns the JSON."""
+    out = Path(out)
+    doc = {
+        "kl_p99_max": kl_p99_max,
+        "variants": variants,
+        "search_points": points,
+        "pareto": pareto(variants),
+        "note": SPLITS_NOTE,
+        "picture": str(out / "frontier.png"),
+    }
+    (out / "frontier.json").write_text(json.dumps(doc, indent=2, default=float))
+    _plot(variants, points, kl_p99_max, out / "frontier.png")
+    return doc
+
+
+def _plot(variants: list[dict], points: list[dict], kl_p99_max: float | None, path: Path) -> None:
+    from qgate.plotting import pyplot
+
+    plt = pyplot()
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for rows, marker, size, what in ((points, "o", 5, "search point (search split)"), (variants, "s", 9, None)):
+        for r in rows:
+            if r["bits_per_weight"] is None or r["kl_p99"] != r["kl_p99"]:
+                continue
+            lo, hi = r.get("kl_p99_ci") or (r["kl_p99"], r["kl_p99"])
+            hi = hi if hi == hi and hi != float("inf") else r["kl_p99"]  # unbounded: the point alone
+            ax.errorbar(
+                r["bits_per_weight"],
+                r["kl_p99"],
+                yerr=[[max(r["kl_p99"] - lo, 0)], [max(hi - r["kl_p99"], 0)]],
+                fmt=marker,
+                ms=size,
+                color=COLORS.get(r["verdict"], "k"),
+                alpha=0.55 if what else 1.0,
+                capsize=2,
+            )
+            if what is None:
+                ax.annotate(
+                    r["name"],
+                    (r["bits_per_weight"], r["kl_p99"]),
+                    textcoords="offset points",
+                    xytext=(6, 4),
+                    fontsize=8,
+                )
+    if kl_p99_max is not None:
+        ax.axhline(kl_p99_max, color="#6e7781", ls="--", lw=1, label=f"gates.shadow.kl_p99_max {kl_p99_max:g}")
+    ax.set_yscale("log")  # with math text off (plotting.py), log ticks are labelled as plain numbers
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("bits per weight (quantized layers)")
+    ax.set_ylabel("shadow KL p99 (nats), 95% CI")
+    ax.set_title("size against quality: squares = gated variants (shadow split), dots = search points", fontsize=9)
+    handles = [
+        plt.Line2D([], [], marker="s", ls="", color=c, label=v) for v, c in COLORS.items() if v in ("pass", "fail")
+    ]
+    handles.append(plt.Line2D([], [], marker="s", ls="", color=COLORS["inconclusive"], label="inconclusive"))
+    ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
