@@ -30,3 +30,9 @@ def test_write_frontier_writes_the_json_and_a_picture(tmp_path):
     assert saved["pareto"] == doc["pareto"] == ["w8"] and saved["kl_p99_max"] == 0.5
     assert [p["k"] for p in saved["search_points"]] == [12] and "search split" in saved["note"]
     assert (tmp_path / "frontier.png").stat().st_size > 10_000
+    drawn = (tmp_path / "frontier.png").stat().st_mtime_ns
+    write_frontier(variants, points, 0.5, tmp_path)  # a re-run that changed nothing keeps the picture
+    assert (tmp_path / "frontier.png").stat().st_mtime_ns == drawn
+    write_frontier(variants[:1], points, 0.5, tmp_path)
+    assert (tmp_path / "frontier.png").stat().st_mtime_ns != drawn
+    assert json.loads((tmp_path / "frontier.json").read_text())["pareto"] == []

@@ -81,10 +81,9 @@ def engine_config(name: str, where: str = "engine.options", **options: Any):
 
 
 def refusal(name: str, scheme_name: str, scheme, kv_cache: str | None) -> str | None:
-    """Why backend `name` could never serve a variant of this scheme and KV cache, or None: checked at spec load."""
+    """Why backend `name` could never serve a variant of this scheme and KV cache, or None: checked at spec load,
+    after the spec has refused a backend the gates cannot run (`Backend.runner` None)."""
     row = backend(name)
-    if row.runner is None:
-        return f"the gates cannot run {name} engines"
     return _load(row.refuses)(scheme_name, scheme, kv_cache) if row.refuses else None
 
 

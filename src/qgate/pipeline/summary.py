@@ -18,13 +18,14 @@ from qgate.pipeline.stages import Chain
 def best_passing(spec: PipelineSpec, chains: list[Chain]) -> Chain | None:
     """The variant `promote.choose` picks among the passing ones: best (lowest shadow KL p99), smallest (fewest
     weights bytes, then KL) or first (spec order)."""
-    passing = [c for c in chains if GateReport.of(c.report).passed]
-    kl = lambda c: GateReport.of(c.report).summary.get("shadow.kl_p99", float("inf"))  # noqa: E731
+    reports = [(c, GateReport.of(c.report)) for c in chains]  # each report.json read once
+    passing = [(c, r) for c, r in reports if r.passed]
+    kl = lambda cr: cr[1].summary.get("shadow.kl_p99", float("inf"))  # noqa: E731
     if spec.promote.choose == "best":
         passing.sort(key=kl)
     elif spec.promote.choose == "smallest":
-        passing.sort(key=lambda c: (c.candidate.meta.get("weights_bytes") or float("inf"), kl(c)))
-    return passing[0] if passing else None
+        passing.sort(key=lambda cr: (cr[0].candidate.meta.get("weights_bytes") or float("inf"), kl(cr)))
+    return passing[0][0] if passing else None
 
 
 def variant_summary(c: Chain) -> dict:

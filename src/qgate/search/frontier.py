@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qgate.search.plot import COLORS
+from qgate.search.plot import COLORS, yerr
 
 SPLITS_NOTE = (
     "variants are gated on the shadow split and search points on the search split: their KL p99 figures come from "
@@ -49,7 +49,11 @@ def write_frontier(variants: list[dict], points: list[dict], kl_p99_max: float |
         "note": SPLITS_NOTE,
         "picture": str(out / "frontier.png"),
     }
-    (out / "frontier.json").write_text(json.dumps(doc, indent=2, default=float))
+    text = json.dumps(doc, indent=2, default=float)
+    path = out / "frontier.json"
+    if path.exists() and path.read_text() == text and (out / "frontier.png").exists():
+        return doc  # a re-run that changed nothing: the picture already shows it
+    path.write_text(text)
     _plot(variants, points, kl_p99_max, out / "frontier.png")
     return doc
 
@@ -61,23 +65,21 @@ def _plot(variants: list[dict], points: list[dict], kl_p99_max: float | None, pa
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for rows, marker, size, what in ((points, "o", 5, "search point (search split)"), (variants, "s", 9, None)):
+    for rows, is_variant in ((points, False), (variants, True)):
         for r in rows:
             if r["bits_per_weight"] is None or r["kl_p99"] != r["kl_p99"]:
                 continue
-            lo, hi = r.get("kl_p99_ci") or (r["kl_p99"], r["kl_p99"])
-            hi = hi if hi == hi and hi != float("inf") else r["kl_p99"]  # unbounded: the point alone
             ax.errorbar(
                 r["bits_per_weight"],
                 r["kl_p99"],
-                yerr=[[max(r["kl_p99"] - lo, 0)], [max(hi - r["kl_p99"], 0)]],
-                fmt=marker,
-                ms=size,
+                yerr=yerr(r["kl_p99"], r.get("kl_p99_ci")),
+                fmt="s" if is_variant else "o",
+                ms=9 if is_variant else 5,
                 color=COLORS.get(r["verdict"], "k"),
-                alpha=0.55 if what else 1.0,
+                alpha=1.0 if is_variant else 0.55,
                 capsize=2,
             )
-            if what is None:
+            if is_variant:
                 ax.annotate(
                     r["name"],
                     (r["bits_per_weight"], r["kl_p99"]),
@@ -94,9 +96,8 @@ def _plot(variants: list[dict], points: list[dict], kl_p99_max: float | None, pa
     ax.set_ylabel("shadow KL p99 (nats), 95% CI")
     ax.set_title("size against quality: squares = gated variants (shadow split), dots = search points", fontsize=9)
     handles = [
-        plt.Line2D([], [], marker="s", ls="", color=c, label=v) for v, c in COLORS.items() if v in ("pass", "fail")
+        plt.Line2D([], [], marker="s", ls="", color=COLORS[v], label=v) for v in ("pass", "fail", "inconclusive")
     ]
-    handles.append(plt.Line2D([], [], marker="s", ls="", color=COLORS["inconclusive"], label="inconclusive"))
     ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

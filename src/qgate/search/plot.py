@@ -10,6 +10,13 @@ from pathlib import Path
 COLORS = {"pass": "#1a7f37", "fail": "#cf222e", "inconclusive": "#9a6700", "error": "#6e7781"}
 
 
+def yerr(value: float, ci: list | tuple | None) -> list[list[float]]:
+    """Matplotlib's asymmetric error bar for `value` and its 95% CI; an unbounded or missing CI end draws no bar."""
+    lo, hi = ci or (value, value)
+    hi = hi if hi == hi and hi != float("inf") else value
+    return [[max(value - lo, 0)], [max(hi - value, 0)]]
+
+
 def plot_points(
     points: list[dict],
     kl_p99_max: float | None,
@@ -30,12 +37,10 @@ def plot_points(
         (axes[1], "top1", top1_min, "shadow top-1 agreement, 95% CI"),
     ):
         for p in sorted(points, key=lambda p: p["bits_per_weight"]):
-            lo, hi = p[f"{key}_ci"] or (p[key], p[key])
-            hi = hi if hi == hi and hi != float("inf") else p[key]  # unbounded CI: draw the point only
             ax.errorbar(
                 p["bits_per_weight"],
                 p[key],
-                yerr=[[max(p[key] - lo, 0)], [max(hi - p[key], 0)]],
+                yerr=yerr(p[key], p[f"{key}_ci"]),
                 fmt="o",
                 color=COLORS.get(p["verdict"], "k"),
                 ms=9 if p["k"] == chosen_k else 5,
