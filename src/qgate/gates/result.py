@@ -250,8 +250,7 @@ class GateReport:
         stopped: dict | None = None,
         scored: bool = True,
     ) -> GateReport:
-        if on_inconclusive not in ON_INCONCLUSIVE:
-            raise ValueError(f"on_inconclusive must be one of {ON_INCONCLUSIVE}, got {on_inconclusive!r}")
+        """The policy is checked where it is applied, in `passes`."""
         return cls(overall(results), on_inconclusive, tuple(r.to_dict() for r in results), stopped, scored)
 
     @classmethod
