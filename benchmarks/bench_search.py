@@ -2,8 +2,9 @@
 
     python benchmarks/bench_search.py --workdir .qgate/demo --points 0,12,130     # after `qgate run pipelines/promote.yaml`
 
-For each fallback count k (the k most sensitive layers at W8A16, in the search's own order), the point is built both
-ways: round-to-nearest on the weights AWQ smoothed once (quantize/smoothing.py), and a full AWQ run with that fallback.
+For each move count k (the search's own plan: the first k moves up each layer's ladder of finer groups and W8A16),
+the point is built both ways: round-to-nearest on the weights AWQ smoothed once (quantize/smoothing.py), and a full AWQ
+run with the same per-layer settings.
 Both go through the same shadow check against the cached baseline reference. Prints per point: KL p99 and top-1
 agreement with their 95% CIs each way and whether the CIs overlap, and the cost of a point each way as a ratio to one
 shadow check measured in the same run. Run it alone: two CPU-heavy processes on 2 cores distort each other 3-20x.
@@ -24,7 +25,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", type=Path, default=ROOT / "pipelines/promote.yaml")
     ap.add_argument("--variant", default="awq-w4a16-searched")
-    ap.add_argument("--points", default="0,12", help="fallback counts to build both ways")
+    ap.add_argument("--points", default="0,12", help="move counts to build both ways")
     ap.add_argument("--out", type=Path, default=Path("/tmp/bench-search"))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,12 +33,13 @@ def main() -> int:
 
     from qgate.gates.gating import baseline_floor, shadow_check
     from qgate.pipeline.ledger import Ledger
+    from qgate.pipeline.search import point_overrides
     from qgate.pipeline.spec import load_spec, search_config
     from qgate.pipeline.stages import calibrate_stage, model_stage
     from qgate.quantize.compress import CalibOptions, quantize
-    from qgate.quantize.schemes import FallbackConfig, scheme_config
+    from qgate.quantize.schemes import scheme_config
     from qgate.quantize.smoothing import cached_smoothing
-    from qgate.search.plan import fallback_order
+    from qgate.search.plan import make_plan, rungs, scored_settings
     from qgate.search.sensitivity import SensitivityConfig, fisher_sensitivity
 
     print(f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}", flush=True)
@@ -56,14 +58,19 @@ def main() -> int:
     t = time.perf_counter()
     smooth = cached_smoothing(base, calib, scheme, opts, cache, print)
     smooth_s = time.perf_counter() - t
+    ladder = rungs(scheme, scfg)
     sens = fisher_sensitivity(
-        base, calib, scheme, SensitivityConfig(samples=scfg.samples, max_seq_length=opts.max_seq_length)
+        base,
+        calib,
+        scheme,
+        SensitivityConfig(samples=scfg.samples, max_seq_length=opts.max_seq_length),
+        scored_settings(ladder),
     )
-    order = fallback_order(sens["layers"])
+    plan = make_plan(sens["layers"], ladder)
     rows = []
     for k in (int(x) for x in args.points.split(",")):
-        fb = FallbackConfig(tuple(o["layer"] for o in order[:k]), scfg.fallback_bits)
-        row = {"k": k}
+        fb = point_overrides(plan.assignment(k), scfg, ladder)
+        row = {"k": k, "layout": plan.layout(k, len(sens["layers"]))}
         for how in ("smoothed", "real"):
             t = time.perf_counter()
             ck = quantize(

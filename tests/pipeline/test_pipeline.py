@@ -96,7 +96,8 @@ def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch
             {
                 "variants": [{"name": "w8", "scheme": "gptq-w8a16", "engine": {"backend": "cpu"}}]
             },  # at load, not after quantizing
-            "variants[0].engine: the cpu engine takes w4a16 or w4a16+w8a16 checkpoints; scheme gptq-w8a16 makes w8a16",
+            "variants[0].engine: the cpu engine takes w4a16 checkpoints (mixed with w8a16 or finer-group w4a16 layers); "
+            "scheme gptq-w8a16 makes w8a16",
         ),
         (
             {

@@ -12,7 +12,7 @@ import tiny
 from specs import pipeline_spec
 
 from qgate.errors import ConfigError
-from qgate.search.plan import SearchConfig, fallback_order, max_count, next_count, predicted_bits, start_count
+from qgate.search.plan import SearchConfig, make_plan, next_count, rungs
 
 PLANTED = ("model.layers.1.self_attn.v_proj", "model.layers.1.self_attn.o_proj")
 
@@ -73,22 +73,73 @@ LAYERS = [
 ]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Scheme:
+    num_bits: int = 4
+    group_size: int = 64
+    symmetric: bool = False
+
+
 def test_layers_fall_back_in_order_of_kl_per_parameter():
-    order = fallback_order(LAYERS)
-    assert [r["layer"] for r in order] == ["l0", "l1", "l2", "l3", "l4"]  # l1 has more KL but 3x the bytes
-    assert start_count(order, 0.5) == 2 and start_count(order, 0.4) == 1 and start_count(order, 1.0) == 5
+    plan = make_plan(LAYERS, rungs(_Scheme(), SearchConfig()))
+    assert [m["layer"] for m in plan.moves] == ["l0", "l1", "l2", "l3", "l4"]  # l1 has more KL but 3x the bytes
+    assert {m["to"] for m in plan.moves} == {"8g64"}
+    assert plan.start_count(0.5) == 2 and plan.start_count(0.4) == 1 and plan.start_count(1.0) == 5
 
 
 def test_size_budget_bounds_the_fallback_count():
-    order = fallback_order(LAYERS)
-    assert predicted_bits(order, 0, 4, 8, 64) == pytest.approx(4 + 36 / 64)  # codes + float32 scale + int4 zero per 64
-    assert predicted_bits(order, 5, 4, 8, 64) == pytest.approx(8 + 40 / 64)
-    assert predicted_bits(order, 0, 4, 8, 64, symmetric=True) == pytest.approx(4.5)
+    plan = make_plan(LAYERS, rungs(_Scheme(), SearchConfig()))
+    assert plan.bits(0) == pytest.approx(4 + 36 / 64)  # codes + float32 scale + int4 zero per 64
+    assert plan.bits(5) == pytest.approx(8 + 40 / 64)
+    assert make_plan(LAYERS, rungs(_Scheme(symmetric=True), SearchConfig())).bits(0) == pytest.approx(4.5)
     step = (8 + 40 / 64) - (4 + 36 / 64)
-    assert predicted_bits(order, 1, 4, 8, 64) == pytest.approx(4 + 36 / 64 + step * 1000 / 9000)
-    assert max_count(order, None, 4, 8, 64) == 5
-    assert max_count(order, 5.5, 4, 8, 64) == 1  # l0 adds 0.45 bits, l1 another 1.35
-    assert max_count(order, 4.0, 4, 8, 64) == 0
+    assert plan.bits(1) == pytest.approx(4 + 36 / 64 + step * 1000 / 9000)
+    assert plan.max_count(None) == 5
+    assert plan.max_count(5.5) == 1  # l0 adds 0.45 bits, l1 another 1.35
+    assert plan.max_count(4.0) == 0
+    unq = make_plan(LAYERS, rungs(_Scheme(), SearchConfig(fallback_bits=16)))
+    assert unq.bits(5) == 32 and {m["to"] for m in unq.moves} == {"fp"}
+
+
+def test_a_fine_group_rung_is_a_move_where_it_removes_more_kl_per_bit():
+    """Ladder W4 g64 (4.5625 bits) -> W4 g32 (5.125) -> W8 g64 (8.625). a: g32 removes most of the KL for 0.56 bits,
+    so it moves there first and to W8 later, at a lower gain; b: g32 removes little, so its only move is straight to
+    W8 (g32 is under the hull); c: the same KL per bit on both steps, so one move covers both."""
+    layers = [
+        {"layer": "a", "params": 1000, "kl": 10.0, "kl_at": {"4g64": 10.0, "4g32": 2.0, "8g64": 0.1}},
+        {"layer": "b", "params": 1000, "kl": 10.0, "kl_at": {"4g64": 10.0, "4g32": 9.5, "8g64": 0.1}},
+        {"layer": "c", "params": 1000, "kl": 8.0, "kl_at": {"4g64": 8.0, "4g32": 8 - 0.5625, "8g64": 8 - 4.0625}},
+    ]
+    ladder = rungs(_Scheme(), SearchConfig(fine_group_size=32))
+    assert [r.tag for r in ladder] == ["4g64", "4g32", "8g64"]
+    assert [r.per_weight for r in ladder] == pytest.approx([4 + 36 / 64, 4 + 36 / 32, 8 + 40 / 64])
+    plan = make_plan(layers, ladder)
+    assert [(m["layer"], m["to"]) for m in plan.moves] == [("a", "4g32"), ("b", "8g64"), ("c", "8g64"), ("a", "8g64")]
+    assert plan.moves[0]["kl"] == pytest.approx(8.0) and plan.moves[-1]["kl"] == pytest.approx(1.9)
+    assert plan.assignment(1) == {"a": "4g32"} and plan.assignment(4) == {"a": "8g64", "b": "8g64", "c": "8g64"}
+    assert plan.bits(1) == pytest.approx(4 + 36 / 64 + (36 / 32 - 36 / 64) / 3)
+    assert plan.layout(2, 3) == "2 of 3 layers moved: 1 to W4A16 g32, 1 to W8A16"
+    assert plan.start_count(0.25) == 1 and plan.start_count(0.5) == 2  # 8 of 28, then 17.9 of 28
+    with pytest.raises(ConfigError, match="below the scheme's group_size"):
+        rungs(_Scheme(), SearchConfig(fine_group_size=64))
+    with pytest.raises(ConfigError, match="power of two"):
+        SearchConfig(fine_group_size=48)
+
+
+def test_fallback_config_keeps_the_rungs_apart():
+    from qgate.quantize.schemes import FallbackConfig, scheme_config, weight_format
+
+    awq = scheme_config("awq-w4a16", group_size=64)
+    fb = FallbackConfig(("x",), 8, ("y", "z"), 32)
+    assert fb.names() == ("x", "y", "z") and weight_format(awq, fb) == "w4a16+w4a16g32+w8a16"
+    assert weight_format(awq, FallbackConfig((), 8, ("y",), 32)) == "w4a16+w4a16g32"
+    groups, ignore = awq.groups(fb, awq.symmetric)
+    assert groups["group_2"].weights.group_size == 32 and groups["group_2"].targets == ["y", "z"]
+    assert groups["group_1"].weights.num_bits == 8 and groups["group_1"].targets == ["x"]
+    with pytest.raises(ConfigError, match="not both"):
+        FallbackConfig(("x",), 8, ("x",), 32)
+    with pytest.raises(ConfigError, match="power of two"):
+        FallbackConfig((), 8, ("y",), None)
 
 
 @pytest.mark.parametrize(
@@ -237,6 +288,46 @@ def test_cpu_engine_builds_the_mixed_layout_exactly(planted):
     assert "<h2>Search</h2>" in html and PLANTED[0] in html and "alt='search'" in html
     unq = dataclasses.replace(ckpt, meta=ckpt.meta | {"weight_format": "w4a16+unquantized"})
     assert "w4a16+unquantized" in unsupported(unq, "cpu")
+
+
+def test_fine_group_layers_quantize_and_the_cpu_engine_serves_them_exactly(planted):
+    """A point with all three rungs (W4 g32, W4 g16 and W8 layers): the checkpoint holds each layer at its own group
+    size, the builder gets them as `dynamic` overrides, and the engine computes what the checkpoint says."""
+    from safetensors.torch import load_file
+
+    from qgate.engines.build import build_engine, unsupported
+    from qgate.engines.gptq_layout import to_gptq
+    from qgate.gates.gating import GateConfig, run_gates
+    from qgate.gates.shadow import ShadowConfig
+    from qgate.quantize.compress import CalibOptions, quantize
+    from qgate.quantize.schemes import FallbackConfig, scheme_config
+
+    d, base, arts = planted
+    fine = (PLANTED[1], "model.layers.0.mlp.down_proj")
+    fb = FallbackConfig((PLANTED[0],), 8, fine, 16)
+    scheme = scheme_config("awq-w4a16", group_size=32)
+    ckpt = quantize(base, arts["calib"], scheme, d / "fine", opts=CalibOptions(max_seq_length=64), fallback=fb)
+    assert ckpt.meta["weight_format"] == "w4a16+w4a16g16+w8a16" and unsupported(ckpt, "cpu") is None
+    assert ckpt.meta["fine_group_layers"] == list(fine) and ckpt.meta["fine_group_size"] == 16
+    state = load_file(str(ckpt.path / "model.safetensors"))
+    width = state[f"{fine[1]}.weight_shape"].tolist()[1]
+    assert state[f"{fine[1]}.weight_scale"].shape[1] == width // 16  # one scale per 16 weights
+    up = "model.layers.0.mlp.up_proj"
+    assert state[f"{up}.weight_scale"].shape[1] == state[f"{up}.weight_shape"].tolist()[1] // 32  # the scheme's own
+    qc = json.loads((ckpt.path / "config.json").read_text())["quantization_config"]
+    _, builder_cfg, bits = to_gptq(state, qc)
+    dyn = {k.removeprefix("+:").replace("\\", "").rstrip("."): v for k, v in builder_cfg["dynamic"].items()}
+    assert builder_cfg["group_size"] == 32 and builder_cfg["bits"] == 4
+    assert dyn == {PLANTED[0]: {"bits": 8}, fine[0]: {"group_size": 16}, fine[1]: {"group_size": 16}}
+    eng = build_engine(ckpt, "cpu", d / "fine-cpu", accuracy_level=1)
+    cfg = GateConfig(
+        shadow=ShadowConfig(max_new_tokens=16, max_prompt_tokens=48, kl_p99_max=None, top1_agreement_min=None),
+        eval=None,
+    )
+    rep = run_gates(eng, base, arts["shadow"], cfg, d / "fine-gate", d / "cache", checkpoint=ckpt)
+    by = {r["metric"]: r["observed"] for r in json.loads((rep.path / "report.json").read_text())["results"]}
+    assert by["engine_vs_checkpoint.kl_mean"] < 0.02 * by["checkpoint_vs_baseline.kl_mean"]  # as for W4 + W8 alone
+    assert by["engine_vs_checkpoint.top1_agreement"] > 0.99
 
 
 def test_search_that_cannot_pass_says_so_and_keeps_the_closest_point(planted):

@@ -213,6 +213,8 @@ def checkpoint_line(art) -> str:
             parts.append(f"KV cache {m['kv_cache_dtype']}")
         if m.get("fallback_layers"):
             parts.append(f"{len(m['fallback_layers'])} layers at {m.get('fallback_bits')} bits")
+        if m.get("fine_group_layers"):
+            parts.append(f"{len(m['fine_group_layers'])} layers at group size {m.get('fine_group_size')}")
         bits = m.get("bits_per_weight")
         parts.append(f"{bits:.2f} bits/weight, {mb}" if bits is not None else f"bits/weight unknown, {mb}")
         if m.get("calibration_samples"):

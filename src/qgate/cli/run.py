@@ -140,9 +140,10 @@ def _print_table(spec, o: Output) -> None:
             f"{v['variant']:22s} {verdict:12s} {kl_s} {top1_s} {mb} {bits} {str(v['version']):>8s}  {v['report']}"
         )
         if s := v.get("search"):
+            from qgate.gates.report import search_layout
+
             typer_echo(
-                f"{'':22s} search: {s['chosen_k']} of {s['layers_total']} layers fell back to "
-                f"{'W8A16' if s['fallback_bits'] == 8 else 'full precision'}"
+                f"{'':22s} search: {search_layout(s)}"
                 f"{'' if s['found'] else ' (no point passed; closest kept)'}; {s['points_tried']} points, "
                 f"{s['gate_runs']} gate runs in this run, {s['seconds']:g}s"
             )

@@ -1,4 +1,4 @@
-"""`qgate search --spec SPEC --variant NAME`: the smallest per-layer fallback of a variant that passes the shadow gate.
+"""`qgate search --spec SPEC --variant NAME`: the smallest per-layer mix of a variant that passes the shadow gate.
 
 Exit 0 when a passing point was found, 2 when none passed within the step and size budgets (the point closest to
 passing is kept and shown), 1 on error.
@@ -26,7 +26,7 @@ def search_cmd(
     wait: Annotated[float, typer.Option(help="Seconds to wait for another job on the same workdir.")] = 0.0,
     device: Device = None,
 ) -> None:
-    """Rank layers by sensitivity, then quantize and gate fallback points until the smallest passing one is found."""
+    """Rank per-layer moves by sensitivity, then quantize and gate points until the smallest passing one is found."""
     quiet_libraries()
     from qgate.errors import GateFailed
     from qgate.pipeline.jobs import run_search
@@ -42,6 +42,8 @@ def search_cmd(
     )
     art = run_search(s, variant, echo=lambda m: typer.echo(m, file=console_err()), wait=wait)
     res = art.meta["search"]
+    from qgate.gates.report import search_layout
+
     typer.echo(f"{'k':>4s} {'shadow':12s} {'bits/weight':>11s} {'weights bytes':>14s} {'KL p99':>9s} {'top-1':>7s}")
     for p in sorted(res["points"], key=lambda p: p["k"]):
         mark = "  <- chosen" if p["k"] == res["chosen_k"] else ""
@@ -50,8 +52,8 @@ def search_cmd(
             f"{p['kl_p99']:9.4f} {p['top1']:7.4f}{mark}"
         )
     typer.echo(
-        f"fallback ({res['chosen_k']} of {res['layers_total']} layers): "
-        + (", ".join(f["layer"] for f in res["fallback"]) or "none")
+        f"chosen: {search_layout(res)}: "
+        + (", ".join(f"{f['layer']} ({f.get('to', 'fallback')})" for f in res["fallback"]) or "none")
     )
     typer.echo(
         f"{res['points_tried']} points, {res['gate_runs']} gated in this run, {res['seconds']}s; checkpoint {art.path}; "

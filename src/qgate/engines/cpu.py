@@ -22,7 +22,17 @@ from qgate.errors import BackendUnavailable, ConfigError, InputError
 from qgate.trust import copy_tokenizer_files
 
 ENGINE_SUBDIR = "onnx"
-SUPPORTED_FORMATS = ("w4a16", "w4a16+w8a16")
+SUPPORTED_PARTS = ("w4a16", "w8a16")  # 4- and 8-bit group-wise integer layers, any group size
+
+
+def _supported(fmt: str | None) -> bool:
+    """'w4a16', or a per-layer mix of 4- and 8-bit layers at any group sizes ('w4a16+w4a16g32+w8a16'): MatMulNBits
+    takes bits and block size per node. Not unquantized layers or FP8."""
+    if not fmt or not fmt.startswith("w4a16"):
+        return False
+    return all(part.split("g")[0] in SUPPORTED_PARTS for part in fmt.split("+"))
+
+
 LM_HEAD = ("fp32", "int8", "int4")  # the vocabulary projection: on a small model, most of the bytes read per token
 
 
@@ -44,18 +54,21 @@ def refusal(scheme_name: str, scheme, kv_cache: str | None) -> str | None:
     from qgate.quantize.schemes import weight_format
 
     fmt = weight_format(scheme)
-    if fmt not in SUPPORTED_FORMATS:
-        return f"the cpu engine takes {' or '.join(SUPPORTED_FORMATS)} checkpoints; scheme {scheme_name} makes {fmt}"
+    if not _supported(fmt):
+        return (
+            f"the cpu engine takes w4a16 checkpoints (mixed with w8a16 or finer-group w4a16 layers); scheme "
+            f"{scheme_name} makes {fmt}"
+        )
     return None
 
 
 def cannot_hold(ckpt: Artifact) -> str | None:
     """Why the builder cannot take this checkpoint's layout (a searched mix it has no kernel for), or None."""
     fmt = ckpt.meta.get("weight_format")
-    if fmt and "+" in fmt and fmt not in SUPPORTED_FORMATS:
+    if fmt and "+" in fmt and not _supported(fmt):
         return (
             f"its layout is {fmt} ({len(ckpt.meta.get('fallback_layers', []))} layers fall back) and onnxruntime-genai's "
-            f"builder takes only {', '.join(SUPPORTED_FORMATS)}"
+            "builder takes only 4- and 8-bit integer layers"
         )
     return None
 
@@ -81,9 +94,9 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
     from qgate.engines.gptq_layout import to_gptq
 
     fmt = ckpt.meta.get("weight_format")
-    if fmt not in SUPPORTED_FORMATS:
+    if not _supported(fmt):
         raise ConfigError(
-            f"{ckpt.path}: the CPU engine takes W4A16 checkpoints (or W4A16 with W8A16 fallback layers); "
+            f"{ckpt.path}: the CPU engine takes W4A16 checkpoints (with W8A16 or finer-group W4A16 layers); "
             f"this one is {fmt or 'unquantized'}",
             hint="FP8, W8A16, unquantized-fallback and baseline checkpoints run on the PyTorch reference path: pass the "
             "checkpoint to `qgate gate` directly",
@@ -93,7 +106,7 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
     for f in sorted(ckpt.path.glob("*.safetensors")):
         state.update(load_file(str(f)))
     mixed = fmt != "w4a16"
-    if mixed:  # per-layer bit widths: the AutoGPTQ layout's `dynamic` overrides carry them to the builder
+    if mixed:  # per-layer bits and group sizes: the AutoGPTQ layout's `dynamic` overrides carry them to the builder
         tensors, qcfg, _ = to_gptq(state, cfg["quantization_config"])
     else:
         tensors, qcfg = to_awq(state, cfg["quantization_config"])
@@ -113,7 +126,7 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
         ):
             shutil.copy(f, staging / f.name)
     options = [f"accuracy_level={config.accuracy_level}"]
-    if mixed:  # q, k and v may differ in bits; the builder packs them into one MatMul only when they agree
+    if mixed:  # q, k and v may differ in bits or groups; the builder packs them into one MatMul only when they agree
         options.append("disable_qkv_fusion=true")
     # Untied lm_head, so the embedding Gather keeps full-precision weights whatever the head becomes.
     options.append("shared_embeddings=false")

@@ -82,32 +82,42 @@ def layer_bits(state: dict, prefix: str) -> int:
 
 
 def to_gptq(state: dict[str, torch.Tensor], qconfig: dict) -> tuple[dict[str, torch.Tensor], dict, dict[str, int]]:
-    """(tensors, quantization_config for the builder, bits per layer)."""
+    """(tensors, quantization_config for the builder, bits per layer). Each layer's group size is read off its
+    scales; the most common bits and group size are the builder's defaults and `dynamic` overrides carry the rest."""
     weights = [g.get("weights") or {} for g in qconfig.get("config_groups", {}).values()]
     if not weights or any(
         w.get("strategy") != "group" or w.get("type") != "int" or w.get("actorder") == "group" for w in weights
     ):
         raise ConfigError(f"CPU engine needs group-wise int weights without g_idx, got {weights}")
-    sizes = {w["group_size"] for w in weights}
-    if len(sizes) != 1:
-        raise ConfigError(f"CPU engine needs one group size for every layer, got {sorted(sizes)}")
-    group_size = sizes.pop()
     layers, out = packed_layers(state)
     bits_of: dict[str, int] = {}
+    group_of: dict[str, int] = {}
     for p in layers:
         bits = bits_of[p] = layer_bits(state, p)
         codes, zeros, scale = layer_codes(state, p, bits)  # [O, I], [O, G], [O, G]
         i = codes.shape[1]
+        group_size = group_of[p] = i // scale.shape[1]
         out[f"{p}.qweight"] = pack_rows(codes.T.contiguous(), bits)  # [I/P, O]
         out[f"{p}.qzeros"] = pack_cols((zeros.T - 1).contiguous(), bits)  # [G, O/P]
         out[f"{p}.scales"] = scale.T.contiguous().to(torch.float16)  # [G, O]
         out[f"{p}.g_idx"] = torch.arange(i, dtype=torch.int32) // group_size  # [I]
-    base_bits = max(set(bits_of.values()), key=list(bits_of.values()).count) if bits_of else 4
-    dynamic = {f"+:{re.escape(p)}\\.": {"bits": b} for p, b in bits_of.items() if b != base_bits}
+
+    def common(values: dict[str, int], default: int) -> int:
+        vs = list(values.values())
+        return max(sorted(set(vs)), key=vs.count) if vs else default
+
+    base_bits, base_group = common(bits_of, 4), common(group_of, 128)
+    dynamic = {}
+    for p in layers:
+        over = {
+            k: v for k, v, b in (("bits", bits_of[p], base_bits), ("group_size", group_of[p], base_group)) if v != b
+        }
+        if over:
+            dynamic[f"+:{re.escape(p)}\\."] = over
     cfg = {
         "quant_method": "gptq",
         "bits": base_bits,
-        "group_size": group_size,
+        "group_size": base_group,
         "desc_act": False,
         "sym": False,
         "dynamic": dynamic,

@@ -237,6 +237,15 @@ def _coverage(s: dict) -> str:
     return f"<p><b>Caveat</b>: {html.escape(s['caveat'])}. Raise the limit to score them whole.</p>"
 
 
+def search_layout(s: dict) -> str:
+    """What a search chose, in words: '40 of 210 layers moved: 12 to W8A16, 28 to W4A16 g32'."""
+    if s.get("layout"):
+        return s["layout"]
+    return (
+        f"{s['chosen_k']} of {s['layers_total']} layers at {'W8A16' if s['fallback_bits'] == 8 else 'full precision'}"
+    )
+
+
 def _search(report: dict) -> str:
     s = report.get("search")
     if not s:
@@ -247,10 +256,10 @@ def _search(report: dict) -> str:
         if plot.is_file()
         else ""
     )
-    what = "W8A16" if s["fallback_bits"] == 8 else "full precision"
+    fallback = "W8A16" if s["fallback_bits"] == 8 else "full precision"
     rows = "".join(
-        f"<tr><td>{i}</td><td><code>{html.escape(f['layer'])}</code></td><td>{f['params']:,}</td><td>{f['kl']:.3g}</td>"
-        f"<td>{f['kl_per_mparam']:.3g}</td><td>{f['kl_rank']}</td></tr>"
+        f"<tr><td>{i}</td><td><code>{html.escape(f['layer'])}</code></td><td>{html.escape(f.get('to', fallback))}</td>"
+        f"<td>{f['params']:,}</td><td>{f['kl']:.3g}</td><td>{f['kl_per_mparam']:.3g}</td><td>{f['kl_rank']}</td></tr>"
         for i, f in enumerate(s["fallback"], 1)
     )
     pts = "".join(
@@ -272,10 +281,10 @@ def _search(report: dict) -> str:
     built = f" Points were built by {html.escape(s['points_built_by'])}." if s.get("points_built_by") else ""
     return (
         f"<h2>Search</h2><p>{s['points_tried']} points tried ({s['gate_runs']} gated in this run, the rest cached), "
-        f"{s['seconds']}s. Chosen: k={s['chosen_k']} of {s['layers_total']} layers at {what}, "
+        f"{s['seconds']}s. Chosen: k={s['chosen_k']}, {html.escape(search_layout(s))}, "
         f"{s['bits_per_weight']:.2f} bits per weight; {found}. {selection}{built}</p>{img}"
         f"<table><tr><th>k</th><th>shadow verdict</th><th>bits/weight</th><th>weights bytes</th><th>KL p99</th>"
-        f"<th>top-1</th></tr>{pts}</table><h3>Layers that fell back</h3><table><tr><th></th><th>layer</th><th>params</th>"
+        f"<th>top-1</th></tr>{pts}</table><h3>Layers moved</h3><table><tr><th></th><th>layer</th><th>to</th><th>params</th>"
         f"<th>est. KL (nats/token)</th><th>KL per M params</th><th>KL rank</th></tr>{rows}</table>"
     )
 

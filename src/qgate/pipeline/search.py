@@ -1,14 +1,16 @@
-"""Search for the smallest variant that passes the shadow gate: per-layer fallback from a uniform scheme.
+"""Search for the smallest variant that passes the shadow gate: per-layer moves up from a uniform scheme.
 
     ckpt = search_checkpoint(base, calib, shadow, scheme, SearchConfig(), gate_cfg, out, cache_dir)
     ckpt.meta["search"]     # every gated point, the chosen one, the sensitivity that ranked the layers
 
-1. Rank the scheme's layers by estimated KL per parameter (search/sensitivity.py: one Fisher pass).
-2. Gate points k = number of most-sensitive layers moved to W8A16 (or left unquantized): each point is a real
-   compressed-tensors checkpoint with per-layer config groups, scored by the same shadow gate as every variant. For
-   AWQ, the smoothing runs once (quantize/smoothing.py, cached) and each point is llm-compressor's round-to-nearest
-   on the smoothed weights: seconds, not an AWQ run. Other schemes quantize each point in full.
-   search/plan.py picks k: doubling until a point passes, then bisecting, within max_steps and the size budget.
+1. Estimate each layer's KL at each rung of its ladder: the scheme, the scheme's bits at `fine_group_size` (when set),
+   the fallback (search/sensitivity.py: one Fisher pass), and sort the moves up the ladders by KL removed per bit
+   (search/plan.py).
+2. Gate points k = the first k moves: each point is a real compressed-tensors checkpoint with per-layer config
+   groups, scored by the same shadow gate as every variant. For AWQ, the smoothing runs once (quantize/smoothing.py,
+   cached) and each point is llm-compressor's round-to-nearest on the smoothed weights: seconds, not an AWQ run.
+   Other schemes quantize each point in full. search/plan.py picks k: doubling until a point passes, then bisecting,
+   within max_steps and the size budget.
 3. Return the smallest passing point's checkpoint (or, when none passed, the point closest to passing, marked so),
    with the search's evidence beside it: qgate-search.json and qgate-search.png.
 
@@ -27,9 +29,9 @@ from pathlib import Path
 
 from qgate.artifact import MANIFEST, Artifact, sha256_json, typed_config
 from qgate.cache import read_cached, write_cached
-from qgate.quantize.schemes import BUILT, smooths
+from qgate.quantize.schemes import BUILT, FallbackConfig, smooths
 from qgate.quantize.smoothing import cached_smoothing
-from qgate.search.plan import SearchConfig, fallback_order, max_count, next_count, predicted_bits, start_count
+from qgate.search.plan import SearchConfig, make_plan, next_count, rungs, scored_settings
 
 
 def _metric(results: list[dict], name: str) -> tuple[float, list | None]:
@@ -58,7 +60,6 @@ def search_checkpoint(
     point's shadow checks are not independent of its choice."""
     from qgate.gates.gating import numerics_key, shadow_check
     from qgate.quantize.compress import CalibOptions, quantize
-    from qgate.quantize.schemes import FallbackConfig
     from qgate.search.plot import plot_points
     from qgate.search.sensitivity import SensitivityConfig, fisher_sensitivity
 
@@ -66,24 +67,30 @@ def search_checkpoint(
     opts = opts or CalibOptions()
     out, cache_dir = Path(out), Path(cache_dir)
     scfg = SensitivityConfig(samples=cfg.samples, max_seq_length=opts.max_seq_length, seed=opts.seed)
+    ladder = rungs(scheme, cfg)
+    settings = scored_settings(ladder)  # KL estimated at each
     skey = sha256_json(
-        {"base": base.sha256, "calib": calib.sha256, "scheme": typed_config(scheme), "cfg": typed_config(scfg)}
+        {
+            "base": base.sha256,
+            "calib": calib.sha256,
+            "scheme": typed_config(scheme),
+            "cfg": typed_config(scfg),
+            "rungs": settings,
+        }
     )
     spath = cache_dir / f"sensitivity-{skey[:24]}.json"
     if (data := read_cached(spath)) is not None:
         sens = json.loads(data)
         echo(f"    sensitivity: cached ({sens['sequences']} sequences, {sens['tokens']} tokens)")
     else:
-        sens = fisher_sensitivity(base, calib, scheme, scfg)
+        sens = fisher_sensitivity(base, calib, scheme, scfg, settings)
         write_cached(spath, json.dumps(sens).encode())
         echo(f"    sensitivity: {len(sens['layers'])} layers from {sens['sequences']} sequences in {sens['seconds']}s")
     smoothed = cached_smoothing(base, calib, scheme, opts, cache_dir, echo) if smooths(scheme, kv) else None
     built = BUILT if smoothed else "full quantization"
-    order = fallback_order(sens["layers"])
-    kmax = max_count(
-        order, cfg.max_bits_per_weight, scheme.num_bits, cfg.fallback_bits, scheme.group_size, scheme.symmetric
-    )
-    k0 = start_count(order, cfg.start_share)
+    plan = make_plan(sens["layers"], ladder)
+    kmax = plan.max_count(cfg.max_bits_per_weight)
+    k0 = plan.start_count(cfg.start_share)
     tried: dict[int, bool] = {}
     points: list[dict] = []
     work = out / "_points"
@@ -91,7 +98,7 @@ def search_checkpoint(
     gate_runs = 0
     numerics = numerics_key(base, gate_cfg.device, gate_cfg.dtype)  # the points are gated in these numerics
     while len(points) < cfg.max_steps and (k := next_count(tried, k0, kmax)) is not None and k not in tried:
-        fb = FallbackConfig(tuple(r["layer"] for r in order[:k]), cfg.fallback_bits)
+        fb = point_overrides(plan.assignment(k), cfg, ladder)
         key = sha256_json(
             {
                 "base": base.sha256,
@@ -120,6 +127,7 @@ def search_checkpoint(
                 "k": k,
                 "verdict": chk["verdict"],
                 "layers": list(fb.layers),
+                "fine": list(fb.fine),
                 "weights_bytes": ckpt.meta["weights_bytes"],
                 "bits_per_weight": ckpt.meta["bits_per_weight"],
                 "kl_p99": kl,
@@ -135,7 +143,7 @@ def search_checkpoint(
         tried[k] = point["verdict"] == "pass"
         points.append(point)
         echo(
-            f"    k={k:>3} fallback layers: {point['verdict'].upper():12s} KL p99 {point['kl_p99']:.4g}  top-1 "
+            f"    k={k:>3} moves: {point['verdict'].upper():12s} KL p99 {point['kl_p99']:.4g}  top-1 "
             f"{point['top1']:.4f}  {point['bits_per_weight']:.2f} bits/weight{' (cached)' if point.get('cached') else ''}"
         )
         _prune(kept, points)
@@ -155,7 +163,7 @@ def search_checkpoint(
             work / f"k{ck:04d}",
             kv=kv,
             opts=opts,
-            fallback=FallbackConfig(tuple(chosen["layers"]), cfg.fallback_bits),
+            fallback=point_overrides(plan.assignment(ck), cfg, ladder),
             smoothed=smoothed,
         )
     for f in ckpt.path.iterdir():
@@ -163,15 +171,18 @@ def search_checkpoint(
             shutil.move(str(f), str(out / f.name))
     shutil.rmtree(work, ignore_errors=True)
     rank = {r["layer"]: i + 1 for i, r in enumerate(sens["layers"])}
+    row = {r["layer"]: r for r in sens["layers"]}
+    labels = {r.tag: r.label for r in ladder}
     fell = [
         {
-            "layer": r["layer"],
-            "params": r["params"],
-            "kl": r["kl"],
-            "kl_per_mparam": r["kl_per_mparam"],
-            "kl_rank": rank[r["layer"]],
+            "layer": layer,
+            "to": labels[tag],
+            "params": row[layer]["params"],
+            "kl": row[layer]["kl"],
+            "kl_per_mparam": row[layer]["kl_per_mparam"],
+            "kl_rank": rank[layer],
         }
-        for r in order[:ck]
+        for layer, tag in plan.assignment(ck).items()
     ]
     independent = confirm is not None and confirm.sha256 != shadow.sha256
     summary = {
@@ -188,20 +199,22 @@ def search_checkpoint(
         "smoothing_seconds": smoothed.meta.get("smoothing_seconds") if smoothed else None,
         "chosen_k": ck,
         "chosen_verdict": chosen["verdict"],
+        "layout": plan.layout(ck, len(sens["layers"])),
+        "rungs": [r.label for r in ladder],
         "fallback_bits": cfg.fallback_bits,
+        "fine_group_size": cfg.fine_group_size,
         "gate_runs": gate_runs,
         "points_tried": len(points),
         "seconds": round(time.perf_counter() - t_start, 1),
         "start_k": k0,
         "max_k": kmax,
-        "layers_total": len(order),
+        "layers_total": len(sens["layers"]),
+        "moves_total": len(plan.moves),
         "budget_bits_per_weight": cfg.max_bits_per_weight,
         "bits_per_weight": chosen["bits_per_weight"],
         "weights_bytes": chosen["weights_bytes"],
-        "uniform_bits_per_weight": round(
-            predicted_bits(order, 0, scheme.num_bits, cfg.fallback_bits, scheme.group_size, scheme.symmetric), 3
-        ),
-        "points": [{k: v for k, v in p.items() if k != "layers"} for p in points],
+        "uniform_bits_per_weight": round(plan.bits(0), 3),
+        "points": [{k: v for k, v in p.items() if k not in ("layers", "fine")} for p in points],
         "fallback": fell,
         "sensitivity": {k: v for k, v in sens.items() if k != "layers"} | {"top": sens["layers"][:20]},
         "note": None
@@ -213,6 +226,18 @@ def search_checkpoint(
     plot_points(points, gate_cfg.shadow.kl_p99_max, gate_cfg.shadow.top1_agreement_min, ck, out / "qgate-search.png")
     config = ckpt.config | {"search": typed_config(cfg)}
     return Artifact.create("checkpoint", out, config, ckpt.parents + (shadow.sha256,), ckpt.meta | {"search": summary})
+
+
+def point_overrides(assignment: dict[str, str], cfg: SearchConfig, ladder) -> FallbackConfig:
+    """The checkpoint's per-layer overrides for a plan's {layer: rung tag}."""
+    top = ladder[-1].tag
+    fine = tuple(x for x, t in assignment.items() if t != top)
+    return FallbackConfig(
+        tuple(x for x, t in assignment.items() if t == top),
+        cfg.fallback_bits,
+        fine,
+        cfg.fine_group_size if fine else None,
+    )
 
 
 def _prune(kept: dict[int, Artifact], points: list[dict]) -> None:

@@ -104,6 +104,7 @@ def _search_summary(search: dict | None) -> dict | None:
     if not search:
         return None
     return {k: search[k] for k in _SEARCH_KEYS} | {
+        "layout": search.get("layout"),
         "smoothing_seconds": search.get("smoothing_seconds"),
         "sensitivity_seconds": (search.get("sensitivity") or {}).get("seconds"),
         "point_seconds": [p.get("seconds") for p in search.get("points", [])],

@@ -178,7 +178,7 @@ def quantize(
         recipe = scheme.modifiers(kv, fallback) if fallback else scheme.modifiers(kv)
     if fallback:
         names = {n for n, _ in model.named_modules()}
-        unknown = [x for x in fallback.layers if x not in names]
+        unknown = [x for x in fallback.names() if x not in names]
         if unknown:
             raise ConfigError(
                 f"fallback layers not in the model: {unknown[:3]}",
@@ -206,6 +206,8 @@ def quantize(
         "kv_cache_dtype": kv.dtype if kv else None,
         "fallback_layers": list(fallback.layers) if fallback else [],
         "fallback_bits": fallback.bits if fallback else None,
+        "fine_group_layers": list(fallback.fine) if fallback else [],
+        "fine_group_size": fallback.fine_group_size if fallback and fallback.fine else None,
         "bits_per_weight": size["bits_per_weight"],
         "linear_bytes": size["linear_bytes"],
         "calibration_samples": kwargs.get("num_calibration_samples", 0),

@@ -35,18 +35,32 @@ class KVCacheConfig:
 
 @dataclass(frozen=True)
 class FallbackConfig:
-    """Per-layer precision overrides (what `qgate search` chooses): these Linear layers keep `bits` instead of the
-    scheme's; 8: group-wise int8 weights (W8A16) with the scheme's group size, 16: not quantized at all."""
+    """Per-layer precision overrides (what `qgate search` chooses). `layers` keep `bits` instead of the scheme's: 8,
+    group-wise int8 weights (W8A16) with the scheme's group size; 16, not quantized at all. `fine` layers keep the
+    scheme's bits with the smaller `fine_group_size`: a step between the scheme and W8 that costs a scale and a zero
+    point per group."""
 
     layers: tuple[str, ...] = ()
     bits: int = 8
-    VERSION: ClassVar[int] = 1
+    fine: tuple[str, ...] = ()
+    fine_group_size: int | None = None
+    VERSION: ClassVar[int] = 2
 
     def __post_init__(self):
         if self.bits not in (8, 16):
             raise ConfigError(f"search.fallback_bits must be 8 (W8A16) or 16 (unquantized), got {self.bits}")
-        if len(set(self.layers)) != len(self.layers) or not all(isinstance(x, str) and x for x in self.layers):
-            raise ConfigError(f"fallback layers must be unique module names, got {list(self.layers)[:5]}")
+        for what, names in (("fallback", self.layers), ("fine-group", self.fine)):
+            if len(set(names)) != len(names) or not all(isinstance(x, str) and x for x in names):
+                raise ConfigError(f"{what} layers must be unique module names, got {list(names)[:5]}")
+        if both := sorted(set(self.layers) & set(self.fine)):
+            raise ConfigError(f"a layer is either a fallback or a fine-group layer, not both: {both[:3]}")
+        g = self.fine_group_size
+        if self.fine and (not isinstance(g, int) or g <= 0 or g & (g - 1)):
+            raise ConfigError(f"fine-group layers need a fine_group_size that is a power of two, got {g!r}")
+
+    def names(self) -> tuple[str, ...]:
+        """Every layer this config overrides."""
+        return self.layers + self.fine
 
 
 def _weight_scheme(
@@ -93,8 +107,9 @@ class _GroupWise:
     def groups(
         self, fallback: FallbackConfig | None, symmetric: bool, actorder: str | None = None
     ) -> tuple[dict, list[str]]:
-        """(config_groups, ignore): the scheme on every Linear; fallback layers named exactly, which compressed-tensors
-        matches before the class name, so they take the W8 group (or join the ignore list when unquantized)."""
+        """(config_groups, ignore): the scheme on every Linear; fallback and fine-group layers named exactly, which
+        compressed-tensors matches before the class name, so they take the W8 group (or join the ignore list when
+        unquantized) or the scheme's bits at the fine group size."""
         groups = {"group_0": _weight_scheme(self.num_bits, self.group_size, symmetric, actorder)}
         ignore = list(self.ignore)
         if fallback and fallback.layers:
@@ -102,6 +117,10 @@ class _GroupWise:
                 ignore += list(fallback.layers)
             else:
                 groups["group_1"] = _weight_scheme(8, self.group_size, symmetric, actorder, fallback.layers)
+        if fallback and fallback.fine:
+            groups["group_2"] = _weight_scheme(
+                self.num_bits, fallback.fine_group_size, symmetric, actorder, fallback.fine
+            )
         return groups, ignore
 
 
@@ -214,12 +233,16 @@ def scheme_config(name: str, where: str = "options", **overrides: Any):
 
 
 def weight_format(cfg, fallback: FallbackConfig | None = None) -> str:
-    """'w4a16' / 'w8a16' / 'fp8', or 'w4a16+w8a16' (mixed, per layer): what an engine needs to pick a kernel path."""
+    """'w4a16' / 'w8a16' / 'fp8', or a per-layer mix joined by '+': 'w4a16+w8a16', 'w4a16+unquantized', with
+    'w4a16g32' for fine-group layers (e.g. 'w4a16+w4a16g32+w8a16'). What an engine needs to pick a kernel path."""
     if isinstance(cfg, FP8Config):
         return "fp8"
+    parts = [f"w{cfg.num_bits}a16"]
+    if fallback and fallback.fine:
+        parts.append(f"w{cfg.num_bits}a16g{fallback.fine_group_size}")
     if fallback and fallback.layers and cfg.num_bits < fallback.bits:
-        return f"w{cfg.num_bits}a16+" + ("w8a16" if fallback.bits == 8 else "unquantized")
-    return f"w{cfg.num_bits}a16"
+        parts.append("w8a16" if fallback.bits == 8 else "unquantized")
+    return "+".join(parts)
 
 
 BUILT = "rtn on AWQ-smoothed weights"  # how a checkpoint made from cached AWQ smoothing says it was made

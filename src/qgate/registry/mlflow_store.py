@@ -352,11 +352,16 @@ def _version_tags(
         tags["qgate.bits_per_weight"] = f"{candidate.meta['bits_per_weight']:.3f}"
     if search := candidate.meta.get("search"):  # what a search traded: which layers fell back, at what size
         layers = ",".join(candidate.meta.get("fallback_layers", [])) or "-"
+        fine = ",".join(candidate.meta.get("fine_group_layers", [])) or "-"
         tags |= {
             "qgate.search.fallback_layers": layers
             if len(layers) < 4000
-            else f"{search['chosen_k']} layers (see the report)",
-            "qgate.search.fallback_count": str(search["chosen_k"]),
+            else f"{len(candidate.meta['fallback_layers'])} layers (see the report)",
+            "qgate.search.fine_group_layers": fine
+            if len(fine) < 4000
+            else f"{len(candidate.meta['fine_group_layers'])} layers at group size {candidate.meta.get('fine_group_size')} (see the report)",
+            "qgate.search.fallback_count": str(len(candidate.meta.get("fallback_layers", []))),
+            "qgate.search.moves": str(search["chosen_k"]),
             "qgate.search.found": str(search["found"]).lower(),
             "qgate.search.points_tried": str(search["points_tried"]),
         }

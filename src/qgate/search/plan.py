@@ -1,12 +1,18 @@
-"""Which fallback count to gate next: pure functions, no model.
+"""Which layers to move to which setting, and how many moves to gate next: pure functions, no model.
 
-    order = fallback_order(ranking["layers"])          # most KL removed per byte first
+    ladder = rungs(scheme, SearchConfig(fine_group_size=32))   # W4 g64 -> W4 g32 -> W8 g64, bits per weight each
+    plan = make_plan(ranking["layers"], ladder, scheme.symmetric)
+    plan.assignment(12)                                         # {layer: rung tag} after the 12 best moves
     k = next_count(tried={8: False, 16: True}, start=8, max_count=40)   # -> 12
 
-Layers fall back in order of estimated KL per parameter (the greedy knapsack order: the extra bytes of a W8 layer are
-proportional to its parameters), so the k-layer point is a prefix of the (k+1)-layer one and gating quality can be
-treated as monotone in k. The search doubles k from `start` until a point passes, then bisects between the largest
-failing and the smallest passing count. Counts above `max_count` (the size budget) are never tried.
+Each quantized layer can sit on a ladder of rungs: the scheme's own setting, optionally the same bits at a finer group
+size, and the fallback (W8A16 or unquantized). A move takes one layer one step up its ladder; it costs the extra bits
+times the layer's parameters and removes the estimated KL difference between the two rungs. Per layer, only the steps
+on the lower convex hull of (bits, KL) are moves (a rung that costs more and removes less per bit than the next is
+skipped), so a layer's moves come in order of falling gain and the moves of all layers can be sorted by gain (the greedy
+multiple-choice knapsack). The k-move point is then a prefix of the (k+1)-move one and gating quality can be treated
+as monotone in k. The search doubles k from `start` until a point passes, then bisects between the largest failing
+and the smallest passing count. Counts above `max_count` (the size budget) are never tried.
 """
 
 from __future__ import annotations
@@ -20,15 +26,19 @@ from qgate.errors import ConfigError
 @dataclass(frozen=True)
 class SearchConfig:
     fallback_bits: int = 8  # 8: fallen-back layers become W8A16; 16: they stay unquantized
+    fine_group_size: int | None = None  # a rung between the scheme and the fallback: its bits at this group size
     max_steps: int = 6  # gate runs (each: a real quantization and the shadow gate)
     max_bits_per_weight: float | None = None  # size budget over the quantized layers; None: up to every layer
     samples: int = 32  # calibration sequences for the sensitivity pass
-    start_share: float = 0.5  # first point: the fewest layers holding this share of the estimated KL
-    VERSION: ClassVar[int] = 1
+    start_share: float = 0.5  # first point: the fewest moves removing this share of the estimated KL
+    VERSION: ClassVar[int] = 2
 
     def __post_init__(self):
         if self.fallback_bits not in (8, 16):
             raise ConfigError(f"search.fallback_bits must be 8 or 16, got {self.fallback_bits}")
+        g = self.fine_group_size
+        if g is not None and (not isinstance(g, int) or g < 16 or g & (g - 1)):
+            raise ConfigError(f"search.fine_group_size must be a power of two of at least 16, got {g!r}")
         if self.max_steps < 1:
             raise ConfigError(f"search.max_steps must be >= 1, got {self.max_steps}")
         if self.max_bits_per_weight is not None and self.max_bits_per_weight <= 0:
@@ -39,56 +49,147 @@ class SearchConfig:
             raise ConfigError(f"search.samples must be >= 1, got {self.samples}")
 
 
-def fallback_order(layers: list[dict]) -> list[dict]:
-    return sorted(layers, key=lambda r: (-r["kl_per_mparam"], r["layer"]))
+@dataclass(frozen=True)
+class Rung:
+    tag: str  # as in a ranking's kl_at: '4g64'; 'fp' for unquantized
+    bits: int
+    group_size: int | None
+    per_weight: float  # bits per weight as compressed-tensors stores it
+    label: str  # for people: 'W4A16 g32', 'W8A16', 'unquantized'
 
 
-def start_count(order: list[dict], share: float) -> int:
-    """The fewest layers whose estimated KL adds up to `share` of the total (at least 1)."""
-    total = sum(r["kl"] for r in order)
-    if total <= 0:
-        return 1
-    acc = 0.0
-    for k, r in enumerate(order, 1):
-        acc += r["kl"]
-        if acc >= share * total:
-            return k
-    return len(order)
+def bits_per_weight(bits: int, group_size: int | None, symmetric: bool, scale_bits: int = 32) -> float:
+    """Codes, one scale per group (`scale_bits`: the checkpoint's float32) and, when asymmetric, a packed zero point
+    per group of the code width. Unquantized weights keep 32 bits."""
+    if bits >= 16 or not group_size:
+        return 32.0
+    return bits + (scale_bits + (0 if symmetric else bits)) / group_size
 
 
-def predicted_bits(
-    order: list[dict],
-    k: int,
-    bits: int,
-    fallback_bits: int,
-    group_size: int,
-    symmetric: bool = False,
-    scale_bits: int = 32,
-) -> float:
-    """Bits per weight of the quantized layers with the first k fallen back, as compressed-tensors stores them: the codes,
-    one scale per group (`scale_bits`: the checkpoint's float32) and, when asymmetric, a packed zero point per group
-    of the code width. Unquantized fallback layers keep 32-bit weights. Measured values are reported for every point."""
+def rungs(scheme, cfg: SearchConfig) -> list[Rung]:
+    """The ladder every layer can climb: the scheme, the finer group size (when set), the fallback."""
+    sym = scheme.symmetric
 
-    def per_weight(b: int) -> float:
-        if b >= 16:
-            return 32.0
-        return b + (scale_bits + (0 if symmetric else b)) / group_size
+    def rung(bits: int, g: int | None, label: str) -> Rung:
+        return Rung("fp" if bits >= 16 else f"{bits}g{g}", bits, g, bits_per_weight(bits, g, sym), label)
 
-    params = sum(r["params"] for r in order)
-    hi = sum(r["params"] for r in order[:k])
-    return ((params - hi) * per_weight(bits) + hi * per_weight(fallback_bits)) / params
+    out = [rung(scheme.num_bits, scheme.group_size, f"W{scheme.num_bits}A16 g{scheme.group_size}")]
+    if cfg.fine_group_size:
+        if cfg.fine_group_size >= scheme.group_size:
+            raise ConfigError(
+                f"search.fine_group_size {cfg.fine_group_size} must be below the scheme's group_size "
+                f"{scheme.group_size}: it is the finer step between the scheme and the fallback"
+            )
+        out.append(rung(scheme.num_bits, cfg.fine_group_size, f"W{scheme.num_bits}A16 g{cfg.fine_group_size}"))
+    fb = cfg.fallback_bits
+    out.append(rung(fb, None if fb >= 16 else scheme.group_size, "W8A16" if fb == 8 else "unquantized"))
+    return out
 
 
-def max_count(
-    order: list[dict], budget: float | None, bits: int, fallback_bits: int, group_size: int, symmetric: bool = False
-) -> int:
-    """The largest k whose predicted bits per weight stay within `budget` (every layer when None)."""
-    if budget is None:
-        return len(order)
-    k = 0
-    while k < len(order) and predicted_bits(order, k + 1, bits, fallback_bits, group_size, symmetric) <= budget:
-        k += 1
-    return k
+def scored_settings(ladder: list[Rung]) -> tuple[tuple[int, int], ...]:
+    """The (bits, group size) settings beyond the scheme's whose KL the sensitivity pass estimates (an unquantized
+    rung adds none)."""
+    return tuple((r.bits, r.group_size) for r in ladder[1:] if r.bits < 16 and r.group_size)
+
+
+def _kl(row: dict, r: Rung, first: bool) -> float | None:
+    if first:
+        return row["kl"]
+    if r.bits >= 16:
+        return 0.0
+    at = row.get("kl_at") or {}
+    if r.tag in at:
+        return at[r.tag]
+    return 0.0 if r.bits >= 8 else None  # a ranking without this rung: W8's error is taken as none, a finer W4 skipped
+
+
+def _hull_moves(row: dict, ladder: list[Rung]) -> list[dict]:
+    """A layer's moves: the steps of the lower convex hull of (bits per weight, KL) from its first rung."""
+    pts = [(r.per_weight, kl, r) for i, r in enumerate(ladder) if (kl := _kl(row, r, i == 0)) is not None]
+    moves, cur = [], pts[0]
+    while True:
+        best = None
+        for p in pts:
+            if p[0] > cur[0] and p[1] < cur[1]:
+                gain = (cur[1] - p[1]) / (p[0] - cur[0])
+                if best is None or gain > best[0] or (gain == best[0] and p[0] > best[1][0]):
+                    best = (gain, p)
+        if best is None:
+            return moves
+        gain, nxt = best  # KL removed per bit per weight
+        moves.append(
+            {
+                "layer": row["layer"],
+                "params": row["params"],
+                "from": cur[2].tag,
+                "to": nxt[2].tag,
+                "dbits": nxt[0] - cur[0],
+                "kl": cur[1] - nxt[1],
+                "kl_per_mbit": gain / (row["params"] / 1e6),  # KL removed per million bits added
+                "step": len(moves),
+            }
+        )
+        cur = nxt
+
+
+@dataclass(frozen=True)
+class Plan:
+    moves: tuple[dict, ...]  # most KL removed per bit first
+    params: int  # the quantized layers' parameters
+    base_bits: float  # bits per weight with every layer on the first rung
+    total_kl: float  # the estimated KL with every layer on the first rung
+    labels: dict  # rung tag -> label
+
+    def bits(self, k: int) -> float:
+        """Predicted bits per weight of the quantized layers after the first k moves (measured for every point)."""
+        return self.base_bits + sum(m["dbits"] * m["params"] for m in self.moves[:k]) / self.params
+
+    def max_count(self, budget: float | None) -> int:
+        """The largest k whose predicted bits per weight stay within `budget` (every move when None)."""
+        if budget is None:
+            return len(self.moves)
+        k = 0
+        while k < len(self.moves) and self.bits(k + 1) <= budget:
+            k += 1
+        return k
+
+    def start_count(self, share: float) -> int:
+        """The fewest moves whose estimated KL removed adds up to `share` of the total (at least 1)."""
+        if self.total_kl <= 0:
+            return 1
+        acc = 0.0
+        for k, m in enumerate(self.moves, 1):
+            acc += m["kl"]
+            if acc >= share * self.total_kl:
+                return k
+        return len(self.moves)
+
+    def assignment(self, k: int) -> dict[str, str]:
+        """{layer: rung tag} for the layers the first k moves took off their first rung, in move order."""
+        out: dict[str, str] = {}
+        for m in self.moves[:k]:
+            out[m["layer"]] = m["to"]
+        return out
+
+    def layout(self, k: int, layers_total: int) -> str:
+        """'40 of 210 layers moved: 12 to W8A16, 28 to W4A16 g32'."""
+        got = self.assignment(k)
+        counts = [(self.labels[t], sum(1 for v in got.values() if v == t)) for t in self.labels]
+        parts = [f"{n} to {label}" for label, n in counts if n]
+        return f"{len(got)} of {layers_total} layers moved" + (f": {', '.join(parts)}" if parts else "")
+
+
+def make_plan(layers: list[dict], ladder: list[Rung]) -> Plan:
+    """The moves of every layer (a ranking's rows: layer, params, kl and kl_at), sorted by gain."""
+    moves = [m for row in layers for m in _hull_moves(row, ladder)]
+    moves.sort(key=lambda m: (-m["kl_per_mbit"], m["layer"], m["step"]))
+    return Plan(
+        tuple(moves),
+        sum(r["params"] for r in layers),
+        ladder[0].per_weight,
+        sum(r["kl"] for r in layers),
+        {r.tag: r.label for r in ladder[1:]},
+    )
 
 
 def next_count(tried: dict[int, bool], start: int, max_count: int) -> int | None:

@@ -1,6 +1,7 @@
 """Per-layer sensitivity: the KL divergence one layer's quantization error adds, to second order (diagonal Fisher).
 
     ranking = fisher_sensitivity(base_art, calib_art, AWQConfig(group_size=64), SensitivityConfig(samples=32))
+    ranking = fisher_sensitivity(base_art, calib_art, scheme, cfg, rungs=((4, 32), (8, 64)))  # and at these too
 
 For a small weight perturbation d, KL(p_w || p_{w+d}) ~= 1/2 d^T F d, with F the Fisher information of the model's own
 next-token distribution. F's diagonal is estimated from gradients of log p(y|x) at labels y *sampled from the model*
@@ -11,7 +12,8 @@ sequence's summed log-likelihood is an unbiased estimate of the Fisher summed ov
     1/2 * sum_i F_ii * d_i^2 / tokens,   d = RTN(W) - W at the scheme's bits, group size and symmetry,
 
 the expected per-token KL (nats) if that layer alone were quantized. One forward and one backward pass per calibration
-sequence scores every layer at once.
+sequence scores every layer at once. The Fisher diagonal is accumulated, so the same pass also gives each layer's KL at
+other (bits, group size) settings, the rungs a search can move a layer to.
 
 Cost: one forward + one backward per sequence (about three forwards) and one set of weight gradients. For a 7B model in
 bf16 on one 80 GB GPU: 14 GB of weights, 14 GB of gradients and one sequence's activations; 32 sequences of 512 tokens
@@ -36,7 +38,7 @@ class SensitivityConfig:
     samples: int = 32  # calibration sequences
     max_seq_length: int = 256
     seed: int = 0  # the labels sampled from the model
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
 
     def __post_init__(self):
         if self.samples < 1 or self.max_seq_length < 8:
@@ -74,8 +76,21 @@ def quantized_linears(model, scheme) -> dict:
     }
 
 
-def fisher_sensitivity(base: Artifact, calib: Artifact, scheme, cfg: SensitivityConfig = SensitivityConfig()) -> dict:
-    """{"layers": [{"layer", "params", "kl", "kl_per_mparam"} sorted by kl, descending], "tokens", "sequences", "seconds"}."""
+def rung_tag(bits: int, group_size: int) -> str:
+    """The name of a (bits, group size) setting in a ranking's `kl_at`: '4g64', '8g64'."""
+    return f"{bits}g{group_size}"
+
+
+def fisher_sensitivity(
+    base: Artifact,
+    calib: Artifact,
+    scheme,
+    cfg: SensitivityConfig = SensitivityConfig(),
+    rungs: tuple[tuple[int, int], ...] = (),
+) -> dict:
+    """{"layers": [{"layer", "params", "kl", "kl_per_mparam", "kl_at"} sorted by kl, descending], "tokens",
+    "sequences", "seconds"}. kl is at the scheme's own setting; kl_at[rung_tag(bits, group)] at the scheme's and at
+    each of `rungs` (bits, group size)."""
     import torch
 
     from qgate.progress import progress
@@ -93,13 +108,10 @@ def fisher_sensitivity(base: Artifact, calib: Artifact, scheme, cfg: Sensitivity
     layers = quantized_linears(model, scheme)
     for p in model.parameters():
         p.requires_grad_(False)
-    deltas = {}
+    fisher = {}
     for name, mod in layers.items():
         mod.weight.requires_grad_(True)
-        deltas[name] = (
-            rtn_error(mod.weight.detach(), scheme.num_bits, scheme.group_size, scheme.symmetric) ** 2
-        )  # [O, I]
-    acc = {name: 0.0 for name in layers}
+        fisher[name] = torch.zeros_like(mod.weight)  # [O, I]: the summed squared scores
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens, t0 = 0, time.perf_counter()
     for row in progress(rows, desc="search: layer sensitivity", unit="seq"):
@@ -112,9 +124,18 @@ def fisher_sensitivity(base: Artifact, calib: Artifact, scheme, cfg: Sensitivity
         loss.backward()
         with torch.no_grad():
             for name, mod in layers.items():
-                acc[name] += float((mod.weight.grad**2 * deltas[name]).sum())
+                fisher[name].add_(mod.weight.grad**2)
         tokens += ids.shape[1]
-    out = [{"layer": n, "params": layers[n].weight.numel(), "kl": 0.5 * acc[n] / tokens} for n in layers]
+    settings = list(dict.fromkeys([(scheme.num_bits, scheme.group_size), *rungs]))
+    out = []
+    with torch.no_grad():
+        for name, mod in layers.items():
+            w = mod.weight.detach()
+            kl_at = {
+                rung_tag(b, g): 0.5 * float((fisher[name] * rtn_error(w, b, g, scheme.symmetric) ** 2).sum()) / tokens
+                for b, g in settings
+            }
+            out.append({"layer": name, "params": w.numel(), "kl": kl_at[rung_tag(*settings[0])], "kl_at": kl_at})
     for r in out:
         r["kl_per_mparam"] = r["kl"] / (r["params"] / 1e6)
     out.sort(key=lambda r: -r["kl"])
