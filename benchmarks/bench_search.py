@@ -70,6 +70,12 @@ def main() -> int:
     rows = []
     for k in (int(x) for x in args.points.split(",")):
         fb = point_overrides(plan.assignment(k), scfg, ladder)
+        if fb.fine:
+            raise SystemExit(
+                f"k={k} moves {len(fb.fine)} layers to group size {fb.fine_group_size}: a full AWQ run cannot build that "
+                "point (llm-compressor smooths a mapping's layers with one group size), so there is nothing to compare; "
+                "pick a k below the first finer-group move, or a spec without search.fine_group_size"
+            )
         row = {"k": k, "layout": plan.layout(k, len(sens["layers"]))}
         for how in ("smoothed", "real"):
             t = time.perf_counter()

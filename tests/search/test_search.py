@@ -330,6 +330,30 @@ def test_fine_group_layers_quantize_and_the_cpu_engine_serves_them_exactly(plant
     assert by["engine_vs_checkpoint.top1_agreement"] > 0.99
 
 
+def test_gptq_quantizes_fine_group_layers_each_on_its_own(planted):
+    """GPTQ, whose points are quantized in full, takes layers of two group sizes in one run (AWQ's full run cannot:
+    pipeline/search.fine_groups_refusal)."""
+    from safetensors.torch import load_file
+
+    from qgate.quantize.compress import CalibOptions, quantize
+    from qgate.quantize.schemes import FallbackConfig, scheme_config
+
+    d, base, arts = planted
+    fb = FallbackConfig((), 8, (PLANTED[1],), 16)
+    ckpt = quantize(
+        base,
+        arts["calib"],
+        scheme_config("gptq-w4a16", group_size=32),
+        d / "gptq-fine",
+        opts=CalibOptions(max_seq_length=64),
+        fallback=fb,
+    )
+    state = load_file(str(ckpt.path / "model.safetensors"))
+    for layer, group in ((PLANTED[1], 16), (PLANTED[0], 32)):
+        assert state[f"{layer}.weight_scale"].shape[1] == state[f"{layer}.weight_shape"].tolist()[1] // group
+    assert ckpt.meta["weight_format"] == "w4a16+w4a16g16"
+
+
 def test_search_that_cannot_pass_says_so_and_keeps_the_closest_point(planted):
     from qgate.pipeline.search import search_checkpoint
     from qgate.quantize.compress import CalibOptions
@@ -382,6 +406,16 @@ def test_spec_search_key_is_strict(tmp_path, workdir):
     )
     with pytest.raises(ConfigError, match="no per-layer fallback"):
         load_spec(fp8)
+    fine = {"max_steps": 3, "fine_group_size": 16}
+    awq_fine = {"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32}, "search": fine}
+    assert load_spec(pipeline_spec(tmp_path, workdir, variants=[awq_fine], calibrate=split)).variants[0].search == fine
+    full_awq = pipeline_spec(tmp_path, workdir, variants=[awq_fine | {"kv_cache": "fp8"}], calibrate=split)
+    with pytest.raises(ConfigError, match=r"variants\[0\]\.search: fine_group_size needs .* full AWQ run"):
+        load_spec(full_awq)  # llm-compressor's AWQ cannot smooth two group sizes in one mapping
+    gptq = pipeline_spec(
+        tmp_path, workdir, variants=[awq_fine | {"scheme": "gptq-w4a16", "kv_cache": "fp8"}], calibrate=split
+    )
+    assert load_spec(gptq).variants[0].kv_cache == "fp8"  # GPTQ quantizes each layer on its own
 
 
 def test_pipeline_search_chooses_on_its_own_split_and_the_shadow_split_confirms(tmp_path, workdir):

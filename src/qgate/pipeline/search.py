@@ -29,6 +29,7 @@ from pathlib import Path
 
 from qgate.artifact import MANIFEST, Artifact, sha256_json, typed_config
 from qgate.cache import read_cached, write_cached
+from qgate.errors import ConfigError
 from qgate.quantize.schemes import BUILT, FallbackConfig, smooths
 from qgate.quantize.smoothing import cached_smoothing
 from qgate.search.plan import SearchConfig, make_plan, next_count, rungs, scored_settings
@@ -86,6 +87,8 @@ def search_checkpoint(
         sens = fisher_sensitivity(base, calib, scheme, scfg, settings)
         write_cached(spath, json.dumps(sens).encode())
         echo(f"    sensitivity: {len(sens['layers'])} layers from {sens['sequences']} sequences in {sens['seconds']}s")
+    if reason := fine_groups_refusal(scheme, kv, cfg):
+        raise ConfigError(f"search: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
     smoothed = cached_smoothing(base, calib, scheme, opts, cache_dir, echo) if smooths(scheme, kv) else None
     built = BUILT if smoothed else "full quantization"
     plan = make_plan(sens["layers"], ladder)
@@ -226,6 +229,19 @@ def search_checkpoint(
     plot_points(points, gate_cfg.shadow.kl_p99_max, gate_cfg.shadow.top1_agreement_min, ck, out / "qgate-search.png")
     config = ckpt.config | {"search": typed_config(cfg)}
     return Artifact.create("checkpoint", out, config, ckpt.parents + (shadow.sha256,), ckpt.meta | {"search": summary})
+
+
+def fine_groups_refusal(scheme, kv, cfg: SearchConfig) -> str | None:
+    """Why finer-group layers cannot be built for this variant, or None. An AWQ variant whose points are quantized in
+    full (with a KV-cache scheme, its smoothing is not cached) would run llm-compressor's AWQ with layers of two group
+    sizes in one smoothing mapping, which it cannot: the scales it computes for one group size are applied to the
+    other's weights. Points built from the cached smoothing, and GPTQ points, quantize each layer on its own."""
+    if cfg.fine_group_size and hasattr(scheme, "rtn_modifiers") and not smooths(scheme, kv):
+        return (
+            "fine_group_size needs this AWQ variant's points built from its cached smoothing, and a KV-cache scheme "
+            "makes every point a full AWQ run, which cannot smooth layers of two group sizes together"
+        )
+    return None
 
 
 def point_overrides(assignment: dict[str, str], cfg: SearchConfig, ladder) -> FallbackConfig:

@@ -184,14 +184,18 @@ class PipelineSpec(_Strict):
 
 def search_config(v: VariantSpec, where: str = "search"):
     """The variant's SearchConfig; ConfigError when its scheme has no per-layer fallback."""
-    from qgate.quantize.schemes import scheme_config
+    from qgate.pipeline.search import fine_groups_refusal
+    from qgate.quantize.schemes import KVCacheConfig, scheme_config
     from qgate.search.plan import SearchConfig
 
     cfg = build_config(SearchConfig, v.search or {}, where)
-    if not hasattr(scheme_config(v.scheme, **v.options), "group_size"):
+    scheme = scheme_config(v.scheme, **v.options)
+    if not hasattr(scheme, "group_size"):
         raise ConfigError(
             f"{where}: scheme {v.scheme} has no per-layer fallback", hint="search awq-w4a16 or gptq-w4a16"
         )
+    if reason := fine_groups_refusal(scheme, KVCacheConfig(v.kv_cache) if v.kv_cache else None, cfg):
+        raise ConfigError(f"{where}: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
     return cfg
 
 
