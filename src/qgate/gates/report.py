@@ -237,13 +237,14 @@ def _coverage(s: dict) -> str:
     return f"<p><b>Caveat</b>: {html.escape(s['caveat'])}. Raise the limit to score them whole.</p>"
 
 
+def _fallback_label(s: dict) -> str:
+    return "W8A16" if s["fallback_bits"] == 8 else "full precision"
+
+
 def search_layout(s: dict) -> str:
-    """What a search chose, in words: '40 of 210 layers moved: 12 to W8A16, 28 to W4A16 g32'."""
-    if s.get("layout"):
-        return s["layout"]
-    return (
-        f"{s['chosen_k']} of {s['layers_total']} layers at {'W8A16' if s['fallback_bits'] == 8 else 'full precision'}"
-    )
+    """What a search chose, in words: '40 of 210 layers moved: 12 to W8A16, 28 to W4A16 g32'. A search recorded
+    before finer-group rungs names only its fallback."""
+    return s.get("layout") or f"{s['chosen_k']} of {s['layers_total']} layers at {_fallback_label(s)}"
 
 
 def _search(report: dict) -> str:
@@ -256,7 +257,7 @@ def _search(report: dict) -> str:
         if plot.is_file()
         else ""
     )
-    fallback = "W8A16" if s["fallback_bits"] == 8 else "full precision"
+    fallback = _fallback_label(s)
     rows = "".join(
         f"<tr><td>{i}</td><td><code>{html.escape(f['layer'])}</code></td><td>{html.escape(f.get('to', fallback))}</td>"
         f"<td>{f['params']:,}</td><td>{f['kl']:.3g}</td><td>{f['kl_per_mparam']:.3g}</td><td>{f['kl_rank']}</td></tr>"

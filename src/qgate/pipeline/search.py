@@ -68,6 +68,8 @@ def search_checkpoint(
     opts = opts or CalibOptions()
     out, cache_dir = Path(out), Path(cache_dir)
     scfg = SensitivityConfig(samples=cfg.samples, max_seq_length=opts.max_seq_length, seed=opts.seed)
+    if reason := fine_groups_refusal(scheme, kv, cfg):
+        raise ConfigError(f"search: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
     ladder = rungs(scheme, cfg)
     settings = scored_settings(ladder)  # KL estimated at each
     skey = sha256_json(
@@ -87,8 +89,6 @@ def search_checkpoint(
         sens = fisher_sensitivity(base, calib, scheme, scfg, settings)
         write_cached(spath, json.dumps(sens).encode())
         echo(f"    sensitivity: {len(sens['layers'])} layers from {sens['sequences']} sequences in {sens['seconds']}s")
-    if reason := fine_groups_refusal(scheme, kv, cfg):
-        raise ConfigError(f"search: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
     smoothed = cached_smoothing(base, calib, scheme, opts, cache_dir, echo) if smooths(scheme, kv) else None
     built = BUILT if smoothed else "full quantization"
     plan = make_plan(sens["layers"], ladder)
@@ -129,8 +129,6 @@ def search_checkpoint(
             point = {
                 "k": k,
                 "verdict": chk["verdict"],
-                "layers": list(fb.layers),
-                "fine": list(fb.fine),
                 "weights_bytes": ckpt.meta["weights_bytes"],
                 "bits_per_weight": ckpt.meta["bits_per_weight"],
                 "kl_p99": kl,
@@ -217,7 +215,7 @@ def search_checkpoint(
         "bits_per_weight": chosen["bits_per_weight"],
         "weights_bytes": chosen["weights_bytes"],
         "uniform_bits_per_weight": round(plan.bits(0), 3),
-        "points": [{k: v for k, v in p.items() if k not in ("layers", "fine")} for p in points],
+        "points": points,
         "fallback": fell,
         "sensitivity": {k: v for k, v in sens.items() if k != "layers"} | {"top": sens["layers"][:20]},
         "note": None

@@ -33,6 +33,10 @@ class KVCacheConfig:
         return QuantizationArgs(num_bits=8, type=kind, strategy="tensor", dynamic=False, symmetric=True)
 
 
+def _power_of_two(n) -> bool:
+    return isinstance(n, int) and n > 0 and not n & (n - 1)
+
+
 @dataclass(frozen=True)
 class FallbackConfig:
     """Per-layer precision overrides (what `qgate search` chooses). `layers` keep `bits` instead of the scheme's: 8,
@@ -54,9 +58,10 @@ class FallbackConfig:
                 raise ConfigError(f"{what} layers must be unique module names, got {list(names)[:5]}")
         if both := sorted(set(self.layers) & set(self.fine)):
             raise ConfigError(f"a layer is either a fallback or a fine-group layer, not both: {both[:3]}")
-        g = self.fine_group_size
-        if self.fine and (not isinstance(g, int) or g <= 0 or g & (g - 1)):
-            raise ConfigError(f"fine-group layers need a fine_group_size that is a power of two, got {g!r}")
+        if self.fine and not _power_of_two(self.fine_group_size):
+            raise ConfigError(
+                f"fine-group layers need a fine_group_size that is a power of two, got {self.fine_group_size!r}"
+            )
 
     def names(self) -> tuple[str, ...]:
         """Every layer this config overrides."""
@@ -82,7 +87,7 @@ class _GroupWise:
     num_bits: ClassVar[int] = 4
 
     def __post_init__(self):
-        if self.group_size <= 0 or self.group_size & (self.group_size - 1):
+        if not _power_of_two(self.group_size):
             raise ConfigError(
                 f"{type(self).__name__}.group_size must be a positive power of two, got {self.group_size}"
             )

@@ -318,6 +318,12 @@ MODEL_DESCRIPTION = """Quantized variants gated by **qgate** against the baselin
 """
 
 
+def _names_tag(names: list[str], what: str = "layers") -> str:
+    """Layer names for a tag: comma-joined, '-' for none, their count when too long for MLflow's tag value."""
+    joined = ",".join(names) or "-"
+    return joined if len(joined) < 4000 else f"{len(names)} {what} (see the report)"
+
+
 def _version_tags(
     gate: Artifact,
     candidate: Artifact,
@@ -351,16 +357,14 @@ def _version_tags(
     if candidate.meta.get("bits_per_weight") is not None:
         tags["qgate.bits_per_weight"] = f"{candidate.meta['bits_per_weight']:.3f}"
     if search := candidate.meta.get("search"):  # what a search traded: which layers fell back, at what size
-        layers = ",".join(candidate.meta.get("fallback_layers", [])) or "-"
-        fine = ",".join(candidate.meta.get("fine_group_layers", [])) or "-"
+        fallback = candidate.meta.get("fallback_layers", [])
         tags |= {
-            "qgate.search.fallback_layers": layers
-            if len(layers) < 4000
-            else f"{len(candidate.meta['fallback_layers'])} layers (see the report)",
-            "qgate.search.fine_group_layers": fine
-            if len(fine) < 4000
-            else f"{len(candidate.meta['fine_group_layers'])} layers at group size {candidate.meta.get('fine_group_size')} (see the report)",
-            "qgate.search.fallback_count": str(len(candidate.meta.get("fallback_layers", []))),
+            "qgate.search.fallback_layers": _names_tag(fallback),
+            "qgate.search.fine_group_layers": _names_tag(
+                candidate.meta.get("fine_group_layers", []),
+                f"layers at group size {candidate.meta.get('fine_group_size')}",
+            ),
+            "qgate.search.fallback_count": str(len(fallback)),
             "qgate.search.moves": str(search["chosen_k"]),
             "qgate.search.found": str(search["found"]).lower(),
             "qgate.search.points_tried": str(search["points_tried"]),

@@ -1,7 +1,7 @@
 """Which layers to move to which setting, and how many moves to gate next: pure functions, no model.
 
     ladder = rungs(scheme, SearchConfig(fine_group_size=32))   # W4 g64 -> W4 g32 -> W8 g64, bits per weight each
-    plan = make_plan(ranking["layers"], ladder, scheme.symmetric)
+    plan = make_plan(ranking["layers"], ladder)
     plan.assignment(12)                                         # {layer: rung tag} after the 12 best moves
     k = next_count(tried={8: False, 16: True}, start=8, max_count=40)   # -> 12
 
@@ -58,6 +58,11 @@ class Rung:
     label: str  # for people: 'W4A16 g32', 'W8A16', 'unquantized'
 
 
+def rung_tag(bits: int, group_size: int | None) -> str:
+    """The name of a setting, as in a ranking's `kl_at`: '4g64', '8g64'; 'fp' for unquantized."""
+    return "fp" if bits >= 16 else f"{bits}g{group_size}"
+
+
 def bits_per_weight(bits: int, group_size: int | None, symmetric: bool, scale_bits: int = 32) -> float:
     """Codes, one scale per group (`scale_bits`: the checkpoint's float32) and, when asymmetric, a packed zero point
     per group of the code width. Unquantized weights keep 32 bits."""
@@ -71,7 +76,7 @@ def rungs(scheme, cfg: SearchConfig) -> list[Rung]:
     sym = scheme.symmetric
 
     def rung(bits: int, g: int | None, label: str) -> Rung:
-        return Rung("fp" if bits >= 16 else f"{bits}g{g}", bits, g, bits_per_weight(bits, g, sym), label)
+        return Rung(rung_tag(bits, g), bits, g, bits_per_weight(bits, g, sym), label)
 
     out = [rung(scheme.num_bits, scheme.group_size, f"W{scheme.num_bits}A16 g{scheme.group_size}")]
     if cfg.fine_group_size:

@@ -31,6 +31,7 @@ from typing import ClassVar
 from qgate.artifact import Artifact
 from qgate.chat import encode_messages
 from qgate.errors import ConfigError, InputError
+from qgate.search.plan import rung_tag
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,6 @@ def quantized_linears(model, scheme) -> dict:
         for n, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and not any(n == x or n.endswith("." + x) for x in scheme.ignore)
     }
-
-
-def rung_tag(bits: int, group_size: int) -> str:
-    """The name of a (bits, group size) setting in a ranking's `kl_at`: '4g64', '8g64'."""
-    return f"{bits}g{group_size}"
 
 
 def fisher_sensitivity(
