@@ -253,6 +253,43 @@ def test_what_quantization_may_change_passes_with_its_reason(base_art, rows, tmp
     assert arch.n >= 20  # every config.json key was compared, not a fixed list
 
 
+@pytest.mark.parametrize(
+    "groups,ignore,passes",
+    [
+        ({"group_0": {"targets": ["Linear"]}, "group_3": {"targets": ["lm_head"]}}, [], True),  # the head quantized
+        ({"group_0": {"targets": ["Linear"]}}, ["lm_head"], False),  # untied, yet the head is not quantized
+        ({"group_0": {"targets": ["Linear"]}, "group_3": {"targets": ["lm_head"]}}, ["lm_head"], False),
+    ],
+)
+def test_an_untied_head_passes_only_where_it_is_quantized(base_art, rows, tmp_path, groups, ignore, passes):
+    """tie_word_embeddings True -> False is what quantizing a tied head does to a checkpoint (search.lm_head): allowed,
+    with its reason, when the quantization_config quantizes lm_head; anywhere else it is a changed architecture."""
+    from qgate.gates.contract import UNTIED_HEAD
+
+    assert json.loads((base_art.path / "config.json").read_text())["tie_word_embeddings"] is True
+    qc = {"quant_method": "compressed-tensors", "config_groups": groups, "ignore": ignore}
+    edit = _edit_json("config.json", lambda c: c.update(tie_word_embeddings=False, quantization_config=qc))
+    results = contract_gate(_variant(base_art, tmp_path, "untied", edit), base_art, rows, ContractConfig())
+    arch = next(r for r in results if r.metric == "architecture")
+    why = {d["key"]: d["why"] for d in arch.evidence["allowed"]}
+    if passes:
+        assert arch.verdict == "pass" and why[UNTIED_HEAD[0]] == UNTIED_HEAD[1]
+    else:
+        assert arch.verdict == "fail" and UNTIED_HEAD[0] not in why
+        assert [d["key"] for d in _failed(results)["architecture"]] == [UNTIED_HEAD[0]]
+    back = _edit_json("config.json", lambda c: c.update(tie_word_embeddings=True, quantization_config=qc))
+    base_untied = _variant(base_art, tmp_path, "retied", back)  # False -> True is never what quantization does
+    flipped = contract_gate(
+        base_untied,
+        _variant(
+            base_art, tmp_path, "base-untied", _edit_json("config.json", lambda c: c.update(tie_word_embeddings=False))
+        ),
+        rows,
+        ContractConfig(),
+    )
+    assert next(r for r in flipped if r.metric == "architecture").verdict == "fail"
+
+
 def test_a_quantized_checkpoint_passes_the_contract_as_written(base_art, awq_art, rows):
     """What qgate's own quantize writes differs from the baseline only where quantization may: its tokenizer files are
     the baseline's, byte for byte."""

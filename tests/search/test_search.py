@@ -126,6 +126,34 @@ def test_a_fine_group_rung_is_a_move_where_it_removes_more_kl_per_bit():
         SearchConfig(fine_group_size=48)
 
 
+def test_the_output_head_climbs_a_ladder_of_its_own():
+    """lm_head: int8. The head starts at W8 g64 (8.625 bits) and can only move up to unquantized (32 bits); its move
+    competes with the body's on KL removed per bit, and every point before it keeps the head at W8."""
+    from qgate.pipeline.search import point_overrides
+    from qgate.search.plan import head_rungs
+
+    scheme = _Scheme()
+    ladder, head = rungs(scheme, SearchConfig()), head_rungs(scheme)
+    assert [(r.tag, r.per_weight) for r in head] == [("8g64", 8 + 40 / 64), ("fp", 32.0)]
+    layers = LAYERS + [{"layer": "lm_head", "params": 4000, "kl": 3.0, "kl_at": {"8g64": 3.0}}]
+    plan = make_plan(layers, ladder, {"lm_head": head})
+    at_w4, at_w8 = 4 + 36 / 64, 8 + 40 / 64
+    assert plan.bits(0) == pytest.approx((9000 * at_w4 + 4000 * at_w8) / 13000)  # each layer on its own first rung
+    order = [(m["layer"], m["to"]) for m in plan.moves]
+    # KL per bit: l0 8/4062, l1 9/12188, l2 1/4062, l3 0.5/4062, lm_head 3/93500, l4 0.3/12188
+    assert order == [("l0", "8g64"), ("l1", "8g64"), ("l2", "8g64"), ("l3", "8g64"), ("lm_head", "fp"), ("l4", "8g64")]
+    assert plan.bits(5) == pytest.approx((3000 * at_w4 + 6000 * at_w8 + 4000 * 32) / 13000)
+    assert plan.layout(5, 6) == "5 of 6 layers moved: 4 to W8A16, 1 to unquantized"
+    cfg = SearchConfig(lm_head="int8")
+    before, after = (
+        point_overrides(plan.assignment(4), cfg, ladder, "lm_head"),
+        point_overrides(plan.assignment(5), cfg, ladder, "lm_head"),
+    )
+    assert before.head == ("lm_head",) and before.layers == ("l0", "l1", "l2", "l3") and not before.fine
+    assert after.head == () and after.layers == before.layers  # moved up: the head is left unquantized
+    assert point_overrides(plan.assignment(4), SearchConfig(), ladder).head == ()  # no head dimension: never touched
+
+
 def test_fallback_config_keeps_the_rungs_apart():
     from qgate.quantize.schemes import FallbackConfig, scheme_config, weight_format
 
@@ -138,6 +166,15 @@ def test_fallback_config_keeps_the_rungs_apart():
     assert groups["group_1"].weights.num_bits == 8 and groups["group_1"].targets == ["x"]
     with pytest.raises(ConfigError, match="not both"):
         FallbackConfig(("x",), 8, ("x",), 32)
+    head = FallbackConfig((), 8, (), None, ("lm_head",))
+    groups, ignore = awq.groups(head, awq.symmetric)
+    assert "lm_head" not in ignore and groups["group_3"].targets == ["lm_head"]
+    assert groups["group_3"].weights.num_bits == 8 and groups["group_3"].weights.group_size == 64
+    assert weight_format(awq, head) == "w4a16+w8a16" and head.names() == ("lm_head",)
+    assert weight_format(awq, FallbackConfig(("x",), 8, (), None, ("lm_head",))) == "w4a16+w8a16"
+    assert "lm_head" in awq.groups(None, awq.symmetric)[1]  # unquantized unless named
+    with pytest.raises(ConfigError, match="on its own"):
+        FallbackConfig(("lm_head",), 8, (), None, ("lm_head",))
     with pytest.raises(ConfigError, match="power of two"):
         FallbackConfig((), 8, ("y",), None)
 
@@ -158,6 +195,8 @@ def test_search_config_is_validated():
         SearchConfig(fallback_bits=4)
     with pytest.raises(ConfigError, match="max_steps"):
         SearchConfig(max_steps=0)
+    with pytest.raises(ConfigError, match="lm_head must be int8 or null"):
+        SearchConfig(lm_head="int4")
 
 
 # --- sensitivity and the search on the planted model -------------------------------------------------------------
@@ -189,7 +228,19 @@ def test_sensitivity_ranks_the_planted_layers_first(planted):
     assert len(names) == 21 and "lm_head" not in names
     assert set(names[:2]) == set(PLANTED)
     assert sens["layers"][1]["kl"] > 20 * sens["layers"][2]["kl"] > 0  # not a near tie
-    assert sens["tokens"] > 16 * 5
+    assert sens["tokens"] > 16 * 5 and sens["head"] is None
+    # with the output head: one more row, scored at W8 alone on a head untied from the embedding; the rest unchanged
+    with_head = fisher_sensitivity(
+        base,
+        arts["calib"],
+        scheme_config("awq-w4a16", group_size=32),
+        SensitivityConfig(samples=16, max_seq_length=64),
+        head=(8, 32),
+    )
+    rows = {r["layer"]: r for r in with_head["layers"]}
+    assert with_head["head"] == "lm_head" and len(rows) == 22 and set(rows["lm_head"]["kl_at"]) == {"8g32"}
+    assert 0 < rows["lm_head"]["kl"] < 0.01 * sens["layers"][0]["kl"]  # W8 on the head: far below a planted W4 layer
+    assert all(rows[r["layer"]]["kl"] == pytest.approx(r["kl"], rel=1e-5) for r in sens["layers"])
 
 
 def test_search_falls_back_the_planted_layers_and_passes_where_uniform_w4_fails(planted):
@@ -304,22 +355,32 @@ def test_fine_group_layers_quantize_and_the_cpu_engine_serves_them_exactly(plant
 
     d, base, arts = planted
     fine = (PLANTED[1], "model.layers.0.mlp.down_proj")
-    fb = FallbackConfig((PLANTED[0],), 8, fine, 16)
+    fb = FallbackConfig((PLANTED[0],), 8, fine, 16, ("lm_head",))
     scheme = scheme_config("awq-w4a16", group_size=32)
     ckpt = quantize(base, arts["calib"], scheme, d / "fine", opts=CalibOptions(max_seq_length=64), fallback=fb)
     assert ckpt.meta["weight_format"] == "w4a16+w4a16g16+w8a16" and unsupported(ckpt, "cpu") is None
+    assert ckpt.meta["lm_head"] == "w8a16"
     assert ckpt.meta["fine_group_layers"] == list(fine) and ckpt.meta["fine_group_size"] == 16
     state = load_file(str(ckpt.path / "model.safetensors"))
     width = state[f"{fine[1]}.weight_shape"].tolist()[1]
     assert state[f"{fine[1]}.weight_scale"].shape[1] == width // 16  # one scale per 16 weights
     up = "model.layers.0.mlp.up_proj"
     assert state[f"{up}.weight_scale"].shape[1] == state[f"{up}.weight_shape"].tolist()[1] // 32  # the scheme's own
+    # the head is its own int8 tensor; the embedding keeps the float weights it was tied to
+    assert state["lm_head.weight_packed"].shape[1] * 4 == state["model.embed_tokens.weight"].shape[1]
+    assert json.loads((ckpt.path / "config.json").read_text())["tie_word_embeddings"] is False
     qc = json.loads((ckpt.path / "config.json").read_text())["quantization_config"]
     _, builder_cfg, bits = to_gptq(state, qc)
     dyn = {k.removeprefix("+:").replace("\\", "").rstrip("."): v for k, v in builder_cfg["dynamic"].items()}
     assert builder_cfg["group_size"] == 32 and builder_cfg["bits"] == 4
-    assert dyn == {PLANTED[0]: {"bits": 8}, fine[0]: {"group_size": 16}, fine[1]: {"group_size": 16}}
+    assert dyn == {
+        PLANTED[0]: {"bits": 8},
+        fine[0]: {"group_size": 16},
+        fine[1]: {"group_size": 16},
+        "lm_head": {"bits": 8},
+    }
     eng = build_engine(ckpt, "cpu", d / "fine-cpu", accuracy_level=1)
+    assert _head_node(eng.path / "onnx" / "model.onnx") == ("MatMulNBits", 8)  # served with int8 kernels
     cfg = GateConfig(
         shadow=ShadowConfig(max_new_tokens=16, max_prompt_tokens=48, kl_p99_max=None, top1_agreement_min=None),
         eval=None,
@@ -328,6 +389,43 @@ def test_fine_group_layers_quantize_and_the_cpu_engine_serves_them_exactly(plant
     by = {r["metric"]: r["observed"] for r in json.loads((rep.path / "report.json").read_text())["results"]}
     assert by["engine_vs_checkpoint.kl_mean"] < 0.02 * by["checkpoint_vs_baseline.kl_mean"]  # as for W4 + W8 alone
     assert by["engine_vs_checkpoint.top1_agreement"] > 0.99
+
+
+def _search(planted, out: str, cfg: SearchConfig, gate):
+    """search_checkpoint on the planted model from AWQ W4 g32, quietly."""
+    from qgate.pipeline.search import search_checkpoint
+    from qgate.quantize.compress import CalibOptions
+    from qgate.quantize.schemes import scheme_config
+
+    d, base, arts = planted
+    scheme, opts = scheme_config("awq-w4a16", group_size=32), CalibOptions(max_seq_length=64)
+    return search_checkpoint(
+        base, arts["calib"], arts["shadow"], scheme, cfg, gate, d / out, d / "cache", opts=opts, echo=lambda m: None
+    )
+
+
+def _head_node(path: Path) -> tuple[str, int | None]:
+    """(op type, bits) of the ONNX node computing lm_head."""
+    import onnx
+
+    node = next(n for n in onnx.load(str(path), load_external_data=False).graph.node if n.name.startswith("/lm_head/"))
+    return node.op_type, next((a.i for a in node.attribute if a.name == "bits"), None)
+
+
+def test_search_with_the_head_keeps_it_at_int8_and_counts_it(planted):
+    """lm_head: int8 on the planted model: every point holds a W8 head, and bits per weight count it."""
+    from safetensors import safe_open
+
+    art = _search(planted, "with-head", SearchConfig(samples=16, max_steps=2, lm_head="int8"), _gate(0.001))
+    s = art.meta["search"]
+    assert s["lm_head"] == "W8A16 g32" and s["layout"].endswith("; lm_head at W8A16 g32")
+    assert s["layers_total"] == 22 and all(f["layer"] != "lm_head" for f in s["fallback"])
+    assert art.meta["lm_head"] == "w8a16" and art.meta["bits_per_weight"] == s["bits_per_weight"]
+    with safe_open(str(art.path / "model.safetensors"), "pt") as st:
+        assert "lm_head.weight_packed" in st.keys()
+    # the head's 8.x bits are in every point's figure: above what the same body alone would measure
+    assert all(p["bits_per_weight"] > s["uniform_bits_per_weight"] - 1e-3 for p in s["points"])
+    assert s["uniform_bits_per_weight"] > 4 + 36 / 32 + 0.5
 
 
 def test_gptq_quantizes_fine_group_layers_each_on_its_own(planted):
@@ -355,23 +453,7 @@ def test_gptq_quantizes_fine_group_layers_each_on_its_own(planted):
 
 
 def test_search_that_cannot_pass_says_so_and_keeps_the_closest_point(planted):
-    from qgate.pipeline.search import search_checkpoint
-    from qgate.quantize.compress import CalibOptions
-    from qgate.quantize.schemes import scheme_config
-
-    d, base, arts = planted
-    art = search_checkpoint(
-        base,
-        arts["calib"],
-        arts["shadow"],
-        scheme_config("awq-w4a16", group_size=32),
-        SearchConfig(samples=16, max_steps=2, max_bits_per_weight=5.3),
-        _gate(1e-7),
-        d / "hopeless",
-        d / "cache",
-        opts=CalibOptions(max_seq_length=64),
-        echo=lambda m: None,
-    )
+    art = _search(planted, "hopeless", SearchConfig(samples=16, max_steps=2, max_bits_per_weight=5.3), _gate(1e-7))
     s = art.meta["search"]
     assert not s["found"] and s["chosen_verdict"] == "fail" and "no point passed" in s["note"]
     assert s["max_k"] < 21 and all(p["k"] <= s["max_k"] for p in s["points"])  # the size budget was respected
@@ -416,6 +498,12 @@ def test_spec_search_key_is_strict(tmp_path, workdir):
         tmp_path, workdir, variants=[awq_fine | {"scheme": "gptq-w4a16", "kv_cache": "fp8"}], calibrate=split
     )
     assert load_spec(gptq).variants[0].kv_cache == "fp8"  # GPTQ quantizes each layer on its own
+    head = {"name": "s", "scheme": "awq-w4a16", "options": {"group_size": 32}, "search": {"lm_head": "int8"}}
+    on_cpu = head | {"engine": {"backend": "cpu"}}
+    assert load_spec(pipeline_spec(tmp_path, workdir, variants=[on_cpu], calibrate=split)).variants[0].search
+    for served, where in ((head, "the reference path"), (head | {"engine": {"backend": "torch-int4"}}, "torch-int4")):
+        with pytest.raises(ConfigError, match=rf"search\.lm_head: variant s is served by .*{where}.*save nothing"):
+            load_spec(pipeline_spec(tmp_path, workdir, variants=[served], calibrate=split))
 
 
 def test_pipeline_search_chooses_on_its_own_split_and_the_shadow_split_confirms(tmp_path, workdir):

@@ -30,6 +30,7 @@ class Backend:
     refuses: str | None = None  # (scheme name, scheme config, kv_cache) -> why it cannot serve that variant, or None
     cannot_hold: str | None = None  # (checkpoint) -> why it cannot hold this checkpoint's layout, or None
     serves: str = ""  # the schemes to choose instead, for a refusal's hint
+    int8_head: bool = False  # serves a checkpoint's W8A16 lm_head with int8 kernels (search.lm_head may quantize it)
 
 
 def _load(ref: str) -> Any:
@@ -48,6 +49,7 @@ for _b in (
         refuses="qgate.engines.cpu:refusal",
         cannot_hold="qgate.engines.cpu:cannot_hold",
         serves="a 4-bit scheme (awq-w4a16, gptq-w4a16)",
+        int8_head=True,
     ),
     Backend(
         "trtllm",

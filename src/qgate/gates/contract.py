@@ -60,6 +60,13 @@ ALLOWED: dict[str, str] = {
     "generation_config._from_model_config": "whether Transformers derived the file from config.json: bookkeeping; the "
     "values themselves are compared",
 }
+# Allowed only when the candidate's quantization_config quantizes the output head: it is then stored apart from the
+# input embedding it was tied to (search.lm_head), and the config says so.
+UNTIED_HEAD = (
+    "architecture.tie_word_embeddings",
+    "the output head is quantized (its quantization_config names lm_head), so it is stored apart from the input "
+    "embedding it was tied to; its values are what the shadow, eval and long-context gates measure",
+)
 # The CPU engine's genai_config.json: keys that configure onnxruntime-genai itself and have no counterpart in the
 # baseline's files, each with its reason. Every other key must map to a baseline value and equal it.
 ENGINE_RUNTIME: dict[str, str] = {
@@ -438,7 +445,9 @@ def contract_gate(
     check_loadable(cdir)
     btok, ctok = load_tokenizer(bdir), load_tokenizer(cdir)
     special_tokens.check(bdir, btok)
-    facets = _served_diffs(bdir, cdir, cdir if genai is None else config_dir, genai)
+    cfg_dir = cdir if genai is None else config_dir
+    facets = _served_diffs(bdir, cdir, cfg_dir, genai)
+    head_quantized = cfg_dir is not None and quantizes_head(_json(cfg_dir / "config.json"))
     tok_diffs, tok_n = facets["tokenizer"]
     facets["tokenizer"] = (_loaded_tokenizer_diffs(btok, ctok) + tok_diffs, tok_n + len(btok.get_vocab()))
     facets["chat_template"] = (_template_diff(btok, ctok), 1)
@@ -449,6 +458,8 @@ def contract_gate(
         for d in diffs:
             if (why := _matches(d["key"], ALLOWED)) is not None:
                 allowed.append(d | {"allowed_because": ALLOWED[why], "allowed_key": why})
+            elif head_quantized and d["key"] == UNTIED_HEAD[0] and (d["baseline"], d["candidate"]) == (True, False):
+                allowed.append(d | {"allowed_because": UNTIED_HEAD[1], "allowed_key": UNTIED_HEAD[0]})
             elif cfg.accepts(d["key"]):
                 accepted.append(d)
             else:
@@ -462,6 +473,14 @@ def contract_gate(
         }
         results.append(GateResult.check("contract", facet, float(len(refused)), 0.0, False, max(n, 1), evidence=ev))
     return results
+
+
+def quantizes_head(config: dict) -> bool:
+    """Whether a checkpoint config's quantization_config quantizes lm_head: a config group names it, and it is not
+    ignored."""
+    qc = config.get("quantization_config") or {}
+    named = any("lm_head" in (g.get("targets") or []) for g in (qc.get("config_groups") or {}).values())
+    return named and "lm_head" not in (qc.get("ignore") or [])
 
 
 def _allowed_summary(allowed: list[dict]) -> list[dict]:

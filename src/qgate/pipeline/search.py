@@ -5,13 +5,13 @@
 
 1. Estimate each layer's KL at each rung of its ladder: the scheme, the scheme's bits at `fine_group_size` (when set),
    the fallback (search/sensitivity.py: one Fisher pass), and sort the moves up the ladders by KL removed per bit
-   (search/plan.py).
+   (search/plan.py). With `lm_head: int8` the output head is on a ladder of its own, W8A16 up to unquantized.
 2. Gate points k = the first k moves: each point is a real compressed-tensors checkpoint with per-layer config
    groups, scored by the same shadow gate as every variant. For AWQ, the smoothing runs once (quantize/smoothing.py,
    cached) and each point is llm-compressor's round-to-nearest on the smoothed weights: seconds, not an AWQ run.
    Other schemes quantize each point in full. search/plan.py picks k: doubling until a point passes, then bisecting,
    within max_steps and the size budget.
-3. Return the smallest passing point's checkpoint (or, when none passed, the point closest to passing, marked so),
+3. Return the smallest passing point (by bits per weight over the searched layers) as a checkpoint (or, when none passed, the point closest to passing, marked so),
    with the search's evidence beside it: qgate-search.json and qgate-search.png.
 
 Each gated point's result is cached by content hash, so a killed search resumes where it stopped. The pipeline gates
@@ -32,7 +32,7 @@ from qgate.cache import read_cached, write_cached
 from qgate.errors import ConfigError
 from qgate.quantize.schemes import BUILT, FallbackConfig, smooths
 from qgate.quantize.smoothing import cached_smoothing
-from qgate.search.plan import SearchConfig, make_plan, next_count, rungs, scored_settings
+from qgate.search.plan import SearchConfig, head_rungs, make_plan, next_count, rungs, scored_settings
 
 
 def _metric(results: list[dict], name: str) -> tuple[float, list | None]:
@@ -72,6 +72,7 @@ def search_checkpoint(
         raise ConfigError(f"search: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
     ladder = rungs(scheme, cfg)
     settings = scored_settings(ladder)  # KL estimated at each
+    head = (8, scheme.group_size) if cfg.lm_head else None  # the output head's first rung
     skey = sha256_json(
         {
             "base": base.sha256,
@@ -80,18 +81,20 @@ def search_checkpoint(
             "cfg": typed_config(scfg),
             "rungs": settings,
         }
+        | ({"head": head} if head else {})
     )
     spath = cache_dir / f"sensitivity-{skey[:24]}.json"
     if (data := read_cached(spath)) is not None:
         sens = json.loads(data)
         echo(f"    sensitivity: cached ({sens['sequences']} sequences, {sens['tokens']} tokens)")
     else:
-        sens = fisher_sensitivity(base, calib, scheme, scfg, settings)
+        sens = fisher_sensitivity(base, calib, scheme, scfg, settings, head)
         write_cached(spath, json.dumps(sens).encode())
         echo(f"    sensitivity: {len(sens['layers'])} layers from {sens['sequences']} sequences in {sens['seconds']}s")
     smoothed = cached_smoothing(base, calib, scheme, opts, cache_dir, echo) if smooths(scheme, kv) else None
     built = BUILT if smoothed else "full quantization"
-    plan = make_plan(sens["layers"], ladder)
+    head_name = sens.get("head")
+    plan = make_plan(sens["layers"], ladder, {head_name: head_rungs(scheme)} if head_name else None)
     kmax = plan.max_count(cfg.max_bits_per_weight)
     k0 = plan.start_count(cfg.start_share)
     tried: dict[int, bool] = {}
@@ -101,7 +104,7 @@ def search_checkpoint(
     gate_runs = 0
     numerics = numerics_key(base, gate_cfg.device, gate_cfg.dtype)  # the points are gated in these numerics
     while len(points) < cfg.max_steps and (k := next_count(tried, k0, kmax)) is not None and k not in tried:
-        fb = point_overrides(plan.assignment(k), cfg, ladder)
+        fb = point_overrides(plan.assignment(k), cfg, ladder, head_name)
         key = sha256_json(
             {
                 "base": base.sha256,
@@ -130,7 +133,7 @@ def search_checkpoint(
                 "k": k,
                 "verdict": chk["verdict"],
                 "weights_bytes": ckpt.meta["weights_bytes"],
-                "bits_per_weight": ckpt.meta["bits_per_weight"],
+                "bits_per_weight": _searched_bits(ckpt, fb, head_name, sens),
                 "kl_p99": kl,
                 "kl_p99_ci": kl_ci,
                 "top1": top1,
@@ -150,7 +153,7 @@ def search_checkpoint(
         _prune(kept, points)
     passing = [p for p in points if p["verdict"] == "pass"]
     chosen = (
-        min(passing, key=lambda p: (p["weights_bytes"], p["k"]))
+        min(passing, key=lambda p: (p["bits_per_weight"], p["k"]))
         if passing
         else min(points, key=lambda p: (p["kl_p99"] if p["kl_p99"] == p["kl_p99"] else float("inf"), -p["k"]))
     )
@@ -164,7 +167,7 @@ def search_checkpoint(
             work / f"k{ck:04d}",
             kv=kv,
             opts=opts,
-            fallback=point_overrides(plan.assignment(ck), cfg, ladder),
+            fallback=point_overrides(plan.assignment(ck), cfg, ladder, head_name),
             smoothed=smoothed,
         )
     for f in ckpt.path.iterdir():
@@ -184,6 +187,7 @@ def search_checkpoint(
             "kl_rank": rank[layer],
         }
         for layer, tag in plan.assignment(ck).items()
+        if layer != head_name
     ]
     independent = confirm is not None and confirm.sha256 != shadow.sha256
     summary = {
@@ -200,10 +204,12 @@ def search_checkpoint(
         "smoothing_seconds": smoothed.meta.get("smoothing_seconds") if smoothed else None,
         "chosen_k": ck,
         "chosen_verdict": chosen["verdict"],
-        "layout": plan.layout(ck, len(sens["layers"])),
+        "layout": plan.layout(ck, len(sens["layers"]))
+        + (f"; lm_head at {head_rungs(scheme)[0].label}" if head_name and head_name not in plan.assignment(ck) else ""),
         "rungs": [r.label for r in ladder],
         "fallback_bits": cfg.fallback_bits,
         "fine_group_size": cfg.fine_group_size,
+        "lm_head": head_rungs(scheme)[plan.assignment(ck).get(head_name) == "fp"].label if head_name else None,
         "gate_runs": gate_runs,
         "points_tried": len(points),
         "seconds": round(time.perf_counter() - t_start, 1),
@@ -242,21 +248,35 @@ def fine_groups_refusal(scheme, kv, cfg: SearchConfig) -> str | None:
     return None
 
 
-def point_overrides(assignment: dict[str, str], cfg: SearchConfig, ladder) -> FallbackConfig:
-    """The checkpoint's per-layer overrides for a plan's {layer: rung tag}."""
+def point_overrides(assignment: dict[str, str], cfg: SearchConfig, ladder, head: str | None = None) -> FallbackConfig:
+    """The checkpoint's per-layer overrides for a plan's {layer: rung tag}. head: the output head's name when the
+    search quantizes it; it stays at W8A16 unless the plan moved it up its own ladder."""
     top = ladder[-1].tag
-    fine = tuple(x for x, t in assignment.items() if t != top)
+    body = {x: t for x, t in assignment.items() if x != head}
+    fine = tuple(x for x, t in body.items() if t != top)
     return FallbackConfig(
-        tuple(x for x, t in assignment.items() if t == top),
+        tuple(x for x, t in body.items() if t == top),
         cfg.fallback_bits,
         fine,
         cfg.fine_group_size if fine else None,
+        (head,) if head and head not in assignment else (),
     )
+
+
+def _searched_bits(ckpt: Artifact, fb: FallbackConfig, head: str | None, sens: dict) -> float:
+    """Bits per weight over the layers the search sizes: the checkpoint's quantized Linears (and its unquantized
+    fallback layers), plus an unquantized output head at 32 bits when the search could have quantized it."""
+    bits = ckpt.meta["bits_per_weight"]
+    if head is None or fb.head:
+        return bits
+    params = ckpt.meta["linear_params"]
+    head_params = next(r["params"] for r in sens["layers"] if r["layer"] == head)
+    return round((bits * params + 32 * head_params) / (params + head_params), 4)
 
 
 def _prune(kept: dict[int, Artifact], points: list[dict]) -> None:
     """Keep on disk only the checkpoint that would be chosen now (checkpoints are hundreds of MB each)."""
     passing = [p for p in points if p["verdict"] == "pass" and p["k"] in kept]
-    keep = min(passing, key=lambda p: (p["weights_bytes"], p["k"]))["k"] if passing else max(kept, default=None)
+    keep = min(passing, key=lambda p: (p["bits_per_weight"], p["k"]))["k"] if passing else max(kept, default=None)
     for k in [k for k in kept if k != keep]:
         shutil.rmtree(kept.pop(k).path, ignore_errors=True)

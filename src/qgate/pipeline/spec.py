@@ -196,6 +196,17 @@ def search_config(v: VariantSpec, where: str = "search"):
         )
     if reason := fine_groups_refusal(scheme, KVCacheConfig(v.kv_cache) if v.kv_cache else None, cfg):
         raise ConfigError(f"{where}: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
+    if cfg.lm_head:
+        from qgate.engines.build import BACKENDS
+
+        name = v.engine.backend if v.engine else None
+        if name is None or not BACKENDS.get(name).int8_head:
+            serve = [b for b in BACKENDS.names() if BACKENDS.get(b).int8_head]
+            raise ConfigError(
+                f"{where}.lm_head: variant {v.name} is served by {f'the {name} engine' if name else 'the reference path'}"
+                ", which computes a W8A16 head in full precision: quantizing it would cost accuracy and save nothing",
+                hint=f"drop search.lm_head, or serve the variant with engine backend {' or '.join(serve)}",
+            )
     return cfg
 
 

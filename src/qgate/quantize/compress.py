@@ -210,6 +210,8 @@ def quantize(
         "fine_group_size": fallback.fine_group_size if fallback and fallback.fine else None,
         "bits_per_weight": size["bits_per_weight"],
         "linear_bytes": size["linear_bytes"],
+        "linear_params": size["linear_params"],
+        "lm_head": "w8a16" if fallback and fallback.head else None,
         "calibration_samples": kwargs.get("num_calibration_samples", 0),
         "quantize_seconds": round(seconds, 1),
         "weights_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),

@@ -42,13 +42,15 @@ class FallbackConfig:
     """Per-layer precision overrides (what `qgate search` chooses). `layers` keep `bits` instead of the scheme's: 8,
     group-wise int8 weights (W8A16) with the scheme's group size; 16, not quantized at all. `fine` layers keep the
     scheme's bits with the smaller `fine_group_size`: a step between the scheme and W8 that costs a scale and a zero
-    point per group."""
+    point per group. `head` names the output projection (lm_head) when it is quantized too, to W8A16 at the scheme's
+    group size; a tied head is untied for it, and the input embedding keeps its full-precision weights."""
 
     layers: tuple[str, ...] = ()
     bits: int = 8
     fine: tuple[str, ...] = ()
     fine_group_size: int | None = None
-    VERSION: ClassVar[int] = 2
+    head: tuple[str, ...] = ()
+    VERSION: ClassVar[int] = 3
 
     def __post_init__(self):
         if self.bits not in (8, 16):
@@ -58,6 +60,10 @@ class FallbackConfig:
                 raise ConfigError(f"{what} layers must be unique module names, got {list(names)[:5]}")
         if both := sorted(set(self.layers) & set(self.fine)):
             raise ConfigError(f"a layer is either a fallback or a fine-group layer, not both: {both[:3]}")
+        if len(self.head) > 1 or not all(isinstance(x, str) and x for x in self.head):
+            raise ConfigError(f"head names at most one output projection, got {list(self.head)}")
+        if both := sorted(set(self.head) & set(self.layers + self.fine)):
+            raise ConfigError(f"the output head is quantized on its own, not as a fallback or fine-group layer: {both}")
         if self.fine and not _power_of_two(self.fine_group_size):
             raise ConfigError(
                 f"fine-group layers need a fine_group_size that is a power of two, got {self.fine_group_size!r}"
@@ -65,7 +71,7 @@ class FallbackConfig:
 
     def names(self) -> tuple[str, ...]:
         """Every layer this config overrides."""
-        return self.layers + self.fine
+        return self.layers + self.fine + self.head
 
 
 def _weight_scheme(
@@ -114,9 +120,11 @@ class _GroupWise:
     ) -> tuple[dict, list[str]]:
         """(config_groups, ignore): the scheme on every Linear; fallback and fine-group layers named exactly, which
         compressed-tensors matches before the class name, so they take the W8 group (or join the ignore list when
-        unquantized) or the scheme's bits at the fine group size."""
+        unquantized) or the scheme's bits at the fine group size. A quantized head leaves the ignore list for a W8
+        group of its own."""
         groups = {"group_0": _weight_scheme(self.num_bits, self.group_size, symmetric, actorder)}
-        ignore = list(self.ignore)
+        head = fallback.head if fallback else ()
+        ignore = [x for x in self.ignore if x not in head]
         if fallback and fallback.layers:
             if fallback.bits == 16:
                 ignore += list(fallback.layers)
@@ -126,6 +134,8 @@ class _GroupWise:
             groups["group_2"] = _weight_scheme(
                 self.num_bits, fallback.fine_group_size, symmetric, actorder, fallback.fine
             )
+        if head:
+            groups["group_3"] = _weight_scheme(8, self.group_size, symmetric, actorder, head)
         return groups, ignore
 
 
@@ -247,6 +257,8 @@ def weight_format(cfg, fallback: FallbackConfig | None = None) -> str:
         parts.append(f"w{cfg.num_bits}a16g{fallback.fine_group_size}")
     if fallback and fallback.layers and cfg.num_bits < fallback.bits:
         parts.append("w8a16" if fallback.bits == 8 else "unquantized")
+    if fallback and fallback.head and "w8a16" not in parts:
+        parts.append("w8a16")
     return "+".join(parts)
 
 

@@ -356,6 +356,8 @@ def _version_tags(
         tags["qgate.recipe"] = json.dumps(recipe, sort_keys=True)
     if candidate.meta.get("bits_per_weight") is not None:
         tags["qgate.bits_per_weight"] = f"{candidate.meta['bits_per_weight']:.3f}"
+    if candidate.meta.get("lm_head"):  # a quantized output head (search.lm_head); absent: the head is not quantized
+        tags["qgate.lm_head"] = candidate.meta["lm_head"]
     if search := candidate.meta.get("search"):  # what a search traded: which layers fell back, at what size
         fallback = candidate.meta.get("fallback_layers", [])
         tags |= {

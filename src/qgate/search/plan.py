@@ -1,7 +1,7 @@
 """Which layers to move to which setting, and how many moves to gate next: pure functions, no model.
 
     ladder = rungs(scheme, SearchConfig(fine_group_size=32))   # W4 g64 -> W4 g32 -> W8 g64, bits per weight each
-    plan = make_plan(ranking["layers"], ladder)
+    plan = make_plan(ranking["layers"], ladder, {"lm_head": head_rungs(scheme)})   # the head: W8 g64 -> unquantized
     plan.assignment(12)                                         # {layer: rung tag} after the 12 best moves
     k = next_count(tried={8: False, 16: True}, start=8, max_count=40)   # -> 12
 
@@ -13,6 +13,10 @@ skipped), so a layer's moves come in order of falling gain and the moves of all 
 multiple-choice knapsack). The k-move point is then a prefix of the (k+1)-move one and gating quality can be treated
 as monotone in k. The search doubles k from `start` until a point passes, then bisects between the largest failing
 and the smallest passing count. Counts above `max_count` (the size budget) are never tried.
+
+With `lm_head: int8` the output head is one more layer with a ladder of its own: it starts at W8A16 and can move up
+to unquantized, counted at 32 bits per weight, the float32 an engine that unties the head (the CPU engine) serves it
+in. Its move competes with every other on KL removed per bit.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ class SearchConfig:
     max_bits_per_weight: float | None = None  # size budget over the quantized layers; None: up to every layer
     samples: int = 32  # calibration sequences for the sensitivity pass
     start_share: float = 0.5  # first point: the fewest moves removing this share of the estimated KL
-    VERSION: ClassVar[int] = 2
+    lm_head: str | None = None  # "int8": the output head is searched too, from W8A16 up to unquantized
+    VERSION: ClassVar[int] = 3
 
     def __post_init__(self):
         if self.fallback_bits not in (8, 16):
@@ -47,6 +52,8 @@ class SearchConfig:
             raise ConfigError(f"search.start_share must be in (0, 1], got {self.start_share}")
         if self.samples < 1:
             raise ConfigError(f"search.samples must be >= 1, got {self.samples}")
+        if self.lm_head not in (None, "int8"):
+            raise ConfigError(f"search.lm_head must be int8 or null, got {self.lm_head!r}")
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,15 @@ def rungs(scheme, cfg: SearchConfig) -> list[Rung]:
     fb = cfg.fallback_bits
     out.append(rung(fb, None if fb >= 16 else scheme.group_size, "W8A16" if fb == 8 else "unquantized"))
     return out
+
+
+def head_rungs(scheme) -> list[Rung]:
+    """The output head's ladder under `lm_head: int8`: W8A16 at the scheme's group size, then unquantized."""
+    g = scheme.group_size
+    return [
+        Rung(rung_tag(8, g), 8, g, bits_per_weight(8, g, scheme.symmetric), f"W8A16 g{g}"),
+        Rung(rung_tag(16, None), 16, None, bits_per_weight(16, None, scheme.symmetric), "unquantized"),
+    ]
 
 
 def scored_settings(ladder: list[Rung]) -> tuple[tuple[int, int], ...]:
@@ -140,8 +156,8 @@ def _hull_moves(row: dict, ladder: list[Rung]) -> list[dict]:
 @dataclass(frozen=True)
 class Plan:
     moves: tuple[dict, ...]  # most KL removed per bit first
-    params: int  # the quantized layers' parameters
-    base_bits: float  # bits per weight with every layer on the first rung
+    params: int  # the searched layers' parameters
+    base_bits: float  # bits per weight with every layer on its first rung
     total_kl: float  # the estimated KL with every layer on the first rung
     labels: dict  # rung tag -> label
 
@@ -184,16 +200,20 @@ class Plan:
         return f"{len(got)} of {layers_total} layers moved" + (f": {', '.join(parts)}" if parts else "")
 
 
-def make_plan(layers: list[dict], ladder: list[Rung]) -> Plan:
-    """The moves of every layer (a ranking's rows: layer, params, kl and kl_at), sorted by gain."""
-    moves = [m for row in layers for m in _hull_moves(row, ladder)]
+def make_plan(layers: list[dict], ladder: list[Rung], ladders: dict[str, list[Rung]] | None = None) -> Plan:
+    """The moves of every layer (a ranking's rows: layer, params, kl and kl_at), sorted by gain. `ladders`: layers
+    with a ladder of their own (the output head's), by name; a row's kl is at its own ladder's first rung."""
+    own = ladders or {}
+    moves = [m for row in layers for m in _hull_moves(row, own.get(row["layer"], ladder))]
     moves.sort(key=lambda m: (-m["kl_per_mbit"], m["layer"], m["step"]))
+    params = sum(r["params"] for r in layers)
+    labels = {r.tag: r.label for lad in (ladder, *own.values()) for r in lad[1:]}
     return Plan(
         tuple(moves),
-        sum(r["params"] for r in layers),
-        ladder[0].per_weight,
+        params,
+        sum(own.get(r["layer"], ladder)[0].per_weight * r["params"] for r in layers) / params,
         sum(r["kl"] for r in layers),
-        {r.tag: r.label for r in ladder[1:]},
+        labels,
     )
 
 

@@ -2,6 +2,7 @@
 
     ranking = fisher_sensitivity(base_art, calib_art, AWQConfig(group_size=64), SensitivityConfig(samples=32))
     ranking = fisher_sensitivity(base_art, calib_art, scheme, cfg, rungs=((4, 32), (8, 64)))  # and at these too
+    ranking = fisher_sensitivity(base_art, calib_art, scheme, cfg, head=(8, 64))  # and the output head at W8 g64
 
 For a small weight perturbation d, KL(p_w || p_{w+d}) ~= 1/2 d^T F d, with F the Fisher information of the model's own
 next-token distribution. F's diagonal is estimated from gradients of log p(y|x) at labels y *sampled from the model*
@@ -17,7 +18,8 @@ other (bits, group size) settings, the rungs a search can move a layer to.
 
 Cost: one forward + one backward per sequence (about three forwards) and one set of weight gradients. For a 7B model in
 bf16 on one 80 GB GPU: 14 GB of weights, 14 GB of gradients and one sequence's activations; 32 sequences of 512 tokens
-take about a minute. RTN is a pessimistic stand-in for AWQ or GPTQ error; the ranking, not the scale, is what is used,
+take about a minute. The output head, when scored (`head`), is untied from the input embedding first, so its score is
+the error of quantizing the head alone, as a checkpoint with a quantized head stores it. RTN is a pessimistic stand-in for AWQ or GPTQ error; the ranking, not the scale, is what is used,
 and every point the search tries is then quantized for real and gated.
 """
 
@@ -77,16 +79,32 @@ def quantized_linears(model, scheme) -> dict:
     }
 
 
+def output_head(model) -> tuple[str, object]:
+    """(name, module) of the model's output projection, untied from the input embedding when they share a weight."""
+    import torch
+
+    head = model.get_output_embeddings()
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    if name is None or not isinstance(head, torch.nn.Linear):
+        raise ConfigError(f"search.lm_head: {type(model).__name__} has no Linear output head to quantize")
+    emb = model.get_input_embeddings()
+    if emb is not None and emb.weight is head.weight:
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    return name, head
+
+
 def fisher_sensitivity(
     base: Artifact,
     calib: Artifact,
     scheme,
     cfg: SensitivityConfig = SensitivityConfig(),
     rungs: tuple[tuple[int, int], ...] = (),
+    head: tuple[int, int] | None = None,
 ) -> dict:
     """{"layers": [{"layer", "params", "kl", "kl_per_mparam", "kl_at"} sorted by kl, descending], "tokens",
-    "sequences", "seconds"}. kl is at the scheme's own setting; kl_at[rung_tag(bits, group)] at the scheme's and at
-    each of `rungs` (bits, group size)."""
+    "sequences", "seconds", "head"}. kl is at the scheme's own setting; kl_at[rung_tag(bits, group)] at the scheme's
+    and at each of `rungs` (bits, group size). head: (bits, group size) to score the output head at as well; its row
+    has kl and kl_at at that setting only, and "head" names it."""
     import torch
 
     from qgate.progress import progress
@@ -104,6 +122,9 @@ def fisher_sensitivity(
     layers = quantized_linears(model, scheme)
     for p in model.parameters():
         p.requires_grad_(False)
+    head_name = None
+    if head is not None:
+        head_name, layers[head_name] = output_head(model)
     fisher = {}
     for name, mod in layers.items():
         mod.weight.requires_grad_(True)
@@ -127,11 +148,12 @@ def fisher_sensitivity(
     with torch.no_grad():
         for name, mod in layers.items():
             w = mod.weight.detach()
+            own = [head] if name == head_name else settings
             kl_at = {
                 rung_tag(b, g): 0.5 * float((fisher[name] * rtn_error(w, b, g, scheme.symmetric) ** 2).sum()) / tokens
-                for b, g in settings
+                for b, g in own
             }
-            out.append({"layer": name, "params": w.numel(), "kl": kl_at[rung_tag(*settings[0])], "kl_at": kl_at})
+            out.append({"layer": name, "params": w.numel(), "kl": kl_at[rung_tag(*own[0])], "kl_at": kl_at})
     for r in out:
         r["kl_per_mparam"] = r["kl"] / (r["params"] / 1e6)
     out.sort(key=lambda r: -r["kl"])
@@ -140,6 +162,7 @@ def fisher_sensitivity(
         "tokens": tokens,
         "sequences": len(rows),
         "seconds": round(time.perf_counter() - t0, 1),
+        "head": head_name,
         "method": "diagonal Fisher (labels sampled from the model) x RTN error",
         "config": cfg.__dict__,
     }
