@@ -11,8 +11,9 @@
    cached) and each point is llm-compressor's round-to-nearest on the smoothed weights: seconds, not an AWQ run.
    Other schemes quantize each point in full. search/plan.py picks k: doubling until a point passes, then bisecting,
    within max_steps and the size budget.
-3. Return the smallest passing point (by bits per weight over the searched layers) as a checkpoint (or, when none passed, the point closest to passing, marked so),
-   with the search's evidence beside it: qgate-search.json and qgate-search.png.
+3. Return the smallest passing point (by bits per weight over the searched layers) as a checkpoint (or, when none
+   passed, the point closest to passing, marked so), with the search's evidence beside it: qgate-search.json and
+   qgate-search.png.
 
 Each gated point's result is cached by content hash, so a killed search resumes where it stopped. The pipeline gates
 points on the calibration stage's search split, disjoint from the shadow split that then gates the chosen checkpoint:

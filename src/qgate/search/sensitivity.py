@@ -19,8 +19,9 @@ other (bits, group size) settings, the rungs a search can move a layer to.
 Cost: one forward + one backward per sequence (about three forwards) and one set of weight gradients. For a 7B model in
 bf16 on one 80 GB GPU: 14 GB of weights, 14 GB of gradients and one sequence's activations; 32 sequences of 512 tokens
 take about a minute. The output head, when scored (`head`), is untied from the input embedding first, so its score is
-the error of quantizing the head alone, as a checkpoint with a quantized head stores it. RTN is a pessimistic stand-in for AWQ or GPTQ error; the ranking, not the scale, is what is used,
-and every point the search tries is then quantized for real and gated.
+the error of quantizing the head alone, as a checkpoint with a quantized head stores it. RTN is a pessimistic
+stand-in for AWQ or GPTQ error; the ranking, not the scale, is what is used, and every point the search tries is then
+quantized for real and gated.
 """
 
 from __future__ import annotations
