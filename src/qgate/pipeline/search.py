@@ -73,7 +73,8 @@ def search_checkpoint(
         raise ConfigError(f"search: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
     ladder = rungs(scheme, cfg)
     settings = scored_settings(ladder)  # KL estimated at each
-    head = (8, scheme.group_size) if cfg.lm_head else None  # the output head's first rung
+    head_ladder = head_rungs(scheme) if cfg.lm_head else None
+    head = (head_ladder[0].bits, head_ladder[0].group_size) if head_ladder else None  # the head's KL is scored there
     skey = sha256_json(
         {
             "base": base.sha256,
@@ -95,7 +96,7 @@ def search_checkpoint(
     smoothed = cached_smoothing(base, calib, scheme, opts, cache_dir, echo) if smooths(scheme, kv) else None
     built = BUILT if smoothed else "full quantization"
     head_name = sens.get("head")
-    plan = make_plan(sens["layers"], ladder, {head_name: head_rungs(scheme)} if head_name else None)
+    plan = make_plan(sens["layers"], ladder, {head_name: head_ladder} if head_name else None)
     kmax = plan.max_count(cfg.max_bits_per_weight)
     k0 = plan.start_count(cfg.start_share)
     tried: dict[int, bool] = {}
@@ -159,6 +160,7 @@ def search_checkpoint(
         else min(points, key=lambda p: (p["kl_p99"] if p["kl_p99"] == p["kl_p99"] else float("inf"), -p["k"]))
     )
     ck = chosen["k"]
+    assigned = plan.assignment(ck)
     ckpt = kept.get(ck)
     if ckpt is None:  # gated in an earlier, killed run: quantize it again (seeded: the same bytes)
         ckpt = quantize(
@@ -168,7 +170,7 @@ def search_checkpoint(
             work / f"k{ck:04d}",
             kv=kv,
             opts=opts,
-            fallback=point_overrides(plan.assignment(ck), cfg, ladder, head_name),
+            fallback=point_overrides(assigned, cfg, ladder, head_name),
             smoothed=smoothed,
         )
     for f in ckpt.path.iterdir():
@@ -177,19 +179,19 @@ def search_checkpoint(
     shutil.rmtree(work, ignore_errors=True)
     rank = {r["layer"]: i + 1 for i, r in enumerate(sens["layers"])}
     row = {r["layer"]: r for r in sens["layers"]}
-    labels = {r.tag: r.label for r in ladder}
     fell = [
         {
             "layer": layer,
-            "to": labels[tag],
+            "to": plan.labels[tag],
             "params": row[layer]["params"],
             "kl": row[layer]["kl"],
             "kl_per_mparam": row[layer]["kl_per_mparam"],
             "kl_rank": rank[layer],
         }
-        for layer, tag in plan.assignment(ck).items()
+        for layer, tag in assigned.items()
         if layer != head_name
     ]
+    head_label = plan.labels.get(assigned.get(head_name), head_ladder[0].label) if head_name else None
     independent = confirm is not None and confirm.sha256 != shadow.sha256
     summary = {
         "chosen_on": {
@@ -206,11 +208,11 @@ def search_checkpoint(
         "chosen_k": ck,
         "chosen_verdict": chosen["verdict"],
         "layout": plan.layout(ck, len(sens["layers"]))
-        + (f"; lm_head at {head_rungs(scheme)[0].label}" if head_name and head_name not in plan.assignment(ck) else ""),
+        + (f"; lm_head at {head_label}" if head_name and head_name not in assigned else ""),
         "rungs": [r.label for r in ladder],
         "fallback_bits": cfg.fallback_bits,
         "fine_group_size": cfg.fine_group_size,
-        "lm_head": head_rungs(scheme)[plan.assignment(ck).get(head_name) == "fp"].label if head_name else None,
+        "lm_head": head_label,
         "gate_runs": gate_runs,
         "points_tried": len(points),
         "seconds": round(time.perf_counter() - t_start, 1),
