@@ -32,6 +32,6 @@ timeout $((budget - 100 * tests - 5)) python3 benchmarks/gpu_scale.py --tokenize
 rm -rf "$work"
 left=$((budget - (SECONDS - start)))
 echo "tests: ${left} s left"
-[ "$tests" = 1 ] && [ "$left" -gt 20 ] && timeout "$left" python3 -m pytest -q -m gpu tests/test_torch_int4.py tests/test_engines.py \
+[ "$tests" = 1 ] && [ "$left" -gt 20 ] && timeout "$left" python3 -m pytest -q -m gpu tests/engines \
   -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -30
 echo "total $((SECONDS - start)) s"
