@@ -530,13 +530,17 @@ def main() -> int:
         out = r["scoring"] = {"shadow_tokens": int(lens.sum())}
         engine = load_runner(eng, str(device))
         budget = engine.batch_tokens or 1024
+        out["engine_dense_bytes_kept"] = engine.dense_bytes
         for name, fn in (
             ("engine_prefill", lambda ix: engine.logits_batch([seqs[i] for i in ix])),
             (
                 "engine_served",
                 lambda ix: engine.served_logits_batch([seqs[i] for i in ix], [int(plens[i]) for i in ix]),
             ),
+            ("engine_prefill_dequantizing", lambda ix: engine.logits_batch([seqs[i] for i in ix])),
         ):
+            if name == "engine_prefill_dequantizing":  # the same prefill, each int4 weight dequantized per forward
+                engine.model.keep_dense(0)
             sec = scoring_seconds(fn, seqs, budget, device)
             out[name] = {"seconds": sec, "mfu": flops / sec / (args.peak_tflops * 1e12)}
             res.save()

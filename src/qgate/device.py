@@ -4,6 +4,7 @@
     device = resolve_device("auto")           # CUDA when present, else the CPU
     dtype = compute_dtype(config, device)     # float32 on the CPU; on CUDA the dtype the model is served in
     native_bf16(device)                       # whether bfloat16 matmuls run in hardware here
+    x = to_device(rows, device, torch.long)   # host data onto the device without the host waiting for it
 
 torch is imported only when a device is resolved.
 """
@@ -117,6 +118,18 @@ def forward_cost(device) -> int:
     model takes 0.15 s and each further position 5 ms: ~24. On a GPU the compute is hundreds of times faster while the
     weight read (an 8B model's 16 GB at ~3 TB/s) and the launches are not: ~256."""
     return FORWARD_COST.get(getattr(device, "type", "cpu"), FORWARD_COST["cpu"])
+
+
+def to_device(data, device, dtype=None):
+    """`data` (nested lists or a numpy array) as a tensor on `device`. On CUDA it is staged in pinned host memory and
+    copied without the host waiting: torch.tensor(..., device="cuda") copies from pageable memory and first waits for
+    every kernel already queued, so the host could not queue one forward while the device runs the one before."""
+    import torch
+
+    t = torch.as_tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def release(device) -> None:

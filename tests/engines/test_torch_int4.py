@@ -192,6 +192,30 @@ def test_fused_projections_compute_what_separate_ones_do(int4_f32):
         assert torch.allclose(model(tok, pos, valid), mixed(tok, pos, valid), atol=1e-5)
 
 
+def test_kept_dense_weights_compute_what_dequantizing_each_forward_does(int4_f32, monkeypatch):
+    """keep_dense keeps each int4 Linear's dequantized matrix while they fit in the bytes given: prefill-sized
+    forwards then give the same logits, bit for bit, as dequantizing in every forward, and 0 drops them all. Checked
+    on the CPU by enabling the dense path there."""
+    import qgate.engines.static_llama as sl
+    from qgate.engines.static_runner import load_model
+
+    monkeypatch.setattr(sl, "DENSE_ROWS", {"cpu": 4})
+    model, _, _ = load_model(int4_f32.path, torch.device("cpu"))
+    lins = [m for m in model.modules() if isinstance(m, sl.Linear) and m.weight is None]
+    sizes = [m.codes.shape[0] * m.codes.shape[1] * 2 * 4 for m in lins]  # [O, I] float32
+    tok = torch.tensor([SEQS[0]])
+    pos = torch.arange(tok.shape[1])[None]
+    valid = torch.ones_like(tok, dtype=torch.bool)
+    with torch.inference_mode():
+        per_forward = model(tok, pos, valid)
+        assert model.keep_dense(sizes[0] + sizes[1] - 1) == sizes[0]  # the second no longer fits
+        assert lins[0].dense is not None and all(m.dense is None for m in lins[1:])
+        assert model.keep_dense(10**12) == sum(sizes) and all(m.dense is not None for m in lins)
+        assert torch.equal(model(tok, pos, valid), per_forward)
+        assert model.keep_dense(0) == 0 and all(m.dense is None for m in lins)
+        assert torch.equal(model(tok, pos, valid), per_forward)
+
+
 def test_bf16_engine_stays_close_and_mixed_or_unquantized_checkpoints_serve(awq_art, w8_art, base_art, workdir):
     ref = load_runner(awq_art)
     bf16 = load_runner(build_engine(awq_art, "torch-int4", workdir / "int4-bf16"))
@@ -377,6 +401,44 @@ def test_cuda_graph_decode_equals_eager_decode(awq_art, calib_arts, workdir):
     for a, b in zip(ref.logits_batch(SEQS), served, strict=True):
         pa, pb = torch.log_softmax(torch.as_tensor(a).float(), -1), torch.log_softmax(b.float(), -1)
         assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_scoring_queues_forwards_without_waiting_for_the_gpu(awq_art, calib_arts, workdir):
+    """On CUDA the runners' scoring calls hold no host synchronization (torch's sync debug mode raises on one), so
+    the host queues the next forward while the GPU runs this one; the eval's reductions wait once per call, at the
+    end, and the engine keeps its dequantized weights for prefill."""
+    import warnings
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from qgate.gates.lm import RunnerLM
+
+    eng = build_engine(awq_art, "torch-int4", workdir / "int4-nosync", calib_arts["profile"])
+    groups = [([5, 6, 7], [[8, 9], [10]]), ([1, 2], [[3, 4, 5]])]
+    pairs = [([1, 5, 6, 7], [8, 9]), ([1, 5, 6, 7], [10]), ([1, 2], [3, 4, 5]), ([1, 9], [4])]
+    runners = [load_runner(awq_art, "cuda", "bfloat16"), load_runner(eng, "cuda")]
+    assert runners[1].dense_bytes > 0
+    for runner in runners:
+        lm = RunnerLM(runner)
+        want = lm._score_many(pairs)  # warm-up: first calls allocate and pick kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            runner.logits_batch(SEQS, keep_last=2)
+            runner.continuation_logits(groups, [11, 12])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                got = lm._score_many(pairs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in seen if "synchroniz" in str(w.message)]
+        assert len(syncs) <= 2, [str(w.message) for w in syncs]  # the log-probs and hits copied back, once each
+        assert all(g[1] == w[1] and g[0] == pytest.approx(w[0], rel=1e-5) for g, w in zip(got, want, strict=True))
 
 
 @pytest.mark.gpu

@@ -119,17 +119,17 @@ def test_a_memory_budget_batches_every_row_together_with_the_same_scores(base_ar
     calls = []
     inner = runner.logits_batch
     runner.logits_batch = lambda batch, keep_last=None: calls.append(len(batch)) or inner(batch, keep_last)
-    capped_scores = sh.score_sequences(runner, seqs, "t", lambda i, x: x.max(-1))
+    capped_scores = sh.score_sequences(runner, seqs, "t", lambda x: (x.max(-1),))
     assert max(calls) <= 5
     runner.batch_tokens = 10**6
     assert sh.greedy_batches(runner, prompts, 6) == [sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))]
     budgeted = sh.greedy_scored(runner, prompts, 6, 4)
     calls.clear()
-    scores = sh.score_sequences(runner, seqs, "t", lambda i, x: x.max(-1))
+    scores = sh.score_sequences(runner, seqs, "t", lambda x: (x.max(-1),))
     assert calls == [len(seqs)]
     for (a, (ids, lp)), (b, (ids2, lp2)) in zip(capped, budgeted, strict=True):
         assert a == b and np.abs(lp - lp2).max() < 1e-4
-    assert all(np.abs(x - y).max() < 1e-4 for x, y in zip(capped_scores, scores, strict=True))
+    assert all(np.abs(x[0] - y[0]).max() < 1e-4 for x, y in zip(capped_scores, scores, strict=True))
 
 
 def test_second_candidate_reuses_cached_baseline(base_art, w8_art, awq_art, calib_arts, workdir, monkeypatch):
@@ -490,9 +490,10 @@ def test_runner_lm_batched_and_shared_context_scores_match_single_sequences(base
     assert prefix >= 8  # and the instructions two of them share were computed once
 
 
-def test_runner_lm_finishes_a_whole_batch_as_request_by_request():
-    """Device logits are reduced for the whole batch at once (one host copy); the sums and greedy flags equal the
-    per-request reduction, and a request whose logits define no distribution still scores -inf."""
+def test_runner_lm_finishes_batches_on_the_device_as_request_by_request():
+    """Device logits are reduced a whole batch at once and left there until every batch of the call is queued (one
+    host copy at the end); the sums and greedy flags equal the per-request reduction, in request order across
+    batches, and a request whose logits define no distribution still scores -inf."""
     import torch
 
     from qgate.gates.lm import RunnerLM
@@ -506,7 +507,13 @@ def test_runner_lm_finishes_a_whole_batch_as_request_by_request():
     top = items[2][1].argmax(-1).tolist()
     items[2] = (2, items[2][1], top)  # the greedy path
     got, want = [None] * 4, [None] * 4
-    RunnerLM._finish_batched(items, got)
+    lm = RunnerLM.__new__(RunnerLM)  # the reduction alone: no runner
+    lm._pending = []
+    lm._defer(items[2:])  # two batches, queued out of request order
+    lm._defer(items[:2])
+    assert got == [None] * 4 and len(lm._pending) == 2
+    lm._resolve(got)
+    assert lm._pending == []
     for i, logits, target in items:
         want[i] = RunnerLM._finish(None, logits, target)
     assert got[1] == (float("-inf"), False) and got[2][1] is True
@@ -521,6 +528,15 @@ def test_runner_lm_scores_match_with_every_continuation_length_alone_or_all_padd
     runner = load_runner(base_art)
     runner.forward_cost = forward_cost  # 0: one forward per continuation length; huge: one padded forward per batch
     assert tiny.check_lm_scores(runner)[0] == 9
+
+
+def test_left_pad_puts_every_sequence_at_the_right_edge():
+    from qgate.engines.padding import left_pad
+
+    tok, real = left_pad([[5, 6, 7], [8], []], pad=0, rows=4)
+    assert tok.tolist() == [[5, 6, 7], [0, 0, 8], [0, 0, 0], [0, 0, 0]] and tok.dtype == np.int64
+    assert real.tolist() == [[True] * 3, [False, False, True], [False] * 3, [False] * 3]
+    assert left_pad([[1, 2]], pad=9)[0].tolist() == [[1, 2]]
 
 
 def test_length_groups_is_the_cheapest_grouping():

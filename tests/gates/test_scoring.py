@@ -89,3 +89,23 @@ def test_greedy_scored_matches_generate_and_teacher_forcing(base_art, calib_arts
         # the answer is the argmax of the scores taken while decoding it
         assert list(ids[len(p) - 1 :, 0]) == answer[: len(ids) - len(p) + 1]
     assert [a for a, _ in out] == runner.greedy_batch(prompts, max_new)
+
+
+def test_blocks_reduced_in_one_pass_equal_block_by_block():
+    """reduce_blocks joins a batch's sequences into one reduction (what a GPU gets): the same arrays per block as
+    reducing each alone, with each block's own rows of per-row inputs."""
+    from qgate.engines.logits import reduce_blocks
+
+    rng = np.random.default_rng(2)
+    blocks = [rng.normal(0, 3, (n, 300)).astype(np.float32) for n in (1, 5, 3)]
+    blocks[1][2, 7] = np.nan  # a position that defines no distribution stays in its own block's row
+    ids = [rng.integers(0, 300, (len(b), 4)) for b in blocks]
+    alone = reduce_blocks(reduce_logits, blocks, ids, join=False)
+    joined = reduce_blocks(reduce_logits, blocks, ids, join=True)
+    assert [len(a[0]) for a in joined] == [1, 5, 3]
+    for a, j in zip(alone, joined, strict=True):
+        assert all(np.array_equal(x, y) for x, y in zip(a, j, strict=True))
+    assert joined[1][0][2] == -1 and np.isneginf(joined[1][1][2]).all()
+    tops = reduce_blocks(lambda x: top_k_logprobs(x, 3), blocks, join=True)
+    assert all(np.array_equal(t[0], top_k_logprobs(b, 3)[0]) for t, b in zip(tops, blocks, strict=True))
+    assert reduce_blocks(reduce_logits, [], []) == []

@@ -1,6 +1,7 @@
 """What every runner returns and checks, shared by the reference path (engines/runners.py) and the engines' runners.
 
 logits = as_logits(model_output)      # numpy on a CPU, the tensor itself on an accelerator
+per_block = reduce_blocks(reduce, [logits_a, logits_b])   # a row-wise reduction: one pass on a GPU
 """
 
 from __future__ import annotations
@@ -24,6 +25,25 @@ def cat_rows(parts: list):
     import torch
 
     return torch.cat(parts)
+
+
+def reduce_blocks(reduce, blocks: list, *rows: list, join: bool | None = None) -> list[tuple]:
+    """reduce(x [n, V], *row arrays [n, ...]) -> a tuple of arrays [n, ...], for each block of logits [n_i, V] (numpy
+    or torch) with its rows of each list in `rows`; one tuple per block. join (default: whether the blocks are on an
+    accelerator): reduce them in one pass over them concatenated, so the host waits for the device once, not once
+    per block. Host blocks go one by one: joining them would copy every logit. reduce must be row-wise."""
+    if not blocks:
+        return []
+    if join is None:
+        join = getattr(getattr(blocks[0], "device", None), "type", "cpu") != "cpu"  # numpy's .device is "cpu"
+    if not join:
+        return [reduce(b, *(r[j] for r in rows)) for j, b in enumerate(blocks)]
+    parts = reduce(cat_rows(blocks), *(np.concatenate(r) for r in rows))
+    out, a = [], 0
+    for b in blocks:
+        out.append(tuple(p[a : a + len(b)] for p in parts))
+        a += len(b)
+    return out
 
 
 def check_vocab(path: Path, tokenizer, rows: int) -> None:

@@ -2,6 +2,7 @@
 
     groups = length_groups([3, 3, 9, 40], forward_cost=24)          # [(3, 9), (40, 40)]: ranges run as one forward
     batches = padded_batches(lengths, forward_cost, max_tokens)     # row indices per forward, within a token budget
+    tokens, mask = left_pad([[5, 6], [7]], pad=0)                    # [[5, 6], [0, 7]], [[1, 1], [0, 1]]
 
 A forward's fixed cost in positions is the device's (device.forward_cost).
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+
+import numpy as np
 
 
 def length_groups(lengths: Sequence[int], forward_cost: float) -> list[tuple[int, int]]:
@@ -52,3 +55,16 @@ def padded_batches(lengths: Sequence[int], forward_cost: float, max_tokens: int)
         rows = max(1, max_tokens // max(hi, 1))
         batches += [group[a : a + rows] for a in range(0, len(group), rows)]
     return batches
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad: int, rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [rows, W] int64 and a mask [rows, W] bool of which are real, for sequences left-padded to the
+    longest (W); rows past len(seqs) (default: none) are all padding."""
+    width = max((len(s) for s in seqs), default=0)
+    tokens = np.full((rows or len(seqs), width), pad, dtype=np.int64)
+    mask = np.zeros(tokens.shape, dtype=bool)
+    for i, s in enumerate(seqs):
+        if len(s):
+            tokens[i, width - len(s) :] = s
+            mask[i, width - len(s) :] = True
+    return tokens, mask

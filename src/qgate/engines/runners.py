@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from qgate.artifact import Artifact
-from qgate.engines.logits import as_logits, cat_rows, check_vocab
-from qgate.engines.padding import length_groups
+from qgate.device import to_device
+from qgate.engines.logits import as_logits, cat_rows, check_vocab, reduce_blocks
+from qgate.engines.padding import left_pad, length_groups
 from qgate.errors import BackendUnavailable, InputError
 
 
@@ -32,6 +33,7 @@ def dequantize_kwargs(path: Path) -> dict:
 
 
 ATTENTION = "qgate_sdpa_gqa"
+ATTENTION_MASKED = "qgate_sdpa_gqa_masked"  # the same on CUDA, with a mask always built (_masked_sdpa_mask)
 COMPACT_BELOW = 0.75  # greedy_scored: drop finished answers from the decode batch once fewer than this share still run
 
 
@@ -69,13 +71,24 @@ def _gqa_sdpa(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _register_attention() -> str:
+def _masked_sdpa_mask(*args, **kwargs):
+    """transformers' SDPA mask, built whatever the padding: to skip building it where attention is plainly causal,
+    transformers reads the padding mask's values on the host, which waits for the device in every forward."""
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **(kwargs | {"allow_is_causal_skip": False, "allow_is_bidirectional_skip": False}))
+
+
+def _register_attention(device) -> str:
+    """The attention implementation a model on `device` runs: _gqa_sdpa, with transformers' SDPA mask on a CPU and
+    _masked_sdpa_mask on an accelerator, where a forward then holds no host synchronization."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(ATTENTION, _gqa_sdpa)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-    return ATTENTION
+    for name, mask in ((ATTENTION, sdpa_mask), (ATTENTION_MASKED, _masked_sdpa_mask)):
+        AttentionInterface.register(name, _gqa_sdpa)
+        AttentionMaskInterface.register(name, mask)
+    return ATTENTION if device.type == "cpu" else ATTENTION_MASKED
 
 
 def _reserved_cache(cache, capacity: int):
@@ -126,7 +139,11 @@ class TorchRunner:
         self.tokenizer = load_tokenizer(path)
         placed = {"device_map": str(self.device)} if self.device.type == "cuda" else {}  # straight onto the GPU
         self.model = load_causal_lm(
-            path, dtype=self.dtype, attn_implementation=_register_attention(), **dequantize_kwargs(path), **placed
+            path,
+            dtype=self.dtype,
+            attn_implementation=_register_attention(self.device),
+            **dequantize_kwargs(path),
+            **placed,
         ).eval()
         check_vocab(path, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
@@ -134,11 +151,15 @@ class TorchRunner:
         self.numerics = numerics(self.device, self.dtype)
         self.forward_cost = forward_cost(self.device)  # continuation_logits' length groups
 
+    def _ids(self, data, dtype=None):
+        """Host data (lists, numpy) as a tensor on this runner's device, copied without waiting for it."""
+        return to_device(data, self.device, dtype)
+
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         import torch
 
         with torch.inference_mode():
-            out = self.model(torch.tensor([list(ids)], dtype=torch.long, device=self.device)).logits[0]  # [T, V]
+            out = self.model(self._ids([list(ids)], torch.long)).logits[0]  # [T, V]
         return as_logits(out)
 
     def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list[np.ndarray]:
@@ -146,10 +167,9 @@ class TorchRunner:
         last k positions' logits (the vocabulary projection is the costly part of scoring short continuations)."""
         import torch
 
-        width = max(len(s) for s in seqs)
-        pad = self.tokenizer.pad_token_id or 0
-        x = torch.tensor([[pad] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long, device=self.device)
-        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long, device=self.device)
+        tok, real = left_pad(seqs, self.tokenizer.pad_token_id or 0)
+        width = tok.shape[1]
+        x, mask = self._ids(tok), self._ids(real, torch.long)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         k = min(keep_last or width, width)
         with torch.inference_mode():
@@ -175,11 +195,8 @@ class TorchRunner:
 
         pad = self.tokenizer.pad_token_id or 0
         p = len(prefix)
-        cw = max(len(c) for c, _ in groups)
-        x = torch.tensor([[pad] * (cw - len(c)) + list(c) for c, _ in groups], dtype=torch.long, device=self.device)
-        smask = torch.tensor(
-            [[0] * (cw - len(c)) + [1] * len(c) for c, _ in groups], dtype=torch.long, device=self.device
-        )
+        tok, real = left_pad([c for c, _ in groups], pad)
+        x, smask = self._ids(tok), self._ids(real, torch.long)
         cmask = torch.cat(
             [torch.ones(len(groups), p, dtype=torch.long, device=self.device), smask], -1
         )  # padding sits between prefix and context
@@ -190,7 +207,7 @@ class TorchRunner:
             cache = None
             if p:
                 cache = self.model(
-                    torch.tensor([list(prefix)], dtype=torch.long, device=self.device), use_cache=True, logits_to_keep=1
+                    self._ids([list(prefix)], torch.long), use_cache=True, logits_to_keep=1
                 ).past_key_values
                 cache.reorder_cache(
                     torch.zeros(len(groups), dtype=torch.long, device=self.device)
@@ -207,15 +224,11 @@ class TorchRunner:
             todo = length_groups([f for f in fed if f > 0], self.forward_cost)
             for j, (lo, hi) in enumerate(todo):
                 rs = [r for r, f in enumerate(fed) if lo <= f <= hi]
-                idx = torch.tensor([rows[r][0] for r in rs], device=self.device)
+                idx = self._ids([rows[r][0] for r in rs], torch.long)
                 cache = out.past_key_values if j == len(todo) - 1 else copy.deepcopy(out.past_key_values)
                 cache.reorder_cache(idx)  # [G, ...] -> [R, ...], one row per continuation
-                y = torch.tensor(
-                    [rows[r][1][:-1] + [pad] * (hi - fed[r]) for r in rs], dtype=torch.long, device=self.device
-                )  # [R, hi]
-                kmask = torch.tensor(
-                    [[1] * fed[r] + [0] * (hi - fed[r]) for r in rs], dtype=torch.long, device=self.device
-                )
+                y = self._ids([rows[r][1][:-1] + [pad] * (hi - fed[r]) for r in rs], torch.long)  # [R, hi]
+                kmask = self._ids([[1] * fed[r] + [0] * (hi - fed[r]) for r in rs], torch.long)
                 pos = (
                     p + smask.sum(-1)[idx, None] + torch.arange(hi, device=self.device)[None]
                 )  # causal: the padding after a row never reaches it
@@ -244,11 +257,9 @@ class TorchRunner:
         import torch
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        width = max(len(p) for p in prompts)
-        x = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=self.device)
-        mask = torch.tensor(
-            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=self.device
-        )
+        tok, real = left_pad(prompts, pad)
+        width = tok.shape[1]
+        x, mask = self._ids(tok), self._ids(real, torch.long)
         with torch.inference_mode():
             out = self.model.generate(
                 x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
@@ -282,12 +293,8 @@ class TorchRunner:
         eos = self.model.generation_config.eos_token_id
         stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         width, rows = max(len(p) for p in prompts), len(prompts)
-        mask = torch.tensor(
-            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=self.device
-        )
-        pos = torch.tensor(
-            [[len(p) - 1] for p in prompts], dtype=torch.long, device=self.device
-        )  # each row's last position
+        mask = self._ids(left_pad(prompts, pad)[1], torch.long)
+        pos = self._ids([[len(p) - 1] for p in prompts], torch.long)  # each row's last position
         answers: list[list[int]] = [[] for _ in prompts]
         parts: list[list[tuple]] = [[] for _ in prompts]
         with torch.inference_mode():
@@ -300,18 +307,19 @@ class TorchRunner:
                 while b < rows and (b + 1 - a) * max(len(p) for p in prompts[a : b + 1]) <= prefill_tokens:
                     b += 1
                 chunk = prompts[a:b]
-                w = max(len(p) for p in chunk)
-                cm = torch.tensor(
-                    [[0] * (w - len(p)) + [1] * len(p) for p in chunk], dtype=torch.long, device=self.device
-                )
+                tok, real = left_pad(chunk, pad)
+                w = tok.shape[1]
+                cm = self._ids(real, torch.long)
                 out = self.model(
-                    torch.tensor([[pad] * (w - len(p)) + list(p) for p in chunk], dtype=torch.long, device=self.device),
+                    self._ids(tok),
                     attention_mask=cm,
                     position_ids=(cm.cumsum(-1) - 1).clamp(min=0),
                     use_cache=True,
                 )
-                for i, p in enumerate(chunk):
-                    parts[a + i].append(reduce(out.logits[i, w - len(p) :].float()))
+                blocks = [out.logits[i, w - len(p) :].float() for i, p in enumerate(chunk)]
+                for i, r in enumerate(reduce_blocks(reduce, blocks)):
+                    parts[a + i].append(r)
+                del blocks
                 firsts.append(out.logits[:, -1].argmax(-1))
                 layers = (
                     out.past_key_values.layers
@@ -335,28 +343,29 @@ class TorchRunner:
             live = np.ones(rows, bool)  # per prompt
             active = np.arange(rows)  # the prompts still in the decode batch, in batch order
             for step in range(max_new_tokens):
+                tokens = nxt.tolist()  # one copy to the host per step, not one per row
                 for j, i in enumerate(active):
                     if live[i]:
-                        answers[i].append(int(nxt[j]))
+                        answers[i].append(tokens[j])
                         live[i] = answers[i][-1] not in stops
                 if step == max_new_tokens - 1 or not live.any():
                     break
                 on = live[active]
                 if on.mean() < COMPACT_BELOW:  # finished answers leave the batch: a decode step costs its rows
-                    sel = torch.from_numpy(np.nonzero(on)[0]).to(self.device)
+                    sel = self._ids(np.nonzero(on)[0])
                     for layer in cache.layers:
                         layer.batch_select_indices(sel)
                     mask, pos, nxt, active, on = mask[sel], pos[sel], nxt[sel], active[on], on[on]
                 mask = torch.cat([mask, torch.ones(len(active), 1, dtype=torch.long, device=self.device)], -1)
                 pos = pos + 1
-                feed = torch.where(torch.from_numpy(on).to(self.device), nxt, torch.full_like(nxt, pad))[:, None]
+                feed = torch.where(self._ids(on), nxt, torch.full_like(nxt, pad))[:, None]
                 logits = (
                     self.model(feed, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
                     .logits[:, -1]
                     .float()
                 )
                 keep = np.nonzero(on)[0]
-                reduced = reduce(logits[torch.from_numpy(keep).to(self.device)])
+                reduced = reduce(logits[self._ids(keep)])
                 for j, r in enumerate(keep):
                     parts[active[r]].append(tuple(a[j : j + 1] for a in reduced))
                 nxt = logits.argmax(-1)

@@ -53,7 +53,8 @@ class Linear(nn.Module):
     An int4 Linear runs torch's int4 kernel on few rows (decode steps). On a CUDA device, from DENSE_ROWS rows on
     (prefill, teacher-forced scoring) it dequantizes its codes to the activation dtype, w = (q - 8) * scale + zero
     rounded once, and runs a dense GEMM: the int4 kernel is built for matrix-vector products and reads its weights
-    several times slower at large row counts. On a CPU every row count runs the int4 kernel."""
+    several times slower at large row counts. That dense matrix is computed per forward, or once where `keep_dense`
+    kept it (the same numbers either way). On a CPU every row count runs the int4 kernel."""
 
     def __init__(self, weight: Int4Weight | torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device):
         super().__init__()
@@ -66,6 +67,7 @@ class Linear(nn.Module):
             # the portable codes, kept for dequantizing where the dense path runs
             self.register_buffer("codes", weight.codes.to(device) if self.dense_rows else None)  # [O, I/2] uint8
             self.weight = None
+            self.dense: torch.Tensor | None = None  # dequantized() kept by keep_dense; not part of the state dict
         else:
             self.out_features = weight.shape[0]
             self.register_buffer("weight", weight.to(device, dtype))  # [O, I]
@@ -75,7 +77,7 @@ class Linear(nn.Module):
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         if self.dense_rows is not None and x.numel() >= self.dense_rows * x.shape[-1]:
-            return F.linear(x, self.dequantized(), self.bias)
+            return F.linear(x, self.dense if self.dense is not None else self.dequantized(), self.bias)
         y = int4_mm(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, self.sz).reshape(
             *x.shape[:-1], self.out_features
         )
@@ -180,6 +182,20 @@ class StaticLlama(nn.Module):
         self.register_buffer("sin", torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1).to(device, dtype))  # signed
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
+
+    def keep_dense(self, max_bytes: int) -> int:
+        """Keep the dequantized matrix of int4 Linears that run a dense GEMM at many rows, Linear by Linear in model
+        order while they fit in `max_bytes`, so a prefill reads them instead of dequantizing every weight; 0 drops
+        them all. Returns the bytes kept. Decode steps still read the packed codes."""
+        kept = 0
+        for m in self.modules():
+            if isinstance(m, Linear) and m.weight is None:
+                m.dense = None
+                if m.dense_rows is not None:
+                    size = m.codes.shape[0] * m.codes.shape[1] * 2 * m.sz.element_size()  # [O, I] in the act. dtype
+                    if kept + size <= max_bytes:
+                        m.dense, kept = m.dequantized(), kept + size
+        return kept
 
     def setup_cache(self, batch: int, length: int) -> None:
         """A zeroed cache of `length` slots for `batch` rows (a cache of this size already there is reused)."""

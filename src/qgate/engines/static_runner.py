@@ -8,7 +8,8 @@ On CUDA one decode graph per batch size in engine.json and per context bucket (p
 `max_seq_len`) is captured at load, all over one KV cache of `max_seq_len` slots: a decode step attends over its
 bucket's slots, not the whole cache. A batch runs on the smallest captured size that holds it (spare rows compute
 padding) and the smallest bucket that holds its prompt and answer. A batch no graph holds, and every batch on a CPU,
-runs the same model eagerly.
+runs the same model eagerly. After capture, the int4 weights' dequantized matrices are kept for prefill and
+teacher-forced scoring where they fit in DENSE_SHARE of the free memory (StaticLlama.keep_dense).
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qgate.device import to_device
 from qgate.engines.int4pack import Int4Weight
 from qgate.engines.logits import as_logits, check_vocab
+from qgate.engines.padding import left_pad
 from qgate.engines.static_llama import StaticLlama
 from qgate.errors import ConfigError
 
 SERVED_SUBDIR = "checkpoint"  # an engine's config, generation config and tokenizer files: what the contract reads
 SERVED_FILES = ("config.json", "generation_config.json")
 SCORING_TOKENS = 2048  # padded tokens per continuation-scoring forward where the device sets no budget (a CPU)
+DENSE_SHARE = 0.5  # of the device's free memory after graph capture, at most, for dequantized weights kept for prefill
 
 
 def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dict, dict]:
@@ -67,7 +71,6 @@ class StaticRunner:
         self.tokenizer = load_tokenizer(engine_dir / SERVED_SUBDIR)
         check_vocab(engine_dir, self.tokenizer, self.model.embed.shape[0])
         self.max_length = int(config.get("max_position_embeddings", 2048))
-        self.batch_tokens = batch_tokens(device, self.model.embed.shape[0], config["hidden_size"])
         self.forward_cost = forward_cost(device)
         gen = engine_dir / SERVED_SUBDIR / "generation_config.json"
         eos = (json.loads(gen.read_text()) if gen.exists() else config).get("eos_token_id")
@@ -76,8 +79,11 @@ class StaticRunner:
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id or 0
         )
         self.graphs: dict[tuple[int, int], tuple] = {}  # (batch size, context slots) -> (graph, its logits)
+        self.dense_bytes = 0  # dequantized weights kept for prefill (StaticLlama.keep_dense)
         if device.type == "cuda":
             self._capture(graph_batch_sizes or self.spec["graph_batch_sizes"], self.spec["max_seq_len"])
+            self.dense_bytes = self.model.keep_dense(int(torch.cuda.mem_get_info(device)[0] * DENSE_SHARE))
+        self.batch_tokens = batch_tokens(device, self.model.embed.shape[0], config["hidden_size"])
 
     def _capture(self, sizes: Sequence[int], slots: int) -> None:
         """One CUDA graph of a decode step per (batch size, context bucket), all over one KV cache of `slots` slots and
@@ -108,12 +114,8 @@ class StaticRunner:
 
     def _left_pad(self, seqs: Sequence[Sequence[int]], rows: int | None = None):
         """tokens, valid mask and RoPE positions [rows, W] for left-padded sequences (extra rows are all padding)."""
-        width = max(len(s) for s in seqs)
-        seqs = list(seqs) + [[]] * ((rows or len(seqs)) - len(seqs))
-        tok = torch.tensor(
-            [[self.pad] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long, device=self.device
-        )
-        valid = torch.tensor([[False] * (width - len(s)) + [True] * len(s) for s in seqs], device=self.device)
+        tok, real = left_pad(seqs, self.pad, rows)
+        tok, valid = to_device(tok, self.device), to_device(real, self.device)
         return tok, valid, (valid.long().cumsum(-1) - 1).clamp(min=0)
 
     def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list[np.ndarray]:
@@ -183,11 +185,11 @@ class StaticRunner:
             if step < 0:
                 rows = logits.shape[0]
                 feed.append(
-                    torch.tensor(
+                    to_device(
                         [a + [self.pad] * (steps - len(a)) for a in answers]
                         + [[self.pad] * steps] * (rows - len(seqs)),
-                        dtype=torch.long,
-                        device=self.device,
+                        self.device,
+                        torch.long,
                     ).reshape(rows, steps)
                 )
             parts.append(logits if step < 0 else logits.clone())  # a graph's output is overwritten by its next replay

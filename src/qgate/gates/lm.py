@@ -9,6 +9,8 @@ import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from qgate.device import to_device
+from qgate.engines.padding import padded_batches
 from qgate.engines.protocol import ScoresContinuations
 from qgate.progress import progress
 
@@ -102,9 +104,11 @@ class RunnerLM(LM):
                         sub.append(i)
                         fed += len(pairs[i][1])
                     shared.append((p, c, sub))
+        self._pending: list = []
         self._score_shared(pairs, shared, out)
         done = {i for _, _, ix in shared for i in ix}
         self._score_whole(pairs, [i for i in range(len(pairs)) if i not in done], out)
+        self._resolve(out)
         return out
 
     def _finish(self, logits: np.ndarray, target: list[int]) -> tuple[float, bool]:
@@ -121,30 +125,41 @@ class RunnerLM(LM):
         return _summed(*_per_position(x, torch.as_tensor(target, device=x.device)))
 
     def _finish_all(self, items: list[tuple[int, object, list[int]]], out: list) -> None:
-        """out[i] = _finish(logits, target) for each (i, logits, target). Logits on an accelerator are reduced in one
-        pass over the whole batch there, with one copy of the per-position log-probs to the host, where each request's
-        are summed: request by request, the small reductions and their host synchronizations cost more than the
-        forward pass that made the logits. Host logits go request by request (no copy into one array)."""
+        """out[i] = _finish(logits, target) for each (i, logits, target). Host logits go request by request (no copy
+        into one array). Logits on an accelerator are reduced in one pass over the whole batch there, and the
+        per-position log-probs stay there until _resolve: request by request, the small reductions and their host
+        synchronizations cost more than the forward pass that made the logits, and a copy to the host per batch
+        would make the host wait for each forward before it queues the next."""
         import torch
 
         if not items or not isinstance(items[0][1], torch.Tensor) or items[0][1].device.type == "cpu":
             for i, logits, target in items:
                 out[i] = self._finish(logits, target)
         else:
-            self._finish_batched(items, out)
+            self._defer(items)
 
-    @staticmethod
-    def _finish_batched(items: list[tuple[int, object, list[int]]], out: list) -> None:
+    def _defer(self, items: list[tuple[int, object, list[int]]]) -> None:
+        """Per-position log-probs and hits of these requests, computed where their logits are, kept for _resolve."""
         import torch
 
         x = torch.cat([logits.float() for _, logits, _ in items])  # [N, V]
-        lp, hit = _per_position(x, torch.as_tensor([tok for _, _, target in items for tok in target], device=x.device))
-        lp, hit = lp.cpu(), hit.cpu()
+        targets = to_device([tok for _, _, target in items for tok in target], x.device, torch.long)
+        lp, hit = _per_position(x, targets)  # [N] each, on the device
+        self._pending.append(([(i, len(target)) for i, _, target in items], lp, hit))
+
+    def _resolve(self, out: list) -> None:
+        """out[i] for every request _finish_all left on the device: one copy to the host, then summed per request."""
+        import torch
+
+        if not self._pending:
+            return
+        lp = torch.cat([p[1] for p in self._pending]).cpu().numpy()
+        hit = torch.cat([p[2] for p in self._pending]).cpu().numpy()
         a = 0
-        for i, _, target in items:
-            b = a + len(target)
-            out[i] = _summed(lp[a:b], hit[a:b])
-            a = b
+        for i, n in (r for requests, _, _ in self._pending for r in requests):
+            out[i] = _summed(lp[a : a + n], hit[a : a + n])
+            a += n
+        self._pending = []
 
     def _score_shared(self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], out: list) -> None:
         """Batches of contexts with one shared prefix each: padded suffixes, and continuation tokens (which the runner
@@ -181,8 +196,6 @@ class RunnerLM(LM):
     def _score_whole(self, pairs, todo: list[int], out: list) -> None:
         """Whole sequences (truncated like lm-eval does) in left-padded batches of similar length: the runner's
         cheapest grouping of lengths for its device, within the token budget (engines/padding.padded_batches)."""
-        from qgate.engines.padding import padded_batches
-
         whole = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in todo]
         n = [len(pairs[i][1]) for i in todo]  # continuation tokens: the last n positions are scored
         cost = getattr(self.runner, "forward_cost", 0)  # 0: a runner that runs rows one at a time

@@ -12,7 +12,8 @@ The noise floor (gates/noise.py) measures what the gate can resolve on each base
 
 Logits a runner leaves on a GPU (a torch tensor on CUDA) are reduced there by the same arithmetic in torch, in row
 chunks, and only the reduced arrays come back: copying [T, V] float32 logits to the host and reducing them on its
-cores would cost more than the forward pass that made them.
+cores would cost more than the forward pass that made them. A batch's sequences are reduced there in one pass
+(engines/logits.reduce_blocks), so the host waits for the device once per batch, not once per sequence.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
+from qgate.device import to_device
 
 MAX_BATCH_TOKENS = 1024  # padded tokens per scoring batch: 1024 x 49k vocab x 4 bytes = 200 MB of logits
 MAX_BATCH_ROWS = 16
@@ -96,7 +99,7 @@ def reduce_logits_torch(logits, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
     with torch.inference_mode():
         x = logits.float()
-        idx = torch.as_tensor(np.asarray(ids), dtype=torch.long, device=x.device)
+        idx = to_device(np.asarray(ids), x.device, torch.long)
         top1 = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
         picked = torch.empty(idx.shape, dtype=torch.float64, device=x.device)
         for a in range(0, x.shape[0], DEVICE_ROWS):

@@ -47,6 +47,7 @@ import numpy as np
 from qgate.artifact import Artifact, sha256_json
 from qgate.cache import read_cached_arrays, write_cached
 from qgate.chat import encode_with_sources
+from qgate.engines.logits import reduce_blocks
 from qgate.engines.protocol import Generates, GeneratesScored, ScoresServed
 from qgate.errors import ConfigError, InputError
 from qgate.gates.result import GateResult
@@ -108,7 +109,7 @@ def rescore_reference(runner, ref: dict, top_k: int, desc: str = "shadow: refere
 def top_k_reference(runner, seqs: list[list[int]], top_k: int, desc: str) -> tuple[np.ndarray, np.ndarray]:
     """`runner`'s top-k ids and log-probs at every position but each sequence's last (position t predicts seq[t+1]),
     concatenated in sequence order: [sum(T - 1), k] each."""
-    tops = score_sequences(runner, seqs, desc, lambda _, logits: top_k_logprobs(logits[:-1], top_k))
+    tops = score_sequences(runner, seqs, desc, lambda x: top_k_logprobs(x, top_k))
     return np.concatenate([ids for ids, _ in tops]), np.concatenate([lps for _, lps in tops])
 
 
@@ -116,8 +117,10 @@ def _sequences(ref: dict) -> list[list[int]]:
     return split_sequences(ref["tokens"], ref["seq_lens"])
 
 
-def score_sequences(runner, seqs: list[list[int]], desc: str, reduce, prompt_lens=None) -> list:
-    """reduce(i, teacher-forced logits [T, V] of sequence i) for every sequence, returned in input order. The
+def score_sequences(runner, seqs: list[list[int]], desc: str, reduce, prompt_lens=None, rows: tuple = ()) -> list:
+    """Per sequence, in input order: reduce(x, *its rows of each list in `rows`), where x [T - 1, V] are its
+    teacher-forced logits at every position but the last (position t predicts seq[t + 1]) and reduce returns a tuple
+    of arrays [T - 1, ...], row by row (on a GPU a batch's sequences are reduced in one pass: reduce_blocks). The
     sequences run in length-sorted batches (runner.logits_batch: left-padded with position ids on the reference
     path), and each batch's logits are reduced and dropped before the next batch runs: one batch of logits is alive
     at a time (holding batches until their sequences' turn in input order kept up to all of them, and slowed the
@@ -137,9 +140,10 @@ def score_sequences(runner, seqs: list[list[int]], desc: str, reduce, prompt_len
             logits = runner.served_logits_batch([seqs[i] for i in batch], [int(prompt_lens[i]) for i in batch])
         else:
             logits = runner.logits_batch([seqs[i] for i in batch])
-        for j, i in enumerate(batch):
-            out[i] = reduce(i, logits[j])
-        del logits
+        blocks = [x[:-1] for x in logits]
+        for i, r in zip(batch, reduce_blocks(reduce, blocks, *([a[i] for i in batch] for a in rows)), strict=True):
+            out[i] = r
+        del logits, blocks
     return out
 
 
@@ -281,10 +285,9 @@ def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dic
     seqs = _sequences(ref)
     starts = np.concatenate([[0], np.cumsum(ref["seq_lens"] - 1)])  # sequence i's positions in ref's arrays
 
-    def per_sequence(i: int, logits) -> tuple:
+    def per_sequence(i: int, cand_top1: np.ndarray, lq_k: np.ndarray) -> tuple:
         a, b, p = int(starts[i]), int(starts[i + 1]), int(ref["prompt_lens"][i])
         ti, tl = ref["top_idx"][a:b], ref["top_lp"][a:b]  # [T-1, k]
-        cand_top1, lq_k = reduce_logits(logits[:-1], ti)
         kl, p_tail = kl_with_tail(tl, lq_k)
         answer = np.asarray(seqs[i][p:])  # baseline's greedy answer
         miss = np.nonzero(cand_top1[p - 1 : p - 1 + len(answer)] != answer)[0]
@@ -298,7 +301,9 @@ def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dic
         )
 
     ts = time.perf_counter()
-    rows = score_sequences(runner, seqs, desc, per_sequence, prompt_lens=ref["prompt_lens"])
+    ids = [ref["top_idx"][starts[i] : starts[i + 1]] for i in range(len(seqs))]  # the baseline's top-k per position
+    scored = score_sequences(runner, seqs, desc, reduce_logits, prompt_lens=ref["prompt_lens"], rows=(ids,))
+    rows = [per_sequence(i, *r) for i, r in enumerate(scored)]
     score_s = time.perf_counter() - ts
     kls, tails, agree, undefined, first_div, gen_lens = zip(*rows, strict=True)
     return {
