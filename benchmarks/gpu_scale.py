@@ -133,6 +133,23 @@ def engine_bytes_per_token(engine_dir: Path, config: dict, context: int) -> int:
     return total + 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2 * context
 
 
+def _tilings(m, x, device) -> dict:
+    """Microseconds of torch's int4 kernel at one row on Linear m's weight, packed with inner_k_tiles 2, 4 and 8."""
+    import torch
+
+    u8 = m.codes.contiguous()
+    out = {}
+    for tiles in (2, 4, 8):
+        if u8.shape[1] * 2 % (tiles * 16):
+            continue
+        packed = torch.ops.aten._convert_weight_to_int4pack(u8, tiles)
+        mm = torch.ops.aten._weight_int4pack_mm
+        [mm(x, packed, m.group_size, m.sz) for _ in range(3)]
+        t = _timed(device, lambda p=packed: [mm(x, p, m.group_size, m.sz) for _ in range(50)]) / 50
+        out[tiles] = round(t * 1e6, 1)
+    return out
+
+
 def step_breakdown(engine, device) -> dict:
     """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps), and
     the model's Linears alone at one row, in total and per weight shape (the bytes each reads per millisecond)."""
@@ -171,6 +188,11 @@ def step_breakdown(engine, device) -> dict:
                 "us": round(t * 1e6, 1),
                 "read_tb_s": round(nbytes(m) / t / 1e12, 3),
             }
+            if q:  # the same weight packed with each k-tiling torch's packer takes: the engine uses the widest
+                try:
+                    per_shape[f"int4 {o}x{i}"]["us_by_inner_k_tiles"] = _tilings(m, xs[i], device)
+                except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
+                    per_shape[f"int4 {o}x{i}"]["us_by_inner_k_tiles"] = f"{type(e).__name__}: {e}"[:300]
     total = sum(nbytes(m) for m in lins)
     return {
         "graph_step_ms": step_ms,
