@@ -216,6 +216,30 @@ def test_kept_dense_weights_compute_what_dequantizing_each_forward_does(int4_f32
         assert torch.equal(model(tok, pos, valid), per_forward)
 
 
+def test_the_cuda_attention_mask_computes_what_transformers_skip_does(base_art, monkeypatch):
+    """On CUDA the reference path always builds the SDPA mask (skipping it reads the padding mask on the host): the
+    same logits as transformers' own mask on unpadded, padded and cached forwards. Checked on the CPU by switching
+    the model to it."""
+    from qgate.engines import runners
+
+    runner = TorchRunner(base_art.path)
+    groups = [([5, 6, 7], [[8, 9], [10]]), ([1, 2], [[3, 4, 5]])]
+
+    def scores():
+        return runner.logits_batch(SEQS) + [runner.logits(SEQS[0])] + sum(runner.continuation_logits(groups, [1]), [])
+
+    before = scores()
+    built = []
+    inner = runners._masked_sdpa_mask
+    monkeypatch.setattr(runners, "_masked_sdpa_mask", lambda *a, **k: built.append(1) or inner(*a, **k))
+    runners._register_attention(torch.device("cuda"))  # registers both names; the mask function as patched
+    runner.model.set_attn_implementation(runners.ATTENTION_MASKED)
+    after = scores()
+    assert len(built) >= 5  # every forward built its mask: logits_batch, logits, the prefix, contexts, continuations
+    for a, b in zip(before, after, strict=True):
+        assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
+
+
 def test_bf16_engine_stays_close_and_mixed_or_unquantized_checkpoints_serve(awq_art, w8_art, base_art, workdir):
     ref = load_runner(awq_art)
     bf16 = load_runner(build_engine(awq_art, "torch-int4", workdir / "int4-bf16"))
