@@ -307,6 +307,27 @@ def test_spec_refuses_what_the_engine_cannot_serve(tmp_path):
     with pytest.raises(ConfigError, match="KV cache in the activation dtype, not fp8"):
         load_spec(path)
     spec["variants"][0].pop("kv_cache")
+    # group sizes torch's int4 kernels lack fail here, not at the build after quantizing or searching
+    spec["variants"][0]["options"] = {"group_size": 16}
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(ConfigError, match="take group sizes 32, 64, 128, 256; scheme gptq-w4a16 has group_size 16"):
+        load_spec(path)
+    spec["variants"][0] |= {"options": {"group_size": 64}, "search": {"fine_group_size": 16}}
+    path.write_text(yaml.safe_dump(spec | {"calibrate": {"search_size": 48}}))
+    with pytest.raises(ConfigError, match="search.fine_group_size is 16"):
+        load_spec(path)
+    spec["variants"][0]["search"] = {"fine_group_size": 32}
+    path.write_text(yaml.safe_dump(spec | {"calibrate": {"search_size": 48}}))
+    assert load_spec(path).variants[0].search == {"fine_group_size": 32}
+    spec["variants"][0] = {
+        "name": "w8",
+        "scheme": "gptq-w8a16",
+        "options": {"group_size": 16},
+        "engine": {"backend": "torch-int4"},
+    }
+    path.write_text(yaml.safe_dump(spec))
+    assert load_spec(path).variants[0].name == "w8"  # served dense: any group size
+    spec["variants"][0] = {"name": "gptq", "scheme": "gptq-w4a16", "engine": {"backend": "torch-int4"}}
     path.write_text(yaml.safe_dump(spec | {"gates": {"device": "gpu"}}))
     with pytest.raises(ConfigError, match="gates.device: 'gpu' is not a device"):
         load_spec(path)

@@ -31,6 +31,7 @@ class Backend:
     cannot_hold: str | None = None  # (checkpoint) -> why it cannot hold this checkpoint's layout, or None
     serves: str = ""  # the schemes to choose instead, for a refusal's hint
     int8_head: bool = False  # serves a checkpoint's W8A16 lm_head with int8 kernels (search.lm_head may quantize it)
+    group_sizes: str | None = None  # the int4 group sizes its kernels take (a tuple, by reference); None: any
 
 
 def _load(ref: str) -> Any:
@@ -66,6 +67,7 @@ for _b in (
         "qgate.engines.static_runner:load_runner",
         refuses="qgate.engines.torch_int4:refusal",
         serves="awq-w4a16, gptq-w4a16 or gptq-w8a16 without kv_cache",
+        group_sizes="qgate.engines.int4pack:KERNEL_GROUPS",
     ),
 ):
     BACKENDS.register(_b.name, _b)
@@ -82,11 +84,25 @@ def engine_config(name: str, where: str = "engine.options", **options: Any):
     return build_config(_load(backend(name).config), options, where)
 
 
-def refusal(name: str, scheme_name: str, scheme, kv_cache: str | None) -> str | None:
-    """Why backend `name` could never serve a variant of this scheme and KV cache, or None: checked at spec load,
-    after the spec has refused a backend the gates cannot run (`Backend.runner` None)."""
+def refusal(
+    name: str, scheme_name: str, scheme, kv_cache: str | None, fine_group_size: int | None = None
+) -> str | None:
+    """Why backend `name` could never serve a variant of this scheme and KV cache (and a search's finer-group rung),
+    or None: checked at spec load, after the spec has refused a backend the gates cannot run (`Backend.runner` None),
+    so that a group size its kernels lack fails there and not at the build after quantizing or searching."""
     row = backend(name)
-    return _load(row.refuses)(scheme_name, scheme, kv_cache) if row.refuses else None
+    why = _load(row.refuses)(scheme_name, scheme, kv_cache) if row.refuses else None
+    if why or not row.group_sizes:
+        return why
+    sizes = _load(row.group_sizes)
+    takes = f"the {name} engine's int4 kernels take group sizes {', '.join(map(str, sizes))}"
+    if getattr(scheme, "num_bits", None) == 4 and scheme.group_size not in sizes:
+        return (
+            f"{takes}; scheme {scheme_name} has group_size {scheme.group_size} (set options.group_size to one of them)"
+        )
+    if fine_group_size and fine_group_size not in sizes:
+        return f"{takes}; search.fine_group_size is {fine_group_size} (set it to one of them, or drop it)"
+    return None
 
 
 def unsupported(ckpt: Artifact, name: str) -> str | None:

@@ -266,7 +266,7 @@ def load_spec(path: Path) -> PipelineSpec:
     return spec
 
 
-def _check_engine(v: VariantSpec, where: str) -> None:
+def _check_engine(v: VariantSpec, where: str, fine_group_size: int | None = None) -> None:
     """An engine the pipeline could build and gate for this variant, or a ConfigError now (engines/build.py's table
     says which backends the gates can run and which variants each refuses). A searched variant's W8 or unquantized
     layers are handled at build time: it is gated on the reference path and its report says so."""
@@ -281,7 +281,7 @@ def _check_engine(v: VariantSpec, where: str) -> None:
             "be gated",
             hint=f"{keep}, then bundle the promoted checkpoint with `qgate engine build --backend {row.name}`",
         )
-    why = refusal(row.name, v.scheme, scheme_config(v.scheme, **v.options), v.kv_cache)
+    why = refusal(row.name, v.scheme, scheme_config(v.scheme, **v.options), v.kv_cache, fine_group_size)
     if why:
         raise ConfigError(f"{where}: {why}", hint=f"{keep}, or choose {row.serves}")
 
@@ -304,9 +304,10 @@ def _check_semantics(spec: PipelineSpec) -> None:
                 KVCacheConfig(v.kv_cache)
             if v.engine:
                 engine_config(v.engine.backend, where=key_path("variants", i, "engine", "options"), **v.engine.options)
-                _check_engine(v, key_path("variants", i, "engine"))
-            if v.search is not None:
-                search_config(v, where=key_path("variants", i, "search"))
+            search = search_config(v, where=key_path("variants", i, "search")) if v.search is not None else None
+            if v.engine:
+                _check_engine(v, key_path("variants", i, "engine"), search.fine_group_size if search else None)
+            if search is not None:
                 if not spec.calibrate.search_size:
                     raise ConfigError(
                         f"{key_path('variants', i, 'search')}: its points would be chosen on the shadow "
