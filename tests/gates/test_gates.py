@@ -530,13 +530,16 @@ def test_runner_lm_scores_match_with_every_continuation_length_alone_or_all_padd
     assert tiny.check_lm_scores(runner)[0] == 9
 
 
-def test_left_pad_puts_every_sequence_at_the_right_edge():
-    from qgate.engines.padding import left_pad
+def test_left_and_right_pad_put_every_sequence_at_one_edge():
+    from qgate.engines.padding import left_pad, right_pad
 
     tok, real = left_pad([[5, 6, 7], [8], []], pad=0, rows=4)
     assert tok.tolist() == [[5, 6, 7], [0, 0, 8], [0, 0, 0], [0, 0, 0]] and tok.dtype == np.int64
     assert real.tolist() == [[True] * 3, [False, False, True], [False] * 3, [False] * 3]
     assert left_pad([[1, 2]], pad=9)[0].tolist() == [[1, 2]]
+    tok, real = right_pad([[5, 6, 7], [8], []], pad=0, rows=4)
+    assert tok.tolist() == [[5, 6, 7], [8, 0, 0], [0, 0, 0], [0, 0, 0]] and tok.dtype == np.int64
+    assert real.tolist() == [[True] * 3, [True, False, False], [False] * 3, [False] * 3]
 
 
 def test_length_groups_is_the_cheapest_grouping():

@@ -3,6 +3,7 @@
     groups = length_groups([3, 3, 9, 40], forward_cost=24)          # [(3, 9), (40, 40)]: ranges run as one forward
     batches = padded_batches(lengths, forward_cost, max_tokens)     # row indices per forward, within a token budget
     tokens, mask = left_pad([[5, 6], [7]], pad=0)                    # [[5, 6], [0, 7]], [[1, 1], [0, 1]]
+    tokens, mask = right_pad([[5, 6], [7]], pad=0)                   # [[5, 6], [7, 0]], [[1, 1], [1, 0]]
 
 A forward's fixed cost in positions is the device's (device.forward_cost).
 """
@@ -60,11 +61,21 @@ def padded_batches(lengths: Sequence[int], forward_cost: float, max_tokens: int)
 def left_pad(seqs: Sequence[Sequence[int]], pad: int, rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Token ids [rows, W] int64 and a mask [rows, W] bool of which are real, for sequences left-padded to the
     longest (W); rows past len(seqs) (default: none) are all padding."""
+    return _padded(seqs, pad, rows, left=True)
+
+
+def right_pad(seqs: Sequence[Sequence[int]], pad: int, rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """As left_pad, with the padding after each sequence."""
+    return _padded(seqs, pad, rows, left=False)
+
+
+def _padded(seqs: Sequence[Sequence[int]], pad: int, rows: int | None, left: bool) -> tuple[np.ndarray, np.ndarray]:
     width = max((len(s) for s in seqs), default=0)
     tokens = np.full((rows or len(seqs), width), pad, dtype=np.int64)
     mask = np.zeros(tokens.shape, dtype=bool)
     for i, s in enumerate(seqs):
         if len(s):
-            tokens[i, width - len(s) :] = s
-            mask[i, width - len(s) :] = True
+            at = slice(width - len(s), width) if left else slice(0, len(s))
+            tokens[i, at] = s
+            mask[i, at] = True
     return tokens, mask

@@ -18,7 +18,7 @@ import numpy as np
 from qgate.artifact import Artifact
 from qgate.device import to_device
 from qgate.engines.logits import as_logits, cat_rows, check_vocab, reduce_blocks
-from qgate.engines.padding import left_pad, length_groups
+from qgate.engines.padding import left_pad, length_groups, right_pad
 from qgate.errors import BackendUnavailable, InputError
 
 
@@ -227,8 +227,8 @@ class TorchRunner:
                 idx = self._ids([rows[r][0] for r in rs], torch.long)
                 cache = out.past_key_values if j == len(todo) - 1 else copy.deepcopy(out.past_key_values)
                 cache.reorder_cache(idx)  # [G, ...] -> [R, ...], one row per continuation
-                y = self._ids([rows[r][1][:-1] + [pad] * (hi - fed[r]) for r in rs], torch.long)  # [R, hi]
-                kmask = self._ids([[1] * fed[r] + [0] * (hi - fed[r]) for r in rs], torch.long)
+                tok, real = right_pad([rows[r][1][:-1] for r in rs], pad)  # [R, hi]: hi is the group's longest
+                y, kmask = self._ids(tok), self._ids(real, torch.long)
                 pos = (
                     p + smask.sum(-1)[idx, None] + torch.arange(hi, device=self.device)[None]
                 )  # causal: the padding after a row never reaches it

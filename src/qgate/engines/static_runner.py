@@ -24,7 +24,7 @@ import torch
 from qgate.device import to_device
 from qgate.engines.int4pack import Int4Weight
 from qgate.engines.logits import as_logits, check_vocab
-from qgate.engines.padding import left_pad
+from qgate.engines.padding import left_pad, right_pad
 from qgate.engines.static_llama import StaticLlama
 from qgate.errors import ConfigError
 
@@ -184,14 +184,7 @@ class StaticRunner:
         def take(step: int, logits: torch.Tensor) -> torch.Tensor | None:
             if step < 0:
                 rows = logits.shape[0]
-                feed.append(
-                    to_device(
-                        [a + [self.pad] * (steps - len(a)) for a in answers]
-                        + [[self.pad] * steps] * (rows - len(seqs)),
-                        self.device,
-                        torch.long,
-                    ).reshape(rows, steps)
-                )
+                feed.append(to_device(right_pad(answers, self.pad, rows)[0], self.device))  # [rows, steps]
             parts.append(logits if step < 0 else logits.clone())  # a graph's output is overwritten by its next replay
             return feed[0][:, step + 1] if step + 1 < steps else None
 
