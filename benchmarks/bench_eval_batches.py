@@ -15,65 +15,24 @@ that device's. Run alone (two CPU-heavy processes slow torch 3-20x).
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 import time
 from pathlib import Path
+
+from eval_counts import PARTS, EvalCounter  # beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def counted_eval(runner, cfg) -> dict:
-    """Run the eval; its wall time and the forwards, positions and real tokens by kind."""
-    from qgate.engines.runners import TorchRunner
+    """Run the eval; its wall time and the forwards, positions and real tokens by forward kind."""
     from qgate.gates.evalgate import run_tasks
 
-    pos, real, fwd = collections.Counter(), collections.Counter(), collections.Counter()
-    state = {"kind": None, "n": 0, "prefix": 0}
-    model_cls = type(runner.model)
-    saved = (model_cls.forward, TorchRunner.continuation_logits, TorchRunner.logits_batch)
-
-    def forward(model, *a, **k):
-        ids = a[0] if a else k.get("input_ids")
-        kind = state["kind"]
-        if kind == "call":  # a continuation_logits call: [prefix], contexts, then continuation groups
-            n = state["n"] - (1 if state["prefix"] else 0)
-            kind = "prefix" if n < 0 else "context" if n == 0 else "continuation"
-            state["n"] += 1
-        pos[kind] += ids.numel()
-        fwd[kind] += 1
-        return saved[0](model, *a, **k)
-
-    def continuation_logits(self, groups, prefix=()):
-        state.update(kind="call", n=0, prefix=len(prefix))
-        real["prefix"] += len(prefix)
-        real["context"] += sum(len(c) for c, _ in groups)
-        real["continuation"] += sum(len(k) - 1 for _, ks in groups for k in ks)
-        try:
-            return saved[1](self, groups, prefix)
-        finally:
-            state["kind"] = None
-
-    def logits_batch(self, seqs, keep_last=None):
-        state["kind"] = "whole"
-        real["whole"] += sum(len(s) for s in seqs)
-        try:
-            return saved[2](self, seqs, keep_last)
-        finally:
-            state["kind"] = None
-
-    model_cls.forward, TorchRunner.continuation_logits, TorchRunner.logits_batch = (
-        forward,
-        continuation_logits,
-        logits_batch,
-    )
-    try:
+    with EvalCounter() as counted:
         t = time.perf_counter()
         run_tasks(runner, cfg)
         wall = time.perf_counter() - t
-    finally:
-        model_cls.forward, TorchRunner.continuation_logits, TorchRunner.logits_batch = saved
-    return {"wall": wall, "pos": pos, "real": real, "fwd": fwd}
+    return {"wall": wall, **{what: counted.by_part(what, "reference") for what in ("positions", "real", "forwards")}}
 
 
 def main() -> int:
@@ -99,10 +58,12 @@ def main() -> int:
     cfg = load_spec(ROOT / "pipelines/promote.yaml").gate_config().eval
     r = counted_eval(runner, cfg)
     print(f"eval: {r['wall']:.1f} s on this host")
-    for kind in ("prefix", "context", "continuation", "whole"):
-        p, n = r["pos"][kind], r["real"][kind]
-        print(f"  {kind:12s} forwards {r['fwd'][kind]:4d}  positions {p:7d}  real {n:7d}  x{p / max(n, 1):.2f}")
-    f, p, n = sum(r["fwd"].values()), sum(r["pos"].values()), sum(r["real"].values())
+    for kind in PARTS:
+        p, n = r["positions"].get(kind, 0), r["real"].get(kind, 0)
+        print(
+            f"  {kind:12s} forwards {r['forwards'].get(kind, 0):4d}  positions {p:7d}  real {n:7d}  x{p / max(n, 1):.2f}"
+        )
+    f, p, n = (sum(r[what].values()) for what in ("forwards", "positions", "real"))
     print(f"  total        forwards {f:4d}  positions {p:7d}  real {n:7d}  x{p / n:.3f}  cost {cost * f + p}")
     return 0
 

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from eval_counts import RUNNERS, EvalCounter  # beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {  # Llama-3-8B's shape with SmolLM2's vocabulary; a toy shape for checking this script anywhere
     "8b": dict(
@@ -214,86 +216,6 @@ def scoring_seconds(fn, seqs, budget: int, device) -> float:
 
     run()  # warm
     return _timed(device, run)
-
-
-class TokenCounter:
-    """What the eval's scoring computes during a gate, per runner kind (engine, reference): real (unpadded) tokens
-    in the runners' scoring calls (calls with keep_last: scored continuations, perplexity windows; and
-    continuation_logits: shared contexts, computed once), the seconds spent scoring (RunnerLM._score_many: the
-    runners' calls and the reductions of their logits, without lm-eval's request building and tokenization), and the
-    forward passes run and their padded positions."""
-
-    def __init__(self):
-        self.tokens = {"engine": 0, "reference": 0}
-        self.seconds = {"engine": 0.0, "reference": 0.0}
-        self.forwards = {"engine": 0, "reference": 0}
-        self.positions = {"engine": 0, "reference": 0}
-
-    def __enter__(self):
-        from transformers import LlamaForCausalLM
-
-        from qgate.engines.runners import TorchRunner
-        from qgate.engines.static_llama import StaticLlama
-        from qgate.engines.static_runner import StaticRunner
-        from qgate.gates.lm import RunnerLM
-
-        self.saved = [(c, n, c.__dict__[n]) for c in (StaticRunner, TorchRunner) for n in ("logits_batch",)]
-        self.saved += [
-            (TorchRunner, "continuation_logits", TorchRunner.continuation_logits),
-            (RunnerLM, "_score_many", RunnerLM._score_many),
-            (StaticLlama, "forward", StaticLlama.forward),
-            (LlamaForCausalLM, "forward", LlamaForCausalLM.forward),
-        ]
-        counter, now = self.tokens, {"kind": None}
-
-        def logits(kind, orig):
-            def f(self, seqs, keep_last=None):
-                if keep_last is not None:
-                    counter[kind] += sum(len(s) for s in seqs)
-                return orig(self, seqs, keep_last)
-
-            return f
-
-        def continuation(orig):
-            def f(self, groups, prefix=()):
-                counter["reference"] += len(prefix) + sum(len(c) + sum(len(k) - 1 for k in ks) for c, ks in groups)
-                return orig(self, groups, prefix)
-
-            return f
-
-        def scored(orig):
-            def f(lm, pairs):
-                kind = now["kind"] = "engine" if isinstance(lm.runner, StaticRunner) else "reference"
-                t = time.perf_counter()
-                try:
-                    return orig(lm, pairs)  # its reductions copy to the host: the device's work is done
-                finally:
-                    self.seconds[kind] += time.perf_counter() - t
-                    now["kind"] = None
-
-            return f
-
-        def forward(orig):
-            def f(model, *a, **k):
-                if now["kind"] is not None:
-                    ids = a[0] if a else k.get("input_ids")
-                    self.forwards[now["kind"]] += 1
-                    self.positions[now["kind"]] += int(ids.numel())
-                return orig(model, *a, **k)
-
-            return f
-
-        StaticRunner.logits_batch = logits("engine", StaticRunner.logits_batch)
-        TorchRunner.logits_batch = logits("reference", TorchRunner.logits_batch)
-        TorchRunner.continuation_logits = continuation(TorchRunner.continuation_logits)
-        RunnerLM._score_many = scored(RunnerLM._score_many)
-        StaticLlama.forward = forward(StaticLlama.forward)
-        LlamaForCausalLM.forward = forward(LlamaForCausalLM.forward)
-        return self
-
-    def __exit__(self, *exc):
-        for c, n, f in self.saved:
-            setattr(c, n, f)
 
 
 def profile_eval(runner, cfg, path: Path) -> None:
@@ -488,7 +410,7 @@ def main() -> int:
     def gate():
         cfg = spec.gate_config()
         t = time.perf_counter()
-        with TokenCounter() as counted:
+        with EvalCounter() as counted:
             art = run_gates(eng, base, sets["shadow"], cfg, work / "gate", work / "cache")
         wall = time.perf_counter() - t
         report = json.loads((art.path / "report.json").read_text())
@@ -503,27 +425,29 @@ def main() -> int:
         ):
             if seconds and n_tok:
                 mfu[name] = 2 * r["params"] * n_tok / seconds / peak
+        tokens = {kind: counted.total("real", kind) for kind in RUNNERS}
         for name, kind, seconds in (
             ("candidate_eval", "engine", timings.get("candidate_eval")),
             ("baseline_eval", "reference", timings.get("baseline_eval")),
         ):
-            if seconds and counted.tokens[kind]:
-                mfu[name] = 2 * r["params"] * counted.tokens[kind] / seconds / peak
+            if seconds and tokens[kind]:
+                mfu[name] = 2 * r["params"] * tokens[kind] / seconds / peak
             if counted.seconds[kind]:
-                mfu[f"{name}_scoring"] = 2 * r["params"] * counted.tokens[kind] / counted.seconds[kind] / peak
-        if counted.seconds["engine"] and counted.tokens["reference"]:  # the engine on the reference's own work
+                mfu[f"{name}_scoring"] = 2 * r["params"] * tokens[kind] / counted.seconds[kind] / peak
+        if counted.seconds["engine"] and tokens["reference"]:  # the engine on the reference's own work
             mfu["candidate_eval_scoring_unique_tokens"] = (
-                2 * r["params"] * counted.tokens["reference"] / counted.seconds["engine"] / peak
+                2 * r["params"] * tokens["reference"] / counted.seconds["engine"] / peak
             )
         r["gate"] = {
             "verdict": report["verdict"],
             "timings": timings,
             "wall_seconds": wall,
             "shadow_tokens": n_tok,
-            "eval_tokens": counted.tokens,
-            "eval_scoring_seconds": counted.seconds,
-            "eval_forwards": counted.forwards,
-            "eval_padded_positions": counted.positions,
+            "eval_tokens": tokens,
+            "eval_scoring_seconds": {kind: counted.seconds[kind] for kind in RUNNERS},
+            "eval_forwards": {kind: counted.by_part("forwards", kind) for kind in RUNNERS},
+            "eval_padded_positions": {kind: counted.by_part("positions", kind) for kind in RUNNERS},
+            "eval_real_tokens": {kind: counted.by_part("real", kind) for kind in RUNNERS},
             "shadow_mfu": mfu,
             "parity_kl_p99": by.get("parity.engine_vs_checkpoint.kl_p99", {}).get("observed"),
             "results": {k: (v.get("observed"), v.get("verdict")) for k, v in by.items()},
