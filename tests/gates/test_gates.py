@@ -496,7 +496,7 @@ def test_runner_lm_finishes_batches_on_the_device_as_request_by_request():
     batches, and a request whose logits define no distribution still scores -inf."""
     import torch
 
-    from qgate.gates.lm import RunnerLM
+    from qgate.gates.lm import Scores, finish
 
     g = torch.Generator().manual_seed(0)
     items = [
@@ -506,16 +506,15 @@ def test_runner_lm_finishes_batches_on_the_device_as_request_by_request():
     items[1][1][2, 5] = float("nan")
     top = items[2][1].argmax(-1).tolist()
     items[2] = (2, items[2][1], top)  # the greedy path
-    got, want = [None] * 4, [None] * 4
-    lm = RunnerLM.__new__(RunnerLM)  # the reduction alone: no runner
-    lm._pending = []
-    lm._defer(items[2:])  # two batches, queued out of request order
-    lm._defer(items[:2])
-    assert got == [None] * 4 and len(lm._pending) == 2
-    lm._resolve(got)
-    assert lm._pending == []
+    scores = Scores(4)
+    scores.defer(items[2:])  # two batches, queued out of request order
+    scores.defer(items[:2])
+    assert scores.out == [None] * 4 and len(scores.pending) == 2
+    got = scores.resolved()
+    assert scores.pending == []
+    want = [None] * 4
     for i, logits, target in items:
-        want[i] = RunnerLM._finish(None, logits, target)
+        want[i] = finish(logits, target)
     assert got[1] == (float("-inf"), False) and got[2][1] is True
     for (a, ga), (b, gb) in zip(got, want, strict=True):
         assert ga == gb and a == pytest.approx(b, rel=1e-6, abs=1e-5)

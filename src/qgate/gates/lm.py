@@ -55,6 +55,66 @@ def _summed(lp, hit) -> tuple[float, bool]:
     return (float("-inf"), False) if ll != ll else (ll, bool(hit.all()))
 
 
+def finish(logits, target: list[int]) -> tuple[float, bool]:
+    """Sum of log p(target) and whether every target is the argmax, from logits [n, V] predicting the continuation.
+    float32 logsumexp in torch: eval log-likelihoods differ between models by far more than float32 rounding, and
+    this is the eval's costliest step after the forward pass (float64 numpy: 28 ms vs 4.1 ms per [64, 49152] block)."""
+    import torch
+
+    x = (
+        logits.float()
+        if isinstance(logits, torch.Tensor)
+        else torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
+    )
+    return _summed(*_per_position(x, torch.as_tensor(target, device=x.device)))
+
+
+class Scores:
+    """The (sum log p, greedy) of each request of one scoring call, filled batch by batch.
+
+    Host logits are reduced request by request (no copy into one array). Logits on an accelerator are reduced in
+    one pass over the whole batch there, and the per-position log-probs stay there until `resolved`: request by
+    request, the small reductions and their host synchronizations cost more than the forward pass that made the
+    logits, and a copy to the host per batch would make the host wait for each forward before it queues the next."""
+
+    def __init__(self, n: int):
+        self.out: list = [None] * n
+        self.pending: list = []  # (requests [(index, positions)], log-probs, hits) per deferred batch, on the device
+
+    def add(self, items: list[tuple[int, object, list[int]]]) -> None:
+        """Score each (request index, logits [n, V], target ids)."""
+        import torch
+
+        if not items or not isinstance(items[0][1], torch.Tensor) or items[0][1].device.type == "cpu":
+            for i, logits, target in items:
+                self.out[i] = finish(logits, target)
+        else:
+            self.defer(items)
+
+    def defer(self, items: list[tuple[int, object, list[int]]]) -> None:
+        """Per-position log-probs and hits of these requests, computed where their logits are, kept for resolved."""
+        import torch
+
+        x = torch.cat([logits.float() for _, logits, _ in items])  # [N, V]
+        targets = to_device([tok for _, _, target in items for tok in target], x.device, torch.long)
+        lp, hit = _per_position(x, targets)  # [N] each, on the device
+        self.pending.append(([(i, len(target)) for i, _, target in items], lp, hit))
+
+    def resolved(self) -> list[tuple[float, bool]]:
+        """Every request's score: what `defer` left on the device copied to the host at once, summed per request."""
+        import torch
+
+        if self.pending:
+            lp = torch.cat([p[1] for p in self.pending]).cpu().numpy()
+            hit = torch.cat([p[2] for p in self.pending]).cpu().numpy()
+            a = 0
+            for i, n in (r for requests, _, _ in self.pending for r in requests):
+                self.out[i] = _summed(lp[a : a + n], hit[a : a + n])
+                a += n
+            self.pending = []
+        return self.out
+
+
 class RunnerLM(LM):
     BATCH_TOKENS = (
         2048  # padded tokens per runner.logits_batch call (benchmarks/bench_eval.py: fastest of 2k-8k on 2 cores)
@@ -80,7 +140,6 @@ class RunnerLM(LM):
         the runner supports it, and contexts that share a leading prefix (a task's instructions, few-shot examples)
         compute it once per batch; the rest are scored as whole sequences in token-budgeted batches.
         """
-        out: list = [None] * len(pairs)
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, (c, k) in enumerate(pairs):
             groups.setdefault(tuple(c), []).append(i)
@@ -104,64 +163,13 @@ class RunnerLM(LM):
                         sub.append(i)
                         fed += len(pairs[i][1])
                     shared.append((p, c, sub))
-        self._pending: list = []
-        self._score_shared(pairs, shared, out)
+        scores = Scores(len(pairs))
+        self._score_shared(pairs, shared, scores)
         done = {i for _, _, ix in shared for i in ix}
-        self._score_whole(pairs, [i for i in range(len(pairs)) if i not in done], out)
-        self._resolve(out)
-        return out
+        self._score_whole(pairs, [i for i in range(len(pairs)) if i not in done], scores)
+        return scores.resolved()
 
-    def _finish(self, logits: np.ndarray, target: list[int]) -> tuple[float, bool]:
-        """Sum of log p(target) and whether every target is the argmax, from logits [n, V] predicting the continuation.
-        float32 logsumexp in torch: eval log-likelihoods differ between models by far more than float32 rounding, and
-        this is the eval's costliest step after the forward pass (float64 numpy: 28 ms vs 4.1 ms per [64, 49152] block)."""
-        import torch
-
-        x = (
-            logits.float()
-            if isinstance(logits, torch.Tensor)
-            else torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
-        )
-        return _summed(*_per_position(x, torch.as_tensor(target, device=x.device)))
-
-    def _finish_all(self, items: list[tuple[int, object, list[int]]], out: list) -> None:
-        """out[i] = _finish(logits, target) for each (i, logits, target). Host logits go request by request (no copy
-        into one array). Logits on an accelerator are reduced in one pass over the whole batch there, and the
-        per-position log-probs stay there until _resolve: request by request, the small reductions and their host
-        synchronizations cost more than the forward pass that made the logits, and a copy to the host per batch
-        would make the host wait for each forward before it queues the next."""
-        import torch
-
-        if not items or not isinstance(items[0][1], torch.Tensor) or items[0][1].device.type == "cpu":
-            for i, logits, target in items:
-                out[i] = self._finish(logits, target)
-        else:
-            self._defer(items)
-
-    def _defer(self, items: list[tuple[int, object, list[int]]]) -> None:
-        """Per-position log-probs and hits of these requests, computed where their logits are, kept for _resolve."""
-        import torch
-
-        x = torch.cat([logits.float() for _, logits, _ in items])  # [N, V]
-        targets = to_device([tok for _, _, target in items for tok in target], x.device, torch.long)
-        lp, hit = _per_position(x, targets)  # [N] each, on the device
-        self._pending.append(([(i, len(target)) for i, _, target in items], lp, hit))
-
-    def _resolve(self, out: list) -> None:
-        """out[i] for every request _finish_all left on the device: one copy to the host, then summed per request."""
-        import torch
-
-        if not self._pending:
-            return
-        lp = torch.cat([p[1] for p in self._pending]).cpu().numpy()
-        hit = torch.cat([p[2] for p in self._pending]).cpu().numpy()
-        a = 0
-        for i, n in (r for requests, _, _ in self._pending for r in requests):
-            out[i] = _summed(lp[a : a + n], hit[a : a + n])
-            a += n
-        self._pending = []
-
-    def _score_shared(self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], out: list) -> None:
+    def _score_shared(self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], scores: Scores) -> None:
         """Batches of contexts with one shared prefix each: padded suffixes, and continuation tokens (which the runner
         pads only within groups of similar length), within the token budget."""
         shared = sorted(
@@ -184,16 +192,15 @@ class RunnerLM(LM):
             batch = self.runner.continuation_logits(
                 [(list(c[p:]), [pairs[i][1] for i in ix]) for _, c, ix in chunk], prefix=list(c0[:p])
             )
-            self._finish_all(
+            scores.add(
                 [
                     (i, logits, pairs[i][1])
                     for (_, _, ix), per_cont in zip(chunk, batch, strict=True)
                     for i, logits in zip(ix, per_cont, strict=True)
-                ],
-                out,
+                ]
             )
 
-    def _score_whole(self, pairs, todo: list[int], out: list) -> None:
+    def _score_whole(self, pairs, todo: list[int], scores: Scores) -> None:
         """Whole sequences (truncated like lm-eval does) in left-padded batches of similar length: the runner's
         cheapest grouping of lengths for its device, within the token budget (engines/padding.padded_batches)."""
         whole = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in todo]
@@ -201,9 +208,7 @@ class RunnerLM(LM):
         cost = getattr(self.runner, "forward_cost", 0)  # 0: a runner that runs rows one at a time
         for chunk in padded_batches([len(w) - 1 for w in whole], cost, self.batch_tokens):
             batch = self.runner.logits_batch([whole[j][:-1] for j in chunk], keep_last=max(n[j] for j in chunk))
-            self._finish_all(
-                [(todo[j], logits[-n[j] :], whole[j][-n[j] :]) for j, logits in zip(chunk, batch, strict=True)], out
-            )
+            scores.add([(todo[j], logits[-n[j] :], whole[j][-n[j] :]) for j, logits in zip(chunk, batch, strict=True)])
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         pairs = []

@@ -33,8 +33,9 @@ class KVCacheConfig:
         return QuantizationArgs(num_bits=8, type=kind, strategy="tensor", dynamic=False, symmetric=True)
 
 
-def _power_of_two(n) -> bool:
-    return isinstance(n, int) and n > 0 and not n & (n - 1)
+def power_of_two(n) -> bool:
+    """Whether n is an int (not a bool) of the form 2**k."""
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and not n & (n - 1)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class FallbackConfig:
             raise ConfigError(f"head names at most one output projection, got {list(self.head)}")
         if both := sorted(set(self.head) & set(self.layers + self.fine)):
             raise ConfigError(f"the output head is quantized on its own, not as a fallback or fine-group layer: {both}")
-        if self.fine and not _power_of_two(self.fine_group_size):
+        if self.fine and not power_of_two(self.fine_group_size):
             raise ConfigError(
                 f"fine-group layers need a fine_group_size that is a power of two, got {self.fine_group_size!r}"
             )
@@ -93,7 +94,7 @@ class _GroupWise:
     num_bits: ClassVar[int] = 4
 
     def __post_init__(self):
-        if not _power_of_two(self.group_size):
+        if not power_of_two(self.group_size):
             raise ConfigError(
                 f"{type(self).__name__}.group_size must be a positive power of two, got {self.group_size}"
             )

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from qgate.errors import ConfigError
+from qgate.quantize.schemes import power_of_two
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class SearchConfig:
         if self.fallback_bits not in (8, 16):
             raise ConfigError(f"search.fallback_bits must be 8 or 16, got {self.fallback_bits}")
         g = self.fine_group_size
-        if g is not None and (not isinstance(g, int) or g < 16 or g & (g - 1)):
+        if g is not None and not (power_of_two(g) and g >= 16):
             raise ConfigError(f"search.fine_group_size must be a power of two of at least 16, got {g!r}")
         if self.max_steps < 1:
             raise ConfigError(f"search.max_steps must be >= 1, got {self.max_steps}")
