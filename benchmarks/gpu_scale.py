@@ -11,7 +11,8 @@ against the baseline with the demo's gate config (pipelines/promote.yaml), cold 
 
 Every figure is printed as a ratio against a reference measured in this run:
   decode       engine tok/s at batch 1/8/32 vs transformers eager bf16, and vs the int4 roofline (bytes read per
-               token / the bf16 matrix-vector read bandwidth measured here)
+               token / the bf16 matrix-vector read bandwidth measured here); per int4 shape, torch's kernel at
+               inner_k_tiles 2/4/8 and against gemlite's Triton kernels at 1/8/32 rows, where gemlite is installed
   gate         MFU of the gate's teacher-forced scoring (real tokens only: 2 x params FLOPs per token / seconds /
                --peak-tflops); wall time of the whole gate; parity KL p99 (engine vs its checkpoint)
 Writes scale.json to --out.
@@ -152,9 +153,94 @@ def _tilings(m, x, device) -> dict:
     return out
 
 
+def _gemlite(m, device, rows=(1, 8, 32)) -> dict:
+    """gemlite's A16W4 Triton kernels (its tuned configs for this card, where it has them) against torch's int4
+    kernel on Linear m's weight, at each row count. Per kernel: microseconds; its largest error against the product
+    with the engine's dequantized weight in float32, relative to that product's largest magnitude; and whether two
+    calls on one input give the same bits (gemlite's split-K kernels sum partial products with atomic adds).
+    gemlite runs twice: with its default output atomics (bf16 where the card has them) and with float32 ones."""
+    import gemlite
+    import torch
+
+    o, g = m.out_features, m.group_size
+    i = m.codes.shape[1] * 2
+    q = torch.stack((m.codes >> 4, m.codes & 0xF), -1).reshape(o, i)  # [O, I] uint8, as Linear.dequantized reads
+    scale, zero = m.sz.permute(1, 0, 2).float().unbind(-1)  # [O, G]
+    gl = gemlite.GemLiteLinear(
+        4, group_size=g, in_features=i, out_features=o, input_dtype=gemlite.DType.BF16, output_dtype=gemlite.DType.BF16
+    )
+    gl.pack(q, scale.to(m.sz.dtype), torch.zeros_like(scale, dtype=m.sz.dtype), None)
+    # packed in gemlite's fma mode, w = q * scale + zeros' with zeros' held [G, O]: torch's kernels compute
+    # (q - 8) * scale + zero, so zeros' = zero - 8 * scale
+    if tuple(gl.zeros.shape) != (scale.shape[1], o):
+        raise RuntimeError(f"gemlite's zeros are {tuple(gl.zeros.shape)}, not [G, O] = {(scale.shape[1], o)}")
+    gl.zeros.data.copy_((zero - 8 * scale).to(gl.zeros.dtype).t())
+    w = m.dequantized().float()
+
+    def native(on: bool):
+        def f(x):
+            gemlite.set_native_atomic_bfp16(on)
+            return gl(x)
+
+        return f
+
+    kernels = (("torch", m), ("gemlite", native(True)), ("gemlite_fp32_atomics", native(False)))
+    out = {}
+    with torch.inference_mode():
+        for n in rows:
+            x = torch.randn(n, i, dtype=torch.bfloat16, device=device)
+            exact = x.float() @ w.t()
+            top = exact.abs().max()
+            row = {}
+            for name, f in kernels:
+                y = f(x)  # the first call compiles (gemlite) and picks kernels
+                same = bool(torch.equal(y, f(x)))
+                t = _timed(device, lambda f=f, x=x: [f(x) for _ in range(50)]) / 50
+                err = float((y.float() - exact).abs().max() / top)
+                row[name] = {"us": round(t * 1e6, 1), "rel_err": err, "same_bits_twice": same}
+            out[n] = row
+    gemlite.set_native_atomic_bfp16(True)
+    return out
+
+
+def _gemlite_projection(per_shape: dict, step_ms: float) -> dict | None:
+    """The batch-1 step if each int4 shape ran the faster of torch's kernel and gemlite's (default atomics) at one
+    row: the captured step less the microseconds saved (count x (torch - gemlite) where gemlite wins)."""
+    saved = 0.0
+    for v in per_shape.values():
+        if isinstance(v.get("gemlite"), dict):  # else not run, or its error
+            one = v["gemlite"][1]
+            saved += v["count"] * max(0.0, one["torch"]["us"] - one["gemlite"]["us"])
+    return {"step_ms": step_ms - saved / 1e3, "saved_ms": saved / 1e3} if saved else None
+
+
+def _step_kernels(engine, device, steps: int = 5, top: int = 25) -> list[dict]:
+    """The GPU kernels of a batch-1 decode step run eagerly (the captured graph launches the same kernels) under
+    torch.profiler: per kernel, calls and microseconds per step, the most time first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    n = min(n for b, n in engine.graphs if b == 1)
+    args = (engine.g_tok[:1], engine.g_pos[:1], engine.g_valid[:1, :n], engine.g_slot)
+    with torch.inference_mode():
+        engine.model(*args)
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.model(*args)
+            torch.cuda.synchronize(device)
+    kernels = []
+    for a in prof.key_averages():
+        us = getattr(a, "self_device_time_total", None) or getattr(a, "self_cuda_time_total", 0)
+        if us > 0 and a.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.append({"kernel": a.key[:120], "calls": a.count / steps, "us": round(us / steps, 1)})
+    return sorted(kernels, key=lambda k: -k["us"])[:top]
+
+
 def step_breakdown(engine, device) -> dict:
-    """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps), and
-    the model's Linears alone at one row, in total and per weight shape (the bytes each reads per millisecond)."""
+    """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps), the
+    model's Linears alone at one row, in total and per weight shape (the bytes each reads per millisecond, and the
+    alternatives `_tilings` and `_gemlite` measure), and the step's kernels by GPU time."""
     import torch
 
     from qgate.engines.static_llama import Linear
@@ -195,13 +281,24 @@ def step_breakdown(engine, device) -> dict:
                     per_shape[f"int4 {o}x{i}"]["us_by_inner_k_tiles"] = _tilings(m, xs[i], device)
                 except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
                     per_shape[f"int4 {o}x{i}"]["us_by_inner_k_tiles"] = f"{type(e).__name__}: {e}"[:300]
+                if device.type == "cuda":  # another int4 kernel, where the gemlite wheel is installed
+                    try:
+                        per_shape[f"int4 {o}x{i}"]["gemlite"] = _gemlite(m, device)
+                    except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
+                        per_shape[f"int4 {o}x{i}"]["gemlite"] = f"{type(e).__name__}: {e}"[:300]
     total = sum(nbytes(m) for m in lins)
+    try:
+        kernels = _step_kernels(engine, device)
+    except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
+        kernels = f"{type(e).__name__}: {e}"[:300]
     return {
         "graph_step_ms": step_ms,
         "linears_ms": lin_ms,
         "linears_bytes": total,
         "linears_read_tb_s": total / lin_ms / 1e9,
         "per_shape": per_shape,
+        "step_with_faster_int4_kernel": _gemlite_projection(per_shape, step_ms),
+        "kernels": kernels,
     }
 
 
@@ -388,7 +485,12 @@ def main() -> int:
         dec["batch1_vs_roofline"] = rows[1]["engine_tok_s"] / dec["int4_roofline_tok_s"]
         if device.type == "cuda":
             dec["batch1_step"] = step_breakdown(engine, device)
-            dec["batch1_step"]["loop_ms_per_token"] = 1e3 / rows[1]["engine_tok_s"]
+            step = dec["batch1_step"]
+            step["loop_ms_per_token"] = 1e3 / rows[1]["engine_tok_s"]
+            step["graph_step_vs_roofline"] = 1e3 / step["graph_step_ms"] / dec["int4_roofline_tok_s"]
+            if step["step_with_faster_int4_kernel"]:
+                faster = step["step_with_faster_int4_kernel"]
+                faster["vs_roofline"] = 1e3 / faster["step_ms"] / dec["int4_roofline_tok_s"]
         del engine
         release(device)
 
