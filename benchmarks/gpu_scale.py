@@ -165,7 +165,7 @@ def _gemlite(m, device, rows=(1, 8, 32)) -> dict:
     o, g = m.out_features, m.group_size
     i = m.codes.shape[1] * 2
     q = torch.stack((m.codes >> 4, m.codes & 0xF), -1).reshape(o, i)  # [O, I] uint8, as Linear.dequantized reads
-    scale, zero = m.sz.permute(1, 0, 2).float().unbind(-1)  # [O, G]
+    scale, zero = (t.contiguous() for t in m.sz.permute(1, 0, 2).float().unbind(-1))  # [O, G] each
     gl = gemlite.GemLiteLinear(
         4, group_size=g, in_features=i, out_features=o, input_dtype=gemlite.DType.BF16, output_dtype=gemlite.DType.BF16
     )
