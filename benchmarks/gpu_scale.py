@@ -153,9 +153,28 @@ def _tilings(m, x, device) -> dict:
     return out
 
 
+def _graph_seconds(f, x, device, calls: int = 20, replays: int = 5) -> float:
+    """Seconds per call of f(x) captured `calls` times in one CUDA graph and replayed: the kernels' time without the
+    host's launch overhead between them, as in the engine's captured decode step."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        f(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            f(x)
+    graph.replay()
+    return _timed(device, lambda: [graph.replay() for _ in range(replays)]) / (calls * replays)
+
+
 def _gemlite(m, device, rows=(1, 8, 32)) -> dict:
     """gemlite's A16W4 Triton kernels (its tuned configs for this card, where it has them) against torch's int4
-    kernel on Linear m's weight, at each row count. Per kernel: microseconds; its largest error against the product
+    kernel on Linear m's weight, at each row count. Per kernel: microseconds per call, eagerly (`us`: host launches
+    included) and captured in a CUDA graph (`graph_us`); its largest error against the product
     with the engine's dequantized weight in float32, relative to that product's largest magnitude; and whether two
     calls on one input give the same bits (gemlite's split-K kernels sum partial products with atomic adds).
     gemlite runs twice: with its default output atomics (bf16 where the card has them) and with float32 ones."""
@@ -198,6 +217,10 @@ def _gemlite(m, device, rows=(1, 8, 32)) -> dict:
                 t = _timed(device, lambda f=f, x=x: [f(x) for _ in range(50)]) / 50
                 err = float((y.float() - exact).abs().max() / top)
                 row[name] = {"us": round(t * 1e6, 1), "rel_err": err, "same_bits_twice": same}
+                try:
+                    row[name]["graph_us"] = round(_graph_seconds(f, x, device) * 1e6, 1)
+                except Exception as e:  # noqa: BLE001 - recorded: a kernel the graph cannot capture
+                    row[name]["graph_us"] = f"{type(e).__name__}: {e}"[:200]
             out[n] = row
     gemlite.set_native_atomic_bfp16(True)
     return out
@@ -205,12 +228,15 @@ def _gemlite(m, device, rows=(1, 8, 32)) -> dict:
 
 def _gemlite_projection(per_shape: dict, step_ms: float) -> dict | None:
     """The batch-1 step if each int4 shape ran the faster of torch's kernel and gemlite's (default atomics) at one
-    row: the captured step less the microseconds saved (count x (torch - gemlite) where gemlite wins)."""
+    row, both captured in CUDA graphs: the captured step less the microseconds saved (count x (torch - gemlite) where
+    gemlite wins)."""
     saved = 0.0
     for v in per_shape.values():
         if isinstance(v.get("gemlite"), dict):  # else not run, or its error
             one = v["gemlite"][1]
-            saved += v["count"] * max(0.0, one["torch"]["us"] - one["gemlite"]["us"])
+            us = [one[k].get("graph_us") for k in ("torch", "gemlite")]
+            if all(isinstance(u, float) for u in us):
+                saved += v["count"] * max(0.0, us[0] - us[1])
     return {"step_ms": step_ms - saved / 1e3, "saved_ms": saved / 1e3} if saved else None
 
 
@@ -267,25 +293,28 @@ def step_breakdown(engine, device) -> dict:
             shapes.setdefault((m.out_features, width(m), m.weight is None), []).append(m)
         [m(xs[width(m)]) for m in lins]
         lin_ms = _timed(device, lambda: [m(xs[width(m)]) for _ in range(10) for m in lins]) / 10 * 1e3
+        lin_graph_ms = _graph_seconds(lambda _: [m(xs[width(m)]) for m in lins], None, device, calls=1) * 1e3
         per_shape = {}
         for (o, i, q), ms in shapes.items():
             m = ms[0]
             t = _timed(device, lambda m=m, i=i: [m(xs[i]) for _ in range(50)]) / 50
+            tg = _graph_seconds(m, xs[i], device)
             per_shape[f"{'int4' if q else 'bf16'} {o}x{i}"] = {
                 "count": len(ms),
                 "us": round(t * 1e6, 1),
                 "read_tb_s": round(nbytes(m) / t / 1e12, 3),
+                "graph_us": round(tg * 1e6, 1),
+                "graph_read_tb_s": round(nbytes(m) / tg / 1e12, 3),
             }
             if q:  # the same weight packed with each k-tiling torch's packer takes: the engine uses the widest
                 try:
                     per_shape[f"int4 {o}x{i}"]["us_by_inner_k_tiles"] = _tilings(m, xs[i], device)
                 except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
                     per_shape[f"int4 {o}x{i}"]["us_by_inner_k_tiles"] = f"{type(e).__name__}: {e}"[:300]
-                if device.type == "cuda":  # another int4 kernel, where the gemlite wheel is installed
-                    try:
-                        per_shape[f"int4 {o}x{i}"]["gemlite"] = _gemlite(m, device)
-                    except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
-                        per_shape[f"int4 {o}x{i}"]["gemlite"] = f"{type(e).__name__}: {e}"[:300]
+                try:  # another int4 kernel, where the gemlite wheel is installed
+                    per_shape[f"int4 {o}x{i}"]["gemlite"] = _gemlite(m, device)
+                except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
+                    per_shape[f"int4 {o}x{i}"]["gemlite"] = f"{type(e).__name__}: {e}"[:300]
     total = sum(nbytes(m) for m in lins)
     try:
         kernels = _step_kernels(engine, device)
@@ -296,6 +325,8 @@ def step_breakdown(engine, device) -> dict:
         "linears_ms": lin_ms,
         "linears_bytes": total,
         "linears_read_tb_s": total / lin_ms / 1e9,
+        "linears_graph_ms": lin_graph_ms,  # the same Linears captured in one graph: no host launches between them
+        "linears_graph_read_tb_s": total / lin_graph_ms / 1e9,
         "per_shape": per_shape,
         "step_with_faster_int4_kernel": _gemlite_projection(per_shape, step_ms),
         "kernels": kernels,
