@@ -137,7 +137,8 @@ def engine_bytes_per_token(engine_dir: Path, config: dict, context: int) -> int:
 
 
 def _tilings(m, x, device) -> dict:
-    """Microseconds of torch's int4 kernel at one row on Linear m's weight, packed with inner_k_tiles 2, 4 and 8."""
+    """Microseconds of torch's int4 kernel at one row on Linear m's weight, packed with inner_k_tiles 2, 4 and 8, each
+    captured in a CUDA graph (_graph_seconds)."""
     import torch
 
     u8 = m.codes.contiguous()
@@ -146,9 +147,7 @@ def _tilings(m, x, device) -> dict:
         if u8.shape[1] * 2 % (tiles * 16):
             continue
         packed = torch.ops.aten._convert_weight_to_int4pack(u8, tiles)
-        mm = torch.ops.aten._weight_int4pack_mm
-        [mm(x, packed, m.group_size, m.sz) for _ in range(3)]
-        t = _timed(device, lambda p=packed: [mm(x, p, m.group_size, m.sz) for _ in range(50)]) / 50
+        t = _graph_seconds(lambda x, p=packed: torch.ops.aten._weight_int4pack_mm(x, p, m.group_size, m.sz), x, device)
         out[tiles] = round(t * 1e6, 1)
     return out
 
