@@ -216,6 +216,37 @@ def test_kept_dense_weights_compute_what_dequantizing_each_forward_does(int4_f32
         assert torch.equal(model(tok, pos, valid), per_forward)
 
 
+def test_kept_dense_weights_serve_forwards_from_kept_dense_rows(int4_f32, monkeypatch):
+    """A kept dense matrix serves forwards of KEPT_DENSE_ROWS rows or more (decode steps of large batches), and the
+    int4 kernel fewer rows; with nothing kept the int4 kernel serves every row count under DENSE_ROWS. The logits
+    agree within float32 rounding. Checked on the CPU by enabling the dense path there."""
+    import qgate.engines.static_llama as sl
+    from qgate.engines.static_runner import load_model
+
+    monkeypatch.setattr(sl, "DENSE_ROWS", {"cpu": 1000})
+    monkeypatch.setattr(sl, "KEPT_DENSE_ROWS", 3)
+    model, _, _ = load_model(int4_f32.path, torch.device("cpu"))
+    n_int4 = sum(isinstance(m, sl.Linear) and m.weight is None for m in model.modules())
+    rows = []
+    kernel = sl.int4_mm
+    monkeypatch.setattr(sl, "int4_mm", lambda x, *a: rows.append(x.shape[0]) or kernel(x, *a))
+
+    def step(n: int) -> torch.Tensor:  # one token for each of n rows, no cache: the rows of a decode step
+        tok = torch.tensor([[s[0]] for s in (SEQS * 2)[:n]])
+        return model(tok, torch.zeros_like(tok), torch.ones_like(tok, dtype=torch.bool))
+
+    with torch.inference_mode():
+        int4 = step(4)
+        assert rows == [4] * n_int4
+        assert model.keep_dense(10**12) > 0
+        rows.clear()
+        dense = step(4)
+        assert rows == []  # every int4 Linear ran its kept matrix
+        assert torch.allclose(dense, int4, atol=1e-5)
+        step(2)
+        assert rows == [2] * n_int4  # under KEPT_DENSE_ROWS: the int4 kernel
+
+
 def test_the_cuda_attention_mask_computes_what_transformers_skip_does(base_art, monkeypatch):
     """On CUDA the reference path always builds the SDPA mask (skipping it reads the padding mask on the host): the
     same logits as transformers' own mask on unpadded, padded and cached forwards. Checked on the CPU by switching

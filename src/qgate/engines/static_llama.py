@@ -45,6 +45,7 @@ def check_architecture(config: dict) -> None:
 
 FUSE = True  # q/k/v and gate/up as one wider Linear each where their weights allow (StaticLlama.__init__)
 DENSE_ROWS = {"cuda": 128}  # rows (tokens) from which an int4 Linear dequantizes and runs a dense GEMM, per device
+KEPT_DENSE_ROWS = 16  # rows from which an int4 Linear whose dense matrix is kept (keep_dense) runs the dense GEMM
 
 
 class Linear(nn.Module):
@@ -54,7 +55,9 @@ class Linear(nn.Module):
     (prefill, teacher-forced scoring) it dequantizes its codes to the activation dtype, w = (q - 8) * scale + zero
     rounded once, and runs a dense GEMM: the int4 kernel is built for matrix-vector products and reads its weights
     several times slower at large row counts. That dense matrix is computed per forward, or once where `keep_dense`
-    kept it (the same numbers either way). On a CPU every row count runs the int4 kernel."""
+    kept it (the same numbers either way). A kept matrix costs no dequantizing, so it serves from KEPT_DENSE_ROWS
+    rows on (decode steps of large batches), where the int4 kernel reads its packed weights slower than a dense GEMM
+    reads the matrix four times their size. On a CPU every row count runs the int4 kernel."""
 
     def __init__(self, weight: Int4Weight | torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device):
         super().__init__()
@@ -76,8 +79,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., I] -> [..., O]
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
-        if self.dense_rows is not None and x.numel() >= self.dense_rows * x.shape[-1]:
-            return F.linear(x, self.dense if self.dense is not None else self.dequantized(), self.bias)
+        rows = x.numel() // x.shape[-1]
+        if self.dense is not None and rows >= min(KEPT_DENSE_ROWS, self.dense_rows):
+            return F.linear(x, self.dense, self.bias)
+        if self.dense_rows is not None and rows >= self.dense_rows:
+            return F.linear(x, self.dequantized(), self.bias)
         y = int4_mm(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, self.sz).reshape(
             *x.shape[:-1], self.out_features
         )
@@ -185,8 +191,9 @@ class StaticLlama(nn.Module):
 
     def keep_dense(self, max_bytes: int) -> int:
         """Keep the dequantized matrix of int4 Linears that run a dense GEMM at many rows, Linear by Linear in model
-        order while they fit in `max_bytes`, so a prefill reads them instead of dequantizing every weight; 0 drops
-        them all. Returns the bytes kept. Decode steps still read the packed codes."""
+        order while they fit in `max_bytes`, so a prefill reads them instead of dequantizing every weight, and decode
+        steps of KEPT_DENSE_ROWS rows or more run the dense GEMM; 0 drops them all. Returns the bytes kept. A CUDA
+        graph captured afterwards reads the kept matrices: drop them only with such graphs."""
         kept = 0
         for m in self.modules():
             if isinstance(m, Linear) and m.weight is None:

@@ -8,8 +8,9 @@ On CUDA one decode graph per batch size in engine.json and per context bucket (p
 `max_seq_len`) is captured at load, all over one KV cache of `max_seq_len` slots: a decode step attends over its
 bucket's slots, not the whole cache. A batch runs on the smallest captured size that holds it (spare rows compute
 padding) and the smallest bucket that holds its prompt and answer. A batch no graph holds, and every batch on a CPU,
-runs the same model eagerly. After capture, the int4 weights' dequantized matrices are kept for prefill and
-teacher-forced scoring where they fit in DENSE_SHARE of the free memory (StaticLlama.keep_dense).
+runs the same model eagerly. Before capture, the int4 weights' dequantized matrices are kept where they fit in
+DENSE_SHARE of the free memory (StaticLlama.keep_dense): prefill and teacher-forced scoring read them instead of
+dequantizing, and so do decode steps of KEPT_DENSE_ROWS rows or more, captured or not.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from qgate.errors import ConfigError
 SERVED_SUBDIR = "checkpoint"  # an engine's config, generation config and tokenizer files: what the contract reads
 SERVED_FILES = ("config.json", "generation_config.json")
 SCORING_TOKENS = 2048  # padded tokens per continuation-scoring forward where the device sets no budget (a CPU)
-DENSE_SHARE = 0.5  # of the device's free memory after graph capture, at most, for dequantized weights kept for prefill
+DENSE_SHARE = 0.5  # of the device's free memory after the KV cache, at most, for dequantized weights kept (keep_dense)
 
 
 def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dict, dict]:
@@ -79,16 +80,18 @@ class StaticRunner:
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id or 0
         )
         self.graphs: dict[tuple[int, int], tuple] = {}  # (batch size, context slots) -> (graph, its logits)
-        self.dense_bytes = 0  # dequantized weights kept for prefill (StaticLlama.keep_dense)
+        self.dense_bytes = 0  # dequantized weights kept (StaticLlama.keep_dense)
         if device.type == "cuda":
-            self._capture(graph_batch_sizes or self.spec["graph_batch_sizes"], self.spec["max_seq_len"])
+            sizes = graph_batch_sizes or self.spec["graph_batch_sizes"]
+            self._graph_inputs(max(sizes), self.spec["max_seq_len"])
+            # kept before capture: the graphs of KEPT_DENSE_ROWS rows or more read the kept matrices
             self.dense_bytes = self.model.keep_dense(int(torch.cuda.mem_get_info(device)[0] * DENSE_SHARE))
+            self._capture(sizes)
         self.batch_tokens = batch_tokens(device, self.model.embed.shape[0], config["hidden_size"])
 
-    def _capture(self, sizes: Sequence[int], slots: int) -> None:
-        """One CUDA graph of a decode step per (batch size, context bucket), all over one KV cache of `slots` slots and
-        static input buffers; the largest is captured first, and the others share its memory pool."""
-        m, rows = self.model, max(sizes)
+    def _graph_inputs(self, rows: int, slots: int) -> None:
+        """The decode graphs' KV cache of `slots` slots for `rows` rows, their context buckets and static inputs."""
+        m = self.model
         self.buckets = sorted({min(1 << k, slots) for k in range(8, max(slots, 256).bit_length() + 1)})
         m.setup_cache(rows, slots)
         self._graph_cache = (m.k_cache, m.v_cache)
@@ -96,6 +99,11 @@ class StaticRunner:
         self.g_pos = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
         self.g_valid = torch.zeros(rows, slots, dtype=torch.bool, device=self.device)
         self.g_slot = torch.zeros((), dtype=torch.long, device=self.device)
+
+    def _capture(self, sizes: Sequence[int]) -> None:
+        """One CUDA graph of a decode step per (batch size, context bucket), over _graph_inputs' cache and buffers;
+        the largest is captured first, and the others share its memory pool."""
+        m = self.model
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for b, n in sorted(((b, n) for b in sizes for n in self.buckets), reverse=True):
