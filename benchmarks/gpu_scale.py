@@ -262,6 +262,31 @@ def _step_kernels(engine, device, steps: int = 5, top: int = 25) -> list[dict]:
     return sorted(kernels, key=lambda k: -k["us"])[:top]
 
 
+def _graph_step_ms(engine, device, reps: int = 100) -> float:
+    """Milliseconds per replay of the engine's captured batch-1 decode step (its smallest context bucket)."""
+    graph, _ = engine.graphs[1, min(n for b, n in engine.graphs if b == 1)]
+    for _ in range(3):
+        graph.replay()
+    return _timed(device, lambda: [graph.replay() for _ in range(reps)]) / reps * 1e3
+
+
+def _eager_elementwise_step_ms(engine, device) -> float | None:
+    """_graph_step_ms with the decode step's elementwise work run eagerly, recaptured for batch 1; None where the
+    engine runs it eagerly already. The engine's own graphs and functions are restored afterwards."""
+    from qgate.engines.elementwise import EAGER
+
+    m = engine.model
+    if m.decode_ops is EAGER:
+        return None
+    ops, graphs = m.decode_ops, engine.graphs
+    m.decode_ops, engine.graphs = EAGER, {}
+    try:
+        engine._capture([1])
+        return _graph_step_ms(engine, device)
+    finally:
+        m.decode_ops, engine.graphs = ops, graphs
+
+
 def step_breakdown(engine, device) -> dict:
     """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps), the
     model's Linears alone at one row, in total and per weight shape (the bytes each reads per millisecond, and the
@@ -270,11 +295,11 @@ def step_breakdown(engine, device) -> dict:
 
     from qgate.engines.static_llama import Linear
 
-    graph, _ = engine.graphs[1, min(n for b, n in engine.graphs if b == 1)]
-    for _ in range(3):
-        graph.replay()
-    reps = 100
-    step_ms = _timed(device, lambda: [graph.replay() for _ in range(reps)]) / reps * 1e3
+    step_ms = _graph_step_ms(engine, device)
+    try:
+        eager_ms = _eager_elementwise_step_ms(engine, device)
+    except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
+        eager_ms = f"{type(e).__name__}: {e}"[:300]
     lins = [m for m in engine.model.modules() if isinstance(m, Linear)]
 
     def width(m) -> int:
@@ -321,6 +346,7 @@ def step_breakdown(engine, device) -> dict:
         kernels = f"{type(e).__name__}: {e}"[:300]
     return {
         "graph_step_ms": step_ms,
+        "graph_step_ms_eager_elementwise": eager_ms,  # the same step with the work between Linears uncompiled
         "linears_ms": lin_ms,
         "linears_bytes": total,
         "linears_read_tb_s": total / lin_ms / 1e9,
@@ -509,6 +535,7 @@ def main() -> int:
         dec["bytes_per_token"] = engine_bytes_per_token(eng.path, config, len(prompt) + args.steps)
         dec["int4_roofline_tok_s"] = dec["read_bandwidth_tb_s"] * 1e12 / dec["bytes_per_token"]
         engine = StaticRunner(eng.path, device, graph_batch_sizes=sorted(rows))
+        dec["engine_numerics"] = engine.numerics
         for b in rows:
             rows[b]["engine_tok_s"] = b * decode_rate(engine.greedy_batch, [prompt] * b, args.steps)
             res.save()

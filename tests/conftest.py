@@ -49,6 +49,14 @@ def awq_art(workdir, base_art, calib_arts):
 
 
 @pytest.fixture(scope="session")
+def int4_f32(awq_art, calib_arts, workdir):
+    """The AWQ checkpoint as a float32 torch-int4 engine."""
+    from qgate.engines.build import build_engine
+
+    return build_engine(awq_art, "torch-int4", workdir / "int4-f32", calib_arts["profile"], dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def w8_art(workdir, base_art, calib_arts):
     from qgate.quantize.compress import CalibOptions, quantize
     from qgate.quantize.schemes import scheme_config

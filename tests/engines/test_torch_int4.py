@@ -131,11 +131,6 @@ def test_group_sizes_the_kernel_lacks_are_refused():
         repack(state, _qconfig())
 
 
-@pytest.fixture(scope="module")
-def int4_f32(awq_art, calib_arts, workdir):
-    return build_engine(awq_art, "torch-int4", workdir / "int4-f32", calib_arts["profile"], dtype="float32")
-
-
 def test_engine_in_float32_computes_what_the_checkpoint_says(awq_art, int4_f32, calib_arts):
     """Same codes, same scales: the engine's logits equal the reference path's (float32) on a left-padded batch,
     with and without the KV cache, and its greedy answers are the same tokens."""

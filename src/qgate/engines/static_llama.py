@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from qgate.engines.elementwise import EAGER, Ops, compiled_ops, rms_norm
 from qgate.engines.int4pack import Int4Weight, device_pack, int4_mm
 from qgate.errors import ConfigError
 
@@ -99,19 +100,6 @@ class Linear(nn.Module):
         return torch.addcmul(zero[..., None], q, scale[..., None]).view(o, -1)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in one kernel where torch has a fused one (CUDA): normalized and scaled in float32, rounded once to the
-    activation dtype. transformers' LlamaRMSNorm rounds twice, after normalizing and after scaling, in eight kernels;
-    the two differ by at most one rounding step of the activation dtype, which engine parity measures."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """RoPE as transformers computes it, x * cos + rotate_half(x) * sin, in four kernels: rotate_half(x) * sin equals
-    roll(x, D/2) * sin_signed exactly, where sin_signed negates the first half of sin."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
-
-
 class StaticLlama(nn.Module):
     def __init__(self, config: dict, tensors: dict, dtype: torch.dtype, device: torch.device):
         """tensors: the checkpoint's state dict with every quantized Linear's prefix mapped to an Int4Weight or a dense
@@ -188,6 +176,15 @@ class StaticLlama(nn.Module):
         self.register_buffer("sin", torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1).to(device, dtype))  # signed
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
+        self.decode_ops: Ops = EAGER  # the elementwise work of decode steps (compile_decode); prefill runs EAGER's
+
+    def compile_decode(self) -> str | None:
+        """Decode steps run the elementwise work between Linears compiled (elementwise.compiled_ops); None, or why
+        they run it eagerly. Call before capturing CUDA graphs."""
+        self.decode_ops, why = compiled_ops(
+            self.embed.shape[1], self.heads, self.kv_heads, self.head_dim, self.dtype, self.device
+        )
+        return why
 
     def keep_dense(self, max_bytes: int) -> int:
         """Keep the dequantized matrix of int4 Linears that run a dense GEMM at many rows, Linear by Linear in model
@@ -244,31 +241,25 @@ class StaticLlama(nn.Module):
         # additive, built once per forward: SDPA would convert a boolean mask again in every layer
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         nq, nkv = self.heads, self.kv_heads
+        ops = self.decode_ops if t == 1 and slot is not None else EAGER
+        h = rms_norm(x, self.layers[0].in_norm, self.eps)
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.in_norm, self.eps)
-            if "qkv" in layer:  # q and k side by side in the fused output: rotated together
+            if "qkv" in layer:
                 qkv = layer["qkv"](h)
-                qk = _rotate(qkv[..., : (nq + nkv) * self.head_dim].view(b, t, nq + nkv, -1), cos, sin)
-                q, k = qk[:, :, :nq], qk[:, :, nq:]  # [B, T, H or Hkv, D]
-                v = qkv[..., (nq + nkv) * self.head_dim :].view(b, t, nkv, -1)
             else:
-                q = _rotate(layer["q_proj"](h).view(b, t, nq, -1), cos, sin)
-                k = _rotate(layer["k_proj"](h).view(b, t, nkv, -1), cos, sin)
-                v = layer["v_proj"](h).view(b, t, nkv, -1)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H or Hkv, T, D]
+                qkv = torch.cat([layer[n](h) for n in ("q_proj", "k_proj", "v_proj")], -1)
+            caches = (None, None) if slot is None else (self.k_cache[i][:b], self.v_cache[i][:b])
+            q, k, v = ops.rope_into_cache(qkv, cos, sin, nq, nkv, *caches, slots)  # [B, H or Hkv, T, D]
             if slot is not None:
-                self.k_cache[i][:b].index_copy_(2, slots, k)
-                self.v_cache[i][:b].index_copy_(2, slots, v)
                 k, v = self.k_cache[i][:b, :, :s], self.v_cache[i][:b, :, :s]  # [B, Hkv, S, D]
             # grouped-query attention as Hkv heads of G*T queries each: K/V are read as stored, never copied per head
             a = F.scaled_dot_product_attention(q.reshape(b, nkv, g * t, self.head_dim), k, v, attn_mask=bias)
             a = a.reshape(b, nq, t, self.head_dim)  # [B, H, T, D]
-            x = x + layer["o_proj"](a.transpose(1, 2).reshape(b, t, -1))
-            h = rms_norm(x, layer.post_norm, self.eps)
+            x, h = ops.add_rms_norm(x, layer["o_proj"](a.transpose(1, 2).reshape(b, t, -1)), layer.post_norm, self.eps)
             if "gate_up" in layer:
                 gate, up = layer["gate_up"](h).chunk(2, -1)
             else:
                 gate, up = layer["gate_proj"](h), layer["up_proj"](h)
-            x = x + layer["down_proj"](F.silu(gate) * up)
-        x = rms_norm(x[:, -logits_to_keep:] if logits_to_keep else x, self.norm, self.eps)
-        return self.lm_head(x).float()
+            norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
+            x, h = ops.add_rms_norm(x, layer["down_proj"](ops.silu_mul(gate, up)), norm, self.eps)
+        return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h).float()

@@ -10,12 +10,15 @@ bucket's slots, not the whole cache. A batch runs on the smallest captured size 
 padding) and the smallest bucket that holds its prompt and answer. A batch no graph holds, and every batch on a CPU,
 runs the same model eagerly. Before capture, the int4 weights' dequantized matrices are kept where they fit in
 DENSE_SHARE of the free memory (StaticLlama.keep_dense): prefill and teacher-forced scoring read them instead of
-dequantizing, and so do decode steps of KEPT_DENSE_ROWS rows or more, captured or not.
+dequantizing, and so do decode steps of KEPT_DENSE_ROWS rows or more, captured or not. Where elementwise.COMPILED
+names the device, decode steps run their elementwise work compiled (StaticLlama.compile_decode); where the compiler
+fails they run it eagerly, with a warning, and `numerics` says which.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 
 from qgate.device import to_device
+from qgate.engines import elementwise
 from qgate.engines.int4pack import Int4Weight
 from qgate.engines.logits import as_logits, check_vocab
 from qgate.engines.padding import left_pad, right_pad
@@ -81,13 +85,39 @@ class StaticRunner:
         )
         self.graphs: dict[tuple[int, int], tuple] = {}  # (batch size, context slots) -> (graph, its logits)
         self.dense_bytes = 0  # dequantized weights kept (StaticLlama.keep_dense)
+        sizes = graph_batch_sizes or self.spec["graph_batch_sizes"]
         if device.type == "cuda":
-            sizes = graph_batch_sizes or self.spec["graph_batch_sizes"]
             self._graph_inputs(max(sizes), self.spec["max_seq_len"])
             # kept before capture: the graphs of KEPT_DENSE_ROWS rows or more read the kept matrices
             self.dense_bytes = self.model.keep_dense(int(torch.cuda.mem_get_info(device)[0] * DENSE_SHARE))
-            self._capture(sizes)
+        self._compile()  # before capture: a graph replays the kernels its capture ran
+        if device.type == "cuda":
+            try:
+                self._capture(sizes)
+            except Exception as e:  # noqa: BLE001 - the compiled kernels do not capture: eager ones are recaptured
+                if self.model.decode_ops is elementwise.EAGER:
+                    raise
+                self._eager_decode(f"capturing them failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                self.graphs = {}
+                self._capture(sizes)
         self.batch_tokens = batch_tokens(device, self.model.embed.shape[0], config["hidden_size"])
+
+    def _compile(self) -> None:
+        """Decode steps with compiled elementwise work where elementwise.COMPILED names this device; `numerics` ends
+        in '-compiled' when they run it."""
+        if not elementwise.COMPILED.get(self.device.type):
+            return
+        why = self.model.compile_decode()
+        if why is None:
+            self.numerics += "-compiled"
+        else:
+            self._eager_decode(why)
+
+    def _eager_decode(self, why: str) -> None:
+        """Decode steps run their elementwise work eagerly from now on, with a warning saying why."""
+        self.model.decode_ops = elementwise.EAGER
+        self.numerics = self.numerics.removesuffix("-compiled")
+        logging.getLogger("qgate").warning("torch-int4 decode steps run their elementwise work eagerly: %s", why)
 
     def _graph_inputs(self, rows: int, slots: int) -> None:
         """The decode graphs' KV cache of `slots` slots for `rows` rows, their context buckets and static inputs."""

@@ -1,0 +1,122 @@
+"""The decoder's work between its Linears, as pure tensor functions, and their compiled form for decode steps.
+
+    ops = compiled_ops(hidden=4096, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, device=cuda)
+    x, h = ops.add_rms_norm(x, delta, weight, eps)          # residual add and the next RMSNorm
+
+Eagerly, a decode step runs about 13 small kernels per layer besides its four Linears (norms, RoPE, cache writes,
+residual adds, SiLU): each moves a few kilobytes, so at one row each costs its launch, even inside a CUDA graph.
+torch.compile (inductor) fuses each function here into one or two kernels. `compiled_ops` compiles them for decode
+steps (one token per row, with a KV cache), checks them against the eager functions on this device, and says why
+not where it cannot; prefill and every CPU forward run the eager functions.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.nn import functional as F  # noqa: N812
+
+COMPILED = {"cuda": True}  # devices whose runners compile the decode step's elementwise work (compiled_ops)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in one kernel where torch has a fused one (CUDA): normalized and scaled in float32, rounded once to the
+    activation dtype. transformers' LlamaRMSNorm rounds twice, after normalizing and after scaling, in eight kernels;
+    the two differ by at most one rounding step of the activation dtype, which engine parity measures."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE as transformers computes it, x * cos + rotate_half(x) * sin, in four kernels: rotate_half(x) * sin equals
+    roll(x, D/2) * sin_signed exactly, where sin_signed negates the first half of sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream x + delta and its RMSNorm, both [..., H]."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def rope_into_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v from the projections' outputs side by side, qkv [B, T, (H + 2 Hkv) * D]; q and k rotated together
+    (cos, sin [B, T, 1, D]). Returns q [B, H, T, D], k and v [B, Hkv, T, D]; with caches ([B, Hkv, S, D]) k and v
+    are also written at `slots` [T]."""
+    b, t = qkv.shape[:2]
+    n, d = heads + kv_heads, cos.shape[-1]
+    qk = rotate(qkv[..., : n * d].view(b, t, n, d), cos, sin)
+    q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
+    v = qkv[..., n * d :].view(b, t, kv_heads, d).transpose(1, 2)
+    if k_cache is not None:
+        k_cache.index_copy_(2, slots, k)
+        v_cache.index_copy_(2, slots, v)
+    return q, k, v
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's product silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+class Ops(NamedTuple):
+    add_rms_norm: object
+    rope_into_cache: object
+    silu_mul: object
+
+
+EAGER = Ops(add_rms_norm, rope_into_cache, silu_mul)
+
+
+def compiled_ops(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Ops, str | None]:
+    """EAGER's functions compiled by torch.compile for decode steps on `device`, or EAGER and why not.
+
+    Each is compiled with dynamic shapes and called here on decode-step inputs laid out as the model's (cache rows
+    sliced from a larger cache, gate and up as views of one projection's output) at one row and at three (torch
+    specializes a size of 1), so the runner's graph captures compile nothing more. The compiled
+    results must match the eager ones within 2% of their largest magnitude: one rounding step of bf16 is under 1%,
+    so this catches a wrong kernel, not the rounding order, which engine parity measures."""
+    try:
+        ops = Ops(*(torch.compile(f, dynamic=True, fullgraph=True) for f in EAGER))
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+        with torch.inference_mode():
+            for b in (1, 3):
+                x, delta, w = randn(b, 1, hidden), randn(b, 1, hidden), randn(hidden)
+                qkv, cos, sin = (
+                    randn(b, 1, (heads + 2 * kv_heads) * head_dim),
+                    randn(b, 1, 1, head_dim),
+                    randn(b, 1, 1, head_dim),
+                )
+                slots = torch.tensor([5], device=device)
+
+                gate, up = randn(b, 1, 2 * hidden + 6).chunk(2, -1)  # views, as a fused gate/up projection's
+
+                def run(o: Ops) -> list[torch.Tensor]:
+                    k, v = (torch.zeros(b + 1, kv_heads, 11, head_dim, dtype=dtype, device=device) for _ in range(2))
+                    q = o.rope_into_cache(qkv, cos, sin, heads, kv_heads, k[:b], v[:b], slots)[0]
+                    return [*o.add_rms_norm(x, delta, w, 1e-5), q, k, v, o.silu_mul(gate, up)]
+
+                for got, want in zip(run(ops), run(EAGER), strict=True):
+                    err = (got.float() - want.float()).abs().max().item()
+                    if not err <= 0.02 * want.float().abs().max().item():
+                        return EAGER, f"a compiled kernel differs from eager by {err:.3g}"
+    except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager functions, and says why
+        return EAGER, f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return ops, None
