@@ -276,15 +276,15 @@ def _eager_elementwise_step_ms(engine, device) -> float | None:
     from qgate.engines.elementwise import EAGER
 
     m = engine.model
-    if m.decode_ops is EAGER:
+    if m.ops is EAGER:
         return None
-    ops, graphs = m.decode_ops, engine.graphs
-    m.decode_ops, engine.graphs = EAGER, {}
+    ops, graphs = m.ops, engine.graphs
+    m.ops, engine.graphs = EAGER, {}
     try:
         engine._capture([1])
         return _graph_step_ms(engine, device)
     finally:
-        m.decode_ops, engine.graphs = ops, graphs
+        m.ops, engine.graphs = ops, graphs
 
 
 def step_breakdown(engine, device) -> dict:
@@ -626,6 +626,8 @@ def main() -> int:
     def scoring():  # the shadow split's forward passes alone, warm: the gate's scoring less its reductions
         import numpy as np
 
+        from qgate.engines.elementwise import EAGER
+
         ref = next(iter(sorted((work / "cache").rglob("shadow-baseline-*.npz"))))
         with np.load(ref) as z:
             tokens, lens, plens = z["tokens"], z["seq_lens"], z["prompt_lens"]
@@ -636,15 +638,21 @@ def main() -> int:
         engine = load_runner(eng, str(device))
         budget = engine.batch_tokens or 1024
         out["engine_dense_bytes_kept"] = engine.dense_bytes
+        out["engine_numerics"] = engine.numerics
+        compiled = engine.model.ops
         for name, fn in (
             ("engine_prefill", lambda ix: engine.logits_batch([seqs[i] for i in ix])),
             (
                 "engine_served",
                 lambda ix: engine.served_logits_batch([seqs[i] for i in ix], [int(plens[i]) for i in ix]),
             ),
+            ("engine_prefill_eager_elementwise", lambda ix: engine.logits_batch([seqs[i] for i in ix])),
             ("engine_prefill_dequantizing", lambda ix: engine.logits_batch([seqs[i] for i in ix])),
         ):
+            if name == "engine_prefill_eager_elementwise":  # the same prefill, its elementwise work uncompiled
+                engine.model.ops = EAGER
             if name == "engine_prefill_dequantizing":  # the same prefill, each int4 weight dequantized per forward
+                engine.model.ops = compiled
                 engine.graphs = {}  # captured graphs read the kept matrices: dropped with them (prefill uses none)
                 engine.model.keep_dense(0)
             sec = scoring_seconds(fn, seqs, budget, device)

@@ -1,13 +1,13 @@
-"""The decoder's work between its Linears, as pure tensor functions, and their compiled form for decode steps.
+"""The decoder's work between its Linears, as pure tensor functions over rows of tokens, and their compiled form.
 
-    ops = compiled_ops(hidden=4096, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, device=cuda)
-    x, h = ops.add_rms_norm(x, delta, weight, eps)          # residual add and the next RMSNorm
+    ops, why = compiled_ops(hidden=4096, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, device=cuda)
+    x, h = ops.add_rms_norm(x, delta, weight, eps)          # residual add and the next RMSNorm, [N, H]
 
-Eagerly, a decode step runs about 13 small kernels per layer besides its four Linears (norms, RoPE, cache writes,
-residual adds, SiLU): each moves a few kilobytes, so at one row each costs its launch, even inside a CUDA graph.
-torch.compile (inductor) fuses each function here into one or two kernels. `compiled_ops` compiles them for decode
-steps (one token per row, with a KV cache), checks them against the eager functions on this device, and says why
-not where it cannot; prefill and every CPU forward run the eager functions.
+Eagerly, a layer runs 13 elementwise kernels besides its four Linears and attention (norms, RoPE, cache writes,
+residual adds, SiLU). In a decode step each moves a few kilobytes, so each costs its launch, even inside a CUDA
+graph; in a prefill each is a pass over memory. torch.compile (inductor) fuses each function here into one kernel.
+`compiled_ops` compiles them, checks them against the eager functions on this device, and says why not where it
+cannot.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F  # noqa: N812
 
-COMPILED = {"cuda": True}  # devices whose runners compile the decode step's elementwise work (compiled_ops)
+COMPILED = {"cuda": True}  # devices whose runners compile the elementwise work of every forward (compiled_ops)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,9 +36,19 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual stream x + delta and its RMSNorm, both [..., H]."""
+    """The residual stream x + delta and its RMSNorm, both [N, H]."""
     x = x + delta
     return x, rms_norm(x, weight, eps)
+
+
+def rope(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, H, D], k and v [N, Hkv, D] from the projections' outputs side by side, qkv [N, (H + 2 Hkv) * D]; q and
+    k rotated together (cos, sin [N, 1, D])."""
+    n, d = heads + kv_heads, cos.shape[-1]
+    qk = rotate(qkv[:, : n * d].view(-1, n, d), cos, sin)
+    return qk[:, :heads], qk[:, heads:], qkv[:, n * d :].view(-1, kv_heads, d)
 
 
 def rope_into_cache(
@@ -47,48 +57,43 @@ def rope_into_cache(
     sin: torch.Tensor,
     heads: int,
     kv_heads: int,
-    k_cache: torch.Tensor | None,
-    v_cache: torch.Tensor | None,
-    slots: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v from the projections' outputs side by side, qkv [B, T, (H + 2 Hkv) * D]; q and k rotated together
-    (cos, sin [B, T, 1, D]). Returns q [B, H, T, D], k and v [B, Hkv, T, D]; with caches ([B, Hkv, S, D]) k and v
-    are also written at `slots` [T]."""
-    b, t = qkv.shape[:2]
-    n, d = heads + kv_heads, cos.shape[-1]
-    qk = rotate(qkv[..., : n * d].view(b, t, n, d), cos, sin)
-    q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
-    v = qkv[..., n * d :].view(b, t, kv_heads, d).transpose(1, 2)
-    if k_cache is not None:
-        k_cache.index_copy_(2, slots, k)
-        v_cache.index_copy_(2, slots, v)
-    return q, k, v
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot: torch.Tensor,
+) -> torch.Tensor:
+    """A decode step's rope, one token per row (N = B): k and v written into the caches [B, Hkv, S, D] at `slot`
+    [1]; returns q [B, H, 1, D]."""
+    q, k, v = rope(qkv, cos, sin, heads, kv_heads)
+    k_cache.index_copy_(2, slot, k[:, :, None])
+    v_cache.index_copy_(2, slot, v[:, :, None])
+    return q[:, :, None]
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's product silu(gate) * up."""
+    """SwiGLU's product silu(gate) * up, [N, I]."""
     return F.silu(gate) * up
 
 
 class Ops(NamedTuple):
     add_rms_norm: object
+    rope: object
     rope_into_cache: object
     silu_mul: object
 
 
-EAGER = Ops(add_rms_norm, rope_into_cache, silu_mul)
+EAGER = Ops(add_rms_norm, rope, rope_into_cache, silu_mul)
 
 
 def compiled_ops(
     hidden: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[Ops, str | None]:
-    """EAGER's functions compiled by torch.compile for decode steps on `device`, or EAGER and why not.
+    """EAGER's functions compiled by torch.compile for `device`, or EAGER and why not.
 
-    Each is compiled with dynamic shapes and called here on decode-step inputs laid out as the model's (cache rows
-    sliced from a larger cache, gate and up as views of one projection's output) at one row and at three (torch
-    specializes a size of 1), so the runner's graph captures compile nothing more. The compiled
-    results must match the eager ones within 2% of their largest magnitude: one rounding step of bf16 is under 1%,
-    so this catches a wrong kernel, not the rounding order, which engine parity measures."""
+    Each is compiled with dynamic shapes and called here on inputs laid out as the model's (rows of one token and
+    of several, cache rows sliced from a larger cache, gate and up as views of one projection's output), at one row
+    and at three (torch specializes a size of 1), so later forwards and graph captures compile nothing more. The
+    compiled results must match the eager ones within 2% of their largest magnitude: one rounding step of bf16 is
+    under 1%, so this catches a wrong kernel, not the rounding order, which engine parity measures."""
     try:
         ops = Ops(*(torch.compile(f, dynamic=True, fullgraph=True) for f in EAGER))
         gen = torch.Generator(device=device).manual_seed(0)
@@ -97,21 +102,21 @@ def compiled_ops(
             return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
         with torch.inference_mode():
-            for b in (1, 3):
-                x, delta, w = randn(b, 1, hidden), randn(b, 1, hidden), randn(hidden)
+            for n in (1, 3):
+                x, delta, w = randn(n, hidden), randn(n, hidden), randn(hidden)
                 qkv, cos, sin = (
-                    randn(b, 1, (heads + 2 * kv_heads) * head_dim),
-                    randn(b, 1, 1, head_dim),
-                    randn(b, 1, 1, head_dim),
+                    randn(n, (heads + 2 * kv_heads) * head_dim),
+                    randn(n, 1, head_dim),
+                    randn(n, 1, head_dim),
                 )
-                slots = torch.tensor([5], device=device)
-
-                gate, up = randn(b, 1, 2 * hidden + 6).chunk(2, -1)  # views, as a fused gate/up projection's
+                gate, up = randn(n, 2 * hidden + 6).chunk(2, -1)  # views, as a fused gate/up projection's
+                slot = torch.tensor([5], device=device)
 
                 def run(o: Ops) -> list[torch.Tensor]:
-                    k, v = (torch.zeros(b + 1, kv_heads, 11, head_dim, dtype=dtype, device=device) for _ in range(2))
-                    q = o.rope_into_cache(qkv, cos, sin, heads, kv_heads, k[:b], v[:b], slots)[0]
-                    return [*o.add_rms_norm(x, delta, w, 1e-5), q, k, v, o.silu_mul(gate, up)]
+                    k, v = (torch.zeros(n + 1, kv_heads, 11, head_dim, dtype=dtype, device=device) for _ in range(2))
+                    q = o.rope_into_cache(qkv, cos, sin, heads, kv_heads, k[:n], v[:n], slot)
+                    rotated = o.rope(qkv, cos, sin, heads, kv_heads)
+                    return [*o.add_rms_norm(x, delta, w, 1e-5), *rotated, q, k, v, o.silu_mul(gate, up)]
 
                 for got, want in zip(run(ops), run(EAGER), strict=True):
                     err = (got.float() - want.float()).abs().max().item()

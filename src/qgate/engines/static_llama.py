@@ -176,12 +176,12 @@ class StaticLlama(nn.Module):
         self.register_buffer("sin", torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1).to(device, dtype))  # signed
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
-        self.decode_ops: Ops = EAGER  # the elementwise work of decode steps (compile_decode); prefill runs EAGER's
+        self.ops: Ops = EAGER  # the elementwise work between Linears (compile)
 
-    def compile_decode(self) -> str | None:
-        """Decode steps run the elementwise work between Linears compiled (elementwise.compiled_ops); None, or why
-        they run it eagerly. Call before capturing CUDA graphs."""
-        self.decode_ops, why = compiled_ops(
+    def compile(self) -> str | None:
+        """Forwards run the elementwise work between Linears compiled (elementwise.compiled_ops); None, or why they
+        run it eagerly. Call before capturing CUDA graphs."""
+        self.ops, why = compiled_ops(
             self.embed.shape[1], self.heads, self.kv_heads, self.head_dim, self.dtype, self.device
         )
         return why
@@ -223,8 +223,8 @@ class StaticLlama(nn.Module):
         Returns float32 logits [B, T or logits_to_keep, V]."""
         b, t = tokens.shape
         s = valid.shape[1]
-        x = F.embedding(tokens, self.embed)  # [B, T, H]
-        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, T, 1, D]
+        x = F.embedding(tokens, self.embed).view(b * t, -1)  # [N, H], N = B * T
+        cos, sin = (c[positions].view(b * t, 1, -1) for c in (self.cos, self.sin))  # [N, 1, D]
         if slot is None:
             slots = torch.arange(t, device=tokens.device)
             keys = slots
@@ -240,26 +240,31 @@ class StaticLlama(nn.Module):
         mask = mask[:, None, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, -1)  # [B, 1, G*T, S]
         # additive, built once per forward: SDPA would convert a boolean mask again in every layer
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        nq, nkv = self.heads, self.kv_heads
-        ops = self.decode_ops if t == 1 and slot is not None else EAGER
+        nq, nkv, d, ops = self.heads, self.kv_heads, self.head_dim, self.ops
         h = rms_norm(x, self.layers[0].in_norm, self.eps)
         for i, layer in enumerate(self.layers):
             if "qkv" in layer:
-                qkv = layer["qkv"](h)
+                qkv = layer["qkv"](h)  # [N, (H + 2 Hkv) * D]
             else:
                 qkv = torch.cat([layer[n](h) for n in ("q_proj", "k_proj", "v_proj")], -1)
-            caches = (None, None) if slot is None else (self.k_cache[i][:b], self.v_cache[i][:b])
-            q, k, v = ops.rope_into_cache(qkv, cos, sin, nq, nkv, *caches, slots)  # [B, H or Hkv, T, D]
+            if t == 1 and slot is not None:  # a decode step: k and v go into the cache in the same kernel
+                q = ops.rope_into_cache(qkv, cos, sin, nq, nkv, self.k_cache[i][:b], self.v_cache[i][:b], slots)
+            else:
+                q, k, v = (z.view(b, t, -1, d).transpose(1, 2) for z in ops.rope(qkv, cos, sin, nq, nkv))
+                if slot is not None:
+                    self.k_cache[i][:b].index_copy_(2, slots, k)
+                    self.v_cache[i][:b].index_copy_(2, slots, v)
             if slot is not None:
                 k, v = self.k_cache[i][:b, :, :s], self.v_cache[i][:b, :, :s]  # [B, Hkv, S, D]
             # grouped-query attention as Hkv heads of G*T queries each: K/V are read as stored, never copied per head
-            a = F.scaled_dot_product_attention(q.reshape(b, nkv, g * t, self.head_dim), k, v, attn_mask=bias)
-            a = a.reshape(b, nq, t, self.head_dim)  # [B, H, T, D]
-            x, h = ops.add_rms_norm(x, layer["o_proj"](a.transpose(1, 2).reshape(b, t, -1)), layer.post_norm, self.eps)
+            a = F.scaled_dot_product_attention(q.reshape(b, nkv, g * t, d), k, v, attn_mask=bias)  # q: [B, H, T, D]
+            a = a.reshape(b, nq, t, d).transpose(1, 2).reshape(b * t, -1)  # [N, H * D]
+            x, h = ops.add_rms_norm(x, layer["o_proj"](a), layer.post_norm, self.eps)
             if "gate_up" in layer:
                 gate, up = layer["gate_up"](h).chunk(2, -1)
             else:
                 gate, up = layer["gate_proj"](h), layer["up_proj"](h)
             norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
             x, h = ops.add_rms_norm(x, layer["down_proj"](ops.silu_mul(gate, up)), norm, self.eps)
+        h = h.view(b, t, -1)
         return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h).float()

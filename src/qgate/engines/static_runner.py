@@ -11,7 +11,7 @@ padding) and the smallest bucket that holds its prompt and answer. A batch no gr
 runs the same model eagerly. Before capture, the int4 weights' dequantized matrices are kept where they fit in
 DENSE_SHARE of the free memory (StaticLlama.keep_dense): prefill and teacher-forced scoring read them instead of
 dequantizing, and so do decode steps of KEPT_DENSE_ROWS rows or more, captured or not. Where elementwise.COMPILED
-names the device, decode steps run their elementwise work compiled (StaticLlama.compile_decode); where the compiler
+names the device, forwards run their elementwise work compiled (StaticLlama.compile); where the compiler or a capture
 fails they run it eagerly, with a warning, and `numerics` says which.
 """
 
@@ -95,29 +95,29 @@ class StaticRunner:
             try:
                 self._capture(sizes)
             except Exception as e:  # noqa: BLE001 - the compiled kernels do not capture: eager ones are recaptured
-                if self.model.decode_ops is elementwise.EAGER:
+                if self.model.ops is elementwise.EAGER:
                     raise
-                self._eager_decode(f"capturing them failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                self._eager(f"capturing them failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 self.graphs = {}
                 self._capture(sizes)
         self.batch_tokens = batch_tokens(device, self.model.embed.shape[0], config["hidden_size"])
 
     def _compile(self) -> None:
-        """Decode steps with compiled elementwise work where elementwise.COMPILED names this device; `numerics` ends
-        in '-compiled' when they run it."""
+        """Forwards with compiled elementwise work where elementwise.COMPILED names this device; `numerics` ends in
+        '-compiled' when they run it."""
         if not elementwise.COMPILED.get(self.device.type):
             return
-        why = self.model.compile_decode()
+        why = self.model.compile()
         if why is None:
             self.numerics += "-compiled"
         else:
-            self._eager_decode(why)
+            self._eager(why)
 
-    def _eager_decode(self, why: str) -> None:
-        """Decode steps run their elementwise work eagerly from now on, with a warning saying why."""
-        self.model.decode_ops = elementwise.EAGER
+    def _eager(self, why: str) -> None:
+        """Forwards run their elementwise work eagerly from now on, with a warning saying why."""
+        self.model.ops = elementwise.EAGER
         self.numerics = self.numerics.removesuffix("-compiled")
-        logging.getLogger("qgate").warning("torch-int4 decode steps run their elementwise work eagerly: %s", why)
+        logging.getLogger("qgate").warning("the torch-int4 engine runs its elementwise work eagerly: %s", why)
 
     def _graph_inputs(self, rows: int, slots: int) -> None:
         """The decode graphs' KV cache of `slots` slots for `rows` rows, their context buckets and static inputs."""
