@@ -145,6 +145,15 @@ def test_engine_in_float32_computes_what_the_checkpoint_says(awq_art, int4_f32, 
     served = eng.served_logits_batch(SEQS, [2, 3, 4])
     for a, b in zip(ref.logits_batch(SEQS), served, strict=True):
         assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
+    # on CUDA the rows decode in chunks of the largest captured batch size: the same logits, chunk by chunk (within
+    # float32 rounding: a chunk pads its rows to its own width)
+    assert eng.served_rows is None
+    decoded, decode = [], eng._decode
+    eng._decode = lambda prompts, *a: decoded.append(len(prompts)) or decode(prompts, *a)
+    eng.served_rows = 2
+    for a, b in zip(served, eng.served_logits_batch(SEQS, [2, 3, 4]), strict=True):
+        assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
+    assert decoded == [2, 1]
     groups = [([5, 6, 7], [[8, 9], [10]]), ([1, 2], [[3, 4, 5]])]
     for g0, g1 in zip(
         ref.continuation_logits(groups, [11, 12]), eng.continuation_logits(groups, [11, 12]), strict=True

@@ -84,6 +84,7 @@ class StaticRunner:
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id or 0
         )
         self.graphs: dict[tuple[int, int], tuple] = {}  # (batch size, context slots) -> (graph, its logits)
+        self.served_rows: int | None = None  # rows decoded together when scoring as served (served_logits_batch)
         self.dense_bytes = 0  # dequantized weights kept (StaticLlama.keep_dense)
         sizes = graph_batch_sizes or self.spec["graph_batch_sizes"]
         if device.type == "cuda":
@@ -92,6 +93,7 @@ class StaticRunner:
             self.dense_bytes = self.model.keep_dense(int(torch.cuda.mem_get_info(device)[0] * DENSE_SHARE))
         self._compile()  # before capture: a graph replays the kernels its capture ran
         if device.type == "cuda":
+            self.served_rows = max(sizes)
             try:
                 self._capture(sizes)
             except Exception as e:  # noqa: BLE001 - the compiled kernels do not capture: eager ones are recaptured
@@ -210,9 +212,16 @@ class StaticRunner:
 
     def served_logits_batch(self, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list:
         """Teacher-forced logits [T, V] per sequence as the engine serves them: its first prompt_lens[i] positions
-        from one prefill, every later position from one decode step fed the sequence's next token (the captured
-        graphs when one holds the batch). On CUDA the two run different kernels (engines/static_llama.py), so this
-        is what a gate scores an answer's positions with; logits_batch runs every position as prefill."""
+        from one prefill, every later position from one decode step fed the sequence's next token. On CUDA the two
+        run different kernels (engines/static_llama.py), so this is what a gate scores an answer's positions with;
+        logits_batch runs every position as prefill. The rows decode together in chunks of at most `served_rows`
+        (on CUDA the largest captured batch size: the most the engine decodes at once for the traffic it was built
+        for), so answers are scored by the captured graphs and the kernels that serve that traffic, not by the dense
+        GEMM that many more rows would run."""
+        n = self.served_rows or len(seqs)
+        return [x for i in range(0, len(seqs), n) for x in self._served_chunk(seqs[i : i + n], prompt_lens[i : i + n])]
+
+    def _served_chunk(self, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list:
         prompts = [list(s[:p]) for s, p in zip(seqs, prompt_lens, strict=True)]
         answers = [list(s[p:]) for s, p in zip(seqs, prompt_lens, strict=True)]
         steps = max(len(a) for a in answers)
