@@ -9,6 +9,8 @@ Pure tensor code in the shape of gpt-fast: no Python branch depends on tensor va
 with `index_copy_`, and attention masks come from the `valid` buffer and slot indices, so one decode step holds no
 host synchronization and replays as a CUDA graph. Rows are left-padded: row b's prompt occupies the last slots of
 the prefill, `valid[b, s]` says slot s holds one of its tokens, and `positions` gives each token's RoPE position.
+The work between the Linears runs through `model.ops` (engines/elementwise.py): eager functions, or their compiled
+kernels after `model.compile()`.
 """
 
 from __future__ import annotations
