@@ -141,33 +141,25 @@ def _tilings(m, x, device) -> dict:
     captured in a CUDA graph (_graph_seconds)."""
     import torch
 
-    u8 = m.codes.contiguous()
+    w = m.int4_weight()  # unsplit, whatever layout the engine serves it in
+    u8 = w.codes.contiguous()
     out = {}
     for tiles in (2, 4, 8):
         if u8.shape[1] * 2 % (tiles * 16):
             continue
         packed = torch.ops.aten._convert_weight_to_int4pack(u8, tiles)
-        t = _graph_seconds(lambda x, p=packed: torch.ops.aten._weight_int4pack_mm(x, p, m.group_size, m.sz), x, device)
+        t = _graph_seconds(
+            lambda x, p=packed: torch.ops.aten._weight_int4pack_mm(x, p, m.group_size, w.scales_and_zeros), x, device
+        )
         out[tiles] = round(t * 1e6, 1)
     return out
 
 
-def _graph_seconds(f, x, device, calls: int = 20, replays: int = 5) -> float:
-    """Seconds per call of f(x) captured `calls` times in one CUDA graph and replayed: the kernels' time without the
-    host's launch overhead between them, as in the engine's captured decode step."""
-    import torch
+def _graph_seconds(f, x, device, calls: int = 20) -> float:
+    """Seconds per call of f(x) captured `calls` times in one CUDA graph and replayed (qgate.device.graph_seconds)."""
+    from qgate.device import graph_seconds
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        f(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            f(x)
-    graph.replay()
-    return _timed(device, lambda: [graph.replay() for _ in range(replays)]) / (calls * replays)
+    return graph_seconds(lambda: f(x), device, calls)
 
 
 def _gemlite(m, device, rows=(1, 8, 32)) -> dict:
@@ -180,10 +172,10 @@ def _gemlite(m, device, rows=(1, 8, 32)) -> dict:
     import gemlite
     import torch
 
-    o, g = m.out_features, m.group_size
-    i = m.codes.shape[1] * 2
-    q = torch.stack((m.codes >> 4, m.codes & 0xF), -1).reshape(o, i)  # [O, I] uint8, as Linear.dequantized reads
-    scale, zero = (t.contiguous() for t in m.sz.permute(1, 0, 2).float().unbind(-1))  # [O, G] each
+    o, g, i = m.out_features, m.group_size, m.in_features
+    w4 = m.int4_weight()  # unsplit, whatever layout the engine serves it in
+    q = torch.stack((w4.codes >> 4, w4.codes & 0xF), -1).reshape(o, i)  # [O, I] uint8, as Linear.dequantized reads
+    scale, zero = (t.contiguous() for t in w4.scales_and_zeros.permute(1, 0, 2).float().unbind(-1))  # [O, G] each
     gl = gemlite.GemLiteLinear(
         4, group_size=g, in_features=i, out_features=o, input_dtype=gemlite.DType.BF16, output_dtype=gemlite.DType.BF16
     )
@@ -287,6 +279,27 @@ def _eager_elementwise_step_ms(engine, device) -> float | None:
         m.ops, engine.graphs = ops, graphs
 
 
+def _unsplit_step_ms(engine, device) -> float | None:
+    """_graph_step_ms with every int4 kernel unsplit (int4pack.split_k), recaptured for batch 1; None where the
+    engine splits none. The engine's own layouts and graphs are restored afterwards."""
+    from qgate.engines.static_llama import Linear
+
+    lins = [m for m in engine.model.modules() if isinstance(m, Linear) and m.weight is None and m.split > 1]
+    if not lins:
+        return None
+    graphs, engine.graphs = engine.graphs, {}
+    served = [m.split for m in lins]
+    try:
+        for m in lins:
+            m.resplit(1)
+        engine._capture([1])
+        return _graph_step_ms(engine, device)
+    finally:
+        for m, s in zip(lins, served, strict=True):
+            m.resplit(s)
+        engine.graphs = graphs
+
+
 def step_breakdown(engine, device) -> dict:
     """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps), the
     model's Linears alone at one row, in total and per weight shape (the bytes each reads per millisecond, and the
@@ -300,10 +313,14 @@ def step_breakdown(engine, device) -> dict:
         eager_ms = _eager_elementwise_step_ms(engine, device)
     except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
         eager_ms = f"{type(e).__name__}: {e}"[:300]
+    try:
+        unsplit_ms = _unsplit_step_ms(engine, device)
+    except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
+        unsplit_ms = f"{type(e).__name__}: {e}"[:300]
     lins = [m for m in engine.model.modules() if isinstance(m, Linear)]
 
     def width(m) -> int:
-        return m.weight.shape[1] if m.weight is not None else m.codes.shape[1] * 2
+        return m.weight.shape[1] if m.weight is not None else m.in_features
 
     def nbytes(m) -> int:
         if m.weight is not None:
@@ -329,6 +346,7 @@ def step_breakdown(engine, device) -> dict:
                 "read_tb_s": round(nbytes(m) / t / 1e12, 3),
                 "graph_us": round(tg * 1e6, 1),
                 "graph_read_tb_s": round(nbytes(m) / tg / 1e12, 3),
+                "split": getattr(m, "split", 1),  # the layout the engine serves it in (int4pack.split_k)
             }
             if q:  # the same weight packed with each k-tiling torch's packer takes: the engine uses the widest
                 try:
@@ -347,6 +365,7 @@ def step_breakdown(engine, device) -> dict:
     return {
         "graph_step_ms": step_ms,
         "graph_step_ms_eager_elementwise": eager_ms,  # the same step with the work between Linears uncompiled
+        "graph_step_ms_unsplit": unsplit_ms,  # the same step with every int4 kernel unsplit
         "linears_ms": lin_ms,
         "linears_bytes": total,
         "linears_read_tb_s": total / lin_ms / 1e9,
@@ -518,7 +537,10 @@ def main() -> int:
     eng = res.phase("engine_build", lambda: build_engine(ckpt, "torch-int4", work / "engine", sets["profile"]))
     if eng is None:
         return 1
-    r["engine"] = {k: eng.meta.get(k) for k in ("graph_batch_sizes", "captured_graphs", "load_seconds", "engine_bytes")}
+    r["engine"] = {
+        k: eng.meta.get(k)
+        for k in ("graph_batch_sizes", "captured_graphs", "load_seconds", "engine_bytes", "numerics", "int4_splits")
+    }
 
     # decode: the engine against transformers eager bf16 and against its roofline, on the same card
     config = json.loads((base.path / "config.json").read_text())

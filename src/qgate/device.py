@@ -5,6 +5,7 @@
     dtype = compute_dtype(config, device)     # float32 on the CPU; on CUDA the dtype the model is served in
     native_bf16(device)                       # whether bfloat16 matmuls run in hardware here
     x = to_device(rows, device, torch.long)   # host data onto the device without the host waiting for it
+    s = graph_seconds(lambda: f(x), device)   # CUDA: seconds per call of f, its kernels captured in a graph
 
 torch is imported only when a device is resolved.
 """
@@ -130,6 +131,31 @@ def to_device(data, device, dtype=None):
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def graph_seconds(f, device, calls: int = 20, replays: int = 5) -> float:
+    """Seconds per call of f() on a CUDA device, captured `calls` times in one CUDA graph and replayed: the kernels'
+    time without the host's launches between them, as in a captured decode step."""
+    import time
+
+    import torch
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs requires
+        f()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            f()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t) / (calls * replays)
 
 
 def release(device) -> None:

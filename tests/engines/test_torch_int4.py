@@ -13,9 +13,14 @@ from qgate.engines.int4pack import (
     check_scheme,
     device_pack,
     int4_mm,
+    int4_shape,
     pack_nibbles,
     repack,
+    split_factors,
+    split_k,
+    split_mm,
     unpack_nibbles,
+    unsplit,
 )
 from qgate.engines.runners import TorchRunner, load_runner
 from qgate.errors import BackendUnavailable, ConfigError
@@ -90,6 +95,36 @@ def test_dense_path_dequantizes_what_the_int4_kernel_computes(monkeypatch, dtype
     assert torch.allclose(few.float(), many[:3].float(), rtol=0.02, atol=0.02 * many.float().abs().max().item())
     ref = x.float() @ w.T
     assert (many.float() - ref).abs().max().item() < (1e-4 if dtype == torch.float32 else 0.03) * ref.abs().max().item()
+
+
+def test_split_layouts_compute_the_same_weight(monkeypatch):
+    """split_k lays a weight out as s blocks of I/s inputs stacked along the outputs: the same codes and scales
+    (unsplit gives them back bit for bit), the same dense matrix, and the same product within float32 rounding.
+    A factor that would cut a group, or leave a block narrower than the CUDA packer's 32 inputs, is refused."""
+    import qgate.engines.static_llama as sl
+
+    state, w = _ct_layer(48, 256, 32)
+    q = repack(state, _qconfig())[0]["l"]
+    assert split_factors(256, 32) == (1, 2, 4, 8) and split_factors(576, 32) == (1, 2) and int4_shape(q) == "48x256/g32"
+    assert split_factors(4096, 128) == (1, 2, 4, 8) and split_factors(14336, 128) == (1, 2, 4, 8)
+    x = torch.randn(3, 256)
+    ref = x @ w.T
+    monkeypatch.setattr(sl, "DENSE_ROWS", {"cpu": 1000})  # keeps the portable codes, as a CUDA device does
+    plain = sl.Linear(q, None, torch.float32, torch.device("cpu"))
+    for s in (2, 4, 8):
+        qs = split_k(q, s)
+        assert qs.codes.shape == (48 * s, 128 // s) and qs.scales_and_zeros.shape == (8 // s, 48 * s, 2)
+        back = unsplit(qs, s)
+        assert torch.equal(back.codes, q.codes) and torch.equal(back.scales_and_zeros, q.scales_and_zeros)
+        y = split_mm(x, device_pack(qs.codes, torch.device("cpu")), 32, qs.scales_and_zeros, s)
+        assert y.shape == (3, 48) and (y - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+        lin = sl.Linear(q, None, torch.float32, torch.device("cpu"), s)
+        assert lin.split == s and torch.equal(lin.dequantized(), plain.dequantized())
+        assert (lin(x) - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+        lin.resplit(1)
+        assert lin.split == 1 and torch.equal(lin(x), plain(x))
+    with pytest.raises(ConfigError, match=r"(?s)cannot be split in 16.*use one of \(1, 2, 4, 8\)"):
+        split_k(q, 16)
 
 
 def test_int8_layers_are_dense_and_exact():
@@ -232,8 +267,8 @@ def test_kept_dense_weights_serve_forwards_from_kept_dense_rows(int4_f32, monkey
     model, _, _ = load_model(int4_f32.path, torch.device("cpu"))
     n_int4 = sum(isinstance(m, sl.Linear) and m.weight is None for m in model.modules())
     rows = []
-    kernel = sl.int4_mm
-    monkeypatch.setattr(sl, "int4_mm", lambda x, *a: rows.append(x.shape[0]) or kernel(x, *a))
+    kernel = sl.split_mm
+    monkeypatch.setattr(sl, "split_mm", lambda x, *a: rows.append(x.shape[0]) or kernel(x, *a))
 
     def step(n: int) -> torch.Tensor:  # one token for each of n rows, no cache: the rows of a decode step
         tok = torch.tensor([[s[0]] for s in (SEQS * 2)[:n]])
@@ -249,6 +284,88 @@ def test_kept_dense_weights_serve_forwards_from_kept_dense_rows(int4_f32, monkey
         assert torch.allclose(dense, int4, atol=1e-5)
         step(2)
         assert rows == [2] * n_int4  # under KEPT_DENSE_ROWS: the int4 kernel
+
+
+def _copy_engine(art, dest, **spec):
+    """A copy of a built engine's directory with these engine.json fields set."""
+    import shutil
+
+    shutil.copytree(art.path, dest)
+    doc = json.loads((dest / "engine.json").read_text()) | spec
+    (dest / "engine.json").write_text(json.dumps(doc))
+    return dest
+
+
+def test_engine_serves_the_split_layouts_engine_json_names(int4_f32, tmp_path):
+    """engine.json's int4_splits lays out each named int4 shape's kernel: the same logits within float32 rounding,
+    the same greedy answers, and `numerics` says so. A shape the model lacks or a factor the shape cannot take is
+    refused at load, naming it."""
+    from qgate.engines.static_llama import Linear
+    from qgate.engines.static_runner import StaticRunner
+
+    plain = load_runner(int4_f32)
+    int4 = [m for m in plain.model.modules() if isinstance(m, Linear) and m.weight is None]
+    widest = {m.shape: max(split_factors(m.in_features, m.group_size)) for m in int4}
+    assert len(widest) == 4 and max(widest.values()) > 1
+    split = StaticRunner(_copy_engine(int4_f32, tmp_path / "split", int4_splits=widest), torch.device("cpu"))
+    lins = [m for m in split.model.modules() if isinstance(m, Linear) and m.weight is None]
+    assert {m.split for m in lins} == set(widest.values()) and split.numerics == "cpu-torch-int4-float32-splitk"
+    for a, b in zip(plain.logits_batch(SEQS), split.logits_batch(SEQS), strict=True):
+        assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
+    assert split.greedy_batch(SEQS, 8) == plain.greedy_batch(SEQS, 8)
+    with pytest.raises(ConfigError, match=r"shapes \['7x64/g32'\], which this model lacks"):
+        StaticRunner(_copy_engine(int4_f32, tmp_path / "alien", int4_splits={"7x64/g32": 2}), torch.device("cpu"))
+    one = sorted(widest)[0]
+    with pytest.raises(ConfigError, match="cannot be split in 3"):
+        StaticRunner(_copy_engine(int4_f32, tmp_path / "odd", int4_splits={one: 3}), torch.device("cpu"))
+
+
+def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32, monkeypatch):
+    """choose_splits times every factor each int4 shape takes at the rows its int4 kernel serves, and lays out all
+    Linears of the shape as the fastest one, if it saves SPLIT_SAVING and computes the unsplit product; the model's
+    logits stay within float32 rounding. Timed here by a table in place of CUDA graphs."""
+    import qgate.engines.static_llama as sl
+    from qgate.engines.static_runner import load_model
+
+    monkeypatch.setattr(sl, "DENSE_ROWS", {"cpu": 1000})  # keeps the portable codes, as a CUDA device does
+    model, _, _ = load_model(int4_f32.path, torch.device("cpu"))
+    lins = [m for m in model.modules() if isinstance(m, sl.Linear) and m.weight is None]
+    tok = torch.tensor([SEQS[0]])
+    pos = torch.arange(tok.shape[1])[None]
+    valid = torch.ones_like(tok, dtype=torch.bool)
+    with torch.inference_mode():
+        before = model(tok, pos, valid)
+    calls: list[tuple[int, int]] = []  # (rows, factor) per kernel call
+    kernel = sl.split_mm
+
+    def timed_mm(x, packed, group, sz, s):
+        calls.append((x.shape[0], s))
+        y = kernel(x, packed, group, sz, s)
+        return y * 1.5 if s == 8 else y  # a broken layout: computes something else
+
+    monkeypatch.setattr(sl, "split_mm", timed_mm)
+    cost = {1: 10.0, 2: 9.8, 4: 6.0, 8: 1.0}  # microseconds per row: 2 saves under SPLIT_SAVING
+
+    def seconds(f):
+        f()
+        rows, s = calls[-1]
+        return cost[s] * rows * 1e-6
+
+    record = model.choose_splits([1, 2, 3, 32], seconds)
+    widths = {m.shape: m.in_features for m in lins}
+    assert set(record) == set(widths) and all(r["count"] == len(model.layers) for r in record.values())
+    for key, r in record.items():
+        factors = split_factors(widths[key], 32)
+        assert r["rows"] == [1, 2, 3, 32] and set(r["us"]) == set(factors) - {8}
+        assert r["us"][1] == pytest.approx(10.0 * 38) and ("rejected" in r) == (8 in factors)
+        assert r["split"] == (4 if 4 in factors else 1)  # 8 is fastest but wrong; 2 saves too little
+    assert {m.split for m in lins} == {r["split"] for r in record.values()} and {m.split for m in lins} > {1}
+    monkeypatch.setattr(sl, "split_mm", kernel)
+    with torch.inference_mode():
+        assert torch.allclose(model(tok, pos, valid), before, atol=1e-5)
+    # a kept dense matrix serves KEPT_DENSE_ROWS rows and more: those rows are not the int4 kernel's to time
+    model.keep_dense(10**12)
+    assert all(r["rows"] == [1, 2, 3] for r in model.choose_splits([1, 2, 3, 32], lambda f: 1.0).values())
 
 
 def test_the_cuda_attention_mask_computes_what_transformers_skip_does(base_art, monkeypatch):
@@ -479,6 +596,20 @@ def test_cuda_graph_decode_equals_eager_decode(awq_art, calib_arts, workdir):
     # answers as served: decode steps through the int4 kernel (graphs), prompts through the dense prefill
     served = runner.served_logits_batch(SEQS, [2, 3, 4])
     for a, b in zip(ref.logits_batch(SEQS), served, strict=True):
+        pa, pb = torch.log_softmax(torch.as_tensor(a).float(), -1), torch.log_softmax(b.float(), -1)
+        assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
+    # the build timed each int4 shape's kernel layouts and recorded the fastest; a load lays the kernels out so
+    from qgate.engines.static_llama import Linear
+
+    spec = json.loads((eng.path / "engine.json").read_text())
+    assert spec["int4_splits"] == {k: v["split"] for k, v in eng.meta["int4_splits"].items()}
+    lins = [m for m in runner.model.modules() if isinstance(m, Linear) and m.weight is None]
+    assert all(m.split == spec["int4_splits"][m.shape] for m in lins)
+    # and every layout computes what the checkpoint says on the GPU's kernel: the widest each shape takes, eagerly
+    for m in lins:
+        m.resplit(max(split_factors(m.in_features, m.group_size)))
+    runner.graphs = {}
+    for a, b in zip(ref.logits_batch(SEQS), runner.served_logits_batch(SEQS, [2, 3, 4]), strict=True):
         pa, pb = torch.log_softmax(torch.as_tensor(a).float(), -1), torch.log_softmax(b.float(), -1)
         assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
 

@@ -3,6 +3,8 @@
     layers = repack(state_dict, quantization_config)     # {prefix: Int4Weight | dense bf16 [O, I]}
     packed = device_pack(layers[p].codes, device)         # the device's tiled layout, built at load
     y = int4_mm(x, packed, layers[p].group_size, layers[p].scales_and_zeros)   # x [N, I] -> y [N, O]
+    w4 = split_k(layers[p], 4)                            # the same weight as 4 blocks of I/4 inputs, stacked
+    y = split_mm(x, device_pack(w4.codes, device), w4.group_size, w4.scales_and_zeros, 4)   # the same y
 
 torch's kernels (`aten._weight_int4pack_mm` on CUDA, `_weight_int4pack_mm_for_cpu` on the CPU) compute, per
 group of `group_size` input columns,
@@ -18,6 +20,13 @@ and G = I / group_size groups:
   weight_packed     [O, I/8] int32     codes            [O, I/2] uint8       CUDA: _convert_weight_to_int4pack
   weight_scale      [O, G]   float     scales_and_zeros [G, O, 2] float32    CPU:  _convert_weight_to_int4pack_for_cpu
   weight_zero_point [O/8, G] int32     (the even column in the high nibble)
+
+torch's CUDA kernel runs one thread block per 8 outputs, each looping over all inputs, so a weight with few outputs
+(4096 of them, for q/k/v and o of an 8B model) keeps the card's memory system partly idle at one row. `split_k`
+re-lays a weight as s blocks of I/s inputs stacked along the outputs, [s*O, I/s]: the kernel then runs s times the
+thread blocks over the same bytes. `split_mm` feeds x as s rows of I/s inputs (a view) and sums each block's product
+with its own rows; those s rows share the kernel's 16-row tile with the one row they replace. The arithmetic differs
+from the unsplit kernel's by rounding: each block's partial sum is rounded to x's dtype before the s are added.
 
 Int8 layers (a mixed W4/W8 checkpoint) are served as dense weights dequantized from their codes: torch has no
 group-wise int8 weight-only kernel. Anything else (FP8, activation quantization, group activation order) is refused.
@@ -132,3 +141,51 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Te
     if x.device.type == "cuda":
         return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, sz)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, sz)
+
+
+def int4_shape(w: Int4Weight) -> str:
+    """An int4 weight's shape as engine.json's `int4_splits` names it: '<outputs>x<inputs>/g<group size>'."""
+    return f"{w.codes.shape[0]}x{w.codes.shape[1] * 2}/g{w.group_size}"
+
+
+def split_factors(in_features: int, group_size: int, candidates=(1, 2, 4, 8)) -> tuple[int, ...]:
+    """The split_k factors a weight of this input width takes: each block's I/s inputs whole groups, and a multiple
+    of 32 (the narrowest k-tiling the CUDA packer takes)."""
+    return tuple(s for s in candidates if in_features % s == 0 and (in_features // s) % max(group_size, 32) == 0)
+
+
+def split_k(w: Int4Weight, s: int) -> Int4Weight:
+    """The weight [O, I] as s blocks of I/s inputs stacked along the outputs: [s*O, I/s], block j holding inputs
+    j*I/s .. (j+1)*I/s - 1 of every output (codes and the scales and zeros of their groups, unchanged)."""
+    o, half = w.codes.shape
+    if s not in split_factors(half * 2, w.group_size):
+        raise ConfigError(
+            f"an int4 weight [{o}, {half * 2}] with group size {w.group_size} cannot be split in {s}",
+            hint=f"use one of {split_factors(half * 2, w.group_size)}",
+        )
+    if s == 1:
+        return w
+    g = w.scales_and_zeros.shape[0]
+    codes = w.codes.reshape(o, s, half // s).transpose(0, 1).reshape(s * o, half // s)
+    sz = w.scales_and_zeros.reshape(s, g // s, o, 2).transpose(0, 1).reshape(g // s, s * o, 2)
+    return Int4Weight(codes.contiguous(), sz.contiguous(), w.group_size)
+
+
+def unsplit(w: Int4Weight, s: int) -> Int4Weight:
+    """split_k's inverse: the [O, I] weight of a split one."""
+    if s == 1:
+        return w
+    so, h = w.codes.shape
+    g = w.scales_and_zeros.shape[0]
+    codes = w.codes.reshape(s, so // s, h).transpose(0, 1).reshape(so // s, s * h)
+    sz = w.scales_and_zeros.reshape(g, s, so // s, 2).transpose(0, 1).reshape(s * g, so // s, 2)
+    return Int4Weight(codes.contiguous(), sz.contiguous(), w.group_size)
+
+
+def split_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor, s: int) -> torch.Tensor:
+    """int4_mm with a split_k weight: x [N, I] -> [N, O], block j's product with x's inputs of block j, summed."""
+    if s == 1:
+        return int4_mm(x, packed, group_size, sz)
+    n, i = x.shape
+    y = int4_mm(x.reshape(n * s, i // s), packed, group_size, sz)  # [N*s, s*O]: every block times every row
+    return y.view(n, s, s, -1).diagonal(0, 1, 2).sum(-1)  # [N, O, s] -> [N, O]

@@ -15,12 +15,14 @@ kernels after `model.compile()`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from qgate.engines.elementwise import EAGER, Ops, compiled_ops, rms_norm
-from qgate.engines.int4pack import Int4Weight, device_pack, int4_mm
+from qgate.engines.int4pack import Int4Weight, device_pack, int4_shape, split_factors, split_k, split_mm, unsplit
 from qgate.errors import ConfigError
 
 ARCHITECTURES = ("LlamaForCausalLM",)
@@ -49,6 +51,8 @@ def check_architecture(config: dict) -> None:
 FUSE = True  # q/k/v and gate/up as one wider Linear each where their weights allow (StaticLlama.__init__)
 DENSE_ROWS = {"cuda": 128}  # rows (tokens) from which an int4 Linear dequantizes and runs a dense GEMM, per device
 KEPT_DENSE_ROWS = 16  # rows from which an int4 Linear whose dense matrix is kept (keep_dense) runs the dense GEMM
+SPLIT_SAVING = 0.05  # share of the unsplit int4 kernel's time a split_k layout must save to be chosen (choose_splits)
+SPLIT_TOLERANCE = 0.02  # a split_k layout's largest difference from the unsplit product, of its largest magnitude
 
 
 class Linear(nn.Module):
@@ -60,18 +64,20 @@ class Linear(nn.Module):
     several times slower at large row counts. That dense matrix is computed per forward, or once where `keep_dense`
     kept it (the same numbers either way). A kept matrix costs no dequantizing, so it serves from KEPT_DENSE_ROWS
     rows on (decode steps of large batches), where the int4 kernel reads its packed weights slower than a dense GEMM
-    reads the matrix four times their size. On a CPU every row count runs the int4 kernel."""
+    reads the matrix four times their size. On a CPU every row count runs the int4 kernel. The int4 kernel's buffers
+    are laid out as `split` blocks of the inputs (int4pack.split_k; 1: unsplit), which `resplit` changes."""
 
-    def __init__(self, weight: Int4Weight | torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device):
+    def __init__(
+        self, weight: Int4Weight | torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device, split: int = 1
+    ):
+        """split: an int4 weight's split_k factor (int4pack.py), how its kernel is laid out; the same weight."""
         super().__init__()
         if isinstance(weight, Int4Weight):
             self.group_size = weight.group_size
-            self.out_features = weight.codes.shape[0]
-            self.register_buffer("packed", device_pack(weight.codes, device))
-            self.register_buffer("sz", weight.scales_and_zeros.to(device, dtype))  # [G, O, 2]
+            self.out_features, self.in_features = weight.codes.shape[0], weight.codes.shape[1] * 2
+            self.shape = int4_shape(weight)  # what engine.json's int4_splits names it by
             self.dense_rows = DENSE_ROWS.get(torch.device(device).type)
-            # the portable codes, kept for dequantizing where the dense path runs
-            self.register_buffer("codes", weight.codes.to(device) if self.dense_rows else None)  # [O, I/2] uint8
+            self._lay_out(weight, split, device, dtype)
             self.weight = None
             self.dense: torch.Tensor | None = None  # dequantized() kept by keep_dense; not part of the state dict
         else:
@@ -87,10 +93,29 @@ class Linear(nn.Module):
             return F.linear(x, self.dense, self.bias)
         if self.dense_rows is not None and rows >= self.dense_rows:
             return F.linear(x, self.dequantized(), self.bias)
-        y = int4_mm(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, self.sz).reshape(
-            *x.shape[:-1], self.out_features
-        )
+        y = split_mm(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, self.sz, self.split)
+        y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def _lay_out(self, weight: Int4Weight, split: int, device, dtype: torch.dtype) -> None:
+        """The kernel's buffers for `weight` laid out as split_k(weight, split)."""
+        w = split_k(weight, split)
+        self.split = split
+        self.register_buffer("packed", device_pack(w.codes, device))
+        self.register_buffer("sz", w.scales_and_zeros.to(device, dtype))  # [G/s, s*O, 2]
+        # the portable codes (split like the kernel's), kept for dequantizing where the dense path runs
+        self.register_buffer("codes", w.codes.to(device) if self.dense_rows else None)  # [s*O, I/(2s)] uint8
+
+    def int4_weight(self) -> Int4Weight:
+        """The int4 weight unsplit, from the portable codes (devices with a dense path keep them)."""
+        if self.codes is None:
+            raise RuntimeError(f"an int4 Linear on {self.packed.device.type} keeps only its kernel's packed codes")
+        return unsplit(Int4Weight(self.codes, self.sz, self.group_size), self.split)
+
+    def resplit(self, split: int) -> None:
+        """Lay the kernel's buffers out as split_k(weight, split): the same weight, another kernel grid."""
+        if split != self.split:
+            self._lay_out(self.int4_weight(), split, self.packed.device, self.sz.dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The int4 weight as a dense [O, I] matrix in the activation dtype: (q - 8) * scale + zero per group, as
@@ -99,13 +124,23 @@ class Linear(nn.Module):
         o, g = c.shape[0], self.sz.shape[0]
         q = torch.stack((c >> 4, c & 0xF), -1).view(o, g, -1).to(self.sz.dtype) - 8  # [O, G, group]: exact
         scale, zero = self.sz.permute(1, 0, 2).contiguous().unbind(-1)  # [O, G] each
-        return torch.addcmul(zero[..., None], q, scale[..., None]).view(o, -1)
+        w = torch.addcmul(zero[..., None], q, scale[..., None]).view(o, -1)  # [s*O, I/s]: block j of the inputs
+        s = self.split
+        return w if s == 1 else w.view(s, o // s, -1).transpose(0, 1).reshape(o // s, -1)
 
 
 class StaticLlama(nn.Module):
-    def __init__(self, config: dict, tensors: dict, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        config: dict,
+        tensors: dict,
+        dtype: torch.dtype,
+        device: torch.device,
+        splits: dict[str, int] | None = None,
+    ):
         """tensors: the checkpoint's state dict with every quantized Linear's prefix mapped to an Int4Weight or a dense
-        float matrix (int4pack.repack) and every other tensor as saved."""
+        float matrix (int4pack.repack) and every other tensor as saved. splits: the split_k factor per int4 weight
+        shape (int4pack.int4_shape; choose_splits picks them), 1 where absent."""
         super().__init__()
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -121,11 +156,20 @@ class StaticLlama(nn.Module):
             """A Linear's weight: an Int4Weight or dense tensor under its prefix, or its `.weight` tensor."""
             return tensors.get(p, tensors.get(f"{p}.weight"))
 
+        splits = dict(splits or {})
+        shapes: set[str] = set()
+
+        def linear(w: Int4Weight | torch.Tensor, bias: torch.Tensor | None) -> Linear:
+            if not isinstance(w, Int4Weight):
+                return Linear(w, bias, dtype, device)
+            shapes.add(int4_shape(w))
+            return Linear(w, bias, dtype, device, splits.get(int4_shape(w), 1))
+
         def lin(p: str) -> Linear:
             w = weight(p)
             if w is None:
                 raise ConfigError(f"checkpoint has no weight for {p}")
-            return Linear(w, tensors.get(f"{p}.bias"), dtype, device)
+            return linear(w, tensors.get(f"{p}.bias"))
 
         def vec(k: str) -> torch.Tensor:
             return tensors[k].to(device, dtype)
@@ -142,9 +186,9 @@ class StaticLlama(nn.Module):
                 w = Int4Weight(
                     torch.cat([w.codes for w in ws]), torch.cat([w.scales_and_zeros for w in ws], 1), ws[0].group_size
                 )
-                return Linear(w, bias, dtype, device)
+                return linear(w, bias)
             if all(isinstance(w, torch.Tensor) for w in ws):
-                return Linear(torch.cat(ws), bias, dtype, device)
+                return linear(torch.cat(ws), bias)
             return None
 
         self.register_buffer("embed", tensors["model.embed_tokens.weight"].to(device, dtype))  # [V, H]
@@ -170,6 +214,12 @@ class StaticLlama(nn.Module):
             "lm_head" if ("lm_head" in tensors or "lm_head.weight" in tensors) and not c.tie_word_embeddings else None
         )
         self.lm_head = lin(head) if head else Linear(self.embed, None, dtype, device)  # tied: the same tensor
+        if set(splits) - shapes:
+            raise ConfigError(
+                f"split layouts for int4 weights of shapes {sorted(set(splits) - shapes)}, which this model lacks "
+                f"(its int4 shapes: {sorted(shapes) or 'none'})",
+                hint="the engine's engine.json does not belong to its weights: rebuild the engine",
+            )
         rope = LlamaRotaryEmbedding(c)  # transformers' own frequencies, for every RoPE type served
         pos = torch.arange(c.max_position_embeddings)[None]  # [1, P]
         cos, sin = rope(torch.empty(0, dtype=torch.float32), pos)  # [1, P, D] float32
@@ -202,6 +252,58 @@ class StaticLlama(nn.Module):
                     if kept + size <= max_bytes:
                         m.dense, kept = m.dequantized(), kept + size
         return kept
+
+    def choose_splits(self, rows: Sequence[int], seconds: Callable[[Callable[[], object]], float]) -> dict:
+        """Lay out each int4 weight shape's kernel as the split_k factor (int4pack.py) that serves `rows` fastest,
+        for every Linear of that shape. rows: the row counts of the decode steps the engine captures; a Linear's
+        count is one its int4 kernel serves (under KEPT_DENSE_ROWS where its dense matrix is kept, under its
+        DENSE_ROWS). seconds(f): the time of one call of f (a CUDA graph's replay on a GPU). A split is taken where
+        its time summed over those rows is the least and at least SPLIT_SAVING below the unsplit kernel's, and where
+        it computes the unsplit kernel's product within SPLIT_TOLERANCE of its largest magnitude (that catches a
+        wrong layout, not rounding, which engine parity measures). Needs the portable codes (a device with a dense
+        path). Returns {shape: {"split", "us": {factor: microseconds summed over the rows}, "rows", "rejected"}}."""
+        by_shape: dict[str, list[Linear]] = {}
+        for m in self.modules():
+            if isinstance(m, Linear) and m.weight is None:
+                by_shape.setdefault(m.shape, []).append(m)
+        record: dict[str, dict] = {}
+        for key, ms in by_shape.items():
+            m = ms[0]
+            top = KEPT_DENSE_ROWS if m.dense is not None else m.dense_rows or float("inf")
+            served = sorted({r for r in rows if r < top})
+            w = m.int4_weight()
+            if not served:
+                continue
+            xs = [torch.randn(r, m.in_features, dtype=m.sz.dtype, device=m.packed.device) for r in served]
+            us: dict[int, float] = {}
+            rejected: dict[int, str] = {}
+            exact: list[torch.Tensor] = []
+            for s in split_factors(m.in_features, m.group_size):
+                ws = split_k(w, s)
+                packed = device_pack(ws.codes, m.packed.device)
+
+                def f(x, packed=packed, ws=ws, s=s):
+                    return split_mm(x, packed, ws.group_size, ws.scales_and_zeros, s)
+
+                with torch.inference_mode():
+                    ys = [f(x).float() for x in xs]
+                exact = exact or ys  # the unsplit kernel's, s == 1 coming first
+                err = max(
+                    float((y - e).abs().max() / e.abs().max().clamp(min=1e-30)) for y, e in zip(ys, exact, strict=True)
+                )
+                if not err <= SPLIT_TOLERANCE:
+                    rejected[s] = f"differs from the unsplit kernel by {err:.3g} of its largest magnitude"
+                    continue
+                us[s] = round(sum(seconds(lambda f=f, x=x: f(x)) for x in xs) * 1e6, 2)
+            best = min(us, key=us.get)
+            if 1 not in us or us[best] > (1 - SPLIT_SAVING) * us[1]:
+                best = 1
+            for lin in ms:
+                lin.resplit(best)
+            record[key] = {"split": best, "us": us, "rows": served, "count": len(ms)} | (
+                {"rejected": rejected} if rejected else {}
+            )
+        return record
 
     def setup_cache(self, batch: int, length: int) -> None:
         """A zeroed cache of `length` slots for `batch` rows (a cache of this size already there is reused)."""

@@ -10,7 +10,9 @@ bucket's slots, not the whole cache. A batch runs on the smallest captured size 
 padding) and the smallest bucket that holds its prompt and answer. A batch no graph holds, and every batch on a CPU,
 runs the same model eagerly. Before capture, the int4 weights' dequantized matrices are kept where they fit in
 DENSE_SHARE of the free memory (StaticLlama.keep_dense): prefill and teacher-forced scoring read them instead of
-dequantizing, and so do decode steps of KEPT_DENSE_ROWS rows or more, captured or not. Where elementwise.COMPILED
+dequantizing, and so do decode steps of KEPT_DENSE_ROWS rows or more, captured or not. Each int4 weight shape's
+kernel is laid out as engine.json's `int4_splits` says (int4pack.split_k): the engine's build on a GPU times the
+layouts at the captured batch sizes and records the fastest (`choose_splits`). Where elementwise.COMPILED
 names the device, forwards run their elementwise work compiled (StaticLlama.compile); where the compiler or a capture
 fails they run it eagerly, with a warning, and `numerics` says which.
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qgate.device import to_device
+from qgate.device import graph_seconds, to_device
 from qgate.engines import elementwise
 from qgate.engines.int4pack import Int4Weight
 from qgate.engines.logits import as_logits, check_vocab
@@ -40,7 +42,8 @@ DENSE_SHARE = 0.5  # of the device's free memory after the KV cache, at most, fo
 
 
 def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dict, dict]:
-    """(model, engine.json, config.json) of a built engine, its weights placed on `device`."""
+    """(model, engine.json, config.json) of a built engine, its weights placed on `device` and its int4 kernels laid
+    out as engine.json's `int4_splits` says (chosen at build on a GPU: StaticRunner's choose_splits)."""
     from safetensors.torch import load_file
 
     spec = json.loads((engine_dir / "engine.json").read_text())
@@ -57,14 +60,23 @@ def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dic
             tensors[p] = Int4Weight(
                 tensors.pop(f"{p}.codes"), tensors.pop(f"{p}.scales_and_zeros"), spec["group_sizes"][p]
             )
-    return StaticLlama(config, tensors, dtype, device).eval(), spec, config
+    return StaticLlama(config, tensors, dtype, device, spec.get("int4_splits")).eval(), spec, config
 
 
 class StaticRunner:
     kind = "torch-int4"
 
-    def __init__(self, engine_dir: Path, device: torch.device, graph_batch_sizes: Sequence[int] | None = None):
-        """graph_batch_sizes: the decode batch sizes captured on CUDA; None: the engine's own (engine.json)."""
+    def __init__(
+        self,
+        engine_dir: Path,
+        device: torch.device,
+        graph_batch_sizes: Sequence[int] | None = None,
+        choose_splits: bool = False,
+    ):
+        """graph_batch_sizes: the decode batch sizes captured on CUDA; None: the engine's own (engine.json).
+        choose_splits: on CUDA, time each int4 weight shape's split_k layouts at those batch sizes and take the
+        fastest (StaticLlama.choose_splits; the choice is in `splits`, for the engine's build to record); otherwise
+        the layouts engine.json names."""
         from qgate.device import batch_tokens, forward_cost
         from qgate.trust import check_loadable, load_tokenizer
 
@@ -73,6 +85,7 @@ class StaticRunner:
         self.device = device
         self.model, self.spec, config = load_model(engine_dir, device)
         self.numerics = f"{device.type}-torch-int4-{self.spec['dtype']}"
+        self.splits: dict[str, dict] = {}  # choose_splits' record, where it ran
         self.tokenizer = load_tokenizer(engine_dir / SERVED_SUBDIR)
         check_vocab(engine_dir, self.tokenizer, self.model.embed.shape[0])
         self.max_length = int(config.get("max_position_embeddings", 2048))
@@ -91,6 +104,10 @@ class StaticRunner:
             self._graph_inputs(max(sizes), self.spec["max_seq_len"])
             # kept before capture: the graphs of KEPT_DENSE_ROWS rows or more read the kept matrices
             self.dense_bytes = self.model.keep_dense(int(torch.cuda.mem_get_info(device)[0] * DENSE_SHARE))
+            if choose_splits:  # after keep_dense: a kept matrix takes the rows from KEPT_DENSE_ROWS on
+                self.splits = self.model.choose_splits(sizes, lambda f: graph_seconds(f, device))
+        if any(getattr(m, "split", 1) > 1 for m in self.model.modules()):
+            self.numerics += "-splitk"
         self._compile()  # before capture: a graph replays the kernels its capture ran
         if device.type == "cuda":
             self.served_rows = max(sizes)
