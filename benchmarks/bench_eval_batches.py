@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_eval_batches.py --model DIR                                  # this CPU's costs
     .venv/bin/python benchmarks/bench_eval_batches.py --model DIR --forward-cost 256 --budget 35000   # an H100's
+    .venv/bin/python benchmarks/bench_eval_batches.py --model DIR --forward-cost 256 --budget 35000 --pack   # its packing
 
 The batching depends on the tokenizer, the tasks, the forward cost and the token budget, not on the model's weights or
 the device, so a GPU's forwards and positions can be counted here with its forward cost (device.FORWARD_COST) and the
@@ -40,6 +41,7 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=ROOT / ".qgate/demo/base", help="a checkpoint (its tokenizer counts)")
     ap.add_argument("--forward-cost", type=int, help="positions a forward's fixed cost is worth (default: this CPU's)")
     ap.add_argument("--budget", type=int, help="padded tokens per forward (default: the CPU's, RunnerLM.BATCH_TOKENS)")
+    ap.add_argument("--pack", action="store_true", help="pack contexts several to a row, as the reference does on CUDA")
     args = ap.parse_args()
     import torch
 
@@ -49,12 +51,19 @@ def main() -> int:
 
     print(f"torch threads {torch.get_num_threads()}, interop {torch.get_num_interop_threads()}", flush=True)
     runner = TorchRunner(args.model)
+    if args.pack:
+        from qgate.engines import runners
+
+        runners.PACKED_CONTEXTS[runner.device.type] = True
     if args.forward_cost is not None:
         runner.forward_cost = args.forward_cost
     if args.budget is not None:
         runner.batch_tokens = args.budget
     cost = runner.forward_cost
-    print(f"forward cost {cost} positions, token budget {max(RunnerLM.BATCH_TOKENS, runner.batch_tokens or 0)}")
+    print(
+        f"forward cost {cost} positions, token budget {max(RunnerLM.BATCH_TOKENS, runner.batch_tokens or 0)}, "
+        f"contexts {'packed' if runner.packs_contexts else 'left-padded'}"
+    )
     cfg = load_spec(ROOT / "pipelines/promote.yaml").gate_config().eval
     r = counted_eval(runner, cfg)
     print(f"eval: {r['wall']:.1f} s on this host")

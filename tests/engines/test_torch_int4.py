@@ -615,7 +615,7 @@ def test_cuda_graph_decode_equals_eager_decode(awq_art, calib_arts, workdir):
 
 
 @pytest.mark.gpu
-def test_scoring_queues_forwards_without_waiting_for_the_gpu(awq_art, calib_arts, workdir):
+def test_scoring_queues_forwards_without_waiting_for_the_gpu(awq_art, calib_arts, workdir, monkeypatch):
     """On CUDA the runners' scoring calls hold no host synchronization (torch's sync debug mode raises on one), so
     the host queues the next forward while the GPU runs this one; the eval's reductions wait once per call, at the
     end, and the engine keeps its dequantized weights for prefill."""
@@ -650,6 +650,17 @@ def test_scoring_queues_forwards_without_waiting_for_the_gpu(awq_art, calib_arts
         syncs = [w for w in seen if "synchroniz" in str(w.message)]
         assert len(syncs) <= 2, [str(w.message) for w in syncs]  # the log-probs and hits copied back, once each
         assert all(g[1] == w[1] and g[0] == pytest.approx(w[0], rel=1e-5) for g, w in zip(got, want, strict=True))
+    # the reference packs its contexts on CUDA: the same logits as left-padded ones, up to bf16 rounding
+    import qgate.engines.runners as runners_module
+
+    ref = runners[0]
+    assert ref.packs_contexts
+    packed = ref.continuation_logits(groups, [11, 12])
+    monkeypatch.setitem(runners_module.PACKED_CONTEXTS, "cuda", False)
+    for g0, g1 in zip(packed, ref.continuation_logits(groups, [11, 12]), strict=True):
+        for a, b in zip(g0, g1, strict=True):
+            pa, pb = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)
+            assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
 
 
 @pytest.mark.gpu

@@ -529,6 +529,63 @@ def test_runner_lm_scores_match_with_every_continuation_length_alone_or_all_padd
     assert tiny.check_lm_scores(runner)[0] == 9
 
 
+def test_packed_contexts_score_what_padded_contexts_do(base_art, monkeypatch):
+    """Where the reference packs a batch's contexts several to a row (CUDA; switched on here for the CPU), every
+    continuation's logits equal those of the left-padded contexts within float32 rounding, with a shared prefix and
+    without, the context forward runs fewer positions, and RunnerLM's scores equal one-at-a-time scoring. A model with
+    a sliding window is not packed: the packed rows' mask would not carry it."""
+    import qgate.engines.runners as runners
+
+    runner = runners.load_runner(base_art)
+    groups = [([5, 6, 7, 8, 9, 10, 11], [[12], [13, 14, 15]]), ([20, 21, 22], [[23, 24]]), ([30], [[31, 32, 33, 34]])]
+    groups += [([40, 41, 42], [[43], [44, 45]])]
+    positions: list[int] = []
+    forward = runner.model.forward
+    runner.model.forward = lambda ids, **k: positions.append(ids.numel()) or forward(ids, **k)
+    padded = [runner.continuation_logits(groups, prefix) for prefix in ((), [1, 2, 3])]
+    assert not runner.packs_contexts and positions[0] == 4 * 7  # the contexts' forward: 4 rows of the longest
+    monkeypatch.setitem(runners.PACKED_CONTEXTS, "cpu", True)
+    assert runner.packs_contexts
+    positions.clear()
+    for prefix, want in zip(((), [1, 2, 3]), padded, strict=True):
+        got = runner.continuation_logits(groups, prefix)
+        for g0, g1 in zip(want, got, strict=True):
+            assert [x.shape for x in g0] == [y.shape for y in g1]
+            assert all(np.abs(x - y).max() < 1e-5 for x, y in zip(g0, g1, strict=True))
+    assert positions[0] == 2 * 7  # rows [7] and [3, 3, 1]
+    assert tiny.check_lm_scores(runner)[0] == 9
+    runner.model.config.sliding_window = 4
+    try:
+        assert not runner.packs_contexts
+    finally:
+        runner.model.config.sliding_window = None
+    del runner.model.forward
+
+
+def test_pack_sequences_fills_rows_first_fit_by_decreasing_length():
+    import random
+
+    from qgate.engines.padding import pack_sequences, packed_width
+
+    assert pack_sequences([5, 3, 2, 4], width=5) == [[0], [3], [1, 2]]
+    assert packed_width([5, 3, 2, 4]) == 7 and pack_sequences([5, 3, 2, 4], 7) == [[0, 2], [3, 1]]
+    assert packed_width([10, 6, 6, 6]) == 16  # [10, 6], [6, 6]: 32 positions; at 10, one a row: 40
+    rng = random.Random(0)
+    for _ in range(100):
+        lengths = [rng.randint(1, 20) for _ in range(rng.randint(1, 40))]
+        width = max(lengths) + rng.randint(0, 10)
+        rows = pack_sequences(lengths, width)
+        assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in r) <= width for r in rows)
+        fill = [sum(lengths[i] for i in r) for r in rows]
+        assert all(a + b > width for a, b in zip(fill, fill[1:]))  # first fit: no two rows would fit in one
+        w = packed_width(lengths)
+        assert max(lengths) <= w <= 2 * max(lengths)
+        assert len(pack_sequences(lengths, w)) * w <= len(pack_sequences(lengths, max(lengths))) * max(lengths)
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_sequences([3, 9], width=8)
+
+
 def test_left_and_right_pad_put_every_sequence_at_one_edge():
     from qgate.engines.padding import left_pad, right_pad
 

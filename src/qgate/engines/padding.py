@@ -4,12 +4,15 @@
     batches = padded_batches(lengths, forward_cost, max_tokens)     # row indices per forward, within a token budget
     tokens, mask = left_pad([[5, 6], [7]], pad=0)                    # [[5, 6], [0, 7]], [[1, 1], [0, 1]]
     tokens, mask = right_pad([[5, 6], [7]], pad=0)                   # [[5, 6], [7, 0]], [[1, 1], [1, 0]]
+    rows = pack_sequences([5, 3, 2, 4], width=5)                     # [[0], [3], [1, 2]]: sequences per row
+    width = packed_width([5, 3, 2, 4])                               # 7: [[0, 2], [3, 1]], 14 positions, not 15
 
 A forward's fixed cost in positions is the device's (device.forward_cost).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -56,6 +59,33 @@ def padded_batches(lengths: Sequence[int], forward_cost: float, max_tokens: int)
         rows = max(1, max_tokens // max(hi, 1))
         batches += [group[a : a + rows] for a in range(0, len(group), rows)]
     return batches
+
+
+def pack_sequences(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """Indices of sequences of these lengths packed into rows of `width` positions, first fit in decreasing length
+    order (each row's lengths sum to at most width; within a row, longest first)."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if lengths[i] > width:
+            raise ValueError(f"a sequence of {lengths[i]} positions does not fit a row of {width}")
+        q = next((q for q, f in enumerate(free) if f >= lengths[i]), None)
+        if q is None:
+            rows.append([])
+            free.append(width)
+            q = len(rows) - 1
+        rows[q].append(i)
+        free[q] -= lengths[i]
+    return rows
+
+
+def packed_width(lengths: Sequence[int], steps: int = 16) -> int:
+    """The row width for pack_sequences with the fewest positions (rows x width) among `steps` + 1 widths from the
+    longest sequence to twice it (the narrowest of equals). Rows wider than the longest pair sequences longer than
+    half of it, which a row of the longest holds one of."""
+    longest = max(lengths)
+    widths = sorted({min(2 * longest, longest + j * math.ceil(longest / steps)) for j in range(steps + 1)})
+    return min(widths, key=lambda w: len(pack_sequences(lengths, w)) * w)
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad: int, rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -170,21 +170,24 @@ class RunnerLM(LM):
         return scores.resolved()
 
     def _score_shared(self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], scores: Scores) -> None:
-        """Batches of contexts with one shared prefix each: padded suffixes, and continuation tokens (which the runner
-        pads only within groups of similar length), within the token budget."""
+        """Batches of contexts with one shared prefix each: their suffixes (left-padded to the longest, or counted
+        as they are where the runner packs them several to a row), and continuation tokens (which the runner pads
+        only within groups of similar length), within the token budget."""
         shared = sorted(
             shared, key=lambda g: (g[1][: g[0]], len(g[1]) - g[0])
         )  # one prefix per run, suffixes by length
+        packs = getattr(self.runner, "packs_contexts", False)
         start = 0
         while start < len(shared):
             p, c0, ix0 = shared[start]
-            end, fed = start + 1, sum(len(pairs[i][1]) for i in ix0)
+            end, fed, held = start + 1, sum(len(pairs[i][1]) for i in ix0), len(c0) - p
             while end < len(shared):
                 q, c, ix = shared[end]
                 if q != p or c[:p] != c0[:p]:
                     break
                 more = sum(len(pairs[i][1]) for i in ix)
-                if (end - start + 1) * (len(c) - p) > self.batch_tokens or fed + more > self.batch_tokens:
+                held = held + len(c) - p if packs else (end - start + 1) * (len(c) - p)  # the contexts' positions
+                if held > self.batch_tokens or fed + more > self.batch_tokens:
                     break
                 end, fed = end + 1, fed + more
             chunk = shared[start:end]
