@@ -13,6 +13,7 @@ Every figure is printed as a ratio against a reference measured in this run:
   decode       engine tok/s at batch 1/8/32 vs transformers eager bf16, and vs the int4 roofline (bytes read per
                token / the bf16 matrix-vector read bandwidth measured here); per int4 shape, torch's kernel at
                inner_k_tiles 2/4/8 and against gemlite's Triton kernels at 1/8/32 rows, where gemlite is installed
+               (measured after the gate, so that they cannot crowd it out of a time-limited run)
   gate         MFU of the gate's teacher-forced scoring (real tokens only: 2 x params FLOPs per token / seconds /
                --peak-tflops); wall time of the whole gate; parity KL p99 (engine vs its checkpoint)
 Writes scale.json to --out.
@@ -300,41 +301,48 @@ def _unsplit_step_ms(engine, device) -> float | None:
         engine.graphs = graphs
 
 
-def step_breakdown(engine, device) -> dict:
-    """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps), the
-    model's Linears alone at one row, in total and per weight shape (the bytes each reads per millisecond, and the
-    alternatives `_tilings` and `_gemlite` measure), and the step's kernels by GPU time."""
-    import torch
+def _recorded(fn, *args):
+    """fn(*args), or its exception as a short string: a figure that fails is recorded and the run goes on."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - recorded in scale.json
+        return f"{type(e).__name__}: {e}"[:300]
 
+
+def _linear_shapes(engine) -> dict:
+    """{(outputs, inputs, is int4): [Linear, ...]} of the engine's model."""
     from qgate.engines.static_llama import Linear
 
-    step_ms = _graph_step_ms(engine, device)
-    try:
-        eager_ms = _eager_elementwise_step_ms(engine, device)
-    except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
-        eager_ms = f"{type(e).__name__}: {e}"[:300]
-    try:
-        unsplit_ms = _unsplit_step_ms(engine, device)
-    except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
-        unsplit_ms = f"{type(e).__name__}: {e}"[:300]
-    lins = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    shapes: dict = {}
+    for m in engine.model.modules():
+        if isinstance(m, Linear):
+            width = m.weight.shape[1] if m.weight is not None else m.in_features
+            shapes.setdefault((m.out_features, width, m.weight is None), []).append(m)
+    return shapes
 
-    def width(m) -> int:
-        return m.weight.shape[1] if m.weight is not None else m.in_features
+
+def step_breakdown(engine, device) -> dict:
+    """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps), the
+    same recaptured with the elementwise work eager and with the int4 kernels unsplit, and the model's Linears alone
+    at one row, in total and per weight shape (the bytes each reads per millisecond). The other kernels' figures
+    come later in the run (kernel_alternatives)."""
+    import torch
 
     def nbytes(m) -> int:
         if m.weight is not None:
             return m.weight.numel() * m.weight.element_size()
         return m.packed.numel() * m.packed.element_size() + m.sz.numel() * m.sz.element_size()
 
-    xs = {w: torch.randn(1, w, dtype=torch.bfloat16, device=device) for w in {width(m) for m in lins}}
-    shapes: dict = {}
+    step_ms = _graph_step_ms(engine, device)
+    eager_ms = _recorded(_eager_elementwise_step_ms, engine, device)
+    unsplit_ms = _recorded(_unsplit_step_ms, engine, device)
+    shapes = _linear_shapes(engine)
+    lins = [(m, i) for (_, i, _), ms in shapes.items() for m in ms]
+    xs = {i: torch.randn(1, i, dtype=torch.bfloat16, device=device) for _, i in lins}
     with torch.inference_mode():
-        for m in lins:
-            shapes.setdefault((m.out_features, width(m), m.weight is None), []).append(m)
-        [m(xs[width(m)]) for m in lins]
-        lin_ms = _timed(device, lambda: [m(xs[width(m)]) for _ in range(10) for m in lins]) / 10 * 1e3
-        lin_graph_ms = _graph_seconds(lambda _: [m(xs[width(m)]) for m in lins], None, device, calls=1) * 1e3
+        [m(xs[i]) for m, i in lins]
+        lin_ms = _timed(device, lambda: [m(xs[i]) for _ in range(10) for m, i in lins]) / 10 * 1e3
+        lin_graph_ms = _graph_seconds(lambda _: [m(xs[i]) for m, i in lins], None, device, calls=1) * 1e3
         per_shape = {}
         for (o, i, q), ms in shapes.items():
             m = ms[0]
@@ -348,20 +356,7 @@ def step_breakdown(engine, device) -> dict:
                 "graph_read_tb_s": round(nbytes(m) / tg / 1e12, 3),
                 "split": getattr(m, "split", 1),  # the layout the engine serves it in (int4pack.split_k)
             }
-            if q:  # the same weight packed with each k-tiling torch's packer takes: the engine uses the widest
-                try:
-                    per_shape[f"int4 {o}x{i}"]["us_by_inner_k_tiles"] = _tilings(m, xs[i], device)
-                except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
-                    per_shape[f"int4 {o}x{i}"]["us_by_inner_k_tiles"] = f"{type(e).__name__}: {e}"[:300]
-                try:  # another int4 kernel, where the gemlite wheel is installed
-                    per_shape[f"int4 {o}x{i}"]["gemlite"] = _gemlite(m, device)
-                except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
-                    per_shape[f"int4 {o}x{i}"]["gemlite"] = f"{type(e).__name__}: {e}"[:300]
-    total = sum(nbytes(m) for m in lins)
-    try:
-        kernels = _step_kernels(engine, device)
-    except Exception as e:  # noqa: BLE001 - recorded; the breakdown goes on without it
-        kernels = f"{type(e).__name__}: {e}"[:300]
+    total = sum(nbytes(m) for m, _ in lins)
     return {
         "graph_step_ms": step_ms,
         "graph_step_ms_eager_elementwise": eager_ms,  # the same step with the work between Linears uncompiled
@@ -372,9 +367,23 @@ def step_breakdown(engine, device) -> dict:
         "linears_graph_ms": lin_graph_ms,  # the same Linears captured in one graph: no host launches between them
         "linears_graph_read_tb_s": total / lin_graph_ms / 1e9,
         "per_shape": per_shape,
-        "step_with_faster_int4_kernel": _gemlite_projection(per_shape, step_ms),
-        "kernels": kernels,
     }
+
+
+def kernel_alternatives(engine, device, step: dict) -> None:
+    """Into step_breakdown's record `step`: per int4 shape, torch's kernel at each k-tiling its packer takes
+    (`us_by_inner_k_tiles`) and gemlite's kernels (`gemlite`, where its wheel is installed); the batch-1 step with
+    the faster kernel per shape (`step_with_faster_int4_kernel`); and the step's kernels by GPU time (`kernels`)."""
+    import torch
+
+    for (o, i, q), ms in _linear_shapes(engine).items():
+        if q:
+            x = torch.randn(1, i, dtype=torch.bfloat16, device=device)
+            row = step["per_shape"][f"int4 {o}x{i}"]
+            row["us_by_inner_k_tiles"] = _recorded(_tilings, ms[0], x, device)
+            row["gemlite"] = _recorded(_gemlite, ms[0], device)
+    step["step_with_faster_int4_kernel"] = _gemlite_projection(step["per_shape"], step["graph_step_ms"])
+    step["kernels"] = _recorded(_step_kernels, engine, device)
 
 
 def scoring_seconds(fn, seqs, budget: int, device) -> float:
@@ -567,9 +576,6 @@ def main() -> int:
             step = dec["batch1_step"]
             step["loop_ms_per_token"] = 1e3 / rows[1]["engine_tok_s"]
             step["graph_step_vs_roofline"] = 1e3 / step["graph_step_ms"] / dec["int4_roofline_tok_s"]
-            if step["step_with_faster_int4_kernel"]:
-                faster = step["step_with_faster_int4_kernel"]
-                faster["vs_roofline"] = 1e3 / faster["step_ms"] / dec["int4_roofline_tok_s"]
         del engine
         release(device)
 
@@ -690,6 +696,19 @@ def main() -> int:
 
     if r.get("gate"):
         res.phase("scoring", scoring)
+
+    def alternatives():  # other int4 kernels and the step's kernels: after the gate, so they cannot crowd it out
+        engine = StaticRunner(eng.path, device, graph_batch_sizes=[1])
+        step = dec["batch1_step"]
+        kernel_alternatives(engine, device, step)
+        if step["step_with_faster_int4_kernel"]:
+            faster = step["step_with_faster_int4_kernel"]
+            faster["vs_roofline"] = 1e3 / faster["step_ms"] / dec["int4_roofline_tok_s"]
+        del engine
+        release(device)
+
+    if isinstance(dec.get("batch1_step"), dict):
+        res.phase("kernel_alternatives", alternatives)
 
     def dense_decode():  # the same engine serving dense bf16 weights: where int4 loses at larger batch
         dense = build_engine(base, "torch-int4", work / "engine-bf16", sets["profile"])

@@ -276,9 +276,9 @@ class TorchRunner:
     def _packed_contexts(self, contexts: list[list[int]], cache, p: int):
         """As _padded_contexts, with the contexts packed several to a row (padding.pack_sequences, in rows of
         padding.packed_width: up to twice the longest context) instead of one to a row: the same positions,
-        attention and logits, far fewer padded positions. Each row's attention mask (4D) lets a context's tokens see the prefix and the earlier tokens of
-        their own context only; each row of the continuations' cache gathers the prefix and its context's positions,
-        left-padded to the longest context of the rows asked for."""
+        attention and logits, far fewer padded positions. Each row's attention mask (4D) lets a context's tokens see
+        the prefix and the earlier tokens of their own context only; each row of the continuations' cache gathers
+        the prefix and its context's positions, left-padded to the longest context of the rows asked for."""
         import torch
         from transformers import DynamicCache
 
