@@ -320,7 +320,7 @@ def test_engine_serves_the_split_layouts_engine_json_names(int4_f32, tmp_path):
         StaticRunner(_copy_engine(int4_f32, tmp_path / "odd", int4_splits={one: 3}), torch.device("cpu"))
 
 
-def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32, monkeypatch):
+def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32, monkeypatch, caplog):
     """choose_splits times every factor each int4 shape takes at the rows its int4 kernel serves, and lays out all
     Linears of the shape as the fastest one, if it saves SPLIT_SAVING and computes the unsplit product; the model's
     logits stay within float32 rounding. Timed here by a table in place of CUDA graphs."""
@@ -363,6 +363,26 @@ def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32,
     monkeypatch.setattr(sl, "split_mm", kernel)
     with torch.inference_mode():
         assert torch.allclose(model(tok, pos, valid), before, atol=1e-5)
+    # a timing that fails mid-way leaves every kernel unsplit, with a warning (a GPU build then records nothing)
+    from qgate.engines.static_runner import StaticRunner
+
+    runner = StaticRunner.__new__(StaticRunner)
+    runner.model = model
+
+    timings: list[int] = []
+
+    def broken(f):  # the third timing fails: the first shape is chosen, the others not yet
+        timings.append(1)
+        if len(timings) == 3:
+            raise RuntimeError("capture failed")
+        f()
+        return 1e-6 * len(timings)
+
+    assert {m.split for m in lins} > {1}  # what the first choice left
+    with caplog.at_level("WARNING", logger="qgate"):
+        runner._choose_splits([1, 2], broken)
+    assert runner.splits == {} and {m.split for m in lins} == {1} and "stay unsplit" in caplog.text
+    assert "RuntimeError: capture failed" in caplog.text
     # a kept dense matrix serves KEPT_DENSE_ROWS rows and more: those rows are not the int4 kernel's to time
     model.keep_dense(10**12)
     assert all(r["rows"] == [1, 2, 3] for r in model.choose_splits([1, 2, 3, 32], lambda f: 1.0).values())

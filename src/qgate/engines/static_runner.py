@@ -105,7 +105,7 @@ class StaticRunner:
             # kept before capture: the graphs of KEPT_DENSE_ROWS rows or more read the kept matrices
             self.dense_bytes = self.model.keep_dense(int(torch.cuda.mem_get_info(device)[0] * DENSE_SHARE))
             if choose_splits:  # after keep_dense: a kept matrix takes the rows from KEPT_DENSE_ROWS on
-                self.splits = self.model.choose_splits(sizes, lambda f: graph_seconds(f, device))
+                self._choose_splits(sizes, lambda f: graph_seconds(f, device))
         if any(getattr(m, "split", 1) > 1 for m in self.model.modules()):
             self.numerics += "-splitk"
         self._compile()  # before capture: a graph replays the kernels its capture ran
@@ -120,6 +120,21 @@ class StaticRunner:
                 self.graphs = {}
                 self._capture(sizes)
         self.batch_tokens = batch_tokens(device, self.model.embed.shape[0], config["hidden_size"])
+
+    def _choose_splits(self, sizes: Sequence[int], seconds) -> None:
+        """StaticLlama.choose_splits into `splits`; where it fails, every int4 kernel stays unsplit, with a warning."""
+        try:
+            self.splits = self.model.choose_splits(sizes, seconds)
+        except Exception as e:  # noqa: BLE001 - the unsplit kernels serve: a layout is a speed-up, not a need
+            for m in self.model.modules():
+                if getattr(m, "split", 1) > 1:
+                    m.resplit(1)
+            self.splits = {}
+            logging.getLogger("qgate").warning(
+                "the torch-int4 engine's int4 kernels stay unsplit: choosing their layouts failed: %s: %s",
+                type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "",
+            )
 
     def _compile(self) -> None:
         """Forwards with compiled elementwise work where elementwise.COMPILED names this device; `numerics` ends in
