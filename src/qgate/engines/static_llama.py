@@ -271,9 +271,9 @@ class StaticLlama(nn.Module):
             m = ms[0]
             top = KEPT_DENSE_ROWS if m.dense is not None else m.dense_rows or float("inf")
             served = sorted({r for r in rows if r < top})
-            w = m.int4_weight()
             if not served:
                 continue
+            w = m.int4_weight()
             xs = [torch.randn(r, m.in_features, dtype=m.sz.dtype, device=m.packed.device) for r in served]
             us: dict[int, float] = {}
             rejected: dict[int, str] = {}
