@@ -263,42 +263,45 @@ def _graph_step_ms(engine, device, reps: int = 100) -> float:
     return _timed(device, lambda: [graph.replay() for _ in range(reps)]) / reps * 1e3
 
 
+def _recaptured_step_ms(engine, device, apply, undo) -> float:
+    """_graph_step_ms with apply() done to the engine's model, recaptured for batch 1; undo() and the engine's own
+    graphs are restored afterwards."""
+    graphs, engine.graphs = engine.graphs, {}
+    try:
+        apply()
+        engine._capture([1])
+        return _graph_step_ms(engine, device)
+    finally:
+        undo()
+        engine.graphs = graphs
+
+
 def _eager_elementwise_step_ms(engine, device) -> float | None:
-    """_graph_step_ms with the decode step's elementwise work run eagerly, recaptured for batch 1; None where the
-    engine runs it eagerly already. The engine's own graphs and functions are restored afterwards."""
+    """_graph_step_ms with the decode step's elementwise work run eagerly; None where the engine runs it eagerly
+    already."""
     from qgate.engines.elementwise import EAGER
 
     m = engine.model
     if m.ops is EAGER:
         return None
-    ops, graphs = m.ops, engine.graphs
-    m.ops, engine.graphs = EAGER, {}
-    try:
-        engine._capture([1])
-        return _graph_step_ms(engine, device)
-    finally:
-        m.ops, engine.graphs = ops, graphs
+    ops = m.ops
+    return _recaptured_step_ms(engine, device, lambda: setattr(m, "ops", EAGER), lambda: setattr(m, "ops", ops))
 
 
 def _unsplit_step_ms(engine, device) -> float | None:
-    """_graph_step_ms with every int4 kernel unsplit (int4pack.split_k), recaptured for batch 1; None where the
-    engine splits none. The engine's own layouts and graphs are restored afterwards."""
+    """_graph_step_ms with every int4 kernel unsplit (int4pack.split_k); None where the engine splits none."""
     from qgate.engines.static_llama import Linear
 
     lins = [m for m in engine.model.modules() if isinstance(m, Linear) and m.weight is None and m.split > 1]
     if not lins:
         return None
-    graphs, engine.graphs = engine.graphs, {}
     served = [m.split for m in lins]
-    try:
-        for m in lins:
-            m.resplit(1)
-        engine._capture([1])
-        return _graph_step_ms(engine, device)
-    finally:
-        for m, s in zip(lins, served, strict=True):
-            m.resplit(s)
-        engine.graphs = graphs
+    return _recaptured_step_ms(
+        engine,
+        device,
+        lambda: [m.resplit(1) for m in lins],
+        lambda: [m.resplit(s) for m, s in zip(lins, served, strict=True)],
+    )
 
 
 def _recorded(fn, *args):

@@ -304,7 +304,8 @@ class TorchRunner:
         mask = torch.cat([(s >= 0)[:, :, None].expand(n, width, p), own], -1)[:, None]  # [n, 1, W, p + W]
         if cache is not None:
             cache.reorder_cache(torch.zeros(n, dtype=torch.long, device=self.device))  # [1, ...] -> [n, ...]
-        ends = sorted({a + lengths[g] - 1 for g, (_, a) in enumerate(where)})  # the columns whose logits are read
+        last = [a + lengths[g] - 1 for g, (_, a) in enumerate(where)]  # each context's last column
+        ends = sorted(set(last))  # the columns whose logits are read
         out = self.model(
             self._ids(tok),
             attention_mask=mask,
@@ -314,8 +315,7 @@ class TorchRunner:
             logits_to_keep=self._ids(ends),
         )  # logits [n, len(ends), V]
         col = {e: k for k, e in enumerate(ends)}
-        pick = [q for q, _ in where], [col[a + lengths[g] - 1] for g, (_, a) in enumerate(where)]
-        first = as_logits(out.logits[self._ids(pick[0]), self._ids(pick[1])])  # [G, V]
+        first = as_logits(out.logits[self._ids([q for q, _ in where]), self._ids([col[e] for e in last])])  # [G, V]
         layers = out.past_key_values.layers
 
         def cached(gs: list[int], last: bool):

@@ -120,13 +120,12 @@ class Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The int4 weight as a dense [O, I] matrix in the activation dtype: (q - 8) * scale + zero per group, as
         torch's int4 kernels define it, rounded once (addcmul computes in float32)."""
-        c = self.codes
-        o, g = c.shape[0], self.sz.shape[0]
-        q = torch.stack((c >> 4, c & 0xF), -1).view(o, g, -1).to(self.sz.dtype) - 8  # [O, G, group]: exact
-        scale, zero = self.sz.permute(1, 0, 2).contiguous().unbind(-1)  # [O, G] each
-        w = torch.addcmul(zero[..., None], q, scale[..., None]).view(o, -1)  # [s*O, I/s]: block j of the inputs
-        s = self.split
-        return w if s == 1 else w.view(s, o // s, -1).transpose(0, 1).reshape(o // s, -1)
+        w4 = self.int4_weight()
+        c, sz = w4.codes, w4.scales_and_zeros
+        o, g = c.shape[0], sz.shape[0]
+        q = torch.stack((c >> 4, c & 0xF), -1).view(o, g, -1).to(sz.dtype) - 8  # [O, G, group]: exact
+        scale, zero = sz.permute(1, 0, 2).contiguous().unbind(-1)  # [O, G] each
+        return torch.addcmul(zero[..., None], q, scale[..., None]).view(o, -1)
 
 
 class StaticLlama(nn.Module):
@@ -162,8 +161,9 @@ class StaticLlama(nn.Module):
         def linear(w: Int4Weight | torch.Tensor, bias: torch.Tensor | None) -> Linear:
             if not isinstance(w, Int4Weight):
                 return Linear(w, bias, dtype, device)
-            shapes.add(int4_shape(w))
-            return Linear(w, bias, dtype, device, splits.get(int4_shape(w), 1))
+            shape = int4_shape(w)
+            shapes.add(shape)
+            return Linear(w, bias, dtype, device, splits.get(shape, 1))
 
         def lin(p: str) -> Linear:
             w = weight(p)

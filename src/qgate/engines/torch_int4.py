@@ -164,8 +164,7 @@ def verify_engine(out: Path) -> dict:
     runner = StaticRunner(out, resolve_device("auto"), choose_splits=True)
     load_s = time.perf_counter() - t0
     if runner.splits:  # the int4 kernels' layouts this device serves fastest: every later load uses them
-        spec = json.loads((out / "engine.json").read_text())
-        spec["int4_splits"] = {k: v["split"] for k, v in runner.splits.items()}
+        spec = runner.spec | {"int4_splits": {k: v["split"] for k, v in runner.splits.items()}}
         (out / "engine.json").write_text(json.dumps(spec, indent=2))
     prompt = runner.tokenizer.encode("Say hello.")
     sizes = sorted({b for b, _ in runner.graphs}) or [1]
