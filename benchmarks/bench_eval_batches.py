@@ -41,7 +41,9 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=ROOT / ".qgate/demo/base", help="a checkpoint (its tokenizer counts)")
     ap.add_argument("--forward-cost", type=int, help="positions a forward's fixed cost is worth (default: this CPU's)")
     ap.add_argument("--budget", type=int, help="padded tokens per forward (default: the CPU's, RunnerLM.BATCH_TOKENS)")
-    ap.add_argument("--pack", action="store_true", help="pack contexts several to a row, as the reference does on CUDA")
+    ap.add_argument(
+        "--pack", action="store_true", help="pack contexts and continuations into rows, as the reference does on CUDA"
+    )
     args = ap.parse_args()
     import torch
 
@@ -62,12 +64,12 @@ def main() -> int:
     cost = runner.forward_cost
     print(
         f"forward cost {cost} positions, token budget {max(RunnerLM.BATCH_TOKENS, runner.batch_tokens or 0)}, "
-        f"contexts {'packed' if runner.packs_contexts else 'left-padded'}"
+        f"contexts {'packed with their continuations' if runner.packs_contexts else 'left-padded'}"
     )
     cfg = load_spec(ROOT / "pipelines/promote.yaml").gate_config().eval
     r = counted_eval(runner, cfg)
     print(f"eval: {r['wall']:.1f} s on this host")
-    for kind in PARTS:
+    for kind in (k for k in PARTS if r["forwards"].get(k)):
         p, n = r["positions"].get(kind, 0), r["real"].get(kind, 0)
         print(
             f"  {kind:12s} forwards {r['forwards'].get(kind, 0):4d}  positions {p:7d}  real {n:7d}  x{p / max(n, 1):.2f}"

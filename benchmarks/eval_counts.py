@@ -7,8 +7,9 @@
 
 Counts only inside RunnerLM._score_many, the eval's scoring: the runners' calls and the reductions of their logits,
 without lm-eval's request building and tokenization. Runner kinds: "engine" (StaticRunner), "reference"
-(TorchRunner). Forward kinds: a continuation_logits call's shared prefix, its contexts (one forward), and its
-continuation groups; "whole" for logits_batch calls (whole sequences, scored continuations, perplexity windows).
+(TorchRunner). Forward kinds: a continuation_logits call's shared prefix, and then either its contexts and
+continuations packed into one forward ("packed", where the runner `packs_contexts`) or its contexts (one forward) and
+its continuation groups; "whole" for logits_batch calls (whole sequences, scored continuations, perplexity windows).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import collections
 import time
 
 RUNNERS = ("engine", "reference")
-PARTS = ("prefix", "context", "continuation", "whole")
+PARTS = ("prefix", "packed", "context", "continuation", "whole")
 
 
 class EvalCounter:
@@ -44,8 +45,8 @@ class EvalCounter:
         from qgate.gates.lm import RunnerLM
 
         # runner: the kind inside _score_many (None outside it); part: the kind of the forwards now running;
-        # n: forwards so far in a continuation_logits call, counted from its prefix's
-        state = {"runner": None, "part": None, "n": 0, "prefix": False}
+        # n: forwards so far in a continuation_logits call, counted from its prefix's; packs: that call's runner packs
+        state = {"runner": None, "part": None, "n": 0, "prefix": False, "packs": False}
 
         def scored(orig):
             def f(lm, pairs):
@@ -73,12 +74,18 @@ class EvalCounter:
 
         def continuation(orig):
             def f(runner, groups, prefix=()):
+                packs = runner.packs_contexts
                 if state["runner"] is not None:
                     kind = state["runner"]
                     self.real[kind, "prefix"] += len(prefix)
-                    self.real[kind, "context"] += sum(len(c) for c, _ in groups)
-                    self.real[kind, "continuation"] += sum(len(k) - 1 for _, ks in groups for k in ks)
-                state.update(part="call", n=0, prefix=bool(prefix))
+                    contexts = sum(len(c) for c, _ in groups)
+                    continuations = sum(len(k) - 1 for _, ks in groups for k in ks)
+                    if packs:
+                        self.real[kind, "packed"] += contexts + continuations
+                    else:
+                        self.real[kind, "context"] += contexts
+                        self.real[kind, "continuation"] += continuations
+                state.update(part="call", n=0, prefix=bool(prefix), packs=packs)
                 try:
                     return orig(runner, groups, prefix)
                 finally:
@@ -92,7 +99,15 @@ class EvalCounter:
                     part = state["part"]
                     if part == "call":
                         n = state["n"] - state["prefix"]
-                        part = "prefix" if n < 0 else "context" if n == 0 else "continuation"
+                        part = (
+                            "prefix"
+                            if n < 0
+                            else "packed"
+                            if state["packs"]
+                            else "context"
+                            if n == 0
+                            else "continuation"
+                        )
                         state["n"] += 1
                     ids = a[0] if a else k.get("input_ids")
                     self.forwards[state["runner"], part] += 1
@@ -105,6 +120,7 @@ class EvalCounter:
             (StaticRunner, "logits_batch", logits),
             (TorchRunner, "logits_batch", logits),
             (TorchRunner, "continuation_logits", continuation),
+            (StaticRunner, "continuation_logits", continuation),
             (RunnerLM, "_score_many", scored),
             (StaticLlama, "forward", forward),
             (LlamaForCausalLM, "forward", forward),

@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import tiny
 import torch
 
 from qgate.engines.build import build_engine
@@ -189,11 +190,17 @@ def test_engine_in_float32_computes_what_the_checkpoint_says(awq_art, int4_f32, 
     for a, b in zip(served, eng.served_logits_batch(SEQS, [2, 3, 4]), strict=True):
         assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
     assert decoded == [2, 1]
-    groups = [([5, 6, 7], [[8, 9], [10]]), ([1, 2], [[3, 4, 5]])]
-    for g0, g1 in zip(
-        ref.continuation_logits(groups, [11, 12]), eng.continuation_logits(groups, [11, 12]), strict=True
-    ):
-        assert all(np.abs(x - y).max() < 1e-5 for x, y in zip(g0, g1, strict=True))
+    # contexts and continuations packed into rows of one forward, after a cached prefix and without one
+    groups = [([5, 6, 7], [[8, 9], [10]]), ([1, 2], [[3, 4, 5]]), ([4] * 9, [[6]])]
+    for prefix in ([11, 12], []):
+        for g0, g1 in zip(
+            ref.continuation_logits(groups, prefix), eng.continuation_logits(groups, prefix), strict=True
+        ):
+            assert [x.shape for x in g0] == [y.shape for y in g1]
+            assert all(np.abs(x - y).max() < 1e-5 for x, y in zip(g0, g1, strict=True))
+    assert eng.model.k_cache == []  # the scoring cache is not kept
+    assert eng.greedy_batch(SEQS, 12) == ref.greedy_batch(SEQS, 12)  # decoding sets up its own again
+    assert tiny.check_lm_scores(eng)[0] == 9
     meta = int4_f32.meta
     assert meta["backend"] == "torch-int4" and meta["layer_kinds"] == {"int4": 14} and meta["verified"] is True
     assert meta["graph_batch_sizes"] == graph_batch_sizes(profile_concurrency(calib_arts["profile"]), 256)[0]
@@ -670,17 +677,22 @@ def test_scoring_queues_forwards_without_waiting_for_the_gpu(awq_art, calib_arts
         syncs = [w for w in seen if "synchroniz" in str(w.message)]
         assert len(syncs) <= 2, [str(w.message) for w in syncs]  # the log-probs and hits copied back, once each
         assert all(g[1] == w[1] and g[0] == pytest.approx(w[0], rel=1e-5) for g, w in zip(got, want, strict=True))
-    # the reference packs its contexts on CUDA: the same logits as left-padded ones, up to bf16 rounding
+    # the reference packs questions on CUDA, and the engine everywhere: the reference's padded logits, up to bf16
+    # rounding (and the engine's kernels: engine parity's size), with a cached prefix and without
     import qgate.engines.runners as runners_module
 
     ref = runners[0]
     assert ref.packs_contexts
-    packed = ref.continuation_logits(groups, [11, 12])
-    monkeypatch.setitem(runners_module.PACKED_CONTEXTS, "cuda", False)
-    for g0, g1 in zip(packed, ref.continuation_logits(groups, [11, 12]), strict=True):
-        for a, b in zip(g0, g1, strict=True):
-            pa, pb = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)
-            assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
+    for prefix in ([11, 12], []):
+        packed = [ref.continuation_logits(groups, prefix), runners[1].continuation_logits(groups, prefix)]
+        monkeypatch.setitem(runners_module.PACKED_CONTEXTS, "cuda", False)
+        padded = ref.continuation_logits(groups, prefix)
+        monkeypatch.setitem(runners_module.PACKED_CONTEXTS, "cuda", True)
+        for got in packed:
+            for g0, g1 in zip(got, padded, strict=True):
+                for a, b in zip(g0, g1, strict=True):
+                    pa, pb = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)
+                    assert a.shape == b.shape and (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
 
 
 @pytest.mark.gpu

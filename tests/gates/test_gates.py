@@ -530,10 +530,10 @@ def test_runner_lm_scores_match_with_every_continuation_length_alone_or_all_padd
 
 
 def test_packed_contexts_score_what_padded_contexts_do(base_art, monkeypatch):
-    """Where the reference packs a batch's contexts several to a row (CUDA; switched on here for the CPU), every
-    continuation's logits equal those of the left-padded contexts within float32 rounding, with a shared prefix and
-    without, the context forward runs fewer positions, and RunnerLM's scores equal one-at-a-time scoring. A model with
-    a sliding window is not packed: the packed rows' mask would not carry it."""
+    """Where the reference packs contexts and their continuations several to a row (CUDA; switched on here for the
+    CPU), every continuation's logits equal those of the padded path within float32 rounding, with a shared prefix and
+    without, in one forward over fewer positions, and RunnerLM's scores equal one-at-a-time scoring. A model with a
+    sliding window is not packed: the packed rows' mask would not carry it."""
     import qgate.engines.runners as runners
 
     runner = runners.load_runner(base_art)
@@ -544,6 +544,7 @@ def test_packed_contexts_score_what_padded_contexts_do(base_art, monkeypatch):
     runner.model.forward = lambda ids, **k: positions.append(ids.numel()) or forward(ids, **k)
     padded = [runner.continuation_logits(groups, prefix) for prefix in ((), [1, 2, 3])]
     assert not runner.packs_contexts and positions[0] == 4 * 7  # the contexts' forward: 4 rows of the longest
+    assert len(positions) >= 4 and sum(positions) > 28 + 6  # and then the continuations' forwards
     monkeypatch.setitem(runners.PACKED_CONTEXTS, "cpu", True)
     assert runner.packs_contexts
     positions.clear()
@@ -552,7 +553,8 @@ def test_packed_contexts_score_what_padded_contexts_do(base_art, monkeypatch):
         for g0, g1 in zip(want, got, strict=True):
             assert [x.shape for x in g0] == [y.shape for y in g1]
             assert all(np.abs(x - y).max() < 1e-5 for x, y in zip(g0, g1, strict=True))
-    assert positions[0] == 2 * 7  # rows [7] and [3, 3, 1]
+    # trees of 9, 4, 4 and 4 positions in rows of 12: [9] and [4, 4, 4]; then the prefix and the same rows
+    assert positions == [2 * 12, 3, 2 * 12]
     assert tiny.check_lm_scores(runner)[0] == 9
     runner.model.config.sliding_window = 4
     try:
@@ -560,6 +562,32 @@ def test_packed_contexts_score_what_padded_contexts_do(base_art, monkeypatch):
     finally:
         runner.model.config.sliding_window = None
     del runner.model.forward
+
+
+def test_pack_trees_lays_out_each_context_with_its_continuations():
+    """pack_trees: each continuation is scored at its context's last position and its own fed tokens, at the
+    positions it would hold alone after the prefix; a token sees the prefix, its context and its own branch only."""
+    import torch
+
+    from qgate.engines.padding import pack_trees
+
+    groups = [([5, 6, 7], [[8, 9], [10], [11, 12, 13]]), ([20], [[21, 22]]), ([30, 31, 32, 33, 34, 35], [[36]])]
+    t = pack_trees(groups, prefix=2, pad=0)
+    assert t.tokens.shape == (2, 8)  # trees of 6, 2 and 6 positions: [6, 2] and [6] in rows of 8 (16, not 18)
+    assert t.tokens.tolist() == [[5, 6, 7, 8, 11, 12, 20, 21], [30, 31, 32, 33, 34, 35, 0, 0]]
+    assert t.positions[0].tolist() == [2, 3, 4, 5, 5, 6, 2, 3]
+    assert t.tree.tolist() == [[0] * 6 + [1, 1], [2] * 6 + [-1, -1]]
+    assert t.branch[0].tolist() == [-1, -1, -1, 0, 2, 2, -1, 0]
+    assert t.spans == [[(0, 2), (2, 3), (3, 6)], [(6, 8)], [(8, 9)]]
+    assert t.at.tolist() == [[0, 2], [0, 3], [0, 2], [0, 2], [0, 4], [0, 5], [0, 6], [0, 7], [1, 5]]
+    mask = t.mask(2, torch.device("cpu")).numpy()  # [n, W, 2 + W]
+    assert mask.shape == (2, 8, 10) and mask[0, :, :2].all() and not mask[1, 6:, :2].any()
+    sees = [[np.nonzero(row)[0].tolist() for row in m[:, 2:]] for m in mask]
+    assert sees[0][4] == [0, 1, 2, 4] and sees[0][5] == [0, 1, 2, 4, 5]  # continuation 2 skips continuation 0
+    assert sees[0][3] == [0, 1, 2, 3] and sees[0][7] == [6, 7] and sees[1][5] == list(range(6))
+    assert sees[1][6] == [6] and sees[1][7] == [7]  # padding sees itself only
+    with pytest.raises(ValueError, match="group 1: an empty context"):
+        pack_trees([([1], [[2]]), ([], [[3]])], 0, 0)
 
 
 def test_pack_sequences_fills_rows_first_fit_by_decreasing_length():

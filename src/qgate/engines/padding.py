@@ -6,6 +6,7 @@
     tokens, mask = right_pad([[5, 6], [7]], pad=0)                   # [[5, 6], [7, 0]], [[1, 1], [1, 0]]
     rows = pack_sequences([5, 3, 2, 4], width=5)                     # [[0], [3], [1, 2]]: sequences per row
     width = packed_width([5, 3, 2, 4])                               # 7: [[0, 2], [3, 1]], 14 positions, not 15
+    trees = pack_trees([([5, 6], [[7, 8], [9]])], prefix=0, pad=0)   # a context and its continuations in one row
 
 A forward's fixed cost in positions is the device's (device.forward_cost).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -109,3 +111,66 @@ def _padded(seqs: Sequence[Sequence[int]], pad: int, rows: int | None, left: boo
             tokens[i, at] = s
             mask[i, at] = True
     return tokens, mask
+
+
+@dataclass
+class Trees:
+    """Contexts and their continuations packed several to a row (pack_trees): one forward scores them all. Each tree
+    is a context followed by its continuations, each continuation fed without its last token (nothing reads what it
+    predicts), and `mask` lets a token see the prefix, its own context, and the earlier tokens of its own
+    continuation: what each sequence context + continuation would see alone."""
+
+    tokens: np.ndarray  # [n, W] int64
+    positions: np.ndarray  # [n, W] int64: RoPE positions, counted after the prefix's
+    tree: np.ndarray  # [n, W] int64: which group a column holds; -1: padding
+    branch: np.ndarray  # [n, W] int64: -1 the group's context, j its j-th continuation
+    at: np.ndarray  # [M, 2] int64: (row, column) of every scored position, continuation by continuation
+    spans: list[list[tuple[int, int]]]  # per group, per continuation: its rows [a, b) of `at`, one per token
+
+    def mask(self, prefix: int, device):
+        """Which keys each query sees, [n, W, prefix + W] bool on `device`: the prefix's `prefix` cached positions
+        first. A padding column sees itself only, so every row of the softmax has a key."""
+        import torch
+
+        from qgate.device import to_device
+
+        tree, branch = to_device(self.tree, device), to_device(self.branch, device)
+        n, w = tree.shape
+        i = torch.arange(w, device=device)
+        see = (tree[:, :, None] == tree[:, None, :]) & (tree[:, None, :] >= 0) & (i[:, None] >= i[None, :])
+        see &= (branch[:, None, :] < 0) | (branch[:, None, :] == branch[:, :, None])  # a context, or its own branch
+        see |= i[:, None] == i[None, :]
+        return torch.cat([(tree >= 0)[:, :, None].expand(n, w, prefix), see], -1)
+
+
+def pack_trees(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], prefix: int, pad: int) -> Trees:
+    """(context, continuations) groups as Trees after `prefix` positions: each group's context and continuations
+    (fed without their last token) side by side, groups packed into rows of packed_width(their sizes) by
+    pack_sequences. A continuation's scored positions are its context's last and its own fed tokens: len(k) each.
+    Contexts and continuations must be non-empty."""
+    for g, (c, conts) in enumerate(groups):
+        if not len(c) or not all(len(k) for k in conts):
+            raise ValueError(f"group {g}: an empty context or continuation has no position to score from")
+    sizes = [len(c) + sum(len(k) - 1 for k in conts) for c, conts in groups]
+    width = packed_width(sizes)
+    rows = pack_sequences(sizes, width)
+    shape = (len(rows), width)
+    tokens, positions = np.full(shape, pad, dtype=np.int64), np.zeros(shape, dtype=np.int64)
+    tree, branch = np.full(shape, -1, dtype=np.int64), np.full(shape, -1, dtype=np.int64)
+    at: list[tuple[int, int]] = []
+    spans: list[list[tuple[int, int]]] = [[] for _ in groups]
+    where = {g: q for q, members in enumerate(rows) for g in members}
+    col = [0] * len(rows)  # each row's next free column
+    for g, (c, conts) in enumerate(groups):  # in group order: `at` follows the groups and their continuations
+        q, a = where[g], col[where[g]]
+        b = a + len(c)
+        tokens[q, a:b], positions[q, a:b], tree[q, a:b] = c, prefix + np.arange(len(c)), g
+        for j, k in enumerate(conts):
+            e = b + len(k) - 1
+            tokens[q, b:e], tree[q, b:e], branch[q, b:e] = k[:-1], g, j
+            positions[q, b:e] = prefix + len(c) + np.arange(e - b)
+            spans[g].append((len(at), len(at) + len(k)))
+            at += [(q, a + len(c) - 1)] + [(q, x) for x in range(b, e)]
+            b = e
+        col[q] = b
+    return Trees(tokens, positions, tree, branch, np.asarray(at, dtype=np.int64).reshape(-1, 2), spans)

@@ -18,7 +18,7 @@ import numpy as np
 from qgate.artifact import Artifact
 from qgate.device import to_device
 from qgate.engines.logits import as_logits, cat_rows, check_vocab, reduce_blocks
-from qgate.engines.padding import left_pad, length_groups, pack_sequences, packed_width, right_pad
+from qgate.engines.padding import left_pad, length_groups, pack_trees, right_pad
 from qgate.errors import BackendUnavailable, InputError
 
 
@@ -34,7 +34,7 @@ def dequantize_kwargs(path: Path) -> dict:
 
 ATTENTION = "qgate_sdpa_gqa"
 ATTENTION_MASKED = "qgate_sdpa_gqa_masked"  # the same on CUDA, with a mask always built (_masked_sdpa_mask)
-PACKED_CONTEXTS = {"cuda": True}  # devices where the reference packs a batch's contexts several to a row
+PACKED_CONTEXTS = {"cuda": True}  # devices where the reference packs contexts and continuations into rows
 COMPACT_BELOW = 0.75  # greedy_scored: drop finished answers from the decode batch once fewer than this share still run
 
 
@@ -183,78 +183,75 @@ class TorchRunner:
         """For each (context, continuations): per continuation, the logits [len(cont), V] that predict its tokens,
         where every context follows `prefix`.
 
-        The prefix runs once, the contexts once each after the prefix's KV cache, and every continuation reuses its
-        context's cache: a multiple-choice question costs one context pass, not one per choice, and a task's shared
-        instructions one pass per batch. The contexts run left-padded to the longest, or, where `packs_contexts`,
-        packed several to a row (_packed_contexts). Continuations are fed without their last token (nothing reads
-        what it predicts), right-padded within groups of similar length (`length_groups`): padding every choice to
-        the longest one ran 4,095 continuation positions where 323 were needed on general_knowledge's 518 choices
-        (benchmarks/bench_eval.py). Contexts must be non-empty.
+        The prefix runs once, each context once after the prefix's KV cache, and every continuation after its
+        context: a multiple-choice question costs one context pass, not one per choice, and a task's shared
+        instructions one pass per batch. Where `packs_contexts`, the contexts and their continuations are packed
+        several to a row and run as one forward (_packed_logits); otherwise the contexts run left-padded to the
+        longest and the continuations from their cache (_padded_logits). Contexts and continuations must be
+        non-empty.
         """
         import torch
 
-        pad = self.tokenizer.pad_token_id or 0
-        p = len(prefix)
-        rows = [(g, list(k)) for g, (_, conts) in enumerate(groups) for k in conts]
-        fed = [len(k) - 1 for _, k in rows]
-        rest: dict[int, np.ndarray] = {}  # row -> [len(k) - 1, V]
         with torch.inference_mode():
             cache = None
-            if p:
+            if prefix:
                 cache = self.model(
                     self._ids([list(prefix)], torch.long), use_cache=True, logits_to_keep=1
                 ).past_key_values
-            contexts = self._packed_contexts if self.packs_contexts else self._padded_contexts
-            first, cached = contexts([list(c) for c, _ in groups], cache, p)  # first: [G, V]
-            todo = length_groups([f for f in fed if f > 0], self.forward_cost)
-            for j, (lo, hi) in enumerate(todo):
-                rs = [r for r, f in enumerate(fed) if lo <= f <= hi]
-                cache, cmask, at = cached([rows[r][0] for r in rs], j == len(todo) - 1)  # one row per continuation
-                tok, real = right_pad([rows[r][1][:-1] for r in rs], pad)  # [R, hi]: hi is the group's longest
-                y, kmask = self._ids(tok), self._ids(real, torch.long)
-                pos = at[:, None] + torch.arange(hi, device=self.device)[None]  # causal: padding after a row is unread
-                logits = as_logits(
-                    self.model(
-                        y,
-                        attention_mask=torch.cat([cmask, kmask], -1),
-                        position_ids=pos,
-                        past_key_values=cache,
-                        logits_to_keep=hi,
-                    ).logits
-                )  # [R, hi, V]
-                rest.update((r, logits[i, : fed[r]]) for i, r in enumerate(rs))
-        res: list[list[np.ndarray]] = [[] for _ in groups]
-        for r, (g, k) in enumerate(rows):
-            res[g].append(first[g][None] if len(k) == 1 else cat_rows([first[g][None], rest[r]]))
-        return res
+            if self.packs_contexts:
+                return self._packed_logits(groups, cache, len(prefix))
+            return self._padded_logits(groups, cache, len(prefix))
 
     @property
     def packs_contexts(self) -> bool:
-        """Whether continuation_logits packs contexts several to a row: on devices PACKED_CONTEXTS names, for models
-        whose every layer attends causally over the whole sequence (a packed row's attention mask is built here, and
-        would not carry a sliding window or chunked attention)."""
+        """Whether continuation_logits packs contexts and continuations several to a row: on devices PACKED_CONTEXTS
+        names, for models whose every layer attends causally over the whole sequence (a packed row's attention mask
+        is built here, and would not carry a sliding window or chunked attention)."""
         cfg = self.model.config
         full = all(t == "full_attention" for t in getattr(cfg, "layer_types", None) or ())
         local = getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_chunk_size", None)
         return bool(PACKED_CONTEXTS.get(self.device.type)) and full and not local
 
-    def _padded_contexts(self, contexts: list[list[int]], cache, p: int):
-        """The contexts after `p` cached prefix positions as one left-padded forward: (logits [G, V] predicting each
-        one's next token, cached(groups, last) -> (KV cache, attention mask [R, p + W], first position [R]) for rows
-        of these context indices; last: the final call, which may consume the forward's cache)."""
+    def _packed_logits(self, groups, cache, p: int) -> list[list]:
+        """Every context with its continuations after it, packed several to a row (padding.pack_trees), in one
+        forward after `p` cached prefix positions; logits read only at the columns that predict a continuation's
+        tokens. Each token sees the prefix, its own context and its own continuation's earlier tokens: the
+        positions, attention and logits of the padded path, with far fewer positions and forwards."""
+        import torch
+
+        trees = pack_trees(groups, p, self.tokenizer.pad_token_id or 0)
+        n = len(trees.tokens)
+        if cache is not None:
+            cache.reorder_cache(torch.zeros(n, dtype=torch.long, device=self.device))  # [1, ...] -> [n, ...]
+        cols = np.unique(trees.at[:, 1])  # the columns any row reads
+        out = self.model(
+            self._ids(trees.tokens),
+            attention_mask=trees.mask(p, self.device)[:, None],  # [n, 1, W, p + W]
+            position_ids=self._ids(trees.positions),
+            past_key_values=cache,
+            use_cache=cache is not None,
+            logits_to_keep=self._ids(cols),
+        ).logits  # [n, len(cols), V]
+        logits = as_logits(out[self._ids(trees.at[:, 0]), self._ids(np.searchsorted(cols, trees.at[:, 1]))])  # [M, V]
+        return [[logits[a:b] for a, b in spans] for spans in trees.spans]
+
+    def _padded_logits(self, groups, cache, p: int) -> list[list]:
+        """The contexts after `p` cached prefix positions as one left-padded forward, then the continuations, fed
+        without their last token (nothing reads what it predicts), from a copy of their context's cache, right-padded
+        within groups of similar length (`length_groups`): padding every choice to the longest one ran 4,095
+        continuation positions where 323 were needed on general_knowledge's 518 choices (benchmarks/bench_eval.py)."""
         import copy
 
         import torch
 
-        tok, real = left_pad(contexts, self.tokenizer.pad_token_id or 0)
+        pad = self.tokenizer.pad_token_id or 0
+        tok, real = left_pad([list(c) for c, _ in groups], pad)
         x, smask = self._ids(tok), self._ids(real, torch.long)
         cmask = torch.cat(
-            [torch.ones(len(contexts), p, dtype=torch.long, device=self.device), smask], -1
+            [torch.ones(len(groups), p, dtype=torch.long, device=self.device), smask], -1
         )  # padding sits between prefix and context
         if cache is not None:
-            cache.reorder_cache(
-                torch.zeros(len(contexts), dtype=torch.long, device=self.device)
-            )  # [1, ...] -> [G, ...]
+            cache.reorder_cache(torch.zeros(len(groups), dtype=torch.long, device=self.device))  # [1, ...] -> [G, ...]
         out = self.model(
             x,
             attention_mask=cmask,
@@ -263,84 +260,34 @@ class TorchRunner:
             past_key_values=cache,
             logits_to_keep=1,
         )
+        first = as_logits(out.logits[:, -1])  # [G, V]: each context's next token
         at = p + smask.sum(-1)
-
-        def cached(gs: list[int], last: bool):
-            idx = self._ids(gs, torch.long)
-            rows = out.past_key_values if last else copy.deepcopy(out.past_key_values)
-            rows.reorder_cache(idx)  # [G, ...] -> [R, ...]
-            return rows, cmask[idx], at[idx]
-
-        return as_logits(out.logits[:, -1]), cached
-
-    def _packed_contexts(self, contexts: list[list[int]], cache, p: int):
-        """As _padded_contexts, with the contexts packed several to a row (padding.pack_sequences, in rows of
-        padding.packed_width: up to twice the longest context) instead of one to a row: the same positions,
-        attention and logits, far fewer padded positions. Each row's attention mask (4D) lets a context's tokens see
-        the prefix and the earlier tokens of their own context only; each row of the continuations' cache gathers
-        the prefix and its context's positions, left-padded to the longest context of the rows asked for."""
-        import torch
-        from transformers import DynamicCache
-
-        lengths = [len(c) for c in contexts]
-        width = packed_width(lengths)
-        packed = pack_sequences(lengths, width)
-        n = len(packed)
-        tok = np.full((n, width), self.tokenizer.pad_token_id or 0, dtype=np.int64)
-        seg = np.full((n, width), -1, dtype=np.int64)  # which context a position holds; -1: padding
-        pos = np.zeros((n, width), dtype=np.int64)
-        where = [(0, 0)] * len(contexts)  # (row, first column) per context
-        for q, members in enumerate(packed):
-            a = 0
-            for g in members:
-                b = a + lengths[g]
-                tok[q, a:b], seg[q, a:b], pos[q, a:b] = contexts[g], g, p + np.arange(lengths[g])
-                where[g] = (q, a)
-                a = b
-        s = self._ids(seg)
-        i = torch.arange(width, device=self.device)
-        own = (s[:, :, None] == s[:, None, :]) & (i[:, None] >= i[None, :]) & (s[:, None, :] >= 0)  # [n, W, W]
-        own |= i[:, None] == i[None, :]  # a padding position sees itself: every softmax row has a key
-        mask = torch.cat([(s >= 0)[:, :, None].expand(n, width, p), own], -1)[:, None]  # [n, 1, W, p + W]
-        if cache is not None:
-            cache.reorder_cache(torch.zeros(n, dtype=torch.long, device=self.device))  # [1, ...] -> [n, ...]
-        last = [a + lengths[g] - 1 for g, (_, a) in enumerate(where)]  # each context's last column
-        ends = sorted(set(last))  # the columns whose logits are read
-        out = self.model(
-            self._ids(tok),
-            attention_mask=mask,
-            position_ids=self._ids(pos),
-            use_cache=True,
-            past_key_values=cache,
-            logits_to_keep=self._ids(ends),
-        )  # logits [n, len(ends), V]
-        col = {e: k for k, e in enumerate(ends)}
-        first = as_logits(out.logits[self._ids([q for q, _ in where]), self._ids([col[e] for e in last])])  # [G, V]
-        layers = out.past_key_values.layers
-
-        def cached(gs: list[int], last: bool):
-            longest = max(lengths[g] for g in gs)
-            cols = np.zeros((len(gs), p + longest), dtype=np.int64)  # padding columns read column 0, masked
-            cmask = np.zeros(cols.shape, dtype=np.int64)
-            for r, g in enumerate(gs):
-                q, a = where[g]
-                cols[r, :p], cmask[r, :p] = np.arange(p), 1
-                cols[r, p + longest - lengths[g] :] = p + a + np.arange(lengths[g])
-                cmask[r, p + longest - lengths[g] :] = 1
-            qi, ci = self._ids([[where[g][0]] for g in gs]), self._ids(cols)
-            rows = DynamicCache(
-                ddp_cache_data=[
-                    (
-                        layer.keys[qi, :, ci].transpose(1, 2).contiguous(),
-                        layer.values[qi, :, ci].transpose(1, 2).contiguous(),
-                    )
-                    for layer in layers
-                ],  # [R, p + longest, H, D] -> [R, H, p + longest, D]
-                config=self.model.config,
-            )
-            return rows, self._ids(cmask), self._ids([p + lengths[g] for g in gs])
-
-        return first, cached
+        rows = [(g, list(k)) for g, (_, conts) in enumerate(groups) for k in conts]
+        fed = [len(k) - 1 for _, k in rows]
+        rest: dict[int, np.ndarray] = {}  # row -> [len(k) - 1, V]
+        todo = length_groups([f for f in fed if f > 0], self.forward_cost)
+        for j, (lo, hi) in enumerate(todo):
+            rs = [r for r, f in enumerate(fed) if lo <= f <= hi]
+            idx = self._ids([rows[r][0] for r in rs], torch.long)
+            cached = out.past_key_values if j == len(todo) - 1 else copy.deepcopy(out.past_key_values)
+            cached.reorder_cache(idx)  # [G, ...] -> [R, ...]: one row per continuation
+            tok, real = right_pad([rows[r][1][:-1] for r in rs], pad)  # [R, hi]: hi is the group's longest
+            y, kmask = self._ids(tok), self._ids(real, torch.long)
+            pos = at[idx][:, None] + torch.arange(hi, device=self.device)[None]  # causal: padding after a row is unread
+            logits = as_logits(
+                self.model(
+                    y,
+                    attention_mask=torch.cat([cmask[idx], kmask], -1),
+                    position_ids=pos,
+                    past_key_values=cached,
+                    logits_to_keep=hi,
+                ).logits
+            )  # [R, hi, V]
+            rest.update((r, logits[i, : fed[r]]) for i, r in enumerate(rs))
+        res: list[list] = [[] for _ in groups]
+        for r, (g, k) in enumerate(rows):
+            res[g].append(first[g][None] if len(k) == 1 else cat_rows([first[g][None], rest[r]]))
+        return res
 
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation with the KV cache; stops at EOS (included)."""

@@ -319,14 +319,16 @@ class StaticLlama(nn.Module):
         positions: torch.Tensor,
         valid: torch.Tensor,
         slot: torch.Tensor | int | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
     ) -> torch.Tensor:
-        """tokens, positions [B, T]; valid [B, S] bool: which key slots hold real tokens, these T included.
-        slot: where these T tokens go in the cache (a 0-d long tensor when captured); None: no cache, S == T.
-        Attention reads the first S slots of the cache, so a short context costs S slots, not the cache's length.
-        Returns float32 logits [B, T or logits_to_keep, V]."""
+        """tokens, positions [B, T]; valid [B, S] bool: which key slots hold real tokens, these T included, each
+        query seeing those at or before its own slot; or [B, T, S] bool: which keys each query sees, as given (a
+        query must see at least one). slot: where these T tokens go in the cache (a 0-d long tensor when captured);
+        None: no cache, S == T. Attention reads the first S slots of the cache, so a short context costs S slots, not
+        the cache's length. logits_to_keep: the last k positions' logits, or a long tensor [M] of positions in the
+        flattened [B * T]. Returns float32 logits [B, T or k, V], or [M, V]."""
         b, t = tokens.shape
-        s = valid.shape[1]
+        s = valid.shape[-1]
         x = F.embedding(tokens, self.embed).view(b * t, -1)  # [N, H], N = B * T
         cos, sin = (c[positions].view(b * t, 1, -1) for c in (self.cos, self.sin))  # [N, 1, D]
         if slot is None:
@@ -335,11 +337,13 @@ class StaticLlama(nn.Module):
         else:
             slots = slot + torch.arange(t, device=tokens.device)  # [T]
             keys = torch.arange(s, device=tokens.device)  # [S]
-        # a key is seen when it holds a real token at or before the query's slot; a padding query sees itself, so
-        # every row of the softmax has a key and padding computes finite values that no real token reads
-        mask = (valid[:, None, :] & (keys[None, :] <= slots[:, None])[None]) | (keys[None, :] == slots[:, None])[
-            None
-        ]  # [B, T, S]
+        if valid.dim() == 3:
+            mask = valid
+        else:  # a key is seen when it holds a real token at or before the query's slot; a padding query sees
+            # itself, so every row of the softmax has a key and padding computes finite values no real token reads
+            mask = (valid[:, None, :] & (keys[None, :] <= slots[:, None])[None]) | (keys[None, :] == slots[:, None])[
+                None
+            ]  # [B, T, S]
         g = self.heads // self.kv_heads
         mask = mask[:, None, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, -1)  # [B, 1, G*T, S]
         # additive, built once per forward: SDPA would convert a boolean mask again in every layer
@@ -370,5 +374,7 @@ class StaticLlama(nn.Module):
                 gate, up = layer["gate_proj"](h), layer["up_proj"](h)
             norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
             x, h = ops.add_rms_norm(x, layer["down_proj"](ops.silu_mul(gate, up)), norm, self.eps)
+        if isinstance(logits_to_keep, torch.Tensor):
+            return self.lm_head(h[logits_to_keep]).float()
         h = h.view(b, t, -1)
         return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h).float()

@@ -2,6 +2,7 @@
 
     runner = StaticRunner(Path("runs/awq-int4"), torch.device("cuda"))
     logits = runner.logits_batch([[1, 2, 3], [4, 5]])     # teacher-forced, float32 numpy [T, V] per row
+    scored = runner.continuation_logits([([1, 2], [[3], [4, 5]])])   # each context once, its continuations after it
     answers = runner.greedy_batch(prompts, 48)            # prefill, then decode steps replayed as CUDA graphs
 
 On CUDA one decode graph per batch size in engine.json and per context bucket (powers of two from 256 slots up to
@@ -31,13 +32,12 @@ from qgate.device import graph_seconds, to_device
 from qgate.engines import elementwise
 from qgate.engines.int4pack import Int4Weight
 from qgate.engines.logits import as_logits, check_vocab
-from qgate.engines.padding import left_pad, right_pad
+from qgate.engines.padding import left_pad, pack_trees, right_pad
 from qgate.engines.static_llama import StaticLlama
 from qgate.errors import ConfigError
 
 SERVED_SUBDIR = "checkpoint"  # an engine's config, generation config and tokenizer files: what the contract reads
 SERVED_FILES = ("config.json", "generation_config.json")
-SCORING_TOKENS = 2048  # padded tokens per continuation-scoring forward where the device sets no budget (a CPU)
 DENSE_SHARE = 0.5  # of the device's free memory after the KV cache, at most, for dequantized weights kept (keep_dense)
 
 
@@ -65,6 +65,7 @@ def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dic
 
 class StaticRunner:
     kind = "torch-int4"
+    packs_contexts = True  # continuation_logits packs contexts and their continuations several to a row
 
     def __init__(
         self,
@@ -202,23 +203,29 @@ class StaticRunner:
 
     def continuation_logits(
         self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], prefix: Sequence[int] = ()
-    ) -> list[list[np.ndarray]]:
-        """As TorchRunner.continuation_logits, each continuation scored as one whole sequence prefix + context +
-        continuation (no cache reuse: the engine is measured on what it computes, not on how little), in batches of
-        similar length within the runner's token budget (engines/padding.padded_batches)."""
-        from qgate.engines.padding import padded_batches
-
-        rows = [
-            (g, list(prefix) + list(c) + list(k[:-1]), len(k)) for g, (c, conts) in enumerate(groups) for k in conts
-        ]
-        res: list[list] = [[None] * len(conts) for _, conts in groups]
-        slot = [j for _, conts in groups for j in range(len(conts))]
-        lengths = [len(r[1]) for r in rows]
-        for chunk in padded_batches(lengths, self.forward_cost, self.batch_tokens or SCORING_TOKENS):
-            out = self.logits_batch([rows[r][1] for r in chunk], keep_last=max(rows[r][2] for r in chunk))
-            for r, logits in zip(chunk, out, strict=True):
-                res[rows[r][0]][slot[r]] = logits[-rows[r][2] :]
-        return res
+    ) -> list[list]:
+        """As TorchRunner.continuation_logits: the prefix runs once into a cache, then every context with its
+        continuations after it, packed several to a row (padding.pack_trees) in one forward, the logits read only at
+        the positions that predict a continuation's tokens. Each context is computed once, and each continuation sees
+        the prefix, its context and itself, as it would alone."""
+        p, dev, m = len(prefix), self.device, self.model
+        trees = pack_trees(groups, p, self.pad)
+        n, w = trees.tokens.shape
+        tok, pos = to_device(trees.tokens, dev), to_device(trees.positions, dev)
+        at = to_device(trees.at[:, 0] * w + trees.at[:, 1], dev)  # in the flattened [n * W]
+        with torch.inference_mode():
+            if p:
+                m.setup_cache(n, p + w)
+                ids = to_device([list(prefix)], dev)
+                m(ids, to_device([list(range(p))], dev), torch.ones(1, p, dtype=torch.bool, device=dev), 0, 1)
+                for cache in (*m.k_cache, *m.v_cache):  # the prefix's keys and values in every row
+                    cache[1:, :, :p] = cache[:1, :, :p]
+            try:
+                logits = as_logits(m(tok, pos, trees.mask(p, dev), p if p else None, logits_to_keep=at))  # [M, V]
+            finally:
+                if p:
+                    m.k_cache, m.v_cache = [], []  # the scoring cache is freed; decoding sets up its own
+        return [[logits[a:b] for a, b in spans] for spans in trees.spans]
 
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
         return self.greedy_batch([ids], max_new_tokens)[0]

@@ -170,9 +170,10 @@ class RunnerLM(LM):
         return scores.resolved()
 
     def _score_shared(self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], scores: Scores) -> None:
-        """Batches of contexts with one shared prefix each: their suffixes (left-padded to the longest, or counted
-        as they are where the runner packs them several to a row), and continuation tokens (which the runner pads
-        only within groups of similar length), within the token budget."""
+        """Batches of contexts with one shared prefix each, within the token budget: where the runner packs contexts
+        and continuations into the rows of one forward, their tokens together; otherwise the contexts' suffixes
+        left-padded to the longest, and the continuation tokens (which the runner pads only within groups of similar
+        length), each."""
         shared = sorted(
             shared, key=lambda g: (g[1][: g[0]], len(g[1]) - g[0])
         )  # one prefix per run, suffixes by length
@@ -187,7 +188,7 @@ class RunnerLM(LM):
                     break
                 more = sum(len(pairs[i][1]) for i in ix)
                 held = held + len(c) - p if packs else (end - start + 1) * (len(c) - p)  # the contexts' positions
-                if held > self.batch_tokens or fed + more > self.batch_tokens:
+                if (held + fed + more if packs else max(held, fed + more)) > self.batch_tokens:
                     break
                 end, fed = end + 1, fed + more
             chunk = shared[start:end]
