@@ -532,7 +532,8 @@ def test_runner_lm_scores_match_with_every_continuation_length_alone_or_all_padd
 def test_packed_contexts_score_what_padded_contexts_do(base_art, monkeypatch):
     """Where the reference packs contexts and their continuations several to a row (CUDA; switched on here for the
     CPU), every continuation's logits equal those of the padded path within float32 rounding, with a shared prefix and
-    without, in one forward over fewer positions, and RunnerLM's scores equal one-at-a-time scoring. A model with a
+    without, in one forward over fewer positions, and so do whole sequences' (logits_batch); RunnerLM's scores equal
+    one-at-a-time scoring. A model with a
     sliding window is not packed: the packed rows' mask would not carry it."""
     import qgate.engines.runners as runners
 
@@ -555,6 +556,21 @@ def test_packed_contexts_score_what_padded_contexts_do(base_art, monkeypatch):
             assert all(np.abs(x - y).max() < 1e-5 for x, y in zip(g0, g1, strict=True))
     # trees of 9, 4, 4 and 4 positions in rows of 12: [9] and [4, 4, 4]; then the prefix and the same rows
     assert positions == [2 * 12, 3, 2 * 12]
+    # whole sequences too, all their positions or their last k
+    seqs = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30], [40, 41, 42, 43]]
+    for keep in (None, 2):
+        positions.clear()
+        got = runner.logits_batch(seqs, keep)
+        assert positions == [2 * 7]  # [7] and [4, 2, 1]
+        monkeypatch.setitem(runners.PACKED_CONTEXTS, "cpu", False)
+        want = runner.logits_batch(seqs, keep)
+        monkeypatch.setitem(runners.PACKED_CONTEXTS, "cpu", True)
+        assert (
+            [x.shape for x in got]
+            == [x.shape for x in want]
+            == [(min(keep or len(q), len(q)), want[0].shape[1]) for q in seqs]
+        )
+        assert all(np.abs(x - y).max() < 1e-5 for x, y in zip(got, want, strict=True))
     assert tiny.check_lm_scores(runner)[0] == 9
     runner.model.config.sliding_window = 4
     try:

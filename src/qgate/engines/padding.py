@@ -7,6 +7,7 @@
     rows = pack_sequences([5, 3, 2, 4], width=5)                     # [[0], [3], [1, 2]]: sequences per row
     width = packed_width([5, 3, 2, 4])                               # 7: [[0, 2], [3, 1]], 14 positions, not 15
     trees = pack_trees([([5, 6], [[7, 8], [9]])], prefix=0, pad=0)   # a context and its continuations in one row
+    groups = sequences_as_trees([[1, 2, 3]], keep_last=2)            # [([1, 2], [[3, 0]])]: its last 2 positions
 
 A forward's fixed cost in positions is the device's (device.forward_cost).
 """
@@ -141,6 +142,19 @@ class Trees:
         see &= (branch[:, None, :] < 0) | (branch[:, None, :] == branch[:, :, None])  # a context, or its own branch
         see |= i[:, None] == i[None, :]
         return torch.cat([(tree >= 0)[:, :, None].expand(n, w, prefix), see], -1)
+
+
+def sequences_as_trees(
+    seqs: Sequence[Sequence[int]], keep_last: int | None = None
+) -> list[tuple[list[int], list[list[int]]]]:
+    """Whole sequences as pack_trees groups that score each one's last k positions (k: keep_last, at most its length;
+    all of them by default): the context s[:n - k + 1] and one continuation s[n - k + 1:] plus a token never fed, whose
+    k scored positions are the sequence's last k."""
+    out = []
+    for s in seqs:
+        k = min(keep_last or len(s), len(s))
+        out.append((list(s[: len(s) - k + 1]), [[*s[len(s) - k + 1 :], 0]]))
+    return out
 
 
 def pack_trees(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], prefix: int, pad: int) -> Trees:

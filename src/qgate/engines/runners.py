@@ -18,7 +18,7 @@ import numpy as np
 from qgate.artifact import Artifact
 from qgate.device import to_device
 from qgate.engines.logits import as_logits, cat_rows, check_vocab, reduce_blocks
-from qgate.engines.padding import left_pad, length_groups, pack_trees, right_pad
+from qgate.engines.padding import left_pad, length_groups, pack_trees, right_pad, sequences_as_trees
 from qgate.errors import BackendUnavailable, InputError
 
 
@@ -164,10 +164,14 @@ class TorchRunner:
         return as_logits(out)
 
     def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list[np.ndarray]:
-        """Left-padded batch with explicit position ids, so each row computes as if alone. keep_last: only the
-        last k positions' logits (the vocabulary projection is the costly part of scoring short continuations)."""
+        """Left-padded batch with explicit position ids, so each row computes as if alone; where `packs_contexts`,
+        the sequences packed several to a row instead (_packed_logits). keep_last: only the last k positions' logits
+        (the vocabulary projection is the costly part of scoring short continuations)."""
         import torch
 
+        if self.packs_contexts:
+            with torch.inference_mode():
+                return [g[0] for g in self._packed_logits(sequences_as_trees(seqs, keep_last), None, 0)]
         tok, real = left_pad(seqs, self.tokenizer.pad_token_id or 0)
         width = tok.shape[1]
         x, mask = self._ids(tok), self._ids(real, torch.long)

@@ -32,7 +32,7 @@ from qgate.device import graph_seconds, to_device
 from qgate.engines import elementwise
 from qgate.engines.int4pack import Int4Weight
 from qgate.engines.logits import as_logits, check_vocab
-from qgate.engines.padding import left_pad, pack_trees, right_pad
+from qgate.engines.padding import left_pad, pack_trees, right_pad, sequences_as_trees
 from qgate.engines.static_llama import StaticLlama
 from qgate.errors import ConfigError
 
@@ -65,7 +65,7 @@ def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dic
 
 class StaticRunner:
     kind = "torch-int4"
-    packs_contexts = True  # continuation_logits packs contexts and their continuations several to a row
+    packs_contexts = True  # logits_batch and continuation_logits pack their sequences several to a row
 
     def __init__(
         self,
@@ -191,12 +191,10 @@ class StaticRunner:
         tok, valid = to_device(tok, self.device), to_device(real, self.device)
         return tok, valid, (valid.long().cumsum(-1) - 1).clamp(min=0)
 
-    def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list[np.ndarray]:
-        tok, valid, pos = self._left_pad(seqs)
-        k = min(keep_last or tok.shape[1], tok.shape[1])
-        with torch.inference_mode():
-            out = as_logits(self.model(tok, pos, valid, None, logits_to_keep=k))  # [B, k, V]: numpy on a CPU
-        return [out[i, max(k - len(s), 0) :] for i, s in enumerate(seqs)]
+    def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list:
+        """Teacher-forced logits [len, V] per sequence (its last keep_last positions only, when given), each computed
+        as if alone: the sequences packed several to a row (padding.sequences_as_trees), one forward."""
+        return [g[0] for g in self._packed_logits(sequences_as_trees(seqs, keep_last), ())]
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         return self.logits_batch([ids])[0]
@@ -204,10 +202,15 @@ class StaticRunner:
     def continuation_logits(
         self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], prefix: Sequence[int] = ()
     ) -> list[list]:
-        """As TorchRunner.continuation_logits: the prefix runs once into a cache, then every context with its
-        continuations after it, packed several to a row (padding.pack_trees) in one forward, the logits read only at
-        the positions that predict a continuation's tokens. Each context is computed once, and each continuation sees
-        the prefix, its context and itself, as it would alone."""
+        """As TorchRunner.continuation_logits: every context with its continuations after it, packed several to a
+        row (_packed_logits)."""
+        return self._packed_logits(groups, prefix)
+
+    def _packed_logits(self, groups, prefix: Sequence[int]) -> list[list]:
+        """The prefix once into a cache, then every context with its continuations after it, packed several to a row
+        (padding.pack_trees) in one forward, the logits read only at the positions that predict a continuation's
+        tokens. Each context is computed once, and each continuation sees the prefix, its context and itself, as it
+        would alone."""
         p, dev, m = len(prefix), self.device, self.model
         trees = pack_trees(groups, p, self.pad)
         n, w = trees.tokens.shape
