@@ -529,7 +529,7 @@ def test_runner_lm_scores_match_with_every_continuation_length_alone_or_all_padd
     assert tiny.check_lm_scores(runner)[0] == 9
 
 
-def test_packed_contexts_score_what_padded_contexts_do(base_art, monkeypatch):
+def test_packed_questions_and_sequences_score_what_padded_ones_do(base_art, monkeypatch):
     """Where the reference packs contexts and their continuations several to a row (CUDA; switched on here for the
     CPU), every continuation's logits equal those of the padded path within float32 rounding, with a shared prefix and
     without, in one forward over fewer positions, and so do whole sequences' (logits_batch); RunnerLM's scores equal

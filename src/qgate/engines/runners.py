@@ -34,7 +34,7 @@ def dequantize_kwargs(path: Path) -> dict:
 
 ATTENTION = "qgate_sdpa_gqa"
 ATTENTION_MASKED = "qgate_sdpa_gqa_masked"  # the same on CUDA, with a mask always built (_masked_sdpa_mask)
-PACKED_CONTEXTS = {"cuda": True}  # devices where the reference packs contexts and continuations into rows
+PACKED_CONTEXTS = {"cuda": True}  # devices where the reference packs the sequences it scores into rows
 COMPACT_BELOW = 0.75  # greedy_scored: drop finished answers from the decode batch once fewer than this share still run
 
 
@@ -208,9 +208,9 @@ class TorchRunner:
 
     @property
     def packs_contexts(self) -> bool:
-        """Whether continuation_logits packs contexts and continuations several to a row: on devices PACKED_CONTEXTS
-        names, for models whose every layer attends causally over the whole sequence (a packed row's attention mask
-        is built here, and would not carry a sliding window or chunked attention)."""
+        """Whether logits_batch and continuation_logits pack their sequences several to a row: on devices
+        PACKED_CONTEXTS names, for models whose every layer attends causally over the whole sequence (a packed row's
+        attention mask is built here, and would not carry a sliding window or chunked attention)."""
         cfg = self.model.config
         full = all(t == "full_attention" for t in getattr(cfg, "layer_types", None) or ())
         local = getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_chunk_size", None)
