@@ -580,6 +580,30 @@ def test_packed_questions_and_sequences_score_what_padded_ones_do(base_art, monk
     del runner.model.forward
 
 
+def test_a_packed_question_is_never_wider_than_the_longest_sequence(base_art, monkeypatch):
+    """RunnerLM splits a question whose choices would pack into a row wider than max_length (the longest sequence it
+    scores whole) into several calls, each within it, and scores every choice as one call would."""
+    import qgate.engines.runners as runners
+    from qgate.gates.lm import RunnerLM
+
+    monkeypatch.setitem(runners.PACKED_CONTEXTS, "cpu", True)
+    runner = runners.load_runner(base_art)
+    pairs = [([1, 5, 6, 7, 8, 9], [10 + j, 20 + j, 30 + j, 40 + j]) for j in range(5)]  # 6 + 5 x 4 tokens
+    calls: list[list] = []
+    inner = runner.continuation_logits
+    runner.continuation_logits = lambda groups, prefix=(): calls.append(groups) or inner(groups, prefix)
+    lm = RunnerLM(runner)
+    want = lm._score_many(pairs)
+    assert len(calls) == 1 and len(calls[0][0][1]) == 5  # one row of 6 + 5 x 3 = 21 positions
+    calls.clear()
+    lm.max_length = 16
+    got = lm._score_many(pairs)
+    assert [len(ks) for g in calls for _, ks in g] == [2, 2, 1]  # groups: 6 + 2 x 4 <= 16 < 6 + 3 x 4
+    assert all(len(c) + sum(len(k) - 1 for k in ks) <= 16 for g in calls for c, ks in g)
+    for (a, ga), (b, gb) in zip(got, want, strict=True):
+        assert ga == gb and a == pytest.approx(b, abs=1e-4)
+
+
 def test_pack_trees_lays_out_each_context_with_its_continuations():
     """pack_trees: each continuation is scored at its context's last position and its own fed tokens, at the
     positions it would hold alone after the prefix; a token sees the prefix, its context and its own branch only."""

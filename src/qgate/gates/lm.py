@@ -151,13 +151,17 @@ class RunnerLM(LM):
                 if len(ix) >= 2 and len(c) >= 2 and len(c) + max(len(pairs[i][1]) for i in ix) <= self.max_length
             }
             # else nothing to share, or too long to fit: scored whole (and truncated like lm-eval does)
+            # a question with many long choices is split to stay within the token budget, and where the runner packs
+            # a question into one row, within max_length: no row is wider than the longest sequence scored whole
+            packs = getattr(self.runner, "packs_contexts", False)
             for p, contexts in prefix_runs(list(fits), self.MIN_PREFIX, self.MIN_SAVED):
                 for c in contexts:
                     ix = sorted(fits[c], key=lambda i: len(pairs[i][1]))
                     sub: list[int] = []
                     fed = 0
-                    for i in ix:  # a question with many long choices is split to stay within the token budget
-                        if sub and fed + len(pairs[i][1]) > self.batch_tokens:
+                    for i in ix:
+                        more = fed + len(pairs[i][1])
+                        if sub and (more > self.batch_tokens or (packs and len(c) - p + more > self.max_length)):
                             shared.append((p, c, sub))
                             sub, fed = [], 0
                         sub.append(i)
