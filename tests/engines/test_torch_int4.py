@@ -23,6 +23,7 @@ from qgate.engines.int4pack import (
     unpack_nibbles,
     unsplit,
 )
+from qgate.engines.padding import pack_trees
 from qgate.engines.runners import TorchRunner, load_runner
 from qgate.errors import BackendUnavailable, ConfigError
 
@@ -192,7 +193,8 @@ def test_engine_in_float32_computes_what_the_checkpoint_says(awq_art, int4_f32, 
         assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
     assert decoded == [2, 1]
     # contexts and continuations packed into rows of one forward, after a cached prefix and without one
-    groups = [([5, 6, 7], [[8, 9], [10]]), ([1, 2], [[3, 4, 5]]), ([4] * 9, [[6]])]
+    groups = [([5, 6, 7], [[8, 9], [10]]), ([1, 2], [[3, 4, 5]]), ([4] * 9, [[6]]), ([7] * 8, [[9, 9]])]
+    assert pack_trees(groups, 2, 0).tokens.shape == (2, 13)  # two rows: the prefix's cache copied to the second
     for prefix in ([11, 12], []):
         for g0, g1 in zip(
             ref.continuation_logits(groups, prefix), eng.continuation_logits(groups, prefix), strict=True
