@@ -582,7 +582,8 @@ def test_packed_questions_and_sequences_score_what_padded_ones_do(base_art, monk
 
 def test_a_packed_question_is_never_wider_than_the_longest_sequence(base_art, monkeypatch):
     """RunnerLM splits a question whose choices would pack into a row wider than max_length (the longest sequence it
-    scores whole) into several calls, each within it, and scores every choice as one call would."""
+    scores whole) into several calls, each within it, and scores every choice as one call would; and it gives a
+    packing runner's call no more contexts and choices together than its token budget."""
     import qgate.engines.runners as runners
     from qgate.gates.lm import RunnerLM
 
@@ -602,6 +603,12 @@ def test_a_packed_question_is_never_wider_than_the_longest_sequence(base_art, mo
     assert all(len(c) + sum(len(k) - 1 for k in ks) <= 16 for g in calls for c, ks in g)
     for (a, ga), (b, gb) in zip(got, want, strict=True):
         assert ga == gb and a == pytest.approx(b, abs=1e-4)
+    # the questions of one call fit the token budget together: one forward holds their contexts and choices
+    calls.clear()
+    lm.max_length, lm.batch_tokens = 1024, 30
+    questions = [([1, 50 + q, 6, 7, 8, 9], [k, k + 1, k + 2]) for q in range(4) for k in (10, 20)]  # 6 + 2 x 3 each
+    lm._score_many(questions)
+    assert [len(g) for g in calls] == [2, 2]  # 24 <= 30 < 36 tokens
 
 
 def test_pack_trees_lays_out_each_context_with_its_continuations():
