@@ -99,15 +99,12 @@ class EvalCounter:
                     part = state["part"]
                     if part == "call":
                         n = state["n"] - state["prefix"]
-                        part = (
-                            "prefix"
-                            if n < 0
-                            else "packed"
-                            if state["packs"]
-                            else "context"
-                            if n == 0
-                            else "continuation"
-                        )
+                        if n < 0:
+                            part = "prefix"
+                        elif state["packs"]:
+                            part = "packed"  # the call's one forward after its prefix
+                        else:
+                            part = "context" if n == 0 else "continuation"
                         state["n"] += 1
                     ids = a[0] if a else k.get("input_ids")
                     self.forwards[state["runner"], part] += 1

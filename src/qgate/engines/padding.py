@@ -128,6 +128,10 @@ class Trees:
     at: np.ndarray  # [M, 2] int64: (row, column) of every scored position, continuation by continuation
     spans: list[list[tuple[int, int]]]  # per group, per continuation: its rows [a, b) of `at`, one per token
 
+    def per_continuation(self, logits) -> list[list]:
+        """The logits read at `at` ([M, V]) as, per group, per continuation, its rows [len(k), V]: views, not copies."""
+        return [[logits[a:b] for a, b in spans] for spans in self.spans]
+
     def mask(self, prefix: int, device):
         """Which keys each query sees, [n, W, prefix + W] bool on `device`: the prefix's `prefix` cached positions
         first. A padding column sees itself only, so every row of the softmax has a key."""

@@ -29,6 +29,8 @@ class Runner(Protocol):
 class ScoresContinuations(Protocol):
     """Scores several continuations of one context from the context's KV cache (every runner qgate builds)."""
 
+    packs_contexts: bool  # one forward holds a call's contexts and continuations: RunnerLM budgets them together
+
     def continuation_logits(
         self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], prefix: Sequence[int] = ()
     ) -> list[list]:

@@ -237,7 +237,7 @@ class TorchRunner:
             logits_to_keep=self._ids(cols),
         ).logits  # [n, len(cols), V]
         logits = as_logits(out[self._ids(trees.at[:, 0]), self._ids(np.searchsorted(cols, trees.at[:, 1]))])  # [M, V]
-        return [[logits[a:b] for a, b in spans] for spans in trees.spans]
+        return trees.per_continuation(logits)
 
     def _padded_logits(self, groups, cache, p: int) -> list[list]:
         """The contexts after `p` cached prefix positions as one left-padded forward, then the continuations, fed
@@ -427,6 +427,7 @@ class OrtRunner:
     kind = "onnxruntime-cpu"
     numerics = "cpu-onnxruntime"
     batch_tokens = None  # the gates' default
+    packs_contexts = False  # continuation_logits runs each context and continuation on its own
 
     def __init__(self, engine_dir: Path, tokenizer_dir: Path):
         import onnxruntime as ort

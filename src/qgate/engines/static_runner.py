@@ -228,7 +228,7 @@ class StaticRunner:
             finally:
                 if p:
                     m.k_cache, m.v_cache = [], []  # the scoring cache is freed; decoding sets up its own
-        return [[logits[a:b] for a, b in spans] for spans in trees.spans]
+        return trees.per_continuation(logits)
 
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
         return self.greedy_batch([ids], max_new_tokens)[0]

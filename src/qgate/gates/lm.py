@@ -144,6 +144,7 @@ class RunnerLM(LM):
         for i, (c, k) in enumerate(pairs):
             groups.setdefault(tuple(c), []).append(i)
         shared: list[tuple[int, tuple[int, ...], list[int]]] = []  # (shared prefix length, context, request indices)
+        packs = False
         if isinstance(self.runner, ScoresContinuations):
             fits = {
                 c: ix
@@ -153,7 +154,7 @@ class RunnerLM(LM):
             # else nothing to share, or too long to fit: scored whole (and truncated like lm-eval does)
             # a question with many long choices is split to stay within the token budget, and where the runner packs
             # a question into one row, within max_length: no row is wider than the longest sequence scored whole
-            packs = getattr(self.runner, "packs_contexts", False)
+            packs = self.runner.packs_contexts
             for p, contexts in prefix_runs(list(fits), self.MIN_PREFIX, self.MIN_SAVED):
                 for c in contexts:
                     ix = sorted(fits[c], key=lambda i: len(pairs[i][1]))
@@ -168,12 +169,14 @@ class RunnerLM(LM):
                         fed += len(pairs[i][1])
                     shared.append((p, c, sub))
         scores = Scores(len(pairs))
-        self._score_shared(pairs, shared, scores)
+        self._score_shared(pairs, shared, scores, packs)
         done = {i for _, _, ix in shared for i in ix}
         self._score_whole(pairs, [i for i in range(len(pairs)) if i not in done], scores)
         return scores.resolved()
 
-    def _score_shared(self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], scores: Scores) -> None:
+    def _score_shared(
+        self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], scores: Scores, packs: bool
+    ) -> None:
         """Batches of contexts with one shared prefix each, within the token budget: where the runner packs contexts
         and continuations into the rows of one forward, their tokens together; otherwise the contexts' suffixes
         left-padded to the longest, and the continuation tokens (which the runner pads only within groups of similar
@@ -181,7 +184,6 @@ class RunnerLM(LM):
         shared = sorted(
             shared, key=lambda g: (g[1][: g[0]], len(g[1]) - g[0])
         )  # one prefix per run, suffixes by length
-        packs = getattr(self.runner, "packs_contexts", False)
         start = 0
         while start < len(shared):
             p, c0, ix0 = shared[start]
