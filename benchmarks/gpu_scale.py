@@ -306,6 +306,22 @@ def _unsplit_step_ms(engine, device) -> float | None:
     )
 
 
+def _split_sums_apart_step_ms(engine, device) -> float | None:
+    """_graph_step_ms with each split int4 kernel's partials summed in a kernel of their own (int4pack.split_mm)
+    instead of inside the elementwise function that reads them (Linear.parts); None where the engine splits none or
+    runs that work eagerly."""
+    from qgate.engines.elementwise import EAGER
+    from qgate.engines.static_llama import Linear
+
+    split = any(isinstance(m, Linear) and m.weight is None and m.split > 1 for m in engine.model.modules())
+    if not split or engine.model.ops is EAGER:
+        return None
+    parts = Linear.parts
+    return _recaptured_step_ms(
+        engine, device, lambda: setattr(Linear, "parts", Linear.__call__), lambda: setattr(Linear, "parts", parts)
+    )
+
+
 def _recorded(fn, *args):
     """fn(*args), or its exception as a short string: a figure that fails is recorded and the run goes on."""
     try:
@@ -328,7 +344,8 @@ def _linear_shapes(engine) -> dict:
 
 def step_breakdown(engine, device) -> dict:
     """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps), the
-    same recaptured with the elementwise work eager and with the int4 kernels unsplit, and the model's Linears alone
+    same recaptured with the elementwise work eager, with the int4 kernels unsplit, and with split kernels' partials
+    summed apart from the functions that read them, and the model's Linears alone
     at one row, in total and per weight shape (the bytes each reads per millisecond). The other kernels' figures
     come later in the run (kernel_alternatives)."""
     import torch
@@ -341,6 +358,7 @@ def step_breakdown(engine, device) -> dict:
     step_ms = _graph_step_ms(engine, device)
     eager_ms = _recorded(_eager_elementwise_step_ms, engine, device)
     unsplit_ms = _recorded(_unsplit_step_ms, engine, device)
+    sums_apart_ms = _recorded(_split_sums_apart_step_ms, engine, device)
     shapes = _linear_shapes(engine)
     lins = [(m, i) for (_, i, _), ms in shapes.items() for m in ms]
     xs = {i: torch.randn(1, i, dtype=torch.bfloat16, device=device) for _, i in lins}
@@ -366,6 +384,7 @@ def step_breakdown(engine, device) -> dict:
         "graph_step_ms": step_ms,
         "graph_step_ms_eager_elementwise": eager_ms,  # the same step with the work between Linears uncompiled
         "graph_step_ms_unsplit": unsplit_ms,  # the same step with every int4 kernel unsplit
+        "graph_step_ms_split_sums_apart": sums_apart_ms,  # split partials summed in kernels of their own
         "linears_ms": lin_ms,
         "linears_bytes": total,
         "linears_read_tb_s": total / lin_ms / 1e9,

@@ -1,11 +1,13 @@
 """The torch-int4 engine with its elementwise work compiled: the same numbers as eager, and eager with a warning
 where the compiler fails."""
 
+import json
 import logging
 
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from qgate.engines import elementwise
 from qgate.engines.runners import load_runner
@@ -26,7 +28,8 @@ def _cpp_compiler() -> str | None:
 def test_compiled_forwards_compute_what_eager_ones_do(int4_f32, monkeypatch):
     """Where elementwise.COMPILED names the device (here the CPU, where inductor writes C++; Triton on CUDA), prefill
     and decode steps run the compiled functions: the same greedy tokens, and logits within float32 rounding of eager
-    forwards, teacher-forced, as served (prefill then decode steps) and with shared contexts."""
+    forwards, teacher-forced, as served (prefill then decode steps) and with shared contexts; and none of them
+    compiles a graph that the compiled functions' checks at load did not."""
     if not _cpp_compiler():
         pytest.skip("inductor finds no C++ compiler on this host")
     eager = load_runner(int4_f32)
@@ -34,6 +37,7 @@ def test_compiled_forwards_compute_what_eager_ones_do(int4_f32, monkeypatch):
     monkeypatch.setattr(elementwise, "COMPILED", {"cpu": True})
     compiled = load_runner(int4_f32)
     assert compiled.numerics == "cpu-torch-int4-float32-compiled"
+    graphs = counters["stats"]["unique_graphs"]  # what compiled_ops' checks compiled: forwards compile nothing more
     assert all(f is not e for f, e in zip(compiled.model.ops, elementwise.EAGER, strict=True))
     calls = []
     for name in elementwise.Ops._fields:  # count the compiled functions' calls: forwards must run them
@@ -57,6 +61,62 @@ def test_compiled_forwards_compute_what_eager_ones_do(int4_f32, monkeypatch):
     for a, b in pairs:
         a, b = np.asarray(a), np.asarray(b)
         assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_split_partials_are_summed_inside_the_compiled_functions(int4_f32, tmp_path, monkeypatch):
+    """With the int4 kernels split (engine.json int4_splits), rope and add_rms_norm take the q/k/v, o and down
+    projections' partials unsummed wherever the int4 kernel serves (on a CPU, every row count), eager and
+    compiled: the same greedy tokens and logits within float32 rounding of the unsplit engine. The compiled
+    functions' checks at load compiled every graph the forwards run."""
+    if not _cpp_compiler():
+        pytest.skip("inductor finds no C++ compiler on this host")
+    import shutil
+
+    from qgate.engines import int4pack
+    from qgate.engines.int4pack import split_factors
+    from qgate.engines.static_llama import Linear
+    from qgate.engines.static_runner import StaticRunner
+
+    plain = load_runner(int4_f32)
+    int4 = [m for m in plain.model.modules() if isinstance(m, Linear) and m.weight is None]
+    widest = {m.shape: max(split_factors(m.in_features, m.group_size)) for m in int4}
+    shutil.copytree(int4_f32.path, tmp_path / "split")
+    spec = json.loads((tmp_path / "split/engine.json").read_text()) | {"int4_splits": widest}
+    (tmp_path / "split/engine.json").write_text(json.dumps(spec))
+    eager = StaticRunner(tmp_path / "split", torch.device("cpu"))
+    monkeypatch.setattr(elementwise, "COMPILED", {"cpu": True})
+    compiled = StaticRunner(tmp_path / "split", torch.device("cpu"))
+    assert compiled.numerics == "cpu-torch-int4-float32-splitk-compiled"
+    graphs = counters["stats"]["unique_graphs"]  # what compiled_ops' checks compiled: forwards compile nothing more
+    summed = []  # the ranks of what split_sum got outside the elementwise functions
+    real_sum = int4pack.split_sum
+    monkeypatch.setattr(int4pack, "split_sum", lambda y: summed.append(y.dim()) or real_sum(y))
+    partials = []
+    for runner in (eager, compiled):
+        for name in ("rope", "rope_into_cache", "add_rms_norm"):
+            f = getattr(runner.model.ops, name)
+            argno = 1 if name == "add_rms_norm" else 0
+            runner.model.ops = runner.model.ops._replace(
+                **{name: lambda *a, f=f, i=argno: partials.append(a[i].dim()) or f(*a)}
+            )
+    prompts = [s * 2 for s in SEQS]
+    for runner in (eager, compiled):
+        partials.clear()
+        summed.clear()
+        assert runner.greedy_batch(prompts, 8) == plain.greedy_batch(prompts, 8)
+        # per layer and forward, q/k/v, o and down hand over their partials; gate/up's split_mm sums its own
+        assert partials.count(4) == 3 * summed.count(4) > 0 and partials.count(2) == summed.count(2) == 0
+        for a, b in zip(plain.logits_batch(SEQS), runner.logits_batch(SEQS), strict=True):
+            assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
+        for a, b in zip(
+            plain.served_logits_batch(SEQS, [2, 3, 4]), runner.served_logits_batch(SEQS, [2, 3, 4]), strict=True
+        ):
+            assert np.abs(np.asarray(a) - np.asarray(b)).max() < 1e-5
+    groups = [([5, 6, 7], [[8, 9], [10]]), ([1, 2], [[3]])]  # a one-token prefix and row: rope_into_cache's shape
+    for a, b in zip(plain.continuation_logits(groups, [11]), compiled.continuation_logits(groups, [11]), strict=True):
+        assert all(np.abs(np.asarray(x) - np.asarray(y)).max() < 1e-5 for x, y in zip(a, b, strict=True))
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_a_failing_compiler_leaves_eager_forwards_and_says_so(int4_f32, monkeypatch, caplog):
@@ -79,6 +139,13 @@ def test_a_failing_compiler_leaves_eager_forwards_and_says_so(int4_f32, monkeypa
     monkeypatch.setattr(torch, "compile", lambda f, **_: wrong[elementwise.EAGER.index(f)])
     ops, why = elementwise.compiled_ops(64, 4, 2, 16, torch.float32, torch.device("cpu"))
     assert ops is elementwise.EAGER and why.startswith("a compiled kernel differs from eager by ")
+
+    def every_partial(x, delta, weight, eps):  # sums all s x s partials, not the s of matching blocks
+        return elementwise.add_rms_norm(x, delta if delta.dim() == 2 else delta.sum((1, 2)), weight, eps)
+
+    wrong = elementwise.EAGER._replace(add_rms_norm=every_partial)
+    ops, why = elementwise.compiled_ops(64, 4, 2, 16, torch.float32, torch.device("cpu"), splits=[2])
+    assert ops is elementwise.EAGER and why.endswith(" on split partials (2 blocks)")
 
 
 @pytest.mark.gpu

@@ -7,15 +7,19 @@ Eagerly, a layer runs 13 elementwise kernels besides its four Linears and attent
 residual adds, SiLU). In a decode step each moves a few kilobytes, so each costs its launch, even inside a CUDA
 graph; in a prefill each is a pass over memory. torch.compile (inductor) fuses each function here into one kernel.
 `compiled_ops` compiles them, checks them against the eager functions on this device, and says why not where it
-cannot.
+cannot. A Linear's output that rope and add_rms_norm read may come as a split int4 kernel's partials
+(int4pack.split_parts, [N, s, s, O]): they add them first, so compiled, the partials' sum costs no kernel of its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F  # noqa: N812
+
+from qgate.engines.int4pack import split_sum
 
 COMPILED = {"cuda": True}  # devices whose runners compile the elementwise work of every forward (compiled_ops)
 
@@ -36,16 +40,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual stream x + delta and its RMSNorm, both [N, H]."""
-    x = x + delta
+    """The residual stream x + delta and its RMSNorm, both [N, H]; delta [N, H], or split partials of it."""
+    x = x + split_sum(delta)
     return x, rms_norm(x, weight, eps)
 
 
 def rope(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [N, H, D], k and v [N, Hkv, D] from the projections' outputs side by side, qkv [N, (H + 2 Hkv) * D]; q and
-    k rotated together (cos, sin [N, 1, D])."""
+    """q [N, H, D], k and v [N, Hkv, D] from the projections' outputs side by side, qkv [N, (H + 2 Hkv) * D] or split
+    partials of it; q and k rotated together (cos, sin [N, 1, D])."""
+    qkv = split_sum(qkv)
     n, d = heads + kv_heads, cos.shape[-1]
     qk = rotate(qkv[:, : n * d].view(-1, n, d), cos, sin)
     return qk[:, :heads], qk[:, heads:], qkv[:, n * d :].view(-1, kv_heads, d)
@@ -85,13 +90,24 @@ EAGER = Ops(add_rms_norm, rope, rope_into_cache, silu_mul)
 
 
 def compiled_ops(
-    hidden: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    eps: float = 1e-5,
+    splits: Sequence[int] = (),
 ) -> tuple[Ops, str | None]:
     """EAGER's functions compiled by torch.compile for `device`, or EAGER and why not.
 
-    Each is compiled with dynamic shapes and called here on inputs laid out as the model's (rows of one token and
-    of several, cache rows sliced from a larger cache, gate and up as views of one projection's output), at one row
-    and at three (torch specializes a size of 1), so later forwards and graph captures compile nothing more. The
+    Each is compiled with dynamic shapes and called here in inference mode on inputs laid out as the model's (rows
+    of one token and of several, cache rows sliced from a larger cache, gate and up as views of one projection's
+    output, the norm's weight and the caches made outside inference mode), at one row and at three (torch
+    specializes a size of 1), with the model's RMSNorm epsilon `eps` (a constant of the compiled kernel), so later
+    forwards and graph captures compile nothing more. splits:
+    the split_k factors of the int4 kernels whose partials rope and add_rms_norm read besides whole outputs; each is
+    compiled with its partials' split dimensions static, so the sum unrolls into the function's own kernel. The
     compiled results must match the eager ones within 2% of their largest magnitude: one rounding step of bf16 is
     under 1%, so this catches a wrong kernel, not the rounding order, which engine parity measures."""
     try:
@@ -101,27 +117,48 @@ def compiled_ops(
         def randn(*shape: int) -> torch.Tensor:
             return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
+        def held(*shape: int) -> torch.Tensor:
+            """A tensor the model holds (a norm's weight, a cache), made outside inference mode as the model's are:
+            forwards run in inference mode, and a compiled function made for one kind of tensor recompiles for the
+            other."""
+            with torch.inference_mode(False):
+                return randn(*shape)
+
+        def output(n: int, width: int, s: int) -> torch.Tensor:
+            """A Linear's output [n, width], or its split_k partials [n, s, s, width] with s held static."""
+            if s == 1:
+                return randn(n, width)
+            y = randn(n * s, s * width).view(n, s, s, width)  # laid out as int4pack.split_parts leaves them
+            torch._dynamo.mark_static(y, 1)
+            torch._dynamo.mark_static(y, 2)
+            return y
+
         with torch.inference_mode():
             for n in (1, 3):
-                x, delta, w = randn(n, hidden), randn(n, hidden), randn(hidden)
-                qkv, cos, sin = (
-                    randn(n, (heads + 2 * kv_heads) * head_dim),
-                    randn(n, 1, head_dim),
-                    randn(n, 1, head_dim),
-                )
-                gate, up = randn(n, 2 * hidden + 6).chunk(2, -1)  # views, as a fused gate/up projection's
-                slot = torch.tensor([5], device=device)
+                for s in sorted({1, *splits}):
+                    x, delta, w = randn(n, hidden), output(n, hidden, s), held(hidden)
+                    qkv, cos, sin = (
+                        output(n, (heads + 2 * kv_heads) * head_dim, s),
+                        randn(n, 1, head_dim),
+                        randn(n, 1, head_dim),
+                    )
+                    gate, up = randn(n, 2 * hidden + 6).chunk(2, -1)  # views, as a fused gate/up projection's
+                    slot = torch.tensor([5], device=device)
 
-                def run(o: Ops) -> list[torch.Tensor]:
-                    k, v = (torch.zeros(n + 1, kv_heads, 11, head_dim, dtype=dtype, device=device) for _ in range(2))
-                    q = o.rope_into_cache(qkv, cos, sin, heads, kv_heads, k[:n], v[:n], slot)
-                    rotated = o.rope(qkv, cos, sin, heads, kv_heads)
-                    return [*o.add_rms_norm(x, delta, w, 1e-5), *rotated, q, k, v, o.silu_mul(gate, up)]
+                    def run(o: Ops) -> list[torch.Tensor]:
+                        k, v = (held(n + 1, kv_heads, 11, head_dim).zero_() for _ in range(2))
+                        for c in (k, v):  # a cache's rows do not shape the kernel: any count is the same graph
+                            torch._dynamo.decorators.mark_unbacked(c, 0)
+                        q = o.rope_into_cache(qkv, cos, sin, heads, kv_heads, k[:n], v[:n], slot)
+                        rotated = o.rope(qkv, cos, sin, heads, kv_heads)
+                        return [*o.add_rms_norm(x, delta, w, eps), *rotated, q, k, v, o.silu_mul(gate, up)]
 
-                for got, want in zip(run(ops), run(EAGER), strict=True):
-                    err = (got.float() - want.float()).abs().max().item()
-                    if not err <= 0.02 * want.float().abs().max().item():
-                        return EAGER, f"a compiled kernel differs from eager by {err:.3g}"
+                    for got, want in zip(run(ops), run(EAGER), strict=True):
+                        err = (got.float() - want.float()).abs().max().item()
+                        if not err <= 0.02 * want.float().abs().max().item():
+                            return EAGER, f"a compiled kernel differs from eager by {err:.3g}" + (
+                                f" on split partials ({s} blocks)" if s > 1 else ""
+                            )
     except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager functions, and says why
         return EAGER, f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return ops, None

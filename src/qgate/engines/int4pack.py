@@ -5,6 +5,7 @@
     y = int4_mm(x, packed, layers[p].group_size, layers[p].scales_and_zeros)   # x [N, I] -> y [N, O]
     w4 = split_k(layers[p], 4)                            # the same weight as 4 blocks of I/4 inputs, stacked
     y = split_mm(x, device_pack(w4.codes, device), w4.group_size, w4.scales_and_zeros, 4)   # the same y
+    y = split_sum(split_parts(x, device_pack(w4.codes, device), w4.group_size, w4.scales_and_zeros, 4))  # the same
 
 torch's kernels (`aten._weight_int4pack_mm` on CUDA, `_weight_int4pack_mm_for_cpu` on the CPU) compute, per
 group of `group_size` input columns,
@@ -27,6 +28,8 @@ re-lays a weight as s blocks of I/s inputs stacked along the outputs, [s*O, I/s]
 thread blocks over the same bytes. `split_mm` feeds x as s rows of I/s inputs (a view) and sums each block's product
 with its own rows; those s rows share the kernel's 16-row tile with the one row they replace. The arithmetic differs
 from the unsplit kernel's by rounding: each block's partial sum is rounded to x's dtype before the s are added.
+`split_parts` stops before that sum, so a compiled function that reads the output can add the partials in its own
+kernel (engines/elementwise.py) instead of a reduction kernel of their own.
 
 Int8 layers (a mixed W4/W8 checkpoint) are served as dense weights dequantized from their codes: torch has no
 group-wise int8 weight-only kernel. Anything else (FP8, activation quantization, group activation order) is refused.
@@ -182,10 +185,22 @@ def unsplit(w: Int4Weight, s: int) -> Int4Weight:
     return Int4Weight(codes.contiguous(), sz.contiguous(), w.group_size)
 
 
+def split_parts(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor, s: int) -> torch.Tensor:
+    """int4_mm with a split_k weight (s > 1), before the sum: x [N, I] -> partials [N, s, s, O], where [n, i, j]
+    is block j's product with row n's inputs of block i. split_sum adds the s that count (i == j)."""
+    n, i = x.shape
+    y = int4_mm(x.reshape(n * s, i // s), packed, group_size, sz)  # [N*s, s*O]: every block times every row
+    return y.view(n, s, s, -1)
+
+
+def split_sum(y: torch.Tensor) -> torch.Tensor:
+    """A Linear's output [N, O] as it is, or split_parts' partials [N, s, s, O] summed to it: one small reduction,
+    or none inside a compiled function that reads them (engines/elementwise.py), where s <= 8 unrolls into loads."""
+    return y if y.dim() == 2 else y.diagonal(0, 1, 2).sum(-1)  # [N, O, s] -> [N, O]
+
+
 def split_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor, s: int) -> torch.Tensor:
     """int4_mm with a split_k weight: x [N, I] -> [N, O], block j's product with x's inputs of block j, summed."""
     if s == 1:
         return int4_mm(x, packed, group_size, sz)
-    n, i = x.shape
-    y = int4_mm(x.reshape(n * s, i // s), packed, group_size, sz)  # [N*s, s*O]: every block times every row
-    return y.view(n, s, s, -1).diagonal(0, 1, 2).sum(-1)  # [N, O, s] -> [N, O]
+    return split_sum(split_parts(x, packed, group_size, sz, s))

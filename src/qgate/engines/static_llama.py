@@ -22,7 +22,16 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from qgate.engines.elementwise import EAGER, Ops, compiled_ops, rms_norm
-from qgate.engines.int4pack import Int4Weight, device_pack, int4_shape, split_factors, split_k, split_mm, unsplit
+from qgate.engines.int4pack import (
+    Int4Weight,
+    device_pack,
+    int4_shape,
+    split_factors,
+    split_k,
+    split_mm,
+    split_parts,
+    unsplit,
+)
 from qgate.errors import ConfigError
 
 ARCHITECTURES = ("LlamaForCausalLM",)
@@ -88,14 +97,25 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., I] -> [..., O]
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
-        rows = x.numel() // x.shape[-1]
-        if self.dense is not None and rows >= min(KEPT_DENSE_ROWS, self.dense_rows):
-            return F.linear(x, self.dense, self.bias)
-        if self.dense_rows is not None and rows >= self.dense_rows:
-            return F.linear(x, self.dequantized(), self.bias)
+        if not self._int4_serves(x.numel() // x.shape[-1]):
+            return F.linear(x, self.dense if self.dense is not None else self.dequantized(), self.bias)
         y = split_mm(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, self.sz, self.split)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def parts(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x) for x [N, I], except where a split int4 kernel serves these rows and there is no bias: then
+        its partials [N, s, s, O] unsummed (int4pack.split_parts), for an elementwise function that adds them in its
+        own kernel (elementwise.rope and add_rms_norm, through int4pack.split_sum)."""
+        if self.weight is None and self.split > 1 and self.bias is None and self._int4_serves(x.shape[0]):
+            return split_parts(x, self.packed, self.group_size, self.sz, self.split)
+        return self(x)
+
+    def _int4_serves(self, rows: int) -> bool:
+        """Whether the int4 kernel serves `rows` rows; else the kept dense matrix does, or one dequantized now."""
+        if self.dense is not None and rows >= min(KEPT_DENSE_ROWS, self.dense_rows):
+            return False
+        return self.dense_rows is None or rows < self.dense_rows
 
     def _lay_out(self, weight: Int4Weight, split: int, device, dtype: torch.dtype) -> None:
         """The kernel's buffers for `weight` laid out as split_k(weight, split)."""
@@ -233,8 +253,16 @@ class StaticLlama(nn.Module):
     def compile(self) -> str | None:
         """Forwards run the elementwise work between Linears compiled (elementwise.compiled_ops); None, or why they
         run it eagerly. Call before capturing CUDA graphs."""
+        splits = {m.split for m in self.modules() if isinstance(m, Linear) and m.weight is None}
         self.ops, why = compiled_ops(
-            self.embed.shape[1], self.heads, self.kv_heads, self.head_dim, self.dtype, self.device
+            self.embed.shape[1],
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+            self.eps,
+            sorted(splits),
         )
         return why
 
@@ -352,7 +380,7 @@ class StaticLlama(nn.Module):
         h = rms_norm(x, self.layers[0].in_norm, self.eps)
         for i, layer in enumerate(self.layers):
             if "qkv" in layer:
-                qkv = layer["qkv"](h)  # [N, (H + 2 Hkv) * D]
+                qkv = layer["qkv"].parts(h)  # [N, (H + 2 Hkv) * D], or split partials that rope sums
             else:
                 qkv = torch.cat([layer[n](h) for n in ("q_proj", "k_proj", "v_proj")], -1)
             if t == 1 and slot is not None:  # a decode step: k and v go into the cache in the same kernel
@@ -367,13 +395,13 @@ class StaticLlama(nn.Module):
             # grouped-query attention as Hkv heads of G*T queries each: K/V are read as stored, never copied per head
             a = F.scaled_dot_product_attention(q.reshape(b, nkv, g * t, d), k, v, attn_mask=bias)  # q: [B, H, T, D]
             a = a.reshape(b, nq, t, d).transpose(1, 2).reshape(b * t, -1)  # [N, H * D]
-            x, h = ops.add_rms_norm(x, layer["o_proj"](a), layer.post_norm, self.eps)
+            x, h = ops.add_rms_norm(x, layer["o_proj"].parts(a), layer.post_norm, self.eps)
             if "gate_up" in layer:
                 gate, up = layer["gate_up"](h).chunk(2, -1)
             else:
                 gate, up = layer["gate_proj"](h), layer["up_proj"](h)
             norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
-            x, h = ops.add_rms_norm(x, layer["down_proj"](ops.silu_mul(gate, up)), norm, self.eps)
+            x, h = ops.add_rms_norm(x, layer["down_proj"].parts(ops.silu_mul(gate, up)), norm, self.eps)
         if isinstance(logits_to_keep, torch.Tensor):
             return self.lm_head(h[logits_to_keep]).float()
         h = h.view(b, t, -1)

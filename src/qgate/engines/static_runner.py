@@ -216,9 +216,10 @@ class StaticRunner:
         n, w = trees.tokens.shape
         tok, pos = to_device(trees.tokens, dev), to_device(trees.positions, dev)
         at = to_device(trees.at[:, 0] * w + trees.at[:, 1], dev)  # in the flattened [n * W]
+        if p:
+            m.setup_cache(n, p + w)  # outside inference mode, as the decode caches are: the compiled functions' kind
         with torch.inference_mode():
             if p:
-                m.setup_cache(n, p + w)
                 ids = to_device([list(prefix)], dev)
                 m(ids, to_device([list(range(p))], dev), torch.ones(1, p, dtype=torch.bool, device=dev), 0, 1)
                 for cache in (*m.k_cache, *m.v_cache):  # the prefix's keys and values in every row
