@@ -151,7 +151,7 @@ def test_a_failing_compiler_leaves_eager_forwards_and_says_so(int4_f32, monkeypa
 @pytest.mark.gpu
 def test_compiled_forwards_on_cuda(awq_art, calib_arts, workdir):
     """On CUDA the runner compiles by default (Triton kernels, inside its CUDA graphs for decode steps): answers as
-    served agree with eager forwards within bf16 rounding."""
+    served agree with eager forwards within bf16 rounding, and no forward compiles a graph the load did not."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from qgate.engines.build import build_engine
@@ -159,7 +159,10 @@ def test_compiled_forwards_on_cuda(awq_art, calib_arts, workdir):
     eng = build_engine(awq_art, "torch-int4", workdir / "int4-cuda-compiled", calib_arts["profile"])
     runner = load_runner(eng, "cuda")
     assert runner.numerics.endswith("-compiled") and runner.graphs
+    graphs = counters["stats"]["unique_graphs"]
     compiled = runner.served_logits_batch(SEQS, [2, 3, 4])
+    runner.logits_batch(SEQS)
+    assert counters["stats"]["unique_graphs"] == graphs  # the load's checks compiled what forwards run
     runner.graphs, runner.model.ops = {}, elementwise.EAGER
     for a, b in zip(runner.served_logits_batch(SEQS, [2, 3, 4]), compiled, strict=True):
         pa, pb = torch.log_softmax(torch.as_tensor(a).float(), -1), torch.log_softmax(torch.as_tensor(b).float(), -1)
