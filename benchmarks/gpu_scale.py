@@ -23,6 +23,7 @@ Writes scale.json to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -423,6 +424,61 @@ def scoring_seconds(fn, seqs, budget: int, device) -> float:
     return _timed(device, run)
 
 
+PACKED_SHAPES = ((40, 32), (102, 20), (13, 50), (9, 71), (8, 119), (66, 75), (86, 96), (73, 88), (32, 163), (52, 135))
+# (rows, width) of packed scoring forwards of the demo's eval (padding.pack_trees, counted on the CPU)
+
+
+def attention_first_calls(device, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """Milliseconds of SDPA's first and second call at each of PACKED_SHAPES, summed, per backend (torch's own
+    choice, cuDNN, memory-efficient, math), as the reference calls it (K/V per K/V head with enable_gqa, a boolean
+    mask [n, 1, W, W]) and as the engine does (each K/V head's queries as one head of G*W rows, an additive mask).
+    Every packed forward has a shape of its own, so a backend that builds a plan per shape (cuDNN) pays that on the
+    host in every forward of every layer's first call: first minus second is that cost. Each (layout, backend)
+    gets widths no other has run, so no plan is reused across them; a backend that refuses the call records why."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {
+        "default": None,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    g, out = heads // kv_heads, {}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _: None)
+    for k, layout in enumerate(("reference", "engine")):
+        out[layout] = {}
+        for j, (name, backend) in enumerate(backends.items()):
+            firsts = seconds = 0.0
+            try:
+                for n, w in PACKED_SHAPES:
+                    w += 1 + k * len(backends) + j  # widths new to this (layout, backend)
+                    kv = [torch.randn(n, kv_heads, w, head_dim, dtype=torch.bfloat16, device=device) for _ in "kv"]
+                    see = torch.ones(w, w, dtype=torch.bool, device=device).tril()[None, None].expand(n, 1, w, w)
+                    if layout == "reference":
+                        q = torch.randn(n, heads, w, head_dim, dtype=torch.bfloat16, device=device)
+                        args, kw = (q, *kv), {"attn_mask": see, "enable_gqa": g > 1}
+                    else:
+                        q = torch.randn(n, kv_heads, g * w, head_dim, dtype=torch.bfloat16, device=device)
+                        bias = torch.zeros(n, 1, g * w, w, dtype=torch.bfloat16, device=device)
+                        bias.masked_fill_(~see.repeat(1, 1, g, 1), float("-inf"))
+                        args, kw = (q, *kv), {"attn_mask": bias}
+                    for first in (True, False):
+                        sync(device)
+                        t = time.perf_counter()
+                        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                            torch.nn.functional.scaled_dot_product_attention(*args, **kw)
+                        sync(device)
+                        if first:
+                            firsts += time.perf_counter() - t
+                        else:
+                            seconds += time.perf_counter() - t
+                out[layout][name] = {"first_ms": round(firsts * 1e3, 2), "second_ms": round(seconds * 1e3, 2)}
+            except Exception as e:  # noqa: BLE001 - recorded: a backend that cannot run this call
+                out[layout][name] = f"{type(e).__name__}: {e}"[:300]
+    return out
+
+
 def profile_eval(runner, cfg, path: Path) -> None:
     """The eval on `runner` under torch.profiler: the ops that take the most device and host time, to `path`."""
     import torch
@@ -722,6 +778,14 @@ def main() -> int:
 
     if r.get("gate"):
         res.phase("scoring", scoring)
+
+    def attention():  # the attention backends' per-shape host cost, on the packed scoring forwards' shapes
+        cfg = SHAPES[args.shape]
+        heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        r["attention_first_calls"] = attention_first_calls(device, heads, kv_heads, cfg["hidden_size"] // heads)
+
+    if device.type == "cuda":
+        res.phase("attention_first_calls", attention)
 
     def alternatives():  # other int4 kernels and the step's kernels: after the gate, so they cannot crowd it out
         engine = StaticRunner(eng.path, device, graph_batch_sizes=[1])
