@@ -479,6 +479,47 @@ def attention_first_calls(device, heads: int, kv_heads: int, head_dim: int) -> d
     return out
 
 
+def grouped_queries_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
+    """runners._gqa_sdpa, except that with a mask each K/V head's G query heads go to torch as one head of G x T
+    rows, as the torch-int4 engine lays them out, instead of with enable_gqa: the same products, and a call the
+    memory-efficient kernel takes (it takes a mask, not enable_gqa), where enable_gqa with a mask leaves cuDNN."""
+    import torch
+
+    from qgate.engines.runners import _gqa_sdpa
+
+    b, h, t, d = query.shape
+    hkv = key.shape[1]
+    if attention_mask is None or h == hkv or attention_mask.shape[1] != 1:
+        return _gqa_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kw)
+    g, s = h // hkv, key.shape[-2]
+    mask = attention_mask[..., :s].expand(b, 1, t, s)[:, :, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(b, hkv, g * t, d), key, value, attn_mask=mask, scale=scaling
+    )
+    return out.view(b, h, t, d).transpose(1, 2).contiguous(), None
+
+
+def reference_eval_seconds(base, device, cfg, attention=None) -> dict:
+    """The baseline's eval on a fresh reference runner: RunnerLM's scoring seconds (EvalCounter) and real tokens,
+    with `attention` registered as the reference's attention function on this device for the run (None: its own)."""
+    from transformers import AttentionInterface
+
+    from qgate.engines import runners
+    from qgate.gates.evalgate import run_tasks
+
+    ref = runners.load_runner(base, str(device))
+    name = ref.model.config._attn_implementation
+    own = AttentionInterface._global_mapping[name]
+    if attention is not None:
+        AttentionInterface.register(name, attention)
+    try:
+        with EvalCounter() as counted:
+            run_tasks(ref, cfg)
+    finally:
+        AttentionInterface.register(name, own)
+    return {"seconds": counted.seconds["reference"], "real_tokens": counted.total("real", "reference")}
+
+
 def profile_eval(runner, cfg, path: Path) -> None:
     """The eval on `runner` under torch.profiler: the ops that take the most device and host time, to `path`."""
     import torch
@@ -786,6 +827,21 @@ def main() -> int:
 
     if device.type == "cuda":
         res.phase("attention_first_calls", attention)
+
+    def reference_attention():  # the baseline's eval with the engine's grouped-queries attention layout, A/B
+        cfg, out = spec.gate_config().eval, {}
+        r["reference_eval_attention"] = out
+        # the gate's own baseline eval ran first, cold (gate.eval_scoring_seconds.reference); here both run warm
+        for name, fn in (("own", None), ("grouped_queries", grouped_queries_sdpa)):
+            out[name] = reference_eval_seconds(base, device, cfg, fn)
+            out[name]["mfu"] = (
+                2 * r["params"] * out[name]["real_tokens"] / out[name]["seconds"] / (args.peak_tflops * 1e12)
+            )
+            res.save()
+            release(device)
+
+    if r.get("gate") and device.type == "cuda":
+        res.phase("reference_eval_attention", reference_attention)
 
     def alternatives():  # other int4 kernels and the step's kernels: after the gate, so they cannot crowd it out
         engine = StaticRunner(eng.path, device, graph_batch_sizes=[1])
