@@ -7,7 +7,7 @@ Eagerly, a layer runs 13 elementwise kernels besides its four Linears and attent
 residual adds, SiLU). In a decode step each moves a few kilobytes, so each costs its launch, even inside a CUDA
 graph; in a prefill each is a pass over memory. torch.compile (inductor) fuses each function here into one kernel.
 `compiled_ops` compiles them, checks them against the eager functions on this device, and says why not where it
-cannot. A Linear's output that rope and add_rms_norm read may come as a split int4 kernel's partials
+cannot. A Linear's output that these functions read may come as a split int4 kernel's partials
 (int4pack.split_parts, [N, s, s, O]): they add them first, so compiled, the partials' sum costs no kernel of its own.
 """
 
@@ -75,8 +75,8 @@ def rope_into_cache(
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's product silu(gate) * up, [N, I]."""
-    return F.silu(gate) * up
+    """SwiGLU's product silu(gate) * up, [N, I]; gate and up [N, I], or split partials of them."""
+    return F.silu(split_sum(gate)) * split_sum(up)
 
 
 class Ops(NamedTuple):
@@ -106,7 +106,7 @@ def compiled_ops(
     output, the norm's weight and the caches made outside inference mode), at one row and at three (torch
     specializes a size of 1), with the model's RMSNorm epsilon `eps` (a constant of the compiled kernel), so later
     forwards and graph captures compile nothing more. splits:
-    the split_k factors of the int4 kernels whose partials rope and add_rms_norm read besides whole outputs; each is
+    the split_k factors of the int4 kernels whose partials the functions read besides whole outputs; each is
     compiled with its partials' split dimensions static, so the sum unrolls into the function's own kernel. The
     compiled results must match the eager ones within 2% of their largest magnitude: one rounding step of bf16 is
     under 1%, so this catches a wrong kernel, not the rounding order, which engine parity measures."""
@@ -124,25 +124,28 @@ def compiled_ops(
             with torch.inference_mode(False):
                 return randn(*shape)
 
-        def output(n: int, width: int, s: int) -> torch.Tensor:
-            """A Linear's output [n, width], or its split_k partials [n, s, s, width] with s held static."""
+        def output(n: int, width: int, s: int, chunks: int = 1) -> list[torch.Tensor]:
+            """A Linear's output [n, width], or its split_k partials [n, s, s, width] with s held static, as
+            `chunks` views along the outputs (a fused projection's parts)."""
             if s == 1:
-                return randn(n, width)
+                return list(randn(n, width).chunk(chunks, -1))
             y = randn(n * s, s * width).view(n, s, s, width)  # laid out as int4pack.split_parts leaves them
-            torch._dynamo.mark_static(y, 1)
-            torch._dynamo.mark_static(y, 2)
-            return y
+            parts = list(y.chunk(chunks, -1))
+            for part in parts:
+                torch._dynamo.mark_static(part, 1)
+                torch._dynamo.mark_static(part, 2)
+            return parts
 
         with torch.inference_mode():
             for n in (1, 3):
                 for s in sorted({1, *splits}):
-                    x, delta, w = randn(n, hidden), output(n, hidden, s), held(hidden)
-                    qkv, cos, sin = (
+                    x, (delta,), w = randn(n, hidden), output(n, hidden, s), held(hidden)
+                    (qkv,), cos, sin = (
                         output(n, (heads + 2 * kv_heads) * head_dim, s),
                         randn(n, 1, head_dim),
                         randn(n, 1, head_dim),
                     )
-                    gate, up = randn(n, 2 * hidden + 6).chunk(2, -1)  # views, as a fused gate/up projection's
+                    gate, up = output(n, 2 * hidden + 6, s, chunks=2)  # views, as a fused gate/up projection's
                     slot = torch.tensor([5], device=device)
 
                     def run(o: Ops) -> list[torch.Tensor]:

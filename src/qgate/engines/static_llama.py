@@ -397,7 +397,7 @@ class StaticLlama(nn.Module):
             a = a.reshape(b, nq, t, d).transpose(1, 2).reshape(b * t, -1)  # [N, H * D]
             x, h = ops.add_rms_norm(x, layer["o_proj"].parts(a), layer.post_norm, self.eps)
             if "gate_up" in layer:
-                gate, up = layer["gate_up"](h).chunk(2, -1)
+                gate, up = layer["gate_up"].parts(h).chunk(2, -1)  # [N, I] each, or split partials that silu_mul sums
             else:
                 gate, up = layer["gate_proj"](h), layer["up_proj"](h)
             norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
