@@ -73,20 +73,23 @@ def test_a_result_that_stops_the_submitting_loses_none_of_the_work_in_flight(tmp
 
 
 _INTERRUPTED = """
-import os, signal, threading, time
-import ray
+import os, signal, tempfile, threading, time
 from qgate.execute import map_ordered
+started = tempfile.mkdtemp()
+def nap(i):
+    open(os.path.join(started, str(i)), "w").close()
+    time.sleep(120)
 sent = None
-def interrupt():  # Ctrl-C once Ray is up and the tasks had 5 s to start: on a loaded host ray.init alone takes seconds
+def interrupt():  # Ctrl-C once a task runs and the driver waits on it: on a loaded host Ray takes seconds to get there
     global sent
-    while not ray.is_initialized():
+    while not os.listdir(started):
         time.sleep(0.1)
-    time.sleep(5)
+    time.sleep(2)
     sent = time.perf_counter()
     os.kill(os.getpid(), signal.SIGINT)
 threading.Thread(target=interrupt, daemon=True).start()
 try:
-    list(map_ordered(time.sleep, [(120,), (120,)], "ray"))
+    list(map_ordered(nap, [(0,), (1,)], "ray"))
     print("FINISHED without an interrupt")
 except KeyboardInterrupt:
     print("INTERRUPTED after", round(time.perf_counter() - sent))
