@@ -377,7 +377,7 @@ def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32,
     from qgate.engines.static_runner import StaticRunner
 
     runner = StaticRunner.__new__(StaticRunner)
-    runner.model = model
+    runner.model, runner.device = model, torch.device("cpu")
 
     timings: list[int] = []
 
@@ -396,6 +396,40 @@ def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32,
     # a kept dense matrix serves KEPT_DENSE_ROWS rows and more: those rows are not the int4 kernel's to time
     model.keep_dense(10**12)
     assert all(r["rows"] == [1, 2, 3] for r in model.choose_splits([1, 2, 3, 32], lambda f: 1.0).values())
+
+
+def test_split_layouts_are_timed_without_the_sum_the_next_kernel_does(int4_f32, monkeypatch):
+    """fused (forwards will run the elementwise work compiled, which adds the partials): a shape whose every Linear
+    hands over its partials (q/k/v, o, gate/up, down) is timed on the kernel alone, as the served step runs it, and
+    still checked on the summed product; unfused, every layout is timed with its sum."""
+    import qgate.engines.static_llama as sl
+    from qgate.engines.static_runner import load_model
+
+    monkeypatch.setattr(sl, "DENSE_ROWS", {"cpu": 1000})
+    model, _, _ = load_model(int4_f32.path, torch.device("cpu"))
+    timed: list[tuple[str, int]] = []
+    mm, parts = sl.split_mm, sl.split_parts
+    monkeypatch.setattr(sl, "split_mm", lambda x, p, g, sz, s: timed.append(("mm", s)) or mm(x, p, g, sz, s))
+    monkeypatch.setattr(sl, "split_parts", lambda x, p, g, sz, s: timed.append(("parts", s)) or parts(x, p, g, sz, s))
+
+    def seconds(f):
+        timed.append(("timing", 0))
+        f()
+        return 1e-6
+
+    for fused, kernel in ((True, "parts"), (False, "mm")):
+        timed.clear()
+        record = model.choose_splits([1, 2], seconds, fused)
+        assert len(record) == 4 and {r["timed"] for r in record.values()} == {
+            "without its sum" if fused else "with its sum"
+        }
+        after = [timed[i + 1] for i, t in enumerate(timed) if t[0] == "timing"]  # what each timing ran
+        splits = sum(len(r["us"]) - 1 for r in record.values())
+        assert sorted(k for k, s in after if s > 1) == [kernel] * 2 * splits and splits > 0
+        assert ("mm", 2) in timed  # each layout is still checked on the summed product
+    monkeypatch.setattr(sl, "HANDS_PARTIALS", ("qkv", "o_proj", "gate_up"))  # down's sums in a kernel of their own
+    record = model.choose_splits([1, 2], seconds, True)
+    assert sorted(r["timed"] for r in record.values()).count("with its sum") == 1
 
 
 def test_the_cuda_attention_mask_computes_what_transformers_skip_does(base_art, monkeypatch):

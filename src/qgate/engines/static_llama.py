@@ -62,6 +62,7 @@ DENSE_ROWS = {"cuda": 128}  # rows (tokens) from which an int4 Linear dequantize
 KEPT_DENSE_ROWS = 16  # rows from which an int4 Linear whose dense matrix is kept (keep_dense) runs the dense GEMM
 SPLIT_SAVING = 0.05  # share of the unsplit int4 kernel's time a split_k layout must save to be chosen (choose_splits)
 SPLIT_TOLERANCE = 0.02  # a split_k layout's largest difference from the unsplit product, of its largest magnitude
+HANDS_PARTIALS = ("qkv", "o_proj", "gate_up", "down_proj")  # a layer's Linears whose forward reads Linear.parts
 
 
 class Linear(nn.Module):
@@ -281,15 +282,22 @@ class StaticLlama(nn.Module):
                         m.dense, kept = m.dequantized(), kept + size
         return kept
 
-    def choose_splits(self, rows: Sequence[int], seconds: Callable[[Callable[[], object]], float]) -> dict:
+    def choose_splits(
+        self, rows: Sequence[int], seconds: Callable[[Callable[[], object]], float], fused: bool = False
+    ) -> dict:
         """Lay out each int4 weight shape's kernel as the split_k factor (int4pack.py) that serves `rows` fastest,
         for every Linear of that shape. rows: the row counts of the decode steps the engine captures; a Linear's
         count is one its int4 kernel serves (under KEPT_DENSE_ROWS where its dense matrix is kept, under its
         DENSE_ROWS). seconds(f): the time of one call of f (a CUDA graph's replay on a GPU). A split is taken where
         its time summed over those rows is the least and at least SPLIT_SAVING below the unsplit kernel's, and where
         it computes the unsplit kernel's product within SPLIT_TOLERANCE of its largest magnitude (that catches a
-        wrong layout, not rounding, which engine parity measures). Needs the portable codes (a device with a dense
-        path). Returns {shape: {"split", "us": {factor: microseconds summed over the rows}, "rows", "rejected"}}."""
+        wrong layout, not rounding, which engine parity measures). fused: forwards will run the elementwise work
+        compiled, where the Linears that hand over their partials (Linear.parts: each layer's HANDS_PARTIALS) have
+        them summed inside the next function; a shape all of whose Linears do is then timed without the sum, as the
+        served step runs it. Needs the portable codes (a device with a dense path). Returns {shape: {"split", "us":
+        {factor: microseconds summed over the rows}, "rows", "count", "timed": "with its sum" | "without its sum",
+        "rejected"}}."""
+        handing = {id(layer[k]) for layer in self.layers for k in HANDS_PARTIALS if k in layer}
         by_shape: dict[str, list[Linear]] = {}
         for m in self.modules():
             if isinstance(m, Linear) and m.weight is None:
@@ -306,12 +314,16 @@ class StaticLlama(nn.Module):
             us: dict[int, float] = {}
             rejected: dict[int, str] = {}
             exact: list[torch.Tensor] = []
+            apart = fused and all(id(lin) in handing for lin in ms)
             for s in split_factors(m.in_features, m.group_size):
                 ws = split_k(w, s)
                 packed = device_pack(ws.codes, m.packed.device)
 
                 def f(x, packed=packed, ws=ws, s=s):
                     return split_mm(x, packed, ws.group_size, ws.scales_and_zeros, s)
+
+                def as_served(x, packed=packed, ws=ws, s=s, f=f):
+                    return split_parts(x, packed, ws.group_size, ws.scales_and_zeros, s) if apart and s > 1 else f(x)
 
                 with torch.inference_mode():
                     ys = [f(x).float() for x in xs]
@@ -322,13 +334,14 @@ class StaticLlama(nn.Module):
                 if not err <= SPLIT_TOLERANCE:
                     rejected[s] = f"differs from the unsplit kernel by {err:.3g} of its largest magnitude"
                     continue
-                us[s] = round(sum(seconds(lambda f=f, x=x: f(x)) for x in xs) * 1e6, 2)
+                us[s] = round(sum(seconds(lambda f=as_served, x=x: f(x)) for x in xs) * 1e6, 2)
             best = min(us, key=us.get)
             if 1 not in us or us[best] > (1 - SPLIT_SAVING) * us[1]:
                 best = 1
             for lin in ms:
                 lin.resplit(best)
-            record[key] = {"split": best, "us": us, "rows": served, "count": len(ms)} | (
+            timed = "without its sum" if apart else "with its sum"
+            record[key] = {"split": best, "us": us, "rows": served, "count": len(ms), "timed": timed} | (
                 {"rejected": rejected} if rejected else {}
             )
         return record

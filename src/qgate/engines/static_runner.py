@@ -125,7 +125,8 @@ class StaticRunner:
     def _choose_splits(self, sizes: Sequence[int], seconds) -> None:
         """StaticLlama.choose_splits into `splits`; where it fails, every int4 kernel stays unsplit, with a warning."""
         try:
-            self.splits = self.model.choose_splits(sizes, seconds)
+            fused = bool(elementwise.COMPILED.get(self.device.type))  # the sums then run inside compiled kernels
+            self.splits = self.model.choose_splits(sizes, seconds, fused)
         except Exception as e:  # noqa: BLE001 - the unsplit kernels serve: a layout is a speed-up, not a need
             for m in self.model.modules():
                 if getattr(m, "split", 1) > 1:
