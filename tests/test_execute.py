@@ -75,6 +75,7 @@ def test_a_result_that_stops_the_submitting_loses_none_of_the_work_in_flight(tmp
 _INTERRUPTED = """
 import os, signal, tempfile, threading, time
 from qgate.execute import map_ordered
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, however the test run was started
 started = tempfile.mkdtemp()
 def nap(i):
     open(os.path.join(started, str(i)), "w").close()
