@@ -147,6 +147,37 @@ def test_a_failing_compiler_leaves_eager_forwards_and_says_so(int4_f32, monkeypa
     assert ops is elementwise.EAGER and why.endswith(" on split partials (2 blocks)")
 
 
+def test_caches_of_any_rows_failing_to_compile_leave_caches_of_the_rows_met(monkeypatch, caplog):
+    """Where leaving the caches' row count unbacked does not compile, the functions are compiled again without it,
+    with a warning saying why, and they compute what the eager ones do; a compiler that fails both ways leaves EAGER
+    with the first failure."""
+    if not _cpp_compiler():
+        pytest.skip("inductor finds no C++ compiler on this host")
+
+    def refuse(t, index, *a, **k):
+        raise RuntimeError("unbacked sizes are not supported here")
+
+    monkeypatch.setattr(torch._dynamo.decorators, "mark_unbacked", refuse)
+    with caplog.at_level(logging.WARNING, logger="qgate"):
+        ops, why = elementwise.compiled_ops(64, 4, 2, 16, torch.float32, torch.device("cpu"), 1e-6)
+    assert why is None and all(f is not e for f, e in zip(ops, elementwise.EAGER, strict=True))
+    assert [r.getMessage() for r in caplog.records] == [
+        "the elementwise functions are compiled for caches of the rows they meet, not of any rows: torch.compile "
+        "failed: RuntimeError: unbacked sizes are not supported here"
+    ]
+    x, d, w = torch.randn(3, 64), torch.randn(3, 64), torch.randn(64)
+    with torch.inference_mode():
+        got, want = ops.add_rms_norm(x, d, w, 1e-6), elementwise.add_rms_norm(x, d, w, 1e-6)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want, strict=True))
+
+    def broken(f, **_):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    ops, why = elementwise.compiled_ops(64, 4, 2, 16, torch.float32, torch.device("cpu"), 1e-6)
+    assert ops is elementwise.EAGER and why == "torch.compile failed: RuntimeError: no C++ compiler found"
+
+
 @pytest.mark.gpu
 def test_compiled_forwards_on_cuda(awq_art, calib_arts, workdir):
     """On CUDA the runner compiles by default (Triton kernels, inside its CUDA graphs for decode steps): answers as

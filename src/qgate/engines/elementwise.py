@@ -13,6 +13,7 @@ cannot. A Linear's output that these functions read may come as a split int4 ker
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -98,6 +99,7 @@ def compiled_ops(
     device: torch.device,
     eps: float = 1e-5,
     splits: Sequence[int] = (),
+    any_cache_rows: bool = True,
 ) -> tuple[Ops, str | None]:
     """EAGER's functions compiled by torch.compile for `device`, or EAGER and why not.
 
@@ -109,7 +111,10 @@ def compiled_ops(
     the split_k factors of the int4 kernels whose partials the functions read besides whole outputs; each is
     compiled with its partials' split dimensions static, so the sum unrolls into the function's own kernel. The
     compiled results must match the eager ones within 2% of their largest magnitude: one rounding step of bf16 is
-    under 1%, so this catches a wrong kernel, not the rounding order, which engine parity measures."""
+    under 1%, so this catches a wrong kernel, not the rounding order, which engine parity measures. any_cache_rows:
+    the caches' row count is left unbacked, so one graph serves caches of any rows, one included; where that does not
+    compile, the functions are compiled again without it (a cache of other rows then compiles once more at first
+    use), with a warning; where that fails too, EAGER and the first failure."""
     try:
         ops = Ops(*(torch.compile(f, dynamic=True, fullgraph=True) for f in EAGER))
         gen = torch.Generator(device=device).manual_seed(0)
@@ -150,7 +155,7 @@ def compiled_ops(
 
                     def run(o: Ops) -> list[torch.Tensor]:
                         k, v = (held(n + 1, kv_heads, 11, head_dim).zero_() for _ in range(2))
-                        for c in (k, v):  # a cache's rows do not shape the kernel: any count is the same graph
+                        for c in (k, v) if any_cache_rows else ():  # a cache's rows do not shape the kernel
                             torch._dynamo.decorators.mark_unbacked(c, 0)
                         q = o.rope_into_cache(qkv, cos, sin, heads, kv_heads, k[:n], v[:n], slot)
                         rotated = o.rope(qkv, cos, sin, heads, kv_heads)
@@ -163,5 +168,13 @@ def compiled_ops(
                                 f" on split partials ({s} blocks)" if s > 1 else ""
                             )
     except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager functions, and says why
-        return EAGER, f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        why = f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if any_cache_rows:
+            ops, again = compiled_ops(hidden, heads, kv_heads, head_dim, dtype, device, eps, splits, False)
+            if again is None:
+                logging.getLogger("qgate").warning(
+                    "the elementwise functions are compiled for caches of the rows they meet, not of any rows: %s", why
+                )
+                return ops, None
+        return EAGER, why
     return ops, None
