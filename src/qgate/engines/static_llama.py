@@ -107,7 +107,7 @@ class Linear(nn.Module):
     def parts(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x) for x [N, I], except where a split int4 kernel serves these rows and there is no bias: then
         its partials [N, s, s, O] unsummed (int4pack.split_parts), for an elementwise function that adds them in its
-        own kernel (elementwise.rope and add_rms_norm, through int4pack.split_sum)."""
+        own kernel (elementwise.rope, add_rms_norm and silu_mul, through int4pack.split_sum)."""
         if self.weight is None and self.split > 1 and self.bias is None and self._int4_serves(x.shape[0]):
             return split_parts(x, self.packed, self.group_size, self.sz, self.split)
         return self(x)
@@ -254,7 +254,7 @@ class StaticLlama(nn.Module):
     def compile(self) -> str | None:
         """Forwards run the elementwise work between Linears compiled (elementwise.compiled_ops); None, or why they
         run it eagerly. Call before capturing CUDA graphs."""
-        splits = {m.split for m in self.modules() if isinstance(m, Linear) and m.weight is None}
+        splits = {m.split for m in self._handing_partials() if m.weight is None}
         self.ops, why = compiled_ops(
             self.embed.shape[1],
             self.heads,
@@ -266,6 +266,10 @@ class StaticLlama(nn.Module):
             sorted(splits),
         )
         return why
+
+    def _handing_partials(self) -> list[Linear]:
+        """The Linears whose output forward reads with Linear.parts: each layer's HANDS_PARTIALS it has."""
+        return [layer[k] for layer in self.layers for k in HANDS_PARTIALS if k in layer]
 
     def keep_dense(self, max_bytes: int) -> int:
         """Keep the dequantized matrix of int4 Linears that run a dense GEMM at many rows, Linear by Linear in model
@@ -297,7 +301,7 @@ class StaticLlama(nn.Module):
         served step runs it. Needs the portable codes (a device with a dense path). Returns {shape: {"split", "us":
         {factor: microseconds summed over the rows}, "rows", "count", "timed": "with its sum" | "without its sum",
         "rejected"}}."""
-        handing = {id(layer[k]) for layer in self.layers for k in HANDS_PARTIALS if k in layer}
+        handing = {id(m) for m in self._handing_partials()}
         by_shape: dict[str, list[Linear]] = {}
         for m in self.modules():
             if isinstance(m, Linear) and m.weight is None:
