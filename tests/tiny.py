@@ -171,3 +171,13 @@ def check_lm_scores(runner) -> tuple[int, int]:
         assert ll == pytest.approx(float(expect.sum()), abs=1e-3)
         assert greedy == bool((logp[rows].argmax(-1) == ids[len(ids) - n :]).all())
     return sum(calls), max(prefixes)
+
+
+def copy_engine(art, dest: Path, **spec) -> Path:
+    """A copy of a built engine's directory with these engine.json fields set."""
+    import shutil
+
+    shutil.copytree(art.path, dest)
+    doc = json.loads((dest / "engine.json").read_text()) | spec
+    (dest / "engine.json").write_text(json.dumps(doc))
+    return dest

@@ -1,11 +1,11 @@
 """The torch-int4 engine with its elementwise work compiled: the same numbers as eager, and eager with a warning
 where the compiler fails."""
 
-import json
 import logging
 
 import numpy as np
 import pytest
+import tiny
 import torch
 from torch._dynamo.utils import counters
 
@@ -71,8 +71,6 @@ def test_split_partials_are_summed_inside_the_compiled_functions(int4_f32, tmp_p
     functions' checks at load compiled every graph the forwards run."""
     if not _cpp_compiler():
         pytest.skip("inductor finds no C++ compiler on this host")
-    import shutil
-
     from qgate.engines import int4pack
     from qgate.engines.int4pack import split_factors
     from qgate.engines.static_llama import Linear
@@ -81,12 +79,10 @@ def test_split_partials_are_summed_inside_the_compiled_functions(int4_f32, tmp_p
     plain = load_runner(int4_f32)
     int4 = [m for m in plain.model.modules() if isinstance(m, Linear) and m.weight is None]
     widest = {m.shape: max(split_factors(m.in_features, m.group_size)) for m in int4}
-    shutil.copytree(int4_f32.path, tmp_path / "split")
-    spec = json.loads((tmp_path / "split/engine.json").read_text()) | {"int4_splits": widest}
-    (tmp_path / "split/engine.json").write_text(json.dumps(spec))
-    eager = StaticRunner(tmp_path / "split", torch.device("cpu"))
+    split = tiny.copy_engine(int4_f32, tmp_path / "split", int4_splits=widest)
+    eager = StaticRunner(split, torch.device("cpu"))
     monkeypatch.setattr(elementwise, "COMPILED", {"cpu": True})
-    compiled = StaticRunner(tmp_path / "split", torch.device("cpu"))
+    compiled = StaticRunner(split, torch.device("cpu"))
     assert compiled.numerics == "cpu-torch-int4-float32-splitk-compiled"
     graphs = counters["stats"]["unique_graphs"]  # what compiled_ops' checks compiled: forwards compile nothing more
     summed = []  # the ranks of what split_sum got outside the elementwise functions

@@ -296,16 +296,6 @@ def test_kept_dense_weights_serve_forwards_from_kept_dense_rows(int4_f32, monkey
         assert rows == [2] * n_int4  # under KEPT_DENSE_ROWS: the int4 kernel
 
 
-def _copy_engine(art, dest, **spec):
-    """A copy of a built engine's directory with these engine.json fields set."""
-    import shutil
-
-    shutil.copytree(art.path, dest)
-    doc = json.loads((dest / "engine.json").read_text()) | spec
-    (dest / "engine.json").write_text(json.dumps(doc))
-    return dest
-
-
 def test_engine_serves_the_split_layouts_engine_json_names(int4_f32, tmp_path):
     """engine.json's int4_splits lays out each named int4 shape's kernel: the same logits within float32 rounding,
     the same greedy answers, and `numerics` says so. A shape the model lacks or a factor the shape cannot take is
@@ -317,17 +307,17 @@ def test_engine_serves_the_split_layouts_engine_json_names(int4_f32, tmp_path):
     int4 = [m for m in plain.model.modules() if isinstance(m, Linear) and m.weight is None]
     widest = {m.shape: max(split_factors(m.in_features, m.group_size)) for m in int4}
     assert len(widest) == 4 and max(widest.values()) > 1
-    split = StaticRunner(_copy_engine(int4_f32, tmp_path / "split", int4_splits=widest), torch.device("cpu"))
+    split = StaticRunner(tiny.copy_engine(int4_f32, tmp_path / "split", int4_splits=widest), torch.device("cpu"))
     lins = [m for m in split.model.modules() if isinstance(m, Linear) and m.weight is None]
     assert {m.split for m in lins} == set(widest.values()) and split.numerics == "cpu-torch-int4-float32-splitk"
     for a, b in zip(plain.logits_batch(SEQS), split.logits_batch(SEQS), strict=True):
         assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
     assert split.greedy_batch(SEQS, 8) == plain.greedy_batch(SEQS, 8)
     with pytest.raises(ConfigError, match=r"shapes \['7x64/g32'\], which this model lacks"):
-        StaticRunner(_copy_engine(int4_f32, tmp_path / "alien", int4_splits={"7x64/g32": 2}), torch.device("cpu"))
+        StaticRunner(tiny.copy_engine(int4_f32, tmp_path / "alien", int4_splits={"7x64/g32": 2}), torch.device("cpu"))
     one = sorted(widest)[0]
     with pytest.raises(ConfigError, match="cannot be split in 3"):
-        StaticRunner(_copy_engine(int4_f32, tmp_path / "odd", int4_splits={one: 3}), torch.device("cpu"))
+        StaticRunner(tiny.copy_engine(int4_f32, tmp_path / "odd", int4_splits={one: 3}), torch.device("cpu"))
 
 
 def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32, monkeypatch, caplog):
