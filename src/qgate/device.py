@@ -12,8 +12,6 @@ torch is imported only when a device is resolved.
 
 from __future__ import annotations
 
-import functools
-import logging
 import re
 
 from qgate.errors import BackendUnavailable, ConfigError
@@ -55,7 +53,8 @@ def resolve_device(name: str = "auto"):
 
 def native_bf16(device) -> bool:
     """Whether bfloat16 matmuls run in hardware on this device: CUDA, or a CPU with AMX tiles or AVX512-BF16. On
-    other CPUs torch emulates bfloat16, slower than float32."""
+    other CPUs torch's bfloat16 matmul runs slower than float32, and the reference path multiplies in float32
+    (engines/bf16_products.py)."""
     import torch
 
     if device.type == "cuda":
@@ -65,26 +64,14 @@ def native_bf16(device) -> bool:
     return any(bool(c()) for c in checks if callable(c))
 
 
-@functools.cache
-def _warn_emulated_bf16() -> None:
-    """Once per process: compute_dtype runs for every cache key and model load."""
-    logging.getLogger("qgate").warning(
-        "gates.dtype bfloat16 on a CPU without AMX or AVX512-BF16: torch emulates "
-        "it, slower than float32 (set gates.dtype: float32 on this host)"
-    )
-
-
 def compute_dtype(config: dict, device, name: str = "auto"):
     """The float format a reference model computes in. auto: float32 on the CPU (the reference of record there);
     on CUDA the dtype config.json says the model is served in (bfloat16 or float16; bfloat16 for a float32 config,
-    which no GPU server runs at scale). An explicit name wins; bfloat16 on a CPU that emulates it is logged as a
-    warning, since it runs slower than float32 there."""
+    which no GPU server runs at scale). An explicit name wins."""
     import torch
 
     check_dtype(name)
     if name != "auto":
-        if name == "bfloat16" and not native_bf16(device):
-            _warn_emulated_bf16()
         return getattr(torch, name)
     if device.type != "cuda":
         return torch.float32

@@ -750,17 +750,18 @@ def test_gate_runs_on_cuda(awq_art, base_art, calib_arts, workdir):
 def test_gate_runs_in_bfloat16_on_the_cpu(w8_art, base_art, calib_arts, workdir, monkeypatch, caplog):
     """gates.dtype bfloat16 on a CPU: the baseline's references are cached apart from float32's, the report names the
     numerics, the noise floor measures bf16's own rounding (above float32's, far below a gate threshold), and a CPU
-    that would emulate bf16 is warned about."""
+    without bf16 matmuls multiplies in float32, said once."""
     import logging
 
     import qgate.device as device
+    from qgate.engines import runners
     from qgate.gates.gating import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig
 
     shadow = ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=0.5, top1_agreement_min=None)
     monkeypatch.setattr(device, "native_bf16", lambda dev: False)
-    device._warn_emulated_bf16.cache_clear()  # warned once per process: this test must see it
-    with caplog.at_level(logging.WARNING, logger="qgate"):
+    runners._log_float32_products.cache_clear()  # said once per process: this test must see it
+    with caplog.at_level(logging.INFO, logger="qgate"):
         art = run_gates(
             w8_art,
             base_art,
@@ -769,7 +770,7 @@ def test_gate_runs_in_bfloat16_on_the_cpu(w8_art, base_art, calib_arts, workdir,
             workdir / "gate-bf16",
             workdir / "cache-bf16",
         )
-    assert caplog.text.count("emulates it") == 1  # once, though every cache key and model load asks
+    assert caplog.text.count("matmuls run in float32") == 1  # once, though the gate loads several models
     report = json.loads((art.path / "report.json").read_text())
     assert report["inputs"]["numerics"] == "cpu-bfloat16"
     assert (workdir / "cache-bf16" / "cpu-bfloat16").is_dir() and not (workdir / "cache-bf16" / "noise-floor").exists()

@@ -9,7 +9,9 @@ are compared on identical inputs (onnxruntime-genai's own tokenizer adds no BOS)
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -122,6 +124,15 @@ def _reserved_cache(cache, capacity: int):
     return cache
 
 
+@functools.cache
+def _log_float32_products() -> None:
+    """Once per process: a gate loads several models."""
+    logging.getLogger("qgate").info(
+        "bfloat16 on a CPU without AMX or AVX512-BF16: the reference path's matmuls run in float32 on its bf16 values "
+        "(engines/bf16_products.py), with a float32 copy of each weight"
+    )
+
+
 class TorchRunner:
     """PyTorch eager reference path on a device (float32 on the CPU, the served dtype on CUDA; compressed-tensors
     checkpoints are decompressed on load)."""
@@ -130,7 +141,9 @@ class TorchRunner:
 
     def __init__(self, path: Path, device: str = "cpu", dtype: str = "auto"):
         """device: auto, cpu, cuda or cuda:N; dtype: auto (float32 on the CPU, the served dtype on CUDA) or a name."""
-        from qgate.device import batch_tokens, compute_dtype, forward_cost, numerics, resolve_device
+        import torch
+
+        from qgate.device import batch_tokens, compute_dtype, forward_cost, native_bf16, numerics, resolve_device
         from qgate.trust import check_loadable, load_causal_lm, load_tokenizer
 
         check_loadable(path)
@@ -147,6 +160,11 @@ class TorchRunner:
             **placed,
         ).eval()
         check_vocab(path, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
+        if self.dtype == torch.bfloat16 and not native_bf16(self.device):
+            from qgate.engines.bf16_products import float32_products
+
+            float32_products(self.model)
+            _log_float32_products()
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.batch_tokens = batch_tokens(self.device, self.model.config.vocab_size, self.model.config.hidden_size)
         self.numerics = numerics(self.device, self.dtype)

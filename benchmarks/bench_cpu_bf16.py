@@ -1,0 +1,132 @@
+"""The reference path in bfloat16 on this CPU: torch's own bf16 matmuls against float32 products of the bf16 values
+(engines/bf16_products.py), with float32 as the yardstick, all in one run.
+
+    .venv/bin/python benchmarks/bench_cpu_bf16.py [--model .qgate/demo/base] [--eval]
+
+Run alone (two CPU-heavy processes slow torch 3-20x). Prints the host (CPU, whether it has AMX or AVX512-BF16, torch
+threads), then per numerics mode of TorchRunner:
+  float32          gates.dtype float32
+  bf16-torch       gates.dtype bfloat16 with torch's own bf16 matmuls (what a CPU with AMX or AVX512-BF16 runs)
+  bf16-products    gates.dtype bfloat16 with each Linear multiplying in float32 (what qgate runs on a CPU without)
+the seconds of a scoring forward (4 x 256 tokens of the demo's traffic, every position's logits, best of 3) and of a
+greedy decode (batch 1, 32 new tokens), as ratios to float32, and each bf16 mode's KL p99 and top-1 agreement against
+float32 on that forward. --eval also times the demo spec's eval (lm-eval tasks and perplexity documents, the gate's
+scoring) in float32 and bf16-products: bf16-torch is left out there, since on a CPU without bf16 matmuls it takes
+several times as long.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("float32", "bf16-torch", "bf16-products")
+
+
+def host() -> dict:
+    import torch
+
+    from qgate.device import native_bf16
+
+    cpu = "?"
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return {
+        "cpu": cpu,
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "native_bf16": native_bf16(torch.device("cpu")),
+        "torch": f"{torch.__version__}, {torch.get_num_threads()} threads, interop {torch.get_num_interop_threads()}",
+    }
+
+
+def runner(model: Path, mode: str):
+    """A TorchRunner in `mode`; native_bf16 is set for the load only, so that the mode does not depend on this host."""
+    import qgate.device
+    from qgate.engines.runners import TorchRunner
+
+    if mode == "float32":
+        return TorchRunner(model, dtype="float32")
+    saved = qgate.device.native_bf16
+    qgate.device.native_bf16 = lambda device: mode == "bf16-torch"
+    try:
+        return TorchRunner(model, dtype="bfloat16")
+    finally:
+        qgate.device.native_bf16 = saved
+
+
+def best(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def prompts(tokenizer, n: int, width: int) -> list[list[int]]:
+    """n token sequences of `width` tokens, cut from the demo traffic's messages joined end to end."""
+    ids: list[int] = []
+    with open(ROOT / "data/demo/traffic.jsonl") as f:
+        for line in f:
+            ids += tokenizer.encode(" ".join(m["content"] for m in json.loads(line)["messages"]))
+            if len(ids) >= n * width:
+                break
+    return [ids[i * width : (i + 1) * width] for i in range(n)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ROOT / ".qgate/demo/base", help="a checkpoint directory")
+    ap.add_argument("--eval", action="store_true", help="also time the demo's eval in float32 and bf16-products")
+    args = ap.parse_args()
+    import numpy as np
+
+    print(json.dumps(host()), flush=True)
+    rows, logits = {}, {}
+    for mode in MODES:
+        r = runner(args.model, mode)
+        seqs = prompts(r.tokenizer, 4, 256)
+        r.logits_batch(seqs[:1], keep_last=1)  # warm-up
+        rows[mode] = {"forward_s": best(lambda r=r: logits.__setitem__(mode, r.logits_batch(seqs)), 3)}
+        rows[mode]["decode_s"] = best(lambda r=r: r.greedy_batch([seqs[0][:64]], 32), 2)
+        del r
+    ref = np.stack(logits["float32"]).astype(np.float64)
+    lp = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
+    for mode in MODES[1:]:
+        x = np.stack(logits[mode]).astype(np.float64)
+        lq = x - np.logaddexp.reduce(x, axis=-1, keepdims=True)
+        kl = (np.exp(lp) * (lp - lq)).sum(-1)
+        rows[mode]["kl_p99_vs_float32"] = float(np.quantile(kl, 0.99))
+        rows[mode]["top1_vs_float32"] = float((x.argmax(-1) == ref.argmax(-1)).mean())
+    if args.eval:
+        from qgate.gates.evalgate import run_tasks
+        from qgate.pipeline.spec import load_spec
+
+        cfg = load_spec(ROOT / "pipelines/promote.yaml").gate_config().eval
+        for mode in ("float32", "bf16-products"):
+            r = runner(args.model, mode)
+            t = time.perf_counter()
+            run_tasks(r, cfg)
+            rows[mode]["eval_s"] = time.perf_counter() - t
+            del r
+    f32 = rows["float32"]
+    for mode, row in rows.items():
+        ratios = {f"{k}_vs_float32": round(row[k] / f32[k], 3) for k in ("forward_s", "decode_s", "eval_s") if k in row}
+        print(json.dumps({"mode": mode, **{k: round(v, 6) for k, v in row.items()}, **ratios}), flush=True)
+    t, p = rows["bf16-torch"], rows["bf16-products"]
+    print(
+        f"bf16-products vs bf16-torch: forward x{t['forward_s'] / p['forward_s']:.2f} faster, "
+        f"decode x{t['decode_s'] / p['decode_s']:.2f}",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "src"))
+    sys.exit(main())
