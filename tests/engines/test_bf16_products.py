@@ -48,7 +48,9 @@ def test_each_product_is_bf16_values_summed_in_float32_and_rounded_to_bf16():
         x_in = x if m.in_features == 64 else torch.randn(3, 5, m.in_features).to(torch.bfloat16)
         y = m(x_in)
         assert y.dtype == torch.bfloat16
-        assert torch.equal(y, F.linear(x_in.float(), m.weight.float()).to(torch.bfloat16))  # bit for bit
+        assert torch.equal(y, _products(m, x_in))  # bit for bit
+        m.weight32 = 2 * m.weight32  # marked: the forward reads the float32 copy
+        assert torch.equal(m(x_in), 2 * y)
 
 
 def test_a_model_with_float32_products_stays_a_bf16_model():
@@ -66,16 +68,47 @@ def test_a_model_with_float32_products_stays_a_bf16_model():
     assert (ours.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.97
 
 
-def test_subclasses_and_wrapped_forwards_keep_their_own():
+def _products(m, x):
+    return F.linear(x.float(), m.weight.float()).to(torch.bfloat16)
+
+
+def test_forwards_on_the_instance_multiply_in_float32_where_they_reach_the_class():
     class Own(torch.nn.Linear):
         pass
 
-    wrapped = torch.nn.Linear(4, 4).to(torch.bfloat16)
-    wrapped.forward = lambda x: x  # as a quantization wrapper replaces it on the instance
-    model = torch.nn.Sequential(Own(4, 4).to(torch.bfloat16), wrapped, torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    model[3].to(torch.bfloat16)
-    assert float32_products(model) == 1  # the float32 Linear and the two above are left as they are
-    assert [type(m).__name__ for m in model] == ["Own", "Linear", "Linear", "Float32ProductLinear"]
+    def linear(n=4):
+        return torch.nn.Linear(n, n, bias=False).to(torch.bfloat16)
+
+    calls_class, left_bound, calls_linear = linear(), linear(), linear()
+    calls_class.forward = (lambda self, x: 2 * self.__class__.forward(self, x)).__get__(calls_class)  # a QDQ wrapper
+    left_bound.forward = torch.nn.Linear.forward.__get__(left_bound)  # what removing an offloading wrapper leaves
+    calls_linear.forward = (lambda self, x: torch.nn.Linear.forward(self, x)).__get__(calls_linear)
+    model = torch.nn.Sequential(Own(4, 4).to(torch.bfloat16), torch.nn.Linear(4, 4), calls_class, left_bound)
+    model.append(calls_linear)
+    assert float32_products(model) == 3  # not the subclass, not the float32 Linear
+    assert [type(m).__name__ for m in model] == ["Own", "Linear"] + ["Float32ProductLinear"] * 3
+    x = torch.randn(64, 4).to(torch.bfloat16)
+    for m in model[2:]:
+        m.weight32 = 2 * m.weight32  # marked: an output that reads the float32 copy doubles (exactly)
+    assert torch.equal(calls_class(x), 2 * (2 * _products(calls_class, x)))
+    assert "forward" not in vars(left_bound) and torch.equal(left_bound(x), 2 * _products(left_bound, x))
+    assert torch.equal(calls_linear(x), F.linear(x, calls_linear.weight))  # torch's bf16 matmul, as before
+
+
+def test_a_quantized_checkpoint_multiplies_in_float32_with_its_activation_quantization(w8_art, monkeypatch):
+    """compressed-tensors decompresses inside an offloading wrapper whose forward calls nn.Linear.forward itself: the
+    runner removes the wrapper, so every Linear of the checkpoint, the head included, multiplies in float32."""
+    monkeypatch.setattr(qgate.device, "native_bf16", lambda dev: False)
+    r = TorchRunner(w8_art.path, dtype="bfloat16")
+    linears = [m for m in r.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert {type(m) for m in linears} == {Float32ProductLinear}
+    assert not any(hasattr(m, "_original_forward_func") for m in r.model.modules())  # no offloading wrapper left
+    assert sum(hasattr(m, "quantization_scheme") for m in linears) == len(linears) - 1  # the head is not quantized
+    with torch.inference_mode():
+        for m in (r.model.model.layers[0].self_attn.q_proj, r.model.lm_head):
+            m.weight32 = 2 * m.weight32  # marked: an output that reads the float32 copy doubles (exactly)
+            x = torch.randn(3, m.in_features).to(torch.bfloat16)
+            assert torch.equal(m(x), 2 * _products(m, x))
 
 
 @pytest.mark.parametrize("native", [False, True])

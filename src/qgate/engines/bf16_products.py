@@ -28,12 +28,15 @@ class Float32ProductLinear(torch.nn.Linear):
 
 def float32_products(model: torch.nn.Module) -> int:
     """Swap every bf16 nn.Linear of `model` for a Float32ProductLinear in place; returns how many. Exactly nn.Linear:
-    a subclass, or a module whose forward was replaced on the instance (a quantization wrapper), keeps its own. The
-    modules keep their parameters, so the state dict, tied weights and the embeddings are unchanged; the float32
-    copies are plain attributes, outside the state dict."""
+    a subclass keeps its own forward. A forward set on the instance stays, and multiplies in float32 where it calls
+    the class's, as compressed-tensors' quantized forward does (its activation quantization kept); one that calls
+    nn.Linear.forward itself, as an offloading wrapper does, keeps torch's bf16 matmul. The modules keep their parameters, so the state dict, tied weights and the embeddings are
+    unchanged; the float32 copies are plain attributes, outside the state dict."""
     n = 0
     for m in model.modules():
-        if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16 and "forward" not in vars(m):
+        if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16:
+            if getattr(vars(m).get("forward"), "__func__", None) is torch.nn.Linear.forward:
+                del m.forward  # nn.Linear's own forward bound on the instance (left by removing a wrapper)
             m.weight32 = m.weight.detach().float()
             m.bias32 = None if m.bias is None else m.bias.detach().float()
             m.__class__ = Float32ProductLinear

@@ -124,6 +124,15 @@ def _reserved_cache(cache, capacity: int):
     return cache
 
 
+def _without_offloading(model) -> None:
+    """compressed-tensors decompresses a checkpoint inside its offloading wrapper, which onloads each module's tensors
+    and moves its inputs on every call, though the runner holds the whole model on one device. Removed, the tensors
+    on that device; the quantized forwards (activation quantization) stay."""
+    from compressed_tensors.offload import remove_dispatch
+
+    remove_dispatch(model, onload_tensors=True)
+
+
 @functools.cache
 def _log_float32_products() -> None:
     """Once per process: a gate loads several models."""
@@ -160,6 +169,8 @@ class TorchRunner:
             **placed,
         ).eval()
         check_vocab(path, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
+        if dequantize_kwargs(path):
+            _without_offloading(self.model)
         if self.dtype == torch.bfloat16 and not native_bf16(self.device):
             from qgate.engines.bf16_products import float32_products
 
