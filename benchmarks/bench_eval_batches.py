@@ -17,23 +17,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-from eval_counts import PARTS, EvalCounter  # beside this script
+from eval_counts import PARTS, counted_eval  # beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def counted_eval(runner, cfg) -> dict:
-    """Run the eval; its wall time and the forwards, positions and real tokens by forward kind."""
-    from qgate.gates.evalgate import run_tasks
-
-    with EvalCounter() as counted:
-        t = time.perf_counter()
-        run_tasks(runner, cfg)
-        wall = time.perf_counter() - t
-    return {"wall": wall, **{what: counted.by_part(what, "reference") for what in ("positions", "real", "forwards")}}
 
 
 def main() -> int:

@@ -4,6 +4,7 @@
         run_tasks(runner, cfg)                      # or a whole gate
     counted.total("real", "reference")              # real tokens the reference scored
     counted.by_part("positions", "reference")       # {"prefix": ..., "context": ..., "continuation": ..., "whole": ...}
+    counted_eval(runner, cfg)                       # the eval alone: its wall and scoring seconds, and those counts
 
 Counts only inside RunnerLM._score_many, the eval's scoring: the runners' calls and the reductions of their logits,
 without lm-eval's request building and tokenization. Runner kinds: "engine" (StaticRunner), "reference"
@@ -19,6 +20,19 @@ import time
 
 RUNNERS = ("engine", "reference")
 PARTS = ("prefix", "packed", "context", "continuation", "whole")
+
+
+def counted_eval(runner, cfg, kind: str = "reference") -> dict:
+    """Run the eval on `runner` (of `kind`): its wall time, RunnerLM's scoring seconds, and the forwards, padded
+    positions and real tokens by forward kind."""
+    from qgate.gates.evalgate import run_tasks
+
+    with EvalCounter() as counted:
+        t = time.perf_counter()
+        run_tasks(runner, cfg)
+        wall = time.perf_counter() - t
+    parts = {what: counted.by_part(what, kind) for what in ("positions", "real", "forwards")}
+    return {"wall": wall, "seconds": counted.seconds[kind], **parts}
 
 
 class EvalCounter:

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from eval_counts import RUNNERS, EvalCounter  # beside this script
+from eval_counts import RUNNERS, EvalCounter, counted_eval  # beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {  # Llama-3-8B's shape with SmolLM2's vocabulary; a toy shape for checking this script anywhere
@@ -505,7 +505,6 @@ def reference_eval_seconds(base, device, cfg, attention=None) -> dict:
     from transformers import AttentionInterface
 
     from qgate.engines import runners
-    from qgate.gates.evalgate import run_tasks
 
     ref = runners.load_runner(base, str(device))
     name = ref.model.config._attn_implementation
@@ -513,11 +512,10 @@ def reference_eval_seconds(base, device, cfg, attention=None) -> dict:
     if attention is not None:
         AttentionInterface.register(name, attention)
     try:
-        with EvalCounter() as counted:
-            run_tasks(ref, cfg)
+        counted = counted_eval(ref, cfg)
     finally:
         AttentionInterface.register(name, own)
-    return {"seconds": counted.seconds["reference"], "real_tokens": counted.total("real", "reference")}
+    return {"seconds": counted["seconds"], "real_tokens": sum(counted["real"].values())}
 
 
 def profile_eval(runner, cfg, path: Path) -> None:
