@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from eval_counts import counted_eval  # beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("float32", "bf16-torch", "bf16-products")
 
@@ -104,16 +106,11 @@ def main() -> int:
         rows[mode]["kl_p99_vs_float32"] = float(np.quantile(kl, 0.99))
         rows[mode]["top1_vs_float32"] = float((x.argmax(-1) == ref.argmax(-1)).mean())
     if args.eval:
-        from qgate.gates.evalgate import run_tasks
         from qgate.pipeline.spec import load_spec
 
         cfg = load_spec(ROOT / "pipelines/promote.yaml").gate_config().eval
         for mode in ("float32", "bf16-products"):
-            r = runner(args.model, mode)
-            t = time.perf_counter()
-            run_tasks(r, cfg)
-            rows[mode]["eval_s"] = time.perf_counter() - t
-            del r
+            rows[mode]["eval_s"] = counted_eval(runner(args.model, mode), cfg)["wall"]
     f32 = rows["float32"]
     for mode, row in rows.items():
         ratios = {f"{k}_vs_float32": round(row[k] / f32[k], 3) for k in ("forward_s", "decode_s", "eval_s") if k in row}

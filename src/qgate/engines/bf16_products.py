@@ -30,8 +30,9 @@ def float32_products(model: torch.nn.Module) -> int:
     """Swap every bf16 nn.Linear of `model` for a Float32ProductLinear in place; returns how many. Exactly nn.Linear:
     a subclass keeps its own forward. A forward set on the instance stays, and multiplies in float32 where it calls
     the class's, as compressed-tensors' quantized forward does (its activation quantization kept); one that calls
-    nn.Linear.forward itself, as an offloading wrapper does, keeps torch's bf16 matmul. The modules keep their parameters, so the state dict, tied weights and the embeddings are
-    unchanged; the float32 copies are plain attributes, outside the state dict."""
+    nn.Linear.forward itself, as an offloading wrapper does, keeps torch's bf16 matmul. The modules keep their
+    parameters, so the state dict, tied weights and the embeddings are unchanged; the float32 copies are plain
+    attributes, outside the state dict."""
     n = 0
     for m in model.modules():
         if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16:

@@ -161,15 +161,16 @@ class TorchRunner:
         self.dtype = compute_dtype(config, self.device, dtype)
         self.tokenizer = load_tokenizer(path)
         placed = {"device_map": str(self.device)} if self.device.type == "cuda" else {}  # straight onto the GPU
+        decompressed = dequantize_kwargs(path)
         self.model = load_causal_lm(
             path,
             dtype=self.dtype,
             attn_implementation=_register_attention(self.device),
-            **dequantize_kwargs(path),
+            **decompressed,
             **placed,
         ).eval()
         check_vocab(path, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
-        if dequantize_kwargs(path):
+        if decompressed:
             _without_offloading(self.model)
         if self.dtype == torch.bfloat16 and not native_bf16(self.device):
             from qgate.engines.bf16_products import float32_products
