@@ -5,7 +5,9 @@
     dtype = compute_dtype(config, device)     # float32 on the CPU; on CUDA the dtype the model is served in
     native_bf16(device)                       # whether bfloat16 matmuls run in hardware here
     x = to_device(rows, device, torch.long)   # host data onto the device without the host waiting for it
+    HostCopy(t).tolist()                      # device data to the host, waiting for that copy alone
     s = graph_seconds(lambda: f(x), device)   # CUDA: seconds per call of f, its kernels captured in a graph
+    y = planless_sdpa(q, k, v, attn_mask=m)   # attention that builds no per-shape plan (CUDA: no cuDNN)
 
 torch is imported only when a device is resolved.
 """
@@ -118,6 +120,48 @@ def to_device(data, device, dtype=None):
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor copied to the host without the host waiting: on CUDA into pinned memory, with an event recorded
+    after the copy; tolist() then waits for that copy alone, not for work queued after it. Elsewhere the tensor as it
+    is."""
+
+    def __init__(self, t):
+        import torch
+
+        self.done = None
+        if t.device.type != "cuda":
+            self.host = t
+            return
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.host.copy_(t, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def tolist(self) -> list:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+def planless_sdpa(query, key, value, **kwargs):
+    """torch's scaled_dot_product_attention, with cuDNN's kernel left out on CUDA: torch then takes flash attention,
+    the memory-efficient kernel or math, the first that takes the call. torch prefers cuDNN's kernel on some cards
+    (Hopper), and cuDNN builds an execution plan on the host at every shape it has not run yet, which costs far more
+    than the attention itself where every forward has a shape of its own: packed scoring rows, prompts of any
+    width, a reference's decode steps over a growing cache (benchmarks/RESULTS.md, run 6). The other kernels build
+    nothing per shape. Elsewhere, or where cuDNN's kernel is already off, this is the plain call."""
+    import torch
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if not (query.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()):
+        return sdpa(query, key, value, **kwargs)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        return sdpa(query, key, value, **kwargs)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
 
 
 def graph_seconds(f, device, calls: int = 20, replays: int = 5) -> float:

@@ -780,3 +780,20 @@ def test_gate_runs_in_bfloat16_on_the_cpu(w8_art, base_art, calib_arts, workdir,
     assert 1e-7 < floor < 0.05, floor  # bf16 rounding shows; it stays far below the 0.5 threshold
     by = {r["metric"]: r for r in report["results"]}
     assert by["defined_logits"]["verdict"] == "pass" and by["kl_p99"]["observed"] < 0.5
+
+
+def test_greedy_stops_are_read_a_step_late_and_answers_end_at_them(int4_f32):
+    """greedy_batch reads each step's tokens while the next step runs: every answer still ends at its first stop token
+    (included), equal to the unstopped answer cut there, and rows that never stop run to max_new_tokens."""
+    runner = load_runner(int4_f32)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24]]
+    runner.stops = set()
+    full = runner.greedy_batch(prompts, 12)
+    assert [len(a) for a in full] == [12, 12, 12]
+    stop = full[0][4]  # row 0 stops at step 4 or earlier; the others wherever this token first appears, if at all
+    runner.stops = {stop}
+    got = runner.greedy_batch(prompts, 12)
+    want = [a[: a.index(stop) + 1] if stop in a else a for a in full]
+    assert got == want and got[0][-1] == stop and len(got[0]) <= 5
+    for n in (1, 2):
+        assert runner.greedy_batch(prompts, n) == [a[:n] for a in want]

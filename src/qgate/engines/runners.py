@@ -51,15 +51,24 @@ def _gqa_sdpa(
     is_causal: bool | None = None,
     **kwargs,
 ):
-    """transformers' SDPA attention, except that grouped-query K/V go to torch as they are (enable_gqa) even with a
-    padding mask. transformers copies K/V once per query head whenever a mask is present; on a left-padded batch that
-    copy of the whole KV cache per layer and decode step costs 10x the attention itself (benchmarks/
-    bench_gates_engines.py). Same math, same kernel."""
+    """transformers' SDPA attention, except that grouped-query K/V are never copied per query head. transformers
+    copies K/V once per query head whenever a mask is present; on a left-padded batch that copy of the whole KV cache
+    per layer and decode step costs 10x the attention itself (benchmarks/bench_gates_engines.py). With a mask on
+    CUDA, grouped_sdpa: a layout the memory-efficient kernel takes, which builds no plan per shape. Else K/V as they
+    are, with enable_gqa (enable_gqa_sdpa)."""
+    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+        attention_mask = attention_mask[..., : key.shape[-2]]
+    if attention_mask is not None and query.is_cuda and attention_mask.dim() == 4 and attention_mask.shape[1] == 1:
+        return grouped_sdpa(query, key, value, attention_mask, scaling), None
+    return enable_gqa_sdpa(module, query, key, value, attention_mask, scaling, is_causal), None
+
+
+def enable_gqa_sdpa(module, query, key, value, attention_mask, scaling=None, is_causal=None):
+    """Attention over K/V as stored, grouped queries by enable_gqa, with torch's choice of kernel. query [B, H, T,
+    D]; key, value [B, Hkv, S, D]; attention_mask [B or 1, 1 or H, T, S] or None. Returns [B, T, H, D]."""
     import torch
 
     groups = getattr(module, "num_key_value_groups", 1)
-    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
-        attention_mask = attention_mask[..., : key.shape[-2]]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = torch.nn.functional.scaled_dot_product_attention(
         query,
@@ -71,7 +80,22 @@ def _gqa_sdpa(
         is_causal=bool(query.shape[2] > 1 and attention_mask is None and causal),
         enable_gqa=groups > 1,
     )
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
+
+
+def grouped_sdpa(query, key, value, attention_mask, scaling=None):
+    """enable_gqa_sdpa's products with each K/V head's G query heads as one head of G x T rows, the mask repeated per
+    group, as the torch-int4 engine lays them out: a call the memory-efficient kernel takes (it takes a mask but not
+    enable_gqa), through device.planless_sdpa. query [B, H, T, D]; key, value [B, Hkv, S, D]; attention_mask [B or 1,
+    1, T, S], boolean or additive. Returns [B, T, H, D]."""
+    from qgate.device import planless_sdpa
+
+    b, h, t, d = query.shape
+    hkv, s = key.shape[1], key.shape[-2]
+    g = h // hkv
+    mask = attention_mask.expand(b, 1, t, s)[:, :, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
+    out = planless_sdpa(query.reshape(b, hkv, g * t, d), key, value, attn_mask=mask, scale=scaling)
+    return out.view(b, h, t, d).transpose(1, 2).contiguous()
 
 
 def _masked_sdpa_mask(*args, **kwargs):

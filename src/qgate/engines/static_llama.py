@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from qgate.device import planless_sdpa
 from qgate.engines.elementwise import EAGER, Ops, compiled_ops, rms_norm
 from qgate.engines.int4pack import (
     Int4Weight,
@@ -394,6 +395,9 @@ class StaticLlama(nn.Module):
         # additive, built once per forward: SDPA would convert a boolean mask again in every layer
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         nq, nkv, d, ops = self.heads, self.kv_heads, self.head_dim, self.ops
+        # a decode step's shapes are few (captured per batch size and context bucket); other forwards' are many, and
+        # a kernel that plans per shape would plan in each
+        attend = F.scaled_dot_product_attention if t == 1 else planless_sdpa
         h = rms_norm(x, self.layers[0].in_norm, self.eps)
         for i, layer in enumerate(self.layers):
             if "qkv" in layer:
@@ -410,7 +414,7 @@ class StaticLlama(nn.Module):
             if slot is not None:
                 k, v = self.k_cache[i][:b, :, :s], self.v_cache[i][:b, :, :s]  # [B, Hkv, S, D]
             # grouped-query attention as Hkv heads of G*T queries each: K/V are read as stored, never copied per head
-            a = F.scaled_dot_product_attention(q.reshape(b, nkv, g * t, d), k, v, attn_mask=bias)  # q: [B, H, T, D]
+            a = attend(q.reshape(b, nkv, g * t, d), k, v, attn_mask=bias)  # q: [B, H, T, D]
             a = a.reshape(b, nq, t, d).transpose(1, 2).reshape(b * t, -1)  # [N, H * D]
             x, h = ops.add_rms_norm(x, layer["o_proj"].parts(a), layer.post_norm, self.eps)
             if "gate_up" in layer:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qgate.device import graph_seconds, to_device
+from qgate.device import HostCopy, graph_seconds, to_device
 from qgate.engines import elementwise
 from qgate.engines.int4pack import Int4Weight
 from qgate.engines.logits import as_logits, check_vocab
@@ -237,21 +237,32 @@ class StaticRunner:
 
     def greedy_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy answers, each ending at its first stop token (included): one prefill into the static cache, then
-        one decode step per token, replayed from a captured graph when one holds the batch."""
+        one decode step per token, replayed from a captured graph when one holds the batch. Each step's tokens come
+        to the host while the next step runs (device.HostCopy), so on a GPU the host queues the next step before it
+        reads a step's tokens and the device does not wait for it. Stops are thus seen a step late: the step after
+        the last answer's stop runs, and its tokens are dropped."""
         answers: list[list[int]] = [[] for _ in prompts]
         if max_new_tokens < 1:
             return answers
         live = [True] * len(prompts)
+        queued: list[HostCopy] = []  # the last step's tokens, on their way to the host
 
-        def take(step: int, logits: torch.Tensor) -> torch.Tensor | None:
-            nxt = logits[:, -1].argmax(-1)  # [rows]
-            for r, t in enumerate(nxt[: len(prompts)].tolist()):
+        def read() -> None:
+            for r, t in enumerate(queued.pop().tolist()):
                 if live[r]:
                     answers[r].append(t)
                     live[r] = t not in self.stops
+
+        def take(step: int, logits: torch.Tensor) -> torch.Tensor | None:
+            nxt = logits[:, -1].argmax(-1)  # [rows]
+            copy = HostCopy(nxt[: len(prompts)])
+            if queued:
+                read()
+            queued.append(copy)
             return nxt if any(live) else None
 
         self._decode(prompts, max_new_tokens - 1, 1, take)
+        read()
         return answers
 
     def served_logits_batch(self, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list:
