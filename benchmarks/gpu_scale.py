@@ -693,11 +693,22 @@ def main() -> int:
         release(device)
 
     def eager_decode():
+        from transformers import AttentionInterface
+
         ref = load_runner(base, str(device))
         for b in (1, 8):
             rows[b]["eager_bf16_tok_s"] = b * decode_rate(ref.greedy_batch, [prompt] * b, min(args.steps, 32))
             res.save()
         dec["batch1_vs_eager"] = rows[1]["engine_tok_s"] / rows[1]["eager_bf16_tok_s"]
+        # the same at batch 1 with the reference's attention as it was before runners.grouped_sdpa (A/B)
+        name = ref.model.config._attn_implementation
+        own = AttentionInterface._global_mapping[name]
+        AttentionInterface.register(name, enable_gqa_attention)
+        try:
+            rate = decode_rate(ref.greedy_batch, [prompt], min(args.steps, 32))
+        finally:
+            AttentionInterface.register(name, own)
+        rows[1]["eager_bf16_tok_s_enable_gqa"] = rate
         del ref
         release(device)
 
