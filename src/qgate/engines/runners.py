@@ -270,17 +270,21 @@ class TorchRunner:
         local = getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_chunk_size", None)
         return bool(PACKED_CONTEXTS.get(self.device.type)) and full and not local
 
+    def _spread(self, cache, rows: int) -> None:
+        """A cached prefix's KV cache [1, ...] made [rows, ...] in place, the prefix once per row; None: no prefix."""
+        import torch
+
+        if cache is not None:
+            cache.reorder_cache(torch.zeros(rows, dtype=torch.long, device=self.device))
+
     def _packed_logits(self, groups, cache, p: int) -> list[list]:
         """Every context with its continuations after it, packed several to a row (padding.pack_trees), in one
         forward after `p` cached prefix positions; logits read only at the columns that predict a continuation's
         tokens. Each token sees the prefix, its own context and its own continuation's earlier tokens: the
         positions, attention and logits of the padded path, with far fewer positions and forwards."""
-        import torch
-
         trees = pack_trees(groups, p, self.tokenizer.pad_token_id or 0)
         n = len(trees.tokens)
-        if cache is not None:
-            cache.reorder_cache(torch.zeros(n, dtype=torch.long, device=self.device))  # [1, ...] -> [n, ...]
+        self._spread(cache, n)
         cols = np.unique(trees.at[:, 1])  # the columns any row reads
         out = self.model(
             self._ids(trees.tokens),
@@ -308,8 +312,7 @@ class TorchRunner:
         cmask = torch.cat(
             [torch.ones(len(groups), p, dtype=torch.long, device=self.device), smask], -1
         )  # padding sits between prefix and context
-        if cache is not None:
-            cache.reorder_cache(torch.zeros(len(groups), dtype=torch.long, device=self.device))  # [1, ...] -> [G, ...]
+        self._spread(cache, len(groups))
         out = self.model(
             x,
             attention_mask=cmask,
@@ -400,9 +403,8 @@ class TorchRunner:
         with torch.inference_mode():
             keys, values, firsts = [], [], []
             a = 0
-            while (
-                a < rows
-            ):  # prefill in small left-padded batches of similar length (a [B, W, V] logits tensor is slow)
+            # prefill in small left-padded batches of similar length (a [B, W, V] logits tensor is slow)
+            while a < rows:
                 b = a + 1
                 while b < rows and (b + 1 - a) * max(len(p) for p in prompts[a : b + 1]) <= prefill_tokens:
                     b += 1
@@ -421,9 +423,8 @@ class TorchRunner:
                     parts[a + i].append(r)
                 del blocks
                 firsts.append(out.logits[:, -1].argmax(-1))
-                layers = (
-                    out.past_key_values.layers
-                )  # left-pad the cache to the common width; the mask hides the padding
+                # left-pad the cache to the common width; the mask hides the padding
+                layers = out.past_key_values.layers
                 keys.append([torch.nn.functional.pad(layer.keys, (0, 0, width - w, 0)) for layer in layers])
                 values.append([torch.nn.functional.pad(layer.values, (0, 0, width - w, 0)) for layer in layers])
                 del out, layers
