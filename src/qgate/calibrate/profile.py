@@ -213,9 +213,7 @@ class TrafficProfiler:
 
     def add(self, route: str, tenant: str, tokens: list[str], ts: float | None, latency_ms: float | None) -> None:
         """One request (the sampler adds whole batches: `add_batch`)."""
-        half = (
-            hashlib.blake2b(" ".join(tokens).encode(), digest_size=1).digest()[0] & 1
-        )  # by content: order-independent
+        half = hashlib.blake2b(" ".join(tokens).encode(), digest_size=1).digest()[0] & 1  # by content, not order
         self.add_batch(
             [route],
             [tenant],

@@ -38,9 +38,8 @@ _CARD = re.compile(r"(?<![+\d])\d(?:[ -]?\d){13,18}\b")
 _SSN = re.compile(r"\b(?!000|666|9\d\d)\d{3}-(?!00)\d{2}-(?!0000)\d{4}\b")
 _NINO = re.compile(r"\b(?!BG|GB|NK|KN|TN|NT|ZZ)[A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z] ?\d{2} ?\d{2} ?\d{2} ?[A-D]\b")
 _AADHAAR = re.compile(r"\b[2-9]\d{3}[ -]?\d{4}[ -]?\d{4}\b")
-_PHONE_HINT = re.compile(
-    r"(?<![\w#:.\-])[+(]?\d[\d ().\-]{6,}\d(?![\w:])"
-)  # a cheap pre-check (most prompts never reach libphonenumber), not inside ids, hashes or times
+# a cheap pre-check (most prompts never reach libphonenumber), not inside ids, hashes or times
+_PHONE_HINT = re.compile(r"(?<![\w#:.\-])[+(]?\d[\d ().\-]{6,}\d(?![\w:])")
 _IPV4 = re.compile(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(?:25[0-5]|2[0-4]\d|1?\d?\d)(?!\.?\d)")
 _IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])")
 

@@ -93,9 +93,8 @@ class Partition:
 
     location: str
     rel: str = ""
-    size: int | None = field(
-        default=None, compare=False
-    )  # bytes, as listed (None: not known); not part of its identity
+    # bytes, as listed (None: not known); not part of its identity
+    size: int | None = field(default=None, compare=False)
 
     @property
     def name(self) -> str:

@@ -107,9 +107,8 @@ def _bags(split, marks: np.ndarray, mark_text: np.ndarray, weights: np.ndarray |
                 ),
             ]
         )
-        bags.append(
-            bag.filter(pc.and_(pc.not_equal(bag["w"], ""), pc.not_equal(bag["n"], 0)))
-        )  # "": between adjacent spaces
+        # "": between adjacent spaces
+        bags.append(bag.filter(pc.and_(pc.not_equal(bag["w"], ""), pc.not_equal(bag["n"], 0))))
     return bags
 
 

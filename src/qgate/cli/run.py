@@ -157,9 +157,8 @@ def _print_table(spec, o: Output) -> None:
             if (
                 c["gate"] in ("eval", "long_context") and c["verdict"] != "info"
             ):  # a guard that did not fail: in the report
-                ci = (
-                    f" [{c['ci'][0]:.4g}, {c['ci'][1]:.4g}]" if c["ci"] else ""
-                )  # significant digits: bpb rises are ~0.002
+                # significant digits: bpb rises are ~0.002
+                ci = f" [{c['ci'][0]:.4g}, {c['ci'][1]:.4g}]" if c["ci"] else ""
                 mde = f"  mde {c['mde']:.3g}" if c["mde"] is not None else ""
                 typer_echo(
                     f"{'':22s} {c['verdict'].upper():12s} {c['metric']} {c['observed']:.4g}{ci}  n={c['n']}{mde}"

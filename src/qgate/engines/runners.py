@@ -309,9 +309,8 @@ class TorchRunner:
         pad = self.tokenizer.pad_token_id or 0
         tok, real = left_pad([list(c) for c, _ in groups], pad)
         x, smask = self._ids(tok), self._ids(real, torch.long)
-        cmask = torch.cat(
-            [torch.ones(len(groups), p, dtype=torch.long, device=self.device), smask], -1
-        )  # padding sits between prefix and context
+        # padding sits between prefix and context
+        cmask = torch.cat([torch.ones(len(groups), p, dtype=torch.long, device=self.device), smask], -1)
         self._spread(cache, len(groups))
         out = self.model(
             x,

@@ -181,9 +181,8 @@ class RunnerLM(LM):
         and continuations into the rows of one forward, their tokens together; otherwise the contexts' suffixes
         left-padded to the longest, and the continuation tokens (which the runner pads only within groups of similar
         length), each."""
-        shared = sorted(
-            shared, key=lambda g: (g[1][: g[0]], len(g[1]) - g[0])
-        )  # one prefix per run, suffixes by length
+        # one prefix per run, suffixes by length
+        shared = sorted(shared, key=lambda g: (g[1][: g[0]], len(g[1]) - g[0]))
         start = 0
         while start < len(shared):
             p, c0, ix0 = shared[start]

@@ -256,9 +256,8 @@ def baseline_reference(
         "score_seconds": np.array(time.perf_counter() - t0 - gen_s),
     }
     buf = io.BytesIO()
-    np.savez(
-        buf, **ref
-    )  # not compressed: top-k log-probs barely compress, and zlib costs a large share of the reference's time
+    # not compressed: top-k log-probs barely compress, and zlib costs a large share of the reference's time
+    np.savez(buf, **ref)
     write_cached(path, buf.getvalue())
     return ref, False
 
