@@ -842,6 +842,9 @@ def main() -> int:
             res.save()
             release(device)
 
+    if r.get("gate") and device.type == "cuda":
+        res.phase("reference_eval_attention", reference_attention)
+
     def alternatives():  # other int4 kernels and the step's kernels: after the gate, so they cannot crowd it out
         engine = StaticRunner(eng.path, device, graph_batch_sizes=[1])
         step = dec["batch1_step"]
