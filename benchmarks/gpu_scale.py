@@ -482,33 +482,37 @@ def attention_first_calls(device, heads: int, kv_heads: int, head_dim: int) -> d
     return out
 
 
-def enable_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
-    """The reference's attention as it was before runners.grouped_sdpa: K/V with enable_gqa and torch's choice of
-    kernel (cuDNN's on Hopper, which plans per shape), for the A/B in reference_eval_attention."""
-    from qgate.engines.runners import enable_gqa_sdpa
+@contextlib.contextmanager
+def reference_attention_as(ref, attention):
+    """`attention` registered as reference runner `ref`'s attention function for the block (None: its own). "old":
+    runners._gqa_sdpa with grouped=False, K/V with enable_gqa and torch's choice of kernel (cuDNN's on Hopper, which
+    plans per shape), the call before runners.grouped_sdpa."""
+    import functools
 
-    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
-        attention_mask = attention_mask[..., : key.shape[-2]]
-    return enable_gqa_sdpa(module, query, key, value, attention_mask, scaling, is_causal), None
-
-
-def reference_eval_seconds(base, device, cfg, attention=None, runs: int = 1) -> list[dict]:
-    """The baseline's eval `runs` times on one fresh reference runner: per run, RunnerLM's scoring seconds
-    (EvalCounter) and real tokens, with `attention` registered as the reference's attention function on this device
-    for the runs (None: its own)."""
     from transformers import AttentionInterface
 
     from qgate.engines import runners
 
-    ref = runners.load_runner(base, str(device))
     name = ref.model.config._attn_implementation
     own = AttentionInterface._global_mapping[name]
+    if attention == "old":
+        attention = functools.partial(runners._gqa_sdpa, grouped=False)
     if attention is not None:
         AttentionInterface.register(name, attention)
     try:
-        counted = [counted_eval(ref, cfg) for _ in range(runs)]
+        yield
     finally:
         AttentionInterface.register(name, own)
+
+
+def reference_eval_seconds(base, device, cfg, attention=None, runs: int = 1) -> list[dict]:
+    """The baseline's eval `runs` times on one fresh reference runner: per run, RunnerLM's scoring seconds
+    (EvalCounter) and real tokens, with `attention` as the reference's attention (reference_attention_as)."""
+    from qgate.engines import runners
+
+    ref = runners.load_runner(base, str(device))
+    with reference_attention_as(ref, attention):
+        counted = [counted_eval(ref, cfg) for _ in range(runs)]
     return [{"seconds": c["seconds"], "real_tokens": sum(c["real"].values())} for c in counted]
 
 
@@ -693,22 +697,13 @@ def main() -> int:
         release(device)
 
     def eager_decode():
-        from transformers import AttentionInterface
-
         ref = load_runner(base, str(device))
         for b in (1, 8):
             rows[b]["eager_bf16_tok_s"] = b * decode_rate(ref.greedy_batch, [prompt] * b, min(args.steps, 32))
             res.save()
         dec["batch1_vs_eager"] = rows[1]["engine_tok_s"] / rows[1]["eager_bf16_tok_s"]
-        # the same at batch 1 with the reference's attention as it was before runners.grouped_sdpa (A/B)
-        name = ref.model.config._attn_implementation
-        own = AttentionInterface._global_mapping[name]
-        AttentionInterface.register(name, enable_gqa_attention)
-        try:
-            rate = decode_rate(ref.greedy_batch, [prompt], min(args.steps, 32))
-        finally:
-            AttentionInterface.register(name, own)
-        rows[1]["eager_bf16_tok_s_enable_gqa"] = rate
+        with reference_attention_as(ref, "old"):  # A/B at batch 1: the call before runners.grouped_sdpa
+            rows[1]["eager_bf16_tok_s_enable_gqa"] = decode_rate(ref.greedy_batch, [prompt], min(args.steps, 32))
         del ref
         release(device)
 
@@ -835,7 +830,7 @@ def main() -> int:
         cfg, out = spec.gate_config().eval, {}
         r["reference_eval_attention"] = out
         # each variant on a fresh runner, twice: the first run pays whatever its kernels build per new shape
-        for name, fn in (("own", None), ("enable_gqa", enable_gqa_attention)):
+        for name, fn in (("own", None), ("enable_gqa", "old")):
             out[name] = dict(zip(("first", "second"), reference_eval_seconds(base, device, cfg, fn, runs=2)))
             for row in out[name].values():
                 row["mfu"] = 2 * r["params"] * row["real_tokens"] / row["seconds"] / (args.peak_tflops * 1e12)

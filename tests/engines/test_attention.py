@@ -2,6 +2,8 @@
 turns cuDNN's kernel off for one call on CUDA and back on, whatever the call does; and device.HostCopy, which
 brings a step's tokens to the host while the next step runs."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -92,12 +94,7 @@ def test_reference_attention_on_cuda_builds_no_plans(base_art):
     got = ref.logits_batch(seqs)
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
-    def enable_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
-        if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
-            attention_mask = attention_mask[..., : key.shape[-2]]
-        return runners.enable_gqa_sdpa(module, query, key, value, attention_mask, scaling, is_causal), None
-
-    AttentionInterface.register(name, enable_gqa)
+    AttentionInterface.register(name, functools.partial(runners._gqa_sdpa, grouped=False))
     try:
         want = ref.logits_batch(seqs)
     finally:

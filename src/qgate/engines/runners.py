@@ -49,16 +49,19 @@ def _gqa_sdpa(
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
+    grouped: bool = True,
     **kwargs,
 ):
     """transformers' SDPA attention, except that grouped-query K/V are never copied per query head. transformers
     copies K/V once per query head whenever a mask is present; on a left-padded batch that copy of the whole KV cache
     per layer and decode step costs 10x the attention itself (benchmarks/bench_gates_engines.py). With a mask on
-    CUDA, grouped_sdpa: a layout the memory-efficient kernel takes, which builds no plan per shape. Else K/V as they
-    are, with enable_gqa (enable_gqa_sdpa)."""
+    CUDA, grouped_sdpa: a layout the memory-efficient kernel takes, which builds no plan per shape. Else, or with
+    grouped=False (the call before grouped_sdpa, kept to compare the two), K/V as they are, with enable_gqa
+    (enable_gqa_sdpa)."""
     if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
         attention_mask = attention_mask[..., : key.shape[-2]]
-    if attention_mask is not None and query.is_cuda and attention_mask.dim() == 4 and attention_mask.shape[1] == 1:
+    masked = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+    if grouped and masked and query.is_cuda:
         return grouped_sdpa(query, key, value, attention_mask, scaling), None
     return enable_gqa_sdpa(module, query, key, value, attention_mask, scaling, is_causal), None
 
