@@ -19,8 +19,12 @@ from pathlib import Path
 
 import gpu_scale  # beside this script
 
-SHAPES = {"int4 6144x4096": (6144, 4096), "int4 4096x4096": (4096, 4096), "int4 28672x4096": (28672, 4096)}
-SHAPES["int4 4096x14336"] = (4096, 14336)
+SHAPES = {
+    "int4 6144x4096": (6144, 4096),
+    "int4 4096x4096": (4096, 4096),
+    "int4 28672x4096": (28672, 4096),
+    "int4 4096x14336": (4096, 14336),
+}
 COUNT = 32  # Linears of each shape in the 8B model (one per layer)
 
 
