@@ -307,6 +307,23 @@ def _unsplit_step_ms(engine, device) -> float | None:
     )
 
 
+def _attention_step_ms(engine, device) -> dict:
+    """_graph_step_ms with each decode attention kernel that runs here (engines/decode_attention.py), the engine's own
+    included: {kernel: ms}, or the error as a string."""
+    from qgate.engines import decode_attention
+
+    m = engine.model
+    served = m.decode_kernel
+    out: dict = {}
+    for name in decode_attention.KERNELS:
+        if decode_attention.unavailable(name, device, m.head_dim) is None:
+            out[name] = _recorded(
+                _recaptured_step_ms, engine, device, lambda n=name: setattr(m, "decode_kernel", n),
+                lambda: setattr(m, "decode_kernel", served),
+            )  # fmt: skip
+    return out
+
+
 def _split_sums_apart_step_ms(engine, device) -> float | None:
     """_graph_step_ms with each split int4 kernel's partials summed in a kernel of their own (int4pack.split_mm)
     instead of inside the elementwise function that reads them (Linear.parts); None where the engine splits none or
@@ -345,8 +362,8 @@ def _linear_shapes(engine) -> dict:
 
 def step_breakdown(engine, device) -> dict:
     """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps), the
-    same recaptured with the elementwise work eager, with the int4 kernels unsplit, and with split kernels' partials
-    summed apart from the functions that read them, and the model's Linears alone
+    same recaptured with the elementwise work eager, with the int4 kernels unsplit, with split kernels' partials
+    summed apart from the functions that read them, and with each decode attention kernel, and the model's Linears alone
     at one row, in total and per weight shape (the bytes each reads per millisecond). The other kernels' figures
     come later in the run (kernel_alternatives)."""
     import torch
@@ -360,6 +377,7 @@ def step_breakdown(engine, device) -> dict:
     eager_ms = _recorded(_eager_elementwise_step_ms, engine, device)
     unsplit_ms = _recorded(_unsplit_step_ms, engine, device)
     sums_apart_ms = _recorded(_split_sums_apart_step_ms, engine, device)
+    attention_ms = _recorded(_attention_step_ms, engine, device)
     shapes = _linear_shapes(engine)
     lins = [(m, i) for (_, i, _), ms in shapes.items() for m in ms]
     xs = {i: torch.randn(1, i, dtype=torch.bfloat16, device=device) for _, i in lins}
@@ -386,6 +404,8 @@ def step_breakdown(engine, device) -> dict:
         "graph_step_ms_eager_elementwise": eager_ms,  # the same step with the work between Linears uncompiled
         "graph_step_ms_unsplit": unsplit_ms,  # the same step with every int4 kernel unsplit
         "graph_step_ms_split_sums_apart": sums_apart_ms,  # split partials summed in kernels of their own
+        "graph_step_ms_by_attention": attention_ms,  # the same step with each decode attention kernel
+        "attention": engine.model.decode_kernel,  # the engine's own
         "linears_ms": lin_ms,
         "linears_bytes": total,
         "linears_read_tb_s": total / lin_ms / 1e9,
@@ -665,7 +685,15 @@ def main() -> int:
         return 1
     r["engine"] = {
         k: eng.meta.get(k)
-        for k in ("graph_batch_sizes", "captured_graphs", "load_seconds", "engine_bytes", "numerics", "int4_splits")
+        for k in (
+            "graph_batch_sizes",
+            "captured_graphs",
+            "load_seconds",
+            "engine_bytes",
+            "numerics",
+            "int4_splits",
+            "decode_attention",
+        )
     }
 
     # decode: the engine against transformers eager bf16 and against its roofline, on the same card

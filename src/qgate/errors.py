@@ -83,3 +83,9 @@ def free_bytes(path) -> int | None:
         return shutil.disk_usage(p).free
     except OSError:
         return None
+
+
+def in_one_line(e: BaseException, limit: int = 200) -> str:
+    """'TypeName: the first line of its message' (at most `limit` characters of it): an exception in a warning or a
+    record, where a traceback would not fit."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:limit]}"

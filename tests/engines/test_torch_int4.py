@@ -660,6 +660,15 @@ def test_cuda_graph_decode_equals_eager_decode(awq_art, calib_arts, workdir):
     assert spec["int4_splits"] == {k: v["split"] for k, v in eng.meta["int4_splits"].items()}
     lins = [m for m in runner.model.modules() if isinstance(m, Linear) and m.weight is None]
     assert all(m.split == spec["int4_splits"][m.shape] for m in lins)
+    # and the decode step's attention kernel the same way; every kernel it timed serves answers alike
+    timed = eng.meta["decode_attention"]
+    assert spec["decode_attention"] == timed["kernel"] == runner.model.decode_kernel and "sdpa" in timed["us"]
+    assert len(timed["shapes"]) == len(runner.graphs)
+    for kernel in timed["us"]:
+        runner.model.decode_kernel, runner.graphs = kernel, {}
+        for a, b in zip(ref.logits_batch(SEQS), runner.served_logits_batch(SEQS, [2, 3, 4]), strict=True):
+            pa, pb = torch.log_softmax(torch.as_tensor(a).float(), -1), torch.log_softmax(b.float(), -1)
+            assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
     # and every layout computes what the checkpoint says on the GPU's kernel: the widest each shape takes, eagerly
     for m in lins:
         m.resplit(max(split_factors(m.in_features, m.group_size)))

@@ -21,6 +21,7 @@ import torch
 from torch.nn import functional as F  # noqa: N812
 
 from qgate.engines.int4pack import split_sum
+from qgate.errors import in_one_line
 
 COMPILED = {"cuda": True}  # devices whose runners compile the elementwise work of every forward (compiled_ops)
 
@@ -168,7 +169,7 @@ def compiled_ops(
                                 f" on split partials ({s} blocks)" if s > 1 else ""
                             )
     except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager functions, and says why
-        why = f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        why = f"torch.compile failed: {in_one_line(e)}"
         if any_cache_rows:
             ops, again = compiled_ops(hidden, heads, kv_heads, head_dim, dtype, device, eps, splits, False)
             if again is None:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from qgate.device import planless_sdpa
+from qgate.engines.decode_attention import triton_attend
 from qgate.engines.elementwise import EAGER, Ops, compiled_ops, rms_norm
 from qgate.engines.int4pack import (
     Int4Weight,
@@ -251,6 +252,33 @@ class StaticLlama(nn.Module):
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.ops: Ops = EAGER  # the elementwise work between Linears (compile)
+        self.decode_kernel = "sdpa"  # which kernels compute a decode step's attention (decode_attention.KERNELS)
+
+    def decode_attend(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot: torch.Tensor,
+        bias: torch.Tensor,
+    ) -> torch.Tensor:
+        """A decode step's attention, one token per row, by the kernel `decode_kernel` names (decode_attention.py):
+        qkv [B, (H + 2 Hkv) * D] or split partials of it, cos and sin [B, 1, D], the caches [B, Hkv, >= S, D]
+        written at `slot` [1], bias [B, 1, G, S]. Returns [B, H * D]. Split partials take the "sdpa" kernels, whose
+        elementwise function sums them."""
+        if self.decode_kernel != "sdpa" and qkv.dim() == 2:
+            return triton_attend(
+                self.decode_kernel, qkv, cos, sin, k_cache, v_cache, slot, bias, self.heads, self.kv_heads
+            )
+        b, s, nq, nkv, d = qkv.shape[0], bias.shape[-1], self.heads, self.kv_heads, self.head_dim
+        q = self.ops.rope_into_cache(qkv, cos, sin, nq, nkv, k_cache, v_cache, slot)  # [B, H, 1, D]
+        # torch's choice of kernel: a decode step's shapes are few (captured per batch size and context bucket)
+        a = F.scaled_dot_product_attention(
+            q.reshape(b, nkv, nq // nkv, d), k_cache[:, :, :s], v_cache[:, :, :s], attn_mask=bias
+        )
+        return a.reshape(b, nq * d)
 
     def compile(self) -> str | None:
         """Forwards run the elementwise work between Linears compiled (elementwise.compiled_ops); None, or why they
@@ -395,27 +423,24 @@ class StaticLlama(nn.Module):
         # additive, built once per forward: SDPA would convert a boolean mask again in every layer
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         nq, nkv, d, ops = self.heads, self.kv_heads, self.head_dim, self.ops
-        # a decode step's shapes are few (captured per batch size and context bucket); other forwards' are many, and
-        # a kernel that plans per shape would plan in each
-        attend = F.scaled_dot_product_attention if t == 1 else planless_sdpa
         h = rms_norm(x, self.layers[0].in_norm, self.eps)
         for i, layer in enumerate(self.layers):
             if "qkv" in layer:
                 qkv = layer["qkv"].parts(h)  # [N, (H + 2 Hkv) * D], or split partials that rope sums
             else:
                 qkv = torch.cat([layer[n](h) for n in ("q_proj", "k_proj", "v_proj")], -1)
-            if t == 1 and slot is not None:  # a decode step: k and v go into the cache in the same kernel
-                q = ops.rope_into_cache(qkv, cos, sin, nq, nkv, self.k_cache[i][:b], self.v_cache[i][:b], slots)
+            if t == 1 and slot is not None:  # a decode step
+                a = self.decode_attend(qkv, cos, sin, self.k_cache[i][:b], self.v_cache[i][:b], slots, bias)
             else:
                 q, k, v = (z.view(b, t, -1, d).transpose(1, 2) for z in ops.rope(qkv, cos, sin, nq, nkv))
                 if slot is not None:
                     self.k_cache[i][:b].index_copy_(2, slots, k)
                     self.v_cache[i][:b].index_copy_(2, slots, v)
-            if slot is not None:
-                k, v = self.k_cache[i][:b, :, :s], self.v_cache[i][:b, :, :s]  # [B, Hkv, S, D]
-            # grouped-query attention as Hkv heads of G*T queries each: K/V are read as stored, never copied per head
-            a = attend(q.reshape(b, nkv, g * t, d), k, v, attn_mask=bias)  # q: [B, H, T, D]
-            a = a.reshape(b, nq, t, d).transpose(1, 2).reshape(b * t, -1)  # [N, H * D]
+                    k, v = self.k_cache[i][:b, :, :s], self.v_cache[i][:b, :, :s]  # [B, Hkv, S, D]
+                # grouped-query attention as Hkv heads of G*T queries each: K/V are read as stored, never copied per
+                # head; these forwards' shapes are many, and a kernel that plans per shape would plan in each
+                a = planless_sdpa(q.reshape(b, nkv, g * t, d), k, v, attn_mask=bias)  # q: [B, H, T, D]
+                a = a.reshape(b, nq, t, d).transpose(1, 2).reshape(b * t, -1)  # [N, H * D]
             x, h = ops.add_rms_norm(x, layer["o_proj"].parts(a), layer.post_norm, self.eps)
             if "gate_up" in layer:
                 gate, up = layer["gate_up"].parts(h).chunk(2, -1)  # [N, I] each, or split partials that silu_mul sums

@@ -13,9 +13,11 @@ runs the same model eagerly. Before capture, the int4 weights' dequantized matri
 DENSE_SHARE of the free memory (StaticLlama.keep_dense): prefill and teacher-forced scoring read them instead of
 dequantizing, and so do decode steps of KEPT_DENSE_ROWS rows or more, captured or not. Each int4 weight shape's
 kernel is laid out as engine.json's `int4_splits` says (int4pack.split_k): the engine's build on a GPU times the
-layouts at the captured batch sizes and records the fastest (`choose_splits`). Where elementwise.COMPILED
-names the device, forwards run their elementwise work compiled (StaticLlama.compile); where the compiler or a capture
-fails they run it eagerly, with a warning, and `numerics` says which.
+layouts at the captured batch sizes and records the fastest (`choose_splits`). Decode steps compute attention with
+the kernel engine.json's `decode_attention` names, chosen the same way (engines/decode_attention.py). Where
+elementwise.COMPILED names the device, forwards run their elementwise work compiled (StaticLlama.compile). Where a
+capture fails, the decode kernel gives way to "sdpa" first and the compiled work to eager functions next, with a
+warning each, and `numerics` says what runs.
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ import numpy as np
 import torch
 
 from qgate.device import HostCopy, graph_seconds, to_device
-from qgate.engines import elementwise
+from qgate.engines import decode_attention, elementwise
 from qgate.engines.int4pack import Int4Weight
 from qgate.engines.logits import as_logits, check_vocab
 from qgate.engines.padding import left_pad, pack_trees, right_pad, sequences_as_trees
 from qgate.engines.static_llama import StaticLlama
-from qgate.errors import ConfigError
+from qgate.errors import ConfigError, in_one_line
 
 SERVED_SUBDIR = "checkpoint"  # an engine's config, generation config and tokenizer files: what the contract reads
 SERVED_FILES = ("config.json", "generation_config.json")
@@ -72,12 +74,14 @@ class StaticRunner:
         engine_dir: Path,
         device: torch.device,
         graph_batch_sizes: Sequence[int] | None = None,
-        choose_splits: bool = False,
+        choose_kernels: bool = False,
     ):
         """graph_batch_sizes: the decode batch sizes captured on CUDA; None: the engine's own (engine.json).
-        choose_splits: on CUDA, time each int4 weight shape's split_k layouts at those batch sizes and take the
-        fastest (StaticLlama.choose_splits; the choice is in `splits`, for the engine's build to record); otherwise
-        the layouts engine.json names."""
+        choose_kernels: on CUDA, time each int4 weight shape's split_k layouts at those batch sizes and take the
+        fastest (StaticLlama.choose_splits; the choice is in `splits`), then the decode step's attention kernels at
+        those batch sizes and every context bucket (decode_attention.choose_kernel; the choice is in
+        `decode_choice`), for the engine's build to record; otherwise the layouts and the kernel engine.json
+        names."""
         from qgate.device import batch_tokens, forward_cost
         from qgate.trust import check_loadable, load_tokenizer
 
@@ -85,8 +89,8 @@ class StaticRunner:
         check_loadable(engine_dir)
         self.device = device
         self.model, self.spec, config = load_model(engine_dir, device)
-        self.numerics = f"{device.type}-torch-int4-{self.spec['dtype']}"
         self.splits: dict[str, dict] = {}  # choose_splits' record, where it ran
+        self.decode_choice: dict = {}  # decode_attention.choose_kernel's record, where it ran
         self.tokenizer = load_tokenizer(engine_dir / SERVED_SUBDIR)
         check_vocab(engine_dir, self.tokenizer, self.model.embed.shape[0])
         self.max_length = int(config.get("max_position_embeddings", 2048))
@@ -105,21 +109,28 @@ class StaticRunner:
             self._graph_inputs(max(sizes), self.spec["max_seq_len"])
             # kept before capture: the graphs of KEPT_DENSE_ROWS rows or more read the kept matrices
             self.dense_bytes = self.model.keep_dense(int(torch.cuda.mem_get_info(device)[0] * DENSE_SHARE))
-            if choose_splits:  # after keep_dense: a kept matrix takes the rows from KEPT_DENSE_ROWS on
+            if choose_kernels:  # after keep_dense: a kept matrix takes the rows from KEPT_DENSE_ROWS on
                 self._choose_splits(sizes, lambda f: graph_seconds(f, device))
-        if any(getattr(m, "split", 1) > 1 for m in self.model.modules()):
-            self.numerics += "-splitk"
         self._compile()  # before capture: a graph replays the kernels its capture ran
+        if device.type == "cuda" and choose_kernels:  # after compile: "sdpa" runs the compiled rope_into_cache
+            self._choose_decode_kernel(sizes)
+        else:
+            self._serve_decode_kernel(self.spec.get("decode_attention", decode_attention.DEFAULT), engine_dir)
         if device.type == "cuda":
             self.served_rows = max(sizes)
-            try:
-                self._capture(sizes)
-            except Exception as e:  # noqa: BLE001 - the compiled kernels do not capture: eager ones are recaptured
-                if self.model.ops is elementwise.EAGER:
-                    raise
-                self._eager(f"capturing them failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                self.graphs = {}
-                self._capture(sizes)
+            while True:
+                try:
+                    self._capture(sizes)
+                    break
+                except Exception as e:  # noqa: BLE001 - what does not capture gives way, and the rest is recaptured
+                    why = f"capturing them failed: {in_one_line(e)}"
+                    if self.model.decode_kernel != decode_attention.DEFAULT:
+                        self._sdpa_decode(why)
+                    elif self.model.ops is not elementwise.EAGER:
+                        self._eager(why)
+                    else:
+                        raise
+                    self.graphs = {}
         self.batch_tokens = batch_tokens(device, self.model.embed.shape[0], config["hidden_size"])
 
     def _choose_splits(self, sizes: Sequence[int], seconds) -> None:
@@ -133,27 +144,59 @@ class StaticRunner:
                     m.resplit(1)
             self.splits = {}
             logging.getLogger("qgate").warning(
-                "the torch-int4 engine's int4 kernels stay unsplit: choosing their layouts failed: %s: %s",
-                type(e).__name__,
-                str(e).splitlines()[0][:200] if str(e) else "",
+                "the torch-int4 engine's int4 kernels stay unsplit: choosing their layouts failed: %s", in_one_line(e)
             )
 
+    @property
+    def numerics(self) -> str:
+        """What computes this runner's logits: device, engine, dtype, then '-splitk' where an int4 kernel is split,
+        the decode attention kernel where it is not "sdpa", and '-compiled' where the elementwise work is."""
+        m = self.model
+        tags = [f"{self.device.type}-torch-int4-{self.spec['dtype']}"]
+        tags += ["splitk"] if any(getattr(x, "split", 1) > 1 for x in m.modules()) else []
+        tags += [m.decode_kernel] if m.decode_kernel != decode_attention.DEFAULT else []
+        return "-".join(tags + (["compiled"] if m.ops is not elementwise.EAGER else []))
+
     def _compile(self) -> None:
-        """Forwards with compiled elementwise work where elementwise.COMPILED names this device; `numerics` ends in
-        '-compiled' when they run it."""
-        if not elementwise.COMPILED.get(self.device.type):
-            return
-        why = self.model.compile()
-        if why is None:
-            self.numerics += "-compiled"
-        else:
-            self._eager(why)
+        """Forwards with compiled elementwise work where elementwise.COMPILED names this device."""
+        if elementwise.COMPILED.get(self.device.type):
+            why = self.model.compile()
+            if why is not None:
+                self._eager(why)
 
     def _eager(self, why: str) -> None:
         """Forwards run their elementwise work eagerly from now on, with a warning saying why."""
         self.model.ops = elementwise.EAGER
-        self.numerics = self.numerics.removesuffix("-compiled")
         logging.getLogger("qgate").warning("the torch-int4 engine runs its elementwise work eagerly: %s", why)
+
+    def _choose_decode_kernel(self, sizes: Sequence[int]) -> None:
+        """decode_attention.choose_kernel at `sizes` and every context bucket into `decode_choice`; where it
+        fails, decode steps run the "sdpa" kernels, with a warning."""
+        try:
+            seconds = lambda f: graph_seconds(f, self.device)  # noqa: E731
+            self.decode_choice = decode_attention.choose_kernel(self.model, sizes, self.buckets, seconds)
+        except Exception as e:  # noqa: BLE001 - "sdpa" serves: another kernel is a speed-up, not a need
+            self.decode_choice = {}
+            self._sdpa_decode(f"choosing a kernel failed: {in_one_line(e)}")
+
+    def _serve_decode_kernel(self, name: str, engine_dir: Path) -> None:
+        """Decode steps run kernel `name` (engine.json's decode_attention) where it runs here; a kernel that runs on
+        CUDA only gives way to "sdpa" on a CPU, and on CUDA with a warning. ConfigError for a name qgate lacks."""
+        if name not in decode_attention.KERNELS:
+            raise ConfigError(
+                f"{engine_dir}/engine.json: decode_attention {name!r} is not one of {', '.join(decode_attention.KERNELS)}",
+                hint="rebuild the engine with this qgate",
+            )
+        why = decode_attention.unavailable(name, self.device, self.model.head_dim)
+        if why is None:
+            self.model.decode_kernel = name
+        elif self.device.type == "cuda":
+            self._sdpa_decode(f"engine.json names {name!r}, and {why}")
+
+    def _sdpa_decode(self, why: str) -> None:
+        """Decode steps run the "sdpa" kernels from now on, with a warning saying why."""
+        self.model.decode_kernel = decode_attention.DEFAULT
+        logging.getLogger("qgate").warning("the torch-int4 engine's decode steps run the sdpa kernels: %s", why)
 
     def _graph_inputs(self, rows: int, slots: int) -> None:
         """The decode graphs' KV cache of `slots` slots for `rows` rows, their context buckets and static inputs."""

@@ -15,7 +15,8 @@ Layout of `out`:
   engine.safetensors   dense tensors in `dtype`; per int4 Linear `<prefix>.codes` [O, I/2] uint8 and
                        `<prefix>.scales_and_zeros` [G, O, 2] float32
   engine.json          dtype, layer kinds, group sizes, graph batch sizes, KV slots, and (built on a GPU) the int4
-                       kernels' layouts, `int4_splits` {"<O>x<I>/g<group>": split factor} (int4pack.split_k)
+                       kernels' layouts, `int4_splits` {"<O>x<I>/g<group>": split factor} (int4pack.split_k), and
+                       the decode step's attention kernel, `decode_attention` (engines/decode_attention.py)
   checkpoint/          the config, generation config and tokenizer files it serves with (the contract reads these)
 """
 
@@ -155,16 +156,18 @@ def build_torch_int4(ckpt: Artifact, config: TorchInt4Config, out: Path, profile
 def verify_engine(out: Path) -> dict:
     """Load the engine on this host's device, capture its graphs (CUDA), and decode 4 tokens at every captured batch
     size (batch 1 on a CPU); InputError if a row produces no token. On CUDA the load first picks each int4 weight
-    shape's kernel layout by timing them (StaticRunner's choose_splits), and engine.json records it as
-    `int4_splits`; the timings go to the artifact's metadata."""
+    shape's kernel layout and the decode step's attention kernel by timing them (StaticRunner's choose_kernels), and
+    engine.json records them as `int4_splits` and `decode_attention`; the timings go to the artifact's metadata."""
     from qgate.device import resolve_device
     from qgate.engines.static_runner import StaticRunner
 
     t0 = time.perf_counter()
-    runner = StaticRunner(out, resolve_device("auto"), choose_splits=True)
+    runner = StaticRunner(out, resolve_device("auto"), choose_kernels=True)
     load_s = time.perf_counter() - t0
-    if runner.splits:  # the int4 kernels' layouts this device serves fastest: every later load uses them
-        spec = runner.spec | {"int4_splits": {k: v["split"] for k, v in runner.splits.items()}}
+    # the int4 kernels' layouts and the decode attention kernel this device serves fastest: every later load uses them
+    spec = runner.spec | ({"int4_splits": {k: v["split"] for k, v in runner.splits.items()}} if runner.splits else {})
+    spec |= {"decode_attention": runner.decode_choice["kernel"]} if runner.decode_choice else {}
+    if spec != runner.spec:
         (out / "engine.json").write_text(json.dumps(spec, indent=2))
     prompt = runner.tokenizer.encode("Say hello.")
     sizes = sorted({b for b, _ in runner.graphs}) or [1]
@@ -172,11 +175,15 @@ def verify_engine(out: Path) -> dict:
         answers = runner.greedy_batch([prompt] * b, 4)
         if not all(answers):
             raise InputError(f"{out}: the torch-int4 engine's smoke decode at batch {b} produced no tokens")
-    return {
-        "verified": True,
-        "verified_on": str(runner.device),
-        "load_seconds": round(load_s, 2),
-        "captured_batch_sizes": sizes,
-        "captured_graphs": len(runner.graphs),
-        "numerics": runner.numerics,
-    } | ({"int4_splits": runner.splits} if runner.splits else {})
+    return (
+        {
+            "verified": True,
+            "verified_on": str(runner.device),
+            "load_seconds": round(load_s, 2),
+            "captured_batch_sizes": sizes,
+            "captured_graphs": len(runner.graphs),
+            "numerics": runner.numerics,
+        }
+        | ({"int4_splits": runner.splits} if runner.splits else {})
+        | ({"decode_attention": runner.decode_choice} if runner.decode_choice else {})
+    )
