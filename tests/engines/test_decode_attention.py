@@ -120,6 +120,19 @@ def test_choose_kernel_takes_the_fastest_that_computes_the_same(int4_f32, monkey
     }
 
 
+def test_choosing_a_kernel_compiles_nothing_the_load_did_not(int4_f32, monkeypatch):
+    """choose_kernel runs the compiled elementwise functions on inputs made as forwards make them (in inference mode,
+    the caches outside it), so a build's choice compiles no graph of its own."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(elementwise, "COMPILED", {"cpu": True})
+    runner = load_runner(int4_f32)
+    assert runner.numerics.endswith("-compiled")
+    graphs = counters["stats"]["unique_graphs"]
+    record = decode_attention.choose_kernel(runner.model, [1, 3], [16, 32], lambda f: (f(), 1.0)[1])
+    assert record["kernel"] == "sdpa" and counters["stats"]["unique_graphs"] == graphs
+
+
 def test_engine_json_names_the_decode_kernel(int4_f32, tmp_path, monkeypatch, caplog):
     """A kernel qgate lacks is refused at load with the file; a Triton kernel on a CPU gives way to sdpa quietly, and
     `numerics` names no kernel then."""

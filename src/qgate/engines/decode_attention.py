@@ -72,36 +72,39 @@ def choose_kernel(
     graph's replay on a GPU) and summed over every batch size in `rows` and context bucket in `slots`, is the least,
     and at least SAVING below "sdpa"'s; a kernel is left out where it does not run here (unavailable), where it
     raises, or where on any of those shapes its output or cache writes differ from "sdpa"'s by more than TOLERANCE of
-    their largest magnitude. The inputs are random, with each row's keys left-padded and the step's slot mid-bucket. Returns
-    {"kernel", "us": {name: microseconds summed over the shapes}, "shapes": [[rows, slots], ...], "unavailable"
+    their largest magnitude. The inputs are random, with each row's keys left-padded and the step's slot mid-bucket.
+    Returns {"kernel", "us": {name: microseconds summed over the shapes}, "shapes": [[rows, slots], ...], "unavailable"
     and "rejected": {name: why}, where any}."""
     nq, nkv, d = model.heads, model.kv_heads, model.head_dim
     gen = torch.Generator(device=model.device).manual_seed(0)
     cases = []
-    for r in sorted(set(rows)):
-        for n in sorted(set(slots)):
-            qkv = torch.randn(r, (nq + 2 * nkv) * d, generator=gen, device=model.device).to(model.dtype)
-            pos = torch.arange(r, device=model.device)[:, None] + n // 2
-            slot = torch.tensor([n // 2], device=model.device)
-            keys = torch.arange(n, device=model.device)
-            valid = (keys[None] >= torch.arange(r, device=model.device)[:, None] % 8) & (keys[None] <= slot)  # [r, n]
-            bias = torch.zeros(r, 1, nq // nkv, n, dtype=model.dtype, device=model.device)
-            bias.masked_fill_(~valid[:, None, None], float("-inf"))
-            cache = torch.randn(2, r, nkv, n, d, generator=gen, device=model.device).to(model.dtype)
-            cases.append((qkv, model.cos[pos], model.sin[pos], cache, slot, bias))
+    with torch.inference_mode():  # made as a forward makes them, so compiled functions compile nothing new
+        for r in sorted(set(rows)):
+            for n in sorted(set(slots)):
+                qkv = torch.randn(r, (nq + 2 * nkv) * d, generator=gen, device=model.device).to(model.dtype)
+                pos = torch.arange(r, device=model.device)[:, None] + n // 2
+                slot = torch.tensor([n // 2], device=model.device)
+                keys = torch.arange(n, device=model.device)
+                valid = (keys[None] >= torch.arange(r, device=model.device)[:, None] % 8) & (keys[None] <= slot)
+                bias = torch.zeros(r, 1, nq // nkv, n, dtype=model.dtype, device=model.device)
+                bias.masked_fill_(~valid[:, None, None], float("-inf"))  # [r, 1, G, n]
+                with torch.inference_mode(False):  # as the model's caches are made, with rows to spare
+                    cache = torch.randn(2, r + 1, nkv, n, d, generator=gen, device=model.device).to(model.dtype)
+                cases.append((qkv, model.cos[pos], model.sin[pos], cache, slot, bias))
 
-    def step(case) -> Callable[[], torch.Tensor]:
-        """One call on the case's inputs, writing a copy of its caches (each kernel must write the slot itself)."""
+    def step(case) -> tuple[Callable[[], torch.Tensor], torch.Tensor, torch.Tensor]:
+        """One call on the case's inputs, and the copy of its caches it writes (each kernel must write the slot): the
+        caches' first rows, sliced from copies as a forward slices the model's."""
         qkv, cos, sin, cache, slot, bias = case
-        k_cache, v_cache = cache.clone()
-        return lambda: model.decode_attend(qkv, cos, sin, k_cache, v_cache, slot, bias)
+        with torch.inference_mode(False):
+            k_cache, v_cache = (c.clone()[: qkv.shape[0]] for c in cache)
+        return lambda: model.decode_attend(qkv, cos, sin, k_cache, v_cache, slot, bias), k_cache, v_cache
 
     def written(case) -> tuple[torch.Tensor, torch.Tensor]:
         """A call's output, and the slot's keys and values as it wrote them [2, B, Hkv, D]."""
-        qkv, cos, sin, cache, slot, bias = case
-        k_cache, v_cache = cache.clone()
-        out = model.decode_attend(qkv, cos, sin, k_cache, v_cache, slot, bias)
-        return out, torch.stack((k_cache[:, :, slot[0]], v_cache[:, :, slot[0]]))
+        call, k_cache, v_cache = step(case)
+        slot = case[4][0]
+        return call(), torch.stack((k_cache[:, :, slot], v_cache[:, :, slot]))
 
     used = model.decode_kernel
     record: dict = {"us": {}, "shapes": [[r, n] for r in sorted(set(rows)) for n in sorted(set(slots))]}
@@ -124,7 +127,7 @@ def choose_kernel(
                     )
                     if not err <= TOLERANCE:
                         raise ValueError(f"differs from sdpa by {err:.3g} of its largest magnitude")
-                    record["us"][name] = round(sum(seconds(step(c)) for c in cases) * 1e6, 2)
+                    record["us"][name] = round(sum(seconds(step(c)[0]) for c in cases) * 1e6, 2)
             except Exception as e:  # noqa: BLE001 - a kernel that fails or errs is left out, and the record says why
                 if name == DEFAULT:
                     raise

@@ -183,8 +183,9 @@ class StaticRunner:
         """Decode steps run kernel `name` (engine.json's decode_attention) where it runs here; a kernel that runs on
         CUDA only gives way to "sdpa" on a CPU, and on CUDA with a warning. ConfigError for a name qgate lacks."""
         if name not in decode_attention.KERNELS:
+            kernels = ", ".join(decode_attention.KERNELS)
             raise ConfigError(
-                f"{engine_dir}/engine.json: decode_attention {name!r} is not one of {', '.join(decode_attention.KERNELS)}",
+                f"{engine_dir}/engine.json: decode_attention {name!r} is not one of {kernels}",
                 hint="rebuild the engine with this qgate",
             )
         why = decode_attention.unavailable(name, self.device, self.model.head_dim)
