@@ -227,7 +227,7 @@ def test_engine_decodes_alike_with_the_triton_kernel(interpreted, int4_f32, tmp_
 @pytest.mark.parametrize("kernel", ["triton", "triton-one-pass"])
 def test_triton_kernels_on_cuda(kernel):
     """On CUDA in bfloat16, at an 8B Llama's heads, each Triton kernel gives the sdpa kernels' outputs and cache
-    writes within bf16 rounding, eagerly and replayed from a CUDA graph."""
+    writes within bf16 rounding and writes nothing else, eagerly and replayed from a CUDA graph."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     heads, kv_heads, d = 32, 8, 128
@@ -238,7 +238,11 @@ def test_triton_kernels_on_cuda(kernel):
         args = (*got_in[:3], got_in[3][:b], got_in[4][:b], *got_in[5:], heads, kv_heads)
         got = decode_attention.triton_attend(kernel, *args).float()
         assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
-        assert torch.equal(got_in[3], want_in[3]) and torch.equal(got_in[4], want_in[4])
+        for c in (3, 4):  # the slot's key (RoPE rounded once, eager rounds thrice) and value; nothing else written
+            new, old = got_in[c][:b, :, slot].float(), want_in[c][:b, :, slot].float()
+            assert (new - old).abs().max().item() <= 0.02 * old.abs().max().item()
+            got_in[c][:b, :, slot] = want_in[c][:b, :, slot]
+            assert torch.equal(got_in[c], want_in[c])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = decode_attention.triton_attend(kernel, *args)
