@@ -22,24 +22,32 @@ SEQS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24]]
 
 
 def _case(b: int, slots: int, slot: int, heads: int, kv_heads: int, d: int, dtype=torch.float32, device="cpu"):
-    """Random decode-step inputs: qkv, cos, sin, caches with a spare row and spare slots, row r's keys left-padded by
-    r * 3 slots (at most up to the step's slot), and the additive bias [B, 1, G, S] the model builds."""
+    """Random decode-step inputs: qkv, cos, sin, caches with a spare row and spare slots, the step's slot [1], and
+    `valid` [B, S]: row r's keys left-padded by r * 3 slots (at most up to the step's slot), row 0 with stale keys
+    marked valid after the slot (unseen), and from 3 rows on the last row all padding (it sees its own slot only)."""
     g = torch.Generator().manual_seed(b * 1000 + slots + slot)
     qkv = torch.randn(b, (heads + 2 * kv_heads) * d, generator=g)
     cos, sin = torch.randn(b, 1, d, generator=g), torch.randn(b, 1, d, generator=g)
     k, v = (torch.randn(b + 1, kv_heads, slots + 8, d, generator=g) for _ in "kv")
     keys = torch.arange(slots)
     valid = (keys[None] >= (torch.arange(b)[:, None] * 3).clamp(max=slot)) & (keys[None] <= slot)
-    bias = torch.zeros(b, 1, heads // kv_heads, slots).masked_fill_(~valid[:, None, None], float("-inf"))
+    valid[0, slot + 1 :: 2] = True
+    if b >= 3:
+        valid[-1] = False
     return [x.to(device, dtype) for x in (qkv, cos, sin, k, v)] + [
         torch.tensor([slot], device=device),
-        bias.to(device, dtype),
+        valid.to(device),
     ]
 
 
-def _sdpa(qkv, cos, sin, k_cache, v_cache, slot, bias, heads, kv_heads):
-    """What the "sdpa" kernels compute: RoPE and the cache writes, then SDPA over the bias's slots. [B, H * D]"""
-    b, d, s = qkv.shape[0], cos.shape[-1], bias.shape[-1]
+def _sdpa(qkv, cos, sin, k_cache, v_cache, slot, valid, heads, kv_heads):
+    """What the "sdpa" kernels compute, with the model's mask: RoPE and the cache writes, then SDPA over valid's
+    slots, each row seeing its valid keys up to the slot and the slot. [B, H * D]"""
+    b, d, s = qkv.shape[0], cos.shape[-1], valid.shape[-1]
+    keys = torch.arange(s, device=valid.device)
+    seen = (valid & (keys <= slot)) | (keys == slot)  # [B, S]
+    bias = torch.zeros(b, 1, heads // kv_heads, s, dtype=qkv.dtype, device=qkv.device)
+    bias.masked_fill_(~seen[:, None, None], float("-inf"))
     q = elementwise.rope_into_cache(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slot)
     a = F.scaled_dot_product_attention(
         q.reshape(b, kv_heads, heads // kv_heads, d), k_cache[:, :, :s], v_cache[:, :, :s], attn_mask=bias
@@ -81,12 +89,12 @@ def test_choose_kernel_takes_the_fastest_that_computes_the_same(int4_f32, monkey
     monkeypatch.setattr(decode_attention, "unavailable", lambda name, device, head_dim: None)
     calls: list = []
 
-    def fake(name, qkv, cos, sin, k_cache, v_cache, slot, bias, heads, kv_heads):
-        calls.append((name, qkv.shape[0], bias.shape[-1]))
+    def fake(name, qkv, cos, sin, k_cache, v_cache, slot, valid, heads, kv_heads):
+        calls.append((name, qkv.shape[0], valid.shape[-1]))
         if name == "triton-one-pass":
-            out = _sdpa(qkv, cos, sin, k_cache.clone(), v_cache.clone(), slot, bias, heads, kv_heads)
+            out = _sdpa(qkv, cos, sin, k_cache.clone(), v_cache.clone(), slot, valid, heads, kv_heads)
             return out  # the right output, but the step's key and value never reach the cache
-        return _sdpa(qkv, cos, sin, k_cache, v_cache, slot, bias, heads, kv_heads)
+        return _sdpa(qkv, cos, sin, k_cache, v_cache, slot, valid, heads, kv_heads)
 
     monkeypatch.setattr(static_llama, "triton_attend", fake)
     cost = {"sdpa": 2e-6, "triton": 1e-6}

@@ -9,7 +9,8 @@ attention output [B, H * D] that o_proj reads. Kernels, by the name engine.json'
   scaled_dot_product_attention, torch choosing its kernel: two launches or more per layer, the attention's
   parallel over rows and K/V heads only.
 - "triton": engines/decode_triton.py, RoPE, cache writes and attention in one kernel, its programs split along
-  the key slots (splits_for) and the splits merged in a second kernel.
+  the key slots (splits_for) and the splits merged in a second kernel. It reads the step's `valid` slots itself, so
+  a step on it builds no additive mask (StaticLlama.forward builds that only for the "sdpa" kernels).
 - "triton-one-pass": the same kernel with one program per row and K/V head, no merge kernel.
 The engine's build on a GPU times each kernel that runs there in CUDA graphs at the captured batch sizes and context
 buckets, checks it computes what "sdpa" does, and records the fastest (choose_kernel).
@@ -56,13 +57,13 @@ def splits_for(rows: int, kv_heads: int, slots: int) -> int:
     return max(1, min(-(-slots // BLOCK), -(-PROGRAMS // (rows * kv_heads))))
 
 
-def triton_attend(name: str, qkv, cos, sin, k_cache, v_cache, slot, bias, heads: int, kv_heads: int) -> torch.Tensor:
-    """Kernel `name` (not "sdpa") on StaticLlama.decode_attend's arguments: [B, H * D]."""
+def triton_attend(name: str, qkv, cos, sin, k_cache, v_cache, slot, valid, heads: int, kv_heads: int) -> torch.Tensor:
+    """Kernel `name` (not "sdpa") on StaticLlama.decode_attend's arguments, `valid` [B, S] for the mask: [B, H * D]."""
     from qgate.engines.decode_triton import decode_attention
 
-    rows, slots = qkv.shape[0], bias.shape[-1]
+    rows, slots = qkv.shape[0], valid.shape[-1]
     splits = 1 if name == "triton-one-pass" else splits_for(rows, kv_heads, slots)
-    return decode_attention(qkv, cos, sin, k_cache, v_cache, slot, bias, heads, kv_heads, splits, BLOCK)
+    return decode_attention(qkv, cos, sin, k_cache, v_cache, slot, valid, heads, kv_heads, splits, BLOCK)
 
 
 def choose_kernel(
@@ -90,15 +91,15 @@ def choose_kernel(
                 bias.masked_fill_(~valid[:, None, None], float("-inf"))  # [r, 1, G, n]
                 with torch.inference_mode(False):  # as the model's caches are made, with rows to spare
                     cache = torch.randn(2, r + 1, nkv, n, d, generator=gen, device=model.device).to(model.dtype)
-                cases.append((qkv, model.cos[pos], model.sin[pos], cache, slot, bias))
+                cases.append((qkv, model.cos[pos], model.sin[pos], cache, slot, valid, bias))
 
     def step(case) -> tuple[Callable[[], torch.Tensor], torch.Tensor, torch.Tensor]:
         """One call on the case's inputs, and the copy of its caches it writes (each kernel must write the slot): the
         caches' first rows, sliced from copies as a forward slices the model's."""
-        qkv, cos, sin, cache, slot, bias = case
+        qkv, cos, sin, cache, slot, valid, bias = case
         with torch.inference_mode(False):
             k_cache, v_cache = (c.clone()[: qkv.shape[0]] for c in cache)
-        return lambda: model.decode_attend(qkv, cos, sin, k_cache, v_cache, slot, bias), k_cache, v_cache
+        return lambda: model.decode_attend(qkv, cos, sin, k_cache, v_cache, slot, valid, lambda: bias), k_cache, v_cache
 
     def written(case) -> tuple[torch.Tensor, torch.Tensor]:
         """A call's output, and the slot's keys and values as it wrote them [2, B, Hkv, D]."""

@@ -1,7 +1,7 @@
 """A decode step's attention in one Triton kernel: RoPE on q and k, k and v into the cache, and attention over the
 cache's slots, split across programs along the keys (flash-decoding), with a second kernel merging the splits.
 
-    out = decode_attention(qkv, cos, sin, k_cache, v_cache, slot, bias, heads=32, kv_heads=8, splits=4)
+    out = decode_attention(qkv, cos, sin, k_cache, v_cache, slot, valid, heads=32, kv_heads=8, splits=4, block=64)
 
 Imported only where Triton is (engines/decode_attention.py loads it): this module imports triton at its top.
 """
@@ -25,7 +25,7 @@ def _partials(
     k_cache,
     v_cache,
     slot_ptr,
-    bias,
+    valid,
     out,
     part_acc,
     part_ml,
@@ -38,9 +38,7 @@ def _partials(
     s_vb,
     s_vh,
     s_vs,
-    s_bb,
-    s_bg,
-    s_bs,
+    s_valid,
     s_out,
     scale,
     H: tl.constexpr,
@@ -82,7 +80,7 @@ def _partials(
     m = tl.full([GP], FLOOR, tl.float32)
     lse = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    brow = bias + b * s_bb
+    seen_row = valid + b * s_valid
     for j in range(0, CHUNK, BLOCK):
         keys = start + j + tl.arange(0, BLOCK)
         inside = keys < end
@@ -91,9 +89,11 @@ def _partials(
         new = (keys == slot)[:, None]  # this step's key and value, from registers: no read after its own write
         k = tl.where(new, k_new[None, :], k)
         v = tl.where(new, v_new[None, :], v)
-        mask = real[:, None] & inside[None, :]
-        bias_gk = tl.load(brow + g[:, None] * s_bg + keys[None, :] * s_bs, mask=mask, other=float("-inf"))
-        x = tl.dot(q, tl.trans(k)) * scale + bias_gk.to(tl.float32)  # [GP, BLOCK] float32
+        # a key is seen where it holds a real token at or before the step's slot, and the step's own key always
+        seen = tl.load(seen_row + keys, mask=inside, other=0) != 0
+        seen = ((seen & (keys <= slot)) | (keys == slot)) & inside
+        x = tl.dot(q, tl.trans(k)) * scale  # [GP, BLOCK] float32
+        x = tl.where(real[:, None] & seen[None, :], x, float("-inf"))
         top = tl.maximum(m, tl.max(x, 1))
         p = tl.exp(x - top[:, None])
         alpha = tl.exp(m - top)
@@ -156,7 +156,7 @@ def decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot: torch.Tensor,
-    bias: torch.Tensor,
+    valid: torch.Tensor,
     heads: int,
     kv_heads: int,
     splits: int,
@@ -164,16 +164,17 @@ def decode_attention(
 ) -> torch.Tensor:
     """One decode step's attention for rows of one token: qkv [B, (H + 2 Hkv) * D] (the fused projection's output),
     cos and sin [B, 1, D] (sin with its first half negated), caches [B, Hkv, >= S, D] written at `slot` ([1] long),
-    bias [B, 1, G, S] additive (G = H / Hkv query heads per K/V head). Returns [B, H * D], head h = kv head * G + g.
+    valid [B, S] bool: which of the S slots attended hold a row's real tokens; each row sees those at or before the
+    slot, and the slot. Returns [B, H * D], head h = kv head * G + g (G = H / Hkv query heads per K/V head).
     splits: programs per row and K/V head along the S slots, at most (1: no merge kernel), each over `block`-key
     blocks. Each program's slots are a power of two, and the merge kernel is laid out for a power of two of splits,
     so any S compiles one of a few kernels, not one per S."""
-    named = {"qkv": qkv, "cos": cos, "sin": sin, "k_cache": k_cache, "v_cache": v_cache, "bias": bias}
+    named = {"qkv": qkv, "cos": cos, "sin": sin, "k_cache": k_cache, "v_cache": v_cache, "valid": valid}
     strided = [k for k, t in named.items() if t.stride(-1) != 1]
     if strided:
         raise ValueError(f"decode_attention reads rows of contiguous elements: {', '.join(strided)} are strided")
     b, d = qkv.shape[0], cos.shape[-1]
-    g, s = heads // kv_heads, bias.shape[-1]
+    g, s = heads // kv_heads, valid.shape[-1]
     gp = max(16, triton.next_power_of_2(g))
     chunk = max(block, triton.next_power_of_2(triton.cdiv(s, splits)))
     splits = triton.cdiv(s, chunk)
@@ -183,10 +184,9 @@ def decode_attention(
     part_ml = torch.empty(rows, 2, dtype=torch.float32, device=qkv.device)
     kb, kh, ks, _ = k_cache.stride()
     vb, vh, vs, _ = v_cache.stride()
-    bb, _, bg, bs = bias.stride()
     _partials[(b * kv_heads, splits)](
-        qkv, cos, sin, k_cache, v_cache, slot, bias, out, part_acc, part_ml,
-        s, qkv.stride(0), cos.stride(0), kb, kh, ks, vb, vh, vs, bb, bg, bs, out.stride(0), d**-0.5,
+        qkv, cos, sin, k_cache, v_cache, slot, valid, out, part_acc, part_ml,
+        s, qkv.stride(0), cos.stride(0), kb, kh, ks, vb, vh, vs, valid.stride(0), out.stride(0), d**-0.5,
         H=heads, HKV=kv_heads, G=g, GP=gp, D=d, BLOCK=block, CHUNK=chunk, ONE_PASS=splits == 1,
     )  # fmt: skip
     if splits > 1:

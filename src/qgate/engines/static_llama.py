@@ -262,21 +262,24 @@ class StaticLlama(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot: torch.Tensor,
-        bias: torch.Tensor,
+        valid: torch.Tensor,
+        bias: Callable[[], torch.Tensor],
     ) -> torch.Tensor:
         """A decode step's attention, one token per row, by the kernel `decode_kernel` names (decode_attention.py):
         qkv [B, (H + 2 Hkv) * D] or split partials of it, cos and sin [B, 1, D], the caches [B, Hkv, >= S, D]
-        written at `slot` [1], bias [B, 1, G, S]. Returns [B, H * D]. Split partials take the "sdpa" kernels, whose
-        elementwise function sums them."""
-        if self.decode_kernel != "sdpa" and qkv.dim() == 2:
+        written at `slot` [1]; valid as forward takes it, and bias() the additive mask [B, 1, G, S] forward builds
+        from it, once, where a kernel asks for it. Returns [B, H * D]. The Triton kernels read a [B, S] `valid`
+        themselves; split partials and a [B, 1, S] `valid` take the "sdpa" kernels."""
+        if self.decode_kernel != "sdpa" and qkv.dim() == 2 and valid.dim() == 2:
             return triton_attend(
-                self.decode_kernel, qkv, cos, sin, k_cache, v_cache, slot, bias, self.heads, self.kv_heads
+                self.decode_kernel, qkv, cos, sin, k_cache, v_cache, slot, valid, self.heads, self.kv_heads
             )
-        b, s, nq, nkv, d = qkv.shape[0], bias.shape[-1], self.heads, self.kv_heads, self.head_dim
+        mask = bias()
+        b, s, nq, nkv, d = qkv.shape[0], mask.shape[-1], self.heads, self.kv_heads, self.head_dim
         q = self.ops.rope_into_cache(qkv, cos, sin, nq, nkv, k_cache, v_cache, slot)  # [B, H, 1, D]
         # torch's choice of kernel: a decode step's shapes are few (captured per batch size and context bucket)
         a = F.scaled_dot_product_attention(
-            q.reshape(b, nkv, nq // nkv, d), k_cache[:, :, :s], v_cache[:, :, :s], attn_mask=bias
+            q.reshape(b, nkv, nq // nkv, d), k_cache[:, :, :s], v_cache[:, :, :s], attn_mask=mask
         )
         return a.reshape(b, nq * d)
 
@@ -405,23 +408,28 @@ class StaticLlama(nn.Module):
         s = valid.shape[-1]
         x = F.embedding(tokens, self.embed).view(b * t, -1)  # [N, H], N = B * T
         cos, sin = (c[positions].view(b * t, 1, -1) for c in (self.cos, self.sin))  # [N, 1, D]
-        if slot is None:
-            slots = torch.arange(t, device=tokens.device)
-            keys = slots
-        else:
-            slots = slot + torch.arange(t, device=tokens.device)  # [T]
-            keys = torch.arange(s, device=tokens.device)  # [S]
-        if valid.dim() == 3:
-            mask = valid
-        else:  # a key is seen when it holds a real token at or before the query's slot; a padding query sees
-            # itself, so every row of the softmax has a key and padding computes finite values no real token reads
-            mask = (valid[:, None, :] & (keys[None, :] <= slots[:, None])[None]) | (keys[None, :] == slots[:, None])[
-                None
-            ]  # [B, T, S]
+        slots = torch.arange(t, device=tokens.device) + (0 if slot is None else slot)  # [T]: where these T go
         g = self.heads // self.kv_heads
-        mask = mask[:, None, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, -1)  # [B, 1, G*T, S]
-        # additive, built once per forward: SDPA would convert a boolean mask again in every layer
-        bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        biases: list[torch.Tensor] = []
+
+        def bias() -> torch.Tensor:
+            """The additive mask [B, 1, G*T, S], built at this forward's first call (a Triton decode kernel reads
+            `valid` itself): additive, since SDPA would convert a boolean mask again in every layer."""
+            if not biases:
+                if valid.dim() == 3:
+                    mask = valid
+                else:  # a key is seen when it holds a real token at or before the query's slot; a padding query
+                    # sees itself, so every row of the softmax has a key and padding computes finite values no real
+                    # token reads
+                    keys = torch.arange(s, device=tokens.device)  # [S]
+                    seen = (keys[None, :] <= slots[:, None])[None]
+                    mask = (valid[:, None, :] & seen) | (keys[None, :] == slots[:, None])[None]  # [B, T, S]
+                mask = mask[:, None, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)  # [B, 1, G*T, S]
+                biases.append(
+                    torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+                )
+            return biases[0]
+
         nq, nkv, d, ops = self.heads, self.kv_heads, self.head_dim, self.ops
         h = rms_norm(x, self.layers[0].in_norm, self.eps)
         for i, layer in enumerate(self.layers):
@@ -430,7 +438,7 @@ class StaticLlama(nn.Module):
             else:
                 qkv = torch.cat([layer[n](h) for n in ("q_proj", "k_proj", "v_proj")], -1)
             if t == 1 and slot is not None:  # a decode step
-                a = self.decode_attend(qkv, cos, sin, self.k_cache[i][:b], self.v_cache[i][:b], slots, bias)
+                a = self.decode_attend(qkv, cos, sin, self.k_cache[i][:b], self.v_cache[i][:b], slots, valid, bias)
             else:
                 q, k, v = (z.view(b, t, -1, d).transpose(1, 2) for z in ops.rope(qkv, cos, sin, nq, nkv))
                 if slot is not None:
@@ -439,7 +447,7 @@ class StaticLlama(nn.Module):
                     k, v = self.k_cache[i][:b, :, :s], self.v_cache[i][:b, :, :s]  # [B, Hkv, S, D]
                 # grouped-query attention as Hkv heads of G*T queries each: K/V are read as stored, never copied per
                 # head; these forwards' shapes are many, and a kernel that plans per shape would plan in each
-                a = planless_sdpa(q.reshape(b, nkv, g * t, d), k, v, attn_mask=bias)  # q: [B, H, T, D]
+                a = planless_sdpa(q.reshape(b, nkv, g * t, d), k, v, attn_mask=bias())  # q: [B, H, T, D]
                 a = a.reshape(b, nq, t, d).transpose(1, 2).reshape(b * t, -1)  # [N, H * D]
             x, h = ops.add_rms_norm(x, layer["o_proj"].parts(a), layer.post_norm, self.eps)
             if "gate_up" in layer:
