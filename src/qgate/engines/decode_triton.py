@@ -12,9 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-FLOOR = tl.constexpr(
-    -1.0e30
-)  # a running maximum's start: finite, so a block whose keys are all masked adds exp(-inf) = 0
+# a running maximum's start: finite, so a block whose keys are all masked adds exp(-inf) = 0
+FLOOR = tl.constexpr(-1.0e30)
 
 
 @triton.jit
