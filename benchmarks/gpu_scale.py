@@ -361,11 +361,11 @@ def _linear_shapes(engine) -> dict:
 
 
 def step_breakdown(engine, device) -> dict:
-    """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps), the
-    same recaptured with the elementwise work eager, with the int4 kernels unsplit, with split kernels' partials
-    summed apart from the functions that read them, and with each decode attention kernel, and the model's Linears alone
-    at one row, in total and per weight shape (the bytes each reads per millisecond). The other kernels' figures
-    come later in the run (kernel_alternatives)."""
+    """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps); its
+    kernels by GPU time under the profiler; the same step recaptured with the elementwise work eager, with the int4
+    kernels unsplit, with split kernels' partials summed apart from the functions that read them, and with each
+    decode attention kernel; and the model's Linears alone at one row, in total and per weight shape (the bytes each
+    reads per millisecond). Other int4 kernels' figures come later in the run (kernel_alternatives)."""
     import torch
 
     def nbytes(m) -> int:
@@ -374,6 +374,7 @@ def step_breakdown(engine, device) -> dict:
         return m.packed.numel() * m.packed.element_size() + m.sz.numel() * m.sz.element_size()
 
     step_ms = _graph_step_ms(engine, device)
+    kernels = _recorded(_step_kernels, engine, device)
     eager_ms = _recorded(_eager_elementwise_step_ms, engine, device)
     unsplit_ms = _recorded(_unsplit_step_ms, engine, device)
     sums_apart_ms = _recorded(_split_sums_apart_step_ms, engine, device)
@@ -405,6 +406,7 @@ def step_breakdown(engine, device) -> dict:
         "graph_step_ms_unsplit": unsplit_ms,  # the same step with every int4 kernel unsplit
         "graph_step_ms_split_sums_apart": sums_apart_ms,  # split partials summed in kernels of their own
         "graph_step_ms_by_attention": attention_ms,  # the same step with each decode attention kernel
+        "kernels": kernels,  # the step's kernels by GPU time, under the profiler
         "attention": engine.model.decode_kernel,  # the engine's own
         "linears_ms": lin_ms,
         "linears_bytes": total,
@@ -418,12 +420,10 @@ def step_breakdown(engine, device) -> dict:
 def kernel_alternatives(engine, device, step: dict, save=lambda: None) -> None:
     """Into step_breakdown's record `step`: per int4 shape, torch's kernel at each k-tiling its packer takes
     (`us_by_inner_k_tiles`) and gemlite's kernels (`gemlite`, where its wheel is installed); the batch-1 step with
-    the faster kernel per shape (`step_with_faster_int4_kernel`); and the step's kernels by GPU time (`kernels`).
-    save(): called as each figure is in `step`, so that a run cut short keeps them."""
+    the faster kernel per shape (`step_with_faster_int4_kernel`). save(): called as each figure is in `step`, so
+    that a run cut short keeps them."""
     import torch
 
-    step["kernels"] = _recorded(_step_kernels, engine, device)  # first: gemlite's first calls can take minutes
-    save()
     for (o, i, q), ms in _linear_shapes(engine).items():
         if q:
             x = torch.randn(1, i, dtype=torch.bfloat16, device=device)

@@ -27,7 +27,7 @@ shm=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
 work=/tmp/scale
 [ "${shm:-0}" -ge 40 ] && work=/dev/shm/scale
 tests=${GPU_TESTS:-1}   # GPU_TESTS=0: the scale run alone, with the whole budget
-timeout $((budget - 120 * tests - 5)) python3 benchmarks/gpu_scale.py --tokenizer .whl/tokenizer --out "$work" \
+timeout $((budget - 150 * tests - 5)) python3 benchmarks/gpu_scale.py --tokenizer .whl/tokenizer --out "$work" \
   --json "$OUT/scale.json" "$@" 2>&1 | grep -v "it/s\]$" | tee "$OUT/scale.log"
 rm -rf "$work"
 left=$((budget - (SECONDS - start)))
