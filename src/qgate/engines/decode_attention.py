@@ -78,20 +78,19 @@ def choose_kernel(
     and "rejected": {name: why}, where any}."""
     nq, nkv, d = model.heads, model.kv_heads, model.head_dim
     gen = torch.Generator(device=model.device).manual_seed(0)
+    shapes = [(r, n) for r in sorted(set(rows)) for n in sorted(set(slots))]
     cases = []
     with torch.inference_mode():  # made as a forward makes them, so compiled functions compile nothing new
-        for r in sorted(set(rows)):
-            for n in sorted(set(slots)):
-                qkv = torch.randn(r, (nq + 2 * nkv) * d, generator=gen, device=model.device).to(model.dtype)
-                pos = torch.arange(r, device=model.device)[:, None] + n // 2
-                slot = torch.tensor([n // 2], device=model.device)
-                keys = torch.arange(n, device=model.device)
-                valid = (keys[None] >= torch.arange(r, device=model.device)[:, None] % 8) & (keys[None] <= slot)
-                bias = torch.zeros(r, 1, nq // nkv, n, dtype=model.dtype, device=model.device)
-                bias.masked_fill_(~valid[:, None, None], float("-inf"))  # [r, 1, G, n]
-                with torch.inference_mode(False):  # as the model's caches are made, with rows to spare
-                    cache = torch.randn(2, r + 1, nkv, n, d, generator=gen, device=model.device).to(model.dtype)
-                cases.append((qkv, model.cos[pos], model.sin[pos], cache, slot, valid, bias))
+        for r, n in shapes:
+            qkv = torch.randn(r, (nq + 2 * nkv) * d, generator=gen, device=model.device).to(model.dtype)
+            pos = torch.arange(r, device=model.device)[:, None] + n // 2
+            slot = torch.tensor([n // 2], device=model.device)
+            keys = torch.arange(n, device=model.device)
+            valid = (keys[None] >= torch.arange(r, device=model.device)[:, None] % 8) & (keys[None] <= slot)
+            bias = model.attention_bias(valid, slot, r)  # [r, 1, G, n]
+            with torch.inference_mode(False):  # as the model's caches are made, with rows to spare
+                cache = torch.randn(2, r + 1, nkv, n, d, generator=gen, device=model.device).to(model.dtype)
+            cases.append((qkv, model.cos[pos], model.sin[pos], cache, slot, valid, bias))
 
     def step(case) -> tuple[Callable[[], torch.Tensor], torch.Tensor, torch.Tensor]:
         """One call on the case's inputs, and the copy of its caches it writes (each kernel must write the slot): the
@@ -108,7 +107,7 @@ def choose_kernel(
         return call(), torch.stack((k_cache[:, :, slot], v_cache[:, :, slot]))
 
     used = model.decode_kernel
-    record: dict = {"us": {}, "shapes": [[r, n] for r in sorted(set(rows)) for n in sorted(set(slots))]}
+    record: dict = {"us": {}, "shapes": [list(shape) for shape in shapes]}
     exact: list[list[torch.Tensor]] = []
     try:
         for name in KERNELS:

@@ -283,6 +283,22 @@ class StaticLlama(nn.Module):
         )
         return a.reshape(b, nq * d)
 
+    def attention_bias(self, valid: torch.Tensor, slots: torch.Tensor, rows: int) -> torch.Tensor:
+        """The additive attention mask [rows, 1, G*T, S] for queries at `slots` [T] (G = H / Hkv query heads per K/V
+        head, laid out as forward's attention takes them). valid as forward takes it: [B, S], where a key is seen when
+        it holds a real token at or before the query's slot, and a query always sees its own slot (a padding query
+        thus has a key, and computes finite values no real token reads); or [B or 1, T, S], which keys each query
+        sees, as given. Additive, built once per forward: SDPA would convert a boolean mask again in every layer."""
+        t, s, g = slots.shape[0], valid.shape[-1], self.heads // self.kv_heads
+        if valid.dim() == 3:
+            mask = valid
+        else:
+            keys = torch.arange(s, device=valid.device)  # [S]
+            seen = (keys[None, :] <= slots[:, None])[None]
+            mask = (valid[:, None, :] & seen) | (keys[None, :] == slots[:, None])[None]  # [B, T, S]
+        mask = mask[:, None, None].expand(rows, 1, g, t, s).reshape(rows, 1, g * t, s)
+        return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
     def compile(self) -> str | None:
         """Forwards run the elementwise work between Linears compiled (elementwise.compiled_ops); None, or why they
         run it eagerly. Call before capturing CUDA graphs."""
@@ -408,26 +424,17 @@ class StaticLlama(nn.Module):
         s = valid.shape[-1]
         x = F.embedding(tokens, self.embed).view(b * t, -1)  # [N, H], N = B * T
         cos, sin = (c[positions].view(b * t, 1, -1) for c in (self.cos, self.sin))  # [N, 1, D]
-        slots = torch.arange(t, device=tokens.device) + (0 if slot is None else slot)  # [T]: where these T go
+        slots = torch.arange(t, device=tokens.device)  # [T]: where these T go
+        if slot is not None:
+            slots = slot + slots
         g = self.heads // self.kv_heads
         biases: list[torch.Tensor] = []
 
         def bias() -> torch.Tensor:
-            """The additive mask [B, 1, G*T, S], built at this forward's first call (a Triton decode kernel reads
-            `valid` itself): additive, since SDPA would convert a boolean mask again in every layer."""
+            """attention_bias(valid, slots, b), built at this forward's first call: a step on a Triton decode kernel
+            reads `valid` itself and never calls it."""
             if not biases:
-                if valid.dim() == 3:
-                    mask = valid
-                else:  # a key is seen when it holds a real token at or before the query's slot; a padding query
-                    # sees itself, so every row of the softmax has a key and padding computes finite values no real
-                    # token reads
-                    keys = torch.arange(s, device=tokens.device)  # [S]
-                    seen = (keys[None, :] <= slots[:, None])[None]
-                    mask = (valid[:, None, :] & seen) | (keys[None, :] == slots[:, None])[None]  # [B, T, S]
-                mask = mask[:, None, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)  # [B, 1, G*T, S]
-                biases.append(
-                    torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-                )
+                biases.append(self.attention_bias(valid, slots, b))
             return biases[0]
 
         nq, nkv, d, ops = self.heads, self.kv_heads, self.head_dim, self.ops
