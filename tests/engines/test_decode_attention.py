@@ -62,10 +62,38 @@ def test_splits_aim_for_the_programs_and_cover_the_slots():
     assert decode_attention.splits_for(1, 8, 4096) == decode_attention.PROGRAMS // 8
     assert decode_attention.splits_for(32, 8, 4096) == 1
     assert decode_attention.splits_for(1, 2, 10) == 1
-    for rows, kv, slots in [(1, 8, 256), (3, 2, 1000), (8, 8, 2048), (9, 4, 300)]:
-        n = decode_attention.splits_for(rows, kv, slots)
-        assert 1 <= n <= -(-slots // decode_attention.BLOCK)
-        assert n * rows * kv >= min(decode_attention.PROGRAMS, -(-slots // decode_attention.BLOCK) * rows * kv)
+    assert decode_attention.splits_for(1, 8, 256, 32) == 256 // 32  # smaller blocks: more splits on a short context
+    for rows, kv, slots, block in [(1, 8, 256, 64), (3, 2, 1000, 64), (8, 8, 2048, 32), (9, 4, 300, 32)]:
+        n = decode_attention.splits_for(rows, kv, slots, block)
+        assert 1 <= n <= -(-slots // block)
+        assert n * rows * kv >= min(decode_attention.PROGRAMS, -(-slots // block) * rows * kv)
+
+
+def test_triton_kernels_are_split_or_one_pass_with_blocks_the_kernel_takes():
+    """Every named Triton kernel has a layout: key blocks a power of two from 16 up (tl.dot's least), and one of them
+    runs in one pass; engine.json's names are exactly "sdpa" and these."""
+    assert decode_attention.KERNELS == ("sdpa", *decode_attention.TRITON)
+    for lay in decode_attention.TRITON.values():
+        assert lay.block >= 16 and lay.block & (lay.block - 1) == 0 and lay.stages in (None, 1, 2, 3, 4)
+    assert decode_attention.TRITON["triton-one-pass"].split is False
+    assert decode_attention.TRITON["triton"].block == decode_attention.BLOCK
+
+
+def test_each_triton_kernel_launches_its_layout(monkeypatch):
+    """triton_attend runs decode_triton's kernel with the named layout's blocks and stages, split by splits_for over
+    those blocks, or in one pass."""
+    launched = []
+    fake = type(sys)("qgate.engines.decode_triton")
+    fake.decode_attention = lambda *args: launched.append(args[-5:]) or "out"
+    monkeypatch.setitem(sys.modules, "qgate.engines.decode_triton", fake)
+    qkv, valid = torch.zeros(1, 48 * 128), torch.ones(1, 256, dtype=torch.bool)
+    for name in decode_attention.TRITON:
+        assert decode_attention.triton_attend(name, qkv, None, None, None, None, None, valid, 32, 8) == "out"
+    assert launched == [
+        (32, 8, 256 // 64, 64, None),  # "triton": 4 splits of 64 keys
+        (32, 8, 256 // 32, 32, 2),  # "triton-b32": 8 splits of 32 keys, two stages
+        (32, 8, 1, 64, None),  # "triton-one-pass"
+    ]
 
 
 def test_unavailable_kernels_say_why(monkeypatch):
@@ -97,7 +125,7 @@ def test_choose_kernel_takes_the_fastest_that_computes_the_same(int4_f32, monkey
         return _sdpa(qkv, cos, sin, k_cache, v_cache, slot, valid, heads, kv_heads)
 
     monkeypatch.setattr(static_llama, "triton_attend", fake)
-    cost = {"sdpa": 2e-6, "triton": 1e-6}
+    cost = {"sdpa": 2e-6, "triton": 1e-6, "triton-b32": 1.5e-6}
 
     def seconds(f):
         f()
@@ -106,14 +134,14 @@ def test_choose_kernel_takes_the_fastest_that_computes_the_same(int4_f32, monkey
     record = decode_attention.choose_kernel(model, [1, 3], [16, 32], seconds)
     assert record["kernel"] == "triton" == model.decode_kernel
     assert record["shapes"] == [[1, 16], [1, 32], [3, 16], [3, 32]]
-    assert record["us"] == {"sdpa": 8.0, "triton": 4.0}  # four shapes each
+    assert record["us"] == {"sdpa": 8.0, "triton": 4.0, "triton-b32": 6.0}  # four shapes each
     assert (
         list(record["rejected"]) == ["triton-one-pass"]
         and "differs from sdpa by" in record["rejected"]["triton-one-pass"]
     )
     assert {(r, s) for n, r, s in calls if n == "triton"} == {(1, 16), (1, 32), (3, 16), (3, 32)}
 
-    cost["triton"] = 0.97 * cost["sdpa"]  # under SAVING: not worth another kernel
+    cost["triton"] = cost["triton-b32"] = 0.97 * cost["sdpa"]  # under SAVING: not worth another kernel
     model.decode_kernel = "sdpa"
     assert decode_attention.choose_kernel(model, [1], [16], seconds)["kernel"] == "sdpa" == model.decode_kernel
 
@@ -123,8 +151,7 @@ def test_choose_kernel_takes_the_fastest_that_computes_the_same(int4_f32, monkey
     monkeypatch.setattr(static_llama, "triton_attend", broken)
     record = decode_attention.choose_kernel(model, [1], [16], seconds)
     assert record["kernel"] == "sdpa" and record["rejected"] == {
-        "triton": "RuntimeError: PTX compile failed",
-        "triton-one-pass": "RuntimeError: PTX compile failed",
+        name: "RuntimeError: PTX compile failed" for name in decode_attention.TRITON
     }
 
 
@@ -186,25 +213,25 @@ def interpreted(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "b, slots, slot, splits, block",
+    "b, slots, slot, splits, block, stages",
     [
-        (1, 64, 20, 1, 16),
-        (3, 64, 40, 4, 16),
-        (2, 96, 95, 3, 32),
-        (2, 64, 0, 4, 16),
-        (4, 48, 31, 3, 16),
-        (2, 40, 39, 1, 16),
+        (1, 64, 20, 1, 16, None),
+        (3, 64, 40, 4, 16, 2),
+        (2, 96, 95, 3, 32, None),
+        (2, 64, 0, 4, 16, None),
+        (4, 48, 31, 3, 16, 2),
+        (2, 40, 39, 1, 16, None),
     ],
 )
-def test_triton_kernel_computes_rope_cache_writes_and_attention(interpreted, b, slots, slot, splits, block):
+def test_triton_kernel_computes_rope_cache_writes_and_attention(interpreted, b, slots, slot, splits, block, stages):
     """The kernel's output and both caches equal the sdpa kernels' in float32, one pass or split, with splits whose
     keys are all masked (slot 0), the step's slot at a split's edge (31 of 3 x 16), a merge laid out for more splits
-    than run (3 of 4), and slots that are not a power of two in one pass (40 of 64)."""
+    than run (3 of 4), slots that are not a power of two in one pass (40 of 64), and a launch naming its stages."""
     heads, kv_heads, d = 8, 2, 32
     want_in, got_in = _case(b, slots, slot, heads, kv_heads, d), _case(b, slots, slot, heads, kv_heads, d)
     want = _sdpa(*want_in[:3], want_in[3][:b], want_in[4][:b], *want_in[5:], heads, kv_heads)
     got = interpreted.decode_attention(
-        *got_in[:3], got_in[3][:b], got_in[4][:b], *got_in[5:], heads, kv_heads, splits, block
+        *got_in[:3], got_in[3][:b], got_in[4][:b], *got_in[5:], heads, kv_heads, splits, block, stages
     )
     assert got.shape == (b, heads * d) and (got - want).abs().max().item() < 1e-5
     assert torch.equal(got_in[3], want_in[3]) and torch.equal(got_in[4], want_in[4])  # spare row and slots untouched
@@ -232,7 +259,7 @@ def test_engine_decodes_alike_with_the_triton_kernel(interpreted, int4_f32, tmp_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["triton", "triton-one-pass"])
+@pytest.mark.parametrize("kernel", list(decode_attention.TRITON))
 def test_triton_kernels_on_cuda(kernel):
     """On CUDA in bfloat16, at an 8B Llama's heads, each Triton kernel gives the sdpa kernels' outputs and cache
     writes within bf16 rounding and writes nothing else, eagerly and replayed from a CUDA graph."""

@@ -11,6 +11,8 @@ attention output [B, H * D] that o_proj reads. Kernels, by the name engine.json'
 - "triton": engines/decode_triton.py, RoPE, cache writes and attention in one kernel, its programs split along
   the key slots (splits_for) and the splits merged in a second kernel. It reads the step's `valid` slots itself, so
   a step on it builds no additive mask (StaticLlama.forward builds that only for the "sdpa" kernels).
+- "triton-b32": the same, over 32-key blocks in two pipeline stages (the loop's registers halved, twice the splits
+  on a short context).
 - "triton-one-pass": the same kernel with one program per row and K/V head, no merge kernel.
 The engine's build on a GPU times each kernel that runs there in CUDA graphs at the captured batch sizes and context
 buckets, checks it computes what "sdpa" does, and records the fastest (choose_kernel).
@@ -20,14 +22,30 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from qgate.errors import in_one_line
 
-KERNELS = ("sdpa", "triton", "triton-one-pass")
+
+@dataclass(frozen=True)
+class TritonLayout:
+    """How one named Triton kernel runs engines/decode_triton.py's kernel."""
+
+    split: bool  # programs split along the key slots (splits_for) and merged by a second kernel; else one pass
+    block: int  # key slots per block of the kernel's loop (a power of two from 16 up)
+    stages: int | None  # software-pipelining stages of that loop (Triton's num_stages); None: Triton's default
+
+
+TRITON = {
+    "triton": TritonLayout(split=True, block=64, stages=None),
+    "triton-b32": TritonLayout(split=True, block=32, stages=2),
+    "triton-one-pass": TritonLayout(split=False, block=64, stages=None),
+}
+KERNELS = ("sdpa", *TRITON)
 DEFAULT = "sdpa"
-BLOCK = 64  # key slots per block of the Triton kernel's loop
+BLOCK = 64  # key slots per block of the "triton" kernel's loop
 PROGRAMS = 256  # programs the split Triton kernel aims for per step: about two per SM on an H100 or H200 (132)
 SAVING = 0.05  # share of the "sdpa" kernels' time another kernel must save to be chosen (choose_kernel)
 TOLERANCE = 0.02  # of the largest magnitude: another kernel's largest difference from "sdpa" (catches a wrong kernel)
@@ -52,18 +70,21 @@ def unavailable(name: str, device: torch.device, head_dim: int) -> str | None:
     return None
 
 
-def splits_for(rows: int, kv_heads: int, slots: int) -> int:
-    """Programs per row and K/V head along `slots` key slots: enough for PROGRAMS in all, at least BLOCK slots each."""
-    return max(1, min(-(-slots // BLOCK), -(-PROGRAMS // (rows * kv_heads))))
+def splits_for(rows: int, kv_heads: int, slots: int, block: int = BLOCK) -> int:
+    """Programs per row and K/V head along `slots` key slots: enough for PROGRAMS in all, at least `block` slots
+    each."""
+    return max(1, min(-(-slots // block), -(-PROGRAMS // (rows * kv_heads))))
 
 
 def triton_attend(name: str, qkv, cos, sin, k_cache, v_cache, slot, valid, heads: int, kv_heads: int) -> torch.Tensor:
     """Kernel `name` (not "sdpa") on StaticLlama.decode_attend's arguments, `valid` [B, S] for the mask: [B, H * D]."""
     from qgate.engines.decode_triton import decode_attention
 
-    rows, slots = qkv.shape[0], valid.shape[-1]
-    splits = 1 if name == "triton-one-pass" else splits_for(rows, kv_heads, slots)
-    return decode_attention(qkv, cos, sin, k_cache, v_cache, slot, valid, heads, kv_heads, splits, BLOCK)
+    lay = TRITON[name]
+    splits = splits_for(qkv.shape[0], kv_heads, valid.shape[-1], lay.block) if lay.split else 1
+    return decode_attention(
+        qkv, cos, sin, k_cache, v_cache, slot, valid, heads, kv_heads, splits, lay.block, lay.stages
+    )
 
 
 def choose_kernel(

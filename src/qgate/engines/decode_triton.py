@@ -160,14 +160,16 @@ def decode_attention(
     kv_heads: int,
     splits: int,
     block: int,
+    stages: int | None = None,
 ) -> torch.Tensor:
     """One decode step's attention for rows of one token: qkv [B, (H + 2 Hkv) * D] (the fused projection's output),
     cos and sin [B, 1, D] (sin with its first half negated), caches [B, Hkv, >= S, D] written at `slot` ([1] long),
     valid [B, S] bool: which of the S slots attended hold a row's real tokens; each row sees those at or before the
     slot, and the slot. Returns [B, H * D], head h = kv head * G + g (G = H / Hkv query heads per K/V head).
     splits: programs per row and K/V head along the S slots, at most (1: no merge kernel), each over `block`-key
-    blocks. Each program's slots are a power of two, and the merge kernel is laid out for a power of two of splits,
-    so any S compiles one of a few kernels, not one per S."""
+    blocks in `stages` software-pipelining stages (None: Triton's default). Each program's slots are a power of two,
+    and the merge kernel is laid out for a power of two of splits, so any S compiles one of a few kernels, not one per
+    S."""
     named = {"qkv": qkv, "cos": cos, "sin": sin, "k_cache": k_cache, "v_cache": v_cache, "valid": valid}
     strided = [k for k, t in named.items() if t.stride(-1) != 1]
     if strided:
@@ -187,6 +189,7 @@ def decode_attention(
         qkv, cos, sin, k_cache, v_cache, slot, valid, out, part_acc, part_ml,
         s, qkv.stride(0), cos.stride(0), kb, kh, ks, vb, vh, vs, valid.stride(0), out.stride(0), d**-0.5,
         H=heads, HKV=kv_heads, G=g, GP=gp, D=d, BLOCK=block, CHUNK=chunk, ONE_PASS=splits == 1,
+        **({} if stages is None else {"num_stages": stages}),
     )  # fmt: skip
     if splits > 1:
         _merge[(b * kv_heads,)](
