@@ -62,10 +62,11 @@ def test_splits_aim_for_the_programs_and_cover_the_slots():
     assert decode_attention.splits_for(1, 8, 4096) == decode_attention.PROGRAMS // 8
     assert decode_attention.splits_for(32, 8, 4096) == 1
     assert decode_attention.splits_for(1, 2, 10) == 1
+    assert decode_attention.splits_for(1, 1, 1 << 16) == decode_attention.MAX_SPLITS  # one K/V head, a long context
     assert decode_attention.splits_for(1, 8, 256, 32) == 256 // 32  # smaller blocks: more splits on a short context
     for rows, kv, slots, block in [(1, 8, 256, 64), (3, 2, 1000, 64), (8, 8, 2048, 32), (9, 4, 300, 32)]:
         n = decode_attention.splits_for(rows, kv, slots, block)
-        assert 1 <= n <= -(-slots // block)
+        assert 1 <= n <= min(-(-slots // block), decode_attention.MAX_SPLITS)
         assert n * rows * kv >= min(decode_attention.PROGRAMS, -(-slots // block) * rows * kv)
 
 

@@ -47,6 +47,7 @@ KERNELS = ("sdpa", *TRITON)
 DEFAULT = "sdpa"
 BLOCK = 64  # key slots per block of the "triton" kernel's loop
 PROGRAMS = 256  # programs the split Triton kernel aims for per step: about two per SM on an H100 or H200 (132)
+MAX_SPLITS = 64  # splits per row and K/V head at most: the merge kernel unrolls its loop over them
 SAVING = 0.05  # share of the "sdpa" kernels' time another kernel must save to be chosen (choose_kernel)
 TOLERANCE = 0.02  # of the largest magnitude: another kernel's largest difference from "sdpa" (catches a wrong kernel)
 
@@ -72,8 +73,8 @@ def unavailable(name: str, device: torch.device, head_dim: int) -> str | None:
 
 def splits_for(rows: int, kv_heads: int, slots: int, block: int = BLOCK) -> int:
     """Programs per row and K/V head along `slots` key slots: enough for PROGRAMS in all, at least `block` slots
-    each."""
-    return max(1, min(-(-slots // block), -(-PROGRAMS // (rows * kv_heads))))
+    each, MAX_SPLITS at most."""
+    return max(1, min(-(-slots // block), -(-PROGRAMS // (rows * kv_heads)), MAX_SPLITS))
 
 
 def triton_attend(name: str, qkv, cos, sin, k_cache, v_cache, slot, valid, heads: int, kv_heads: int) -> torch.Tensor:
