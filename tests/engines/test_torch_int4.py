@@ -9,6 +9,7 @@ import pytest
 import tiny
 import torch
 
+from qgate.engines import int4_choice
 from qgate.engines.build import build_engine
 from qgate.engines.int4pack import (
     Int4Weight,
@@ -345,6 +346,7 @@ def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32,
         return y * 1.5 if s == 8 else y  # a broken layout: computes something else
 
     monkeypatch.setattr(sl, "split_mm", timed_mm)
+    monkeypatch.setattr(int4_choice, "split_mm", timed_mm)
     cost = {1: 10.0, 2: 9.8, 4: 6.0, 8: 1.0}  # microseconds per row: 2 saves under SPLIT_SAVING
 
     def seconds(f):
@@ -352,7 +354,7 @@ def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32,
         rows, s = calls[-1]
         return cost[s] * rows * 1e-6
 
-    record = model.choose_splits([1, 2, 3, 32], seconds)
+    record = int4_choice.choose_splits(model, [1, 2, 3, 32], seconds)
     widths = {m.shape: m.in_features for m in lins}
     assert set(record) == set(widths) and all(r["count"] == len(model.layers) for r in record.values())
     for key, r in record.items():
@@ -362,6 +364,7 @@ def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32,
         assert r["split"] == (4 if 4 in factors else 1)  # 8 is fastest but wrong; 2 saves too little
     assert {m.split for m in lins} == {r["split"] for r in record.values()} and {m.split for m in lins} > {1}
     monkeypatch.setattr(sl, "split_mm", kernel)
+    monkeypatch.setattr(int4_choice, "split_mm", kernel)
     with torch.inference_mode():
         assert torch.allclose(model(tok, pos, valid), before, atol=1e-5)
     # a timing that fails mid-way leaves every kernel unsplit, with a warning (a GPU build then records nothing)
@@ -386,7 +389,7 @@ def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32,
     assert "RuntimeError: capture failed" in caplog.text
     # a kept dense matrix serves KEPT_DENSE_ROWS rows and more: those rows are not the int4 kernel's to time
     model.keep_dense(10**12)
-    assert all(r["rows"] == [1, 2, 3] for r in model.choose_splits([1, 2, 3, 32], lambda f: 1.0).values())
+    assert all(r["rows"] == [1, 2, 3] for r in int4_choice.choose_splits(model, [1, 2, 3, 32], lambda f: 1.0).values())
 
 
 def test_split_layouts_are_timed_without_the_sum_the_next_kernel_does(int4_f32, monkeypatch):
@@ -400,8 +403,10 @@ def test_split_layouts_are_timed_without_the_sum_the_next_kernel_does(int4_f32, 
     model, _, _ = load_model(int4_f32.path, torch.device("cpu"))
     timed: list[tuple[str, int]] = []
     mm, parts = sl.split_mm, sl.split_parts
-    monkeypatch.setattr(sl, "split_mm", lambda x, p, g, sz, s: timed.append(("mm", s)) or mm(x, p, g, sz, s))
-    monkeypatch.setattr(sl, "split_parts", lambda x, p, g, sz, s: timed.append(("parts", s)) or parts(x, p, g, sz, s))
+    monkeypatch.setattr(int4_choice, "split_mm", lambda x, p, g, sz, s: timed.append(("mm", s)) or mm(x, p, g, sz, s))
+    monkeypatch.setattr(
+        int4_choice, "split_parts", lambda x, p, g, sz, s: timed.append(("parts", s)) or parts(x, p, g, sz, s)
+    )
 
     def seconds(f):
         timed.append(("timing", 0))
@@ -410,7 +415,7 @@ def test_split_layouts_are_timed_without_the_sum_the_next_kernel_does(int4_f32, 
 
     for fused, kernel in ((True, "parts"), (False, "mm")):
         timed.clear()
-        record = model.choose_splits([1, 2], seconds, fused)
+        record = int4_choice.choose_splits(model, [1, 2], seconds, fused)
         assert len(record) == 4 and {r["timed"] for r in record.values()} == {
             "without its sum" if fused else "with its sum"
         }
@@ -419,7 +424,7 @@ def test_split_layouts_are_timed_without_the_sum_the_next_kernel_does(int4_f32, 
         assert sorted(k for k, s in after if s > 1) == [kernel] * 2 * splits and splits > 0
         assert ("mm", 2) in timed  # each layout is still checked on the summed product
     monkeypatch.setattr(sl, "HANDS_PARTIALS", ("qkv", "o_proj", "gate_up"))  # down's sums in a kernel of their own
-    record = model.choose_splits([1, 2], seconds, True)
+    record = int4_choice.choose_splits(model, [1, 2], seconds, True)
     assert sorted(r["timed"] for r in record.values()).count("with its sum") == 1
 
 
@@ -669,6 +674,23 @@ def test_cuda_graph_decode_equals_eager_decode(awq_art, calib_arts, workdir):
         for a, b in zip(ref.logits_batch(SEQS), runner.served_logits_batch(SEQS, [2, 3, 4]), strict=True):
             pa, pb = torch.log_softmax(torch.as_tensor(a).float(), -1), torch.log_softmax(b.float(), -1)
             assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
+    # where qgate's int4 kernel won (int4_gemv), engine.json records it and a load serves it; at every row count it
+    # takes, in the configuration that takes the most, it serves answers alike (graphs recaptured)
+    from qgate.engines import int4_gemv
+
+    won = {k: {str(r): n for r, n in v["rows"].items()} for k, v in eng.meta.get("int4_gemv", {}).items() if v["rows"]}
+    assert spec.get("int4_gemv", {}) == won and "int4_gemv" in eng.meta
+    assert all({str(r): c.name for r, c in m.gemv.items()} == won.get(m.shape, {}) for m in lins)
+    widest = int4_gemv.CONFIGS["r1w4"]
+    for m in lins:
+        m.serve_gemv({r: widest for r in range(1, int4_gemv.MAX_ROWS + 1)} if m.split == 1 else {})
+    runner.model.decode_kernel, runner.graphs = "sdpa", {}
+    runner._capture(eng.meta["graph_batch_sizes"])
+    for a, b in zip(ref.logits_batch(SEQS), runner.served_logits_batch(SEQS, [2, 3, 4]), strict=True):
+        pa, pb = torch.log_softmax(torch.as_tensor(a).float(), -1), torch.log_softmax(b.float(), -1)
+        assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
+    for m in lins:
+        m.serve_gemv({})
     # and every layout computes what the checkpoint says on the GPU's kernel: the widest each shape takes, eagerly
     for m in lins:
         m.resplit(max(split_factors(m.in_features, m.group_size)))
@@ -751,7 +773,8 @@ def test_gate_runs_on_cuda(awq_art, base_art, calib_arts, workdir):
     art = run_gates(eng, base_art, calib_arts["shadow"], cfg, workdir / "gate-cuda", workdir / "cache-cuda")
     report = json.loads((art.path / "report.json").read_text())
     # the engine's int4 layout (split_k) is timed at build and its elementwise work compiled where it can be
-    assert re.fullmatch(r"cuda-torch-int4-bfloat16(-splitk)?(-compiled)?", report["inputs"]["numerics"])
+    numerics = report["inputs"]["numerics"]
+    assert re.fullmatch(r"cuda-torch-int4-bfloat16(-splitk)?(-gemv)?(-triton[-a-z0-9]*)?(-compiled)?", numerics)
     assert (workdir / "cache-cuda" / "cuda-bfloat16").is_dir()  # a float32 config is served in bf16 on a GPU
     by = {r["metric"]: r for r in report["results"]}
     assert by["engine_vs_checkpoint.kl_p99"]["observed"] <= 0.01

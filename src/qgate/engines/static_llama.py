@@ -15,20 +15,20 @@ kernels after `model.compile()`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from qgate.device import planless_sdpa
+from qgate.engines import int4_gemv
 from qgate.engines.decode_attention import triton_attend
 from qgate.engines.elementwise import EAGER, Ops, compiled_ops, rms_norm
 from qgate.engines.int4pack import (
     Int4Weight,
     device_pack,
     int4_shape,
-    split_factors,
     split_k,
     split_mm,
     split_parts,
@@ -62,8 +62,6 @@ def check_architecture(config: dict) -> None:
 FUSE = True  # q/k/v and gate/up as one wider Linear each where their weights allow (StaticLlama.__init__)
 DENSE_ROWS = {"cuda": 128}  # rows (tokens) from which an int4 Linear dequantizes and runs a dense GEMM, per device
 KEPT_DENSE_ROWS = 16  # rows from which an int4 Linear whose dense matrix is kept (keep_dense) runs the dense GEMM
-SPLIT_SAVING = 0.05  # share of the unsplit int4 kernel's time a split_k layout must save to be chosen (choose_splits)
-SPLIT_TOLERANCE = 0.02  # a split_k layout's largest difference from the unsplit product, of its largest magnitude
 HANDS_PARTIALS = ("qkv", "o_proj", "gate_up", "down_proj")  # a layer's Linears whose forward reads Linear.parts
 
 
@@ -77,13 +75,16 @@ class Linear(nn.Module):
     kept it (the same numbers either way). A kept matrix costs no dequantizing, so it serves from KEPT_DENSE_ROWS
     rows on (decode steps of large batches), where the int4 kernel reads its packed weights slower than a dense GEMM
     reads the matrix four times their size. On a CPU every row count runs the int4 kernel. The int4 kernel's buffers
-    are laid out as `split` blocks of the inputs (int4pack.split_k; 1: unsplit), which `resplit` changes."""
+    are laid out as `split` blocks of the inputs (int4pack.split_k; 1: unsplit), which `resplit` changes. Unsplit,
+    the row counts in `gemv` run qgate's own int4 kernel instead (engines/int4_gemv.py, serve_gemv)."""
 
     def __init__(
         self, weight: Int4Weight | torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device, split: int = 1
     ):
         """split: an int4 weight's split_k factor (int4pack.py), how its kernel is laid out; the same weight."""
         super().__init__()
+        self.gemv: dict[int, int4_gemv.Config] = {}  # rows -> the int4_gemv configuration serving them (int4 only)
+        self.pairs: torch.Tensor | None = None  # int4_gemv.scale_zero_pairs(sz) where gemv serves any rows
         if isinstance(weight, Int4Weight):
             self.group_size = weight.group_size
             self.out_features, self.in_features = weight.codes.shape[0], weight.codes.shape[1] * 2
@@ -100,9 +101,14 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., I] -> [..., O]
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
-        if not self._int4_serves(x.numel() // x.shape[-1]):
+        rows = x.numel() // x.shape[-1]
+        if not self._int4_serves(rows):
             return F.linear(x, self.dense if self.dense is not None else self.dequantized(), self.bias)
-        y = split_mm(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, self.sz, self.split)
+        config = self.gemv.get(rows) if self.split == 1 else None
+        if config is not None:
+            y = int4_gemv.gemv(x.reshape(rows, -1), self.codes, self.pairs, self.group_size, config)
+        else:
+            y = split_mm(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, self.sz, self.split)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -140,6 +146,14 @@ class Linear(nn.Module):
         if split != self.split:
             self._lay_out(self.int4_weight(), split, self.packed.device, self.sz.dtype)
 
+    def serve_gemv(self, configs: dict[int, int4_gemv.Config]) -> None:
+        """Decode steps of these row counts run qgate's int4 kernel in these configurations (int4_gemv.gemv) while
+        the kernel's layout is unsplit; {}: torch's kernel serves every row count. Reads the portable codes."""
+        if configs and (self.codes is None or self.split != 1):
+            raise RuntimeError("qgate's int4 kernel reads the unsplit portable codes, which this Linear lacks")
+        self.gemv = dict(configs)
+        self.pairs = int4_gemv.scale_zero_pairs(self.sz) if configs else None
+
     def dequantized(self) -> torch.Tensor:
         """The int4 weight as a dense [O, I] matrix in the activation dtype: (q - 8) * scale + zero per group, as
         torch's int4 kernels define it, rounded once (addcmul computes in float32)."""
@@ -162,7 +176,7 @@ class StaticLlama(nn.Module):
     ):
         """tensors: the checkpoint's state dict with every quantized Linear's prefix mapped to an Int4Weight or a dense
         float matrix (int4pack.repack) and every other tensor as saved. splits: the split_k factor per int4 weight
-        shape (int4pack.int4_shape; choose_splits picks them), 1 where absent."""
+        shape (int4pack.int4_shape; int4_choice.choose_splits picks them), 1 where absent."""
         super().__init__()
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -333,70 +347,6 @@ class StaticLlama(nn.Module):
                     if kept + size <= max_bytes:
                         m.dense, kept = m.dequantized(), kept + size
         return kept
-
-    def choose_splits(
-        self, rows: Sequence[int], seconds: Callable[[Callable[[], object]], float], fused: bool = False
-    ) -> dict:
-        """Lay out each int4 weight shape's kernel as the split_k factor (int4pack.py) that serves `rows` fastest,
-        for every Linear of that shape. rows: the row counts of the decode steps the engine captures; a Linear's
-        count is one its int4 kernel serves (under KEPT_DENSE_ROWS where its dense matrix is kept, under its
-        DENSE_ROWS). seconds(f): the time of one call of f (a CUDA graph's replay on a GPU). A split is taken where
-        its time summed over those rows is the least and at least SPLIT_SAVING below the unsplit kernel's, and where
-        it computes the unsplit kernel's product within SPLIT_TOLERANCE of its largest magnitude (that catches a
-        wrong layout, not rounding, which engine parity measures). fused: forwards will run the elementwise work
-        compiled, where the Linears that hand over their partials (Linear.parts: each layer's HANDS_PARTIALS) have
-        them summed inside the next function; a shape all of whose Linears do is then timed without the sum, as the
-        served step runs it. Needs the portable codes (a device with a dense path). Returns {shape: {"split", "us":
-        {factor: microseconds summed over the rows}, "rows", "count", "timed": "with its sum" | "without its sum",
-        "rejected"}}."""
-        handing = {id(m) for m in self._handing_partials()}
-        by_shape: dict[str, list[Linear]] = {}
-        for m in self.modules():
-            if isinstance(m, Linear) and m.weight is None:
-                by_shape.setdefault(m.shape, []).append(m)
-        record: dict[str, dict] = {}
-        for key, ms in by_shape.items():
-            m = ms[0]
-            top = KEPT_DENSE_ROWS if m.dense is not None else m.dense_rows or float("inf")
-            served = sorted({r for r in rows if r < top})
-            if not served:
-                continue
-            w = m.int4_weight()
-            xs = [torch.randn(r, m.in_features, dtype=m.sz.dtype, device=m.packed.device) for r in served]
-            us: dict[int, float] = {}
-            rejected: dict[int, str] = {}
-            exact: list[torch.Tensor] = []
-            apart = fused and all(id(lin) in handing for lin in ms)
-            for s in split_factors(m.in_features, m.group_size):
-                ws = split_k(w, s)
-                packed = device_pack(ws.codes, m.packed.device)
-
-                def f(x, packed=packed, ws=ws, s=s):
-                    return split_mm(x, packed, ws.group_size, ws.scales_and_zeros, s)
-
-                def as_served(x, packed=packed, ws=ws, s=s, f=f):
-                    return split_parts(x, packed, ws.group_size, ws.scales_and_zeros, s) if apart and s > 1 else f(x)
-
-                with torch.inference_mode():
-                    ys = [f(x).float() for x in xs]
-                exact = exact or ys  # the unsplit kernel's, s == 1 coming first
-                err = max(
-                    float((y - e).abs().max() / e.abs().max().clamp(min=1e-30)) for y, e in zip(ys, exact, strict=True)
-                )
-                if not err <= SPLIT_TOLERANCE:
-                    rejected[s] = f"differs from the unsplit kernel by {err:.3g} of its largest magnitude"
-                    continue
-                us[s] = round(sum(seconds(lambda f=as_served, x=x: f(x)) for x in xs) * 1e6, 2)
-            best = min(us, key=us.get)
-            if 1 not in us or us[best] > (1 - SPLIT_SAVING) * us[1]:
-                best = 1
-            for lin in ms:
-                lin.resplit(best)
-            timed = "without its sum" if apart else "with its sum"
-            record[key] = {"split": best, "us": us, "rows": served, "count": len(ms), "timed": timed} | (
-                {"rejected": rejected} if rejected else {}
-            )
-        return record
 
     def setup_cache(self, batch: int, length: int) -> None:
         """A zeroed cache of `length` slots for `batch` rows (a cache of this size already there is reused)."""
