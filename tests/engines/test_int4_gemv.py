@@ -212,14 +212,18 @@ def test_choose_gemv_serves_the_rows_where_qgates_kernel_is_faster(int4_f32, mon
     # wins at 3; any other call costs 9.9
     cost = {(1, "r1w4"): 5.0, (1, "r2w4"): 6.0, (2, "r2w4"): 9.8, (3, "r1w4"): 11.0}
 
-    def seconds(f):
+    turns: list[int] = []
+
+    def seconds(f):  # per call of f: each kernel it runs (one per Linear of the shape it turns over) at its cost
         n = len(calls)
-        f()
-        return (cost.get(calls[-1], 9.9) if len(calls) > n else 10.0) * 1e-6
+        out = f()
+        turns.append(len(out))
+        return (cost.get(calls[-1], 9.9) if len(calls) > n else 10.0) * len(out) * 1e-6
 
     record = int4_choice.choose_gemv(model, [1, 2, 3, 8], seconds)
     shapes = {m.shape for m in model.modules() if isinstance(m, sl.Linear) and m.weight is None}
     assert set(record) == shapes
+    assert set(turns) == {min(int4_choice.ROTATED, len(model.layers))}  # every weight of the shape, in turn
     for r in record.values():
         assert r["rows"] == {1: "r1w4"} and r["count"] == len(model.layers)
         assert sorted(r["us"]) == [1, 2, 3]  # 8 rows: more than MAX_ROWS

@@ -23,6 +23,7 @@ from qgate.errors import in_one_line
 SPLIT_SAVING = 0.05  # share of the unsplit int4 kernel's time a split_k layout must save to be chosen (choose_splits)
 SPLIT_TOLERANCE = 0.02  # a split_k layout's largest difference from the unsplit product, of its largest magnitude
 GEMV_SAVING = 0.05  # share of torch's int4 kernel's time qgate's (int4_gemv) must save at a row count to serve it
+ROTATED = 8  # Linears of one shape choose_gemv times in turn: their weights together outgrow the card's L2 cache
 
 
 def choose_splits(
@@ -93,7 +94,8 @@ def choose_splits(
 def choose_gemv(model, rows: Sequence[int], seconds: Callable[[Callable[[], object]], float]) -> dict:
     """For each int4 weight shape whose kernel is unsplit, and each row count in `rows` its int4 kernel serves (at
     most int4_gemv.MAX_ROWS), serve those rows with the int4_gemv configuration that is the fastest, where it
-    saves GEMV_SAVING of torch's kernel's time (seconds(f): one call of f, a CUDA graph's replay on a GPU) and
+    saves GEMV_SAVING of torch's kernel's time (seconds(f): one call of f, a CUDA graph's replay on a GPU; f runs
+    the kernel on ROTATED Linears of the shape in turn, so their weights come from memory as in a decode step) and
     computes torch's product within SPLIT_TOLERANCE of its largest magnitude; a configuration that raises (NVRTC
     missing, a compile error) is left out. Returns {shape: {"rows": {rows: configuration}, "us": {rows: {"torch"
     or configuration: microseconds}}, "count", "rejected": {"<configuration> at <rows> rows": why}, where any}}."""
@@ -108,33 +110,37 @@ def choose_gemv(model, rows: Sequence[int], seconds: Callable[[Callable[[], obje
         served = sorted({r for r in rows if r < top and r <= int4_gemv.MAX_ROWS})
         if not served:
             continue
-        pairs = int4_gemv.scale_zero_pairs(m.sz)
+        turn = ms[:ROTATED]  # read as a decode step reads them: each weight once, from memory, not from the L2 cache
+        pairs = [int4_gemv.scale_zero_pairs(lin.sz) for lin in turn]
         chosen: dict[int, str] = {}
         us: dict[int, dict[str, float]] = {}
         rejected: dict[str, str] = {}
         for r in served:
             x = torch.randn(r, m.in_features, dtype=m.sz.dtype, device=m.packed.device)
 
-            def theirs(x=x, m=m):
-                return int4_mm(x, m.packed, m.group_size, m.sz)
+            def theirs(x=x, turn=turn):
+                return [int4_mm(x, lin.packed, lin.group_size, lin.sz) for lin in turn]
 
             with torch.inference_mode():
-                exact = theirs().float()
-            times = {"torch": seconds(theirs)}
+                exact = torch.stack(theirs()).float()
+            times = {"torch": seconds(theirs) / len(turn)}
             for name, config in int4_gemv.CONFIGS.items():
                 if not config.takes(r):
                     continue
 
-                def ours(x=x, m=m, config=config):
-                    return int4_gemv.gemv(x, m.codes, pairs, m.group_size, config)
+                def ours(x=x, turn=turn, pairs=pairs, config=config):
+                    return [
+                        int4_gemv.gemv(x, lin.codes, p, lin.group_size, config)
+                        for lin, p in zip(turn, pairs, strict=True)
+                    ]
 
                 try:
                     with torch.inference_mode():
-                        y = ours().float()
+                        y = torch.stack(ours()).float()
                     err = float((y - exact).abs().max() / exact.abs().max().clamp(min=1e-30))
                     if not err <= SPLIT_TOLERANCE:
                         raise ValueError(f"differs from torch's int4 kernel by {err:.3g} of its largest magnitude")
-                    times[name] = seconds(ours)
+                    times[name] = seconds(ours) / len(turn)
                 except Exception as e:  # noqa: BLE001 - torch's kernel serves; the record says why
                     rejected[f"{name} at {r} rows"] = in_one_line(e)
             us[r] = {k: round(v * 1e6, 2) for k, v in times.items()}
