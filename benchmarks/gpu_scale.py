@@ -379,8 +379,9 @@ def step_breakdown(engine, device) -> dict:
     """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps); its
     kernels by GPU time under the profiler; the same step recaptured with the elementwise work eager, with the int4
     kernels unsplit, with split kernels' partials summed apart from the functions that read them, with torch's int4
-    kernel in place of qgate's (int4_gemv), and with each decode attention kernel; and the model's Linears alone at one row, in total and per weight shape (the bytes each
-    reads per millisecond). Other int4 kernels' figures come later in the run (kernel_alternatives)."""
+    kernel in place of qgate's (int4_gemv), and with each decode attention kernel; and the model's Linears alone at
+    one row, in total and per weight shape (the bytes each reads per millisecond). Other int4 kernels' figures come
+    later in the run (kernel_alternatives)."""
     import torch
 
     def nbytes(m) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from qgate.engines import int4_gemv, static_llama
+from qgate.engines import int4_gemv
 from qgate.engines.int4pack import device_pack, int4_mm, split_factors, split_k, split_mm, split_parts
 from qgate.engines.static_llama import Linear
 from qgate.errors import in_one_line
@@ -26,31 +26,34 @@ GEMV_SAVING = 0.05  # share of torch's int4 kernel's time qgate's (int4_gemv) mu
 ROTATED = 8  # Linears of one shape choose_gemv times in turn: their weights together outgrow the card's L2 cache
 
 
-def choose_splits(
-    model, rows: Sequence[int], seconds: Callable[[Callable[[], object]], float], fused: bool = False
-) -> dict:
-    """Lay out each int4 weight shape's kernel as the split_k factor (int4pack.py) that serves `rows` fastest,
-    for every Linear of that shape. rows: the row counts of the decode steps the engine captures; a Linear's
-    count is one its int4 kernel serves (under KEPT_DENSE_ROWS where its dense matrix is kept, under its
-    DENSE_ROWS). seconds(f): the time of one call of f (a CUDA graph's replay on a GPU). A split is taken where
-    its time summed over those rows is the least and at least SPLIT_SAVING below the unsplit kernel's, and where
-    it computes the unsplit kernel's product within SPLIT_TOLERANCE of its largest magnitude (that catches a
-    wrong layout, not rounding, which engine parity measures). fused: forwards will run the elementwise work
-    compiled, where the Linears that hand over their partials (Linear.parts: each layer's HANDS_PARTIALS) have
-    them summed inside the next function; a shape all of whose Linears do is then timed without the sum, as the
-    served step runs it. Needs the portable codes (a device with a dense path). Returns {shape: {"split", "us":
-    {factor: microseconds summed over the rows}, "rows", "count", "timed": "with its sum" | "without its sum",
-    "rejected"}}."""
-    handing = {id(m) for m in model._handing_partials()}
+def int4_by_shape(model) -> dict[str, list[Linear]]:
+    """The model's int4 Linears by weight shape (int4pack.int4_shape), in model order."""
     by_shape: dict[str, list[Linear]] = {}
     for m in model.modules():
         if isinstance(m, Linear) and m.weight is None:
             by_shape.setdefault(m.shape, []).append(m)
+    return by_shape
+
+
+def choose_splits(
+    model, rows: Sequence[int], seconds: Callable[[Callable[[], object]], float], fused: bool = False
+) -> dict:
+    """Lay out each int4 weight shape's kernel as the split_k factor (int4pack.py) that serves `rows` fastest, for
+    every Linear of that shape. rows: the row counts of the decode steps the engine captures; a Linear's count is
+    one its int4 kernel serves (Linear.int4_serves: under KEPT_DENSE_ROWS where its dense matrix is kept, under its
+    DENSE_ROWS). seconds(f): the time of one call of f (a CUDA graph's replay on a GPU). A split is taken where its
+    time summed over those rows is the least and at least SPLIT_SAVING below the unsplit kernel's, and where it
+    computes the unsplit kernel's product within SPLIT_TOLERANCE of its largest magnitude (that catches a wrong
+    layout, not rounding, which engine parity measures). fused: forwards will run the elementwise work compiled,
+    where the Linears that hand over their partials (Linear.parts: each layer's HANDS_PARTIALS) have them summed
+    inside the next function; a shape all of whose Linears do is then timed without the sum, as the served step runs
+    it. Needs the portable codes (a device with a dense path). Returns {shape: {"split", "us": {factor: microseconds
+    summed over the rows}, "rows", "count", "timed": "with its sum" | "without its sum", "rejected"}}."""
+    handing = {id(m) for m in model._handing_partials()}
     record: dict[str, dict] = {}
-    for key, ms in by_shape.items():
+    for key, ms in int4_by_shape(model).items():
         m = ms[0]
-        top = static_llama.KEPT_DENSE_ROWS if m.dense is not None else m.dense_rows or float("inf")
-        served = sorted({r for r in rows if r < top})
+        served = sorted({r for r in rows if m.int4_serves(r)})
         if not served:
             continue
         w = m.int4_weight()
@@ -99,15 +102,13 @@ def choose_gemv(model, rows: Sequence[int], seconds: Callable[[Callable[[], obje
     computes torch's product within SPLIT_TOLERANCE of its largest magnitude; a configuration that raises (NVRTC
     missing, a compile error) is left out. Returns {shape: {"rows": {rows: configuration}, "us": {rows: {"torch"
     or configuration: microseconds}}, "count", "rejected": {"<configuration> at <rows> rows": why}, where any}}."""
-    by_shape: dict[str, list[Linear]] = {}
-    for m in model.modules():
-        if isinstance(m, Linear) and m.weight is None and m.split == 1 and m.codes is not None:
-            by_shape.setdefault(m.shape, []).append(m)
     record: dict[str, dict] = {}
-    for key, ms in by_shape.items():
+    for key, ms in int4_by_shape(model).items():
+        ms = [m for m in ms if m.split == 1 and m.codes is not None]
+        if not ms:
+            continue
         m = ms[0]
-        top = static_llama.KEPT_DENSE_ROWS if m.dense is not None else m.dense_rows or float("inf")
-        served = sorted({r for r in rows if r < top and r <= int4_gemv.MAX_ROWS})
+        served = sorted({r for r in rows if m.int4_serves(r) and r <= int4_gemv.MAX_ROWS})
         if not served:
             continue
         turn = ms[:ROTATED]  # read as a decode step reads them: each weight once, from memory, not from the L2 cache

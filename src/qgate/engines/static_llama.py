@@ -102,7 +102,7 @@ class Linear(nn.Module):
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1]
-        if not self._int4_serves(rows):
+        if not self.int4_serves(rows):
             return F.linear(x, self.dense if self.dense is not None else self.dequantized(), self.bias)
         config = self.gemv.get(rows) if self.split == 1 else None
         if config is not None:
@@ -116,11 +116,11 @@ class Linear(nn.Module):
         """forward(x) for x [N, I], except where a split int4 kernel serves these rows and there is no bias: then
         its partials [N, s, s, O] unsummed (int4pack.split_parts), for an elementwise function that adds them in its
         own kernel (elementwise.rope, add_rms_norm and silu_mul, through int4pack.split_sum)."""
-        if self.weight is None and self.split > 1 and self.bias is None and self._int4_serves(x.shape[0]):
+        if self.weight is None and self.split > 1 and self.bias is None and self.int4_serves(x.shape[0]):
             return split_parts(x, self.packed, self.group_size, self.sz, self.split)
         return self(x)
 
-    def _int4_serves(self, rows: int) -> bool:
+    def int4_serves(self, rows: int) -> bool:
         """Whether the int4 kernel serves `rows` rows; else the kept dense matrix does, or one dequantized now."""
         if self.dense is not None and rows >= min(KEPT_DENSE_ROWS, self.dense_rows):
             return False

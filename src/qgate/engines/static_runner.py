@@ -82,8 +82,7 @@ class StaticRunner:
         choose_kernels: on CUDA, time each int4 weight shape's split_k layouts at those batch sizes and take the
         fastest (int4_choice.choose_splits; the choice is in `splits`), then qgate's int4 kernel against torch's per
         unsplit shape and row count (int4_choice.choose_gemv; in `gemv_choice`), then the decode step's attention
-        kernels at
-        those batch sizes and every context bucket (decode_attention.choose_kernel; the choice is in
+        kernels at those batch sizes and every context bucket (decode_attention.choose_kernel; the choice is in
         `decode_choice`), for the engine's build to record; otherwise the layouts and the kernels engine.json
         names."""
         from qgate.device import batch_tokens, forward_cost
@@ -178,10 +177,7 @@ class StaticRunner:
         qgate lacks or a shape the model lacks."""
         if not spec:
             return
-        by_shape: dict[str, list[Linear]] = {}
-        for m in self.model.modules():
-            if isinstance(m, Linear) and m.weight is None:
-                by_shape.setdefault(m.shape, []).append(m)
+        by_shape = int4_choice.int4_by_shape(self.model)
         for shape, served in spec.items():
             unknown = sorted(set(served.values()) - set(int4_gemv.CONFIGS))
             if shape not in by_shape or unknown:
