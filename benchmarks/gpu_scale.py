@@ -307,21 +307,6 @@ def _unsplit_step_ms(engine, device) -> float | None:
     )
 
 
-def _torch_int4_step_ms(engine, device) -> float | None:
-    """_graph_step_ms with torch's int4 kernel serving every row count (engines/int4_gemv.py off); None where qgate's
-    kernel serves none."""
-    lins = engine._gemv_linears()
-    if not lins:
-        return None
-    served = [m.gemv for m in lins]
-    return _recaptured_step_ms(
-        engine,
-        device,
-        lambda: [m.serve_gemv({}) for m in lins],
-        lambda: [m.serve_gemv(g) for m, g in zip(lins, served, strict=True)],
-    )
-
-
 def _attention_step_ms(engine, device) -> dict:
     """_graph_step_ms with each decode attention kernel that runs here (engines/decode_attention.py), the engine's own
     included: {kernel: ms}, or the error as a string."""
@@ -378,10 +363,9 @@ def _linear_shapes(engine) -> dict:
 def step_breakdown(engine, device) -> dict:
     """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps); its
     kernels by GPU time under the profiler; the same step recaptured with the elementwise work eager, with the int4
-    kernels unsplit, with split kernels' partials summed apart from the functions that read them, with torch's int4
-    kernel in place of qgate's (int4_gemv), and with each decode attention kernel; and the model's Linears alone at
-    one row, in total and per weight shape (the bytes each reads per millisecond). Other int4 kernels' figures come
-    later in the run (kernel_alternatives)."""
+    kernels unsplit, with split kernels' partials summed apart from the functions that read them, and with each
+    decode attention kernel; and the model's Linears alone at one row, in total and per weight shape (the bytes each
+    reads per millisecond). Other int4 kernels' figures come later in the run (kernel_alternatives)."""
     import torch
 
     def nbytes(m) -> int:
@@ -395,7 +379,6 @@ def step_breakdown(engine, device) -> dict:
     unsplit_ms = _recorded(_unsplit_step_ms, engine, device)
     sums_apart_ms = _recorded(_split_sums_apart_step_ms, engine, device)
     attention_ms = _recorded(_attention_step_ms, engine, device)
-    torch_int4_ms = _recorded(_torch_int4_step_ms, engine, device)
     shapes = _linear_shapes(engine)
     lins = [(m, i) for (_, i, _), ms in shapes.items() for m in ms]
     xs = {i: torch.randn(1, i, dtype=torch.bfloat16, device=device) for _, i in lins}
@@ -415,7 +398,6 @@ def step_breakdown(engine, device) -> dict:
                 "graph_us": round(tg * 1e6, 1),
                 "graph_read_tb_s": round(nbytes(m) / tg / 1e12, 3),
                 "split": getattr(m, "split", 1),  # the layout the engine serves it in (int4pack.split_k)
-                "gemv": {r: c.name for r, c in m.gemv.items()},  # rows qgate's int4 kernel serves (int4_gemv.py)
             }
     total = sum(nbytes(m) for m, _ in lins)
     return {
@@ -424,7 +406,6 @@ def step_breakdown(engine, device) -> dict:
         "graph_step_ms_unsplit": unsplit_ms,  # the same step with every int4 kernel unsplit
         "graph_step_ms_split_sums_apart": sums_apart_ms,  # split partials summed in kernels of their own
         "graph_step_ms_by_attention": attention_ms,  # the same step with each decode attention kernel
-        "graph_step_ms_torch_int4": torch_int4_ms,  # the same step with torch's int4 kernel at every row count
         "kernels": kernels,  # the step's kernels by GPU time, under the profiler
         "attention": engine.model.decode_kernel,  # the engine's own
         "linears_ms": lin_ms,
@@ -711,7 +692,6 @@ def main() -> int:
             "engine_bytes",
             "numerics",
             "int4_splits",
-            "int4_gemv",
             "decode_attention",
         )
     }

@@ -4,7 +4,6 @@ brings a step's tokens to the host while the next step runs."""
 
 import functools
 
-import numpy as np
 import pytest
 import torch
 
@@ -43,6 +42,22 @@ def test_grouped_queries_compute_enable_gqas_products(b, t, s):
     )
     swapped = grouped_sdpa(q.flip(1), k, v, keep, scaling=0.3).flip(2)  # query heads paired with the wrong K/V head
     assert not torch.allclose(swapped, want, atol=1e-3)
+
+
+def test_grouped_queries_take_any_output_layout_of_the_kernel(monkeypatch):
+    """CUDA's memory-efficient kernel returns [B, Hkv, G x T, D] laid out as [B, G x T, Hkv, D] in memory: no view
+    regroups that into G heads of T rows, and grouped_sdpa gives the same outputs from it as from a contiguous one."""
+    q, k, v, keep = _inputs(2, 5, 9)
+    want = grouped_sdpa(q, k, v, keep, scaling=0.3)
+    plain = device.planless_sdpa
+
+    def kernel_layout(*args, **kw):
+        out = plain(*args, **kw)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, strided as that kernel's
+
+    monkeypatch.setattr(device, "planless_sdpa", kernel_layout)
+    got = grouped_sdpa(q, k, v, keep, scaling=0.3)
+    assert torch.equal(got, want) and got.is_contiguous() and want.is_contiguous()
 
 
 class _CudaLike:
@@ -100,7 +115,7 @@ def test_reference_attention_on_cuda_builds_no_plans(base_art):
     finally:
         AttentionInterface.register(name, runners._gqa_sdpa)
     for a, b in zip(got, want, strict=True):
-        pa, pb = (torch.log_softmax(torch.as_tensor(np.asarray(x), dtype=torch.float32), -1) for x in (a, b))
+        pa, pb = (torch.log_softmax(torch.as_tensor(x).float().cpu(), -1) for x in (a, b))  # on the GPU as scored
         assert a.shape == b.shape and (pb.exp() * (pb - pa)).sum(-1).max().item() < 1e-3
 
 

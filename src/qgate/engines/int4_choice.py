@@ -1,12 +1,11 @@
-"""The engine build's choice of int4 kernels per weight shape, by timing them at the decode steps' row counts.
+"""The engine build's choice of int4 kernel layouts per weight shape, by timing them at the decode steps' row counts.
 
-    splits = choose_splits(model, rows=[1, 2, 4, 8], seconds=lambda f: graph_seconds(f, device))   # torch's layouts
-    gemv = choose_gemv(model, rows=[1, 2, 4, 8], seconds=lambda f: graph_seconds(f, device))       # qgate's kernel
+    splits = choose_splits(model, rows=[1, 2, 4, 8], seconds=lambda f: graph_seconds(f, device))
 
-Both lay the model's Linears out as chosen (StaticLlama, engines/static_llama.py) and return a record for
-engine.json and the artifact's metadata. A candidate is taken only where it saves a share of the time of what it
-replaces and computes the same product within a tolerance of its largest magnitude (a wrong layout, not rounding,
-which engine parity measures).
+It lays the model's Linears out as chosen (StaticLlama, engines/static_llama.py) and returns a record for
+engine.json and the artifact's metadata. A layout is taken only where it saves a share of the unsplit kernel's time
+and computes the same product within a tolerance of its largest magnitude (a wrong layout, not rounding, which
+engine parity measures).
 """
 
 from __future__ import annotations
@@ -15,15 +14,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from qgate.engines import int4_gemv
-from qgate.engines.int4pack import device_pack, int4_mm, split_factors, split_k, split_mm, split_parts
+from qgate.engines.int4pack import device_pack, split_factors, split_k, split_mm, split_parts
 from qgate.engines.static_llama import Linear
-from qgate.errors import in_one_line
 
 SPLIT_SAVING = 0.05  # share of the unsplit int4 kernel's time a split_k layout must save to be chosen (choose_splits)
 SPLIT_TOLERANCE = 0.02  # a split_k layout's largest difference from the unsplit product, of its largest magnitude
-GEMV_SAVING = 0.05  # share of torch's int4 kernel's time qgate's (int4_gemv) must save at a row count to serve it
-ROTATED = 8  # Linears of one shape choose_gemv times in turn: their weights together outgrow the card's L2 cache
 
 
 def int4_by_shape(model) -> dict[str, list[Linear]]:
@@ -91,64 +86,4 @@ def choose_splits(
         record[key] = {"split": best, "us": us, "rows": served, "count": len(ms), "timed": timed} | (
             {"rejected": rejected} if rejected else {}
         )
-    return record
-
-
-def choose_gemv(model, rows: Sequence[int], seconds: Callable[[Callable[[], object]], float]) -> dict:
-    """For each int4 weight shape whose kernel is unsplit, and each row count in `rows` its int4 kernel serves (at
-    most int4_gemv.MAX_ROWS), serve those rows with the int4_gemv configuration that is the fastest, where it
-    saves GEMV_SAVING of torch's kernel's time (seconds(f): one call of f, a CUDA graph's replay on a GPU; f runs
-    the kernel on ROTATED Linears of the shape in turn, so their weights come from memory as in a decode step) and
-    computes torch's product within SPLIT_TOLERANCE of its largest magnitude; a configuration that raises (NVRTC
-    missing, a compile error) is left out. Returns {shape: {"rows": {rows: configuration}, "us": {rows: {"torch"
-    or configuration: microseconds}}, "count", "rejected": {"<configuration> at <rows> rows": why}, where any}}."""
-    record: dict[str, dict] = {}
-    for key, ms in int4_by_shape(model).items():
-        ms = [m for m in ms if m.split == 1 and m.codes is not None]
-        if not ms:
-            continue
-        m = ms[0]
-        served = sorted({r for r in rows if m.int4_serves(r) and r <= int4_gemv.MAX_ROWS})
-        if not served:
-            continue
-        turn = ms[:ROTATED]  # read as a decode step reads them: each weight once, from memory, not from the L2 cache
-        pairs = [int4_gemv.scale_zero_pairs(lin.sz) for lin in turn]
-        chosen: dict[int, str] = {}
-        us: dict[int, dict[str, float]] = {}
-        rejected: dict[str, str] = {}
-        for r in served:
-            x = torch.randn(r, m.in_features, dtype=m.sz.dtype, device=m.packed.device)
-
-            def theirs(x=x, turn=turn):
-                return [int4_mm(x, lin.packed, lin.group_size, lin.sz) for lin in turn]
-
-            with torch.inference_mode():
-                exact = torch.stack(theirs()).float()
-            times = {"torch": seconds(theirs) / len(turn)}
-            for name, config in int4_gemv.CONFIGS.items():
-                if not config.takes(r):
-                    continue
-
-                def ours(x=x, turn=turn, pairs=pairs, config=config):
-                    return [
-                        int4_gemv.gemv(x, lin.codes, p, lin.group_size, config)
-                        for lin, p in zip(turn, pairs, strict=True)
-                    ]
-
-                try:
-                    with torch.inference_mode():
-                        y = torch.stack(ours()).float()
-                    err = float((y - exact).abs().max() / exact.abs().max().clamp(min=1e-30))
-                    if not err <= SPLIT_TOLERANCE:
-                        raise ValueError(f"differs from torch's int4 kernel by {err:.3g} of its largest magnitude")
-                    times[name] = seconds(ours) / len(turn)
-                except Exception as e:  # noqa: BLE001 - torch's kernel serves; the record says why
-                    rejected[f"{name} at {r} rows"] = in_one_line(e)
-            us[r] = {k: round(v * 1e6, 2) for k, v in times.items()}
-            best = min(times, key=times.get)
-            if best != "torch" and times[best] <= (1 - GEMV_SAVING) * times["torch"]:
-                chosen[r] = best
-        for lin in ms:
-            lin.serve_gemv({r: int4_gemv.CONFIGS[n] for r, n in chosen.items()})
-        record[key] = {"rows": chosen, "us": us, "count": len(ms)} | ({"rejected": rejected} if rejected else {})
     return record

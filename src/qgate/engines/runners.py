@@ -98,7 +98,7 @@ def grouped_sdpa(query, key, value, attention_mask, scaling=None):
     g = h // hkv
     mask = attention_mask.expand(b, 1, t, s)[:, :, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
     out = planless_sdpa(query.reshape(b, hkv, g * t, d), key, value, attn_mask=mask, scale=scaling)
-    return out.view(b, h, t, d).transpose(1, 2).contiguous()
+    return out.unflatten(2, (g, t)).permute(0, 3, 1, 2, 4).reshape(b, t, h, d).contiguous()  # one copy, any strides
 
 
 def _masked_sdpa_mask(*args, **kwargs):

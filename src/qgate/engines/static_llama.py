@@ -22,7 +22,6 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from qgate.device import planless_sdpa
-from qgate.engines import int4_gemv
 from qgate.engines.decode_attention import triton_attend
 from qgate.engines.elementwise import EAGER, Ops, compiled_ops, rms_norm
 from qgate.engines.int4pack import (
@@ -75,16 +74,13 @@ class Linear(nn.Module):
     kept it (the same numbers either way). A kept matrix costs no dequantizing, so it serves from KEPT_DENSE_ROWS
     rows on (decode steps of large batches), where the int4 kernel reads its packed weights slower than a dense GEMM
     reads the matrix four times their size. On a CPU every row count runs the int4 kernel. The int4 kernel's buffers
-    are laid out as `split` blocks of the inputs (int4pack.split_k; 1: unsplit), which `resplit` changes. Unsplit,
-    the row counts in `gemv` run qgate's own int4 kernel instead (engines/int4_gemv.py, serve_gemv)."""
+    are laid out as `split` blocks of the inputs (int4pack.split_k; 1: unsplit), which `resplit` changes."""
 
     def __init__(
         self, weight: Int4Weight | torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device, split: int = 1
     ):
         """split: an int4 weight's split_k factor (int4pack.py), how its kernel is laid out; the same weight."""
         super().__init__()
-        self.gemv: dict[int, int4_gemv.Config] = {}  # rows -> the int4_gemv configuration serving them (int4 only)
-        self.pairs: torch.Tensor | None = None  # int4_gemv.scale_zero_pairs(sz) where gemv serves any rows
         if isinstance(weight, Int4Weight):
             self.group_size = weight.group_size
             self.out_features, self.in_features = weight.codes.shape[0], weight.codes.shape[1] * 2
@@ -101,14 +97,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., I] -> [..., O]
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
-        rows = x.numel() // x.shape[-1]
-        if not self.int4_serves(rows):
+        if not self.int4_serves(x.numel() // x.shape[-1]):
             return F.linear(x, self.dense if self.dense is not None else self.dequantized(), self.bias)
-        config = self.gemv.get(rows) if self.split == 1 else None
-        if config is not None:
-            y = int4_gemv.gemv(x.reshape(rows, -1), self.codes, self.pairs, self.group_size, config)
-        else:
-            y = split_mm(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, self.sz, self.split)
+        y = split_mm(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, self.sz, self.split)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -145,14 +136,6 @@ class Linear(nn.Module):
         """Lay the kernel's buffers out as split_k(weight, split): the same weight, another kernel grid."""
         if split != self.split:
             self._lay_out(self.int4_weight(), split, self.packed.device, self.sz.dtype)
-
-    def serve_gemv(self, configs: dict[int, int4_gemv.Config]) -> None:
-        """Decode steps of these row counts run qgate's int4 kernel in these configurations (int4_gemv.gemv) while
-        the kernel's layout is unsplit; {}: torch's kernel serves every row count. Reads the portable codes."""
-        if configs and (self.codes is None or self.split != 1):
-            raise RuntimeError("qgate's int4 kernel reads the unsplit portable codes, which this Linear lacks")
-        self.gemv = dict(configs)
-        self.pairs = int4_gemv.scale_zero_pairs(self.sz) if configs else None
 
     def dequantized(self) -> torch.Tensor:
         """The int4 weight as a dense [O, I] matrix in the activation dtype: (q - 8) * scale + zero per group, as

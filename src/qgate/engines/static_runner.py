@@ -12,14 +12,12 @@ padding) and the smallest bucket that holds its prompt and answer. A batch no gr
 runs the same model eagerly. Before capture, the int4 weights' dequantized matrices are kept where they fit in
 DENSE_SHARE of the free memory (StaticLlama.keep_dense): prefill and teacher-forced scoring read them instead of
 dequantizing, and so do decode steps of KEPT_DENSE_ROWS rows or more, captured or not. Each int4 weight shape's
-kernel is laid out as engine.json's `int4_splits` says (int4pack.split_k), and an unsplit one's decode steps run
-qgate's own int4 kernel at the row counts engine.json's `int4_gemv` names (engines/int4_gemv.py): the engine's build
-on a GPU times both at the captured batch sizes and records the fastest (engines/int4_choice.py). Decode steps
-compute attention with the kernel engine.json's `decode_attention` names, chosen the same way
-(engines/decode_attention.py). Where elementwise.COMPILED names the device, forwards run their elementwise work
-compiled (StaticLlama.compile). Where a capture fails, the decode kernel gives way to "sdpa" first, qgate's int4
-kernel to torch's next, and the compiled work to eager functions last, with a warning each, and `numerics` says
-what runs.
+kernel is laid out as engine.json's `int4_splits` says (int4pack.split_k): the engine's build on a GPU times the
+layouts at the captured batch sizes and records the fastest (engines/int4_choice.py). Decode steps compute attention
+with the kernel engine.json's `decode_attention` names, chosen the same way (engines/decode_attention.py). Where
+elementwise.COMPILED names the device, forwards run their elementwise work compiled (StaticLlama.compile). Where a
+capture fails, the decode kernel gives way to "sdpa" first and the compiled work to eager functions next, with a
+warning each, and `numerics` says what runs.
 """
 
 from __future__ import annotations
@@ -33,11 +31,11 @@ import numpy as np
 import torch
 
 from qgate.device import HostCopy, graph_seconds, to_device
-from qgate.engines import decode_attention, elementwise, int4_choice, int4_gemv
+from qgate.engines import decode_attention, elementwise, int4_choice
 from qgate.engines.int4pack import Int4Weight
 from qgate.engines.logits import as_logits, check_vocab
 from qgate.engines.padding import left_pad, pack_trees, right_pad, sequences_as_trees
-from qgate.engines.static_llama import Linear, StaticLlama
+from qgate.engines.static_llama import StaticLlama
 from qgate.errors import ConfigError, in_one_line
 
 SERVED_SUBDIR = "checkpoint"  # an engine's config, generation config and tokenizer files: what the contract reads
@@ -80,11 +78,9 @@ class StaticRunner:
     ):
         """graph_batch_sizes: the decode batch sizes captured on CUDA; None: the engine's own (engine.json).
         choose_kernels: on CUDA, time each int4 weight shape's split_k layouts at those batch sizes and take the
-        fastest (int4_choice.choose_splits; the choice is in `splits`), then qgate's int4 kernel against torch's per
-        unsplit shape and row count (int4_choice.choose_gemv; in `gemv_choice`), then the decode step's attention
-        kernels at those batch sizes and every context bucket (decode_attention.choose_kernel; the choice is in
-        `decode_choice`), for the engine's build to record; otherwise the layouts and the kernels engine.json
-        names."""
+        fastest (int4_choice.choose_splits; the choice is in `splits`), then the decode step's attention kernels at
+        those batch sizes and every context bucket (decode_attention.choose_kernel; the choice is in
+        `decode_choice`), for the engine's build to record; otherwise the layouts and the kernel engine.json names."""
         from qgate.device import batch_tokens, forward_cost
         from qgate.trust import check_loadable, load_tokenizer
 
@@ -94,7 +90,6 @@ class StaticRunner:
         self.model, self.spec, config = load_model(engine_dir, device)
         self.splits: dict[str, dict] = {}  # choose_splits' record, where it ran
         self.decode_choice: dict = {}  # decode_attention.choose_kernel's record, where it ran
-        self.gemv_choice: dict = {}  # int4_choice.choose_gemv's record, where it ran
         self.tokenizer = load_tokenizer(engine_dir / SERVED_SUBDIR)
         check_vocab(engine_dir, self.tokenizer, self.model.embed.shape[0])
         self.max_length = int(config.get("max_position_embeddings", 2048))
@@ -115,9 +110,6 @@ class StaticRunner:
             self.dense_bytes = self.model.keep_dense(int(torch.cuda.mem_get_info(device)[0] * DENSE_SHARE))
             if choose_kernels:  # after keep_dense: a kept matrix takes the rows from KEPT_DENSE_ROWS on
                 self._choose_splits(sizes, lambda f: graph_seconds(f, device))
-                self._choose_gemv(sizes, lambda f: graph_seconds(f, device))
-        if not (device.type == "cuda" and choose_kernels):
-            self._serve_gemv(self.spec.get("int4_gemv") or {}, engine_dir)
         self._compile()  # before capture: a graph replays the kernels its capture ran
         if device.type == "cuda" and choose_kernels:  # after compile: "sdpa" runs the compiled rope_into_cache
             self._choose_decode_kernel(sizes)
@@ -133,8 +125,6 @@ class StaticRunner:
                     why = f"capturing them failed: {in_one_line(e)}"
                     if self.model.decode_kernel != decode_attention.DEFAULT:
                         self._sdpa_decode(why)
-                    elif self._gemv_linears():
-                        self._torch_int4(why)
                     elif self.model.ops is not elementwise.EAGER:
                         self._eager(why)
                     else:
@@ -156,62 +146,13 @@ class StaticRunner:
                 "the torch-int4 engine's int4 kernels stay unsplit: choosing their layouts failed: %s", in_one_line(e)
             )
 
-    def _gemv_linears(self) -> list[Linear]:
-        """The model's Linears that serve some row counts with qgate's int4 kernel."""
-        return [m for m in self.model.modules() if isinstance(m, Linear) and m.gemv]
-
-    def _choose_gemv(self, sizes: Sequence[int], seconds) -> None:
-        """int4_choice.choose_gemv into `gemv_choice` where qgate's int4 kernel runs here; where choosing fails,
-        torch's kernel serves every row count, with a warning."""
-        if int4_gemv.unavailable(self.device) is not None:
-            return
-        try:
-            self.gemv_choice = int4_choice.choose_gemv(self.model, sizes, seconds)
-        except Exception as e:  # noqa: BLE001 - torch's kernel serves: ours is a speed-up, not a need
-            self._torch_int4(f"choosing where it serves failed: {in_one_line(e)}")
-            self.gemv_choice = {}
-
-    def _serve_gemv(self, spec: dict, engine_dir: Path) -> None:
-        """Serve engine.json's int4_gemv ({shape: {rows: configuration}}) where qgate's int4 kernel runs here: on a
-        CPU torch's kernel serves quietly, on CUDA without NVRTC with a warning. ConfigError for a configuration
-        qgate lacks or a shape the model lacks."""
-        if not spec:
-            return
-        by_shape = int4_choice.int4_by_shape(self.model)
-        for shape, served in spec.items():
-            unknown = sorted(set(served.values()) - set(int4_gemv.CONFIGS))
-            if shape not in by_shape or unknown:
-                raise ConfigError(
-                    f"{engine_dir}/engine.json: int4_gemv {shape}: "
-                    + (f"configurations {unknown} are not among {sorted(int4_gemv.CONFIGS)}" if unknown else
-                       f"this engine's weights have no int4 weight of that shape (theirs: {sorted(by_shape)})"),
-                    hint="rebuild the engine with this qgate",
-                )  # fmt: skip
-        why = int4_gemv.unavailable(self.device)
-        if why is not None:
-            if self.device.type == "cuda":
-                logging.getLogger("qgate").warning("the torch-int4 engine runs torch's int4 kernel: %s", why)
-            return
-        for shape, served in spec.items():
-            for m in by_shape[shape]:
-                if m.split == 1 and m.codes is not None:
-                    m.serve_gemv({int(r): int4_gemv.CONFIGS[n] for r, n in served.items()})
-
-    def _torch_int4(self, why: str) -> None:
-        """Every int4 Linear runs torch's int4 kernel from now on, with a warning saying why qgate's does not."""
-        for m in self._gemv_linears():
-            m.serve_gemv({})
-        logging.getLogger("qgate").warning("the torch-int4 engine runs torch's int4 kernel at every row count: %s", why)
-
     @property
     def numerics(self) -> str:
         """What computes this runner's logits: device, engine, dtype, then '-splitk' where an int4 kernel is split,
-        '-gemv' where qgate's int4 kernel serves some rows, the decode attention kernel where it is not "sdpa", and
-        '-compiled' where the elementwise work is."""
+        the decode attention kernel where it is not "sdpa", and '-compiled' where the elementwise work is."""
         m = self.model
         tags = [f"{self.device.type}-torch-int4-{self.spec['dtype']}"]
         tags += ["splitk"] if any(getattr(x, "split", 1) > 1 for x in m.modules()) else []
-        tags += ["gemv"] if self._gemv_linears() else []
         tags += [m.decode_kernel] if m.decode_kernel != decode_attention.DEFAULT else []
         return "-".join(tags + (["compiled"] if m.ops is not elementwise.EAGER else []))
 

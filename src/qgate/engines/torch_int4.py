@@ -15,10 +15,8 @@ Layout of `out`:
   engine.safetensors   dense tensors in `dtype`; per int4 Linear `<prefix>.codes` [O, I/2] uint8 and
                        `<prefix>.scales_and_zeros` [G, O, 2] float32
   engine.json          dtype, layer kinds, group sizes, graph batch sizes, KV slots, and (built on a GPU) the int4
-                       kernels' layouts, `int4_splits` {"<O>x<I>/g<group>": split factor} (int4pack.split_k), the
-                       row counts qgate's int4 kernel serves, `int4_gemv` {"<O>x<I>/g<group>": {rows: configuration}}
-                       (engines/int4_gemv.py), and the decode step's attention kernel, `decode_attention`
-                       (engines/decode_attention.py)
+                       kernels' layouts, `int4_splits` {"<O>x<I>/g<group>": split factor} (int4pack.split_k), and
+                       the decode step's attention kernel, `decode_attention` (engines/decode_attention.py)
   checkpoint/          the config, generation config and tokenizer files it serves with (the contract reads these)
 """
 
@@ -158,9 +156,8 @@ def build_torch_int4(ckpt: Artifact, config: TorchInt4Config, out: Path, profile
 def verify_engine(out: Path) -> dict:
     """Load the engine on this host's device, capture its graphs (CUDA), and decode 4 tokens at every captured batch
     size (batch 1 on a CPU); InputError if a row produces no token. On CUDA the load first picks each int4 weight
-    shape's kernel layout, where qgate's int4 kernel serves, and the decode step's attention kernel by timing them
-    (StaticRunner's choose_kernels), and engine.json records them as `int4_splits`, `int4_gemv` and
-    `decode_attention`; the timings go to the artifact's metadata."""
+    shape's kernel layout and the decode step's attention kernel by timing them (StaticRunner's choose_kernels), and
+    engine.json records them as `int4_splits` and `decode_attention`; the timings go to the artifact's metadata."""
     from qgate.device import resolve_device
     from qgate.engines.static_runner import StaticRunner
 
@@ -170,8 +167,6 @@ def verify_engine(out: Path) -> dict:
     # the int4 kernels' layouts and the decode attention kernel this device serves fastest: every later load uses them
     spec = runner.spec | ({"int4_splits": {k: v["split"] for k, v in runner.splits.items()}} if runner.splits else {})
     spec |= {"decode_attention": runner.decode_choice["kernel"]} if runner.decode_choice else {}
-    gemv = {k: {str(r): n for r, n in v["rows"].items()} for k, v in runner.gemv_choice.items() if v["rows"]}
-    spec |= {"int4_gemv": gemv} if gemv else {}
     if spec != runner.spec:
         (out / "engine.json").write_text(json.dumps(spec, indent=2))
     prompt = runner.tokenizer.encode("Say hello.")
@@ -191,5 +186,4 @@ def verify_engine(out: Path) -> dict:
         }
         | ({"int4_splits": runner.splits} if runner.splits else {})
         | ({"decode_attention": runner.decode_choice} if runner.decode_choice else {})
-        | ({"int4_gemv": runner.gemv_choice} if runner.gemv_choice else {})
     )
