@@ -525,14 +525,15 @@ def reference_attention_as(ref, attention):
         AttentionInterface.register(name, own)
 
 
-def reference_eval_seconds(base, device, cfg, attention=None, runs: int = 1) -> list[dict]:
+def reference_eval_seconds(base, device, cfg, fused: bool = True, runs: int = 1) -> list[dict]:
     """The baseline's eval `runs` times on one fresh reference runner: per run, RunnerLM's scoring seconds
-    (EvalCounter) and real tokens, with `attention` as the reference's attention (reference_attention_as)."""
-    from qgate.engines import runners
+    (EvalCounter) and real tokens; fused=False: with transformers' own RMSNorm code (engines/fused_norms.py)."""
+    from qgate.engines import fused_norms, runners
 
     ref = runners.load_runner(base, str(device))
-    with reference_attention_as(ref, attention):
-        counted = [counted_eval(ref, cfg) for _ in range(runs)]
+    if not fused:
+        fused_norms.unfuse_rms_norms(ref.model)
+    counted = [counted_eval(ref, cfg) for _ in range(runs)]
     return [{"seconds": c["seconds"], "real_tokens": sum(c["real"].values())} for c in counted]
 
 
@@ -803,6 +804,7 @@ def main() -> int:
     def scoring():  # the shadow split's forward passes alone, warm: the gate's scoring less its reductions
         import numpy as np
 
+        from qgate.engines import fused_norms
         from qgate.engines.elementwise import EAGER
 
         ref = next(iter(sorted((work / "cache").rglob("shadow-baseline-*.npz"))))
@@ -840,6 +842,9 @@ def main() -> int:
         ref_runner = load_runner(base, str(device))
         sec = scoring_seconds(lambda ix: ref_runner.logits_batch([seqs[i] for i in ix]), seqs, budget, device)
         out["baseline_forward"] = {"seconds": sec, "mfu": flops / sec / (args.peak_tflops * 1e12)}
+        fused_norms.unfuse_rms_norms(ref_runner.model)  # the same forwards with transformers' own RMSNorm code
+        sec = scoring_seconds(lambda ix: ref_runner.logits_batch([seqs[i] for i in ix]), seqs, budget, device)
+        out["baseline_forward_transformers_norms"] = {"seconds": sec, "mfu": flops / sec / (args.peak_tflops * 1e12)}
         ref_runner = None
         release(device)
 
@@ -854,19 +859,19 @@ def main() -> int:
     if device.type == "cuda":
         res.phase("attention_first_calls", attention)
 
-    def reference_attention():  # the baseline's eval, own attention against enable_gqa's, each run twice
+    def reference_eval():  # the baseline's eval, with its fused norms and with transformers' own, each run twice
         cfg, out = spec.gate_config().eval, {}
-        r["reference_eval_attention"] = out
+        r["reference_eval"] = out
         # each variant on a fresh runner, twice: the first run pays whatever its kernels build per new shape
-        for name, fn in (("own", None), ("enable_gqa", "old")):
-            out[name] = dict(zip(("first", "second"), reference_eval_seconds(base, device, cfg, fn, runs=2)))
+        for name, fused in (("own", True), ("transformers_norms", False)):
+            out[name] = dict(zip(("first", "second"), reference_eval_seconds(base, device, cfg, fused, runs=2)))
             for row in out[name].values():
                 row["mfu"] = 2 * r["params"] * row["real_tokens"] / row["seconds"] / (args.peak_tflops * 1e12)
             res.save()
             release(device)
 
     if r.get("gate") and device.type == "cuda":
-        res.phase("reference_eval_attention", reference_attention)
+        res.phase("reference_eval", reference_eval)
 
     def alternatives():  # other int4 kernels and the step's kernels: after the gate, so they cannot crowd it out
         engine = StaticRunner(eng.path, device, graph_batch_sizes=[1])

@@ -171,7 +171,7 @@ def _log_float32_products() -> None:
 
 class TorchRunner:
     """PyTorch eager reference path on a device (float32 on the CPU, the served dtype on CUDA; compressed-tensors
-    checkpoints are decompressed on load)."""
+    checkpoints are decompressed on load). On CUDA its RMSNorms run as one kernel each (engines/fused_norms.py)."""
 
     kind = "torch-reference"
 
@@ -180,6 +180,7 @@ class TorchRunner:
         import torch
 
         from qgate.device import batch_tokens, compute_dtype, forward_cost, native_bf16, numerics, resolve_device
+        from qgate.engines import fused_norms
         from qgate.trust import check_loadable, load_causal_lm, load_tokenizer
 
         check_loadable(path)
@@ -204,6 +205,8 @@ class TorchRunner:
 
             float32_products(self.model)
             _log_float32_products()
+        if self.device.type in fused_norms.DEVICES:
+            fused_norms.fuse_rms_norms(self.model)
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.batch_tokens = batch_tokens(self.device, self.model.config.vocab_size, self.model.config.hidden_size)
         self.numerics = numerics(self.device, self.dtype)
