@@ -90,9 +90,9 @@ def test_the_reference_fuses_its_norms_on_the_devices_named(base_art, monkeypatc
 
 
 @pytest.mark.gpu
-def test_reference_norms_on_cuda_are_one_kernel(base_art):
-    """On CUDA the reference's norms are fused: one kernel a call where transformers' code runs several, and logits
-    within bf16 rounding of transformers' own."""
+def test_reference_norms_on_cuda_run_fused_kernels(base_art):
+    """On CUDA the reference's norms are fused: one or two kernels a call where transformers' code runs eight, and
+    logits within bf16 rounding of transformers' own."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from torch.profiler import ProfilerActivity, profile
@@ -113,7 +113,7 @@ def test_reference_norms_on_cuda_are_one_kernel(base_art):
     fused = kernels(norm)
     got = r.logits_batch(SEQS)
     fused_norms.unfuse_rms_norms(r.model)
-    assert fused == 1 and kernels(norm) >= 4
+    assert fused <= 2 and kernels(norm) >= 6  # one kernel, or two where the width is not vectorized
     for a, b in zip(got, r.logits_batch(SEQS), strict=True):
         pa, pb = (torch.log_softmax(torch.as_tensor(v).float().cpu(), -1) for v in (a, b))
         assert (pb.exp() * (pb - pa)).sum(-1).max().item() < 1e-3
