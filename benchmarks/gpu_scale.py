@@ -364,9 +364,12 @@ def step_breakdown(engine, device) -> dict:
     """Where a batch-1 decode step's time goes: its captured graph replayed alone (no host work between steps); its
     kernels by GPU time under the profiler; the same step recaptured with the elementwise work eager, with the int4
     kernels unsplit, with split kernels' partials summed apart from the functions that read them, and with each
-    decode attention kernel; and the model's Linears alone at one row, in total and per weight shape (the bytes each
-    reads per millisecond). Other int4 kernels' figures come later in the run (kernel_alternatives)."""
+    decode attention kernel; and the model's Linears alone at one row, in total and per weight shape (up to ROTATED
+    weights of a shape in turn; the bytes each reads per millisecond). Other int4 kernels' figures come later in the
+    run (kernel_alternatives)."""
     import torch
+
+    from qgate.engines.int4_choice import ROTATED
 
     def nbytes(m) -> int:
         if m.weight is not None:
@@ -388,9 +391,13 @@ def step_breakdown(engine, device) -> dict:
         lin_graph_ms = _graph_seconds(lambda _: [m(xs[i]) for m, i in lins], None, device, calls=1) * 1e3
         per_shape = {}
         for (o, i, q), ms in shapes.items():
-            m = ms[0]
-            t = _timed(device, lambda m=m, i=i: [m(xs[i]) for _ in range(50)]) / 50
-            tg = _graph_seconds(m, xs[i], device)
+            m, turn = ms[0], ms[:ROTATED]  # each weight of the turn once per call: read from memory, not from L2
+
+            def in_turn(x, turn=turn):
+                return [lin(x) for lin in turn]
+
+            t = _timed(device, lambda i=i, f=in_turn: [f(xs[i]) for _ in range(50)]) / 50 / len(turn)
+            tg = _graph_seconds(in_turn, xs[i], device) / len(turn)
             per_shape[f"{'int4' if q else 'bf16'} {o}x{i}"] = {
                 "count": len(ms),
                 "us": round(t * 1e6, 1),

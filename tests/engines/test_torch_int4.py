@@ -337,11 +337,11 @@ def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32,
     valid = torch.ones_like(tok, dtype=torch.bool)
     with torch.inference_mode():
         before = model(tok, pos, valid)
-    calls: list[tuple[int, int]] = []  # (rows, factor) per kernel call
+    calls: list[tuple[int, int, int]] = []  # (rows, factor, its packed weight's address) per kernel call
     kernel = sl.split_mm
 
     def timed_mm(x, packed, group, sz, s):
-        calls.append((x.shape[0], s))
+        calls.append((x.shape[0], s, packed.data_ptr()))
         y = kernel(x, packed, group, sz, s)
         return y * 1.5 if s == 8 else y  # a broken layout: computes something else
 
@@ -349,10 +349,13 @@ def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32,
     monkeypatch.setattr(int4_choice, "split_mm", timed_mm)
     cost = {1: 10.0, 2: 9.8, 4: 6.0, 8: 1.0}  # microseconds per row: 2 saves under SPLIT_SAVING
 
-    def seconds(f):
+    def seconds(f):  # f runs the layout on each Linear of the shape in turn, each weight its own buffer
+        first = len(calls)
         f()
-        rows, s = calls[-1]
-        return cost[s] * rows * 1e-6
+        ran = calls[first:]
+        assert len(ran) == len({p for _, _, p in ran}) == min(int4_choice.ROTATED, len(model.layers))
+        rows, s, _ = ran[-1]
+        return cost[s] * rows * len(ran) * 1e-6
 
     record = int4_choice.choose_splits(model, [1, 2, 3, 32], seconds)
     widths = {m.shape: m.in_features for m in lins}

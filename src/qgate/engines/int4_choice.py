@@ -19,6 +19,7 @@ from qgate.engines.static_llama import Linear
 
 SPLIT_SAVING = 0.05  # share of the unsplit int4 kernel's time a split_k layout must save to be chosen (choose_splits)
 SPLIT_TOLERANCE = 0.02  # a split_k layout's largest difference from the unsplit product, of its largest magnitude
+ROTATED = 8  # Linears of one shape each timing runs in turn: their weights together outgrow the card's L2 cache
 
 
 def int4_by_shape(model) -> dict[str, list[Linear]]:
@@ -36,14 +37,16 @@ def choose_splits(
     """Lay out each int4 weight shape's kernel as the split_k factor (int4pack.py) that serves `rows` fastest, for
     every Linear of that shape. rows: the row counts of the decode steps the engine captures; a Linear's count is
     one its int4 kernel serves (Linear.int4_serves: under KEPT_DENSE_ROWS where its dense matrix is kept, under its
-    DENSE_ROWS). seconds(f): the time of one call of f (a CUDA graph's replay on a GPU). A split is taken where its
-    time summed over those rows is the least and at least SPLIT_SAVING below the unsplit kernel's, and where it
-    computes the unsplit kernel's product within SPLIT_TOLERANCE of its largest magnitude (that catches a wrong
-    layout, not rounding, which engine parity measures). fused: forwards will run the elementwise work compiled,
-    where the Linears that hand over their partials (Linear.parts: each layer's HANDS_PARTIALS) have them summed
-    inside the next function; a shape all of whose Linears do is then timed without the sum, as the served step runs
-    it. Needs the portable codes (a device with a dense path). Returns {shape: {"split", "us": {factor: microseconds
-    summed over the rows}, "rows", "count", "timed": "with its sum" | "without its sum", "rejected"}}."""
+    DENSE_ROWS). seconds(f): the time of one call of f (a CUDA graph's replay on a GPU); f runs the layout on up to
+    ROTATED Linears of the shape in turn, so that their weights come from memory as in a decode step and not from
+    the L2 cache, and the time per Linear is recorded. A split is taken where its time summed over those rows is the
+    least and at least SPLIT_SAVING below the unsplit kernel's, and where it computes the unsplit kernel's product
+    within SPLIT_TOLERANCE of its largest magnitude (that catches a wrong layout, not rounding, which engine parity
+    measures). fused: forwards will run the elementwise work compiled, where the Linears that hand over their
+    partials (Linear.parts: each layer's HANDS_PARTIALS) have them summed inside the next function; a shape all of
+    whose Linears do is then timed without the sum, as the served step runs it. Needs the portable codes (a device
+    with a dense path). Returns {shape: {"split", "us": {factor: microseconds per Linear summed over the rows},
+    "rows", "count", "timed": "with its sum" | "without its sum", "rejected"}}."""
     handing = {id(m) for m in model._handing_partials()}
     record: dict[str, dict] = {}
     for key, ms in int4_by_shape(model).items():
@@ -51,24 +54,25 @@ def choose_splits(
         served = sorted({r for r in rows if m.int4_serves(r)})
         if not served:
             continue
-        w = m.int4_weight()
+        turn = ms[:ROTATED]
+        weights = [lin.int4_weight() for lin in turn]  # the first is checked, all of them timed
         xs = [torch.randn(r, m.in_features, dtype=m.sz.dtype, device=m.packed.device) for r in served]
         us: dict[int, float] = {}
         rejected: dict[int, str] = {}
         exact: list[torch.Tensor] = []
         apart = fused and all(id(lin) in handing for lin in ms)
         for s in split_factors(m.in_features, m.group_size):
-            ws = split_k(w, s)
-            packed = device_pack(ws.codes, m.packed.device)
+            layouts = [split_k(w, s) for w in weights]
+            packs = [device_pack(ws.codes, m.packed.device) for ws in layouts]
 
-            def f(x, packed=packed, ws=ws, s=s):
-                return split_mm(x, packed, ws.group_size, ws.scales_and_zeros, s)
-
-            def as_served(x, packed=packed, ws=ws, s=s, f=f):
-                return split_parts(x, packed, ws.group_size, ws.scales_and_zeros, s) if apart and s > 1 else f(x)
+            def as_served(x, layouts=layouts, packs=packs, s=s):  # every Linear of the turn once, as a step runs them
+                kernel = split_parts if apart and s > 1 else split_mm
+                return [
+                    kernel(x, p, ws.group_size, ws.scales_and_zeros, s) for p, ws in zip(packs, layouts, strict=True)
+                ]
 
             with torch.inference_mode():
-                ys = [f(x).float() for x in xs]
+                ys = [split_mm(x, packs[0], layouts[0].group_size, layouts[0].scales_and_zeros, s).float() for x in xs]
             exact = exact or ys  # the unsplit kernel's, s == 1 coming first
             err = max(
                 float((y - e).abs().max() / e.abs().max().clamp(min=1e-30)) for y, e in zip(ys, exact, strict=True)
@@ -76,7 +80,7 @@ def choose_splits(
             if not err <= SPLIT_TOLERANCE:
                 rejected[s] = f"differs from the unsplit kernel by {err:.3g} of its largest magnitude"
                 continue
-            us[s] = round(sum(seconds(lambda f=as_served, x=x: f(x)) for x in xs) * 1e6, 2)
+            us[s] = round(sum(seconds(lambda x=x, g=as_served: g(x)) for x in xs) / len(turn) * 1e6, 2)
         best = min(us, key=us.get)
         if 1 not in us or us[best] > (1 - SPLIT_SAVING) * us[1]:
             best = 1
