@@ -102,12 +102,13 @@ def test_reference_norms_on_cuda_run_fused_kernels(base_art):
     assert "unfused" in vars(type(norm))
     x = torch.randn(512, norm.weight.shape[0], device="cuda", dtype=norm.weight.dtype)
 
-    def kernels(m) -> int:
-        m(x)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    def kernels(m) -> int:  # CUDA kernels one call launches, as the runner's scoring calls it
+        with torch.inference_mode():
             m(x)
             torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                m(x)
+                torch.cuda.synchronize()
         return sum(e.device_type.name == "CUDA" for e in prof.events())
 
     fused = kernels(norm)

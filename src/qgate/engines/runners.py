@@ -171,7 +171,8 @@ def _log_float32_products() -> None:
 
 class TorchRunner:
     """PyTorch eager reference path on a device (float32 on the CPU, the served dtype on CUDA; compressed-tensors
-    checkpoints are decompressed on load). On CUDA its RMSNorms run as one kernel each (engines/fused_norms.py)."""
+    checkpoints are decompressed on load). On CUDA its norms of transformers' Llama code run as one kernel each
+    (engines/fused_norms.py)."""
 
     kind = "torch-reference"
 
