@@ -510,10 +510,10 @@ def attention_first_calls(device, heads: int, kv_heads: int, head_dim: int) -> d
 
 
 @contextlib.contextmanager
-def reference_attention_as(ref, attention):
-    """`attention` registered as reference runner `ref`'s attention function for the block (None: its own). "old":
+def enable_gqa_attention(ref):
+    """For the block, reference runner `ref` calls attention as it did before runners.grouped_sdpa:
     runners._gqa_sdpa with grouped=False, K/V with enable_gqa and torch's choice of kernel (cuDNN's on Hopper, which
-    plans per shape), the call before runners.grouped_sdpa."""
+    plans per shape)."""
     import functools
 
     from transformers import AttentionInterface
@@ -522,10 +522,7 @@ def reference_attention_as(ref, attention):
 
     name = ref.model.config._attn_implementation
     own = AttentionInterface._global_mapping[name]
-    if attention == "old":
-        attention = functools.partial(runners._gqa_sdpa, grouped=False)
-    if attention is not None:
-        AttentionInterface.register(name, attention)
+    AttentionInterface.register(name, functools.partial(runners._gqa_sdpa, grouped=False))
     try:
         yield
     finally:
@@ -738,7 +735,7 @@ def main() -> int:
             rows[b]["eager_bf16_tok_s"] = b * decode_rate(ref.greedy_batch, [prompt] * b, min(args.steps, 32))
             res.save()
         dec["batch1_vs_eager"] = rows[1]["engine_tok_s"] / rows[1]["eager_bf16_tok_s"]
-        with reference_attention_as(ref, "old"):  # A/B at batch 1: the call before runners.grouped_sdpa
+        with enable_gqa_attention(ref):  # A/B at batch 1: the call before runners.grouped_sdpa
             rows[1]["eager_bf16_tok_s_enable_gqa"] = decode_rate(ref.greedy_batch, [prompt], min(args.steps, 32))
         del ref
         release(device)
@@ -847,11 +844,12 @@ def main() -> int:
         engine = None  # freed before the baseline loads
         release(device)
         ref_runner = load_runner(base, str(device))
-        sec = scoring_seconds(lambda ix: ref_runner.logits_batch([seqs[i] for i in ix]), seqs, budget, device)
-        out["baseline_forward"] = {"seconds": sec, "mfu": flops / sec / (args.peak_tflops * 1e12)}
-        fused_norms.unfuse_rms_norms(ref_runner.model)  # the same forwards with transformers' own RMSNorm code
-        sec = scoring_seconds(lambda ix: ref_runner.logits_batch([seqs[i] for i in ix]), seqs, budget, device)
-        out["baseline_forward_transformers_norms"] = {"seconds": sec, "mfu": flops / sec / (args.peak_tflops * 1e12)}
+        for name in ("baseline_forward", "baseline_forward_transformers_norms"):
+            if name == "baseline_forward_transformers_norms":  # the same forwards with transformers' own RMSNorm code
+                fused_norms.unfuse_rms_norms(ref_runner.model)
+            sec = scoring_seconds(lambda ix: ref_runner.logits_batch([seqs[i] for i in ix]), seqs, budget, device)
+            out[name] = {"seconds": sec, "mfu": flops / sec / (args.peak_tflops * 1e12)}
+            res.save()
         ref_runner = None
         release(device)
 
