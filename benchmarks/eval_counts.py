@@ -63,11 +63,11 @@ class EvalCounter:
         state = {"runner": None, "part": None, "n": 0, "prefix": False, "packs": False}
 
         def scored(orig):
-            def f(lm, pairs):
+            def f(lm, pairs, *a):
                 runner = state["runner"] = "engine" if isinstance(lm.runner, StaticRunner) else "reference"
                 t = time.perf_counter()
                 try:
-                    return orig(lm, pairs)  # its reductions copy to the host: the device's work is done
+                    return orig(lm, pairs, *a)  # its reductions copy to the host: the device's work is done
                 finally:
                     self.seconds[runner] += time.perf_counter() - t
                     state["runner"] = None

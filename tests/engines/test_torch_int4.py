@@ -690,8 +690,8 @@ def test_cuda_graph_decode_equals_eager_decode(awq_art, calib_arts, workdir):
 @pytest.mark.gpu
 def test_scoring_queues_forwards_without_waiting_for_the_gpu(awq_art, calib_arts, workdir, monkeypatch):
     """On CUDA the runners' scoring calls hold no host synchronization (torch's sync debug mode raises on one), so
-    the host queues the next forward while the GPU runs this one; the eval's reductions wait once per call, at the
-    end, and the engine keeps its dequantized weights for prefill."""
+    the host queues the next forward while the GPU runs this one; the eval's reductions wait once per scoring call, at
+    the end, whatever its steps, and the engine keeps its dequantized weights for prefill."""
     import warnings
 
     if not torch.cuda.is_available():
@@ -717,7 +717,7 @@ def test_scoring_queues_forwards_without_waiting_for_the_gpu(awq_art, calib_arts
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                got = lm._score_many(pairs)
+                got = lm._score_many(pairs, 2)  # two steps of two requests
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [w for w in seen if "synchroniz" in str(w.message)]

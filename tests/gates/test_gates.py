@@ -1,5 +1,6 @@
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -719,6 +720,90 @@ def test_padded_batches_cover_every_row_once_within_the_budget_and_the_cheapest_
     assert padded_batches([5, 1, 5, 1], 10**6, 100) == [[1, 3, 0, 2]]  # one forward, shortest first
     assert padded_batches([5, 1, 5, 1], 0, 100) == [[1, 3], [0, 2]]  # one per length
     assert padded_batches([5, 5, 5], 10**6, 10) == [[0, 1], [2]]
+
+
+def test_token_batches_fill_the_budget_with_real_tokens_shortest_first():
+    """A packing runner's batches: every row once, shortest first, each batch within the budget of real tokens (a row
+    over it alone), and a batch cut only where the next row would not fit: fewer forwards than padded groups."""
+    import random
+
+    from qgate.engines.padding import padded_batches, token_batches
+
+    rng = random.Random(2)
+    for _ in range(100):
+        lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 200))]
+        budget = rng.choice([64, 2048, 65536])
+        batches = token_batches(lengths, budget)
+        order = [i for b in batches for i in b]
+        assert order == sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+        held = [sum(lengths[i] for i in b) for b in batches]
+        assert all(len(b) == 1 or h <= budget for b, h in zip(batches, held, strict=True))
+        assert all(h + lengths[b[0]] > budget for h, b in zip(held, batches[1:], strict=False))
+        assert len(batches) <= len(padded_batches(lengths, 256, budget))
+    assert token_batches([5, 3, 2, 4], 8) == [[2, 1], [3], [0]]
+    assert token_batches([9, 1], 4) == [[1], [0]] and token_batches([], 8) == []
+
+
+def test_runner_lm_queues_every_step_into_one_resolve_in_request_order(monkeypatch):
+    """_score_many scores its pairs `step` at a time into one Scores and resolves once at the end, where a device's
+    log-probs are copied back (deferred here on the CPU as they are on a GPU); every request keeps its own score
+    across steps, as one-at-a-time reduction gives it."""
+    import torch
+
+    from qgate.gates import lm as lm_module
+
+    class Runner:  # logits [len, V] from the ids alone: each position's row is its token's
+        tokenizer = SimpleNamespace(bos_token_id=1, eos_token_id=2)
+        batch_tokens = None
+        forward_cost = 0
+        table = torch.randn(40, 40, generator=torch.Generator().manual_seed(3))
+
+        def logits_batch(self, seqs, keep_last=None):
+            calls.append(len(seqs))
+            return [self.table[torch.tensor(s)][-(keep_last or len(s)) :] for s in seqs]
+
+    resolves, calls = [], []
+    monkeypatch.setattr(lm_module.Scores, "add", lm_module.Scores.defer)
+    resolved = lm_module.Scores.resolved
+    monkeypatch.setattr(lm_module.Scores, "resolved", lambda self: resolves.append(len(self.pending)) or resolved(self))
+    lm = lm_module.RunnerLM(Runner())
+    pairs = [([1, 3 + i], [5 + i, 7 + 2 * i][: 1 + i % 2]) for i in range(7)]
+    got = lm._score_many(pairs, 2)
+    assert sum(calls) == 7 and len(calls) >= 4  # steps of 2, 2, 2 and 1 requests
+    assert resolves == [len(calls)]  # every step's batches copied back at once, at the end
+    for (c, k), (ll, greedy) in zip(pairs, got, strict=True):
+        want = lm_module.finish(Runner.table[torch.tensor(c + k)][len(c) - 1 : -1], k)
+        assert greedy == want[1] and ll == pytest.approx(want[0], rel=1e-6)
+
+
+def test_a_packing_runner_scores_whole_sequences_in_one_forward_per_token_budget(base_art, monkeypatch):
+    """Perplexity windows and unshared requests on a runner that packs its rows run as few forwards as the token
+    budget allows (not one per padded length group), with the scores of the padded path."""
+    import qgate.engines.runners as runners
+    from qgate.gates.lm import RunnerLM
+
+    runner = runners.load_runner(base_art)
+    lm = RunnerLM(runner)
+    docs = [SimpleNamespace(args=(t,)) for t in ("a b c", "one two three four five six seven eight", "x", "hello " * 9)]
+    forwards = []
+    forward = runner.model.forward
+    runner.model.forward = lambda ids, **k: forwards.append(ids.shape) or forward(ids, **k)
+    try:
+        runner.forward_cost = 0  # padded: one forward per length
+        want = lm.loglikelihood_rolling(docs, disable_tqdm=True)
+        assert len(forwards) == 4
+        monkeypatch.setitem(runners.PACKED_CONTEXTS, "cpu", True)
+        forwards.clear()
+        got = lm.loglikelihood_rolling(docs, disable_tqdm=True)
+        assert len(forwards) == 1  # every window within the budget: one packed forward
+        n = sorted(len(lm._encode(d.args[0])) for d in docs)  # each document is one window
+        lm.batch_tokens = n[0] + n[1]
+        forwards.clear()
+        assert lm.loglikelihood_rolling(docs, disable_tqdm=True) == pytest.approx(got, abs=1e-4)
+        assert len(forwards) == 3  # the two shortest together, the others alone
+    finally:
+        del runner.model.forward
+    assert got == pytest.approx(want, abs=1e-4) and all(x < 0 for x in got)
 
 
 def test_prefix_runs_group_contexts_by_what_they_share():

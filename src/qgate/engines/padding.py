@@ -2,6 +2,7 @@
 
     groups = length_groups([3, 3, 9, 40], forward_cost=24)          # [(3, 9), (40, 40)]: ranges run as one forward
     batches = padded_batches(lengths, forward_cost, max_tokens)     # row indices per forward, within a token budget
+    batches = token_batches([5, 3, 2, 4], max_tokens=8)              # [[2, 1], [3], [0]]: packed rows, by real tokens
     tokens, mask = left_pad([[5, 6], [7]], pad=0)                    # [[5, 6], [0, 7]], [[1, 1], [0, 1]]
     tokens, mask = right_pad([[5, 6], [7]], pad=0)                   # [[5, 6], [7, 0]], [[1, 1], [1, 0]]
     rows = pack_sequences([5, 3, 2, 4], width=5)                     # [[0], [3], [1, 2]]: sequences per row
@@ -61,6 +62,22 @@ def padded_batches(lengths: Sequence[int], forward_cost: float, max_tokens: int)
             at += 1
         rows = max(1, max_tokens // max(hi, 1))
         batches += [group[a : a + rows] for a in range(0, len(group), rows)]
+    return batches
+
+
+def token_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of rows of these lengths, shortest first, cut into batches of at most max_tokens real tokens (a row
+    longer than that is alone): the batches of a runner that packs its rows (pack_sequences), where a forward costs
+    the tokens it holds, not rows x the longest. Fewer forwards than padded_batches, each as full as the budget."""
+    batches: list[list[int]] = []
+    held = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        if batches and held + lengths[i] <= max_tokens:
+            batches[-1].append(i)
+            held += lengths[i]
+        else:
+            batches.append([i])
+            held = lengths[i]
     return batches
 
 

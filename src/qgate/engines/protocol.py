@@ -29,7 +29,9 @@ class Runner(Protocol):
 class ScoresContinuations(Protocol):
     """Scores several continuations of one context from the context's KV cache (every runner qgate builds)."""
 
-    packs_contexts: bool  # one forward holds a call's contexts and continuations: RunnerLM budgets them together
+    # one forward holds a call's contexts and continuations, and logits_batch's sequences end to end: RunnerLM
+    # budgets them by real tokens together
+    packs_contexts: bool
 
     def continuation_logits(
         self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], prefix: Sequence[int] = ()

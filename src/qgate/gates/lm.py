@@ -10,7 +10,7 @@ from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from qgate.device import to_device
-from qgate.engines.padding import padded_batches
+from qgate.engines.padding import padded_batches, token_batches
 from qgate.engines.protocol import ScoresContinuations
 from qgate.progress import progress
 
@@ -133,8 +133,24 @@ class RunnerLM(LM):
     def _encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
-    def _score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        """(context ids, continuation ids) -> (sum log p(continuation), continuation is the greedy path).
+    def _score_many(
+        self, pairs: list[tuple[list[int], list[int]]], step: int | None = None, desc: str | None = None, unit: str = ""
+    ) -> list[tuple[float, bool]]:
+        """(context ids, continuation ids) -> (sum log p(continuation), continuation is the greedy path), per pair.
+
+        The pairs are queued `step` at a time (all at once by default; a progress line per step when desc is given)
+        into one Scores, resolved at the end: on an accelerator the host then waits for the device once, not once per
+        step, and builds the next step's batches while the device runs this one's forwards (there a line marks a
+        step queued, which the device finishes later)."""
+        scores = Scores(len(pairs))
+        step = step or max(len(pairs), 1)
+        starts = range(0, len(pairs), step)
+        for start in starts if desc is None else progress(starts, desc, unit=f"x{step} {unit}"):
+            self._queue(pairs[start : start + step], scores, start)
+        return scores.resolved()
+
+    def _queue(self, pairs: list[tuple[list[int], list[int]]], scores: Scores, offset: int = 0) -> None:
+        """Score these requests into `scores`, request i as offset + i.
 
         Continuations that share a context (the choices of one multiple-choice question) reuse its KV cache when
         the runner supports it, and contexts that share a leading prefix (a task's instructions, few-shot examples)
@@ -168,19 +184,19 @@ class RunnerLM(LM):
                         sub.append(i)
                         fed += len(pairs[i][1])
                     shared.append((p, c, sub))
-        scores = Scores(len(pairs))
-        self._score_shared(pairs, shared, scores, packs)
-        done = {i for _, _, ix in shared for i in ix}
-        self._score_whole(pairs, [i for i in range(len(pairs)) if i not in done], scores)
-        return scores.resolved()
 
-    def _score_shared(
-        self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], scores: Scores, packs: bool
-    ) -> None:
+        def add(items: list[tuple[int, object, list[int]]]) -> None:
+            scores.add([(offset + i, logits, target) for i, logits, target in items])
+
+        self._score_shared(pairs, shared, add, packs)
+        done = {i for _, _, ix in shared for i in ix}
+        self._score_whole(pairs, [i for i in range(len(pairs)) if i not in done], add, packs)
+
+    def _score_shared(self, pairs, shared: list[tuple[int, tuple[int, ...], list[int]]], add, packs: bool) -> None:
         """Batches of contexts with one shared prefix each, within the token budget: where the runner packs contexts
         and continuations into the rows of one forward, their tokens together; otherwise the contexts' suffixes
         left-padded to the longest, and the continuation tokens (which the runner pads only within groups of similar
-        length), each."""
+        length), each. add: Scores.add for these pairs."""
         # one prefix per run, suffixes by length
         shared = sorted(shared, key=lambda g: (g[1][: g[0]], len(g[1]) - g[0]))
         start = 0
@@ -201,7 +217,7 @@ class RunnerLM(LM):
             batch = self.runner.continuation_logits(
                 [(list(c[p:]), [pairs[i][1] for i in ix]) for _, c, ix in chunk], prefix=list(c0[:p])
             )
-            scores.add(
+            add(
                 [
                     (i, logits, pairs[i][1])
                     for (_, _, ix), per_cont in zip(chunk, batch, strict=True)
@@ -209,15 +225,22 @@ class RunnerLM(LM):
                 ]
             )
 
-    def _score_whole(self, pairs, todo: list[int], scores: Scores) -> None:
-        """Whole sequences (truncated like lm-eval does) in left-padded batches of similar length: the runner's
-        cheapest grouping of lengths for its device, within the token budget (engines/padding.padded_batches)."""
+    def _score_whole(self, pairs, todo: list[int], add, packs: bool) -> None:
+        """Whole sequences (truncated like lm-eval does) in batches the runner's logits_batch runs as one forward each:
+        where it packs its rows, shortest first within the token budget (engines/padding.token_batches); otherwise
+        left-padded, in its device's cheapest grouping of lengths (engines/padding.padded_batches). add: Scores.add
+        for these pairs."""
         whole = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in todo]
         n = [len(pairs[i][1]) for i in todo]  # continuation tokens: the last n positions are scored
-        cost = getattr(self.runner, "forward_cost", 0)  # 0: a runner that runs rows one at a time
-        for chunk in padded_batches([len(w) - 1 for w in whole], cost, self.batch_tokens):
+        lengths = [len(w) - 1 for w in whole]
+        if packs:
+            batches = token_batches(lengths, self.batch_tokens)
+        else:
+            batches = padded_batches(lengths, getattr(self.runner, "forward_cost", 0), self.batch_tokens)
+            # forward_cost 0: a runner that runs rows one at a time
+        for chunk in batches:
             batch = self.runner.logits_batch([whole[j][:-1] for j in chunk], keep_last=max(n[j] for j in chunk))
-            scores.add([(todo[j], logits[-n[j] :], whole[j][-n[j] :]) for j, logits in zip(chunk, batch, strict=True)])
+            add([(todo[j], logits[-n[j] :], whole[j][-n[j] :]) for j, logits in zip(chunk, batch, strict=True)])
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         pairs = []
@@ -229,15 +252,7 @@ class RunnerLM(LM):
             whole = self._encode(context + continuation)
             ctx = self._encode(context) if context else []
             pairs.append(([self.prefix] + ctx, whole[len(ctx) :]))
-        out = []
-        step = 512
-        for start in (
-            range(0, len(pairs), step)
-            if disable_tqdm
-            else progress(range(0, len(pairs), step), "eval: loglikelihood", unit=f"x{step} request")
-        ):
-            out += self._score_many(pairs[start : start + step])
-        return out
+        return self._score_many(pairs, 512, None if disable_tqdm else "eval: loglikelihood", "request")
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         """Rolling windows of every document, batched across documents; summed back per document."""
@@ -249,16 +264,9 @@ class RunnerLM(LM):
                 pairs.append((list(ctx), list(cont)))
                 owner.append(d)
         out = [0.0] * len(requests)
-        step = 256
-        for start in (
-            range(0, len(pairs), step)
-            if disable_tqdm
-            else progress(range(0, len(pairs), step), "eval: perplexity", unit=f"x{step} window")
-        ):
-            for d, (ll, _) in zip(
-                owner[start : start + step], self._score_many(pairs[start : start + step]), strict=True
-            ):
-                out[d] += ll
+        desc = None if disable_tqdm else "eval: perplexity"
+        for d, (ll, _) in zip(owner, self._score_many(pairs, 256, desc, "window"), strict=True):
+            out[d] += ll
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False):
