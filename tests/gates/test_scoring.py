@@ -91,6 +91,33 @@ def test_greedy_scored_matches_generate_and_teacher_forcing(base_art, calib_arts
     assert [a for a, _ in out] == runner.greedy_batch(prompts, max_new)
 
 
+def test_device_kl_is_the_host_kl(monkeypatch):
+    """reduce_kl on logits a GPU runner leaves on the device computes KL and tail mass there (run here on CPU
+    tensors, with on_device answering yes): the host path's argmax, and its KL and tail within float32 rounding of
+    the log-probs, including +inf where the candidate's logits define no distribution and where it gives a baseline
+    id probability 0; only [T] arrays come back."""
+    import torch
+
+    from qgate.gates import scoring
+
+    rng = np.random.default_rng(3)
+    base = rng.normal(0, 3, (29, 2000)).astype(np.float32)
+    t_ids, t_lp = top_k_logprobs(base, 64)
+    logits = base + rng.normal(0, 0.3, base.shape).astype(np.float32)
+    logits[4, 5] = np.nan  # no distribution: KL +inf
+    logits[6, t_ids[6, 0]] = -np.inf  # the baseline's top id given probability 0: KL +inf
+    host = scoring.reduce_kl(logits, t_ids, t_lp)
+    assert np.isposinf(host[1][[4, 6]]).all() and np.isfinite(np.delete(host[1], [4, 6])).all()
+    assert (np.delete(host[1], [4, 6]) > 1e-3).all()  # the noise moved every distribution
+    monkeypatch.setattr(scoring, "on_device", lambda x: isinstance(x, torch.Tensor))
+    dev = scoring.reduce_kl(torch.from_numpy(logits), t_ids, t_lp)
+    assert all(isinstance(a, np.ndarray) and a.shape == (29,) for a in dev)
+    assert np.array_equal(host[0], dev[0]) and np.abs(host[2] - dev[2]).max() < 1e-12  # the tail: baseline's alone
+    assert np.array_equal(np.isposinf(host[1]), np.isposinf(dev[1]))
+    ok = np.isfinite(host[1])
+    assert np.abs(host[1][ok] - dev[1][ok]).max() < 1e-5
+
+
 def test_blocks_reduced_in_one_pass_equal_block_by_block():
     """reduce_blocks joins a batch's sequences into one reduction (what a GPU gets): the same arrays per block as
     reducing each alone, with each block's own rows of per-row inputs."""

@@ -2,6 +2,7 @@
 
     for idx in length_batches(lengths, max_tokens=1024): ...              # sorted by length: little padding
     top1, picked = reduce_logits(logits, ids)                              # [T], [T, k]
+    top1, kl, tail = reduce_kl(logits, ids, top_lp)                        # [T] each: against the baseline's top-k
     top_ids, top_lp = top_k_logprobs(logits, k)                            # the baseline's top-k per position
 
 Logits are never copied to float64 and no log-softmax is materialized: per slab of 8 positions, numpy takes the
@@ -12,8 +13,10 @@ The noise floor (gates/noise.py) measures what the gate can resolve on each base
 
 Logits a runner leaves on a GPU (a torch tensor on CUDA) are reduced there by the same arithmetic in torch, in row
 chunks, and only the reduced arrays come back: copying [T, V] float32 logits to the host and reducing them on its
-cores would cost more than the forward pass that made them. A batch's sequences are reduced there in one pass
-(engines/logits.reduce_blocks), so the host waits for the device once per batch, not once per sequence.
+cores would cost more than the forward pass that made them. The shadow gate's KL over the baseline's top-k
+(reduce_kl) is computed there too, so [T] arrays come back instead of [T, k] log-probs. A batch's sequences are
+reduced there in one pass (engines/logits.reduce_blocks), so the host waits for the device once per batch, not once
+per sequence.
 """
 
 from __future__ import annotations
@@ -95,11 +98,17 @@ def _torch_norm(x):
 def reduce_logits_torch(logits, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """reduce_logits for a torch tensor, computed where it lives, by the same arithmetic (row max, float32 sum of
     exp(x - max), log in float64, an UNDEFINED argmax and -inf log-probs for a row that defines no distribution)."""
+    top1, picked = _reduced_torch(logits, ids)
+    return top1.cpu().numpy(), picked.cpu().numpy()
+
+
+def _reduced_torch(logits, ids: np.ndarray):
+    """reduce_logits_torch's (argmax [T], log-probs of ids [T, k] float64) as tensors where the logits are."""
     import torch
 
     with torch.inference_mode():
         x = logits.float()
-        idx = to_device(np.asarray(ids), x.device, torch.long)
+        idx = to_device(np.asarray(ids), x.device).long()  # copied as stored (int32 for a cached reference)
         top1 = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
         picked = torch.empty(idx.shape, dtype=torch.float64, device=x.device)
         for a in range(0, x.shape[0], DEVICE_ROWS):
@@ -109,7 +118,7 @@ def reduce_logits_torch(logits, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray
             bad = torch.isnan(log_s)
             top1[a : a + len(xs)] = torch.where(bad, torch.full_like(t1, UNDEFINED), t1)
             picked[a : a + len(xs)] = torch.where(bad[:, None], torch.full_like(p, -np.inf), p)
-        return top1.cpu().numpy(), picked.cpu().numpy()
+        return top1, picked
 
 
 def top_k_logprobs_torch(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -179,16 +188,35 @@ def top_k_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, lp
 
 
-def kl_with_tail(top_lp: np.ndarray, cand_lp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def kl_with_tail(top_lp, cand_lp) -> tuple:
     """KL(p || q) over the baseline's top-k ids plus one bucket for the rest of the vocabulary, per position, and
     the baseline's tail mass. The sums run in float64 over k terms (cheap; they cancel). A baseline id of probability
-    0 adds nothing (also where the candidate gives it 0 too); a positive one the candidate gives 0 makes the KL +inf."""
-    tl = top_lp.astype(np.float64)
-    lq = cand_lp.astype(np.float64)
-    pk = np.exp(tl)
-    p_tail = np.clip(1 - pk.sum(-1), 0, 1)
-    q_tail = np.clip(1 - np.exp(lq).sum(-1), 1e-12, 1)
+    0 adds nothing (also where the candidate gives it 0 too); a positive one the candidate gives 0 makes the KL +inf.
+    top_lp, cand_lp [T, k]: numpy arrays, or cand_lp a torch tensor, where both are then computed, in torch (top_lp
+    copied there); returns two [T] arrays of cand_lp's kind."""
+    if isinstance(cand_lp, np.ndarray):
+        xp, tl, lq = np, np.asarray(top_lp).astype(np.float64), cand_lp.astype(np.float64)
+    else:
+        import torch as xp
+
+        lq = cand_lp.double()
+        tl = to_device(np.asarray(top_lp), lq.device).double()
+    pk = xp.exp(tl)
+    p_tail = xp.clip(1 - pk.sum(-1), 0, 1)
+    q_tail = xp.clip(1 - xp.exp(lq).sum(-1), 1e-12, 1)
     with np.errstate(invalid="ignore"):  # -inf - -inf where both give an id probability 0
-        terms = np.where(pk > 0, pk * (tl - lq), 0.0)
-    kl = terms.sum(-1) + np.where(p_tail > 1e-12, p_tail * (np.log(np.maximum(p_tail, 1e-12)) - np.log(q_tail)), 0.0)
-    return np.maximum(kl, 0.0), p_tail
+        terms = xp.where(pk > 0, pk * (tl - lq), 0.0)
+    tail = xp.where(p_tail > 1e-12, p_tail * (xp.log(xp.clip(p_tail, 1e-12, None)) - xp.log(q_tail)), 0.0)
+    return xp.clip(terms.sum(-1) + tail, 0.0, None), p_tail
+
+
+def reduce_kl(logits, ids: np.ndarray, top_lp: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The candidate's side of the shadow gate from its logits [T, V] (numpy or torch) and the baseline's top-k ids
+    and log-probs [T, k]: its argmax [T] (reduce_logits) and, per position, KL and the baseline's tail mass [T]
+    (kl_with_tail). Logits on a GPU are reduced there and only the three [T] arrays come back to the host."""
+    if on_device(logits):
+        top1, picked = _reduced_torch(logits, ids)
+        kl, tail = kl_with_tail(top_lp, picked)
+        return top1.cpu().numpy(), kl.cpu().numpy(), tail.cpu().numpy()
+    top1, picked = reduce_logits(logits, ids)
+    return (top1, *kl_with_tail(top_lp, picked))

@@ -55,9 +55,8 @@ from qgate.gates.scoring import (
     MAX_BATCH_ROWS,
     MAX_BATCH_TOKENS,
     UNDEFINED,
-    kl_with_tail,
     length_batches,
-    reduce_logits,
+    reduce_kl,
     split_sequences,
     top_k_logprobs,
 )
@@ -284,24 +283,23 @@ def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dic
     seqs = _sequences(ref)
     starts = np.concatenate([[0], np.cumsum(ref["seq_lens"] - 1)])  # sequence i's positions in ref's arrays
 
-    def per_sequence(i: int, cand_top1: np.ndarray, lq_k: np.ndarray) -> tuple:
+    def per_sequence(i: int, cand_top1: np.ndarray, kl: np.ndarray, p_tail: np.ndarray) -> tuple:
         a, b, p = int(starts[i]), int(starts[i + 1]), int(ref["prompt_lens"][i])
-        ti, tl = ref["top_idx"][a:b], ref["top_lp"][a:b]  # [T-1, k]
-        kl, p_tail = kl_with_tail(tl, lq_k)
         answer = np.asarray(seqs[i][p:])  # baseline's greedy answer
         miss = np.nonzero(cand_top1[p - 1 : p - 1 + len(answer)] != answer)[0]
         return (
             kl,
             p_tail,
-            cand_top1 == ti[:, 0],
+            cand_top1 == ref["top_idx"][a:b, 0],
             cand_top1 == UNDEFINED,
             int(miss[0]) if len(miss) else len(answer),
             len(answer),
         )
 
     ts = time.perf_counter()
-    ids = [ref["top_idx"][starts[i] : starts[i + 1]] for i in range(len(seqs))]  # the baseline's top-k per position
-    scored = score_sequences(runner, seqs, desc, reduce_logits, prompt_lens=ref["prompt_lens"], rows=(ids,))
+    # the baseline's top-k ids and log-probs per position, [T - 1, k] per sequence
+    ids, lps = ([ref[key][starts[i] : starts[i + 1]] for i in range(len(seqs))] for key in ("top_idx", "top_lp"))
+    scored = score_sequences(runner, seqs, desc, reduce_kl, prompt_lens=ref["prompt_lens"], rows=(ids, lps))
     rows = [per_sequence(i, *r) for i, r in enumerate(scored)]
     score_s = time.perf_counter() - ts
     kls, tails, agree, undefined, first_div, gen_lens = zip(*rows, strict=True)
