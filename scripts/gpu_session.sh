@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a GPU machine (DEVELOPERS.md, "A session with a GPU machine"): install the wheels `scripts/gpu_wheels.sh`
+# One call on a GPU machine (docs/gpu.md, "A session with a GPU machine"): install the wheels `scripts/gpu_wheels.sh`
 # put in .whl/, run the 8B scale benchmark, then the gpu-marked tests in the time left. Logs and scale.json go to $OUT.
 #   bash scripts/gpu_session.sh [SECONDS [ARGS for benchmarks/gpu_scale.py...]]     # SECONDS: the whole budget (560)
 set -uo pipefail
