@@ -521,6 +521,25 @@ def test_runner_lm_finishes_batches_on_the_device_as_request_by_request():
         assert ga == gb and a == pytest.approx(b, rel=1e-6, abs=1e-5)
 
 
+def test_requests_summed_in_one_pass_are_summed_one_by_one():
+    """The device path's per-request sums in one pass give each request what summing its own positions gives: in
+    order, a request of no positions 0 and greedy, one with an undefined position -inf and not greedy."""
+    from qgate.gates.lm import _summed, _summed_requests
+
+    rng = np.random.default_rng(4)
+    n = np.array([2, 0, 3, 1, 4])
+    lp = -rng.random(n.sum()).astype(np.float32) * 5
+    hit = rng.random(n.sum()) < 0.7
+    hit[:2] = True
+    lp[4] = np.nan  # the third request's second position
+    got = _summed_requests(lp, hit, n)
+    at = np.concatenate([[0], np.cumsum(n)])
+    want = [_summed(lp[a:b], hit[a:b]) for a, b in zip(at[:-1], at[1:], strict=True)]
+    assert got[1] == (0.0, True) and got[2] == (float("-inf"), False) and got[0][1] is True
+    for (a, ga), (b, gb) in zip(got, want, strict=True):
+        assert ga == gb and a == pytest.approx(b, rel=1e-6)
+
+
 @pytest.mark.parametrize("forward_cost", [0, 10**6])
 def test_runner_lm_scores_match_with_every_continuation_length_alone_or_all_padded_together(base_art, forward_cost):
     from qgate.engines.runners import load_runner

@@ -49,10 +49,25 @@ def _per_position(x, t):
 
 
 def _summed(lp, hit) -> tuple[float, bool]:
-    """(sum of log p(target), every target the argmax) for one request's positions. NaN: a position whose logits
-    define no distribution (NaN or +inf) gives the target nothing."""
-    ll = float(lp.sum())
-    return (float("-inf"), False) if ll != ll else (ll, bool(hit.all()))
+    """(sum of log p(target), every target the argmax) for one request's positions."""
+    return _score(float(lp.sum()), bool(hit.all()))
+
+
+def _summed_requests(lp: np.ndarray, hit: np.ndarray, n: np.ndarray) -> list[tuple[float, bool]]:
+    """_summed for consecutive requests of n[j] positions each, in one pass (sums in float64)."""
+    ll, greedy = np.zeros(len(n)), np.ones(len(n), bool)  # a request of no positions: log p 0, greedy
+    at = np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int64)
+    some = n > 0
+    if some.any():
+        ll[some] = np.add.reduceat(lp.astype(np.float64), at[some])
+        greedy[some] = np.logical_and.reduceat(hit, at[some])
+    return [_score(a, b) for a, b in zip(ll.tolist(), greedy.tolist(), strict=True)]
+
+
+def _score(ll: float, greedy: bool) -> tuple[float, bool]:
+    """A request's score from its summed log-probs: NaN, where a position's logits define no distribution (NaN or
+    +inf), gives the target nothing: -inf, not greedy."""
+    return (float("-inf"), False) if ll != ll else (ll, greedy)
 
 
 def finish(logits, target: list[int]) -> tuple[float, bool]:
@@ -107,10 +122,9 @@ class Scores:
         if self.pending:
             lp = torch.cat([p[1] for p in self.pending]).cpu().numpy()
             hit = torch.cat([p[2] for p in self.pending]).cpu().numpy()
-            a = 0
-            for i, n in (r for requests, _, _ in self.pending for r in requests):
-                self.out[i] = _summed(lp[a : a + n], hit[a : a + n])
-                a += n
+            index, n = zip(*(r for requests, _, _ in self.pending for r in requests), strict=True)
+            for i, score in zip(index, _summed_requests(lp, hit, np.asarray(n)), strict=True):
+                self.out[i] = score
             self.pending = []
         return self.out
 
