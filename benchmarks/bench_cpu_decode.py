@@ -217,7 +217,8 @@ def main() -> None:
     settings = [("shadow", 1, None), ("shadow", 1, cores), ("shadow", 1, 1), ("shadow", 8, None), ("shadow", 8, cores)]
     settings += [("16 tokens", 1, None), ("16 tokens", 1, cores), ("1024 tokens", 1, None), ("1024 tokens", 1, cores)]
     print(
-        "prompts       batch threads  prefill tok/s  decode tok/s  roofline  x eager fp32 decode  new tok/s incl. prefill"
+        "prompts       batch threads  prefill tok/s  decode tok/s  roofline  x eager fp32 decode  new tok/s incl. "
+        "prefill"
     )
     for name, batch, threads in settings:
         ps = lengths[name]

@@ -121,8 +121,8 @@ def roofline(runner, positions: int, secs: float) -> None:
             runner.model(x, logits_to_keep=1)
         plain = (time.perf_counter() - t) / (reps * x.numel())
     print(
-        f"roofline: the default scoring ran {positions:,} positions in {secs:.1f} s ({positions / secs:.0f} positions/s); "
-        f"plain forwards {1 / plain:.0f} positions/s over {reps * x.numel():,}: the scoring runs at "
+        f"roofline: the default scoring ran {positions:,} positions in {secs:.1f} s ({positions / secs:.0f} "
+        f"positions/s); plain forwards {1 / plain:.0f} positions/s over {reps * x.numel():,}: the scoring runs at "
         f"{positions * plain / secs:.2f}x the plain forward's throughput"
     )
 
@@ -189,8 +189,8 @@ def main() -> None:
         f"({len(now) / secs:.1f} req/s): {padded / secs:.2f}x; max |log-likelihood difference| {diff:.2e}"
     )
     print(
-        f"multiple-choice eval wall time: before {n_before} items {base:.1f} s (full-16), after {n_now} items {secs:.1f} s "
-        f"(default): {secs / base:.2f}x the time for {n_now / n_before:.2f}x the items"
+        f"multiple-choice eval wall time: before {n_before} items {base:.1f} s (full-16), after {n_now} items "
+        f"{secs:.1f} s (default): {secs / base:.2f}x the time for {n_now / n_before:.2f}x the items"
     )
     docs = perplexity_docs()
     lm = RunnerLM(runner)
@@ -202,14 +202,15 @@ def main() -> None:
     t_many = time.perf_counter() - t
     diff = max(abs(a - b) for a, b in zip(one, many, strict=True))
     print(
-        f"perplexity ({len(docs)} documents): one at a time {t_one:.1f} s ({len(docs) / t_one:.1f} docs/s), batched across "
-        f"documents {t_many:.1f} s ({len(docs) / t_many:.1f} docs/s): {t_one / t_many:.2f}x; max |difference| {diff:.2e}"
+        f"perplexity ({len(docs)} documents): one at a time {t_one:.1f} s ({len(docs) / t_one:.1f} docs/s), batched "
+        f"across documents {t_many:.1f} s ({len(docs) / t_many:.1f} docs/s): {t_one / t_many:.2f}x; max |difference| "
+        f"{diff:.2e}"
     )
     before = base + t_one * PPL_BEFORE / len(docs)  # the earlier set's first 120 documents, one at a time (its method)
     after = secs + t_many
     print(
-        f"whole eval (multiple choice + perplexity): before {n_before} items + {PPL_BEFORE} documents {before:.1f} s, after "
-        f"{n_now} items + {len(docs)} documents {after:.1f} s: {after / before:.2f}x the time"
+        f"whole eval (multiple choice + perplexity): before {n_before} items + {PPL_BEFORE} documents {before:.1f} s, "
+        f"after {n_now} items + {len(docs)} documents {after:.1f} s: {after / before:.2f}x the time"
     )
     roofline(runner, ran, secs)
 
@@ -248,8 +249,8 @@ def dtype_comparison(f32, other) -> None:
     tag = str(other.dtype).removeprefix("torch.")
     after, s_other = whole_eval(other, list(DEFAULT_TASKS))
     print(
-        f"today's default tasks in {tag} (default scoring, lm-eval end to end): {after:.1f} s: {after / before:.2f}x the "
-        f"earlier eval's time",
+        f"today's default tasks in {tag} (default scoring, lm-eval end to end): {after:.1f} s: {after / before:.2f}x "
+        f"the earlier eval's time",
         flush=True,
     )
     f32_secs, s_f32 = whole_eval(f32, list(DEFAULT_TASKS))

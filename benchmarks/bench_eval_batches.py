@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_eval_batches.py --model DIR                                  # this CPU's costs
     .venv/bin/python benchmarks/bench_eval_batches.py --model DIR --forward-cost 256 --budget 35000   # an H100's
-    .venv/bin/python benchmarks/bench_eval_batches.py --model DIR --forward-cost 256 --budget 35000 --pack   # its packing
+    .venv/bin/python benchmarks/bench_eval_batches.py --model DIR --forward-cost 256 --budget 35000 --pack  # packing
 
 The batching depends on the tokenizer, the tasks, the forward cost and the token budget, not on the model's weights or
 the device, so a GPU's forwards and positions can be counted here with its forward cost (device.FORWARD_COST) and the
@@ -60,7 +60,8 @@ def main() -> int:
     for kind in (k for k in PARTS if r["forwards"].get(k)):
         p, n = r["positions"].get(kind, 0), r["real"].get(kind, 0)
         print(
-            f"  {kind:12s} forwards {r['forwards'].get(kind, 0):4d}  positions {p:7d}  real {n:7d}  x{p / max(n, 1):.2f}"
+            f"  {kind:12s} forwards {r['forwards'].get(kind, 0):4d}  positions {p:7d}  real {n:7d}  "
+            f"x{p / max(n, 1):.2f}"
         )
     f, p, n = (sum(r[what].values()) for what in ("forwards", "positions", "real"))
     print(f"  total        forwards {f:4d}  positions {p:7d}  real {n:7d}  x{p / n:.3f}  cost {cost * f + p}")

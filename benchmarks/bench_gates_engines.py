@@ -207,16 +207,19 @@ def main() -> None:
     for name in ("int4 CPU engine", "W8A16 reference path"):
         r = s[name]
         print(
-            f"   {name:22s} forward only {r['forward_s']:6.2f} s   gate {r['warm_gate_s']:6.2f} s   ratio {r['ratio']:.2f}x"
+            f"   {name:22s} forward only {r['forward_s']:6.2f} s   gate {r['warm_gate_s']:6.2f} s   ratio "
+            f"{r['ratio']:.2f}x"
             f" (best gate / best forward of {len(r['ratios'])} interleaved pairs; median pair {r['ratio_median']:.2f}x;"
             f" per pair {', '.join(f'{x:.2f}' for x in r['ratios'])})  (goal <= 1.10x)"
         )
     print(
-        f"2. cold baseline reference ({s['answer_tokens']} greedy answer tokens + top-k log-probs): {s['cold_reference_s']:.1f} s"
+        f"2. cold baseline reference ({s['answer_tokens']} greedy answer tokens + top-k log-probs): "
+        f"{s['cold_reference_s']:.1f} s"
         f" / teacher-forced scoring (forward + top-k) {s['baseline_scoring_s']:.1f} s = {s['cold_scoring_ratio']:.2f}x"
         f" (per pair {', '.join(f'{x:.2f}' for x in s['cold_scoring_ratios'])})  (goal <= 2x);"
         f" / forward passes alone {s['baseline_forward_s']:.1f} s = {s['cold_ratio']:.2f}x"
-        f" (per pair {', '.join(f'{x:.2f}' for x in s['cold_ratios'])}; best times of {len(s['cold_ratios'])} interleaved runs)"
+        f" (per pair {', '.join(f'{x:.2f}' for x in s['cold_ratios'])}; best times of {len(s['cold_ratios'])} "
+        "interleaved runs)"
     )
     if d:
         tf = d["transformers_fp32"]
@@ -225,12 +228,15 @@ def main() -> None:
             f"{tf[1]:.1f} tok/s at batch 1, {tf[8]:.1f} at batch 8"
         )
         print(
-            "   lm_head  acc.level threads  engine MB   b1 tok/s  x fp32   b8 tok/s  x fp32   shadow gate: KL p99  top-1  verdict"
+            "   lm_head  acc.level threads  engine MB   b1 tok/s  x fp32   b8 tok/s  x fp32   shadow gate: KL p99  "
+            "top-1  verdict"
         )
         for r in d["engines"]:
             print(
-                f"   {r['lm_head']:7s}  {r['accuracy_level']:9d} {r['threads']:7d}  {r['engine_mb']:9.1f}  {r['tok_s_b1']:9.1f}  "
-                f"{r['speedup_b1']:5.2f}x  {r['tok_s_b8']:9.1f}  {r['speedup_b8']:5.2f}x  {r['kl_p99']:18.4f}  {r['top1']:.3f}  {r['verdict']}"
+                f"   {r['lm_head']:7s}  {r['accuracy_level']:9d} {r['threads']:7d}  {r['engine_mb']:9.1f}  "
+                f"{r['tok_s_b1']:9.1f}  "
+                f"{r['speedup_b1']:5.2f}x  {r['tok_s_b8']:9.1f}  {r['speedup_b8']:5.2f}x  {r['kl_p99']:18.4f}  "
+                f"{r['top1']:.3f}  {r['verdict']}"
             )
     if e:
         print("4. eval scoring (the demo's tasks):")

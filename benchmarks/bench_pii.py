@@ -34,8 +34,8 @@ def main() -> None:
         good = v["recall"] is not None and v["recall"] >= 0.99 and (v["precision"] or 0) >= 0.95
         ok &= good
         print(
-            f"{t_:12s} {v['injected']:8d} {v['found']:6d} {v['false_positives']:6d} {v['recall']:8.2%} {v['precision']:9.2%}  "
-            f"{'met' if good else 'NOT met'}"
+            f"{t_:12s} {v['injected']:8d} {v['found']:6d} {v['false_positives']:6d} {v['recall']:8.2%} "
+            f"{v['precision']:9.2%}  {'met' if good else 'NOT met'}"
         )
     print(f"\nmissed: {[(m['type'], m['value']) for m in s['misses']]}")
     print(f"real PII already in the demo prompts (scrubbed, not counted): {s['real_pii_in_demo_prompts']}")
@@ -48,7 +48,8 @@ def main() -> None:
         scrub(x)
     sc = time.perf_counter() - t
     print(
-        f"throughput: {len(texts) / sc:,.0f} prompts/s ({n / sc / 1e6:.2f} MB/s of text); reading them alone {read * 1e3:.1f} ms"
+        f"throughput: {len(texts) / sc:,.0f} prompts/s ({n / sc / 1e6:.2f} MB/s of text); reading them alone "
+        f"{read * 1e3:.1f} ms"
     )
     print("all goals met" if ok else "some goals NOT met")
 

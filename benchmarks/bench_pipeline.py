@@ -98,17 +98,18 @@ def main() -> None:
         if s := v.get("search"):
             pts = ", ".join(f"{x:.1f}" for x in s.get("point_seconds") or [])
             print(
-                f"    search: {s['seconds']:.1f} s; AWQ smoothing {s.get('smoothing_seconds')} s (the quantize stage's, "
-                f"reused), sensitivity {s.get('sensitivity_seconds')} s, {s['points_tried']} points: {pts} s"
+                f"    search: {s['seconds']:.1f} s; AWQ smoothing {s.get('smoothing_seconds')} s (the quantize "
+                f"stage's, reused), sensitivity {s.get('sensitivity_seconds')} s, {s['points_tried']} points: {pts} s"
             )
     for mode, (wall, summary) in others.items():
         same = [(v["variant"], v["verdict"]) for v in summary["variants"]] == [
             (v["variant"], v["verdict"]) for v in cold["variants"]
         ]
         print(
-            f"cold wall --executor {mode} / --executor {modes[0]} ({os.cpu_count()} cores, {len(cold['variants'])} variants): "
-            f"{wall / cold_wall:.3f}x ({wall:.0f} s / {cold_wall:.0f} s); same verdicts: {same}; "
-            f"promoted {(summary.get('promoted') or {}).get('variant')} vs {(cold.get('promoted') or {}).get('variant')}"
+            f"cold wall --executor {mode} / --executor {modes[0]} ({os.cpu_count()} cores, {len(cold['variants'])} "
+            f"variants): {wall / cold_wall:.3f}x ({wall:.0f} s / {cold_wall:.0f} s); same verdicts: {same}; "
+            f"promoted {(summary.get('promoted') or {}).get('variant')} vs "
+            f"{(cold.get('promoted') or {}).get('variant')}"
         )
     print(
         json.dumps(

@@ -3,12 +3,12 @@ measured in this run.
 
     .venv/bin/python benchmarks/bench_sampler.py [--records 100000,1000000,5000000] [--partitions 8]
 
-Run it alone: two CPU-heavy processes on 2 cores distort each other badly.
-Each size is a synthetic log written as gzip JSONL partitions: the demo traffic's real records (ShareGPT prompts with
-their system prompt, routes and tenants), repeated with a request id in letters appended to the user turn, so every prompt
-is distinct (the worst case for a seen-set) and the text is what production logs hold (a numeric id would put a
-digit in every prompt; two thirds of the real ones have none, which the PII scrubber's rules use).
-Every measurement runs in a child process of its own, so each peak RSS is its own.
+Run it alone: two CPU-heavy processes on 2 cores distort each other badly. Each size is a synthetic log written as gzip
+JSONL partitions: the demo traffic's real records (ShareGPT prompts with their system prompt, routes and tenants),
+repeated with a request id in letters appended to the user turn, so every prompt is distinct (the worst case for a
+seen-set) and the text is what production logs hold (a numeric id would put a digit in every prompt; two thirds of the
+real ones have none, which the PII scrubber's rules use). Every measurement runs in a child process of its own, so each
+peak RSS is its own.
 1. Throughput: a serial `sample_traffic` in records/s, as a ratio to a raw orjson parse of the same files
    (gzip decompression and line splitting included in both; the sampler inflates with ISA-L, so the ratio is also
    given against an orjson parse that does too). Goal: at least 0.5. Also on 100k records that all carry
@@ -185,8 +185,8 @@ def main() -> None:
     )
     demo = demo_records()
     print(
-        f"  {len(demo):,} real demo records as templates, {sum(len(m['content']) for r in demo for m in r['messages']) / len(demo):.0f} "
-        f"characters per record",
+        f"  {len(demo):,} real demo records as templates, "
+        f"{sum(len(m['content']) for r in demo for m in r['messages']) / len(demo):.0f} characters per record",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:
@@ -202,7 +202,8 @@ def main() -> None:
             s, r = serial[n], raw[n]
             assert s["records"] == r["records"] == n, (s["records"], r["records"], n)
             print(
-                f"  {n:>9,} records: sampler {s['seconds']:7.1f} s {n / s['seconds']:8.0f} rec/s, peak RSS {s['peak_mb']:5.0f} MB "
+                f"  {n:>9,} records: sampler {s['seconds']:7.1f} s {n / s['seconds']:8.0f} rec/s, peak RSS "
+                f"{s['peak_mb']:5.0f} MB "
                 f"(estimated counts: {not s['exact']}); orjson {r['seconds']:6.1f} s {n / r['seconds']:8.0f} rec/s",
                 flush=True,
             )
@@ -221,9 +222,10 @@ def main() -> None:
                 )
                 cached = measure("cached", logs, tmp / "out-cached")
                 print(
-                    f"  {n:>9,} records with a scan cache: cold {cached['cold']:7.1f} s, warm (every partition unchanged) "
-                    f"{cached['warm']:5.2f} s, same artifacts: {cached['same']}; a stage key's traffic hash: reading every "
-                    f"partition {cached['key_read']:.2f} s, from the cache {cached['key_cached'] * 1000:.1f} ms, "
+                    f"  {n:>9,} records with a scan cache: cold {cached['cold']:7.1f} s, warm (every partition "
+                    "unchanged) "
+                    f"{cached['warm']:5.2f} s, same artifacts: {cached['same']}; a stage key's traffic hash: reading "
+                    f"every partition {cached['key_read']:.2f} s, from the cache {cached['key_cached'] * 1000:.1f} ms, "
                     f"same hash: {cached['key_same']}",
                     flush=True,
                 )
@@ -259,8 +261,8 @@ def main() -> None:
         )
         lo = sizes[0]
         print(
-            "\n1. sampler throughput / raw orjson parse of the same files (goal >= 0.5); in brackets, against an orjson "
-            "parse that inflates with ISA-L as the sampler does:"
+            "\n1. sampler throughput / raw orjson parse of the same files (goal >= 0.5); in brackets, against an "
+            "orjson parse that inflates with ISA-L as the sampler does:"
         )
         for n in sizes:
             print(
@@ -274,16 +276,22 @@ def main() -> None:
         if args.ray_records in serial:
             n = args.ray_records
             print(
-                f"     {n:>9,} records, the sampler's reading alone (no sampling): {raw[n]['seconds'] / parse['seconds']:.2f}x; "
-                f"the sampling adds {serial[n]['seconds'] - parse['seconds']:.1f} s on the main thread beside the reading thread"
+                f"     {n:>9,} records, the sampler's reading alone (no sampling): "
+                f"{raw[n]['seconds'] / parse['seconds']:.2f}x; "
+                f"the sampling adds {serial[n]['seconds'] - parse['seconds']:.1f} s on the main thread beside the "
+                "reading thread"
             )
             print(
-                f"     {n:>9,} records, --executor processes ({cores} workers): {raw[n]['seconds'] / procs['seconds']:.2f}x"
+                f"     {n:>9,} records, --executor processes ({cores} workers): "
+                f"{raw[n]['seconds'] / procs['seconds']:.2f}x"
             )
             print(
-                f"     {n:>9,} records, every partition's scan reused from --scan-cache: {raw[n]['seconds'] / cached['warm']:.2f}x "
-                f"({cached['cold'] / cached['warm']:.0f}x faster than the cold run that filled the cache); the traffic hash "
-                f"of a stage key from the cache: {cached['key_read'] / cached['key_cached']:.0f}x faster than reading the partitions"
+                f"     {n:>9,} records, every partition's scan reused from --scan-cache: "
+                f"{raw[n]['seconds'] / cached['warm']:.2f}x "
+                f"({cached['cold'] / cached['warm']:.0f}x faster than the cold run that filled the cache); the "
+                "traffic hash "
+                f"of a stage key from the cache: {cached['key_read'] / cached['key_cached']:.0f}x faster than reading "
+                "the partitions"
             )
         print(f"2. peak RSS / peak RSS at {lo:,} records (goal: within 1.10x):")
         for n in sizes[1:]:
@@ -294,21 +302,24 @@ def main() -> None:
         if args.ray_records in serial:
             s = serial[args.ray_records]
             print(
-                f"3. sampler wall time on {args.ray_records:,} records ({args.partitions} partitions, {cores} cores), serial / "
-                f"processes: {s['seconds'] / procs['seconds']:.2f}x, serial / ray: {s['seconds'] / ray['seconds']:.2f}x; "
+                f"3. sampler wall time on {args.ray_records:,} records ({args.partitions} partitions, {cores} cores), "
+                f"serial / processes: {s['seconds'] / procs['seconds']:.2f}x, serial / ray: "
+                f"{s['seconds'] / ray['seconds']:.2f}x; "
                 f"same calibration set: {procs['calib_sha256'] == ray['calib_sha256'] == s['calib_sha256']}"
             )
             one_s = single["serial"]["seconds"]
             print(
-                f"   the same records in one file, its blocks scanned by the workers (calibrate/split_scan.py), serial / "
-                f"processes: {one_s / single['processes']['seconds']:.2f}x, serial / ray: {one_s / single['ray']['seconds']:.2f}x; "
+                "   the same records in one file, its blocks scanned by the workers (calibrate/split_scan.py), "
+                f"serial / processes: {one_s / single['processes']['seconds']:.2f}x, serial / ray: "
+                f"{one_s / single['ray']['seconds']:.2f}x; "
                 f"same calibration set as one serial pass: {len({r['calib_sha256'] for r in single.values()}) == 1}"
             )
             drv = single["processes"]["cpu_seconds"]
             print(
-                f"   its driver (reading, merging, feeding the profile) used {drv:.1f} s of CPU: with enough workers one file "
-                f"could go at most {n / drv:,.0f} records/s, {raw[n]['seconds'] / drv:.2f}x the orjson parse (a bound from "
-                f"this CPU time, not a measured rate: {cores} cores here)"
+                f"   its driver (reading, merging, feeding the profile) used {drv:.1f} s of CPU: with enough workers "
+                "one file "
+                f"could go at most {n / drv:,.0f} records/s, {raw[n]['seconds'] / drv:.2f}x the orjson parse (a bound "
+                f"from this CPU time, not a measured rate: {cores} cores here)"
             )
         print("   variant fan-out on Ray vs serial: benchmarks/bench_pipeline.py --executor serial,ray")
 

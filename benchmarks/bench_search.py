@@ -1,6 +1,6 @@
 """Search points built from AWQ's smoothing once vs quantized for real, on the demo model: cost and agreement.
 
-    python benchmarks/bench_search.py --workdir .qgate/demo --points 0,12,130     # after `qgate run pipelines/promote.yaml`
+    python benchmarks/bench_search.py --workdir .qgate/demo --points 0,12,130   # after `qgate run` on the demo
 
 For each move count k (the search's own plan: the first k moves up each layer's ladder of finer groups and W8A16),
 the point is built both ways: round-to-nearest on the weights AWQ smoothed once (quantize/smoothing.py), and a full AWQ
@@ -72,9 +72,9 @@ def main() -> int:
         fb = point_overrides(plan.assignment(k), scfg, ladder)
         if fb.fine:
             raise SystemExit(
-                f"k={k} moves {len(fb.fine)} layers to group size {fb.fine_group_size}: a full AWQ run cannot build that "
-                "point (llm-compressor smooths a mapping's layers with one group size), so there is nothing to compare; "
-                "pick a k below the first finer-group move, or a spec without search.fine_group_size"
+                f"k={k} moves {len(fb.fine)} layers to group size {fb.fine_group_size}: a full AWQ run cannot build "
+                "that point (llm-compressor smooths a mapping's layers with one group size), so there is nothing to "
+                "compare; pick a k below the first finer-group move, or a spec without search.fine_group_size"
             )
         row = {"k": k, "layout": plan.layout(k, len(sens["layers"]))}
         for how in ("smoothed", "real"):
@@ -114,12 +114,14 @@ def main() -> int:
         print(json.dumps(row), flush=True)
     print(f"smoothing once: {smooth_s:.1f} s (cached: {smooth_s < 5})")
     print(
-        f"{'k':>4} {'bits s/r':>12} {'KL p99 smoothed [CI]':>28} {'KL p99 real [CI]':>28} {'top-1 s/r':>14} overlap  cost/check s, r"
+        f"{'k':>4} {'bits s/r':>12} {'KL p99 smoothed [CI]':>28} {'KL p99 real [CI]':>28} {'top-1 s/r':>14} overlap  "
+        "cost/check s, r"
     )
     for row in rows:
         s, q = row["smoothed"], row["real"]
         print(
-            f"{row['k']:>4} {s['bits']:5.2f}/{q['bits']:5.2f} {s['kl_p99']:8.4f} [{s['kl_p99_ci'][0]:.3f}, {s['kl_p99_ci'][1]:.3f}]"
+            f"{row['k']:>4} {s['bits']:5.2f}/{q['bits']:5.2f} {s['kl_p99']:8.4f} [{s['kl_p99_ci'][0]:.3f}, "
+            f"{s['kl_p99_ci'][1]:.3f}]"
             f"   {q['kl_p99']:8.4f} [{q['kl_p99_ci'][0]:.3f}, {q['kl_p99_ci'][1]:.3f}]  {s['top1']:.3f}/{q['top1']:.3f}"
             f"  {row['kl_ci_overlap'] and row['top1_ci_overlap']!s:5}  {row['point_cost_vs_check']['smoothed']:.2f}x, "
             f"{row['point_cost_vs_check']['real']:.2f}x"

@@ -2,9 +2,10 @@
 
     .venv/bin/python scripts/make_pii_set.py            # writes data/pii/labeled.jsonl (seeded, reproducible)
 
-Each row: {"prompt": line index into data/demo/traffic.jsonl, "text": ..., "pii": [{"type", "value"}], "negatives": [...]}. Values are generated valid (Luhn, mod-97,
-Verhoeff, numbering plans) in the formats people paste: spaced, dashed, compact, national and international.
-Hard negatives look like PII and are not: order numbers, dates, versions, hashes, UUIDs, prices, times, ISBNs.
+Each row: {"prompt": line index into data/demo/traffic.jsonl, "text": ..., "pii": [{"type", "value"}], "negatives":
+[...]}. Values are generated valid (Luhn, mod-97, Verhoeff, numbering plans) in the formats people paste: spaced,
+dashed, compact, national and international. Hard negatives look like PII and are not: order numbers, dates, versions,
+hashes, UUIDs, prices, times, ISBNs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from qgate.calibrate.scrub_eval import demo_prompts  # noqa: E402
 
 R = random.Random(20261122)
 PER_TYPE = 300
+
+
+HEX = "0123456789abcdef"
 
 
 def _alnum(n, chars=string.ascii_letters + string.digits):
@@ -193,8 +197,8 @@ def negative():
             lambda: f"{R.randint(2000, 2030)}-{R.randint(1, 12):02d}-{R.randint(1, 28):02d}",
             lambda: f"v{R.randint(0, 9)}.{R.randint(0, 30)}.{R.randint(0, 99)}",
             lambda: f"commit {_alnum(40, '0123456789abcdef')}",
-            lambda: (
-                f"{_alnum(8, '0123456789abcdef')}-{_alnum(4, '0123456789abcdef')}-4{_alnum(3, '0123456789abcdef')}-a{_alnum(3, '0123456789abcdef')}-{_alnum(12, '0123456789abcdef')}"
+            lambda: "-".join(
+                [_alnum(8, HEX), _alnum(4, HEX), "4" + _alnum(3, HEX), "a" + _alnum(3, HEX), _alnum(12, HEX)]
             ),
             lambda: f"${R.randint(1, 99999)}.{d(2)}",
             lambda: f"{R.randint(0, 23):02d}:{R.randint(0, 59):02d}:{R.randint(0, 59):02d}",

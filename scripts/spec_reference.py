@@ -129,7 +129,8 @@ def render() -> str:
         "under `--executor ray`: `num_cpus`, `num_gpus`, `memory` in bytes, or custom ones).\n\n"
         "Engine backends (engines/build.py):\n\n| backend | what it is | gated by qgate |\n| --- | --- | --- |\n"
         + "\n".join(
-            f"| `{n}` | {backend(n).description} | {'yes' if backend(n).runner else 'no: bundle it from a promoted checkpoint'} |"
+            f"| `{n}` | {backend(n).description} | "
+            f"{'yes' if backend(n).runner else 'no: bundle it from a promoted checkpoint'} |"
             for n in BACKENDS.names()
         )
     )

@@ -12,7 +12,8 @@ Each request is read whole, then, with probability `rate`, one fault out of `kin
 - 500 / 503: an error answer in place of the server's;
 - stall: nothing for `stall_s` seconds (past the client's timeout), then the connection is closed.
 Otherwise the request is forwarded and the server's answer returned. `paths` limits the faults to those URL paths
-(query strings aside), `max_faults` their number, and `once_per_path` to the first request to each URL. The fault drawn for the n-th request depends only on the seed and n.
+(query strings aside), `max_faults` their number, and `once_per_path` to the first request to each URL. The fault
+drawn for the n-th request depends only on the seed and n.
 """
 
 from __future__ import annotations

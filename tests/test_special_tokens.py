@@ -1,4 +1,5 @@
-"""A baseline's own files agree on its special tokens: refused at import when they do not, fixed from a GGUF's metadata."""
+"""A baseline's own files agree on its special tokens: refused at import when they do not, fixed from a GGUF's
+metadata."""
 
 import importlib.util
 import json
@@ -33,7 +34,8 @@ def src(tmp_path):
         ),
         (
             {"tokenizer_config.json": {"eos_token": "<unk>"}, "generation_config.json": {"eos_token_id": 0}},
-            "the chat template ends an assistant turn with '<|im_end|>' (id 2), which is not among generation_config.json's eos ids [0]",
+            "the chat template ends an assistant turn with '<|im_end|>' (id 2), which is not among "
+            "generation_config.json's eos ids [0]",
         ),
         (
             {"generation_config.json": {"bos_token_id": 0}},

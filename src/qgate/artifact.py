@@ -130,7 +130,8 @@ class Artifact:
         actual = sha256_tree(self.path)
         if actual != self.sha256:
             raise InputError(
-                f"{self.path}: content changed since qgate wrote it (sha256 {actual[:12]} != manifest {self.sha256[:12]})",
+                f"{self.path}: content changed since qgate wrote it (sha256 {actual[:12]} != manifest "
+                f"{self.sha256[:12]})",
                 hint="re-run the stage that produced it; do not edit artifacts in place",
             )
 

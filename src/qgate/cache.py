@@ -68,8 +68,8 @@ def read_cached_arrays(path: Path) -> dict | None:
 
 
 def _npz_views(buf) -> dict | None:
-    """The arrays of an .npz held in buf (an mmap), as views of it; None if a member is compressed or not a plain
-    array. A stored member's bytes follow its local header (30 bytes, its name, its extra field), then the .npy header."""
+    """The arrays of an .npz held in buf (an mmap), as views of it; None if a member is compressed or not a plain array.
+    A stored member's bytes follow its local header (30 bytes, its name, its extra field), then the .npy header."""
     import struct
     import zipfile
 

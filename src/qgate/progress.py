@@ -2,11 +2,11 @@
 
     for row in progress(rows, "shadow: baseline answers", unit="prompt"): ...
 
-On a TTY this is tqdm. Without one (CI, cron, a pipe) it prints `desc: 12/48 (25%) 31s` at most once per 10% of
-the work or per 30 s, whichever comes first, and a last line at the end: no carriage-return redraws.
-`quiet_console()` is what `qgate run` and `qgate drift` call when stderr is not a TTY: from then on file descriptors 1
-and 2 (every library's prints, warnings, C++ logs, progress bars) go to a log file, and only qgate's own lines reach the
-console, through `console_out()` / `console_err()`. Third-party bars are switched off as well, so the log stays readable.
+On a TTY this is tqdm. Without one (CI, cron, a pipe) it prints `desc: 12/48 (25%) 31s` at most once per 10% of the work
+or per 30 s, whichever comes first, and a last line at the end: no carriage-return redraws. `quiet_console()` is what
+`qgate run` and `qgate drift` call when stderr is not a TTY: from then on file descriptors 1 and 2 (every library's
+prints, warnings, C++ logs, progress bars) go to a log file, and only qgate's own lines reach the console, through
+`console_out()` / `console_err()`. Third-party bars are switched off as well, so the log stays readable.
 """
 
 from __future__ import annotations

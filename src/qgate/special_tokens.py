@@ -1,7 +1,7 @@
 """A baseline whose own files agree on its special tokens: checked (and, from a GGUF source, fixed) at import.
 
-    fixes = reconcile(Path("runs/base"), gguf_special_tokens(reader_fields))   # GGUF: the file's metadata is the source
-    check(Path("runs/base"))                                                      # any checkpoint: InputError if its files disagree
+    fixes = reconcile(Path("runs/base"), gguf_special_tokens(reader_fields))  # GGUF: the file's metadata decides
+    check(Path("runs/base"))                                                     # any checkpoint: InputError on a clash
 
 A serving stack stops generating on the tokenizer's eos or on generation_config.json's eos ids, pads with one of
 them, and renders turns with the chat template. When those files disagree, a model is served differently depending

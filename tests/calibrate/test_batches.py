@@ -121,8 +121,8 @@ def test_batches_read_the_demo_traffic_mostly_columnar_and_agree_with_the_line_r
     ],
 )
 def test_lines_pyarrow_reads_differently_from_orjson_take_the_line_path(tmp_path, line):
-    """Where pyarrow and orjson disagree (NaN, duplicate keys, two values on a line) or the fast checks do not decide
-    (a NUL after the last user turn, Unicode-only blank text, ISO timestamps, content parts), the line reader decides."""
+    """Where pyarrow and orjson disagree (NaN, duplicate keys, two values on a line) or the fast checks do not decide (a
+    NUL after the last user turn, Unicode-only blank text, ISO timestamps, content parts), the line reader decides."""
     path = tmp_path / "t.jsonl"
     path.write_bytes(b"\n".join([b'{"prompt": "before"}', line, b'{"prompt": "after"}']) + b"\n")
     assert _records_of(Partition(str(path))) == _oracle(path)
@@ -317,7 +317,8 @@ def test_words_on_real_text_with_every_script():
 
 
 def test_the_code_point_classes_are_res_own():
-    """text_words' table (built from str.isalnum and str.isspace) classes every BMP code point as re's \\w and \\s do."""
+    """text_words' table (built from str.isalnum and str.isspace) classes every BMP code point as re's \\w and \\s
+    do."""
     from qgate.calibrate.words import _bmp_classes, _class_of
 
     table = _bmp_classes()

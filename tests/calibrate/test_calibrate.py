@@ -170,9 +170,10 @@ def test_a_failed_sample_quotes_its_first_rejects_names_the_worst_partitions_and
         "most in b.jsonl (30 of 40), c.jsonl (5 of 5), a.jsonl (2 of 22)\n" in err
     ), err
     assert (
-        f"broke off (its lines before may be garbage):\n    {logs / 'a.jsonl'}:21: record has neither 'messages' nor 'prompt'\n"
-        f"    {logs / 'a.jsonl'}:22: record has neither 'messages' nor 'prompt'\n    {logs / 'b.jsonl'}:11: invalid JSON"
-        in err
+        f"broke off (its lines before may be garbage):\n    {logs / 'a.jsonl'}:21: record has neither 'messages' nor "
+        "'prompt'\n"
+        f"    {logs / 'a.jsonl'}:22: record has neither 'messages' nor 'prompt'\n    {logs / 'b.jsonl'}:11: invalid "
+        "JSON" in err
     ), err
     assert f"every reject, with its file, line and reason: {kept}\n" in err
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
@@ -273,8 +274,8 @@ def test_drift_cli_exit_codes(tmp_path, capsys):
         )
     out = capsys.readouterr().out  # the sampling summary: which counts are estimates; one row per stratum
     assert (
-        f"read 120 records: 0 rejected (see {tmp_path / 'a2' / 'rejects.jsonl'}), 0 too short, 0 duplicates (estimated)\n"
-        in out
+        f"read 120 records: 0 rejected (see {tmp_path / 'a2' / 'rejects.jsonl'}), 0 too short, 0 duplicates "
+        "(estimated)\n" in out
     )
     assert (
         "unique prompts: 120, an HLL estimate (120-120 at 2 standard deviations); 2 strata counted by their sketches\n"

@@ -333,7 +333,8 @@ def test_each_partition_is_read_once_and_the_source_hash_is_of_what_was_read(tmp
 
 
 def _artifact_bytes(out) -> dict:
-    """Every file a sample wrote, but the profile's `source` (the path it was read from) and the artifacts' manifests."""
+    """Every file a sample wrote, but the profile's `source` (the path it was read from) and the artifacts'
+    manifests."""
     files = {}
     for p in sorted(out.rglob("*")):
         if p.is_file() and p.name != "qgate-artifact.json":

@@ -1,4 +1,5 @@
-"""What CI and the registry UI get: --json documents, JUnit, the job summary, quiet logs, descriptions, status, rollback."""
+"""What CI and the registry UI get: --json documents, JUnit, the job summary, quiet logs, descriptions, status,
+rollback."""
 
 import json
 import os

@@ -415,7 +415,8 @@ def test_eval_recovery_is_decided_on_its_interval_alone():
 
 def test_label_biased_tasks_are_flagged_and_the_pooled_check_states_its_power_without_them():
     """Task "bias": the baseline picks choice 0 on 95% of 400 items, so it is right exactly where gold is 0. Task
-    "know": 200 items with varied answers. The pooled check names "bias" and gives recovery and mde over "know" alone."""
+    "know": 200 items with varied answers. The pooled check names "bias" and gives recovery and mde over "know"
+    alone."""
     rng = np.random.default_rng(1)
     gold_b = (rng.random(400) < 0.5).astype(int)
     chosen_b = np.where(rng.random(400) < 0.95, 0, 1)

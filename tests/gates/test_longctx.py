@@ -92,8 +92,8 @@ def test_damage_beyond_a_position_fails_only_the_windows_it_reaches(base_art, ba
 
 
 def test_documents_shorter_than_the_served_context_say_how_much_is_not_evidenced(base_art, base_runner, tmp_path):
-    """Served with 2,048 tokens but the documents (cut to 700 characters here) reach about 650 tokens: the far window is not scored, and every
-    check carries a caveat saying how far the evidence goes."""
+    """Served with 2,048 tokens but the documents (cut to 700 characters here) reach about 650 tokens: the far window is
+    not scored, and every check carries a caveat saying how far the evidence goes."""
     docs = tmp_path / "docs.jsonl"
     rows = load_documents(DOCUMENTS)[:3]
     docs.write_text(
@@ -184,8 +184,8 @@ def test_a_spec_names_its_documents_relative_to_itself(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "docs.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
     body = (
-        "version: 1\nname: t\nworkdir: w\nmodel: {hf_dir: x}\ntraffic: t.jsonl\nvariants: [{name: a, scheme: awq-w4a16}]\n"
-        "registry: {model_name: m}\ngates:\n  long_context: {documents: sub/%s, max_documents: 2}\n"
+        "version: 1\nname: t\nworkdir: w\nmodel: {hf_dir: x}\ntraffic: t.jsonl\nvariants: [{name: a, scheme: "
+        "awq-w4a16}]\nregistry: {model_name: m}\ngates:\n  long_context: {documents: sub/%s, max_documents: 2}\n"
     )
     (tmp_path / "spec.yaml").write_text(body % "docs.jsonl")
     cfg = load_spec(tmp_path / "spec.yaml").gate_config().long_context

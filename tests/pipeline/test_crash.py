@@ -4,7 +4,8 @@ every re-run, the output is byte-identical to an uninterrupted run (a gate repor
 counts, and values equal to float32 reproducibility, see `_same`), no temporary directory is left, and the registry
 holds exactly one complete version.
 
-The default run tries 2 kill points per stage; `QGATE_KILL_POINTS=10 pytest tests/test_crash.py` tries 10 (about 15 min).
+The default run tries 2 kill points per stage; `QGATE_KILL_POINTS=10 pytest tests/test_crash.py` tries 10 (about 15
+min).
 """
 
 import json

@@ -250,8 +250,9 @@ def test_a_drift_check_reads_the_recent_log_twice_and_every_engine_gives_one_rep
 
 
 def test_quality_drift_when_production_points_at_a_worse_version(fresh, monkeypatch, capsys):
-    """awq passes a lenient gate and is promoted by hand; on the same traffic, the spec's real gate fails it: quality drift
-    alone, no traffic drift. A drift run then finds no recalibrated variant that passes and leaves production alone."""
+    """awq passes a lenient gate and is promoted by hand; on the same traffic, the spec's real gate fails it: quality
+    drift alone, no traffic drift. A drift run then finds no recalibrated variant that passes and leaves production
+    alone."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     root, src = fresh
     lenient = drift_spec(root, src, [AWQ], LENIENT, name="lenient.yaml")

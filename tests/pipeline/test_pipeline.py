@@ -96,8 +96,8 @@ def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch
             {
                 "variants": [{"name": "w8", "scheme": "gptq-w8a16", "engine": {"backend": "cpu"}}]
             },  # at load, not after quantizing
-            "variants[0].engine: the cpu engine takes w4a16 checkpoints (mixed with w8a16 or finer-group w4a16 layers); "
-            "scheme gptq-w8a16 makes w8a16",
+            "variants[0].engine: the cpu engine takes w4a16 checkpoints (mixed with w8a16 or finer-group w4a16 "
+            "layers); scheme gptq-w8a16 makes w8a16",
         ),
         (
             {
@@ -105,7 +105,8 @@ def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch
                     {"name": "t", "scheme": "awq-w4a16", "engine": {"backend": "trtllm", "options": {"verify": False}}}
                 ]
             },
-            "variants[0].engine: the gates cannot run trtllm engines (TensorRT-LLM (PyTorch backend) bundle for NVIDIA GPUs)",
+            "variants[0].engine: the gates cannot run trtllm engines (TensorRT-LLM (PyTorch backend) bundle for "
+            "NVIDIA GPUs)",
         ),
         ({"calibrate": {"calib_size": 1, "extra": 2}}, "calibrate.extra: unknown key"),
         ({"calibrate": {"calib_sise": 1}}, "calibrate.calib_sise: unknown key; did you mean 'calib_size'"),
@@ -245,7 +246,11 @@ def test_inconclusive_check_blocks_or_warns(base_art, awq_art, calib_arts, tmp_p
 
 
 def test_help_does_not_import_heavy_libraries():
-    code = "import sys; from qgate.cli.main import main; main(['--help']); print(sorted(m for m in ('torch','mlflow','transformers','tensorrt_llm') if m in sys.modules))"
+    heavy = ("torch", "mlflow", "transformers", "tensorrt_llm")
+    code = (
+        "import sys; from qgate.cli.main import main; main(['--help']); "
+        f"print([m for m in {heavy!r} if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("[]")
 

@@ -1,4 +1,5 @@
-"""Every quantization scheme and KV-cache option through the CLI, end to end on the tiny model: quantize, gate, register."""
+"""Every quantization scheme and KV-cache option through the CLI, end to end on the tiny model: quantize, gate,
+register."""
 
 import itertools
 import json
@@ -8,7 +9,8 @@ import pytest
 from qgate.artifact import Artifact
 from qgate.cli.main import main
 
-# The tiny model's quantized Linears: 2 layers of q (64x64), k and v (32x64), o (64x64), gate and up (128x64), down (64x128).
+# The tiny model's quantized Linears: 2 layers of q (64x64), k and v (32x64), o (64x64), gate and up (128x64), down
+# (64x128).
 PARAMS = 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 2 * 128 * 64 + 64 * 128)  # 73,728 weights
 ROWS = 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64)  # 1,024 output channels
 GROUP = 32
@@ -27,9 +29,10 @@ def setting(tmp_path_factory, calib_arts):
     d = tmp_path_factory.mktemp("every-scheme")
     spec = d / "spec.yaml"
     spec.write_text(
-        "version: 1\nname: every\nworkdir: w\nmodel: {hf_dir: x}\ntraffic: t.jsonl\nvariants: [{name: a, scheme: awq-w4a16}]\n"
-        "registry: {model_name: every}\ngates:\n"
-        "  shadow: {max_new_tokens: 4, max_prompt_tokens: 32, kl_p99_max: null, kl_mean_max: 10.0, top1_agreement_min: 0.0}\n"
+        "version: 1\nname: every\nworkdir: w\nmodel: {hf_dir: x}\ntraffic: t.jsonl\nvariants: [{name: a, scheme: "
+        "awq-w4a16}]\nregistry: {model_name: every}\ngates:\n"
+        "  shadow: {max_new_tokens: 4, max_prompt_tokens: 32, kl_p99_max: null, kl_mean_max: 10.0, "
+        "top1_agreement_min: 0.0}\n"
         "  eval: {tasks: [bigbench_general_knowledge], limit: 8, min_recovery: 0.0, max_bpb_increase: null}\n"
         "  long_context: {max_documents: 2, max_nll_increase: 10.0}\n"
     )

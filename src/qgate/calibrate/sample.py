@@ -1,6 +1,7 @@
 """Sample a calibration set and a disjoint shadow set from a traffic log of any size.
 
-    arts = sample_traffic("s3://bucket/logs/", Path("runs/calib"), SampleConfig(calib_size=256, shadow_size=64), executor="ray")
+    config = SampleConfig(calib_size=256, shadow_size=64)
+    arts = sample_traffic("s3://bucket/logs/", Path("runs/calib"), config, executor="ray")
 
 Each partition (file) is scanned once, on its own (calibrate/state.py), or in blocks by every worker when it is too
 big for its share of them (calibrate/split_scan.py): parse, scrub PII, profile, and keep per stratum (route x
@@ -190,8 +191,8 @@ def sample_traffic(
 
 
 def _scans(todo: list, config: SampleConfig, many: bool, executor: str):
-    """(state JSON, rejects) of each partition in `todo`, in order: runs of them scanned whole by the executor's workers,
-    and a partition too big for its share of the workers scanned in blocks (calibrate/split_scan.py)."""
+    """(state JSON, rejects) of each partition in `todo`, in order: runs of them scanned whole by the executor's
+    workers, and a partition too big for its share of the workers scanned in blocks (calibrate/split_scan.py)."""
     for how, idx in phases([p.size for p in todo], workers(executor)) if todo else []:
         if how == "blocks":
             yield scan_partition_split(todo[idx[0]], config, many, executor, show_progress=not many)

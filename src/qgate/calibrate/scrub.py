@@ -232,7 +232,8 @@ def _may_hold_secret(text: str) -> bool:
     return any(h in text for h in _SECRET_HINTS) or "bearer" in text.lower()
 
 
-RULES = (  # order matters: secrets and emails before digit patterns eat their parts; IBANs before cards; IPs before phones
+# order matters: secrets and emails before digit patterns eat their parts; IBANs before cards; IPs before phones
+RULES = (
     # (type, pattern, replacement, what a text must hold for the rule to match at all: DIGIT, a substring or a test)
     ("secret", _SECRET, "<SECRET>", _may_hold_secret),
     ("email", _EMAIL, "<EMAIL>", "@"),

@@ -1,8 +1,8 @@
 """Bounded, mergeable summaries of a traffic log (Apache DataSketches), picklable so partitions can be sketched
 anywhere and merged on one machine.
 
-    d = DistinctCount(); d.add(digest); d.merge(other); d.estimate()    # {"estimate", "lower", "upper", "rse"}
-    h = HeavyHitters(); h.add(words); h.top(2000)                         # [(word, count)], count error <= h.max_error()
+    d = DistinctCount(); d.add(digest); d.merge(other); d.estimate()  # {"estimate", "lower", "upper", "rse"}
+    h = HeavyHitters(); h.add(words); h.top(2000)                       # [(word, count)], error <= h.max_error()
 
 DistinctCount is an HLL sketch: registers merge by maximum, so the registers of a merged sketch equal those of one
 sketch fed everything, in any order. Estimates are always the composite estimator, which depends on the registers
@@ -95,7 +95,8 @@ class HeavyHitters:
         self.add_table(word_table(items if isinstance(items, dict) else Counter(items)))
 
     def add_table(self, table) -> None:
-        """Count the rows of a pyarrow table of (w: string, n: int64): w counted n times (calibrate.words.word_table)."""
+        """Count the rows of a pyarrow table of (w: string, n: int64): w counted n times
+        (calibrate.words.word_table)."""
         if table.num_rows == 0:
             return
         self.pending.append(table)

@@ -82,9 +82,10 @@ def _with_tail(u: dict) -> dict:
 
 
 def split_half_noise(old: dict, new: dict) -> float | None:
-    """Vocabulary noise measured, not modelled: the JS divergence between the two content-hashed halves of each profile's
-    requests, scaled from half-vs-half sizes to old-vs-new sizes (the divergence of two samples grows as 1/n1 + 1/n2),
-    the larger of the two, times 1.5 for the spread around that expectation. None when a profile has no split."""
+    """Vocabulary noise measured, not modelled: the JS divergence between the two content-hashed halves of each
+    profile's requests, scaled from half-vs-half sizes to old-vs-new sizes (the divergence of two samples grows as
+    1/n1 + 1/n2), the larger of the two, times 1.5 for the spread around that expectation. None when a profile has
+    no split."""
     n_old, n_new = int(old["requests"]), int(new["requests"])
     est = []
     for prof in (old, new):

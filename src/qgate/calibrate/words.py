@@ -1,9 +1,9 @@
 """Words as the traffic profile counts them: lowercased \\w+ runs and single other characters, model-independent.
 
-    words("Hi, there!")                      # ["hi", ",", "there", "!"]
-    counts, [bag] = batch_words(pa.array(["Hi, there!", "ok"]))   # the same over a column of ASCII texts, at once
-    counts, bags = text_words(texts, weights)                       # any text; bag j counts text i weights[i, j] times
-    bag_counter(bag)                                                # Counter({"hi": 1, ",": 1, ...}): a bag is (w, n) rows
+    words("Hi, there!")                                          # ["hi", ",", "there", "!"]
+    counts, [bag] = batch_words(pa.array(["Hi, there!", "ok"]))  # the same over a column of ASCII texts, at once
+    counts, bags = text_words(texts, weights)                    # any text; bag j counts text i weights[i, j] times
+    bag_counter(bag)                                             # Counter({"hi": 1, ",": 1, ...}): bag rows are (w, n)
 
 `words` is the definition; `batch_words` (ASCII, over pyarrow buffers) and `text_words` (any text, over code points)
 give exactly its counts and bags of words (the tests hold them equal on hostile text), tens of times faster per

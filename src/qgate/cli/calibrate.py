@@ -47,8 +47,7 @@ def sample_cmd(
         Path | None,
         typer.Option(
             help="Keep each partition's scan here; a later run reuses the scans of "
-            "partitions unchanged since (same size and modification time) and "
-            "removes the ones it did not use."
+            "partitions unchanged since (same size and modification time) and removes the ones it did not use."
         ),
     ] = None,
 ) -> None:
@@ -98,8 +97,7 @@ def _summary(arts: dict, rejects: Path) -> list[str]:
             ""
             if unique["exact"]
             else f", an HLL estimate ({unique['lower']:,.0f}-{unique['upper']:,.0f} at 2 "
-            f"standard deviations); {len(est['strata_estimated'])} strata counted by "
-            "their sketches"
+            f"standard deviations); {len(est['strata_estimated'])} strata counted by their sketches"
         ),
     ]
     width = max(len(str(a.path)) for a in arts.values())
@@ -139,7 +137,8 @@ def drift_cmd(
     rows = traffic_drift(a, b, DriftConfig())
     for r in rows:
         typer.echo(
-            f"{r['facet']:10s} JS {r['js']:.4f}  limit {r['threshold']:g}  noise p99 {r['noise_p99']:.4f}  {r['verdict'].upper()}"
+            f"{r['facet']:10s} JS {r['js']:.4f}  limit {r['threshold']:g}  noise p99 {r['noise_p99']:.4f}  "
+            f"{r['verdict'].upper()}"
         )
     if any(r["verdict"] == "drift" for r in rows):
         raise typer.Exit(EXIT_DRIFT)

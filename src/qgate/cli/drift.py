@@ -82,7 +82,8 @@ def run_cmd(
     wait: Annotated[float, typer.Option(help="Seconds to wait for another drift run on this model to finish.")] = 0.0,
     executor: Executor = "serial",
 ) -> None:
-    """The scheduled job: check; on drift recalibrate, gate and register every variant, then promote per drift.auto_promote."""
+    """The scheduled job: check; on drift recalibrate, gate and register every variant, then promote per
+    drift.auto_promote."""
     from qgate.pipeline.drift_jobs import drift_run
 
     s = _load(spec)
@@ -96,7 +97,8 @@ def run_cmd(
     if result["action"] == "promoted":
         p = result["promoted"]
         _out(
-            f"promoted {p['variant']} as {p['model']} v{p['version']} @{p['alias']} (previous-production: v{p['previous']})"
+            f"promoted {p['variant']} as {p['model']} v{p['version']} @{p['alias']} (previous-production: "
+            f"v{p['previous']})"
         )
     elif result["action"] == "registered":
         c = result["candidate"]

@@ -137,7 +137,8 @@ def rollback_cmd(
     o = Output(json_out)
     info = rollback(model, store)
     o.say(
-        f"rolled back {model}@production -> v{info['version']} (previous-production -> v{info['previous']})  [{info['tracking_uri']}]"
+        f"rolled back {model}@production -> v{info['version']} (previous-production -> v{info['previous']})  "
+        f"[{info['tracking_uri']}]"
     )
     step_summary(f"qgate rolled back `{model}` @production to v{info['version']}")
     o.emit(promote_doc(info))

@@ -125,7 +125,8 @@ def _print_table(spec, o: Output) -> None:
         return
     typer_echo = o.say
     typer_echo(
-        f"{'variant':22s} {'verdict':12s} {'KL p99':>9s} {'top-1':>7s} {'weights MB':>10s} {'bits/w':>6s} {'version':>8s}  report"
+        f"{'variant':22s} {'verdict':12s} {'KL p99':>9s} {'top-1':>7s} {'weights MB':>10s} {'bits/w':>6s} "
+        f"{'version':>8s}  report"
     )
     for v in summary["variants"]:
         kl, top1 = v.get("kl_p99"), v.get("top1_agreement")

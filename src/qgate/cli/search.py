@@ -56,8 +56,8 @@ def search_cmd(
         + (", ".join(f"{f['layer']} ({f.get('to', 'fallback')})" for f in res["fallback"]) or "none")
     )
     typer.echo(
-        f"{res['points_tried']} points, {res['gate_runs']} gated in this run, {res['seconds']}s; checkpoint {art.path}; "
-        f"plot {art.path / 'qgate-search.png'}"
+        f"{res['points_tried']} points, {res['gate_runs']} gated in this run, {res['seconds']}s; checkpoint "
+        f"{art.path}; plot {art.path / 'qgate-search.png'}"
     )
     if not res["found"]:
         raise GateFailed(

@@ -2,9 +2,9 @@
 
     art = build_cpu(checkpoint_art, CpuEngineConfig(), out=Path("runs/awq-cpu"))
 
-The compressed-tensors checkpoint is repacked into the AutoAWQ layout (no re-quantization)
-and handed to onnxruntime-genai's model builder. lm_head stays full precision unless
-`lm_head: int8|int4` asks the builder to quantize it (the gate decides whether that is acceptable). The builder's console output goes to build.log beside the engine.
+The compressed-tensors checkpoint is repacked into the AutoAWQ layout (no re-quantization) and handed to
+onnxruntime-genai's model builder. lm_head stays full precision unless `lm_head: int8|int4` asks the builder to quantize
+it (the gate decides whether that is acceptable). The builder's console output goes to build.log beside the engine.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def cannot_hold(ckpt: Artifact) -> str | None:
     fmt = ckpt.meta.get("weight_format")
     if fmt and "+" in fmt and not _supported(fmt):
         return (
-            f"its layout is {fmt} ({len(ckpt.meta.get('fallback_layers', []))} layers fall back) and onnxruntime-genai's "
-            "builder takes only 4- and 8-bit integer layers"
+            f"its layout is {fmt} ({len(ckpt.meta.get('fallback_layers', []))} layers fall back) and "
+            "onnxruntime-genai's builder takes only 4- and 8-bit integer layers"
         )
     return None
 
@@ -98,8 +98,8 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
         raise ConfigError(
             f"{ckpt.path}: the CPU engine takes W4A16 checkpoints (with W8A16 or finer-group W4A16 layers); "
             f"this one is {fmt or 'unquantized'}",
-            hint="FP8, W8A16, unquantized-fallback and baseline checkpoints run on the PyTorch reference path: pass the "
-            "checkpoint to `qgate gate` directly",
+            hint="FP8, W8A16, unquantized-fallback and baseline checkpoints run on the PyTorch reference path: pass "
+            "the checkpoint to `qgate gate` directly",
         )
     cfg = json.loads((ckpt.path / "config.json").read_text())
     state: dict = {}

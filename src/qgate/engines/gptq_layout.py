@@ -75,8 +75,8 @@ def layer_bits(state: dict, prefix: str) -> int:
     bits = 32 * cols // i
     if bits not in (4, 8) or cols * (32 // bits) != i:
         raise ConfigError(
-            f"{prefix}: cannot infer a 4- or 8-bit packing from weight_packed {tuple(state[f'{prefix}.weight_packed'].shape)} "
-            f"for a [{o}, {i}] weight"
+            f"{prefix}: cannot infer a 4- or 8-bit packing from weight_packed "
+            f"{tuple(state[f'{prefix}.weight_packed'].shape)} for a [{o}, {i}] weight"
         )
     return bits
 

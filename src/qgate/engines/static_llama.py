@@ -1,4 +1,5 @@
-"""A Llama decoder for serving: int4 or dense Linears, a static KV cache, and a decode step that CUDA graphs can capture.
+"""A Llama decoder for serving: int4 or dense Linears, a static KV cache, and a decode step that CUDA graphs can
+capture.
 
     model = StaticLlama(config, tensors, dtype=torch.bfloat16, device=torch.device("cuda"))
     model.setup_cache(batch=8, length=2048)

@@ -64,9 +64,11 @@ def build_trtllm(ckpt: Artifact, config: TrtllmConfig, out: Path, profile: Artif
     shutil.copytree(ckpt.path, out / "checkpoint", ignore=shutil.ignore_patterns("qgate-artifact.json"))
     (out / "llm_api_options.yaml").write_text(yaml.safe_dump(options, sort_keys=False))
     (out / "SERVE.md").write_text(
-        "# Serve this bundle\n\n```\ntrtllm-serve checkpoint --backend pytorch --extra_llm_api_options llm_api_options.yaml\n```\n\n"
+        "# Serve this bundle\n\n```\ntrtllm-serve checkpoint --backend pytorch --extra_llm_api_options "
+        "llm_api_options.yaml\n```\n\n"
         f"CUDA-graph batch sizes {options['cuda_graph_config']['batch_sizes']} come from observed concurrency "
-        f"({concurrency.get('method')}: p50={concurrency.get('p50')}, p90={concurrency.get('p90')}, p99={concurrency.get('p99')}).\n"
+        f"({concurrency.get('method')}: p50={concurrency.get('p50')}, p90={concurrency.get('p90')}, "
+        f"p99={concurrency.get('p99')}).\n"
     )
     meta = ckpt.meta | {
         "backend": "trtllm",

@@ -1,6 +1,7 @@
 """Serving-contract gate: the candidate must be served exactly like the baseline, apart from its weights.
 
-    results = contract_gate(candidate_art, baseline_art, shadow_rows, ContractConfig(allow=("generation_config.temperature",)))
+    config = ContractConfig(allow=("generation_config.temperature",))
+    results = contract_gate(candidate_art, baseline_art, shadow_rows, config)
 
 Deny by default. Every key of every file a server reads to configure the model and its tokenizer is compared, nested
 keys and list items included: config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
@@ -9,9 +10,10 @@ actually served with (a checkpoint's own directory; for the CPU engine its onnx/
 config.json of the checkpoint it was built from; the checkpoint inside a TRT-LLM bundle). A difference fails unless
 quantization is allowed to change that key (ALLOWED, one reason each) or `gates.contract.allow` names it. Keys are
 `facet.path`: config.json's context keys (rope, positions, windows) are `context_length.*`, its other keys
-`architecture.*`; generation_config.json's `generation_config.*`; tokenizer.json's `tokenizer.*`, tokenizer_config.json's
-`tokenizer.config.*`, the other tokenizer files' `tokenizer.<file stem>.*`. Each facet is one check, whose observed
-value is the number of differences refused (which must be 0) and whose n is the number of keys compared:
+`architecture.*`; generation_config.json's `generation_config.*`; tokenizer.json's `tokenizer.*`,
+tokenizer_config.json's `tokenizer.config.*`, the other tokenizer files' `tokenizer.<file stem>.*`. Each facet is one
+check, whose observed value is the number of differences refused (which must be 0) and whose n is the number of keys
+compared:
   tokenizer          the tokenizer files above, and the loaded tokenizer's vocabulary and special tokens
   chat_template      the template text the loaded tokenizer renders with (chat_template.jinja or inline)
   generation_config  generation_config.json (the CPU engine: genai_config.json's ids and search settings)
@@ -41,7 +43,10 @@ SHOW = 5  # differences listed one by one under one parent key; more are summari
 
 _NAMES = "where the model was loaded from or what it was called: a name, not behaviour"
 _VERSION = "the version of the library that wrote the file"
-_DTYPE = "the dtype unquantized tensors are stored in: a numeric change, which the shadow, eval and long-context gates measure"
+_DTYPE = (
+    "the dtype unquantized tensors are stored in: a numeric change, which the shadow, eval and long-context gates "
+    "measure"
+)
 _LOADING = "how Transformers read the files when it saved them (its loading arguments), not how text is tokenized"
 # Keys quantization is allowed to change, each with its reason. Everything else must be equal.
 ALLOWED: dict[str, str] = {
@@ -127,7 +132,8 @@ def _matches(key: str, prefixes) -> str | None:
 
 
 def served_files(art: Artifact) -> tuple[Path, dict | None]:
-    """The directory holding the tokenizer and config the candidate is served with, and its genai_config (CPU engine)."""
+    """The directory holding the tokenizer and config the candidate is served with, and its genai_config (CPU
+    engine)."""
     if art.kind == "engine" and art.meta.get("backend") == "cpu":
         from qgate.engines.cpu import ENGINE_SUBDIR
 
@@ -504,4 +510,5 @@ def describe(diff: dict) -> str:
     if "why" in diff and "baseline" not in diff:  # an allowed key
         return f"{diff['file']}: {diff['key']}: {diff['why']}"
     count = f" ({diff['count']} differences; the first {SHOW})" if diff.get("count", 0) > SHOW else ""
-    return f"{diff['file']}: {diff['key']}{count}: baseline {_short(diff['baseline'])} != candidate {_short(diff['candidate'])}"
+    sides = f"baseline {_short(diff['baseline'])} != candidate {_short(diff['candidate'])}"
+    return f"{diff['file']}: {diff['key']}{count}: {sides}"

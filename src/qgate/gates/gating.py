@@ -196,7 +196,8 @@ def baseline_floor(
     baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_dir: Path, runner=None
 ) -> tuple[dict, dict, bool]:
     """The baseline's shadow reference and noise floor (both cached), after checking the thresholds against the floor:
-    ConfigError if a threshold is tighter than the baseline itself can meet. Returns (reference, floor, reference cached)."""
+    ConfigError if a threshold is tighter than the baseline itself can meet. Returns (reference, floor, reference
+    cached)."""
     runner = runner or _LazyRunner(baseline, cfg.device, cfg.dtype)
     cache_dir = runner.cache(cache_dir)
     ref, hit = baseline_reference(runner, baseline, shadow, cfg.shadow, cache_dir)
@@ -206,8 +207,9 @@ def baseline_floor(
 
 
 def warm_baseline(baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_dir: Path) -> dict:
-    """Every baseline cache the gates read (shadow reference, noise floor, long-context reference, eval scores), computed once before variants
-    fan out, so parallel gates share them instead of each computing its own. Returns the noise floor."""
+    """Every baseline cache the gates read (shadow reference, noise floor, long-context reference, eval scores),
+    computed once before variants fan out, so parallel gates share them instead of each computing its own. Returns the
+    noise floor."""
     runner = _LazyRunner(baseline, cfg.device, cfg.dtype)
     _, floor, _ = baseline_floor(baseline, shadow, cfg, Path(cache_dir), runner)
     if cfg.long_context is not None:

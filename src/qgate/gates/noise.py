@@ -3,11 +3,12 @@
     floor = noise_floor(baseline_runner_factory, baseline, shadow, ref, ShadowConfig(), cache_dir)
     check_thresholds(ShadowConfig(kl_p99_max=1e-9), floor)     # ConfigError: tighter than the floor supports
 
-The reference comes from generation (one left-padded prefill per batch of prompts, then KV-cached decode steps);
-the second path is the gate's own: the baseline scored teacher-forced on the same tokens exactly as a candidate is
+The reference comes from generation (one left-padded prefill per batch of prompts, then KV-cached decode steps); the
+second path is the gate's own: the baseline scored teacher-forced on the same tokens exactly as a candidate is
 (length-sorted batches, full sequences). What differs is other GEMM shapes, padding, cache reuse and reduction order.
-Its time is the baseline's teacher-forced scoring time, which the perf check compares candidates with. What differs between the two is numerical noise, not
-quantization: a threshold the baseline itself cannot meet against this floor would fail every candidate.
+Its time is the baseline's teacher-forced scoring time, which the perf check compares candidates with. What differs
+between the two is numerical noise, not quantization: a threshold the baseline itself cannot meet against this floor
+would fail every candidate.
 """
 
 from __future__ import annotations

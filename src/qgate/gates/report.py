@@ -81,7 +81,8 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
             better = "higher" if rows[0]["higher_is_better"] else "lower"
             ax.set_title(f"{kind} ({better} is better)", fontsize=10)
         fig.suptitle(
-            "Change vs baseline: 95% CI, black bar = threshold; green pass, red fail, orange inconclusive, grey report-only",
+            "Change vs baseline: 95% CI, black bar = threshold; green pass, red fail, orange inconclusive, grey "
+            "report-only",
             fontsize=10,
         )
         fig.tight_layout()
@@ -216,8 +217,8 @@ def _scored(report: dict) -> str:
     if not s:
         return ""
     return (
-        f"<h2>What the shadow gate scored</h2><p>{s['prompts']} shadow prompts, {s['total_positions']} token positions: "
-        f"{s['answer_positions']} answer, {s['traffic_prompt_positions']} traffic prompt, "
+        f"<h2>What the shadow gate scored</h2><p>{s['prompts']} shadow prompts, {s['total_positions']} token "
+        f"positions: {s['answer_positions']} answer, {s['traffic_prompt_positions']} traffic prompt, "
         f"{s['template_positions_excluded']} chat-template (excluded: identical across prompts), "
         f"{s['repeated_prefix_excluded']} repeating an earlier prompt's prefix (excluded). "
         f"Gated on <b>{html.escape(s['positions'])}</b> positions: {s['gated_positions']} scored, "
@@ -285,7 +286,8 @@ def _search(report: dict) -> str:
         f"{s['seconds']}s. Chosen: k={s['chosen_k']}, {html.escape(search_layout(s))}, "
         f"{s['bits_per_weight']:.2f} bits per weight; {found}. {selection}{built}</p>{img}"
         f"<table><tr><th>k</th><th>shadow verdict</th><th>bits/weight</th><th>weights bytes</th><th>KL p99</th>"
-        f"<th>top-1</th></tr>{pts}</table><h3>Layers moved</h3><table><tr><th></th><th>layer</th><th>to</th><th>params</th>"
+        f"<th>top-1</th></tr>{pts}</table>"
+        "<h3>Layers moved</h3><table><tr><th></th><th>layer</th><th>to</th><th>params</th>"
         f"<th>est. KL (nats/token)</th><th>KL per M params</th><th>KL rank</th></tr>{rows}</table>"
     )
 
@@ -313,22 +315,23 @@ def write_report(out: Path, report: dict, shadow_metrics: dict | None) -> None:
 {_VERDICT_CSS} img{{max-width:100%;margin:1em 0}}
 h1 span{{color:{COLORS[report["verdict"]]}}} dt{{font-weight:bold;margin-top:.4em}}</style>
 <h1>Gate <span>{verdict}</span>: {html.escape(title)} vs {html.escape(report["baseline"]["name"])}</h1>
-<p>Each check follows one rule, named in its <i>decided on</i> column. <b>ci</b>: <b>PASS</b> when its 95% confidence
-interval lies wholly on the good side of the threshold, <b>FAIL</b> when wholly on the bad side, <b>INCONCLUSIVE</b> when it
-straddles it (on_inconclusive: {html.escape(report.get("on_inconclusive", "block"))}). <b>point</b>: no interval (a count,
-a p-value, an infinite value), the observed value against the threshold. <b>holm-guard</b>: a per-task guard under a pooled
-check, FAIL when its Holm-adjusted interval lies wholly below the same margin, otherwise reported. <b>INFO</b> rows are
-reported, not gated.</p>
-<table><tr><th></th><th>gate</th><th>metric</th><th>observed</th><th>95% CI</th><th>threshold</th><th>decided on</th><th>n</th>
-<th>mde</th><th>p</th><th>note</th></tr>{rows}</table>
+<p>Each check follows one rule, named in its <i>decided on</i> column. <b>ci</b>: <b>PASS</b> when its 95%
+confidence interval lies wholly on the good side of the threshold, <b>FAIL</b> when wholly on the bad side,
+<b>INCONCLUSIVE</b> when it straddles it (on_inconclusive: {html.escape(report.get("on_inconclusive", "block"))}).
+<b>point</b>: no interval (a count, a p-value, an infinite value), the observed value against the threshold.
+<b>holm-guard</b>: a per-task guard under a pooled check, FAIL when its Holm-adjusted interval lies wholly below the
+same margin, otherwise reported. <b>INFO</b> rows are reported, not gated.</p>
+<table><tr><th></th><th>gate</th><th>metric</th><th>observed</th><th>95% CI</th><th>threshold</th><th>decided on</th>
+<th>n</th><th>mde</th><th>p</th><th>note</th></tr>{rows}</table>
 <dl><dt>n</dt><dd>Shadow checks: token positions scored. Their CIs resample whole prompts (tokens of one prompt are not
 independent), so the evidence is closer to the number of prompts than to n; quantiles use a clustered order-statistic
-interval, unbounded (inf) when the sample is too small to bound them. Eval checks: items (documents for perplexity).</dd>
+interval, unbounded (inf) when the sample is too small to bound them. Eval checks: items (documents for
+perplexity).</dd>
 <dt>mde</dt><dd>Minimum detectable effect: the true distance from the observed value that this n detects with 80% power
 at the 95% level (from the CI's width).</dd>
-<dt>p</dt><dd>Multiple-choice recovery: the exact two-sided McNemar p-value on the items that flipped (reported; it decides
-only the <code>no_significant_loss</code> rows, when <code>gates.eval.significant_loss_alpha</code> is set). Task guards:
-the Holm-adjusted p-value of a loss beyond the margin.</dd></dl>
+<dt>p</dt><dd>Multiple-choice recovery: the exact two-sided McNemar p-value on the items that flipped (reported; it
+decides only the <code>no_significant_loss</code> rows, when <code>gates.eval.significant_loss_alpha</code> is set).
+Task guards: the Holm-adjusted p-value of a loss beyond the margin.</dd></dl>
 {"".join(f"<p class=inconclusive><b>Note:</b> {html.escape(n)}</p>" for n in report.get("notes", []))}
 {_contract(report)}
 {_context(report)}

@@ -1,4 +1,5 @@
-"""Paired statistics for gates: cluster bootstrap, clustered quantile intervals, exact McNemar, paired accuracy differences.
+"""Paired statistics for gates: cluster bootstrap, clustered quantile intervals, exact McNemar, paired accuracy
+differences.
 
 lo, hi = cluster_bootstrap(values, clusters, np.mean)
 lo, hi, ev = quantile_ci(values, clusters, 0.99)      # hi is inf when the sample cannot bound the tail

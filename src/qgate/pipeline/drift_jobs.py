@@ -1,10 +1,11 @@
 """The scheduled drift job: is production still fit for today's traffic? If not, recalibrate, gate, register, promote.
 
-    report = drift_check(spec, "logs/2026-11-21/")   # report["verdict"]: "drift" | "no-drift"; files under <workdir>/drift/<id>/
-    result = drift_run(spec, "logs/2026-11-21/")     # the check, then on drift: every variant recalibrated on the recent traffic
+    report = drift_check(spec, "logs/2026-11-21/")  # report["verdict"]: "drift" | "no-drift"; files in <workdir>/drift/
+    result = drift_run(spec, "logs/2026-11-21/")    # the check, then on drift: every variant recalibrated on it
 
 Two kinds of drift, reported side by side:
-- traffic drift: the recent traffic's profile against the profile production was calibrated on (stored with its version);
+- traffic drift: the recent traffic's profile against the profile production was calibrated on (stored with its
+  version);
 - quality drift: production re-gated against the baseline, with the same shadow gate, on a fresh shadow sample of the
   recent traffic. An inconclusive quality check counts as drift under `gates.on_inconclusive: block`.
 Every step is a ledger stage or an idempotent registry call, so a killed job re-run finishes without duplicate versions.
@@ -58,8 +59,8 @@ def drift_check(
     wait: float = 0.0,
     executor: str = "serial",
 ) -> dict:
-    """Traffic and quality drift of production on `recent`; under the model's drift lock (a running drift job refuses it).
-    executor: how the recent traffic's partitions are hashed and scanned (execute.py)."""
+    """Traffic and quality drift of production on `recent`; under the model's drift lock (a running drift job refuses
+    it). executor: how the recent traffic's partitions are hashed and scanned (execute.py)."""
     from qgate.locks import job_lock, workdir_lock
 
     sha, parts = _traffic(spec, recent, executor)
@@ -102,8 +103,8 @@ def _check(
     rows = traffic_drift(prod["profile"], new, cfg)
     for row in rows:
         echo(
-            f"  traffic {row['facet']:10s} JS {row['js']:.4f}  limit {row['threshold']:g}  noise p99 {row['noise_p99']:.4f}  "
-            f"{row['verdict'].upper()}" + (f" ({row['note']})" if row.get("note") else "")
+            f"  traffic {row['facet']:10s} JS {row['js']:.4f}  limit {row['threshold']:g}  noise p99 "
+            f"{row['noise_p99']:.4f}  {row['verdict'].upper()}" + (f" ({row['note']})" if row.get("note") else "")
         )
     reasons = [f"{x['facet']} moved (JS {x['js']:.3f} > {x['threshold']:g})" for x in rows if x["verdict"] == "drift"]
     quality = None
@@ -117,8 +118,8 @@ def _check(
                 then = prod["gated"].get(x["metric"])
                 ci = f" [{x['ci'][0]:.4g}, {x['ci'][1]:.4g}]" if x["ci"] else ""  # defined_logits has none
                 echo(
-                    f"  quality {x['metric']:16s} when gated {then if then is None else f'{then:.4g}'}  recent {x['observed']:.4g}"
-                    f"{ci}  threshold {x['threshold']:g}  {x['verdict'].upper()}"
+                    f"  quality {x['metric']:16s} when gated {then if then is None else f'{then:.4g}'}  recent "
+                    f"{x['observed']:.4g}{ci}  threshold {x['threshold']:g}  {x['verdict'].upper()}"
                 )
         for c in caveats(quality["results"]):
             echo(f"  quality caveat: {c}")
@@ -194,9 +195,9 @@ def drift_run(
     wait: float = 0.0,
     executor: str = "serial",
 ) -> dict:
-    """Check; on drift, recalibrate production's recipe and every spec variant on the recent traffic, gate and register them,
-    then promote the best passing one (drift.auto_promote) or leave that to a person. Raises PromotionRefused when none passes.
-    executor: how the recent traffic's partitions are hashed and scanned (execute.py)."""
+    """Check; on drift, recalibrate production's recipe and every spec variant on the recent traffic, gate and register
+    them, then promote the best passing one (drift.auto_promote) or leave that to a person. Raises PromotionRefused when
+    none passes. executor: how the recent traffic's partitions are hashed and scanned (execute.py)."""
     from qgate.locks import job_lock, workdir_lock
     from qgate.registry.mlflow_store import promote
 
@@ -241,9 +242,10 @@ def drift_run(
         chosen = best_passing(spec, chains)
         if chosen is None:
             (r.workdir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+            verdicts = ", ".join(f"{c.variant.name} {g.verdict.upper()}" for c, g in zip(chains, reports, strict=True))
             raise PromotionRefused(
                 f"drift found ({'; '.join(report['reasons'])}) and no recalibrated variant passed its gates "
-                f"({', '.join(c.variant.name + ' ' + g.verdict.upper() for c, g in zip(chains, reports, strict=True))}); "
+                f"({verdicts}); "
                 f"production stays at v{prod['version']}",
                 hint=f"see the reports under {r.workdir / 'variants'}",
             )

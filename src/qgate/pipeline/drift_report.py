@@ -86,8 +86,9 @@ def _quality(q: dict | None) -> str:
         )
     return (
         f"<h2>Quality drift: <span style='color:{_VCOLOR[q['verdict']]}'>{q['verdict'].upper()}</span></h2>"
-        f"<p>Production re-gated against the baseline with the same shadow gate, on {q['scoring']['prompts']} fresh shadow "
-        f"prompts from the recent traffic ({q['scoring']['gated_positions']} gated positions).{_cut(q['scoring'])}</p>"
+        f"<p>Production re-gated against the baseline with the same shadow gate, on {q['scoring']['prompts']} fresh "
+        f"shadow prompts from the recent traffic ({q['scoring']['gated_positions']} gated positions)."
+        f"{_cut(q['scoring'])}</p>"
         "<table><tr><th></th><th>check</th><th>when gated</th><th>recent traffic</th><th>95% CI</th><th>threshold</th>"
         f"<th>n</th></tr>{''.join(rows)}</table>"
     )
@@ -109,13 +110,15 @@ def write_drift_report(out: Path, report: dict, old: dict, new: dict) -> None:
 <style>body{{font:14px system-ui;margin:2em;max-width:1200px}} td,th{{padding:3px 8px;border-bottom:1px solid #ddd}}
 {css} img{{max-width:100%;margin:1em 0}}</style>
 <h1>Drift check: <span style="color:{_VCOLOR[verdict]}">{verdict.upper()}</span></h1>
-<p>{html.escape(report["model"])} v{prod["version"]} ({html.escape(str(prod["variant"]))}) @{html.escape(report["alias"])}, calibrated on
-{prod["calibrated_requests"]} requests, checked against {report["recent"]["requests"]} recent requests from
+<p>{html.escape(report["model"])} v{prod["version"]} ({html.escape(str(prod["variant"]))})
+@{html.escape(report["alias"])}, calibrated on {prod["calibrated_requests"]} requests, checked against
+{report["recent"]["requests"]} recent requests from
 <code>{html.escape(report["recent"]["source"])}</code> at {html.escape(report["checked_at"])}.</p>
 <h2>Traffic drift</h2>
 <p>Jensen-Shannon divergence (bits) per facet. A facet drifts when it is above its limit and above the divergence two
 samples of the same traffic show at these sizes (noise p99); above the limit but within the noise is INCONCLUSIVE.</p>
-<table><tr><th></th><th>facet</th><th>JS</th><th>limit</th><th>noise p99</th><th>n calibrated</th><th>n recent</th><th>note</th></tr>{rows}</table>
+<table><tr><th></th><th>facet</th><th>JS</th><th>limit</th><th>noise p99</th><th>n calibrated</th><th>n recent</th>
+<th>note</th></tr>{rows}</table>
 <img alt="facets" src="data:image/png;base64,{_facet_plot(report, old, new)}">
 {_quality(report["quality"])}
 <p>Why: {html.escape("; ".join(report["reasons"]) or "nothing moved beyond its limit")}</p>""")

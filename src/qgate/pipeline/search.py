@@ -150,7 +150,8 @@ def search_checkpoint(
         points.append(point)
         echo(
             f"    k={k:>3} moves: {point['verdict'].upper():12s} KL p99 {point['kl_p99']:.4g}  top-1 "
-            f"{point['top1']:.4f}  {point['bits_per_weight']:.2f} bits/weight{' (cached)' if point.get('cached') else ''}"
+            f"{point['top1']:.4f}  {point['bits_per_weight']:.2f} "
+            f"bits/weight{' (cached)' if point.get('cached') else ''}"
         )
         _prune(kept, points)
     passing = [p for p in points if p["verdict"] == "pass"]

@@ -203,7 +203,8 @@ def search_config(v: VariantSpec, where: str = "search"):
         if name is None or not BACKENDS.get(name).int8_head:
             serve = [b for b in BACKENDS.names() if BACKENDS.get(b).int8_head]
             raise ConfigError(
-                f"{where}.lm_head: variant {v.name} is served by {f'the {name} engine' if name else 'the reference path'}"
+                f"{where}.lm_head: variant {v.name} is served by "
+                f"{f'the {name} engine' if name else 'the reference path'}"
                 ", which computes a W8A16 head in full precision: quantizing it would cost accuracy and save nothing",
                 hint=f"drop search.lm_head, or serve the variant with engine backend {' or '.join(serve)}",
             )

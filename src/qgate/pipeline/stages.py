@@ -117,7 +117,8 @@ def calibrate_stage(
 
 
 def checkpoint_stage(led: Ledger, spec: PipelineSpec, v: VariantSpec, chain: Chain) -> Chain:
-    """The variant's checkpoint: quantized by its scheme, or, with `search:`, the smallest searched point that passed."""
+    """The variant's checkpoint: quantized by its scheme, or, with `search:`, the smallest searched point that
+    passed."""
     if v.search is not None:
         return replace(chain, checkpoint=search_stage(led, spec, v, chain.base, chain.cal, chain.cache_dir))
     from qgate.quantize.compress import CalibOptions, quantize

@@ -113,7 +113,8 @@ class _GroupWise:
             ok = [g for g in (32, 64, 128, 256) if all(w % g == 0 for w in widths)]
             raise ConfigError(
                 f"group_size={self.group_size} does not divide the input width of {len(bad)} layers, e.g. {bad[0]}",
-                hint=f"use a group_size dividing all widths {sorted(widths)}: {ok or 'none of 32..256; add the layers to ignore'}",
+                hint=f"use a group_size dividing all widths {sorted(widths)}: "
+                f"{ok or 'none of 32..256; add the layers to ignore'}",
             )
 
     def groups(

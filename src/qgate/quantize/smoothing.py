@@ -93,6 +93,7 @@ def cached_smoothing(
         return art
     art = build_atomically(path, lambda tmp: smooth_awq(base, calib, scheme, opts, tmp))
     echo(
-        f"    AWQ smoothing: computed once, {art.meta['smoothing_seconds']}s; this scheme's checkpoints are round-to-nearest on it"
+        f"    AWQ smoothing: computed once, {art.meta['smoothing_seconds']}s; this scheme's checkpoints are "
+        "round-to-nearest on it"
     )
     return art

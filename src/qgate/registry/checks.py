@@ -22,8 +22,10 @@ def check_version(mv) -> str:
     name, version, tags = mv.name, mv.version, mv.tags
     if tags.get("qgate.gate_passed") != "true":
         raise PromotionRefused(
-            f"{name} v{version}: gate did not pass (failed: {tags.get('qgate.gate_failed_checks', 'no qgate gate evidence')})",
-            hint=f"see {tags.get('qgate.gate_report_artifact', 'its gate report')}; only a version whose gate passed may serve",
+            f"{name} v{version}: gate did not pass (failed: "
+            f"{tags.get('qgate.gate_failed_checks', 'no qgate gate evidence')})",
+            hint=f"see {tags.get('qgate.gate_report_artifact', 'its gate report')}; only a version whose gate passed "
+            "may serve",
         )
     expected = tags.get("qgate.artifact_sha256")
     with tempfile.TemporaryDirectory() as tmp:

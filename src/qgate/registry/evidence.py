@@ -1,7 +1,7 @@
 """What a drift job needs from the registry, and what it leaves there.
 
     prod = production_evidence("smollm2-135m", "production", store, dest=Path("drift/production"))
-    prod["artifact"], prod["profile"], prod["recipe"], prod["gated"]   # verified files, calibration profile, recipe, gate numbers
+    prod["artifact"], prod["profile"], prod["recipe"], prod["gated"]  # verified files and profile, recipe, gate numbers
     record_drift("smollm2-135m", prod["version"], Path("drift/report"), "drift", store)
 
 Everything downloaded is checked against the sha256 tags set at registration before it is used.
@@ -42,7 +42,8 @@ def _download(uri: str, dest: Path, expected: str | None, what: str) -> Path:
 
 
 def production_evidence(model_name: str, alias: str, store: Path | None, dest: Path) -> dict:
-    """The version `alias` points at: its files (verified), its calibration profile (verified), recipe and gate numbers."""
+    """The version `alias` points at: its files (verified), its calibration profile (verified), recipe and gate
+    numbers."""
     _, client = _client(store, create=False)
     mv = _version(client, model_name, None, alias, store)
     tags = mv.tags

@@ -307,12 +307,14 @@ def _one_version(client, model_name, gate, candidate, profile, experiment_id, le
     return found[0] if found else None
 
 
-MODEL_DESCRIPTION = """Quantized variants gated by **qgate** against the baseline on held-out production traffic and offline evals.
+MODEL_DESCRIPTION = """Quantized variants gated by **qgate** against the baseline on held-out production traffic and
+offline evals.
 
-- Every version's description holds its gate verdict, each check (observed, 95% CI, threshold, decision) and its lineage;
-  the full report is the gate run's `gate-report/report.html` artifact.
-- `@production` is moved only by `qgate promote` / `qgate drift run` / `qgate rollback`, which refuse a version whose gate
-  did not pass or whose stored files no longer match their gated sha256; `@previous-production` is the rollback target.
+- Every version's description holds its gate verdict, each check (observed, 95% CI, threshold, decision) and its
+  lineage; the full report is the gate run's `gate-report/report.html` artifact.
+- `@production` is moved only by `qgate promote` / `qgate drift run` / `qgate rollback`, which refuse a version whose
+  gate did not pass or whose stored files no longer match their gated sha256; `@previous-production` is the rollback
+  target.
 - Filter versions by the tags `qgate.gate_verdict`, `qgate.scheme`, `qgate.backend`, `qgate.kv_cache_dtype`,
   `qgate.base_model_sha256`, `qgate.calibration_sha256`; `qgate.drift.verdict` holds the last drift check.
 """
