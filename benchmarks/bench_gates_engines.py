@@ -234,9 +234,8 @@ def main() -> None:
         for r in d["engines"]:
             print(
                 f"   {r['lm_head']:7s}  {r['accuracy_level']:9d} {r['threads']:7d}  {r['engine_mb']:9.1f}  "
-                f"{r['tok_s_b1']:9.1f}  "
-                f"{r['speedup_b1']:5.2f}x  {r['tok_s_b8']:9.1f}  {r['speedup_b8']:5.2f}x  {r['kl_p99']:18.4f}  "
-                f"{r['top1']:.3f}  {r['verdict']}"
+                f"{r['tok_s_b1']:9.1f}  {r['speedup_b1']:5.2f}x  {r['tok_s_b8']:9.1f}  {r['speedup_b8']:5.2f}x  "
+                f"{r['kl_p99']:18.4f}  {r['top1']:.3f}  {r['verdict']}"
             )
     if e:
         print("4. eval scoring (the demo's tasks):")

@@ -223,9 +223,9 @@ def main() -> None:
                 cached = measure("cached", logs, tmp / "out-cached")
                 print(
                     f"  {n:>9,} records with a scan cache: cold {cached['cold']:7.1f} s, warm (every partition "
-                    "unchanged) "
-                    f"{cached['warm']:5.2f} s, same artifacts: {cached['same']}; a stage key's traffic hash: reading "
-                    f"every partition {cached['key_read']:.2f} s, from the cache {cached['key_cached'] * 1000:.1f} ms, "
+                    f"unchanged) {cached['warm']:5.2f} s, same artifacts: {cached['same']}; a stage key's traffic "
+                    f"hash: reading every partition {cached['key_read']:.2f} s, from the cache "
+                    f"{cached['key_cached'] * 1000:.1f} ms, "
                     f"same hash: {cached['key_same']}",
                     flush=True,
                 )
@@ -287,11 +287,9 @@ def main() -> None:
             )
             print(
                 f"     {n:>9,} records, every partition's scan reused from --scan-cache: "
-                f"{raw[n]['seconds'] / cached['warm']:.2f}x "
-                f"({cached['cold'] / cached['warm']:.0f}x faster than the cold run that filled the cache); the "
-                "traffic hash "
-                f"of a stage key from the cache: {cached['key_read'] / cached['key_cached']:.0f}x faster than reading "
-                "the partitions"
+                f"{raw[n]['seconds'] / cached['warm']:.2f}x ({cached['cold'] / cached['warm']:.0f}x faster than the "
+                f"cold run that filled the cache); the traffic hash of a stage key from the cache: "
+                f"{cached['key_read'] / cached['key_cached']:.0f}x faster than reading the partitions"
             )
         print(f"2. peak RSS / peak RSS at {lo:,} records (goal: within 1.10x):")
         for n in sizes[1:]:
@@ -317,9 +315,8 @@ def main() -> None:
             drv = single["processes"]["cpu_seconds"]
             print(
                 f"   its driver (reading, merging, feeding the profile) used {drv:.1f} s of CPU: with enough workers "
-                "one file "
-                f"could go at most {n / drv:,.0f} records/s, {raw[n]['seconds'] / drv:.2f}x the orjson parse (a bound "
-                f"from this CPU time, not a measured rate: {cores} cores here)"
+                f"one file could go at most {n / drv:,.0f} records/s, {raw[n]['seconds'] / drv:.2f}x the orjson parse "
+                f"(a bound from this CPU time, not a measured rate: {cores} cores here)"
             )
         print("   variant fan-out on Ray vs serial: benchmarks/bench_pipeline.py --executor serial,ray")
 
