@@ -530,16 +530,26 @@ def enable_gqa_attention(ref):
         AttentionInterface.register(name, own)
 
 
-def reference_eval_seconds(base, device, cfg, fused: bool = True, runs: int = 1) -> list[dict]:
+def reference_eval_seconds(base, device, cfg, fused: bool = True, runs: int = 1, cpu_steps: bool = False) -> list[dict]:
     """The baseline's eval `runs` times on one fresh reference runner: per run, RunnerLM's scoring seconds
-    (EvalCounter) and real tokens; fused=False: with transformers' own RMSNorm code (engines/fused_norms.py)."""
+    (EvalCounter), real tokens and forwards; fused=False: with transformers' own RMSNorm code (engines/fused_norms.py);
+    cpu_steps: with the CPU's steps of requests, not scaled to the runner's token budget (RunnerLM._step)."""
+    from unittest import mock
+
     from qgate.engines import fused_norms, runners
+    from qgate.gates.lm import RunnerLM
 
     ref = runners.load_runner(base, str(device))
     if not fused:
         fused_norms.unfuse_rms_norms(ref.model)
-    counted = [counted_eval(ref, cfg) for _ in range(runs)]
-    return [{"seconds": c["seconds"], "real_tokens": sum(c["real"].values())} for c in counted]
+    with (
+        mock.patch.object(RunnerLM, "_step", lambda self, requests: requests) if cpu_steps else contextlib.nullcontext()
+    ):
+        counted = [counted_eval(ref, cfg) for _ in range(runs)]
+    return [
+        {"seconds": c["seconds"], "real_tokens": sum(c["real"].values()), "forwards": sum(c["forwards"].values())}
+        for c in counted
+    ]
 
 
 def profile_eval(runner, cfg, path: Path) -> None:
@@ -871,12 +881,17 @@ def main() -> int:
     if device.type == "cuda":
         res.phase("attention_first_calls", attention)
 
-    def reference_eval():  # the baseline's eval, with its fused norms and with transformers' own, each run twice
+    def reference_eval():  # the baseline's eval as the gate runs it, with transformers' norms, with the CPU's steps
         cfg, out = spec.gate_config().eval, {}
         r["reference_eval"] = out
         # each variant on a fresh runner, twice: the first run pays whatever its kernels build per new shape
-        for name, fused in (("own", True), ("transformers_norms", False)):
-            out[name] = dict(zip(("first", "second"), reference_eval_seconds(base, device, cfg, fused, runs=2)))
+        for name, fused, cpu_steps in (
+            ("own", True, False),
+            ("transformers_norms", False, False),
+            ("cpu_steps", True, True),
+        ):
+            runs = reference_eval_seconds(base, device, cfg, fused, runs=2, cpu_steps=cpu_steps)
+            out[name] = dict(zip(("first", "second"), runs))
             for row in out[name].values():
                 row["mfu"] = 2 * r["params"] * row["real_tokens"] / row["seconds"] / (args.peak_tflops * 1e12)
             res.save()

@@ -796,6 +796,41 @@ def test_runner_lm_queues_every_step_into_one_resolve_in_request_order(monkeypat
         assert greedy == want[1] and ll == pytest.approx(want[0], rel=1e-6)
 
 
+def test_runner_lm_steps_scale_with_the_runners_token_budget(monkeypatch):
+    """A step holds `step` requests on the CPU's token budget, and k times as many on a runner whose budget (a GPU's,
+    from its free memory) is k times the CPU's; every request's score is the same either way."""
+    import torch
+
+    from qgate.gates import lm as lm_module
+
+    class Runner:
+        tokenizer = SimpleNamespace(bos_token_id=1, eos_token_id=2)
+        batch_tokens = None
+        forward_cost = 0
+        table = torch.randn(40, 40, generator=torch.Generator().manual_seed(5))
+
+        def logits_batch(self, seqs, keep_last=None):
+            return [self.table[torch.tensor(s)][-(keep_last or len(s)) :] for s in seqs]
+
+    steps: list[int] = []
+    queue = lm_module.RunnerLM._queue
+    monkeypatch.setattr(lm_module.RunnerLM, "_queue", lambda self, p, *a: steps.append(len(p)) or queue(self, p, *a))
+    pairs = [([1, 3 + i], [5 + i, 7 + 2 * i][: 1 + i % 2]) for i in range(7)]
+    scores = {}
+    for budget, want in (
+        (None, [2, 2, 2, 1]),
+        (lm_module.RunnerLM.BATCH_TOKENS - 1, [2, 2, 2, 1]),  # a budget under the CPU's: the CPU's
+        (3 * lm_module.RunnerLM.BATCH_TOKENS + 5, [6, 1]),
+        (4 * lm_module.RunnerLM.BATCH_TOKENS, [7]),
+    ):
+        runner = Runner()
+        runner.batch_tokens = budget
+        steps.clear()
+        scores[budget] = lm_module.RunnerLM(runner)._score_many(pairs, 2)
+        assert steps == want, budget
+    assert all(s == scores[None] for s in scores.values())
+
+
 def test_a_packing_runner_scores_whole_sequences_in_one_forward_per_token_budget(base_art, monkeypatch):
     """Perplexity windows and unshared requests on a runner that packs its rows run as few forwards as the token
     budget allows (not one per padded length group), with the scores of the padded path."""

@@ -152,16 +152,25 @@ class RunnerLM(LM):
     ) -> list[tuple[float, bool]]:
         """(context ids, continuation ids) -> (sum log p(continuation), continuation is the greedy path), per pair.
 
-        The pairs are queued `step` at a time (all at once by default; a progress line per step when desc is given)
+        The pairs are queued a step at a time (all at once by default; a progress line per step when desc is given)
         into one Scores, resolved at the end: on an accelerator the host then waits for the device once, not once per
         step, and builds the next step's batches while the device runs this one's forwards (there a line marks a
-        step queued, which the device finishes later)."""
+        step queued, which the device finishes later). A step is `step` requests on the CPU's token budget, scaled
+        with the runner's (_step)."""
         scores = Scores(len(pairs))
-        step = step or max(len(pairs), 1)
+        step = self._step(step) if step else max(len(pairs), 1)
         starts = range(0, len(pairs), step)
         for start in starts if desc is None else progress(starts, desc, unit=f"x{step} {unit}"):
             self._queue(pairs[start : start + step], scores, start)
         return scores.resolved()
+
+    def _step(self, requests: int) -> int:
+        """Requests per step, for `requests` per step on the CPU's token budget (BATCH_TOKENS): as many times more as
+        the runner's budget is larger (a GPU's, from its free memory), so a step holds about as many batches on every
+        device. Each step ends in a partial batch of each forward kind, and splits the runs of contexts that share a
+        prefix and the choices of a question at its edges: the CPU's step on a GPU's budget would make most of the
+        eval's forwards partial ones (benchmarks/bench_eval_batches.py counts them)."""
+        return requests * max(1, self.batch_tokens // self.BATCH_TOKENS)
 
     def _queue(self, pairs: list[tuple[list[int], list[int]]], scores: Scores, offset: int = 0) -> None:
         """Score these requests into `scores`, request i as offset + i.
