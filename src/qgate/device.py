@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from qgate.errors import BackendUnavailable, ConfigError
+from qgate.errors import BackendUnavailable, ConfigError, human_bytes
 
 DEVICE_HELP = "auto, cpu, cuda or cuda:N"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -96,6 +96,26 @@ def batch_tokens(device, vocab: int, hidden: int, share: float = 0.25) -> int | 
         return None
     free, _ = torch.cuda.mem_get_info(device)
     return max(1024, min(65536, int(free * share // (6 * vocab + 32 * hidden))))
+
+
+def check_fits(device, nbytes: int, what: str) -> None:
+    """BackendUnavailable before a model loads onto a CUDA `device` whose free memory is less than its weights
+    (nbytes): the load would run out of memory part way, after reading that much from disk. Free counts what torch's
+    allocator holds unused, which the load reuses. Scoring needs memory on top (batch_tokens), so a model that passes
+    may still not score; one that fails cannot load. Elsewhere nothing."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if nbytes > free:
+        raise BackendUnavailable(
+            f"{what}: its weights take {human_bytes(nbytes)} on {device}, which has {human_bytes(free)} free of "
+            f"{human_bytes(total)}",
+            hint="qgate scores a model on one device: gate on a GPU with more memory, stop what else holds this "
+            "one's memory, or gate on the CPU (--device cpu)",
+        )
 
 
 FORWARD_COST = {"cpu": 24, "cuda": 256}  # positions a forward's fixed cost is worth, per device type (forward_cost)

@@ -15,6 +15,7 @@ can run code or read outside itself, each refused here with the file that did it
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from qgate.errors import InputError
@@ -81,6 +82,31 @@ def load_causal_lm(path: Path, **kwargs):
             "again, and check that its safetensors index lists every shard",
         )
     return model
+
+
+# compressed-tensors' quantization parameters beside a weight: decompression folds them into the dense weight
+QUANTIZATION_LEAVES = frozenset(
+    ("weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape", "input_scale", "input_zero_point")
+    + ("output_scale", "k_scale", "v_scale")
+)
+
+
+def dense_params(path: Path) -> int:
+    """Parameters of the model in `path` as it is loaded dense (a compressed-tensors checkpoint decompressed), from
+    its safetensors headers: a packed weight counts the dense shape it stores in `weight_shape`, and quantization
+    parameters count nothing."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                prefix, _, leaf = k.rpartition(".")
+                if leaf == "weight_packed":
+                    n += math.prod(int(d) for d in st.get_tensor(f"{prefix}.weight_shape").tolist())
+                elif leaf not in QUANTIZATION_LEAVES:
+                    n += math.prod(st.get_slice(k).get_shape())
+    return n
 
 
 def pickled_files(path: Path) -> list[Path]:

@@ -219,3 +219,44 @@ def test_the_engine_contract_denies_what_it_cannot_map(base_art, cpu_exact, cali
     )
     arch = next(r for r in contract_gate(orphan, base_art, rows, ContractConfig()) if r.metric == "architecture")
     assert arch.verdict == "fail" and "not found" in arch.evidence["differences"][0]["candidate"]
+
+
+def test_a_model_larger_than_the_gpus_free_memory_is_refused_before_it_loads(
+    base_art, awq_art, w8_art, int4_f32, monkeypatch
+):
+    """dense_params counts what a reference holds: the baseline's parameters, and as many for its quantized
+    checkpoints, which it decompresses. On CUDA a model whose weights alone exceed the free memory (with what torch's
+    allocator holds unused) is refused with both figures before anything loads (the reference in its served dtype,
+    the engine its file); at exactly its weights it goes on. On the CPU nothing is checked."""
+    import qgate.device
+    from qgate.device import check_fits
+    from qgate.engines.runners import TorchRunner
+    from qgate.engines.static_runner import StaticRunner
+    from qgate.errors import human_bytes
+    from qgate.trust import dense_params
+
+    n = sum(p.numel() for p in load_runner(base_art).model.parameters())
+    assert dense_params(base_art.path) == dense_params(awq_art.path) == dense_params(w8_art.path) == n
+    free = [3 << 30]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 80 << 30))
+    cuda = torch.device("cuda")
+    check_fits(cuda, free[0], "m")
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 << 20)  # torch's allocator holds 5 MB,
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 << 20)  # 3 MB of them unused
+    check_fits(cuda, free[0] + (3 << 20), "m")
+    with pytest.raises(BackendUnavailable, match=r"which has 3\.0 GB free"):
+        check_fits(cuda, free[0] + (3 << 20) + 1, "m")
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    with pytest.raises(BackendUnavailable, match=r"m: its weights take 3\.0 GB on cuda, which has 3\.0 GB free of 80"):
+        check_fits(cuda, free[0] + 1, "m")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: pytest.fail("read on the CPU"))
+    check_fits(torch.device("cpu"), 10**15, "m")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 80 << 30))
+    monkeypatch.setattr(qgate.device, "resolve_device", lambda name: cuda)
+    free[0] = 2 * n - 1
+    with pytest.raises(BackendUnavailable, match=f"the bfloat16 reference: its weights take {human_bytes(2 * n)}"):
+        TorchRunner(base_art.path, "cuda")
+    free[0] = (int4_f32.path / "engine.safetensors").stat().st_size - 1
+    with pytest.raises(BackendUnavailable, match=f"the torch-int4 engine: its weights take {human_bytes(free[0] + 1)}"):
+        StaticRunner(int4_f32.path, cuda)

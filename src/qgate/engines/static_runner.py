@@ -81,11 +81,14 @@ class StaticRunner:
         fastest (int4_choice.choose_splits; the choice is in `splits`), then the decode step's attention kernels at
         those batch sizes and every context bucket (decode_attention.choose_kernel; the choice is in
         `decode_choice`), for the engine's build to record; otherwise the layouts and the kernel engine.json names."""
-        from qgate.device import batch_tokens, forward_cost
+        from qgate.device import batch_tokens, check_fits, forward_cost
         from qgate.trust import check_loadable, load_tokenizer
 
         engine_dir = Path(engine_dir)
         check_loadable(engine_dir)
+        weights = engine_dir / "engine.safetensors"
+        if weights.is_file():  # else load_model names what is missing
+            check_fits(device, weights.stat().st_size, f"{engine_dir}: the torch-int4 engine")
         self.device = device
         self.model, self.spec, config = load_model(engine_dir, device)
         self.splits: dict[str, dict] = {}  # choose_splits' record, where it ran
