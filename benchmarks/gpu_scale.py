@@ -552,21 +552,36 @@ def reference_eval_seconds(base, device, cfg, fused: bool = True, runs: int = 1,
     ]
 
 
-def profile_eval(runner, cfg, path: Path) -> None:
-    """The eval on `runner` under torch.profiler: the ops that take the most device and host time, to `path`."""
+def teacher_forced_seconds(runner, cached: Path, profile_dir: Path | None = None) -> float:
+    """The gate's teacher-forced shadow scoring of `runner` against the baseline reference cached at `cached`
+    (shadow.candidate_metrics: forwards, KL on the device, per-sequence reductions), as the noise floor runs it: the
+    second of two runs, in seconds; with profile_dir, a third under the profiler."""
+    from qgate.cache import read_cached_arrays
+    from qgate.gates.shadow import candidate_metrics
+
+    ref = read_cached_arrays(cached)
+    runs = [candidate_metrics(runner, ref, "shadow: baseline vs itself, warm")["score_seconds"] for _ in range(2)]
+    if profile_dir:
+        path = profile_dir / "profile-shadow-reference.txt"
+        profiled(
+            lambda: candidate_metrics(runner, ref, "shadow: profiled"), path, "the baseline's teacher-forced shadow"
+        )
+    return runs[-1]
+
+
+def profiled(fn, path: Path, what: str) -> None:
+    """fn() under torch.profiler: the ops that take the most device and host time, to `path`, headed by `what`."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-
-    from qgate.gates.evalgate import run_tasks
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     t = time.perf_counter()
     with profile(activities=acts) as prof:
-        run_tasks(runner, cfg)
+        fn()
     wall = time.perf_counter() - t
     avg = prof.key_averages()
     with open(path, "w") as f:
-        f.write(f"eval under the profiler: {wall:.1f} s wall\n")
+        f.write(f"{what} under the profiler: {wall:.1f} s wall\n")
         for key in ("self_device_time_total", "device_time_total", "cpu_time_total", "self_cpu_time_total"):
             try:
                 f.write(f"\n## by {key}\n{avg.table(sort_by=key, row_limit=30, max_name_column_width=70)}\n")
@@ -816,8 +831,11 @@ def main() -> int:
     if args.profile:
 
         def profile():
+            from qgate.gates.evalgate import run_tasks
+
             ref = load_runner(base, str(device))
-            profile_eval(ref, spec.gate_config().eval, args.profile / "profile-eval-reference.txt")
+            cfg = spec.gate_config().eval
+            profiled(lambda: run_tasks(ref, cfg), args.profile / "profile-eval-reference.txt", "the baseline's eval")
 
         res.phase("profile_eval", profile)
         release(device)
@@ -861,10 +879,13 @@ def main() -> int:
         engine = None  # freed before the baseline loads
         release(device)
         ref_runner = load_runner(base, str(device))
-        for name in ("baseline_forward", "baseline_forward_transformers_norms"):
+        for name in ("baseline_forward", "baseline_teacher_forced_warm", "baseline_forward_transformers_norms"):
             if name == "baseline_forward_transformers_norms":  # the same forwards with transformers' own RMSNorm code
                 fused_norms.unfuse_rms_norms(ref_runner.model)
-            sec = scoring_seconds(lambda ix: ref_runner.logits_batch([seqs[i] for i in ix]), seqs, budget, device)
+            if name == "baseline_teacher_forced_warm":  # the gate's whole path (the noise floor's), on a warm runner
+                sec = teacher_forced_seconds(ref_runner, ref, args.profile)
+            else:
+                sec = scoring_seconds(lambda ix: ref_runner.logits_batch([seqs[i] for i in ix]), seqs, budget, device)
             out[name] = {"seconds": sec, "mfu": flops / sec / (args.peak_tflops * 1e12)}
             res.save()
         ref_runner = None
