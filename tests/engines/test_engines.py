@@ -260,3 +260,21 @@ def test_a_model_larger_than_the_gpus_free_memory_is_refused_before_it_loads(
     free[0] = (int4_f32.path / "engine.safetensors").stat().st_size - 1
     with pytest.raises(BackendUnavailable, match=f"the torch-int4 engine: its weights take {human_bytes(free[0] + 1)}"):
         StaticRunner(int4_f32.path, cuda)
+
+
+@pytest.mark.gpu
+def test_the_fit_check_reads_a_real_cards_memory():
+    """On CUDA check_fits reads the card's free memory and what torch's allocator holds unused (a freed tensor's
+    block): a model of exactly that size goes on, one byte more is refused."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from qgate.device import check_fits
+
+    cuda = torch.device("cuda")
+    x = torch.empty(256 << 20, dtype=torch.uint8, device=cuda)
+    del x  # its 256 MB stay with torch's allocator, unused
+    assert torch.cuda.memory_reserved(cuda) - torch.cuda.memory_allocated(cuda) >= 256 << 20
+    free = torch.cuda.mem_get_info(cuda)[0] + torch.cuda.memory_reserved(cuda) - torch.cuda.memory_allocated(cuda)
+    check_fits(cuda, free, "m")
+    with pytest.raises(BackendUnavailable, match="m: its weights take"):
+        check_fits(cuda, free + 1, "m")
