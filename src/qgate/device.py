@@ -98,23 +98,46 @@ def batch_tokens(device, vocab: int, hidden: int, share: float = 0.25) -> int | 
     return max(1024, min(65536, int(free * share // (6 * vocab + 32 * hidden))))
 
 
-def check_fits(device, nbytes: int, what: str) -> None:
-    """BackendUnavailable before a model loads onto a CUDA `device` whose free memory is less than its weights
-    (nbytes): the load would run out of memory part way, after reading that much from disk. Free counts what torch's
-    allocator holds unused, which the load reuses. Scoring needs memory on top (batch_tokens), so a model that passes
-    may still not score; one that fails cannot load. Elsewhere nothing."""
-    if getattr(device, "type", "cpu") != "cuda":
-        return
-    import torch
+MEMINFO = "/proc/meminfo"  # the host's memory on Linux (host_memory)
 
-    free, total = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+def host_memory() -> tuple[int, int] | None:
+    """(bytes a new allocation can still get: available memory plus free swap, total memory) from MEMINFO; None
+    where it cannot be read (not Linux)."""
+    try:
+        with open(MEMINFO) as f:
+            kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if ":" in line)}
+        return (kb["MemAvailable"] + kb.get("SwapFree", 0)) << 10, kb["MemTotal"] << 10
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def check_fits(device, nbytes: int, what: str) -> None:
+    """BackendUnavailable before a model loads onto `device` when its weights (nbytes) alone exceed the memory left
+    there: the load would run out of memory part way, after reading that much from disk (on the CPU, the kernel
+    kills the process). On CUDA the card's free memory, with what torch's allocator holds unused, which the load
+    reuses; on the CPU the host's available memory and free swap (host_memory; nothing where that cannot be read).
+    Scoring needs memory on top, so a model that passes may still not score; one that fails cannot load."""
+    kind = getattr(device, "type", "cpu")
+    if kind == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        left = f"{human_bytes(free)} free of {human_bytes(total)}"
+        hint = (
+            "gate on a GPU with more memory, stop what else holds this one's memory, or gate on the CPU (--device cpu)"
+        )
+    elif kind == "cpu" and (host := host_memory()) is not None:
+        free, total = host
+        left = f"{human_bytes(free)} available (memory and swap) of {human_bytes(total)} of memory"
+        hint = "gate on a host with more memory, or on a GPU (--device cuda; the reference runs bf16 there)"
+    else:
+        return
     if nbytes > free:
         raise BackendUnavailable(
-            f"{what}: its weights take {human_bytes(nbytes)} on {device}, which has {human_bytes(free)} free of "
-            f"{human_bytes(total)}",
-            hint="qgate scores a model on one device: gate on a GPU with more memory, stop what else holds this "
-            "one's memory, or gate on the CPU (--device cpu)",
+            f"{what}: its weights take {human_bytes(nbytes)} on {device}, which has {left}",
+            hint=f"qgate scores a model on one device: {hint}",
         )
 
 

@@ -221,13 +221,14 @@ def test_the_engine_contract_denies_what_it_cannot_map(base_art, cpu_exact, cali
     assert arch.verdict == "fail" and "not found" in arch.evidence["differences"][0]["candidate"]
 
 
-def test_a_model_larger_than_the_gpus_free_memory_is_refused_before_it_loads(
-    base_art, awq_art, w8_art, int4_f32, monkeypatch
+def test_a_model_larger_than_the_memory_left_is_refused_before_it_loads(
+    base_art, awq_art, w8_art, int4_f32, monkeypatch, tmp_path
 ):
     """dense_params counts what a reference holds: the baseline's parameters, and as many for its quantized
     checkpoints, which it decompresses. On CUDA a model whose weights alone exceed the free memory (with what torch's
     allocator holds unused) is refused with both figures before anything loads (the reference in its served dtype,
-    the engine its file); at exactly its weights it goes on. On the CPU nothing is checked."""
+    the engine its file); at exactly its weights it goes on. On the CPU the host's available memory and free swap
+    bound it (the float32 reference), and where they cannot be read nothing is checked."""
     import qgate.device
     from qgate.device import check_fits
     from qgate.engines.runners import TorchRunner
@@ -251,7 +252,19 @@ def test_a_model_larger_than_the_gpus_free_memory_is_refused_before_it_loads(
     with pytest.raises(BackendUnavailable, match=r"m: its weights take 3\.0 GB on cuda, which has 3\.0 GB free of 80"):
         check_fits(cuda, free[0] + 1, "m")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: pytest.fail("read on the CPU"))
-    check_fits(torch.device("cpu"), 10**15, "m")
+    meminfo = tmp_path / "meminfo"
+    monkeypatch.setattr(qgate.device, "MEMINFO", str(meminfo))
+    check_fits(torch.device("cpu"), 10**15, "m")  # no meminfo: nothing checked
+    meminfo.write_text(f"MemTotal: 8388608 kB\nMemFree: 1 kB\nMemAvailable: {n // 1024} kB\nSwapFree: 1 kB\n")
+    check_fits(torch.device("cpu"), (n // 1024 + 1) * 1024, "m")
+    with pytest.raises(BackendUnavailable, match=r"available \(memory and swap\) of 8\.0 GB of memory"):
+        check_fits(torch.device("cpu"), (n // 1024 + 1) * 1024 + 1, "m")
+    with pytest.raises(
+        BackendUnavailable, match=f"the float32 reference: its weights take {human_bytes(4 * n)} on cpu"
+    ):
+        TorchRunner(base_art.path, "cpu")
+    meminfo.write_text(f"MemTotal: 8388608 kB\nMemAvailable: {4 * n} kB\n")
+    assert TorchRunner(base_art.path, "cpu").dtype == torch.float32
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 80 << 30))
     monkeypatch.setattr(qgate.device, "resolve_device", lambda name: cuda)
     free[0] = 2 * n - 1
