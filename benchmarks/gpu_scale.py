@@ -552,14 +552,12 @@ def reference_eval_seconds(base, device, cfg, fused: bool = True, runs: int = 1,
     ]
 
 
-def teacher_forced_seconds(runner, cached: Path, profile_dir: Path | None = None) -> float:
-    """The gate's teacher-forced shadow scoring of `runner` against the baseline reference cached at `cached`
-    (shadow.candidate_metrics: forwards, KL on the device, per-sequence reductions), as the noise floor runs it: the
-    second of two runs, in seconds; with profile_dir, a third under the profiler."""
-    from qgate.cache import read_cached_arrays
+def teacher_forced_seconds(runner, ref: dict, profile_dir: Path | None = None) -> float:
+    """The gate's teacher-forced shadow scoring of `runner` against the baseline reference `ref` (its cache's arrays:
+    shadow.candidate_metrics, with forwards, KL on the device, per-sequence reductions), as the noise floor runs it:
+    the second of two runs, in seconds; with profile_dir, a third under the profiler."""
     from qgate.gates.shadow import candidate_metrics
 
-    ref = read_cached_arrays(cached)
     runs = [candidate_metrics(runner, ref, "shadow: baseline vs itself, warm")["score_seconds"] for _ in range(2)]
     if profile_dir:
         path = profile_dir / "profile-shadow-reference.txt"
@@ -843,12 +841,12 @@ def main() -> int:
     def scoring():  # the shadow split's forward passes alone, warm: the gate's scoring less its reductions
         import numpy as np
 
+        from qgate.cache import read_cached_arrays
         from qgate.engines import fused_norms
         from qgate.engines.elementwise import EAGER
 
-        ref = next(iter(sorted((work / "cache").rglob("shadow-baseline-*.npz"))))
-        with np.load(ref) as z:
-            tokens, lens, plens = z["tokens"], z["seq_lens"], z["prompt_lens"]
+        ref = read_cached_arrays(next(iter(sorted((work / "cache").rglob("shadow-baseline-*.npz")))))
+        tokens, lens, plens = ref["tokens"], ref["seq_lens"], ref["prompt_lens"]
         bounds = np.concatenate([[0], np.cumsum(lens)])
         seqs = [tokens[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         flops = 2 * r["params"] * int(lens.sum())

@@ -86,8 +86,17 @@ def load_causal_lm(path: Path, **kwargs):
 
 # compressed-tensors' quantization parameters beside a weight: decompression folds them into the dense weight
 QUANTIZATION_LEAVES = frozenset(
-    ("weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape", "input_scale", "input_zero_point")
-    + ("output_scale", "k_scale", "v_scale")
+    {
+        "weight_scale",
+        "weight_zero_point",
+        "weight_g_idx",
+        "weight_shape",
+        "input_scale",
+        "input_zero_point",
+        "output_scale",
+        "k_scale",
+        "v_scale",
+    }
 )
 
 

@@ -764,6 +764,27 @@ def test_token_batches_fill_the_budget_with_real_tokens_shortest_first():
     assert token_batches([9, 1], 4) == [[1], [0]] and token_batches([], 8) == []
 
 
+class _TableRunner:
+    """A runner whose logits [len, V] come from the ids alone (each position's row is its token's), with the rows of
+    each logits_batch call in `calls`; batch_tokens: its token budget (None: the CPU's)."""
+
+    tokenizer = SimpleNamespace(bos_token_id=1, eos_token_id=2)
+    forward_cost = 0
+
+    def __init__(self, seed: int, batch_tokens: int | None = None):
+        import torch
+
+        self.table = torch.randn(40, 40, generator=torch.Generator().manual_seed(seed))
+        self.batch_tokens = batch_tokens
+        self.calls: list[int] = []
+
+    def logits_batch(self, seqs, keep_last=None):
+        import torch
+
+        self.calls.append(len(seqs))
+        return [self.table[torch.tensor(s)][-(keep_last or len(s)) :] for s in seqs]
+
+
 def test_runner_lm_queues_every_step_into_one_resolve_in_request_order(monkeypatch):
     """_score_many scores its pairs `step` at a time into one Scores and resolves once at the end, where a device's
     log-probs are copied back (deferred here on the CPU as they are on a GPU); every request keeps its own score
@@ -772,45 +793,27 @@ def test_runner_lm_queues_every_step_into_one_resolve_in_request_order(monkeypat
 
     from qgate.gates import lm as lm_module
 
-    class Runner:  # logits [len, V] from the ids alone: each position's row is its token's
-        tokenizer = SimpleNamespace(bos_token_id=1, eos_token_id=2)
-        batch_tokens = None
-        forward_cost = 0
-        table = torch.randn(40, 40, generator=torch.Generator().manual_seed(3))
-
-        def logits_batch(self, seqs, keep_last=None):
-            calls.append(len(seqs))
-            return [self.table[torch.tensor(s)][-(keep_last or len(s)) :] for s in seqs]
-
-    resolves, calls = [], []
+    resolves = []
     monkeypatch.setattr(lm_module.Scores, "add", lm_module.Scores.defer)
     resolved = lm_module.Scores.resolved
     monkeypatch.setattr(lm_module.Scores, "resolved", lambda self: resolves.append(len(self.pending)) or resolved(self))
-    lm = lm_module.RunnerLM(Runner())
+    runner = _TableRunner(3)
+    calls = runner.calls
+    lm = lm_module.RunnerLM(runner)
     pairs = [([1, 3 + i], [5 + i, 7 + 2 * i][: 1 + i % 2]) for i in range(7)]
     got = lm._score_many(pairs, 2)
     assert sum(calls) == 7 and len(calls) >= 4  # steps of 2, 2, 2 and 1 requests
     assert resolves == [len(calls)]  # every step's batches copied back at once, at the end
     for (c, k), (ll, greedy) in zip(pairs, got, strict=True):
-        want = lm_module.finish(Runner.table[torch.tensor(c + k)][len(c) - 1 : -1], k)
+        want = lm_module.finish(runner.table[torch.tensor(c + k)][len(c) - 1 : -1], k)
         assert greedy == want[1] and ll == pytest.approx(want[0], rel=1e-6)
 
 
 def test_runner_lm_steps_scale_with_the_runners_token_budget(monkeypatch):
     """A step holds `step` requests on the CPU's token budget, and k times as many on a runner whose budget (a GPU's,
     from its free memory) is k times the CPU's; every request's score is the same either way."""
-    import torch
 
     from qgate.gates import lm as lm_module
-
-    class Runner:
-        tokenizer = SimpleNamespace(bos_token_id=1, eos_token_id=2)
-        batch_tokens = None
-        forward_cost = 0
-        table = torch.randn(40, 40, generator=torch.Generator().manual_seed(5))
-
-        def logits_batch(self, seqs, keep_last=None):
-            return [self.table[torch.tensor(s)][-(keep_last or len(s)) :] for s in seqs]
 
     steps: list[int] = []
     queue = lm_module.RunnerLM._queue
@@ -823,10 +826,8 @@ def test_runner_lm_steps_scale_with_the_runners_token_budget(monkeypatch):
         (3 * lm_module.RunnerLM.BATCH_TOKENS + 5, [6, 1]),
         (4 * lm_module.RunnerLM.BATCH_TOKENS, [7]),
     ):
-        runner = Runner()
-        runner.batch_tokens = budget
         steps.clear()
-        scores[budget] = lm_module.RunnerLM(runner)._score_many(pairs, 2)
+        scores[budget] = lm_module.RunnerLM(_TableRunner(5, budget))._score_many(pairs, 2)
         assert steps == want, budget
     assert all(s == scores[None] for s in scores.values())
 
