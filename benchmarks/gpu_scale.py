@@ -124,8 +124,10 @@ def engine_bytes_per_token(engine_dir: Path, config: dict, context: int) -> int:
     norms, one embedding row, and `context` positions of K and V in bf16."""
     from safetensors import safe_open
 
+    from qgate.engines.static_runner import WEIGHTS_FILE
+
     total = 0
-    with safe_open(str(engine_dir / "engine.safetensors"), "pt") as st:
+    with safe_open(str(engine_dir / WEIGHTS_FILE), "pt") as st:
         for k in st.keys():
             sl = st.get_slice(k)
             n = 1

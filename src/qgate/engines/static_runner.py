@@ -38,6 +38,7 @@ from qgate.engines.padding import left_pad, pack_trees, right_pad, sequences_as_
 from qgate.engines.static_llama import StaticLlama
 from qgate.errors import ConfigError, in_one_line
 
+WEIGHTS_FILE = "engine.safetensors"  # every tensor of an engine (engines/torch_int4.py names its layout)
 SERVED_SUBDIR = "checkpoint"  # an engine's config, generation config and tokenizer files: what the contract reads
 SERVED_FILES = ("config.json", "generation_config.json")
 DENSE_SHARE = 0.5  # of the device's free memory after the KV cache, at most, for dequantized weights kept (keep_dense)
@@ -56,7 +57,7 @@ def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dic
             f"{engine_dir}: engine.dtype {spec['dtype']} runs on the CPU only; torch's CUDA int4 kernel takes bfloat16",
             hint="rebuild the engine with engine.dtype bfloat16",
         )
-    tensors = load_file(str(engine_dir / "engine.safetensors"))
+    tensors = load_file(str(engine_dir / WEIGHTS_FILE))
     for p, kind in spec["layers"].items():
         if kind == "int4":
             tensors[p] = Int4Weight(
@@ -86,7 +87,7 @@ class StaticRunner:
 
         engine_dir = Path(engine_dir)
         check_loadable(engine_dir)
-        weights = engine_dir / "engine.safetensors"
+        weights = engine_dir / WEIGHTS_FILE
         if weights.is_file():  # else load_model names what is missing
             check_fits(device, weights.stat().st_size, f"{engine_dir}: the torch-int4 engine")
         self.device = device

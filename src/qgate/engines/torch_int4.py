@@ -94,7 +94,7 @@ def build_torch_int4(ckpt: Artifact, config: TorchInt4Config, out: Path, profile
 
     from qgate.engines.gptq_layout import packed_layers
     from qgate.engines.int4pack import Int4Weight, repack
-    from qgate.engines.static_runner import SERVED_FILES, SERVED_SUBDIR
+    from qgate.engines.static_runner import SERVED_FILES, SERVED_SUBDIR, WEIGHTS_FILE
 
     cfg = check_checkpoint(ckpt)
     t0 = time.perf_counter()
@@ -126,9 +126,7 @@ def build_torch_int4(ckpt: Artifact, config: TorchInt4Config, out: Path, profile
     if out.exists():
         shutil.rmtree(out)
     (out / SERVED_SUBDIR).mkdir(parents=True)
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()}, str(out / "engine.safetensors"), metadata={"format": "pt"}
-    )
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / "engine.json").write_text(json.dumps(spec, indent=2))
     for name in SERVED_FILES:
         if (ckpt.path / name).is_file():
@@ -143,7 +141,7 @@ def build_torch_int4(ckpt: Artifact, config: TorchInt4Config, out: Path, profile
         "concurrency": concurrency,
         "graph_batch_sizes": sizes,
         "layer_kinds": counts,
-        "engine_bytes": (out / "engine.safetensors").stat().st_size,
+        "engine_bytes": (out / WEIGHTS_FILE).stat().st_size,
         "build_seconds": round(time.perf_counter() - t0, 1),
         "verified": False,
     }
