@@ -112,12 +112,13 @@ def host_memory() -> tuple[int, int] | None:
         return None
 
 
-def check_fits(device, nbytes: int, what: str) -> None:
+def check_fits(device, nbytes: int, what: str, hint: str | None = None) -> None:
     """BackendUnavailable before a model loads onto `device` when its weights (nbytes) alone exceed the memory left
     there: the load would run out of memory part way, after reading that much from disk (on the CPU, the kernel
     kills the process). On CUDA the card's free memory, with what torch's allocator holds unused, which the load
     reuses; on the CPU the host's available memory and free swap (host_memory; nothing where that cannot be read).
-    Scoring needs memory on top, so a model that passes may still not score; one that fails cannot load."""
+    Scoring needs memory on top, so a model that passes may still not score; one that fails cannot load. hint: what
+    to do instead, where the default (the gate's: another device) does not fit the caller."""
     kind = getattr(device, "type", "cpu")
     if kind == "cuda":
         import torch
@@ -125,19 +126,19 @@ def check_fits(device, nbytes: int, what: str) -> None:
         free, total = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         left = f"{human_bytes(free)} free of {human_bytes(total)}"
-        hint = (
+        instead = (
             "gate on a GPU with more memory, stop what else holds this one's memory, or gate on the CPU (--device cpu)"
         )
     elif kind == "cpu" and (host := host_memory()) is not None:
         free, total = host
         left = f"{human_bytes(free)} available (memory and swap) of {human_bytes(total)} of memory"
-        hint = "gate on a host with more memory, or on a GPU (--device cuda; the reference runs bf16 there)"
+        instead = "gate on a host with more memory, or on a GPU (--device cuda; the reference runs bf16 there)"
     else:
         return
     if nbytes > free:
         raise BackendUnavailable(
             f"{what}: its weights take {human_bytes(nbytes)} on {device}, which has {left}",
-            hint=f"qgate scores a model on one device: {hint}",
+            hint=hint or f"qgate scores a model on one device: {instead}",
         )
 
 

@@ -104,3 +104,39 @@ def test_fp8_with_kv_cache_records_kv_dtype(base_art, calib_arts, tmp_path):
 def test_quantize_refuses_an_already_quantized_model(awq_art, calib_arts, tmp_path):
     with pytest.raises(InputError, match="baseline"):
         quantize(awq_art, calib_arts["calib"], scheme_config("gptq-w4a16", group_size=32), tmp_path / "y")
+
+
+def test_a_model_larger_than_host_memory_is_refused_before_quantize_search_or_smoothing_load_it(
+    base_art, calib_arts, tmp_path, monkeypatch
+):
+    """Quantizing, AWQ's smoothing and a search's sensitivity scan hold the whole model in host memory (float32 on a
+    host without CUDA). Where its weights alone exceed the host's available memory and swap, each refuses with both
+    figures before Transformers reads a byte, and writes nothing; at exactly its weights it goes on."""
+    import qgate.device
+    import qgate.trust
+    from qgate.errors import BackendUnavailable, human_bytes
+    from qgate.quantize.compress import load_host_model
+    from qgate.quantize.smoothing import smooth_awq
+    from qgate.search.sensitivity import fisher_sensitivity
+    from qgate.trust import dense_params
+
+    need = 4 * dense_params(base_art.path)  # float32: this host has no CUDA
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: 1048576 kB\nMemAvailable: {need // 1024 - 1} kB\nSwapFree: 0 kB\n")
+    monkeypatch.setattr(qgate.device, "MEMINFO", str(meminfo))
+    loads = []
+    real_load = qgate.trust.load_causal_lm
+    monkeypatch.setattr(qgate.trust, "load_causal_lm", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    scheme = scheme_config("awq-w4a16", group_size=32)
+    message = rf"the float32 model in host memory: its weights take {human_bytes(need)} on cpu, which has"
+    for name, call in (
+        ("quantize", lambda: quantize(base_art, calib_arts["calib"], scheme, tmp_path / "q")),
+        ("smooth", lambda: smooth_awq(base_art, calib_arts["calib"], scheme, CalibOptions(), tmp_path / "s")),
+        ("sensitivity", lambda: fisher_sensitivity(base_art, calib_arts["calib"], scheme)),
+    ):
+        with pytest.raises(BackendUnavailable, match=message) as e:
+            call()
+        assert e.value.hint == "run on a host with more memory", name
+    assert loads == [] and not (tmp_path / "q").exists() and not (tmp_path / "s").exists()
+    meminfo.write_text(f"MemTotal: 1048576 kB\nMemAvailable: {-(-need // 1024)} kB\n")
+    assert load_host_model(base_art.path).dtype == torch.float32 and len(loads) == 1

@@ -61,6 +61,22 @@ def load_dtype(path: Path):
     return compute_dtype(json.loads((Path(path) / "config.json").read_text()), resolve_device("auto"))
 
 
+def load_host_model(path: Path, dtype=None):
+    """The model at `path` in host memory, in `dtype` (load_dtype's by default), for llm-compressor or a search's
+    sensitivity scan. BackendUnavailable first where its weights alone exceed the host's memory (device.check_fits):
+    the kernel would kill the process part way through the load."""
+    import torch
+
+    from qgate.device import check_fits
+    from qgate.trust import dense_params, load_causal_lm
+
+    dtype = dtype or load_dtype(path)
+    name = str(dtype).removeprefix("torch.")
+    what = f"{path}: the {name} model in host memory"
+    check_fits(torch.device("cpu"), dense_params(path) * dtype.itemsize, what, hint="run on a host with more memory")
+    return load_causal_lm(path, dtype=dtype)
+
+
 def load_calibration(calib: Artifact, tokenizer, opts: CalibOptions):
     from datasets import Dataset
 
@@ -165,12 +181,12 @@ def quantize(
     if needs_data and calib is None:
         raise InputError(f"scheme {type(scheme).__name__} needs --calib (a calibration-set artifact)")
     out = Path(out)
-    from qgate.trust import check_loadable, copy_tokenizer_files, load_causal_lm, load_tokenizer
+    from qgate.trust import check_loadable, copy_tokenizer_files, load_tokenizer
 
     source = smoothed or base
     check_loadable(source.path)
     tok = load_tokenizer(base.path)
-    model = load_causal_lm(source.path, dtype=load_dtype(base.path))
+    model = load_host_model(source.path, load_dtype(base.path))
     scheme.check_model(model)  # fail before spending minutes on calibration
     if smoothed is not None:
         recipe = scheme.rtn_modifiers(None, fallback)

@@ -31,13 +31,13 @@ def smooth_awq(base: Artifact, calib: Artifact, scheme, opts, out: Path) -> Arti
     import torch
     from llmcompressor import oneshot
 
-    from qgate.quantize.compress import cpu_safe_intermediates, load_calibration, load_dtype
-    from qgate.trust import check_loadable, copy_tokenizer_files, load_causal_lm, load_tokenizer
+    from qgate.quantize.compress import cpu_safe_intermediates, load_calibration, load_host_model
+    from qgate.trust import check_loadable, copy_tokenizer_files, load_tokenizer
 
     if base.kind != "checkpoint" or base.meta.get("scheme") != "baseline":
         raise InputError(f"{base.path}: smoothing starts from a full-precision baseline checkpoint")
     check_loadable(base.path)
-    model = load_causal_lm(base.path, dtype=load_dtype(base.path))
+    model = load_host_model(base.path)
     names = set(model.state_dict())
     scheme.check_model(model)
     ds = load_calibration(calib, load_tokenizer(base.path), opts)
@@ -54,7 +54,7 @@ def smooth_awq(base: Artifact, calib: Artifact, scheme, opts, out: Path) -> Arti
     seconds = time.perf_counter() - t0
     smoothed = {k: v for k, v in model.state_dict().items() if k in names}  # the quantization parameters left out
     del model
-    clean = load_causal_lm(base.path, dtype=load_dtype(base.path))
+    clean = load_host_model(base.path)
     clean.load_state_dict(smoothed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

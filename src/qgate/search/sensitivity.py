@@ -109,13 +109,14 @@ def fisher_sensitivity(
     import torch
 
     from qgate.progress import progress
-    from qgate.trust import check_loadable, load_causal_lm, load_tokenizer
+    from qgate.quantize.compress import load_host_model
+    from qgate.trust import check_loadable, load_tokenizer
 
     if not hasattr(scheme, "group_size"):
         raise ConfigError(f"search needs a group-wise integer scheme (awq-w4a16, gptq-w4a16), not {scheme.name}")
     check_loadable(base.path)
     tok = load_tokenizer(base.path)
-    model = load_causal_lm(base.path, dtype=torch.float32).eval()
+    model = load_host_model(base.path, torch.float32).eval()
     scheme.check_model(model)
     rows = [json.loads(x) for x in (calib.path / "data.jsonl").read_text().splitlines() if x.strip()][: cfg.samples]
     if not rows:
