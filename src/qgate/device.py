@@ -142,6 +142,15 @@ def check_fits(device, nbytes: int, what: str, hint: str | None = None) -> None:
         )
 
 
+def check_model_fits(device, path, dtype, what: str, hint: str | None = None) -> None:
+    """check_fits for the model at `path` loaded dense in `dtype` (trust.dense_params: a compressed-tensors checkpoint
+    counts decompressed), named as "<path>: the <dtype> <what>"."""
+    from qgate.trust import dense_params
+
+    name = str(dtype).removeprefix("torch.")
+    check_fits(device, dense_params(path) * dtype.itemsize, f"{path}: the {name} {what}", hint)
+
+
 FORWARD_COST = {"cpu": 24, "cuda": 256}  # positions a forward's fixed cost is worth, per device type (forward_cost)
 
 

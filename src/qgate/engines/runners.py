@@ -182,7 +182,7 @@ class TorchRunner:
 
         from qgate.device import (
             batch_tokens,
-            check_fits,
+            check_model_fits,
             compute_dtype,
             forward_cost,
             native_bf16,
@@ -190,14 +190,13 @@ class TorchRunner:
             resolve_device,
         )
         from qgate.engines import fused_norms
-        from qgate.trust import check_loadable, dense_params, load_causal_lm, load_tokenizer
+        from qgate.trust import check_loadable, load_causal_lm, load_tokenizer
 
         check_loadable(path)
         self.device = resolve_device(device)
         config = json.loads((Path(path) / "config.json").read_text())
         self.dtype = compute_dtype(config, self.device, dtype)
-        served = str(self.dtype).removeprefix("torch.")
-        check_fits(self.device, dense_params(path) * self.dtype.itemsize, f"{path}: the {served} reference")
+        check_model_fits(self.device, path, self.dtype, "reference")
         self.tokenizer = load_tokenizer(path)
         placed = {"device_map": str(self.device)} if self.device.type == "cuda" else {}  # straight onto the GPU
         decompressed = dequantize_kwargs(path)

@@ -67,13 +67,11 @@ def load_host_model(path: Path, dtype=None):
     the kernel would kill the process part way through the load."""
     import torch
 
-    from qgate.device import check_fits
-    from qgate.trust import dense_params, load_causal_lm
+    from qgate.device import check_model_fits
+    from qgate.trust import load_causal_lm
 
     dtype = dtype or load_dtype(path)
-    name = str(dtype).removeprefix("torch.")
-    what = f"{path}: the {name} model in host memory"
-    check_fits(torch.device("cpu"), dense_params(path) * dtype.itemsize, what, hint="run on a host with more memory")
+    check_model_fits(torch.device("cpu"), path, dtype, "model in host memory", hint="run on a host with more memory")
     return load_causal_lm(path, dtype=dtype)
 
 
