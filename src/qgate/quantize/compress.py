@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,31 +105,24 @@ def linear_size(ckpt_dir: Path, unquantized: tuple[str, ...] = ()) -> dict:
                 prefix, _, leaf = k.rpartition(".")
                 if leaf == "weight_scale":
                     if f"{prefix}.weight_shape" in keys:
-                        params += _numel(st.get_tensor(f"{prefix}.weight_shape").tolist())
+                        params += math.prod(st.get_tensor(f"{prefix}.weight_shape").tolist())
                     elif f"{prefix}.weight" in keys:
-                        params += _numel(st.get_slice(f"{prefix}.weight").get_shape())
+                        params += math.prod(st.get_slice(f"{prefix}.weight").get_shape())
                     else:
                         continue
                     for part in parts:
                         if f"{prefix}.{part}" in keys:
                             t = st.get_slice(f"{prefix}.{part}")
-                            nbytes += _numel(t.get_shape()) * _dtype_bytes(t.get_dtype())
+                            nbytes += math.prod(t.get_shape()) * _dtype_bytes(t.get_dtype())
                 elif leaf == "weight" and prefix in unquantized:
                     t = st.get_slice(k)
-                    params += _numel(t.get_shape())
-                    nbytes += _numel(t.get_shape()) * _dtype_bytes(t.get_dtype())
+                    params += math.prod(t.get_shape())
+                    nbytes += math.prod(t.get_shape()) * _dtype_bytes(t.get_dtype())
     return {
         "linear_bytes": nbytes,
         "linear_params": params,
         "bits_per_weight": round(8 * nbytes / params, 4) if params else None,
     }
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _dtype_bytes(dtype: str) -> int:
