@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -130,9 +131,7 @@ def engine_bytes_per_token(engine_dir: Path, config: dict, context: int) -> int:
     with safe_open(str(engine_dir / WEIGHTS_FILE), "pt") as st:
         for k in st.keys():
             sl = st.get_slice(k)
-            n = 1
-            for d in sl.get_shape():
-                n *= d
+            n = math.prod(sl.get_shape())
             if k == "model.embed_tokens.weight":
                 n = sl.get_shape()[1]  # one row is read
             size = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I32": 4, "I64": 8}[sl.get_dtype()]
