@@ -126,6 +126,7 @@ def engine_bytes_per_token(engine_dir: Path, config: dict, context: int) -> int:
     from safetensors import safe_open
 
     from qgate.engines.static_runner import WEIGHTS_FILE
+    from qgate.quantize.compress import dtype_bytes
 
     total = 0
     with safe_open(str(engine_dir / WEIGHTS_FILE), "pt") as st:
@@ -134,7 +135,7 @@ def engine_bytes_per_token(engine_dir: Path, config: dict, context: int) -> int:
             n = math.prod(sl.get_shape())
             if k == "model.embed_tokens.weight":
                 n = sl.get_shape()[1]  # one row is read
-            size = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I32": 4, "I64": 8}[sl.get_dtype()]
+            size = dtype_bytes(sl.get_dtype())
             if k.endswith(".scales_and_zeros"):
                 size = 2  # held in bf16 on the device
             total += n * size

@@ -140,3 +140,20 @@ def test_a_model_larger_than_host_memory_is_refused_before_quantize_search_or_sm
     assert loads == [] and not (tmp_path / "q").exists() and not (tmp_path / "s").exists()
     meminfo.write_text(f"MemTotal: 1048576 kB\nMemAvailable: {-(-need // 1024)} kB\n")
     assert load_host_model(base_art.path).dtype == torch.float32 and len(loads) == 1
+
+
+def test_dtype_bytes_matches_every_dtype_safetensors_writes_and_refuses_an_unknown_one(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from qgate.quantize.compress import dtype_bytes
+
+    dtypes = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16]
+    dtypes += [torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
+    save_file({str(i): torch.zeros(3, dtype=d) for i, d in enumerate(dtypes)}, str(tmp_path / "t.safetensors"))
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as st:
+        names = [st.get_slice(str(i)).get_dtype() for i in range(len(dtypes))]
+    assert len(set(names)) == len(dtypes)
+    assert [dtype_bytes(n) for n in names] == [d.itemsize for d in dtypes]
+    with pytest.raises(ValueError, match="unknown safetensors dtype 'I4'"):
+        dtype_bytes("I4")

@@ -113,11 +113,11 @@ def linear_size(ckpt_dir: Path, unquantized: tuple[str, ...] = ()) -> dict:
                     for part in parts:
                         if f"{prefix}.{part}" in keys:
                             t = st.get_slice(f"{prefix}.{part}")
-                            nbytes += math.prod(t.get_shape()) * _dtype_bytes(t.get_dtype())
+                            nbytes += math.prod(t.get_shape()) * dtype_bytes(t.get_dtype())
                 elif leaf == "weight" and prefix in unquantized:
                     t = st.get_slice(k)
                     params += math.prod(t.get_shape())
-                    nbytes += math.prod(t.get_shape()) * _dtype_bytes(t.get_dtype())
+                    nbytes += math.prod(t.get_shape()) * dtype_bytes(t.get_dtype())
     return {
         "linear_bytes": nbytes,
         "linear_params": params,
@@ -125,20 +125,32 @@ def linear_size(ckpt_dir: Path, unquantized: tuple[str, ...] = ()) -> dict:
     }
 
 
-def _dtype_bytes(dtype: str) -> int:
-    return {
-        "F64": 8,
-        "I64": 8,
-        "F32": 4,
-        "I32": 4,
-        "F16": 2,
-        "BF16": 2,
-        "I16": 2,
-        "I8": 1,
-        "U8": 1,
-        "F8_E4M3": 1,
-        "F8_E5M2": 1,
-    }.get(dtype, 4)
+SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a safetensors dtype name ("BF16", "I32", ...)."""
+    try:
+        return SAFETENSORS_DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown safetensors dtype {dtype!r}: known are {sorted(SAFETENSORS_DTYPE_BYTES)}") from None
 
 
 def quantize(
