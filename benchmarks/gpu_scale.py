@@ -857,37 +857,39 @@ def main() -> int:
         budget = engine.batch_tokens or 1024
         out["engine_dense_bytes_kept"] = engine.dense_bytes
         out["engine_numerics"] = engine.numerics
-        compiled = engine.model.ops
-        for name, fn in (
-            ("engine_prefill", lambda ix: engine.logits_batch([seqs[i] for i in ix])),
-            (
-                "engine_served",
-                lambda ix: engine.served_logits_batch([seqs[i] for i in ix], [int(plens[i]) for i in ix]),
-            ),
-            ("engine_prefill_eager_elementwise", lambda ix: engine.logits_batch([seqs[i] for i in ix])),
-            ("engine_prefill_dequantizing", lambda ix: engine.logits_batch([seqs[i] for i in ix])),
-        ):
-            if name == "engine_prefill_eager_elementwise":  # the same prefill, its elementwise work uncompiled
-                engine.model.ops = EAGER
-            if name == "engine_prefill_dequantizing":  # the same prefill, each int4 weight dequantized per forward
-                engine.model.ops = compiled
-                engine.graphs = {}  # captured graphs read the kept matrices: dropped with them (prefill uses none)
-                engine.model.keep_dense(0)
-            sec = scoring_seconds(fn, seqs, budget, device)
-            out[name] = {"seconds": sec, "mfu": flops / sec / (args.peak_tflops * 1e12)}
+        peak = args.peak_tflops * 1e12
+
+        def record(name: str, sec: float) -> None:
+            out[name] = {"seconds": sec, "mfu": flops / sec / peak}
             res.save()
+
+        def prefill(ix):
+            return engine.logits_batch([seqs[i] for i in ix])
+
+        def served(ix):
+            return engine.served_logits_batch([seqs[i] for i in ix], [int(plens[i]) for i in ix])
+
+        record("engine_prefill", scoring_seconds(prefill, seqs, budget, device))
+        record("engine_served", scoring_seconds(served, seqs, budget, device))
+        compiled, engine.model.ops = engine.model.ops, EAGER  # the same prefill, its elementwise work uncompiled
+        record("engine_prefill_eager_elementwise", scoring_seconds(prefill, seqs, budget, device))
+        # the same prefill, each int4 weight dequantized per forward; captured graphs read the kept matrices, so
+        # they go with them (prefill uses none)
+        engine.model.ops, engine.graphs = compiled, {}
+        engine.model.keep_dense(0)
+        record("engine_prefill_dequantizing", scoring_seconds(prefill, seqs, budget, device))
         engine = None  # freed before the baseline loads
         release(device)
         ref_runner = load_runner(base, str(device))
-        for name in ("baseline_forward", "baseline_teacher_forced_warm", "baseline_forward_transformers_norms"):
-            if name == "baseline_forward_transformers_norms":  # the same forwards with transformers' own RMSNorm code
-                fused_norms.unfuse_rms_norms(ref_runner.model)
-            if name == "baseline_teacher_forced_warm":  # the gate's whole path (the noise floor's), on a warm runner
-                sec = teacher_forced_seconds(ref_runner, ref, args.profile)
-            else:
-                sec = scoring_seconds(lambda ix: ref_runner.logits_batch([seqs[i] for i in ix]), seqs, budget, device)
-            out[name] = {"seconds": sec, "mfu": flops / sec / (args.peak_tflops * 1e12)}
-            res.save()
+
+        def ref_prefill(ix):
+            return ref_runner.logits_batch([seqs[i] for i in ix])
+
+        record("baseline_forward", scoring_seconds(ref_prefill, seqs, budget, device))
+        # the gate's whole path (the noise floor's), on a warm runner
+        record("baseline_teacher_forced_warm", teacher_forced_seconds(ref_runner, ref, args.profile))
+        fused_norms.unfuse_rms_norms(ref_runner.model)  # the same forwards with transformers' own RMSNorm code
+        record("baseline_forward_transformers_norms", scoring_seconds(ref_prefill, seqs, budget, device))
         ref_runner = None
         release(device)
 
