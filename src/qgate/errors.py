@@ -31,6 +31,28 @@ class ConfigError(QgateError):
     """A config, recipe or pipeline spec is invalid (names the key path)."""
 
 
+class ConfigProblems(ConfigError):
+    """Several independent problems in one config, each a ConfigError of its own (`problems`), so one run of a bad
+    spec shows all of them."""
+
+    def __init__(self, problems: list[ConfigError], prefix: str = ""):
+        self.problems = problems
+        lines = [f"{prefix}{len(problems)} problems"]
+        for e in problems:
+            lines.append(f"  - {e.message}")
+            lines += [f"    hint: {e.hint}"] if e.hint else []
+        super().__init__("\n".join(lines))
+
+
+def config_problems(errors: list[ConfigError], prefix: str = "") -> ConfigError:
+    """One ConfigError for all of `errors` (a ConfigProblems among them counts as its problems): the only one as it
+    is, with `prefix` before its message; several as a ConfigProblems."""
+    flat = [p for e in errors for p in (e.problems if isinstance(e, ConfigProblems) else [e])]
+    if len(flat) == 1:
+        return ConfigError(f"{prefix}{flat[0].message}", hint=flat[0].hint)
+    return ConfigProblems(flat, prefix)
+
+
 class InputError(QgateError):
     """An input file or directory is missing or malformed (names file:line or record)."""
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from typing import Any, Generic, TypeVar
 
-from qgate.errors import ConfigError
+from qgate.errors import ConfigError, config_problems
 
 T = TypeVar("T")
 
@@ -35,12 +35,15 @@ def key_path(*parts: Any) -> str:
 
 
 def check_keys(data: Mapping[str, Any], allowed: Iterable[str], where: str) -> None:
+    """ConfigError naming every key of `data` not in `allowed`, each with its closest allowed key."""
     allowed = sorted(allowed)
-    for k in data:
-        if k not in allowed:
-            raise ConfigError(
-                f"{key_path(where, k)}: unknown key{suggest(k, allowed)}", hint=f"allowed: {', '.join(allowed)}"
-            )
+    unknown = [
+        ConfigError(f"{key_path(where, k)}: unknown key{suggest(k, allowed)}", hint=f"allowed: {', '.join(allowed)}")
+        for k in data
+        if k not in allowed
+    ]
+    if unknown:
+        raise config_problems(unknown)
 
 
 def build_config(cls, data: Mapping[str, Any], where: str, fixed: Mapping[str, Any] | None = None):

@@ -132,6 +132,49 @@ def test_strict_spec_errors_name_file_key_path_and_suggestion(tmp_path, workdir,
     assert "__init__()" not in text and "variants.0" not in text
 
 
+def test_one_load_reports_every_problem_of_a_spec_each_with_its_path_and_hint(tmp_path, workdir, capsys):
+    structural = pipeline_spec(tmp_path, workdir, calibrate={"calib_sise": 24}, promote={"choose": "smalest"})
+    with pytest.raises(ConfigError) as e:
+        load_spec(structural)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"{structural}: 2 problems"
+    assert lines[1] == "  - calibrate.calib_sise: unknown key; did you mean 'calib_size'?"
+    assert lines[2].startswith("    hint: allowed: calib_size, ")
+    assert lines[3] == "  - promote.choose: Input should be 'best', 'smallest' or 'first' (got 'smalest')"
+    assert len(lines) == 4
+
+    gates = {"shadow": {"max_new_token": 16, "kl_p99": 0.5}, "eval": {"pol": True}}
+    semantic = pipeline_spec(
+        tmp_path,
+        workdir,
+        calibrate={"calib_size": 0, "shadow_size": 48},
+        quantize={"max_seq_length": 4},
+        variants=[
+            {"name": "a", "scheme": "awq-w4a16", "options": {"grup_size": 32, "n_gird": 4}},
+            {"name": "b", "scheme": "gptq-w8a61"},
+        ],
+        gates=gates,
+        drift={"max_js_rout": 0.1},
+    )
+    capsys.readouterr()  # the tiny model's making, when this test runs first
+    assert main(["run", str(semantic)]) == 1
+    err = capsys.readouterr().err
+    problems = [line for line in err.splitlines() if line.startswith("  - ")]
+    assert err.startswith(f"error: {semantic}: 9 problems\n") and "Traceback" not in err
+    assert problems == [
+        "  - calibrate.calib_size must be >= 1, got 0",
+        "  - quantize.max_seq_length must be >= 8, got 4",
+        "  - variants[0].options.grup_size: unknown key; did you mean 'group_size'? (variant a)",
+        "  - variants[0].options.n_gird: unknown key; did you mean 'n_grid'? (variant a)",
+        "  - variants[1]: unknown quantization scheme 'gptq-w8a61'; did you mean 'gptq-w8a16'? (variant b)",
+        "  - gates.shadow.max_new_token: unknown key; did you mean 'max_new_tokens'?",
+        "  - gates.shadow.kl_p99: unknown key; did you mean 'kl_p99_max'?",
+        "  - gates.eval.pol: unknown key; did you mean 'pool'?",
+        "  - drift.max_js_rout: unknown key; did you mean 'max_js_route'?",
+    ]
+    assert err.count("    hint: ") == 7  # the scheme's choices and each unknown key's allowed keys
+
+
 def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
     bad = pipeline_spec(tmp_path, workdir, surprise=1)
     capsys.readouterr()  # the tiny model's making, when this test runs first

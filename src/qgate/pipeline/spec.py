@@ -10,6 +10,7 @@ Relative paths in a spec are relative to the spec file's directory.
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from qgate.calibrate.sample import SampleConfig
-from qgate.errors import ConfigError, InputError
+from qgate.errors import ConfigError, ConfigProblems, InputError, config_problems
 from qgate.gates.result import OnInconclusive
 from qgate.naming import build_config, key_path, suggest
 from qgate.quantize.compress import CalibOptions
@@ -152,20 +153,26 @@ class PipelineSpec(_Strict):
         from qgate.gates.longctx import LongContextConfig
         from qgate.gates.shadow import ShadowConfig
 
-        ev = None if self.gates.eval is None else build_config(EvalConfig, self.gates.eval, "gates.eval")
         lc = self.gates.long_context
         if lc is not None and lc.get("documents"):  # relative to the spec file, like every path in it
             lc = lc | {"documents": str(self.path(lc["documents"]))}
-        long_ctx = None if lc is None else build_config(LongContextConfig, lc, "gates.long_context")
-        return GateConfig(
-            contract=build_config(ContractConfig, self.gates.contract, "gates.contract"),
-            shadow=build_config(ShadowConfig, self.gates.shadow, "gates.shadow"),
-            eval=ev,
-            long_context=long_ctx,
-            perf=build_config(PerfConfig, self.gates.perf, "gates.perf"),
-            parity=build_config(ParityConfig, self.gates.parity, "gates.parity"),
-            **{k: v for k in _GATE_SCALARS if (v := getattr(self.gates, k)) is not None},
-        )
+        sections = {
+            "contract": (ContractConfig, self.gates.contract),
+            "shadow": (ShadowConfig, self.gates.shadow),
+            "eval": (EvalConfig, self.gates.eval),  # None: no eval gate
+            "long_context": (LongContextConfig, lc),  # None: the served context is not probed
+            "perf": (PerfConfig, self.gates.perf),
+            "parity": (ParityConfig, self.gates.parity),
+        }
+        built, problems = {}, []
+        for name, (cls, data) in sections.items():
+            try:
+                built[name] = None if data is None else build_config(cls, data, f"gates.{name}")
+            except ConfigError as e:
+                problems.append(e)
+        if problems:
+            raise config_problems(problems)
+        return GateConfig(**built, **{k: v for k in _GATE_SCALARS if (v := getattr(self.gates, k)) is not None})
 
     def on_device(self, device: str | None) -> PipelineSpec:
         """This spec with gates.device set (the CLI's --device); unchanged for None."""
@@ -231,17 +238,20 @@ def _fields_at(loc: tuple) -> list[str]:
 
 
 def _pydantic_error(path: Path, e: ValidationError) -> ConfigError:
-    errors = sorted(e.errors(), key=lambda x: x["type"] != "extra_forbidden")  # an unknown key explains a missing one
-    first = errors[0]
-    loc = tuple(first["loc"])
-    where = key_path(*loc)
-    if first["type"] == "extra_forbidden":
-        allowed = _fields_at(loc[:-1])
-        msg, hint = f"unknown key{suggest(str(loc[-1]), allowed)}", f"allowed: {', '.join(allowed)}"
-    else:
-        msg, hint = first["msg"], None
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return ConfigError(f"{path}: {where}: {msg}{more}", hint=hint)
+    """Every problem pydantic found, each with its key path; an unknown key first, since it often explains a missing
+    one (a misspelt key is both)."""
+    problems = []
+    for err in sorted(e.errors(), key=lambda x: x["type"] != "extra_forbidden"):
+        loc = tuple(err["loc"])
+        if err["type"] == "extra_forbidden":
+            allowed = _fields_at(loc[:-1])
+            msg, hint = f"unknown key{suggest(str(loc[-1]), allowed)}", f"allowed: {', '.join(allowed)}"
+        else:
+            got = err.get("input")
+            shown = err["type"] != "missing" and isinstance(got, str | int | float | bool)
+            msg, hint = err["msg"] + (f" (got {got!r})" if shown else ""), None
+        problems.append(ConfigError(f"{key_path(*loc)}: {msg}", hint=hint))
+    return config_problems(problems, f"{path}: ")
 
 
 def load_spec(path: Path) -> PipelineSpec:
@@ -260,10 +270,9 @@ def load_spec(path: Path) -> PipelineSpec:
         spec = PipelineSpec(**data, root=path.parent.resolve())
     except ValidationError as e:
         raise _pydantic_error(path, e) from e
-    try:
-        _check_semantics(spec)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e.message}", hint=e.hint) from e
+    problems = _check_semantics(spec)
+    if problems:
+        raise config_problems(problems, f"{path}: ")
     return spec
 
 
@@ -287,17 +296,26 @@ def _check_engine(v: VariantSpec, where: str, fine_group_size: int | None = None
         raise ConfigError(f"{where}: {why}", hint=f"{keep}, or choose {row.serves}")
 
 
-def _check_semantics(spec: PipelineSpec) -> None:
-    """Fail at load time, not an hour in: scheme names, option names, thresholds, unique variant names."""
+def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
+    """Fail at load time, not an hour in: scheme names, option names, thresholds, unique variant names. Every section
+    and every variant is checked, so one load reports each problem, not only the first."""
     from qgate.engines.build import engine_config
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
-    SampleConfig(**spec.calibrate.model_dump())  # sizes, the malformed-records limit
-    CalibOptions(**spec.quantize.model_dump())
+    problems: list[ConfigError] = []
+
+    def check(fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except ConfigError as e:
+            problems.append(e)
+
+    check(lambda: SampleConfig(**spec.calibrate.model_dump()))  # sizes, the malformed-records limit
+    check(lambda: CalibOptions(**spec.quantize.model_dump()))
     names = [v.name for v in spec.variants]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
-        raise ConfigError(f"variants: duplicate name {sorted(dup)[0]!r}")
+        problems.append(ConfigError(f"variants: duplicate name {sorted(dup)[0]!r}"))
     for i, v in enumerate(spec.variants):
         try:
             scheme_config(v.scheme, where=key_path("variants", i, "options"), **v.options)
@@ -316,7 +334,9 @@ def _check_semantics(spec: PipelineSpec) -> None:
                         hint="set calibrate.search_size (e.g. 48): a held-out split of its own for the search",
                     )
         except ConfigError as e:
-            msg = e.message if e.message.startswith("variants[") else f"{key_path('variants', i)}: {e.message}"
-            raise ConfigError(f"{msg} (variant {v.name})", hint=e.hint) from e
-    spec.gate_config()
-    spec.drift_config()
+            for p in e.problems if isinstance(e, ConfigProblems) else [e]:
+                msg = p.message if p.message.startswith("variants[") else f"{key_path('variants', i)}: {p.message}"
+                problems.append(ConfigError(f"{msg} (variant {v.name})", hint=p.hint))
+    check(spec.gate_config)
+    check(spec.drift_config)
+    return problems
