@@ -87,6 +87,7 @@ def test_json_error_document_for_a_usage_of_missing_files(tmp_path, capsys):
     out = capsys.readouterr()
     doc = ErrorDoc.model_validate_json(out.out)
     assert rc == 1 and doc.exit_code == 1 and "no MLflow store" in doc.error and doc.hint
+    assert [(p.error, p.hint) for p in doc.problems] == [(doc.error, doc.hint)]
 
 
 @pytest.fixture

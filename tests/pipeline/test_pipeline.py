@@ -8,6 +8,7 @@ import yaml
 from specs import pipeline_spec
 
 from qgate.cli.main import main
+from qgate.cli.output import ErrorDoc
 from qgate.errors import ConfigError
 from qgate.pipeline.spec import load_spec
 
@@ -173,6 +174,12 @@ def test_one_load_reports_every_problem_of_a_spec_each_with_its_path_and_hint(tm
         "  - drift.max_js_rout: unknown key; did you mean 'max_js_route'?",
     ]
     assert err.count("    hint: ") == 7  # the scheme's choices and each unknown key's allowed keys
+
+    assert main(["run", str(semantic), "--json"]) == 1
+    doc = ErrorDoc.model_validate_json(capsys.readouterr().out)
+    assert [f"  - {p.error}" for p in doc.problems] == problems
+    assert doc.problems[2].hint == "allowed: duo_scaling, group_size, ignore, n_grid, symmetric"
+    assert doc.problems[0].hint is None and doc.error.startswith(f"{semantic}: 9 problems")
 
 
 def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):

@@ -142,9 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         from qgate.progress import console_err, console_out
 
         print(msg, file=console_err())
-        doc = error_doc(
-            list(argv if argv is not None else sys.argv[1:]), getattr(e, "message", msg), getattr(e, "hint", None), code
-        )
+        doc = error_doc(list(argv if argv is not None else sys.argv[1:]), e, msg, code)
         if doc is not None:
             print(doc, file=console_out())
         return code

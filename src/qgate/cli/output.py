@@ -19,6 +19,7 @@ from typing import Literal
 import typer
 from pydantic import BaseModel, ConfigDict, Field
 
+from qgate.errors import ConfigProblems, QgateError
 from qgate.gates.result import GateReport
 
 VERDICT = Literal["pass", "fail", "inconclusive", "error", "info"]
@@ -101,10 +102,19 @@ class RunDoc(_Doc):
     log_file: str | None = Field(description="library logs, when the console is not a terminal")
 
 
+class Problem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    error: str
+    hint: str | None
+
+
 class ErrorDoc(_Doc):
     command: str
     error: str
     hint: str | None
+    problems: list[Problem] = Field(
+        description="each problem on its own, with its hint: several for a spec with several, else the one in `error`"
+    )
 
 
 DOCS = (GateDoc, RegisterDoc, PromoteDoc, RunDoc, ErrorDoc)
@@ -139,13 +149,16 @@ class Output:
 EMITTED = False  # a command printed its document: the CLI boundary then adds none for a refusal it raises after
 
 
-def error_doc(argv: list[str], message: str, hint: str | None, exit_code: int) -> str | None:
+def error_doc(argv: list[str], e: BaseException, message: str, exit_code: int) -> str | None:
     """The JSON document for a failure, when --json was asked for and the command printed none."""
     if "--json" not in argv or EMITTED:
         return None
     words = [a for a in argv if not a.startswith("-")]
+    error, hint = (e.message, e.hint) if isinstance(e, QgateError) else (message, None)
+    each = e.problems if isinstance(e, ConfigProblems) else [e] if isinstance(e, QgateError) else []
+    problems = [Problem(error=p.message, hint=p.hint) for p in each] or [Problem(error=error, hint=hint)]
     return ErrorDoc(
-        exit_code=exit_code, command=" ".join(words[:2]) or "qgate", error=message, hint=hint
+        exit_code=exit_code, command=" ".join(words[:2]) or "qgate", error=error, hint=hint, problems=problems
     ).model_dump_json(indent=2)
 
 
