@@ -121,17 +121,18 @@ def test_graph_batch_sizes_follow_observed_concurrency():
     assert max(sizes) == 64 and max_batch == 64
 
 
-def test_trtllm_bundle_written_then_unavailable_without_cuda(awq_art, calib_arts, tmp_path):
+def test_trtllm_refused_before_writing_without_cuda_and_bundled_unverified_on_request(awq_art, calib_arts, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this host has CUDA")
-    with pytest.raises(BackendUnavailable, match="not verified: no CUDA device"):
+    with pytest.raises(BackendUnavailable, match=r"bundle not built: it cannot be verified on this host \(no CUDA"):
         build_engine(awq_art, "trtllm", tmp_path / "trt", calib_arts["profile"])
-    opts = yaml.safe_load((tmp_path / "trt/llm_api_options.yaml").read_text())
+    assert not (tmp_path / "trt").exists()
+    art = build_engine(awq_art, "trtllm", tmp_path / "trt2", calib_arts["profile"], verify=False)
+    opts = yaml.safe_load((tmp_path / "trt2/llm_api_options.yaml").read_text())
     conc = json.loads((calib_arts["profile"].path / "profile.json").read_text())["concurrency"]
     assert opts["cuda_graph_config"]["batch_sizes"] == graph_batch_sizes(conc, 256)[0]
     assert opts["kv_cache_config"]["dtype"] == "auto"
-    assert (tmp_path / "trt/checkpoint/config.json").exists()
-    art = build_engine(awq_art, "trtllm", tmp_path / "trt2", calib_arts["profile"], verify=False)
+    assert (tmp_path / "trt2/checkpoint/config.json").exists()
     assert art.meta["verified"] is False and Artifact.load(art.path).sha256 == art.sha256
 
 

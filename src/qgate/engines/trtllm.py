@@ -58,6 +58,12 @@ def llm_api_options(ckpt: Artifact, config: TrtllmConfig, concurrency: dict) -> 
 def build_trtllm(ckpt: Artifact, config: TrtllmConfig, out: Path, profile: Artifact | None = None) -> Artifact:
     concurrency = profile_concurrency(profile)
     options = llm_api_options(ckpt, config, concurrency)
+    if config.verify and (reason := _unavailable_reason()):  # before anything is written: no unverified bundle
+        raise BackendUnavailable(
+            f"TensorRT-LLM bundle not built: it cannot be verified on this host ({reason})",
+            hint="build it on a CUDA host with `pip install tensorrt-llm`, or pass --no-verify to write the bundle "
+            "unverified",
+        )
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
@@ -80,17 +86,12 @@ def build_trtllm(ckpt: Artifact, config: TrtllmConfig, out: Path, profile: Artif
     parents = (ckpt.sha256,) + ((profile.sha256,) if profile else ())
     art_config = {"engine": typed_config(config), "llm_api_options": options, "checkpoint": ckpt.config}
     if config.verify:
-        meta |= verify_bundle(out, options)  # raises BackendUnavailable without CUDA, after the bundle is on disk
+        meta |= verify_bundle(out, options)
     return Artifact.create("engine", out, art_config, parents, meta)
 
 
 def verify_bundle(out: Path, options: dict) -> dict:
-    reason = _unavailable_reason()
-    if reason:
-        raise BackendUnavailable(
-            f"TensorRT-LLM bundle written to {out} but not verified: {reason}",
-            hint="verify on a CUDA host with `pip install tensorrt-llm`, or pass --no-verify to only write the bundle",
-        )
+    """Load the bundle, replay each captured batch size once, and smoke-generate (needs CUDA and tensorrt_llm)."""
     from tensorrt_llm import LLM, SamplingParams  # noqa: PLC0415
     from tensorrt_llm.llmapi import CudaGraphConfig, KvCacheConfig  # noqa: PLC0415
 
