@@ -606,14 +606,15 @@ def test_pipeline_search_chooses_on_its_own_split_and_the_shadow_split_confirms(
     assert points and not any("(cached)" in m for m in points)  # no point scored in float32 is reused
 
 
-def test_search_cli_names_an_unknown_variant(tmp_path, workdir, capsys):
-
+def test_search_cli_names_an_unknown_variant_before_making_anything(tmp_path, workdir, capsys):
     from qgate.cli.main import main
 
     spec = pipeline_spec(tmp_path, workdir)
+    capsys.readouterr()  # the tiny model's making, when this test runs first
     assert main(["search", "--spec", str(spec), "--variant", "awq-cpx"]) == 1
     err = capsys.readouterr().err
-    assert "variant 'awq-cpx' is not in the spec; did you mean 'awq-cpu'?" in err
+    assert err.startswith("error: variant 'awq-cpx' is not in the spec; did you mean 'awq-cpu'?")
+    assert not (tmp_path / "work").exists()  # no workdir, lock or log for a job that cannot start
 
 
 def test_promotion_policy_smallest_picks_the_fewest_bytes_among_passing(tmp_path):

@@ -34,6 +34,7 @@ def search_cmd(
     from qgate.progress import console_err, interactive, quiet_console
 
     s = load_spec(spec).on_device(device)
+    s.variant(variant)  # a misspelt name fails before the workdir and its logs are made
     workdir = s.path(s.workdir)
     log_file = None if interactive() else quiet_console(workdir / "logs" / "qgate-search.log")
     typer.echo(

@@ -229,17 +229,10 @@ def _amounts(res: dict) -> str:
 def run_search(spec: PipelineSpec, variant: str, echo: Callable[[str], None] = print, wait: float = 0.0) -> Artifact:
     """`qgate search`: the model, calibrate and baseline stages of `spec`, then the search for `variant`, under the
     workdir lock. `qgate run` on the same spec reuses the result."""
-    from qgate.errors import ConfigError
     from qgate.gates.gating import baseline_floor
     from qgate.locks import workdir_lock
-    from qgate.naming import suggest
 
-    names = [v.name for v in spec.variants]
-    if variant not in names:
-        raise ConfigError(
-            f"variant {variant!r} is not in the spec{suggest(variant, names)}", hint=f"variants: {', '.join(names)}"
-        )
-    v = spec.variants[names.index(variant)]
+    v = spec.variant(variant)
     with workdir_lock(spec.path(spec.workdir), f"qgate search {spec.name} {variant}", wait=wait, echo=echo):
         led = Ledger(spec.path(spec.workdir), echo)
         base = model_stage(led, spec)

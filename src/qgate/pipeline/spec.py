@@ -139,6 +139,15 @@ class PipelineSpec(_Strict):
     def path(self, p: str) -> Path:
         return (self.root / p).resolve()
 
+    def variant(self, name: str) -> VariantSpec:
+        """The variant called `name`; ConfigError naming the spec's variants, with the closest, otherwise."""
+        names = [v.name for v in self.variants]
+        if name not in names:
+            raise ConfigError(
+                f"variant {name!r} is not in the spec{suggest(name, names)}", hint=f"variants: {', '.join(names)}"
+            )
+        return self.variants[names.index(name)]
+
     def traffic_source(self, traffic: str | None = None) -> str:
         """The traffic to sample: an object-store URI as written, a local path relative to the spec file."""
         from qgate.calibrate.sources import is_uri
