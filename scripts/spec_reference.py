@@ -23,10 +23,11 @@ OUT = ROOT / "docs" / "spec.md"
 HEAD = """# The pipeline spec
 
 `qgate run SPEC` reads one strict YAML file. An unknown key, scheme, option or backend is refused when the spec loads,
-with the key's path and a suggestion; so is a variant that could never be gated. One load reports every such problem,
-each on its own line with its hint: first the spec's shape (unknown and missing keys, wrong types), then, once that
-is right, every section's values. Relative paths are relative to the spec file. `pipelines/promote.yaml` (the demo)
-and `pipelines/gpu.yaml` are complete examples.
+with the key's path and a suggestion; so is a value of the wrong type (`4.5` for an integer, `1` for a boolean) or out
+of its range, and a variant that could never be gated. One load reports every such problem, each on its own line with
+its hint: first the spec's top-level shape, then, once that is right, every section's keys, types and values.
+Relative paths are relative to the spec file. `pipelines/promote.yaml` (the demo) and `pipelines/gpu.yaml` are
+complete examples.
 
 This page is generated from the configs the sections are built from (`scripts/spec_reference.py`; a test fails when
 it is out of date), so each default below is the one the code uses.

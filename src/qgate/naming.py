@@ -10,6 +10,8 @@ the closest known name.
 from __future__ import annotations
 
 import difflib
+import functools
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from typing import Any, Generic, TypeVar
@@ -46,10 +48,39 @@ def check_keys(data: Mapping[str, Any], allowed: Iterable[str], where: str) -> N
         raise config_problems(unknown)
 
 
+@functools.cache
+def _adapter(cls: type, name: str):
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(typing.get_type_hints(cls)[name])
+
+
+def check_types(cls: type, data: Mapping[str, Any], where: str) -> None:
+    """ConfigError naming every value of `data` that is not of its field's declared type, strictly (no "3" or 4.5 for
+    an int, no 1 for a bool; an int is a number): a config's own checks compare values, they do not check types."""
+    from pydantic import ValidationError
+
+    problems = []
+    for k, v in data.items():
+        try:
+            _adapter(cls, k).validate_python(tuple(v) if isinstance(v, list) else v, strict=True)  # YAML's lists
+        except ValidationError as e:
+            err = e.errors()[0]
+            msg = "Input should be a list" if err["type"] == "tuple_type" else err["msg"]
+            optional = type(None) in typing.get_args(typing.get_type_hints(cls)[k])
+            problems.append(
+                ConfigError(f"{key_path(where, k, *err['loc'])}: {msg}{' or null' if optional else ''} (got {v!r})")
+            )
+    if problems:
+        raise config_problems(problems)
+
+
 def build_config(cls, data: Mapping[str, Any], where: str, fixed: Mapping[str, Any] | None = None):
-    """A frozen dataclass config from a mapping (lists become tuples), with `where` in every error."""
+    """A frozen dataclass config from a mapping (lists become tuples), with `where` in every error: unknown keys and
+    values of the wrong type first, then the config's own checks."""
     fixed = dict(fixed or {})
     check_keys(data, [f.name for f in fields(cls) if f.name not in fixed], where)
+    check_types(cls, data, where)
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
     try:
         return cls(**fixed, **kwargs)
