@@ -48,6 +48,23 @@ def test_group_size_checked_before_calibration(base_art, calib_arts, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_quantize_cli_names_its_flags_in_errors(base_art, tmp_path, capsys):
+    from qgate.cli.main import main
+
+    args = ["quantize", "--model", str(base_art.path), "--out", str(tmp_path / "q")]
+    assert main([*args, "--scheme", "awq-w4a16", "--group-size", "48"]) == 1
+    assert capsys.readouterr().err.startswith(
+        "error: --group-size: AWQConfig.group_size must be a positive power of two"
+    )
+    assert main([*args, "--scheme", "gptq-w4a16"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: this scheme calibrates on real prompts, and no calibration set was given\n")
+    assert "hint: pass --calib with the calib split that `qgate calibrate sample` writes" in err
+    assert main([*args, "--scheme", "fp8-dynamic", "--kv-cache", "fp8"]) == 1
+    assert capsys.readouterr().err.startswith("error: a KV-cache scheme calibrates, and no calibration set was given")
+    assert not (tmp_path / "q").exists()
+
+
 def test_awq_checkpoint_is_compressed_tensors_with_lineage(awq_art, base_art, calib_arts):
     cfg = json.loads((awq_art.path / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "pack-quantized"

@@ -32,7 +32,7 @@ def quantize_cmd(
     from qgate.quantize.compress import quantize
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
-    cfg = scheme_config(scheme, group_size=group_size)
+    cfg = scheme_config(scheme, where="--group-size", group_size=group_size)
     kv = KVCacheConfig(kv_cache) if kv_cache else None
     base = Artifact.load(model, "checkpoint")
     cal = Artifact.load(calib, "calibration-set") if calib else None

@@ -183,7 +183,11 @@ def quantize(
         )
     needs_data = (scheme.needs_calibration or kv is not None) and smoothed is None
     if needs_data and calib is None:
-        raise InputError(f"scheme {type(scheme).__name__} needs --calib (a calibration-set artifact)")
+        why = "this scheme calibrates on real prompts" if scheme.needs_calibration else "a KV-cache scheme calibrates"
+        raise InputError(
+            f"{why}, and no calibration set was given",
+            hint="pass --calib with the calib split that `qgate calibrate sample` writes",
+        )
     out = Path(out)
     from qgate.trust import check_loadable, copy_tokenizer_files, load_tokenizer
 
