@@ -26,6 +26,11 @@ class QgateError(Exception):
     def __str__(self) -> str:
         return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
 
+    @property
+    def problems(self) -> list[QgateError]:
+        """Each problem this error reports, on its own: itself, unless it gathers several (ConfigProblems)."""
+        return [self]
+
 
 class ConfigError(QgateError):
     """A config, recipe or pipeline spec is invalid (names the key path)."""
@@ -36,18 +41,22 @@ class ConfigProblems(ConfigError):
     spec shows all of them."""
 
     def __init__(self, problems: list[ConfigError], prefix: str = ""):
-        self.problems = problems
+        self._problems = problems
         lines = [f"{prefix}{len(problems)} problems"]
         for e in problems:
             lines.append(f"  - {e.message}")
             lines += [f"    hint: {e.hint}"] if e.hint else []
         super().__init__("\n".join(lines))
 
+    @property
+    def problems(self) -> list[ConfigError]:
+        return self._problems
+
 
 def config_problems(errors: list[ConfigError], prefix: str = "") -> ConfigError:
     """One ConfigError for all of `errors` (a ConfigProblems among them counts as its problems): the only one as it
     is, with `prefix` before its message; several as a ConfigProblems."""
-    flat = [p for e in errors for p in (e.problems if isinstance(e, ConfigProblems) else [e])]
+    flat = [p for e in errors for p in e.problems]
     if len(flat) == 1:
         return ConfigError(f"{prefix}{flat[0].message}", hint=flat[0].hint)
     return ConfigProblems(flat, prefix)

@@ -55,15 +55,17 @@ def _adapter(cls: type, name: str):
     return TypeAdapter(typing.get_type_hints(cls)[name])
 
 
-def check_types(cls: type, data: Mapping[str, Any], where: str) -> None:
-    """ConfigError naming every value of `data` that is not of its field's declared type, strictly (no "3" or 4.5 for
-    an int, no 1 for a bool; an int is a number): a config's own checks compare values, they do not check types."""
+def typed_values(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """`data` as `cls`'s keyword arguments (YAML's lists as tuples), or a ConfigError naming every value that is not
+    of its field's declared type, strictly (no "3" or 4.5 for an int, no 1 for a bool; an int is a number): a
+    config's own checks compare values, they do not check types."""
     from pydantic import ValidationError
 
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
     problems = []
     for k, v in data.items():
         try:
-            _adapter(cls, k).validate_python(tuple(v) if isinstance(v, list) else v, strict=True)  # YAML's lists
+            _adapter(cls, k).validate_python(kwargs[k], strict=True)
         except ValidationError as e:
             err = e.errors()[0]
             msg = "Input should be a list" if err["type"] == "tuple_type" else err["msg"]
@@ -73,6 +75,7 @@ def check_types(cls: type, data: Mapping[str, Any], where: str) -> None:
             )
     if problems:
         raise config_problems(problems)
+    return kwargs
 
 
 def build_config(cls, data: Mapping[str, Any], where: str, fixed: Mapping[str, Any] | None = None):
@@ -80,8 +83,7 @@ def build_config(cls, data: Mapping[str, Any], where: str, fixed: Mapping[str, A
     values of the wrong type first, then the config's own checks."""
     fixed = dict(fixed or {})
     check_keys(data, [f.name for f in fields(cls) if f.name not in fixed], where)
-    check_types(cls, data, where)
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    kwargs = typed_values(cls, data, where)
     try:
         return cls(**fixed, **kwargs)
     except ConfigError as e:

@@ -19,7 +19,7 @@ from typing import Literal
 import typer
 from pydantic import BaseModel, ConfigDict, Field
 
-from qgate.errors import ConfigProblems, QgateError
+from qgate.errors import QgateError
 from qgate.gates.result import GateReport
 
 VERDICT = Literal["pass", "fail", "inconclusive", "error", "info"]
@@ -155,7 +155,7 @@ def error_doc(argv: list[str], e: BaseException, message: str, exit_code: int) -
         return None
     words = [a for a in argv if not a.startswith("-")]
     error, hint = (e.message, e.hint) if isinstance(e, QgateError) else (message, None)
-    each = e.problems if isinstance(e, ConfigProblems) else [e] if isinstance(e, QgateError) else []
+    each = e.problems if isinstance(e, QgateError) else []
     problems = [Problem(error=p.message, hint=p.hint) for p in each] or [Problem(error=error, hint=hint)]
     return ErrorDoc(
         exit_code=exit_code, command=" ".join(words[:2]) or "qgate", error=error, hint=hint, problems=problems

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from qgate.calibrate.sample import SampleConfig
-from qgate.errors import ConfigError, ConfigProblems, InputError, config_problems
+from qgate.errors import ConfigError, InputError, config_problems
 from qgate.gates.result import OnInconclusive
 from qgate.naming import build_config, key_path, suggest
 from qgate.quantize.compress import CalibOptions
@@ -343,7 +343,7 @@ def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
                         hint="set calibrate.search_size (e.g. 48): a held-out split of its own for the search",
                     )
         except ConfigError as e:
-            for p in e.problems if isinstance(e, ConfigProblems) else [e]:
+            for p in e.problems:
                 msg = p.message if p.message.startswith("variants[") else f"{key_path('variants', i)}: {p.message}"
                 problems.append(ConfigError(f"{msg} (variant {v.name})", hint=p.hint))
     check(spec.gate_config)
