@@ -182,6 +182,30 @@ def test_one_load_reports_every_problem_of_a_spec_each_with_its_path_and_hint(tm
     assert doc.problems[0].hint is None and doc.error.startswith(f"{semantic}: 9 problems")
 
 
+def test_registry_names_mlflow_would_refuse_fail_the_spec_at_load_not_after_the_run(tmp_path, workdir, capsys):
+    """A name the tracking server refuses would otherwise surface at registration, after every variant was gated."""
+    bad = pipeline_spec(
+        tmp_path,
+        workdir,
+        registry={"model_name": "team/tiny", "store": "mlflow"},
+        promote={"alias": "prod env"},
+        drift={"alias": "v2"},
+    )
+    capsys.readouterr()  # the tiny model's making, when this test runs first
+    assert main(["run", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {bad}: 3 problems\n") and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("  - ")] == [
+        "  - registry.model_name: Invalid model name 'team/tiny'. Names cannot contain '/' or ':'.",
+        "  - promote.alias: Invalid alias name: 'prod env'. Names may only contain alphanumerics, underscores (_), "
+        "and dashes (-).",
+        "  - drift.alias: Version alias name 'v2' is reserved.",
+    ]
+    assert err.count("    hint: ") == 3 and not (tmp_path / "work").exists()
+    ok = pipeline_spec(tmp_path, workdir, registry={"model_name": "team.tiny", "store": "mlflow"})
+    assert load_spec(ok).registry.model_name == "team.tiny"
+
+
 def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
     bad = pipeline_spec(tmp_path, workdir, surprise=1)
     capsys.readouterr()  # the tiny model's making, when this test runs first

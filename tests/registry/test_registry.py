@@ -5,6 +5,7 @@ import pytest
 
 from qgate.artifact import Artifact
 from qgate.cli.main import main
+from qgate.cli.output import ErrorDoc
 from qgate.errors import PromotionRefused
 from qgate.gates.gating import GateConfig, run_gates
 from qgate.gates.shadow import ShadowConfig
@@ -120,7 +121,33 @@ def test_verify_catches_an_alias_moved_outside_qgate(gated, w8_art, awq_art, tmp
     assert main(["verify", "--model", "ui", "--alias", "production", "--store", str(store)]) == 2
     assert capsys.readouterr().err.startswith("refused: ")
     assert main(["verify", "--model", "ui", "--alias", "canary", "--store", str(store)]) == 1
-    assert "alias @canary not found" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "alias @canary not found" in err
+    assert f"hint: its versions: 1 to {max(int(v_ok), int(v_bad))} (less any deleted); " in err
+    assert f"its aliases: @production -> v{v_bad}" in err
+    assert main(["promote", "--model", "iu", "--version", v_ok, "--store", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert "model 'iu' not found" in err and "hint: registered models there: ui" in err
+
+
+def test_names_mlflow_would_refuse_are_all_named_before_any_store_is_read(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    store = tmp_path / "nowhere"
+    args = ["--model", "a/b", "--version", "1.0", "--alias", "latest", "--store", str(store), "--json"]
+    assert main(["promote", *args]) == 1
+    doc = ErrorDoc.model_validate_json(capsys.readouterr().out)
+    assert [p.error for p in doc.problems] == [
+        "model name: Invalid model name 'a/b'. Names cannot contain '/' or ':'.",
+        "alias: 'latest' alias name (case insensitive) is reserved.",
+        "version: Parameter 'version' must be an integer, got '1.0'.",
+    ]
+    assert all(p.hint for p in doc.problems) and "no MLflow store" not in doc.error
+    assert main(["verify", "--model", "m", "--alias", "prod env", "--store", str(store)]) == 1
+    assert "error: alias: Invalid alias name: 'prod env'" in capsys.readouterr().err
+    for cmd in ("status", "rollback"):
+        assert main([cmd, "--model", "x:y", "--store", str(store)]) == 1
+        assert "error: model name: Invalid model name 'x:y'" in capsys.readouterr().err
+    assert not store.exists()
 
 
 def test_reads_never_create_a_store_and_name_the_one_searched(tmp_path, monkeypatch, capsys):

@@ -310,6 +310,7 @@ def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
     and every variant is checked, so one load reports each problem, not only the first."""
     from qgate.engines.build import engine_config
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
+    from qgate.registry.names import name_problems
 
     problems: list[ConfigError] = []
 
@@ -348,4 +349,10 @@ def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
                 problems.append(ConfigError(f"{msg} (variant {v.name})", hint=p.hint))
     check(spec.gate_config)
     check(spec.drift_config)
+    alias = spec.drift.get("alias")
+    problems += name_problems(
+        model_name=spec.registry.model_name,
+        alias=spec.promote.alias,
+        where={"model name": "registry.model_name", "alias": "promote.alias"},
+    ) + (name_problems(alias=alias, where={"alias": "drift.alias"}) if isinstance(alias, str) else [])
     return problems

@@ -20,6 +20,7 @@ from qgate.artifact import Artifact
 from qgate.errors import RegistryError
 from qgate.registry.checks import check_version
 from qgate.registry.lease import Lease, registry_lock
+from qgate.registry.names import check_names
 from qgate.registry.transport import absent, configure_http
 
 DEFAULT_STORE = Path(".qgate/mlflow")
@@ -193,6 +194,7 @@ def register(
     Every tag is set when the version is created, so a version never exists without its evidence. Idempotent: the
     same gate report and candidate give the version registered the first time.
     """
+    check_names(model_name=model_name)
     if gate.kind != "gate-report":
         raise RegistryError(f"{gate.path}: --gate must be a gate-report artifact")
     if gate.meta.get("candidate") != candidate.sha256:
@@ -392,12 +394,48 @@ def _version(client, model_name: str, version: str | None, alias: str | None, st
         if not absent(e):
             raise
         what = f"alias @{alias}" if alias is not None else f"version {version}"
-        raise RegistryError(f"model {model_name!r} {what} not found in {tracking_uri(store, create=False)}") from e
+        raise _version_not_found(client, model_name, what, store) from e
+
+
+def _version_not_found(client, model_name: str, what: str, store: Path | None) -> RegistryError:
+    """The model's version or alias (`what`) is not in the store: say which, and which versions and aliases are."""
+    model = _registered_model(client, model_name, store)
+    aliases = ", ".join(f"@{a} -> v{v}" for a, v in sorted(model.aliases.items())) or "none"
+    latest = max((int(v.version) for v in model.latest_versions), default=None)
+    return RegistryError(
+        f"model {model_name!r} {what} not found in {tracking_uri(store, create=False)}",
+        hint=f"its versions: {'none yet' if latest is None else f'1 to {latest}'} (less any deleted); "
+        f"its aliases: {aliases}",
+    )
+
+
+def _registered_model(client, model_name: str, store: Path | None):
+    """The registered model; a RegistryError naming the models the store holds when it is not one of them."""
+    import mlflow
+
+    try:
+        return client.get_registered_model(model_name)
+    except mlflow.exceptions.MlflowException as e:
+        if not absent(e):
+            raise
+        raise _model_not_found(client, model_name, store) from e
+
+
+def _model_not_found(client, model_name: str, store: Path | None) -> RegistryError:
+    names = sorted(m.name for m in client.search_registered_models(max_results=20))
+    return RegistryError(
+        f"model {model_name!r} not found in {tracking_uri(store, create=False)}",
+        hint=f"registered models there: {', '.join(names)}{' ...' if len(names) == 20 else ''}"
+        if names
+        else "nothing is registered there yet (`qgate register` or `qgate run` registers a version); or pass --store "
+        "with the pipeline's registry.store directory, or set MLFLOW_TRACKING_URI",
+    )
 
 
 @refusals("move an alias")
 def promote(model_name: str, version: str, alias: str = "production", store: Path | None = None) -> dict:
     """Point `alias` at `version` if its gate passed and its stored artifact still hashes to what was gated."""
+    check_names(model_name=model_name, version=str(version), alias=alias)
     _, client = _client(store, create=False)
     with registry_lock(
         client, store or DEFAULT_STORE, model_name
@@ -433,6 +471,7 @@ def _promote(client, model_name: str, version: str, alias: str, store: Path | No
 def rollback(model_name: str, store: Path | None = None) -> dict:
     """Point `production` at `previous-production` after re-checking it (check_version), and `previous-production` at
     the version production held, so a second rollback undoes the first."""
+    check_names(model_name=model_name)
     _, client = _client(store, create=False)
     with registry_lock(client, store or DEFAULT_STORE, model_name) as lease:
         return _rollback(client, model_name, store, lease)
@@ -446,6 +485,7 @@ def _rollback(client, model_name: str, store: Path | None, lease: Lease) -> dict
     except mlflow.exceptions.MlflowException as e:
         if not absent(e):
             raise
+        _registered_model(client, model_name, store)
         raise RegistryError(
             f"model {model_name!r} has no @{PREVIOUS} to roll back to in {tracking_uri(store, create=False)}",
             hint="promote a version by hand: qgate promote --model NAME --version N",
@@ -473,15 +513,10 @@ def _rollback(client, model_name: str, store: Path | None, lease: Lease) -> dict
 
 def status(model_name: str, store: Path | None = None) -> list[dict]:
     """Every alias of the model with its version's verdict, recipe, drift check and evidence link."""
-    import mlflow
 
+    check_names(model_name=model_name)
     _, client = _client(store, create=False)
-    try:
-        aliases = dict(client.get_registered_model(model_name).aliases)
-    except mlflow.exceptions.MlflowException as e:
-        if not absent(e):
-            raise
-        raise RegistryError(f"model {model_name!r} not found in {tracking_uri(store, create=False)}") from e
+    aliases = dict(_registered_model(client, model_name, store).aliases)
     order = ["production", PREVIOUS] + sorted(a for a in aliases if a not in ("production", PREVIOUS))
     rows = []
     for alias in order:
@@ -518,6 +553,7 @@ def verify(model_name: str, alias: str = "production", store: Path | None = None
     Serving code calls this before loading: PromotionRefused if that version's gate did not pass or its files
     changed; RegistryError if the model, alias or store does not exist.
     """
+    check_names(model_name=model_name, alias=alias)
     _, client = _client(store, create=False)
     mv = _version(client, model_name, None, alias, store)
     actual = check_version(mv)
