@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from qgate.cli.main import main
-from qgate.cli.output import ErrorDoc, GateDoc, PromoteDoc, RunDoc, json_schema
+from qgate.cli.output import ErrorDoc, GateDoc, PromoteDoc, RunDoc, StatusDoc, VerifyDoc, json_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,6 +88,9 @@ def test_json_error_document_for_a_usage_of_missing_files(tmp_path, capsys):
     doc = ErrorDoc.model_validate_json(out.out)
     assert rc == 1 and doc.exit_code == 1 and "no MLflow store" in doc.error and doc.hint
     assert [(p.error, p.hint) for p in doc.problems] == [(doc.error, doc.hint)]
+    assert doc.command == "promote"  # the command, not the command and the model's name after it
+    assert main(["run", str(tmp_path / "missing.yaml"), "--json"]) == 1
+    assert ErrorDoc.model_validate_json(capsys.readouterr().out).command == "run"
 
 
 @pytest.fixture
@@ -124,14 +127,21 @@ def test_version_page_evidence_status_and_rollback(two_versions, capsys):
     assert not any(v.startswith("/") for v in mv.tags.values() if isinstance(v, str))  # no local paths in the UI
     assert "qgate" in client.get_registered_model("tiny-llm").description
     assert main(["status", "--model", "tiny-llm", "--store", str(store), "--json"]) == 0
-    rows = {r["alias"]: r for r in json.loads(capsys.readouterr().out)["aliases"]}
-    assert rows["production"]["version"] == v2 and rows["previous-production"]["version"] == v1
-    assert rows["production"]["verdict"] == "pass" and rows["production"]["gate_report"].startswith("runs:/")
+    status = StatusDoc.model_validate_json(capsys.readouterr().out)
+    rows = {r.alias: r for r in status.aliases}
+    assert rows["production"].version == v2 and rows["previous-production"].version == v1
+    assert rows["production"].verdict == "pass" and rows["production"].gate_report.startswith("runs:/")
     assert main(["status", "--model", "tiny-llm", "--store", str(store)]) == 0
-    assert "previous-production" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()  # plain lines, one per alias, columns aligned: no TTY box drawing
+    assert lines[0] == "tiny-llm" and lines[1].split()[:3] == ["alias", "version", "verdict"]
+    assert lines[2].split()[:3] == ["production", v2, "pass"] and lines[3].split()[:2] == ["previous-production", v1]
+    assert lines[1].index("verdict") == lines[2].index("pass") == lines[3].index("pass")
+    assert main(["verify", "--model", "tiny-llm", "--store", str(store), "--json"]) == 0
+    verified = VerifyDoc.model_validate_json(capsys.readouterr().out)
+    assert verified.version == v2 and verified.artifact_sha256 == rows["production"].artifact_sha256
     assert main(["rollback", "--model", "tiny-llm", "--store", str(store), "--json"]) == 0
     doc = PromoteDoc.model_validate_json(capsys.readouterr().out)
-    assert doc.version == v1 and doc.previous == v2
+    assert doc.command == "rollback" and doc.version == v1 and doc.previous == v2
     assert str(client.get_model_version_by_alias("tiny-llm", "production").version) == v1
     assert str(client.get_model_version_by_alias("tiny-llm", "previous-production").version) == v2
     assert main(["rollback", "--model", "tiny-llm", "--store", str(store)]) == 0  # a second rollback undoes the first

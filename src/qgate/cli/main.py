@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         from qgate.progress import console_err, console_out
 
         print(msg, file=console_err())
-        doc = error_doc(list(argv if argv is not None else sys.argv[1:]), e, msg, code)
+        groups = tuple(g.name for g in app.registered_groups)
+        doc = error_doc(list(argv if argv is not None else sys.argv[1:]), e, msg, code, groups)
         if doc is not None:
             print(doc, file=console_out())
         return code

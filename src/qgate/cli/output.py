@@ -3,6 +3,7 @@ summaries people read of a checkpoint (`checkpoint_line`).
 
     out = Output(json_mode)            # out.say(text): stdout, or stderr when stdout carries JSON
     out.emit(GateDoc(...))             # the one JSON document, when --json
+    for line in columns(("alias", "version"), [("production", "3")]): out.say(line)
     write_junit(Path("gate.xml"), {"awq-w4a16": GateReport.from_json(report)})
     step_summary(markdown)             # appended to $GITHUB_STEP_SUMMARY when it is set
 
@@ -70,13 +71,45 @@ class RegisterDoc(_Doc):
 
 
 class PromoteDoc(_Doc):
-    command: Literal["promote"] = "promote"
+    command: Literal["promote", "rollback"] = Field(
+        default="promote", description="rollback: `production` moved back to `previous-production`, the two swapped"
+    )
     model: str
     version: str
     alias: str
     previous: str | None
     tracking_uri: str
     artifact_sha256: str
+
+
+class VerifyDoc(_Doc):
+    command: Literal["verify"] = "verify"
+    model: str
+    alias: str
+    version: str
+    artifact_sha256: str
+    tracking_uri: str
+    source: str = Field(description="where the registered files are, as MLflow stores it")
+
+
+class AliasRow(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    alias: str
+    version: str | None = Field(description="null: the alias points at no version")
+    verdict: str = Field(description="the gate's verdict for that version; '-' when none")
+    variant: str
+    scheme: str
+    backend: str = Field(description="the runtime the version was gated on")
+    created: str
+    drift: str = Field(description="the last drift check's verdict and time; '-' when none")
+    gate_report: str = Field(description="the gate report's MLflow artifact URI")
+    artifact_sha256: str | None
+
+
+class StatusDoc(_Doc):
+    command: Literal["status"] = "status"
+    model: str
+    aliases: list[AliasRow] = Field(description="production, previous-production, then the other aliases by name")
 
 
 class VariantDoc(BaseModel):
@@ -117,7 +150,7 @@ class ErrorDoc(_Doc):
     )
 
 
-DOCS = (GateDoc, RegisterDoc, PromoteDoc, RunDoc, ErrorDoc)
+DOCS = (GateDoc, RegisterDoc, PromoteDoc, VerifyDoc, StatusDoc, RunDoc, ErrorDoc)
 
 
 def json_schema() -> dict:
@@ -149,17 +182,28 @@ class Output:
 EMITTED = False  # a command printed its document: the CLI boundary then adds none for a refusal it raises after
 
 
-def error_doc(argv: list[str], e: BaseException, message: str, exit_code: int) -> str | None:
-    """The JSON document for a failure, when --json was asked for and the command printed none."""
+def error_doc(
+    argv: list[str], e: BaseException, message: str, exit_code: int, groups: tuple[str, ...] = ()
+) -> str | None:
+    """The JSON document for a failure, when --json was asked for and the command printed none. `command` is the
+    command's name, with its subcommand's when it is one of `groups` (e.g. "calibrate sample")."""
     if "--json" not in argv or EMITTED:
         return None
-    words = [a for a in argv if not a.startswith("-")]
+    words = [a for a in argv if not a.startswith("-")][:2]
+    words = words if words and words[0] in groups else words[:1]
     error, hint = (e.message, e.hint) if isinstance(e, QgateError) else (message, None)
     each = e.problems if isinstance(e, QgateError) else []
     problems = [Problem(error=p.message, hint=p.hint) for p in each] or [Problem(error=error, hint=hint)]
     return ErrorDoc(
-        exit_code=exit_code, command=" ".join(words[:2]) or "qgate", error=error, hint=hint, problems=problems
+        exit_code=exit_code, command=" ".join(words) or "qgate", error=error, hint=hint, problems=problems
     ).model_dump_json(indent=2)
+
+
+def columns(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """A table as plain lines, each column as wide as its widest cell: readable in a terminal and in a CI log alike,
+    and one grep per row."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in (header, *rows)]
 
 
 def step_summary(markdown: str) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from qgate.cli.options import Json, ModelName, Store, quiet_libraries
-from qgate.cli.output import Output, PromoteDoc, RegisterDoc, step_summary
+from qgate.cli.output import AliasRow, Output, PromoteDoc, RegisterDoc, StatusDoc, VerifyDoc, columns, step_summary
 
 
 def register_cmd(
@@ -62,8 +62,9 @@ def promote_cmd(
     o.emit(promote_doc(info))
 
 
-def promote_doc(info: dict) -> PromoteDoc:
+def promote_doc(info: dict, command: str = "promote") -> PromoteDoc:
     return PromoteDoc(
+        command=command,
         exit_code=0,
         model=info["model"],
         version=str(info["version"]),
@@ -81,47 +82,20 @@ def status_cmd(
 ) -> None:
     """Which versions hold `production` and `previous-production`, their verdicts, drift checks and evidence links."""
     quiet_libraries()
-    import json
-
     from qgate.registry.mlflow_store import status
 
-    rows = status(model, store)
-    if json_out:
-        typer.echo(
-            json.dumps(
-                {"schema_version": 1, "command": "status", "exit_code": 0, "model": model, "aliases": rows}, indent=2
-            )
-        )
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{model}", title_justify="left")
-    for col in (
-        "alias",
-        "version",
-        "verdict",
-        "variant",
-        "scheme",
-        "runtime",
-        "created",
-        "last drift check",
-        "gate report",
+    rows = [AliasRow(**r) for r in status(model, store)]
+    o = Output(json_out)
+    o.say(model)
+    for line in columns(
+        ("alias", "version", "verdict", "variant", "scheme", "runtime", "created", "last drift check", "gate report"),
+        [
+            (r.alias, r.version or "-", r.verdict, r.variant, r.scheme, r.backend, r.created, r.drift, r.gate_report)
+            for r in rows
+        ],
     ):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(
-            r["alias"],
-            r["version"] or "-",
-            r["verdict"],
-            r["variant"],
-            r["scheme"],
-            r["backend"],
-            r["created"],
-            r["drift"],
-            r["gate_report"],
-        )
-    Console(width=200 if not Console().is_terminal else None).print(table)
+        o.say(line)
+    o.emit(StatusDoc(exit_code=0, model=model, aliases=rows))
 
 
 def rollback_cmd(
@@ -141,13 +115,14 @@ def rollback_cmd(
         f"[{info['tracking_uri']}]"
     )
     step_summary(f"qgate rolled back `{model}` @production to v{info['version']}")
-    o.emit(promote_doc(info))
+    o.emit(promote_doc(info, "rollback"))
 
 
 def verify_cmd(
     model: Annotated[str, typer.Option("--model", help="Registered model name.")],
     alias: Annotated[str, typer.Option("--alias", help="Alias whose version to check.")] = "production",
     store: Store = None,
+    json_out: Json = False,
 ) -> None:
     """Check the version behind an alias before serving it: exit 2 unless its gate passed and its checksums match.
 
@@ -157,8 +132,10 @@ def verify_cmd(
     quiet_libraries()
     from qgate.registry.mlflow_store import verify
 
+    o = Output(json_out)
     info = verify(model, alias, store)
-    typer.echo(
+    o.say(
         f"verified {model}@{alias} -> v{info['version']}: gate passed, sha256 {info['artifact_sha256'][:16]} matches "
         f"[{info['tracking_uri']}]"
     )
+    o.emit(VerifyDoc(exit_code=0, **info))
