@@ -24,3 +24,38 @@ def test_a_failed_build_leaves_the_previous_output_and_no_temporary(tmp_path):
         pass
     assert (out / "f").read_text() == "v1" and Artifact.load(out).sha256 == first.sha256
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_an_output_path_holding_anything_but_a_qgate_output_is_refused_before_the_build(tmp_path):
+    """A mistyped --out (the traffic log, a directory of partitions) must not be replaced and then removed."""
+    import pytest
+
+    from qgate.artifact import build_atomically
+    from qgate.errors import InputError
+
+    calls = []
+
+    def build(t: Path):
+        calls.append(t)
+        t.mkdir()
+        (t / "calib").mkdir()
+        (t / "calib" / "data.jsonl").write_text("{}\n")
+        return Artifact.create("calibration-set", t / "calib", {})
+
+    log = tmp_path / "traffic.jsonl"
+    log.write_text('{"prompt": "hi"}\n')
+    parts = tmp_path / "logs"
+    parts.mkdir()
+    (parts / "a.jsonl").write_text('{"prompt": "hi"}\n')
+    for out, what in ((log, "a file"), (parts, "a directory that no qgate stage wrote")):
+        with pytest.raises(InputError, match=f"output path is {what}; it is left as it is"):
+            build_atomically(out, build)
+    assert log.read_text() == '{"prompt": "hi"}\n' and [p.name for p in parts.iterdir()] == ["a.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs", "traffic.jsonl"] and calls == []
+
+    (tmp_path / "empty").mkdir()
+    first = build_atomically(tmp_path / "empty", build)  # an empty directory, then a qgate output: replaced
+    again = build_atomically(tmp_path / "empty", build)
+    assert first.sha256 == again.sha256 and len(calls) == 2
+    with pytest.raises(InputError, match=f"cannot write an output there: {log} is not a directory"):
+        build_atomically(log / "out", build)

@@ -159,15 +159,44 @@ def _disk_full(out: Path, tmp: Path) -> DiskFull:
     )
 
 
+def _check_replaceable(out: Path) -> None:
+    """`out` may be replaced only when it is absent, an empty directory, or an output qgate wrote (a manifest in it or
+    in a directory up to two levels below): a mistyped output path must never remove a user's files."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_dir() and not out.is_symlink():
+        marks = (MANIFEST, f"*/{MANIFEST}", f"*/*/{MANIFEST}", "*.qgate.json", "*/*.qgate.json")
+        if next(out.iterdir(), None) is None or any(next(out.glob(m), None) for m in marks):
+            return
+    what = "a file" if out.is_file() else "a link" if out.is_symlink() else "a directory that no qgate stage wrote"
+    raise InputError(
+        f"{out}: the output path is {what}; it is left as it is, and nothing was built",
+        hint="choose a new output path, or one a qgate stage wrote before (it is replaced as a whole)",
+    )
+
+
 def build_atomically(out: Path, fn) -> Artifact:
     """Run `fn(tmp)`, which writes a stage's whole output under `tmp` and returns its artifact (at `tmp` or below),
     then rename `tmp` to `out`. A stage killed at any moment leaves either the previous complete `out` or none,
-    never a half-written one; the leftover temporary directory is removed by the next build into `out`.
+    never a half-written one; the leftover temporary directory is removed by the next build into `out`. An `out` that
+    holds anything but a qgate output is refused before `fn` runs (InputError), as is one that cannot be written.
     Returns the artifact reloaded from its place under `out`."""
     import shutil
 
     out = Path(out).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _check_replaceable(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        above = next((p for p in out.parents if p.exists()), None)  # a file where a directory must be, or a refusal
+        why = f"{above} is not a directory" if above is not None and not above.is_dir() else e.strerror
+        raise InputError(
+            f"{out}: cannot write an output there: {why}",
+            hint="choose an output path on a disk this user can write",
+        ) from None
     for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:  # a killed build's
         shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"

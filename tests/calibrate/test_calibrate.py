@@ -202,8 +202,14 @@ def test_too_little_traffic_names_the_fix(tmp_path):
 
 
 def test_invalid_config():
+    from qgate.calibrate.traffic_drift import DriftConfig
+
     with pytest.raises(ConfigError, match="calib_size"):
         SampleConfig(calib_size=0)
+    with pytest.raises(ConfigError, match="calibrate.seed must be >= 0, got -1"):  # numpy refuses negative seeds
+        SampleConfig(seed=-1)
+    with pytest.raises(ConfigError, match="seed must be >= 0, got -2"):
+        DriftConfig(seed=-2)
 
 
 def test_concurrency_from_latencies(tmp_path):

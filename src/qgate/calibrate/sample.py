@@ -62,8 +62,9 @@ class SampleConfig:
         for name in ("calib_size", "shadow_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"calibrate.{name} must be >= 1, got {getattr(self, name)}")
-        if self.search_size < 0:
-            raise ConfigError(f"calibrate.search_size must be >= 0, got {self.search_size}")
+        for name in ("search_size", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"calibrate.{name} must be >= 0, got {getattr(self, name)}")
         if self.min_words < 0:
             raise ConfigError(f"calibrate.min_words must be >= 0, got {self.min_words}")
         if self.max_line_bytes < 1024:

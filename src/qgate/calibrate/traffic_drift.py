@@ -48,6 +48,8 @@ class DriftConfig:
                 raise ConfigError(f"max_js_{f} must be in (0, 1] bits, got {v}")
         if self.noise_draws < 20:
             raise ConfigError(f"noise_draws must be >= 20, got {self.noise_draws}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
 
 
 def facets(profile: dict) -> dict[str, tuple[dict, int]]:
