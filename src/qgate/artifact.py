@@ -22,6 +22,13 @@ from qgate.errors import DiskFull, InputError, free_bytes, human_bytes
 MANIFEST = "qgate-artifact.json"
 UNHASHED = (MANIFEST, "build.log")  # what qgate writes about an artifact, not its content: a build log has timestamps
 KINDS = ("checkpoint", "calibration-set", "traffic-profile", "engine", "gate-report")
+WRITTEN_BY = {
+    "checkpoint": "`qgate model import` (a baseline) or `qgate quantize` writes one",
+    "calibration-set": "`qgate calibrate sample` writes its calib, shadow and search splits",
+    "traffic-profile": "`qgate calibrate sample` writes it as profile/",
+    "engine": "`qgate engine build` writes one",
+    "gate-report": "`qgate gate` writes one",
+}
 _CHUNK = 1 << 20
 
 
@@ -102,7 +109,8 @@ class Artifact:
         os.replace(tmp, target)
 
     @classmethod
-    def load(cls, path: Path, kind: str | None = None) -> Artifact:
+    def load(cls, path: Path, kind: str | tuple[str, ...] | None = None) -> Artifact:
+        """The artifact whose manifest is in (or, for a file, beside) `path`; InputError unless it is one of `kind`."""
         path = Path(path)
         manifest = path / MANIFEST if path.is_dir() else path.with_name(path.name + ".qgate.json")
         if not manifest.exists():
@@ -122,8 +130,12 @@ class Artifact:
             )
         except (json.JSONDecodeError, KeyError, ValueError) as e:
             raise InputError(f"{manifest}: unreadable manifest ({e})", hint="re-run the stage that wrote it") from e
-        if kind is not None and art.kind != kind:
-            raise InputError(f"{path}: expected a {kind} artifact, found a {art.kind}")
+        kinds = (kind,) if isinstance(kind, str) else kind
+        if kinds is not None and art.kind not in kinds:
+            raise InputError(
+                f"{path}: expected a {' or '.join(kinds)} artifact, found a {art.kind}",
+                hint="; ".join(f"{k}: {WRITTEN_BY[k]}" for k in kinds),
+            )
         return art
 
     def verify(self) -> None:

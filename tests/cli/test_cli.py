@@ -102,3 +102,23 @@ def test_a_checkpoint_is_summarized_in_one_readable_line():
         "4.56 bits/weight, 174.0 MB of weights; 256 calibration samples; quantized in 688 s  "
         "sha256 cdcdcdcdcdcdcdcd"
     )
+
+
+def test_an_artifact_of_the_wrong_kind_is_named_with_the_command_that_writes_the_right_one(
+    base_art, calib_arts, tmp_path, capsys
+):
+    from qgate.cli.main import main
+
+    shadow = str(calib_arts["shadow"].path)
+    gate = ["gate", "--baseline", str(base_art.path), "--shadow", shadow, "--out", str(tmp_path / "g")]
+    assert main([*gate, "--candidate", str(calib_arts["calib"].path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{calib_arts['calib'].path}: expected a checkpoint or engine artifact, found a calibration-set" in err
+    assert (
+        "hint: checkpoint: `qgate model import` (a baseline) or `qgate quantize` writes one; engine: `qgate engine"
+        in err
+    )
+    wrong_baseline = ["gate", "--candidate", str(base_art.path), "--baseline", shadow, "--shadow", shadow]
+    assert main([*wrong_baseline, "--out", str(tmp_path / "g")]) == 1
+    assert "hint: checkpoint: `qgate model import`" in capsys.readouterr().err
+    assert not (tmp_path / "g").exists()

@@ -65,6 +65,33 @@ def test_quantize_cli_names_its_flags_in_errors(base_art, tmp_path, capsys):
     assert not (tmp_path / "q").exists()
 
 
+def test_a_held_out_split_is_refused_as_calibration_data_and_a_gate_on_what_was_fitted(
+    base_art, w8_art, calib_arts, tmp_path, capsys
+):
+    """Calibrating on the shadow split and gating on it would score the prompts the candidate was fitted to."""
+    from dataclasses import replace
+
+    from qgate.cli.main import main
+    from qgate.gates.gating import GateConfig, run_gates
+    from qgate.search.sensitivity import fisher_sensitivity
+
+    shadow = calib_arts["shadow"]
+    with pytest.raises(InputError, match="this is the shadow split, held out to score candidates on") as e:
+        quantize(base_art, shadow, scheme_config("gptq-w4a16", group_size=32), tmp_path / "x")
+    assert e.value.hint.endswith(f"({shadow.path.parent / 'calib'})")
+    args = ["quantize", "--model", str(base_art.path), "--out", str(tmp_path / "q"), "--scheme", "awq-w4a16"]
+    assert main([*args, "--calib", str(shadow.path)]) == 1
+    assert "held out to score candidates on" in capsys.readouterr().err
+    with pytest.raises(InputError, match="--calib must be a calibration-set artifact, found a checkpoint"):
+        quantize(base_art, base_art, scheme_config("gptq-w4a16", group_size=32), tmp_path / "x")
+    with pytest.raises(InputError, match="this is the shadow split"):
+        fisher_sensitivity(base_art, shadow, scheme_config("awq-w4a16", group_size=32))
+    fitted = replace(w8_art, meta=w8_art.meta | {"calibration_sha256": shadow.sha256})  # as if quantized on it
+    with pytest.raises(InputError, match="was calibrated on this split, so a gate on it would score the prompts"):
+        run_gates(fitted, base_art, shadow, GateConfig(eval=None), tmp_path / "g", tmp_path / "c")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "q").exists() and not (tmp_path / "g").exists()
+
+
 def test_awq_checkpoint_is_compressed_tensors_with_lineage(awq_art, base_art, calib_arts):
     cfg = json.loads((awq_art.path / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "pack-quantized"

@@ -56,7 +56,7 @@ def gate_cmd(
         from qgate.device import check_device
 
         cfg = replace(cfg, device=check_device(device, "--device"))
-    cand = Artifact.load(candidate)
+    cand = Artifact.load(candidate, ("checkpoint", "engine"))
     label = name or cand.meta.get("scheme") or cand.path.name
     base, shadow_set = Artifact.load(baseline, "checkpoint"), Artifact.load(shadow, "calibration-set")
     art = build_atomically(out, lambda tmp: run_gates(cand, base, shadow_set, cfg, tmp, cache, name=label))

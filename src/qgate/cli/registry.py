@@ -26,7 +26,7 @@ def register_cmd(
 
     o = Output(json_out)
     report = Artifact.load(gate, "gate-report")
-    version = register(report, Artifact.load(candidate), model_name, store)
+    version = register(report, Artifact.load(candidate, ("checkpoint", "engine")), model_name, store)
     o.say(f"registered {model_name} version {version} in {tracking_uri(store)}")
     o.emit(
         RegisterDoc(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from qgate.artifact import Artifact, engine_checkpoint, sha256_json, sha256_tree, typed_config
 from qgate.cache import read_cached, write_cached
-from qgate.errors import ConfigError
+from qgate.errors import ConfigError, InputError
 from qgate.gates.contract import ContractConfig, contract_gate
 from qgate.gates.evalgate import SCORES_VERSION, TASK_DIR, EvalConfig, eval_gate, run_tasks
 from qgate.gates.longctx import LongContextConfig, baseline_long_reference, long_context_gate
@@ -240,6 +240,19 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
     }
 
 
+def check_held_out(candidate: Artifact, shadow: Artifact, checkpoint: Artifact | None = None) -> None:
+    """The split a gate scores on must be one the candidate was not calibrated on: InputError (no verdict) when the
+    candidate's manifest, or its checkpoint's for an engine, names `shadow` as its calibration set or a parent."""
+    source = checkpoint or (engine_checkpoint(candidate) if candidate.kind == "engine" else None)
+    for art in (candidate, source):
+        if art is not None and shadow.sha256 in (art.meta.get("calibration_sha256"), *art.parents):
+            raise InputError(
+                f"{shadow.path}: {candidate.path} was calibrated on this split, so a gate on it would score the "
+                "prompts the candidate was fitted to, not held-out traffic",
+                hint="quantize on the calib split and gate on the shadow split of the same `qgate calibrate sample`",
+            )
+
+
 def run_gates(
     candidate: Artifact,
     baseline: Artifact,
@@ -259,6 +272,7 @@ def run_gates(
     timings: dict[str, float] = {}
     t = time.perf_counter()
     rows = load_shadow(shadow, cfg.shadow)
+    check_held_out(candidate, shadow, checkpoint)
     results = contract_gate(candidate, baseline, rows, cfg.contract)
     timings["contract"] = time.perf_counter() - t
     refused = [r.metric for r in results if r.verdict in ("fail", "error")]

@@ -79,6 +79,7 @@ def load_host_model(path: Path, dtype=None):
 def load_calibration(calib: Artifact, tokenizer, opts: CalibOptions):
     from datasets import Dataset
 
+    check_calibration_split(calib)
     rows = [json.loads(line) for line in (calib.path / "data.jsonl").read_text().splitlines() if line.strip()]
     if opts.max_samples:
         rows = rows[: opts.max_samples]
@@ -153,6 +154,24 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"unknown safetensors dtype {dtype!r}: known are {sorted(SAFETENSORS_DTYPE_BYTES)}") from None
 
 
+HELD_OUT = ("shadow", "search")  # the splits gates and searches score candidates on
+
+
+def check_calibration_split(calib: Artifact | None) -> None:
+    """Calibration data must be a calibration set's calib split: a held-out split fitted to would be scored later by
+    a gate or a search as if the candidate had never seen it."""
+    if calib is None:
+        return
+    if calib.kind != "calibration-set":
+        raise InputError(f"{calib.path}: --calib must be a calibration-set artifact, found a {calib.kind}")
+    if (split := calib.meta.get("split")) in HELD_OUT:
+        raise InputError(
+            f"{calib.path}: this is the {split} split, held out to score candidates on; a candidate calibrated on it "
+            "would be gated on prompts it was fitted to",
+            hint=f"pass the calib split that `qgate calibrate sample` wrote beside it ({calib.path.parent / 'calib'})",
+        )
+
+
 def quantize(
     base: Artifact,
     calib: Artifact | None,
@@ -182,6 +201,7 @@ def quantize(
             hint="drop `smoothed` to run AWQ in full",
         )
     needs_data = (scheme.needs_calibration or kv is not None) and smoothed is None
+    check_calibration_split(calib)
     if needs_data and calib is None:
         why = "this scheme calibrates on real prompts" if scheme.needs_calibration else "a KV-cache scheme calibrates"
         raise InputError(

@@ -109,11 +109,12 @@ def fisher_sensitivity(
     import torch
 
     from qgate.progress import progress
-    from qgate.quantize.compress import load_host_model
+    from qgate.quantize.compress import check_calibration_split, load_host_model
     from qgate.trust import check_loadable, load_tokenizer
 
     if not hasattr(scheme, "group_size"):
         raise ConfigError(f"search needs a group-wise integer scheme (awq-w4a16, gptq-w4a16), not {scheme.name}")
+    check_calibration_split(calib)  # a ranking fitted to the search split would flatter the point chosen on it
     check_loadable(base.path)
     tok = load_tokenizer(base.path)
     model = load_host_model(base.path, torch.float32).eval()
