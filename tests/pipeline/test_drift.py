@@ -102,6 +102,17 @@ def test_traffic_can_be_a_directory_of_partitions_or_a_glob(tmp_path):
     assert main(["calibrate", "sample", "--traffic", f"{tmp_path}/nothing/*.jsonl", "--out", str(tmp_path / "o3")]) == 1
 
 
+def test_a_drift_job_without_its_store_names_the_spec_key_before_reading_traffic(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    spec = str(drift_spec(tmp_path, tmp_path / "no-model", [W8], STRICT))
+    for job in ("check", "run"):
+        assert main(["drift", job, "--spec", spec, "--traffic", str(tmp_path / "missing.jsonl")]) == 1
+        err = capsys.readouterr().err  # the store, not the traffic: a cron job's recent log may be large
+        assert f"error: no MLflow store at {tmp_path / 'mlflow'} (searched registry.store in the spec)\n" in err
+        assert "hint: set registry.store in the spec to the store `qgate run` registered into" in err
+    assert not (tmp_path / "mlflow").exists()
+
+
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory, workdir):
     """A store where production is w8, gated and calibrated on the original traffic; plus a snapshot to restore."""

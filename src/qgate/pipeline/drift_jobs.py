@@ -63,6 +63,7 @@ def drift_check(
     it). executor: how the recent traffic's partitions are hashed and scanned (execute.py)."""
     from qgate.locks import job_lock, workdir_lock
 
+    _check_store(spec)
     sha, parts = _traffic(spec, recent, executor)
     main, _ = _dirs(spec, sha, echo)
     what = f"qgate drift check for {spec.registry.model_name}"
@@ -71,6 +72,13 @@ def drift_check(
         workdir_lock(main.workdir, what, wait=wait, echo=echo),
     ):
         return _check(spec, recent, sha, parts, executor, echo, record)
+
+
+def _check_store(spec: PipelineSpec) -> None:
+    """A drift job watches a registered production version: a missing store fails before the traffic is read."""
+    from qgate.registry.mlflow_store import tracking_uri
+
+    tracking_uri(spec.path(spec.registry.store), create=False, spec_key="registry.store in the spec")
 
 
 def _check(
@@ -202,6 +210,7 @@ def drift_run(
     from qgate.registry.mlflow_store import promote
 
     cfg = spec.drift_config()
+    _check_store(spec)
     sha, parts = _traffic(spec, recent, executor)
     main, r = _dirs(spec, sha, echo)
     model = spec.registry.model_name

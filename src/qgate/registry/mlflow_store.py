@@ -28,19 +28,22 @@ EXPERIMENT = "qgate"
 PREVIOUS = "previous-production"
 
 
-def tracking_uri(store: Path | None = None, *, create: bool = True) -> str:
+def tracking_uri(store: Path | None = None, *, create: bool = True, spec_key: str | None = None) -> str:
     """$MLFLOW_TRACKING_URI, else the embedded SQLite store. Reads (`create=False`) never make a store:
-    a missing one is a RegistryError naming the directory searched."""
+    a missing one is a RegistryError naming the directory searched, and where it came from: --store, or `spec_key`
+    when a spec named it."""
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
     where = Path(store or DEFAULT_STORE).resolve()
     if create:
         where.mkdir(parents=True, exist_ok=True)
     elif not (where / "mlflow.db").exists():
-        origin = "--store" if store else f"the default {DEFAULT_STORE} under the current directory"
+        origin = spec_key or ("--store" if store else f"the default {DEFAULT_STORE} under the current directory")
         raise RegistryError(
             f"no MLflow store at {where} (searched {origin})",
-            hint="pass --store with the pipeline's registry.store directory, or set MLFLOW_TRACKING_URI",
+            hint=f"set {spec_key} to the store `qgate run` registered into, or set MLFLOW_TRACKING_URI"
+            if spec_key
+            else "pass --store with the pipeline's registry.store directory, or set MLFLOW_TRACKING_URI",
         )
     return f"sqlite:///{where / 'mlflow.db'}"
 
