@@ -104,9 +104,7 @@ def test_a_checkpoint_is_summarized_in_one_readable_line():
     )
 
 
-def test_an_artifact_of_the_wrong_kind_is_named_with_the_command_that_writes_the_right_one(
-    base_art, calib_arts, tmp_path, capsys
-):
+def test_a_gate_input_of_the_wrong_kind_is_named_before_any_scoring(base_art, calib_arts, tmp_path, capsys):
     from qgate.cli.main import main
 
     shadow = str(calib_arts["shadow"].path)
@@ -121,4 +119,7 @@ def test_an_artifact_of_the_wrong_kind_is_named_with_the_command_that_writes_the
     wrong_baseline = ["gate", "--candidate", str(base_art.path), "--baseline", shadow, "--shadow", shadow]
     assert main([*wrong_baseline, "--out", str(tmp_path / "g")]) == 1
     assert "hint: checkpoint: `qgate model import`" in capsys.readouterr().err
+    (tmp_path / "cache").write_text("not a directory")
+    assert main([*gate, "--candidate", str(base_art.path), "--cache", str(tmp_path / "cache")]) == 1
+    assert f"error: {tmp_path / 'cache'}: cannot hold the baseline cache: it is a file\n" in capsys.readouterr().err
     assert not (tmp_path / "g").exists()

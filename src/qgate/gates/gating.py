@@ -269,6 +269,13 @@ def run_gates(
     A candidate whose serving contract fails is not scored unless cfg.score_anyway: its verdict is FAIL whatever
     the scores, and scoring a large model costs hours; the report holds the contract's evidence and says so."""
     out, cache_dir = Path(out), Path(cache_dir)
+    try:  # before any scoring: the baseline's answers are written here
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "it is a file" if cache_dir.is_file() else e.strerror
+        raise InputError(
+            f"{cache_dir}: cannot hold the baseline cache: {why}", hint="pass --cache a directory (made if missing)"
+        ) from None
     timings: dict[str, float] = {}
     t = time.perf_counter()
     rows = load_shadow(shadow, cfg.shadow)
