@@ -21,6 +21,9 @@ from qgate.cli.main import main
         (["gate"], "Missing option '--candidate'", "qgate gate --help"),
         (["run"], "Missing argument 'spec'", "qgate run --help"),
         (["verify", "--model", "m", "--alias"], "requires an argument", "qgate verify --help"),
+        (["run", "s.yaml", "--wait", "-5"], "'--wait': must be a number of seconds, 0 or more", "qgate run --help"),
+        (["search", "--spec", "s", "--variant", "v", "--wait", "nan"], "got nan", "qgate search --help"),
+        (["drift", "run", "--spec", "s", "--traffic", "t", "--wait", "-1"], "got -1.0", "qgate drift run --help"),
     ],
 )
 def test_usage_errors_say_usage_error_and_where_to_look(argv, message, see, capsys):

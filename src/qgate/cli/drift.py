@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from qgate.cli.options import Executor, quiet_libraries
+from qgate.cli.options import Executor, quiet_libraries, seconds
 from qgate.errors import EXIT_DRIFT
 
 app = typer.Typer(
@@ -62,7 +62,9 @@ def check_cmd(
     record: Annotated[
         bool, typer.Option("--record/--no-record", help="Tag the production version and log the report in MLflow.")
     ] = True,
-    wait: Annotated[float, typer.Option(help="Seconds to wait for a running drift job on this model.")] = 0.0,
+    wait: Annotated[
+        float, typer.Option(callback=seconds, help="Seconds to wait for a running drift job on this model.")
+    ] = 0.0,
     executor: Executor = "serial",
 ) -> None:
     """Compare recent traffic with production's calibration profile and re-gate production on it. Exit 3 on drift."""
@@ -79,7 +81,9 @@ def check_cmd(
 def run_cmd(
     spec: Spec,
     traffic: Recent,
-    wait: Annotated[float, typer.Option(help="Seconds to wait for another drift run on this model to finish.")] = 0.0,
+    wait: Annotated[
+        float, typer.Option(callback=seconds, help="Seconds to wait for another drift run on this model to finish.")
+    ] = 0.0,
     executor: Executor = "serial",
 ) -> None:
     """The scheduled job: check; on drift recalibrate, gate and register every variant, then promote per

@@ -42,6 +42,13 @@ Executor = Annotated[
 ]
 
 
+def seconds(value: float) -> float:
+    """Callback for a --wait flag: a duration in seconds, 0 or more (inf: no limit)."""
+    if not value >= 0:  # NaN too
+        raise typer.BadParameter(f"must be a number of seconds, 0 or more (inf: no limit); got {value}")
+    return value
+
+
 def quiet_libraries() -> None:
     """Keep the console for qgate's own progress: libraries log warnings and worse only."""
     import logging

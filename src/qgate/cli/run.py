@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from qgate.cli.options import Device, Json, Junit, quiet_libraries
+from qgate.cli.options import Device, Json, Junit, quiet_libraries, seconds
 from qgate.cli.output import Output
 
 
@@ -19,8 +19,9 @@ def run_cmd(
     wait: Annotated[
         float,
         typer.Option(
+            callback=seconds,
             help="Seconds to wait for another job on the same workdir to finish "
-            "(default: exit 1 at once, naming the job that holds it)."
+            "(default: exit 1 at once, naming the job that holds it).",
         ),
     ] = 0.0,
     executor: Annotated[

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from qgate.cli.options import Device, quiet_libraries
+from qgate.cli.options import Device, quiet_libraries, seconds
 
 
 def search_cmd(
@@ -23,7 +23,9 @@ def search_cmd(
             help="The variant to search from (its scheme, options and `search:` settings; defaults when it has none).",
         ),
     ],
-    wait: Annotated[float, typer.Option(help="Seconds to wait for another job on the same workdir.")] = 0.0,
+    wait: Annotated[
+        float, typer.Option(callback=seconds, help="Seconds to wait for another job on the same workdir.")
+    ] = 0.0,
     device: Device = None,
 ) -> None:
     """Rank per-layer moves by sensitivity, then quantize and gate points until the smallest passing one is found."""
