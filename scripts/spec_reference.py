@@ -29,6 +29,11 @@ its hint: first the spec's top-level shape, then, once that is right, every sect
 Relative paths are relative to the spec file. `pipelines/promote.yaml` (the demo) and `pipelines/gpu.yaml` are
 complete examples.
 
+A gate threshold is `null` (the value is reported, not gated on) or a finite number in its range: (0, 1] for a share
+(`*_agreement_min`, `identical_generation_min`, `min_recovery`), above 0 for a divergence, an increase or a speed-up.
+Outside it a check could never fail, or never pass, so such a value is refused. The names in `registry` and `promote`
+follow MLflow's rules: a model name without `/` or `:`, an alias of letters, digits, `_` and `-`.
+
 This page is generated from the configs the sections are built from (`scripts/spec_reference.py`; a test fails when
 it is out of date), so each default below is the one the code uses.
 

@@ -79,9 +79,9 @@ def gated(base_art, w8_art, awq_art, calib_arts, workdir):
 
     lenient = GateConfig(
         shadow=ShadowConfig(
-            max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0, top1_agreement_min=0.0
+            max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0, top1_agreement_min=None
         ),  # 192 answer tokens cannot bound a p99
-        eval=EvalConfig(tasks=("bigbench_general_knowledge",), limit=8, min_recovery=0.0),
+        eval=EvalConfig(tasks=("bigbench_general_knowledge",), limit=8, min_recovery=None),
     )
     strict = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=1e-4), eval=None)
     ok = run_gates(w8_art, base_art, calib_arts["shadow"], lenient, workdir / "reg-ok", workdir / "cache-reg")

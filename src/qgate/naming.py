@@ -86,8 +86,12 @@ def build_config(cls, data: Mapping[str, Any], where: str, fixed: Mapping[str, A
     kwargs = typed_values(cls, data, where)
     try:
         return cls(**fixed, **kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e.message}", hint=e.hint) from e
+    except ConfigError as e:  # each problem once, named by its path: as the config says it, else under `where`
+        named = [
+            p if p.message.startswith(f"{where}.") else ConfigError(f"{where}: {p.message}", hint=p.hint)
+            for p in e.problems
+        ]
+        raise config_problems(named) from e
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from e
 

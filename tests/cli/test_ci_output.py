@@ -102,7 +102,7 @@ def two_versions(base_art, w8_art, calib_arts, tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = GateConfig(
         shadow=ShadowConfig(
-            max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0, top1_agreement_min=0.0
+            max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0, top1_agreement_min=None
         ),
         eval=None,
     )

@@ -342,7 +342,7 @@ def test_a_contract_failure_stops_the_gate_unless_asked_to_score(base_art, awq_a
         "version: 1\nname: t\nworkdir: w\nmodel: {hf_dir: x}\ntraffic: t.jsonl\nvariants: [{name: a, scheme: "
         "awq-w4a16}]\n"
         "registry: {model_name: m}\ngates:\n  shadow: {max_new_tokens: 4, max_prompt_tokens: 32, kl_p99_max: null}\n"
-        "  eval: {tasks: [bigbench_general_knowledge], limit: 8, min_recovery: 0.0}\n"
+        "  eval: {tasks: [bigbench_general_knowledge], limit: 8, min_recovery: null}\n"
     )
     argv = [
         "gate",

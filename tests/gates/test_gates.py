@@ -1130,3 +1130,44 @@ def test_stop_on_fail_skips_long_context_and_eval_after_a_decided_fail_and_says_
     )
     ro = json.loads((ok.path / "report.json").read_text())
     assert ro["stopped"] is None and {"long_context", "eval"} <= {r["gate"] for r in ro["results"]}
+
+
+@pytest.mark.parametrize(
+    "section, key, value, span",
+    [
+        ("shadow", "kl_p99_max", float("nan"), "a finite number > 0"),  # NaN compares false: never decides
+        ("shadow", "kl_mean_max", float("inf"), "a finite number > 0"),  # can never fail
+        ("shadow", "kl_p999_max", -0.1, "a finite number > 0"),  # can never pass
+        ("shadow", "top1_agreement_min", 0.0, "in (0, 1]"),  # agreement >= 0 always: can never fail
+        ("shadow", "identical_generation_min", 1.5, "in (0, 1]"),
+        ("parity", "top1_agreement_min", -1.0, "in (0, 1]"),
+        ("eval", "min_recovery", 0.0, "in (0, 1]"),
+        ("eval", "max_bpb_increase", float("inf"), "a finite number > 0"),
+        ("long_context", "max_nll_increase", 0.0, "a finite number > 0"),
+        ("perf", "min_prefill_speedup", float("nan"), "a finite number > 0"),
+    ],
+)
+def test_a_threshold_that_could_never_fail_or_never_pass_is_refused_at_load(tmp_path, section, key, value, span):
+    import yaml
+
+    from qgate.pipeline.spec import load_spec
+
+    spec = tmp_path / "spec.yaml"
+    doc = {
+        "version": 1,
+        "name": "t",
+        "workdir": "w",
+        "model": {"hf_dir": "x"},
+        "traffic": "t.jsonl",
+        "variants": [{"name": "a", "scheme": "gptq-w8a16"}],
+        "registry": {"model_name": "m"},
+        "gates": {section: {key: value, **({"tasks": ["bigbench_general_knowledge"]} if section == "eval" else {})}},
+    }
+    spec.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError) as e:
+        load_spec(spec)
+    assert str(e.value).splitlines()[0] == f"{spec}: gates.{section}.{key} must be {span}, got {value}"
+    assert "null reports the value without gating on it" in e.value.hint
+    doc["gates"][section][key] = None  # report-only is the way to say "do not gate on it"
+    spec.write_text(yaml.safe_dump(doc))
+    assert getattr(getattr(load_spec(spec).gate_config(), section), key) is None

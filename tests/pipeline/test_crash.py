@@ -41,9 +41,9 @@ def _gate_spec(root: Path, base: Path) -> Path:
                 "max_prompt_tokens": 48,
                 "kl_p99_max": None,
                 "kl_mean_max": 10.0,
-                "top1_agreement_min": 0.0,
+                "top1_agreement_min": None,
             },
-            "eval": {"tasks": ["bigbench_general_knowledge"], "limit": 8, "min_recovery": 0.0},
+            "eval": {"tasks": ["bigbench_general_knowledge"], "limit": 8, "min_recovery": None},
         },
         "registry": {"model_name": "crash", "store": "mlflow"},
     }

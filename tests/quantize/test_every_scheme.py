@@ -32,8 +32,8 @@ def setting(tmp_path_factory, calib_arts):
         "version: 1\nname: every\nworkdir: w\nmodel: {hf_dir: x}\ntraffic: t.jsonl\nvariants: [{name: a, scheme: "
         "awq-w4a16}]\nregistry: {model_name: every}\ngates:\n"
         "  shadow: {max_new_tokens: 4, max_prompt_tokens: 32, kl_p99_max: null, kl_mean_max: 10.0, "
-        "top1_agreement_min: 0.0}\n"
-        "  eval: {tasks: [bigbench_general_knowledge], limit: 8, min_recovery: 0.0, max_bpb_increase: null}\n"
+        "top1_agreement_min: null}\n"
+        "  eval: {tasks: [bigbench_general_knowledge], limit: 8, min_recovery: null, max_bpb_increase: null}\n"
         "  long_context: {max_documents: 2, max_nll_increase: 10.0}\n"
     )
     return {"dir": d, "spec": spec, "store": d / "store", "cache": d / "cache"}

@@ -25,7 +25,7 @@ def test_register_promote_refuse_and_rollback_alias(
         "shadow": calib_arts["shadow"],
         "cfg": GateConfig(
             shadow=ShadowConfig(
-                max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0, top1_agreement_min=0.0
+                max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0, top1_agreement_min=None
             ),
             eval=None,
         ),

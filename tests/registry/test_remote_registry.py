@@ -38,7 +38,7 @@ def test_register_and_promote_through_an_authenticated_server_and_refuse_a_reade
     url, root = server
     cfg = GateConfig(
         shadow=ShadowConfig(
-            max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0, top1_agreement_min=0.0
+            max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0, top1_agreement_min=None
         ),
         eval=None,
     )

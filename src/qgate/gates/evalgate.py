@@ -31,7 +31,7 @@ import numpy as np
 import yaml
 
 from qgate.errors import ConfigError
-from qgate.gates.result import GateResult
+from qgate.gates.result import POSITIVE, SHARE, GateResult, check_threshold_values
 from qgate.gates.stats import agresti_min, holm, mcnemar_exact, paired_binary_ci, paired_bootstrap
 from qgate.naming import Registry
 
@@ -68,6 +68,7 @@ class EvalConfig:
     VERSION = 4  # of the checks' rules; what changed in each is in git
 
     def __post_init__(self):
+        check_threshold_values("gates.eval", self, {"min_recovery": SHARE, "max_bpb_increase": POSITIVE})
         for t in self.tasks:
             TASKS.get(t)
         a = self.significant_loss_alpha

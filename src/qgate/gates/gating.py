@@ -22,8 +22,9 @@ from qgate.gates.evalgate import SCORES_VERSION, TASK_DIR, EvalConfig, eval_gate
 from qgate.gates.longctx import LongContextConfig, baseline_long_reference, long_context_gate
 from qgate.gates.noise import check_thresholds, noise_floor
 from qgate.gates.report import write_report
-from qgate.gates.result import ON_INCONCLUSIVE, GateReport, GateResult, OnInconclusive
+from qgate.gates.result import ON_INCONCLUSIVE, POSITIVE, GateReport, GateResult, OnInconclusive, check_threshold_values
 from qgate.gates.shadow import (
+    KL_THRESHOLDS,
     ShadowConfig,
     baseline_reference,
     candidate_metrics,
@@ -39,6 +40,9 @@ class PerfConfig:
     min_prefill_speedup: float | None = None  # candidate vs baseline teacher-forced scoring throughput
     VERSION = 1
 
+    def __post_init__(self):
+        check_threshold_values("gates.perf", self, {"min_prefill_speedup": POSITIVE})
+
 
 @dataclass(frozen=True)
 class ParityConfig:
@@ -51,6 +55,9 @@ class ParityConfig:
     kl_p999_max: float | None = None  # as gates.shadow's, engine vs checkpoint
     top1_agreement_min: float | None = None  # as gates.shadow's, engine vs checkpoint
     VERSION = 1
+
+    def __post_init__(self):
+        check_threshold_values("gates.parity", self, KL_THRESHOLDS)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import numpy as np
 from qgate.artifact import Artifact, sha256_file, sha256_json
 from qgate.cache import read_cached_arrays, write_cached
 from qgate.errors import ConfigError, InputError
-from qgate.gates.result import GateResult
+from qgate.gates.result import POSITIVE, GateResult, check_threshold_values
 from qgate.gates.scoring import reduce_logits, split_sequences
 from qgate.gates.stats import cluster_bootstrap
 from qgate.progress import progress
@@ -49,6 +49,7 @@ class LongContextConfig:
     VERSION = 1
 
     def __post_init__(self):
+        check_threshold_values("gates.long_context", self, {"max_nll_increase": POSITIVE})
         if self.max_documents < MIN_DOCUMENTS:
             raise ConfigError(f"gates.long_context.max_documents must be >= {MIN_DOCUMENTS}, got {self.max_documents}")
         if not 1 <= self.windows <= 12:

@@ -26,6 +26,29 @@ VERDICTS = ("pass", "fail", "inconclusive", "error", "info")
 OnInconclusive = Literal["block", "warn"]  # gates.on_inconclusive: does an undecided check block promotion?
 ON_INCONCLUSIVE: tuple[str, ...] = get_args(OnInconclusive)
 Z95, Z80 = 1.959964, 0.841621
+SHARE = (0.0, 1.0)  # a threshold on a share (agreement, recovery) lies in (0, 1]
+POSITIVE = (0.0, math.inf)  # one on a divergence, an increase or a speed-up is finite and > 0
+
+
+def check_threshold_values(section: str, cfg, ranges: dict[str, tuple[float, float]]) -> None:
+    """Each threshold of `cfg` named in `ranges` is null (reported, not gated) or a finite number in (low, high]:
+    outside that range a check could never fail, or never pass, whatever it measured. ConfigError naming each one."""
+    from qgate.errors import ConfigError, config_problems
+
+    problems = []
+    for name, (low, high) in ranges.items():
+        value = getattr(cfg, name)
+        if value is not None and not (low < value <= high and math.isfinite(value)):
+            span = f"in ({low:g}, {high:g}]" if math.isfinite(high) else f"a finite number > {low:g}"
+            problems.append(
+                ConfigError(
+                    f"{section}.{name} must be {span}, got {value}",
+                    hint="outside that range the check could never fail, or never pass; null reports the value "
+                    "without gating on it",
+                )
+            )
+    if problems:
+        raise config_problems(problems)
 
 
 @dataclass(frozen=True)

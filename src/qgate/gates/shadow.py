@@ -50,7 +50,7 @@ from qgate.chat import encode_with_sources
 from qgate.engines.logits import reduce_blocks
 from qgate.engines.protocol import Generates, GeneratesScored, ScoresServed
 from qgate.errors import ConfigError, InputError
-from qgate.gates.result import GateResult
+from qgate.gates.result import POSITIVE, SHARE, GateResult, check_threshold_values
 from qgate.gates.scoring import (
     MAX_BATCH_ROWS,
     MAX_BATCH_TOKENS,
@@ -70,6 +70,9 @@ GREEDY_BATCH_TOKENS = 6144  # padded prompt + answer tokens per decode batch (wi
 # attention and cache copies; benchmarks/bench_gates_engines.py sweeps it)
 
 
+KL_THRESHOLDS = {"kl_mean_max": POSITIVE, "kl_p99_max": POSITIVE, "kl_p999_max": POSITIVE, "top1_agreement_min": SHARE}
+
+
 @dataclass(frozen=True)
 class ShadowConfig:
     max_prompt_tokens: int = 384  # a longer prompt is scored on its last this many tokens, with a caveat
@@ -85,6 +88,7 @@ class ShadowConfig:
     VERSION = 3  # of how the checks are computed; what changed in each is in git
 
     def __post_init__(self):
+        check_threshold_values("gates.shadow", self, KL_THRESHOLDS | {"identical_generation_min": SHARE})
         if self.max_new_tokens < 1 or self.max_prompt_tokens < 4 or self.top_k < 2:
             raise ConfigError("gates.shadow: max_new_tokens >= 1, max_prompt_tokens >= 4 and top_k >= 2 are required")
         if self.positions not in POSITION_SETS:
