@@ -11,7 +11,7 @@ import pytest
 import tiny
 from specs import pipeline_spec
 
-from qgate.errors import ConfigError
+from qgate.errors import ConfigError, InputError
 from qgate.search.plan import SearchConfig, make_plan, next_count, rungs
 
 PLANTED = ("model.layers.1.self_attn.v_proj", "model.layers.1.self_attn.o_proj")
@@ -48,7 +48,9 @@ def planted(tmp_path_factory):
     _plant(src)
     base = import_model(ModelSource(hf_dir=str(src)), d / "base")
     arts = sample_traffic(
-        tiny.make_traffic(d / "traffic.jsonl", n=300), d / "calib", SampleConfig(calib_size=32, shadow_size=48, seed=0)
+        tiny.make_traffic(d / "traffic.jsonl", n=300),
+        d / "calib",
+        SampleConfig(calib_size=32, shadow_size=48, search_size=48, seed=0),
     )
     return d, base, arts
 
@@ -327,7 +329,10 @@ def test_cpu_engine_builds_the_mixed_layout_exactly(planted):
         shadow=ShadowConfig(max_new_tokens=16, max_prompt_tokens=48, kl_p99_max=None, top1_agreement_min=None),
         eval=None,
     )
-    rep = run_gates(eng, base, arts["shadow"], cfg, d / "searched-gate", d / "cache", checkpoint=ckpt)
+    # the search chose its point on the shadow split: a gate there is refused, and scores a split it never saw
+    with pytest.raises(InputError, match="was made with this split \\(a search chose its layout on it\\)"):
+        run_gates(eng, base, arts["shadow"], cfg, d / "searched-gate", d / "cache", checkpoint=ckpt)
+    rep = run_gates(eng, base, arts["search"], cfg, d / "searched-gate", d / "cache", checkpoint=ckpt)
     report = json.loads((rep.path / "report.json").read_text())
     by = {r["metric"]: r["observed"] for r in report["results"] if r["gate"] == "parity"}
     # 50x below the quantization's own KL: float rounding between kernels, not a layout error (a wrong bit width or

@@ -248,16 +248,25 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
 
 
 def check_held_out(candidate: Artifact, shadow: Artifact, checkpoint: Artifact | None = None) -> None:
-    """The split a gate scores on must be one the candidate was not calibrated on: InputError (no verdict) when the
-    candidate's manifest, or its checkpoint's for an engine, names `shadow` as its calibration set or a parent."""
+    """The split a gate scores on must be one the candidate was not made with: InputError (no verdict) when the
+    candidate's manifest, or its checkpoint's for an engine, names `shadow` as its calibration set or as a parent
+    (a search records the split it chose its point on)."""
     source = checkpoint or (engine_checkpoint(candidate) if candidate.kind == "engine" else None)
     for art in (candidate, source):
-        if art is not None and shadow.sha256 in (art.meta.get("calibration_sha256"), *art.parents):
-            raise InputError(
-                f"{shadow.path}: {candidate.path} was calibrated on this split, so a gate on it would score the "
-                "prompts the candidate was fitted to, not held-out traffic",
-                hint="quantize on the calib split and gate on the shadow split of the same `qgate calibrate sample`",
-            )
+        if art is None:
+            continue
+        if shadow.sha256 == art.meta.get("calibration_sha256"):
+            how = "was calibrated on this split"
+        elif shadow.sha256 in art.parents:
+            how = "was made with this split (a search chose its layout on it)"
+        else:
+            continue
+        raise InputError(
+            f"{shadow.path}: {candidate.path} {how}, so a gate on it would score the prompts the candidate was fitted "
+            "to, not held-out traffic",
+            hint="gate on a split of the same `qgate calibrate sample` that the candidate was not made with: the "
+            "shadow split, with calibration on the calib split and a search on the search split",
+        )
 
 
 def run_gates(
