@@ -4,6 +4,22 @@ import tiny
 import yaml
 
 
+def gates_spec(path, gates, scheme="awq-w4a16"):
+    """The smallest spec a `gates:` section loads in (its model and traffic are never read), written to `path`."""
+    doc = {
+        "version": 1,
+        "name": "t",
+        "workdir": "w",
+        "model": {"hf_dir": "x"},
+        "traffic": "t.jsonl",
+        "variants": [{"name": "a", "scheme": scheme}],
+        "registry": {"model_name": "m"},
+        "gates": gates,
+    }
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
 def pipeline_spec(tmp_path, workdir, **over):
     src = workdir / "tiny-src"
     if not src.exists():

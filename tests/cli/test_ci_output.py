@@ -9,6 +9,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from specs import gates_spec
 
 from qgate.cli.main import main
 from qgate.cli.output import ErrorDoc, GateDoc, PromoteDoc, RunDoc, StatusDoc, VerifyDoc, json_schema
@@ -21,24 +22,11 @@ def test_checked_in_schema_matches_the_models():
 
 
 def test_gate_json_junit_and_job_summary(base_art, awq_art, calib_arts, tmp_path, capsys, monkeypatch):
-    import yaml
-
     summary = tmp_path / "summary.md"
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(
-        yaml.safe_dump(
-            {
-                "version": 1,
-                "name": "t",
-                "workdir": "w",
-                "model": {"hf_dir": "x"},
-                "traffic": "t.jsonl",
-                "variants": [{"name": "a", "scheme": "awq-w4a16"}],
-                "registry": {"model_name": "m"},
-                "gates": {"shadow": {"max_new_tokens": 8, "max_prompt_tokens": 48, "kl_p99_max": 1e-4}, "eval": None},
-            }
-        )
+    spec = gates_spec(
+        tmp_path / "spec.yaml",
+        {"shadow": {"max_new_tokens": 8, "max_prompt_tokens": 48, "kl_p99_max": 1e-4}, "eval": None},
     )
     rc = main(
         [

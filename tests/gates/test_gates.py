@@ -1148,26 +1148,16 @@ def test_stop_on_fail_skips_long_context_and_eval_after_a_decided_fail_and_says_
     ],
 )
 def test_a_threshold_that_could_never_fail_or_never_pass_is_refused_at_load(tmp_path, section, key, value, span):
-    import yaml
+    from specs import gates_spec
 
     from qgate.pipeline.spec import load_spec
 
-    spec = tmp_path / "spec.yaml"
-    doc = {
-        "version": 1,
-        "name": "t",
-        "workdir": "w",
-        "model": {"hf_dir": "x"},
-        "traffic": "t.jsonl",
-        "variants": [{"name": "a", "scheme": "gptq-w8a16"}],
-        "registry": {"model_name": "m"},
-        "gates": {section: {key: value, **({"tasks": ["bigbench_general_knowledge"]} if section == "eval" else {})}},
-    }
-    spec.write_text(yaml.safe_dump(doc))
+    gates = {section: {key: value, **({"tasks": ["bigbench_general_knowledge"]} if section == "eval" else {})}}
+    spec = gates_spec(tmp_path / "spec.yaml", gates)
     with pytest.raises(ConfigError) as e:
         load_spec(spec)
     assert str(e.value).splitlines()[0] == f"{spec}: gates.{section}.{key} must be {span}, got {value}"
     assert "null reports the value without gating on it" in e.value.hint
-    doc["gates"][section][key] = None  # report-only is the way to say "do not gate on it"
-    spec.write_text(yaml.safe_dump(doc))
+    gates[section][key] = None  # report-only is the way to say "do not gate on it"
+    gates_spec(spec, gates)
     assert getattr(getattr(load_spec(spec).gate_config(), section), key) is None
