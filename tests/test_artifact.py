@@ -59,3 +59,18 @@ def test_an_output_path_holding_anything_but_a_qgate_output_is_refused_before_th
     assert first.sha256 == again.sha256 and len(calls) == 2
     with pytest.raises(InputError, match=f"cannot write an output there: {log} is not a directory"):
         build_atomically(log / "out", build)
+
+
+def test_a_killed_build_left_by_a_process_of_the_same_pid_does_not_block_the_next(tmp_path):
+    """In a container each run's process often gets the same PID as the killed one's."""
+    import os
+
+    from qgate.artifact import build_atomically
+
+    left = tmp_path / f".out.tmp-{os.getpid()}"
+    left.mkdir()
+    (left / "f").write_text("half")
+    art = build_atomically(
+        tmp_path / "out", lambda t: (t.mkdir(), (t / "f").write_text("v1"), Artifact.create("engine", t, {}))[-1]
+    )
+    assert (art.path / "f").read_text() == "v1" and [p.name for p in tmp_path.iterdir()] == ["out"]

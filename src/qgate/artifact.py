@@ -197,11 +197,13 @@ def build_atomically(out: Path, fn) -> Artifact:
 
     out = Path(out).absolute()
     _check_replaceable(out)
-    try:
+    for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:  # a killed build's
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:  # the parent can hold this build's temporary directory: made and removed here, before `fn` runs
         out.parent.mkdir(parents=True, exist_ok=True)
-        probe = out.parent / f".{out.name}.tmp-{os.getpid()}"
-        probe.mkdir()
-        probe.rmdir()
+        tmp.mkdir()
+        tmp.rmdir()
     except OSError as e:
         above = next((p for p in out.parents if p.exists()), None)  # a file where a directory must be, or a refusal
         why = f"{above} is not a directory" if above is not None and not above.is_dir() else e.strerror
@@ -209,9 +211,6 @@ def build_atomically(out: Path, fn) -> Artifact:
             f"{out}: cannot write an output there: {why}",
             hint="choose an output path on a disk this user can write",
         ) from None
-    for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:  # a killed build's
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         try:
             art = fn(tmp)
