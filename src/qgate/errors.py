@@ -62,6 +62,13 @@ def config_problems(errors: list[ConfigError], prefix: str = "") -> ConfigError:
     return ConfigProblems(flat, prefix)
 
 
+def check_each(*rules: tuple[bool, str]) -> None:
+    """A config's own checks as (broken, message) pairs: one ConfigError for every broken rule, so one run shows
+    them all."""
+    if broken := [ConfigError(message) for bad, message in rules if bad]:
+        raise config_problems(broken)
+
+
 class InputError(QgateError):
     """An input file or directory is missing or malformed (names file:line or record)."""
 

@@ -78,22 +78,31 @@ def typed_values(cls: type, data: Mapping[str, Any], where: str) -> dict[str, An
     return kwargs
 
 
-def build_config(cls, data: Mapping[str, Any], where: str, fixed: Mapping[str, Any] | None = None):
+def build_config(cls, data: Mapping[str, Any], where: str, fixed: Mapping[str, Any] | None = None, field_name=None):
     """A frozen dataclass config from a mapping (lists become tuples), with `where` in every error: unknown keys and
-    values of the wrong type first, then the config's own checks."""
+    values of the wrong type first, then the config's own checks. A check's message that starts with one of the
+    config's fields (bare, or after `where.` or the class name) names it `where.field`, or `field_name(field)` when
+    given (a command names its flag: `--max-seq-len`)."""
     fixed = dict(fixed or {})
     check_keys(data, [f.name for f in fields(cls) if f.name not in fixed], where)
     kwargs = typed_values(cls, data, where)
     try:
         return cls(**fixed, **kwargs)
-    except ConfigError as e:  # each problem once, named by its path: as the config says it, else under `where`
-        named = [
-            p if p.message.startswith(f"{where}.") else ConfigError(f"{where}: {p.message}", hint=p.hint)
-            for p in e.problems
-        ]
+    except ConfigError as e:  # each problem once, named by its path
+        named = [ConfigError(_named(p.message, cls, where, field_name), hint=p.hint) for p in e.problems]
         raise config_problems(named) from e
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from e
+
+
+def _named(message: str, cls, where: str, field_name) -> str:
+    """`message` with the field it starts with named by its path (see build_config), else under `where`."""
+    name = field_name or (lambda f: f"{where}.{f}")
+    for f in sorted((f.name for f in fields(cls)), key=len, reverse=True):
+        for head in (f"{where}.{f}", f"{cls.__name__}.{f}", f):
+            if message.startswith(head) and message[len(head) : len(head) + 1] in (" ", ":"):
+                return name(f) + message[len(head) :]
+    return message if message.startswith(f"{where}.") else f"{where}: {message}"
 
 
 class Registry(Generic[T]):

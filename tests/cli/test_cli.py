@@ -6,6 +6,8 @@ import typer
 from qgate.cli import main as cli_main
 from qgate.cli.main import main
 
+ENGINE = ["engine", "build", "--checkpoint", "no-such-checkpoint", "--out", "e"]
+
 
 @pytest.mark.parametrize(
     "argv, message, see",
@@ -24,6 +26,21 @@ from qgate.cli.main import main
         (["run", "s.yaml", "--wait", "-5"], "'--wait': must be a number of seconds, 0 or more", "qgate run --help"),
         (["search", "--spec", "s", "--variant", "v", "--wait", "nan"], "got nan", "qgate search --help"),
         (["drift", "run", "--spec", "s", "--traffic", "t", "--wait", "-1"], "got -1.0", "qgate drift run --help"),
+        (  # a flag the chosen backend or scheme would ignore, before the checkpoint is read
+            [*ENGINE, "--backend", "cpu", "--dtype", "float32", "--profile", "p"],
+            "--profile, --dtype do not apply to --backend cpu; it takes --accuracy-level, --lm-head",
+            "qgate engine build --help",
+        ),
+        (
+            [*ENGINE, "--backend", "torch-int4", "--lm-head", "int8"],
+            "--lm-head does not apply to --backend torch-int4; it takes --profile, --verify, --max-seq-len, --dtype",
+            "qgate engine build --help",
+        ),
+        (
+            ["quantize", "--model", "m", "--out", "o", "--scheme", "fp8-dynamic", "--group-size", "64"],
+            "--group-size does not apply to --scheme fp8-dynamic",
+            "qgate quantize --help",
+        ),
     ],
 )
 def test_usage_errors_say_usage_error_and_where_to_look(argv, message, see, capsys):
@@ -33,6 +50,31 @@ def test_usage_errors_say_usage_error_and_where_to_look(argv, message, see, caps
     assert first.startswith("usage error: ") and message in first
     assert second.strip() == f"see: {see}"
     assert "internal error" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, problems",
+    [
+        (
+            [*ENGINE, "--backend", "cpu", "--accuracy-level", "7", "--lm-head", "int3"],
+            ["--accuracy-level must be 1..4, got 7", "--lm-head must be one of fp32, int8, int4, got 'int3'"],
+        ),
+        (
+            [*ENGINE, "--backend", "torch-int4", "--dtype", "float16", "--max-seq-len", "8"],
+            ["--dtype must be one of bfloat16, float32, got 'float16'", "--max-seq-len must be >= 16, got 8"],
+        ),
+        (
+            ["quantize", "--model", "m", "--out", "o", "--scheme", "gptq-w4a16", "--max-seq-length", "4"],
+            ["--max-seq-length must be >= 8, got 4"],
+        ),
+    ],
+)
+def test_bad_option_values_are_named_by_their_flags_each_one_before_any_input_is_read(argv, problems, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    listed = [line.removeprefix("  - ") for line in err.splitlines() if line.startswith("  - ")]
+    assert (listed or [err.strip().removeprefix("error: ")]) == problems
+    assert "no-such-checkpoint" not in err and " m:" not in err and "engine." not in err and "quantize." not in err
 
 
 def test_version_names_qgate_and_the_libraries_a_verdict_depends_on(capsys):

@@ -98,7 +98,7 @@ def test_cpu_engine_quantized_head_is_an_option_close_to_the_fp32_head(awq_art, 
     a, b = fp32_head.logits(ids), load_runner(eng).logits(ids)
     err = np.abs(a - b).max() / np.abs(a).max()
     assert 0 < err < (0.02 if bits == 8 else 0.2)  # a different head, slightly different logits
-    with pytest.raises(ConfigError, match="engine.lm_head must be one of fp32, int8, int4"):
+    with pytest.raises(ConfigError, match=r"^engine\.options\.lm_head must be one of fp32, int8, int4, got 'int2'$"):
         build_engine(awq_art, "cpu", workdir / "engine-bad", lm_head="int2")
 
 

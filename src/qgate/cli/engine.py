@@ -7,15 +7,19 @@ from typing import Annotated
 
 import typer
 
-from qgate.cli.options import OutDir, quiet_libraries
+from qgate.cli.options import OutDir, flag, quiet_libraries, refuse_unused
 from qgate.engines.cpu import CpuEngineConfig
 from qgate.engines.torch_int4 import TorchInt4Config
 
 app = typer.Typer(no_args_is_help=True, help="Serving engines.")
 
 
+PROFILED = ("trtllm", "torch-int4")  # the builders that read a traffic profile
+
+
 @app.command("build")
 def build_cmd(
+    ctx: typer.Context,
     checkpoint: Annotated[Path, typer.Option("--checkpoint", help="Quantized checkpoint artifact.")],
     backend: Annotated[
         str,
@@ -46,13 +50,16 @@ def build_cmd(
     """Build (cpu, torch-int4) or bundle and verify (trtllm) an engine."""
     quiet_libraries()
     from qgate.artifact import Artifact, build_atomically
-    from qgate.engines.build import build_engine
+    from qgate.engines.build import build_engine, config_fields, engine_config
 
+    values = dict(accuracy_level=accuracy_level, lm_head=lm_head, verify=verify, max_seq_len=max_seq_len, dtype=dtype)
+    takes = config_fields(backend)  # an unknown backend fails here, with a suggestion
+    refuse_unused(
+        ctx, ["profile", *values], takes + (("profile",) if backend in PROFILED else ()), f"--backend {backend}"
+    )
+    options = {k: v for k, v in values.items() if k in takes}
+    engine_config(backend, field_name=flag, **options)  # bad values, named by their flags, before any loading
     ckpt = Artifact.load(checkpoint, "checkpoint")
     prof = Artifact.load(profile, "traffic-profile") if profile else None
-    options = {
-        "cpu": {"accuracy_level": accuracy_level, "lm_head": lm_head},
-        "torch-int4": {"verify": verify, "max_seq_len": max_seq_len, "dtype": dtype},
-    }.get(backend, {"verify": verify})
     art = build_atomically(out, lambda tmp: build_engine(ckpt, backend, tmp, prof, **options))
     typer.echo(f"engine {art.path}  sha256 {art.sha256[:16]}  backend {art.meta.get('backend')}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -47,6 +48,27 @@ def seconds(value: float) -> float:
     if not value >= 0:  # NaN too
         raise typer.BadParameter(f"must be a number of seconds, 0 or more (inf: no limit); got {value}")
     return value
+
+
+def flag(field: str) -> str:
+    """The flag that sets a config field: max_seq_len -> --max-seq-len (build_config's field_name, in commands)."""
+    return "--" + field.replace("_", "-")
+
+
+def refuse_unused(ctx: typer.Context, params: Sequence[str], takes: Collection[str], chosen: str) -> None:
+    """A usage error naming each of the command's `params` set on the command line that `chosen` (a `--backend
+    cpu`) does not take, instead of ignoring it."""
+    from typer._click.core import ParameterSource
+    from typer._click.exceptions import UsageError
+
+    unused = [flag(p) for p in params if p not in takes and ctx.get_parameter_source(p) is not ParameterSource.DEFAULT]
+    if unused:
+        taken = [flag(p) for p in params if p in takes]
+        raise UsageError(
+            f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to {chosen}"
+            + (f"; it takes {', '.join(taken)}" if taken else ""),
+            ctx,
+        )
 
 
 def quiet_libraries() -> None:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from qgate.cli.options import ModelDir, OutDir, quiet_libraries
+from qgate.cli.options import ModelDir, OutDir, flag, quiet_libraries, refuse_unused
 from qgate.cli.output import checkpoint_line
 from qgate.quantize.compress import CalibOptions
 from qgate.quantize.schemes import SCHEMES
@@ -16,6 +16,7 @@ _D = CalibOptions()
 
 
 def quantize_cmd(
+    ctx: typer.Context,
     model: ModelDir,
     scheme: Annotated[str, typer.Option(help=f"One of: {', '.join(SCHEMES.names())}.")],
     out: OutDir,
@@ -28,15 +29,19 @@ def quantize_cmd(
 ) -> None:
     """Quantize a baseline checkpoint with llm-compressor."""
     quiet_libraries()
+    from dataclasses import fields
+
     from qgate.artifact import Artifact, build_atomically
+    from qgate.naming import build_config
     from qgate.quantize.compress import quantize
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
-    cfg = scheme_config(scheme, where="--group-size", group_size=group_size)
+    cls, fixed = SCHEMES.get(scheme)  # an unknown scheme fails here, with a suggestion
+    refuse_unused(ctx, ["group_size"], [f.name for f in fields(cls) if f.name not in fixed], f"--scheme {scheme}")
+    cfg = scheme_config(scheme, field_name=flag, group_size=group_size)
+    opts = build_config(CalibOptions, {"max_seq_length": max_seq_length}, "quantize", field_name=flag)
     kv = KVCacheConfig(kv_cache) if kv_cache else None
     base = Artifact.load(model, "checkpoint")
     cal = Artifact.load(calib, "calibration-set") if calib else None
-    art = build_atomically(
-        out, lambda tmp: quantize(base, cal, cfg, tmp, kv=kv, opts=CalibOptions(max_seq_length=max_seq_length))
-    )
+    art = build_atomically(out, lambda tmp: quantize(base, cal, cfg, tmp, kv=kv, opts=opts))
     typer.echo(checkpoint_line(art))

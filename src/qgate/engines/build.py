@@ -11,7 +11,7 @@ engine library.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +78,14 @@ def backend(name: str) -> Backend:
     return BACKENDS.get(name)
 
 
-def engine_config(name: str, where: str = "engine.options", **options: Any):
-    """The frozen config for backend `name`, with defaults filled in; unknown options are ConfigErrors naming
-    `where`."""
-    return build_config(_load(backend(name).config), options, where)
+def engine_config(name: str, where: str = "engine.options", field_name=None, **options: Any):
+    """The frozen config for backend `name`, with defaults filled in; errors name `where` (naming.build_config)."""
+    return build_config(_load(backend(name).config), options, where, field_name=field_name)
+
+
+def config_fields(name: str) -> tuple[str, ...]:
+    """The options backend `name` takes: its config's fields."""
+    return tuple(f.name for f in fields(_load(backend(name).config)))
 
 
 def refusal(

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
-from qgate.errors import BackendUnavailable, ConfigError, InputError
+from qgate.errors import BackendUnavailable, ConfigError, InputError, check_each
 from qgate.trust import copy_tokenizer_files
 
 ENGINE_SUBDIR = "onnx"
@@ -43,10 +43,10 @@ class CpuEngineConfig:
     VERSION = 4  # of what the builder writes; what changed in each is in git
 
     def __post_init__(self):
-        if self.accuracy_level not in (1, 2, 3, 4):
-            raise ConfigError(f"engine.accuracy_level must be 1..4, got {self.accuracy_level}")
-        if self.lm_head not in LM_HEAD:
-            raise ConfigError(f"engine.lm_head must be one of {', '.join(LM_HEAD)}, got {self.lm_head!r}")
+        check_each(
+            (self.accuracy_level not in (1, 2, 3, 4), f"accuracy_level must be 1..4, got {self.accuracy_level}"),
+            (self.lm_head not in LM_HEAD, f"lm_head must be one of {', '.join(LM_HEAD)}, got {self.lm_head!r}"),
+        )
 
 
 def refusal(scheme_name: str, scheme, kv_cache: str | None) -> str | None:

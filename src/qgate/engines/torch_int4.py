@@ -30,7 +30,7 @@ from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
 from qgate.engines.batch_sizes import graph_batch_sizes, profile_concurrency
-from qgate.errors import ConfigError, InputError
+from qgate.errors import ConfigError, InputError, check_each
 from qgate.trust import copy_tokenizer_files
 
 DTYPES = ("bfloat16", "float32")  # float32: CPU only, for checking the engine's numerics exactly
@@ -45,13 +45,11 @@ class TorchInt4Config:
     VERSION = 1
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"engine.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.max_seq_len < 16 or self.max_batch_size_cap < 1:
-            raise ConfigError(
-                f"engine.max_seq_len must be >= 16 and engine.max_batch_size_cap >= 1, got "
-                f"{self.max_seq_len} and {self.max_batch_size_cap}"
-            )
+        check_each(
+            (self.dtype not in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
+            (self.max_seq_len < 16, f"max_seq_len must be >= 16, got {self.max_seq_len}"),
+            (self.max_batch_size_cap < 1, f"max_batch_size_cap must be >= 1, got {self.max_batch_size_cap}"),
+        )
 
 
 def refusal(scheme_name: str, scheme, kv_cache: str | None) -> str | None:

@@ -21,7 +21,7 @@ import yaml
 
 from qgate.artifact import Artifact, typed_config
 from qgate.engines.batch_sizes import graph_batch_sizes, profile_concurrency
-from qgate.errors import BackendUnavailable, ConfigError
+from qgate.errors import BackendUnavailable, ConfigError, check_each
 
 KV_DTYPES = {None: "auto", "fp8": "fp8"}
 
@@ -34,10 +34,11 @@ class TrtllmConfig:
     VERSION = 1
 
     def __post_init__(self):
-        if not 0 < self.free_gpu_memory_fraction <= 1:
-            raise ConfigError(f"engine.free_gpu_memory_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}")
-        if self.max_batch_size_cap < 1:
-            raise ConfigError(f"engine.max_batch_size_cap must be >= 1, got {self.max_batch_size_cap}")
+        fraction, cap = self.free_gpu_memory_fraction, self.max_batch_size_cap
+        check_each(
+            (not 0 < fraction <= 1, f"free_gpu_memory_fraction must be in (0, 1], got {fraction}"),
+            (cap < 1, f"max_batch_size_cap must be >= 1, got {cap}"),
+        )
 
 
 def llm_api_options(ckpt: Artifact, config: TrtllmConfig, concurrency: dict) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from qgate.errors import ConfigError
+from qgate.errors import ConfigError, check_each
 from qgate.naming import Registry, build_config
 
 DEFAULT_IGNORE = ("lm_head",)
@@ -94,10 +94,13 @@ class _GroupWise:
     num_bits: ClassVar[int] = 4
 
     def __post_init__(self):
-        if not power_of_two(self.group_size):
-            raise ConfigError(
-                f"{type(self).__name__}.group_size must be a positive power of two, got {self.group_size}"
-            )
+        check_each(*self.rules())
+
+    def rules(self) -> list[tuple[bool, str]]:
+        """(broken, message) for each of the config's own checks (errors.check_each)."""
+        return [
+            (not power_of_two(self.group_size), f"group_size must be a positive power of two, got {self.group_size}")
+        ]
 
     def check_model(self, model) -> None:
         """Every quantized Linear's input width must be a multiple of group_size."""
@@ -149,10 +152,8 @@ class AWQConfig(_GroupWise):
     VERSION: ClassVar[int] = 1
     name: ClassVar[str] = "awq-w4a16"
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.n_grid < 2:
-            raise ConfigError(f"AWQConfig.n_grid must be >= 2, got {self.n_grid}")
+    def rules(self) -> list[tuple[bool, str]]:
+        return super().rules() + [(self.n_grid < 2, f"n_grid must be >= 2, got {self.n_grid}")]
 
     def modifiers(self, kv: KVCacheConfig | None, fallback: FallbackConfig | None = None) -> list:
         """AWQ's smoothing transform, then the group-wise quantization it searched scales for."""
@@ -179,14 +180,15 @@ class GPTQConfig(_GroupWise):
     dampening_frac: float = 0.01
     VERSION: ClassVar[int] = 1
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.num_bits not in (4, 8):
-            raise ConfigError(f"GPTQConfig.num_bits must be 4 or 8, got {self.num_bits}")
-        if self.actorder not in (None, "static", "group"):
-            raise ConfigError(f"GPTQConfig.actorder must be null, 'static' or 'group', got {self.actorder!r}")
-        if not 0 < self.dampening_frac < 1:
-            raise ConfigError(f"GPTQConfig.dampening_frac must be in (0, 1), got {self.dampening_frac}")
+    def rules(self) -> list[tuple[bool, str]]:
+        return super().rules() + [
+            (self.num_bits not in (4, 8), f"num_bits must be 4 or 8, got {self.num_bits}"),
+            (
+                self.actorder not in (None, "static", "group"),
+                f"actorder must be null, 'static' or 'group', got {self.actorder!r}",
+            ),
+            (not 0 < self.dampening_frac < 1, f"dampening_frac must be in (0, 1), got {self.dampening_frac}"),
+        ]
 
     @property
     def name(self) -> str:
@@ -243,10 +245,11 @@ SCHEMES.register("gptq-w8a16", (GPTQConfig, {"num_bits": 8}))
 SCHEMES.register("fp8-dynamic", (FP8Config, {}))
 
 
-def scheme_config(name: str, where: str = "options", **overrides: Any):
-    """The config for scheme `name`; `overrides` with value None are ignored; errors name `where`."""
+def scheme_config(name: str, where: str = "options", field_name=None, **overrides: Any):
+    """The config for scheme `name`; `overrides` with value None are ignored; errors name `where`
+    (naming.build_config)."""
     cls, fixed = SCHEMES.get(name)
-    return build_config(cls, {k: v for k, v in overrides.items() if v is not None}, where, fixed)
+    return build_config(cls, {k: v for k, v in overrides.items() if v is not None}, where, fixed, field_name)
 
 
 def weight_format(cfg, fallback: FallbackConfig | None = None) -> str:
