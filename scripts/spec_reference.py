@@ -24,8 +24,9 @@ HEAD = """# The pipeline spec
 
 `qgate run SPEC` reads one strict YAML file. An unknown key, scheme, option or backend is refused when the spec loads,
 with the key's path and a suggestion; so is a value of the wrong type (`4.5` for an integer, `1` for a boolean) or out
-of its range, and a variant that could never be gated. One load reports every such problem, each on its own line with
-its hint: first the spec's top-level shape, then, once that is right, every section's keys, types and values.
+of its range, a key given twice in one mapping (plain YAML would keep the last silently), and a variant that could
+never be gated. One load reports every such problem, each on its own line with its hint: first the spec's top-level
+shape, then, once that is right, every section's keys, types and values.
 Relative paths are relative to the spec file. `pipelines/promote.yaml` (the demo) and `pipelines/gpu.yaml` are
 complete examples.
 

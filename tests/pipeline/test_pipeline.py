@@ -10,6 +10,7 @@ from specs import pipeline_spec
 from qgate.cli.main import main
 from qgate.cli.output import ErrorDoc
 from qgate.errors import ConfigError
+from qgate.pipeline import spec as spec_module
 from qgate.pipeline.spec import load_spec
 
 
@@ -180,6 +181,38 @@ def test_one_load_reports_every_problem_of_a_spec_each_with_its_path_and_hint(tm
     assert [f"  - {p.error}" for p in doc.problems] == problems
     assert doc.problems[2].hint == "allowed: duo_scaling, group_size, ignore, n_grid, symmetric"
     assert doc.problems[0].hint is None and doc.error.startswith(f"{semantic}: 9 problems")
+
+
+def test_a_variants_scheme_and_engine_problems_come_in_one_load_each_named_by_its_key(tmp_path, workdir):
+    bad = {"name": "a", "scheme": "gptq-w4a16", "options": {"group_size": 48, "dampening_frac": 2.0}}
+    bad["engine"] = {"backend": "torch-int4", "options": {"dtype": "float16", "max_seq_len": 8}}
+    path = pipeline_spec(tmp_path, workdir, variants=[bad])
+    with pytest.raises(ConfigError) as e:
+        load_spec(path)
+    assert str(e.value).splitlines() == [
+        f"{path}: 4 problems",
+        "  - variants[0].options.group_size must be a positive power of two, got 48 (variant a)",
+        "  - variants[0].options.dampening_frac must be in (0, 1), got 2.0 (variant a)",
+        "  - variants[0].engine.options.dtype must be one of bfloat16, float32, got 'float16' (variant a)",
+        "  - variants[0].engine.options.max_seq_len must be >= 16, got 8 (variant a)",
+    ]
+
+
+def test_a_key_given_twice_fails_the_spec_instead_of_the_last_one_winning(tmp_path, workdir):
+    """PyYAML keeps the last of two equal keys: a threshold set twice would gate on whichever came second."""
+    path = pipeline_spec(tmp_path, workdir)
+    text = path.read_text()
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("kl_mean_max:"))
+    lines.insert(at + 1, lines[at].replace("0.005", "0.5"))
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError) as e:
+        load_spec(path)
+    assert str(e.value).startswith(
+        f"{path}:{at + 2}: key 'kl_mean_max' appears twice in one mapping, first on line {at + 1}\n"
+    )
+    anchors = "shadow: &s {max_new_tokens: 4}\nshadow2:\n  <<: *s\n  max_new_tokens: 8\n"
+    assert yaml.load(anchors, Loader=spec_module._TwiceLoader)["shadow2"] == {"max_new_tokens": 8}  # merge: fine
 
 
 def test_registry_names_mlflow_would_refuse_fail_the_spec_at_load_not_after_the_run(tmp_path, workdir, capsys):

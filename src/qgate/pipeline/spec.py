@@ -9,6 +9,7 @@ Relative paths in a spec are relative to the spec file's directory.
 
 from __future__ import annotations
 
+import functools
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -263,12 +264,44 @@ def _pydantic_error(path: Path, e: ValidationError) -> ConfigError:
     return config_problems(problems, f"{path}: ")
 
 
+class _TwiceLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key given twice in one mapping is an error: PyYAML keeps the last one silently,
+    so `kl_p99_max` set twice would gate on whichever came second."""
+
+
+class _KeyTwice(yaml.constructor.ConstructorError):
+    pass
+
+
+def _mapping_once(loader: _TwiceLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    first: dict = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # a merge (`<<: *anchor`) is overridden by the keys beside it, as YAML means it to be
+        key = loader.construct_object(key_node)
+        if key in first:
+            raise _KeyTwice(
+                None,
+                None,
+                f"key {key!r} appears twice in one mapping, first on line {first[key] + 1}",
+                key_node.start_mark,
+            )
+        first[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep)
+
+
+_TwiceLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_once)
+
+
 def load_spec(path: Path) -> PipelineSpec:
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: pipeline spec not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_TwiceLoader)  # noqa: S506 - a SafeLoader
+    except _KeyTwice as e:
+        where = f"{path}:{e.problem_mark.line + 1}" if e.problem_mark else str(path)
+        raise ConfigError(f"{where}: {e.problem}", hint="keep one of them: YAML would silently use the last") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({e})", hint="tags such as !function are not allowed") from e
     if not isinstance(data, dict):
@@ -314,11 +347,13 @@ def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
 
     problems: list[ConfigError] = []
 
-    def check(fn: Callable[[], object]) -> None:
+    def check(fn: Callable[[], object], into: list[ConfigError] = problems) -> object:
+        """fn's value, or None with its ConfigError kept `into`."""
         try:
-            fn()
+            return fn()
         except ConfigError as e:
-            problems.append(e)
+            into.append(e)
+            return None
 
     check(lambda: SampleConfig(**spec.calibrate.model_dump()))  # sizes, the malformed-records limit
     check(lambda: CalibOptions(**spec.quantize.model_dump()))
@@ -327,23 +362,29 @@ def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
     if dup:
         problems.append(ConfigError(f"variants: duplicate name {sorted(dup)[0]!r}"))
     for i, v in enumerate(spec.variants):
-        try:
-            scheme_config(v.scheme, where=key_path("variants", i, "options"), **v.options)
-            if v.kv_cache:
-                KVCacheConfig(v.kv_cache)
-            if v.engine:
-                engine_config(v.engine.backend, where=key_path("variants", i, "engine", "options"), **v.engine.options)
-            search = search_config(v, where=key_path("variants", i, "search")) if v.search is not None else None
-            if v.engine:
-                _check_engine(v, key_path("variants", i, "engine"), search.fine_group_size if search else None)
-            if search is not None:
-                if not spec.calibrate.search_size:
-                    raise ConfigError(
-                        f"{key_path('variants', i, 'search')}: its points would be chosen on the shadow "
-                        "split that then gates the chosen one, which flatters it",
-                        hint="set calibrate.search_size (e.g. 48): a held-out split of its own for the search",
-                    )
-        except ConfigError as e:
+        found: list[ConfigError] = []
+        at = functools.partial(key_path, "variants", i)
+        parts = [  # independent of each other: each one's problems are reported
+            check(lambda v=v: scheme_config(v.scheme, where=at("options"), **v.options), found),
+            check(lambda v=v: KVCacheConfig(v.kv_cache), found) if v.kv_cache else True,
+            check(lambda v=v: engine_config(v.engine.backend, where=at("engine", "options"), **v.engine.options), found)
+            if v.engine
+            else True,
+        ]
+        if v.search is not None and not spec.calibrate.search_size:
+            found.append(
+                ConfigError(
+                    f"{at('search')}: its points would be chosen on the shadow split that then gates the chosen one, "
+                    "which flatters it",
+                    hint="set calibrate.search_size (e.g. 48): a held-out split of its own for the search",
+                )
+            )
+        if all(p is not None for p in parts):  # what needs the parts above to be valid
+            search = check(lambda v=v: search_config(v, where=at("search")), found) if v.search is not None else True
+            if v.engine and search is not None:
+                fine = search.fine_group_size if v.search is not None else None
+                check(lambda v=v, fine=fine: _check_engine(v, at("engine"), fine), found)
+        for e in found:
             for p in e.problems:
                 msg = p.message if p.message.startswith("variants[") else f"{key_path('variants', i)}: {p.message}"
                 problems.append(ConfigError(f"{msg} (variant {v.name})", hint=p.hint))
