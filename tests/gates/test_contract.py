@@ -367,6 +367,7 @@ def test_a_contract_failure_stops_the_gate_unless_asked_to_score(base_art, awq_a
     assert (
         report["verdict"] == "fail" and "Not scored: the serving contract failed (context_length)" in report["notes"][0]
     )
+    assert not any("made from base model" in n for n in report["notes"])  # awq_art was made from this baseline
     (diff,) = next(r for r in report["results"] if r["metric"] == "context_length")["evidence"]["differences"]
     assert diff["key"] == "context_length.rope_parameters.rope_theta"
     assert "Not scored" in (tmp_path / "fast/report.html").read_text()
@@ -376,3 +377,19 @@ def test_a_contract_failure_stops_the_gate_unless_asked_to_score(base_art, awq_a
     full = json.loads((tmp_path / "full/report.json").read_text())
     assert {"contract", "shadow", "perf", "eval"} <= {r["gate"] for r in full["results"]} and full["scored"] is True
     assert full["verdict"] == "fail" and fast_s < full_s
+
+
+def test_a_candidate_made_from_another_model_than_its_baseline_says_so_in_the_report(
+    base_art, awq_art, calib_arts, tmp_path
+):
+    """Gating against another baseline than the one quantized is allowed (compare with what is served), and said."""
+    from qgate.gates.gating import GateConfig, run_gates
+
+    other = _variant(base_art, tmp_path, "other", _edit_json("config.json", _set("max_position_embeddings", 64)))
+    art = run_gates(awq_art, other, calib_arts["shadow"], GateConfig(eval=None), tmp_path / "g", tmp_path / "c")
+    notes = json.loads((art.path / "report.json").read_text())["notes"]
+    assert notes[0].startswith("Not scored: the serving contract failed (context_length)")
+    assert notes[1] == (
+        f"The candidate was made from base model {base_art.sha256[:16]}, not from the baseline it is gated against "
+        f"({other.sha256[:16]}): the verdict compares it with that baseline."
+    )

@@ -323,6 +323,11 @@ def run_gates(
                 f"Not run: {' and '.join(stop['skipped'])}. The gate had already failed on {', '.join(stop['after'])}, "
                 "so the verdict is FAIL whatever they show (gates.stop_on_fail: true; set it false to score them).",
             )
+    if (made_from := candidate.meta.get("base_model")) and made_from != baseline.sha256:
+        notes = notes + (
+            f"The candidate was made from base model {made_from[:16]}, not from the baseline it is gated against "
+            f"({baseline.sha256[:16]}): the verdict compares it with that baseline.",
+        )
     decided = GateReport.decide(results, cfg.on_inconclusive, scored["stopped"], m is not None)
     verdict, passed = decided.verdict, decided.passed
     report = {
