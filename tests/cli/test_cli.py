@@ -67,6 +67,10 @@ def test_usage_errors_say_usage_error_and_where_to_look(argv, message, see, caps
             ["quantize", "--model", "m", "--out", "o", "--scheme", "gptq-w4a16", "--max-seq-length", "4"],
             ["--max-seq-length must be >= 8, got 4"],
         ),
+        (
+            ["quantize", "--model", "m", "--out", "o", "--scheme", "fp8-dynamic", "--kv-cache", "fp4"],
+            ["--kv-cache must be 'fp8' or 'int8', got 'fp4'"],
+        ),
     ],
 )
 def test_bad_option_values_are_named_by_their_flags_each_one_before_any_input_is_read(argv, problems, capsys):

@@ -40,7 +40,11 @@ def quantize_cmd(
     refuse_unused(ctx, ["group_size"], [f.name for f in fields(cls) if f.name not in fixed], f"--scheme {scheme}")
     cfg = scheme_config(scheme, field_name=flag, group_size=group_size)
     opts = build_config(CalibOptions, {"max_seq_length": max_seq_length}, "quantize", field_name=flag)
-    kv = KVCacheConfig(kv_cache) if kv_cache else None
+    kv = (
+        build_config(KVCacheConfig, {"dtype": kv_cache}, "kv_cache", field_name=lambda _: "--kv-cache")
+        if kv_cache
+        else None
+    )
     base = Artifact.load(model, "checkpoint")
     cal = Artifact.load(calib, "calibration-set") if calib else None
     art = build_atomically(out, lambda tmp: quantize(base, cal, cfg, tmp, kv=kv, opts=opts))

@@ -24,7 +24,7 @@ class KVCacheConfig:
 
     def __post_init__(self):
         if self.dtype not in ("fp8", "int8"):
-            raise ConfigError(f"kv_cache: {self.dtype!r} is not one of 'fp8', 'int8'")
+            raise ConfigError(f"dtype must be 'fp8' or 'int8', got {self.dtype!r}")
 
     def scheme_args(self):
         from compressed_tensors.quantization import QuantizationArgs
