@@ -133,7 +133,7 @@ class Artifact:
         kinds = (kind,) if isinstance(kind, str) else kind
         if kinds is not None and art.kind not in kinds:
             raise InputError(
-                f"{path}: expected a {' or '.join(kinds)} artifact, found a {art.kind}",
+                f"{path}: expected {' or '.join(map(_a, kinds))} artifact, found {_a(art.kind)}",
                 hint="; ".join(f"{k}: {WRITTEN_BY[k]}" for k in kinds),
             )
         return art
@@ -236,3 +236,8 @@ def build_atomically(out: Path, fn) -> Artifact:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return Artifact.load(out / rel)
+
+
+def _a(noun: str) -> str:
+    """'a checkpoint', 'an engine'."""
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"

@@ -160,7 +160,7 @@ def test_a_gate_input_of_the_wrong_kind_is_named_before_any_scoring(base_art, ca
     gate = ["gate", "--baseline", str(base_art.path), "--shadow", shadow, "--out", str(tmp_path / "g")]
     assert main([*gate, "--candidate", str(calib_arts["calib"].path)]) == 1
     err = capsys.readouterr().err
-    assert f"{calib_arts['calib'].path}: expected a checkpoint or engine artifact, found a calibration-set" in err
+    assert f"{calib_arts['calib'].path}: expected a checkpoint or an engine artifact, found a calibration-set" in err
     assert (
         "hint: checkpoint: `qgate model import` (a baseline) or `qgate quantize` writes one; engine: `qgate engine"
         in err
@@ -168,6 +168,15 @@ def test_a_gate_input_of_the_wrong_kind_is_named_before_any_scoring(base_art, ca
     wrong_baseline = ["gate", "--candidate", str(base_art.path), "--baseline", shadow, "--shadow", shadow]
     assert main([*wrong_baseline, "--out", str(tmp_path / "g")]) == 1
     assert "hint: checkpoint: `qgate model import`" in capsys.readouterr().err
+    from qgate.artifact import Artifact
+
+    (tmp_path / "e").mkdir()
+    engine = Artifact.create("engine", tmp_path / "e", {})
+    assert main([*gate, "--candidate", str(base_art.path), "--baseline", str(engine.path)]) == 1
+    assert f"{engine.path}: expected a checkpoint artifact, found an engine" in capsys.readouterr().err
+    assert main([*gate, "--candidate", str(base_art.path), "--device", ""]) == 1  # not silently `auto`
+    assert "error: --device: '' is not a device" in capsys.readouterr().err
+    assert not (tmp_path / "g").exists()
     (tmp_path / "cache").write_text("not a directory")
     assert main([*gate, "--candidate", str(base_art.path), "--cache", str(tmp_path / "cache")]) == 1
     assert f"error: {tmp_path / 'cache'}: cannot hold the baseline cache: it is a file\n" in capsys.readouterr().err

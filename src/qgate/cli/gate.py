@@ -52,7 +52,7 @@ def gate_cmd(
     cfg = load_spec(spec).gate_config() if spec else GateConfig()
     if score_anyway:
         cfg = replace(cfg, score_anyway=True)
-    if device:
+    if device is not None:
         from qgate.device import check_device
 
         cfg = replace(cfg, device=check_device(device, "--device"))
