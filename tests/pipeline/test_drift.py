@@ -426,7 +426,7 @@ def test_drift_policy_keys_are_strict(fresh):
     with pytest.raises(ConfigError, match=r"drift.max_js_rout: unknown key; did you mean 'max_js_route'"):
         load_spec(bad)
     bad = drift_spec(root, src, [W8], STRICT, {"max_js_route": 2}, name="bad2.yaml")
-    with pytest.raises(ConfigError, match=r"drift: max_js_route must be in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"drift\.max_js_route must be in \(0, 1\] bits, got 2"):
         load_spec(bad)
 
 
