@@ -63,6 +63,23 @@ def test_quantize_cli_names_its_flags_in_errors(base_art, tmp_path, capsys):
     assert not (tmp_path / "q").exists()
 
 
+def test_quantize_without_a_tty_prints_its_one_line_and_nothing_from_the_libraries(base_art, calib_arts, tmp_path):
+    """GPTQ's tracing and sequential onloading make torch and transformers warn on every run; none of it is a
+    user's to act on, and a CI log should hold qgate's line alone."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "PYTHONWARNINGS")}
+    argv = ["quantize", "--model", str(base_art.path), "--calib", str(calib_arts["calib"].path)]
+    argv += ["--scheme", "gptq-w4a16", "--group-size", "32", "--max-seq-length", "64", "--out", str(tmp_path / "q")]
+    qgate = Path(sys.executable).parent / "qgate"
+    p = subprocess.run([str(qgate), *argv], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0 and p.stderr == "", p.stderr[-2000:]
+    assert p.stdout.startswith(f"checkpoint {tmp_path / 'q'}  gptq-w4a16 (w4a16); ") and p.stdout.count("\n") == 1
+
+
 def test_a_held_out_split_is_refused_as_calibration_data_and_a_gate_on_what_was_fitted(
     base_art, w8_art, calib_arts, tmp_path, capsys
 ):

@@ -76,6 +76,7 @@ def quiet_libraries() -> None:
     import logging
     import os
     import sys
+    import warnings
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -88,6 +89,10 @@ def quiet_libraries() -> None:
         silence_tqdm()
     for name in ("transformers", "datasets", "lm_eval", "lm-eval", "mlflow", "alembic", "llmcompressor", "onnxruntime"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # what llm-compressor's tracing and sequential onloading make torch and transformers say on every quantize: nothing
+    # a user can act on (qgate saves from onloaded modules; it does not trace with torch.export)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", "Attempting to save a model with offloaded modules", UserWarning)
     try:
         import datasets
 
