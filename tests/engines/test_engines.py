@@ -292,3 +292,17 @@ def test_the_fit_check_reads_a_real_cards_memory():
     check_fits(cuda, free, "m")
     with pytest.raises(BackendUnavailable, match="m: its weights take"):
         check_fits(cuda, free + 1, "m")
+
+
+def test_loading_a_compressed_checkpoint_decompressed_warns_nothing(w8_art):
+    """The reference path passes `dequantize=True` over the checkpoint's own quantization config on purpose; the
+    warning transformers gives for that would land in every gate's log."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner = load_runner(w8_art)
+    assert not [str(w.message) for w in caught if "quantization_config" in str(w.message)]
+    params = dict(runner.model.named_parameters())
+    assert not any(n.endswith("weight_packed") for n in params)  # decompressed at load: dense float weights
+    assert all(p.is_floating_point() for n, p in params.items() if n.endswith(".weight"))

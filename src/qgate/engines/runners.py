@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -200,13 +201,15 @@ class TorchRunner:
         self.tokenizer = load_tokenizer(path)
         placed = {"device_map": str(self.device)} if self.device.type == "cuda" else {}  # straight onto the GPU
         decompressed = dequantize_kwargs(path)
-        self.model = load_causal_lm(
-            path,
-            dtype=self.dtype,
-            attn_implementation=_register_attention(self.device),
-            **decompressed,
-            **placed,
-        ).eval()
+        with warnings.catch_warnings():  # that the passed config's `dequantize` replaces the checkpoint's: meant
+            warnings.filterwarnings("ignore", "You passed `quantization_config`", UserWarning)
+            self.model = load_causal_lm(
+                path,
+                dtype=self.dtype,
+                attn_implementation=_register_attention(self.device),
+                **decompressed,
+                **placed,
+            ).eval()
         check_vocab(path, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
         if decompressed:
             _without_offloading(self.model)
