@@ -206,7 +206,7 @@ def test_invalid_config():
 
     with pytest.raises(ConfigError, match="calib_size"):
         SampleConfig(calib_size=0)
-    with pytest.raises(ConfigError, match="calibrate.seed must be >= 0, got -1"):  # numpy refuses negative seeds
+    with pytest.raises(ConfigError, match="^seed must be >= 0, got -1$"):  # numpy refuses negative seeds
         SampleConfig(seed=-1)
     with pytest.raises(ConfigError, match="seed must be >= 0, got -2"):
         DriftConfig(seed=-2)

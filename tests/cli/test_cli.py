@@ -68,6 +68,10 @@ def test_usage_errors_say_usage_error_and_where_to_look(argv, message, see, caps
             ["--max-seq-length must be >= 8, got 4"],
         ),
         (
+            ["calibrate", "sample", "--traffic", "t", "--out", "o", "--calib-size", "0", "--max-reject-fraction", "0"],
+            ["--calib-size must be >= 1, got 0", "--max-reject-fraction must be in (0, 1], got 0.0"],
+        ),
+        (
             ["quantize", "--model", "m", "--out", "o", "--scheme", "fp8-dynamic", "--kv-cache", "fp4"],
             ["--kv-cache must be 'fp8' or 'int8', got 'fp4'"],
         ),
@@ -78,7 +82,8 @@ def test_bad_option_values_are_named_by_their_flags_each_one_before_any_input_is
     err = capsys.readouterr().err
     listed = [line.removeprefix("  - ") for line in err.splitlines() if line.startswith("  - ")]
     assert (listed or [err.strip().removeprefix("error: ")]) == problems
-    assert "no-such-checkpoint" not in err and " m:" not in err and "engine." not in err and "quantize." not in err
+    assert "no-such-checkpoint" not in err and " m:" not in err and " t:" not in err
+    assert not any(section in err for section in ("engine.", "quantize.", "calibrate."))
 
 
 def test_version_names_qgate_and_the_libraries_a_verdict_depends_on(capsys):

@@ -33,7 +33,7 @@ from qgate.calibrate.sources import combined_sha256, explained, is_uri, list_par
 from qgate.calibrate.split_scan import phases, scan_partition_split
 from qgate.calibrate.state import SampleState
 from qgate.calibrate.state_json import scan_partition_json, state_from_json
-from qgate.errors import ConfigError, InputError
+from qgate.errors import InputError, check_each
 from qgate.execute import check_executor, map_ordered, workers
 from qgate.progress import progress
 
@@ -59,18 +59,15 @@ class SampleConfig:
     VERSION = 1
 
     def __post_init__(self):
-        for name in ("calib_size", "shadow_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"calibrate.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("search_size", "seed"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"calibrate.{name} must be >= 0, got {getattr(self, name)}")
-        if self.min_words < 0:
-            raise ConfigError(f"calibrate.min_words must be >= 0, got {self.min_words}")
-        if self.max_line_bytes < 1024:
-            raise ConfigError(f"calibrate.max_line_bytes must be >= 1024, got {self.max_line_bytes}")
-        if not 0 < self.max_reject_fraction <= 1:
-            raise ConfigError(f"calibrate.max_reject_fraction must be in (0, 1], got {self.max_reject_fraction}")
+        at_least = {"calib_size": 1, "shadow_size": 1, "search_size": 0, "seed": 0, "min_words": 0}
+        check_each(
+            *((getattr(self, k) < low, f"{k} must be >= {low}, got {getattr(self, k)}") for k, low in at_least.items()),
+            (self.max_line_bytes < 1024, f"max_line_bytes must be >= 1024, got {self.max_line_bytes}"),
+            (
+                not 0 < self.max_reject_fraction <= 1,
+                f"max_reject_fraction must be in (0, 1], got {self.max_reject_fraction}",
+            ),
+        )
 
     @property
     def sample_size(self) -> int:

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from qgate.calibrate.sample import SampleConfig
-from qgate.cli.options import Executor, OutDir
+from qgate.cli.options import Executor, OutDir, flag
 
 app = typer.Typer(no_args_is_help=True, help="Calibration sets from production traffic logs.")
 _D = SampleConfig()
@@ -54,16 +54,11 @@ def sample_cmd(
     """Stratified, deduplicated, PII-scrubbed calibration + shadow split with a traffic profile."""
     from qgate.artifact import Artifact, build_atomically
     from qgate.calibrate.sample import sample_traffic
+    from qgate.naming import build_config
 
-    cfg = SampleConfig(
-        calib_size=calib_size,
-        shadow_size=shadow_size,
-        search_size=search_size,
-        seed=seed,
-        max_reject_fraction=max_reject_fraction,
-        min_words=min_words,
-        max_line_bytes=max_line_bytes,
-    )
+    values = dict(calib_size=calib_size, shadow_size=shadow_size, search_size=search_size, seed=seed)
+    values |= dict(max_reject_fraction=max_reject_fraction, min_words=min_words, max_line_bytes=max_line_bytes)
+    cfg = build_config(SampleConfig, values, "calibrate", field_name=flag)
     kept = Path(out).with_name(f"{Path(out).name}.rejects.jsonl")  # the evidence of a failed run: `out` is not made
     build_atomically(
         out,

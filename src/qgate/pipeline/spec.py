@@ -355,7 +355,7 @@ def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
             into.append(e)
             return None
 
-    check(lambda: SampleConfig(**spec.calibrate.model_dump()))  # sizes, the malformed-records limit
+    check(lambda: build_config(SampleConfig, spec.calibrate.model_dump(), "calibrate"))  # sizes, reject limit
     check(lambda: CalibOptions(**spec.quantize.model_dump()))
     names = [v.name for v in spec.variants]
     dup = {n for n in names if names.count(n) > 1}
