@@ -71,7 +71,11 @@ def test_quantize_without_a_tty_prints_its_one_line_and_nothing_from_the_librari
     import sys
     from pathlib import Path
 
-    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "PYTHONWARNINGS")}
+    env = {  # a user's shell: without what in-process `qgate run` tests leave in os.environ
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TQDM_DISABLE", "PYTHONWARNINGS") and not k.startswith(("LLM_COMPRESSOR_", "QGATE_"))
+    }
     argv = ["quantize", "--model", str(base_art.path), "--calib", str(calib_arts["calib"].path)]
     argv += ["--scheme", "gptq-w4a16", "--group-size", "32", "--max-seq-length", "64", "--out", str(tmp_path / "q")]
     qgate = Path(sys.executable).parent / "qgate"
