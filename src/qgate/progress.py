@@ -144,6 +144,6 @@ def quiet_console(log_file: Path) -> Path:
         logging.basicConfig(
             stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-    os.environ["LLM_COMPRESSOR_LOG_LEVEL"] = "INFO"  # llm-compressor's console sink is fd 2: the log
+    os.environ["LLM_COMPRESSOR_LOG_LEVEL"] = "INFO"  # llm-compressor's console sink is stdout, fd 1: the log
     logging.getLogger("qgate").info("library logs of this run: %s", log_file)
     return log_file
