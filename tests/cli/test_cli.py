@@ -27,13 +27,15 @@ ENGINE = ["engine", "build", "--checkpoint", "no-such-checkpoint", "--out", "e"]
         (["search", "--spec", "s", "--variant", "v", "--wait", "nan"], "got nan", "qgate search --help"),
         (["drift", "run", "--spec", "s", "--traffic", "t", "--wait", "-1"], "got -1.0", "qgate drift run --help"),
         (  # a flag the chosen backend or scheme would ignore, before the checkpoint is read
-            [*ENGINE, "--backend", "cpu", "--dtype", "float32", "--profile", "p"],
-            "--profile, --dtype do not apply to --backend cpu; it takes --accuracy-level, --lm-head",
+            [*ENGINE, "--backend", "cpu", "--dtype", "float32", "--profile", "p", "--no-verify"],
+            "--profile, --verify/--no-verify, --dtype do not apply to --backend cpu; "
+            "it takes --accuracy-level, --lm-head",
             "qgate engine build --help",
         ),
         (
             [*ENGINE, "--backend", "torch-int4", "--lm-head", "int8"],
-            "--lm-head does not apply to --backend torch-int4; it takes --profile, --verify, --max-seq-len, --dtype",
+            "--lm-head does not apply to --backend torch-int4; "
+            "it takes --profile, --verify/--no-verify, --max-seq-len, --dtype",
             "qgate engine build --help",
         ),
         (

@@ -61,9 +61,10 @@ def refuse_unused(ctx: typer.Context, params: Sequence[str], takes: Collection[s
     from typer._click.core import ParameterSource
     from typer._click.exceptions import UsageError
 
-    unused = [flag(p) for p in params if p not in takes and ctx.get_parameter_source(p) is not ParameterSource.DEFAULT]
+    shown = {q.name: "/".join(q.opts + q.secondary_opts) for q in ctx.command.params}  # --verify/--no-verify
+    unused = [shown[p] for p in params if p not in takes and ctx.get_parameter_source(p) is not ParameterSource.DEFAULT]
     if unused:
-        taken = [flag(p) for p in params if p in takes]
+        taken = [shown[p] for p in params if p in takes]
         raise UsageError(
             f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to {chosen}"
             + (f"; it takes {', '.join(taken)}" if taken else ""),
