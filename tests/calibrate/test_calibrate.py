@@ -68,7 +68,9 @@ def test_a_search_split_is_a_third_disjoint_split_that_leaves_the_others_alone(t
     for split in ("shadow", "calib"):
         assert (three[split].path / "data.jsonl").read_bytes() == (two[split].path / "data.jsonl").read_bytes()
     assert three["search"].meta["split"] == "search" and len(three["search"].meta["strata"]) > 1
-    with pytest.raises(InputError, match="calib_size \\+ shadow_size \\+ search_size"):
+    with pytest.raises(
+        InputError, match=r"calibrate.calib_size \+ calibrate.shadow_size \+ calibrate.search_size = 1065"
+    ):
         sample_traffic(traffic, tmp_path / "four", SampleConfig(calib_size=40, shadow_size=25, search_size=1000))
 
 
@@ -166,7 +168,7 @@ def test_a_failed_sample_quotes_its_first_rejects_names_the_worst_partitions_and
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert (
-        f"{logs} (3 files): 37 of 67 records are malformed (55%, more than calibrate.max_reject_fraction = 0.5); "
+        f"{logs} (3 files): 37 of 67 records are malformed (55%, more than --max-reject-fraction = 0.5); "
         "most in b.jsonl (30 of 40), c.jsonl (5 of 5), a.jsonl (2 of 22)\n" in err
     ), err
     assert (
@@ -195,10 +197,21 @@ def test_a_failed_sample_quotes_its_first_rejects_names_the_worst_partitions_and
     ), err
 
 
-def test_too_little_traffic_names_the_fix(tmp_path):
+def test_too_little_traffic_names_the_fix(tmp_path, capsys):
+    """Too few prompts names the sizes to lower as the caller sets them: spec paths from the library (a pipeline),
+    flags from `qgate calibrate sample`."""
+    from qgate.cli.main import main
+
     tiny.make_traffic(tmp_path / "t.jsonl", n=20)
-    with pytest.raises(InputError, match="calib_size"):
+    with pytest.raises(InputError) as e:
         sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=100, shadow_size=10))
+    assert "need calibrate.calib_size + calibrate.shadow_size + calibrate.search_size = 110" in e.value.message
+    assert e.value.hint.startswith("lower calibrate.calib_size / calibrate.shadow_size / calibrate.search_size or")
+    argv = ["calibrate", "sample", "--traffic", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "o2")]
+    assert main(argv + ["--calib-size", "100", "--shadow-size", "10"]) == 1
+    err = capsys.readouterr().err
+    assert "need --calib-size + --shadow-size + --search-size = 110" in err, err
+    assert "lower --calib-size / --shadow-size / --search-size or supply more traffic" in err, err
 
 
 def test_invalid_config():

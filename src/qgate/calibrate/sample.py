@@ -99,6 +99,7 @@ def sample_traffic(
     parts: list | None = None,
     picture: bool = False,
     failed_rejects: Path | None = None,
+    field_name=None,
 ) -> dict[str, Artifact]:
     """traffic: a file, a glob, a directory of partitions or an object-store URI (calibrate/sources.py).
     executor: "serial"; "processes" to scan partitions in one local process per core; or "ray" to scan them as Ray
@@ -111,7 +112,9 @@ def sample_traffic(
     picture: also write out/profile.png (calibrate/profile_plot.py), beside the artifacts, not in them.
     failed_rejects: where rejects.jsonl goes when the traffic fails the sample's checks (too many malformed records,
     too few prompts), for a caller whose `out` is removed on failure (artifact.build_atomically); the error names it.
-    A successful run removes an earlier run's file there."""
+    A successful run removes an earlier run's file there.
+    field_name: how an error names a setting of `config` (`calibrate.calib_size` by default; a command names its
+    flag, `--calib-size`), as naming.build_config does."""
     check_executor(executor)
     if parts is None:
         parts = list_partitions(traffic)  # a missing log fails here, before anything is created
@@ -151,7 +154,9 @@ def sample_traffic(
     source_name = str(traffic) if not many else f"{traffic} ({len(parts)} files)"
     quoted += [b for b in broken[:_QUOTED] if b not in quoted]
     try:
-        calib, shadow, search, counts = _select(state, config, source_name, [json.loads(r) for r in quoted])
+        calib, shadow, search, counts = _select(
+            state, config, source_name, [json.loads(r) for r in quoted], field_name or (lambda f: f"calibrate.{f}")
+        )
     except InputError as e:
         raise _naming_rejects(e, out / "rejects.jsonl", failed_rejects) from None
     if failed_rejects is not None:
@@ -217,7 +222,9 @@ def _in_order(
         del st, rejects
 
 
-def _select(state: SampleState, config: SampleConfig, source: str, quoted: list[dict]) -> tuple[list, list, list, dict]:
+def _select(
+    state: SampleState, config: SampleConfig, source: str, quoted: list[dict], name
+) -> tuple[list, list, list, dict]:
     """Calibration and shadow rows, and the counts: exact where the samples hold every distinct prompt, else the
     sketches' estimates with their bounds. quoted: the rejects an error quotes when there are too many."""
     # a prompt under two routes sits in two strata: its first occurrence (file, line) keeps it
@@ -256,7 +263,7 @@ def _select(state: SampleState, config: SampleConfig, source: str, quoted: list[
         ),
         "strata_estimated": sorted(s for s, bk in state.strata.items() if not bk.exact()),
     }
-    _check_counts(source, stats, sum(len(r) for r in ranked.values()), config, state.partitions, quoted)
+    _check_counts(source, stats, sum(len(r) for r in ranked.values()), config, state.partitions, quoted, name)
     shadow_q = _allocate(sizes, config.shadow_size, {s: len(r) for s, r in ranked.items()})
     rest = {s: sizes[s] - shadow_q[s] for s in sizes}
     calib_q = _allocate(rest, config.calib_size, {s: len(ranked[s]) - shadow_q[s] for s in ranked})
@@ -276,7 +283,7 @@ def _select(state: SampleState, config: SampleConfig, source: str, quoted: list[
 
 
 def _check_counts(
-    traffic: str, stats: dict, available: int, config: SampleConfig, partitions: list[dict], quoted: list[dict]
+    traffic: str, stats: dict, available: int, config: SampleConfig, partitions: list[dict], quoted: list[dict], name
 ) -> None:
     records, rejected = stats.get("records", 0), stats.get("rejected", 0)
     if records == 0:
@@ -285,16 +292,16 @@ def _check_counts(
     if frac > config.max_reject_fraction:
         raise InputError(
             f"{traffic}: {rejected} of {records} records are malformed ({frac:.0%}, more than "
-            f"calibrate.max_reject_fraction = {config.max_reject_fraction}){_worst(partitions)}",
+            f"{name('max_reject_fraction')} = {config.max_reject_fraction}){_worst(partitions)}",
             hint="expected OpenAI chat 'messages' or 'prompt' records, one JSON object per line; the first rejects, "
             "and where any compressed stream broke off (its lines before may be garbage):"
             + "".join(f"\n    {r['file']}:{r['line']}: {r['reason']}" for r in quoted),
         )
+    sizes = " + ".join(name(f) for f in ("calib_size", "shadow_size", "search_size"))
     if available < config.sample_size:  # exact: a sample holds every prompt until it is full
         raise InputError(
-            f"{traffic}: only {available} unique usable prompts, need calib_size + shadow_size + search_size = "
-            f"{config.sample_size}",
-            hint="lower calibrate.calib_size / shadow_size / search_size or supply more traffic",
+            f"{traffic}: only {available} unique usable prompts, need {sizes} = {config.sample_size}",
+            hint=f"lower {sizes.replace(' + ', ' / ')} or supply more traffic",
         )
 
 

@@ -63,7 +63,14 @@ def sample_cmd(
     build_atomically(
         out,
         lambda tmp: sample_traffic(
-            traffic, tmp, cfg, executor=executor, scan_cache=scan_cache, picture=True, failed_rejects=kept
+            traffic,
+            tmp,
+            cfg,
+            executor=executor,
+            scan_cache=scan_cache,
+            picture=True,
+            failed_rejects=kept,
+            field_name=flag,
         )["calib"],
     )
     arts = {
