@@ -196,6 +196,28 @@ def test_a_variants_scheme_and_engine_problems_come_in_one_load_each_named_by_it
         "  - variants[0].engine.options.dtype must be one of bfloat16, float32, got 'float16' (variant a)",
         "  - variants[0].engine.options.max_seq_len must be >= 16, got 8 (variant a)",
     ]
+    # the search's own keys are checked beside the scheme's; the checks against the scheme once both are valid
+    bad = {"name": "a", "scheme": "gptq-w4a16", "options": {"group_size": 48}, "search": {"max_stepz": 2}}
+    path = pipeline_spec(
+        tmp_path, workdir, variants=[bad], calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 8}
+    )
+    with pytest.raises(ConfigError) as e:
+        load_spec(path)
+    assert str(e.value).splitlines()[1:3] == [
+        "  - variants[0].options.group_size must be a positive power of two, got 48 (variant a)",
+        "  - variants[0].search.max_stepz: unknown key; did you mean 'max_steps'? (variant a)",
+    ]
+    coarse = {"name": "a", "scheme": "gptq-w4a16", "options": {"group_size": 64}, "search": {"fine_group_size": 128}}
+    path = pipeline_spec(
+        tmp_path, workdir, variants=[coarse], calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 8}
+    )
+    with pytest.raises(ConfigError) as e:  # at load, not after calibration and the sensitivity scan
+        load_spec(path)
+    assert str(e.value) == (
+        f"{path}: variants[0].search.fine_group_size 128 must be below the scheme's group_size 64: it is the finer "
+        "step between the scheme and the fallback (variant a)\n"
+        "  hint: set search.fine_group_size below the group size, or drop it"
+    )
 
 
 def test_a_key_given_twice_fails_the_spec_instead_of_the_last_one_winning(tmp_path, workdir):

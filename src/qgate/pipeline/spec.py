@@ -200,17 +200,26 @@ class PipelineSpec(_Strict):
 
 
 def search_config(v: VariantSpec, where: str = "search"):
-    """The variant's SearchConfig; ConfigError when its scheme has no per-layer fallback."""
-    from qgate.pipeline.search import fine_groups_refusal
-    from qgate.quantize.schemes import KVCacheConfig, scheme_config
+    """The variant's SearchConfig, checked on its own and against the variant (search_fits)."""
     from qgate.search.plan import SearchConfig
 
-    cfg = build_config(SearchConfig, v.search or {}, where)
+    return search_fits(v, build_config(SearchConfig, v.search or {}, where), where)
+
+
+def search_fits(v: VariantSpec, cfg, where: str = "search"):
+    """cfg, a valid SearchConfig, when the variant can be searched with it; ConfigError when its scheme has no
+    per-layer fallback, or no finer group size below its own, or its KV cache or engine rule out cfg's options."""
+    from qgate.pipeline.search import fine_groups_refusal
+    from qgate.quantize.schemes import KVCacheConfig, scheme_config
+    from qgate.search.plan import fine_group_problem
+
     scheme = scheme_config(v.scheme, **v.options)
     if not hasattr(scheme, "group_size"):
         raise ConfigError(
             f"{where}: scheme {v.scheme} has no per-layer fallback", hint="search awq-w4a16 or gptq-w4a16"
         )
+    if why := fine_group_problem(scheme, cfg):
+        raise ConfigError(f"{where}.{why}", hint="set search.fine_group_size below the group size, or drop it")
     if reason := fine_groups_refusal(scheme, KVCacheConfig(v.kv_cache) if v.kv_cache else None, cfg):
         raise ConfigError(f"{where}: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
     if cfg.lm_head:
@@ -344,6 +353,7 @@ def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
     from qgate.engines.build import engine_config
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
     from qgate.registry.names import name_problems
+    from qgate.search.plan import SearchConfig
 
     problems: list[ConfigError] = []
 
@@ -370,6 +380,9 @@ def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
             check(lambda v=v: engine_config(v.engine.backend, where=at("engine", "options"), **v.engine.options), found)
             if v.engine
             else True,
+            check(lambda v=v: build_config(SearchConfig, v.search, at("search")), found)
+            if v.search is not None
+            else True,
         ]
         if v.search is not None and not spec.calibrate.search_size:
             found.append(
@@ -380,7 +393,10 @@ def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
                 )
             )
         if all(p is not None for p in parts):  # what needs the parts above to be valid
-            search = check(lambda v=v: search_config(v, where=at("search")), found) if v.search is not None else True
+            own = parts[-1]
+            search = (
+                check(lambda v=v, own=own: search_fits(v, own, at("search")), found) if v.search is not None else True
+            )
             if v.engine and search is not None:
                 fine = search.fine_group_size if v.search is not None else None
                 check(lambda v=v, fine=fine: _check_engine(v, at("engine"), fine), found)

@@ -79,6 +79,17 @@ def bits_per_weight(bits: int, group_size: int | None, symmetric: bool, scale_bi
     return bits + (scale_bits + (0 if symmetric else bits)) / group_size
 
 
+def fine_group_problem(scheme, cfg: SearchConfig) -> str | None:
+    """Why cfg's fine_group_size is no rung for `scheme`, or None (the message names the field, without its path)."""
+    g = cfg.fine_group_size
+    if g and g >= scheme.group_size:
+        return (
+            f"fine_group_size {g} must be below the scheme's group_size {scheme.group_size}: it is the finer step "
+            "between the scheme and the fallback"
+        )
+    return None
+
+
 def rungs(scheme, cfg: SearchConfig) -> list[Rung]:
     """The ladder every layer can climb: the scheme, the finer group size (when set), the fallback."""
     sym = scheme.symmetric
@@ -87,12 +98,9 @@ def rungs(scheme, cfg: SearchConfig) -> list[Rung]:
         return Rung(rung_tag(bits, g), bits, g, bits_per_weight(bits, g, sym), label)
 
     out = [rung(scheme.num_bits, scheme.group_size, f"W{scheme.num_bits}A16 g{scheme.group_size}")]
+    if why := fine_group_problem(scheme, cfg):
+        raise ConfigError(f"search.{why}")
     if cfg.fine_group_size:
-        if cfg.fine_group_size >= scheme.group_size:
-            raise ConfigError(
-                f"search.fine_group_size {cfg.fine_group_size} must be below the scheme's group_size "
-                f"{scheme.group_size}: it is the finer step between the scheme and the fallback"
-            )
         out.append(rung(scheme.num_bits, cfg.fine_group_size, f"W{scheme.num_bits}A16 g{cfg.fine_group_size}"))
     fb = cfg.fallback_bits
     out.append(rung(fb, None if fb >= 16 else scheme.group_size, "W8A16" if fb == 8 else "unquantized"))
