@@ -448,3 +448,19 @@ def test_the_calibrate_spec_defaults_are_the_samplers():
 
     assert SampleConfig(**CalibrateSpec().model_dump()) == SampleConfig()
     assert set(CalibrateSpec.model_fields) == set(SampleConfig.__dataclass_fields__)  # every setting can be set
+
+
+@pytest.mark.parametrize("name", ["promote.yaml", "gpu.yaml"])
+def test_the_shipped_specs_load_with_what_their_comments_promise(name):
+    """The README's specs load as shipped: the demo, and the GPU spec whose gates refuse anything but CUDA."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "pipelines" / name
+    spec = load_spec(path)
+    assert spec.variants and all(v.scheme for v in spec.variants)
+    if name == "gpu.yaml":
+        assert spec.gates.device == "cuda"
+        assert [v.engine.backend for v in spec.variants if v.engine] == ["torch-int4"]
+    else:
+        assert next(v for v in spec.variants if v.search).name == "awq-w4a16-searched"
+        assert spec.calibrate.search_size > 0  # the search's points are chosen off the shadow split
