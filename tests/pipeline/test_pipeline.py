@@ -216,7 +216,23 @@ def test_a_variants_scheme_and_engine_problems_come_in_one_load_each_named_by_it
     assert str(e.value) == (
         f"{path}: variants[0].search.fine_group_size 128 must be below the scheme's group_size 64: it is the finer "
         "step between the scheme and the fallback (variant a)\n"
-        "  hint: set search.fine_group_size below the group size, or drop it"
+        "  hint: lower search.fine_group_size or drop it"
+    )
+    w8 = {"name": "a", "scheme": "gptq-w8a16", "options": {"group_size": 64}, "search": {}}
+    path = pipeline_spec(
+        tmp_path, workdir, variants=[w8], calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 8}
+    )
+    with pytest.raises(ConfigError) as e:  # W8A16 falling back to W8A16 would climb nowhere
+        load_spec(path)
+    assert str(e.value) == (
+        f"{path}: variants[0].search.fallback_bits 8 must be above the scheme's 8 bits: a layer that falls back keeps "
+        "more precision (variant a)\n  hint: set search.fallback_bits: 16"
+    )
+    w8["search"] = {"fallback_bits": 16}
+    assert load_spec(
+        pipeline_spec(
+            tmp_path, workdir, variants=[w8], calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 8}
+        )
     )
 
 

@@ -124,6 +124,10 @@ def test_a_fine_group_rung_is_a_move_where_it_removes_more_kl_per_bit():
     assert plan.start_count(0.25) == 1 and plan.start_count(0.5) == 2  # 8 of 28, then 17.9 of 28
     with pytest.raises(ConfigError, match="below the scheme's group_size"):
         rungs(_Scheme(), SearchConfig(fine_group_size=64))
+    w8 = _Scheme(num_bits=8)
+    with pytest.raises(ConfigError, match="^search.fallback_bits 8 must be above the scheme's 8 bits"):
+        rungs(w8, SearchConfig())
+    assert [r.tag for r in rungs(w8, SearchConfig(fallback_bits=16, fine_group_size=32))] == ["8g64", "8g32", "fp"]
     with pytest.raises(ConfigError, match="power of two"):
         SearchConfig(fine_group_size=48)
 

@@ -208,18 +208,22 @@ def search_config(v: VariantSpec, where: str = "search"):
 
 def search_fits(v: VariantSpec, cfg, where: str = "search"):
     """cfg, a valid SearchConfig, when the variant can be searched with it; ConfigError when its scheme has no
-    per-layer fallback, or no finer group size below its own, or its KV cache or engine rule out cfg's options."""
+    per-layer fallback, or cfg's ladder does not climb from it (search/plan.py ladder_problem), or its KV cache or
+    engine rule out cfg's options."""
     from qgate.pipeline.search import fine_groups_refusal
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
-    from qgate.search.plan import fine_group_problem
+    from qgate.search.plan import ladder_problem
 
     scheme = scheme_config(v.scheme, **v.options)
     if not hasattr(scheme, "group_size"):
         raise ConfigError(
             f"{where}: scheme {v.scheme} has no per-layer fallback", hint="search awq-w4a16 or gptq-w4a16"
         )
-    if why := fine_group_problem(scheme, cfg):
-        raise ConfigError(f"{where}.{why}", hint="set search.fine_group_size below the group size, or drop it")
+    if why := ladder_problem(scheme, cfg):
+        fix = (
+            "set search.fallback_bits: 16" if why.startswith("fallback") else "lower search.fine_group_size or drop it"
+        )
+        raise ConfigError(f"{where}.{why}", hint=fix)
     if reason := fine_groups_refusal(scheme, KVCacheConfig(v.kv_cache) if v.kv_cache else None, cfg):
         raise ConfigError(f"{where}: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
     if cfg.lm_head:

@@ -79,8 +79,14 @@ def bits_per_weight(bits: int, group_size: int | None, symmetric: bool, scale_bi
     return bits + (scale_bits + (0 if symmetric else bits)) / group_size
 
 
-def fine_group_problem(scheme, cfg: SearchConfig) -> str | None:
-    """Why cfg's fine_group_size is no rung for `scheme`, or None (the message names the field, without its path)."""
+def ladder_problem(scheme, cfg: SearchConfig) -> str | None:
+    """Why cfg's ladder cannot climb from `scheme`, or None: each rung must hold more than the one below it (the
+    message names the field, without its path)."""
+    if cfg.fallback_bits <= scheme.num_bits:
+        return (
+            f"fallback_bits {cfg.fallback_bits} must be above the scheme's {scheme.num_bits} bits: a layer that falls "
+            "back keeps more precision"
+        )
     g = cfg.fine_group_size
     if g and g >= scheme.group_size:
         return (
@@ -98,7 +104,7 @@ def rungs(scheme, cfg: SearchConfig) -> list[Rung]:
         return Rung(rung_tag(bits, g), bits, g, bits_per_weight(bits, g, sym), label)
 
     out = [rung(scheme.num_bits, scheme.group_size, f"W{scheme.num_bits}A16 g{scheme.group_size}")]
-    if why := fine_group_problem(scheme, cfg):
+    if why := ladder_problem(scheme, cfg):
         raise ConfigError(f"search.{why}")
     if cfg.fine_group_size:
         out.append(rung(scheme.num_bits, cfg.fine_group_size, f"W{scheme.num_bits}A16 g{cfg.fine_group_size}"))
