@@ -228,6 +228,12 @@ def test_a_variants_scheme_and_engine_problems_come_in_one_load_each_named_by_it
         f"{path}: variants[0].search.fallback_bits 8 must be above the scheme's 8 bits: a layer that falls back keeps "
         "more precision (variant a)\n  hint: set search.fallback_bits: 16"
     )
+    w8["search"] = {"fallback_bits": 16, "max_bits_per_weight": 8.25}  # W8 g64, symmetric: 8 + 32 / 64
+    path = pipeline_spec(
+        tmp_path, workdir, variants=[w8], calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 8}
+    )
+    with pytest.raises(ConfigError, match=r"max_bits_per_weight 8.25 is below the scheme's own 8.5 bits per weight"):
+        load_spec(path)
     w8["search"] = {"fallback_bits": 16}
     assert load_spec(
         pipeline_spec(

@@ -124,6 +124,8 @@ def test_a_fine_group_rung_is_a_move_where_it_removes_more_kl_per_bit():
     assert plan.start_count(0.25) == 1 and plan.start_count(0.5) == 2  # 8 of 28, then 17.9 of 28
     with pytest.raises(ConfigError, match="below the scheme's group_size"):
         rungs(_Scheme(), SearchConfig(fine_group_size=64))
+    with pytest.raises(ConfigError, match=r"^search.max_bits_per_weight 4.5 is below the scheme's own 4.562 bits"):
+        rungs(_Scheme(), SearchConfig(max_bits_per_weight=4.5))  # W4 g64, asymmetric: 4 + 36 / 64
     w8 = _Scheme(num_bits=8)
     with pytest.raises(ConfigError, match="^search.fallback_bits 8 must be above the scheme's 8 bits"):
         rungs(w8, SearchConfig())
@@ -464,6 +466,19 @@ def test_search_with_the_head_keeps_it_at_int8_and_counts_it(planted):
     # the head's 8.x bits are in every point's figure: above what the same body alone would measure
     assert all(p["bits_per_weight"] > s["uniform_bits_per_weight"] - 1e-3 for p in s["points"])
     assert s["uniform_bits_per_weight"] > 4 + 36 / 32 + 0.5
+    # a budget the body's scheme fits (5.125 bits) but not with the head at W8: refused before any point is built
+    with pytest.raises(ConfigError) as e:
+        _search(
+            planted,
+            "head-over",
+            SearchConfig(samples=16, max_steps=2, lm_head="int8", max_bits_per_weight=5.2),
+            _gate(0.001),
+        )
+    assert e.value.message.startswith("search.max_bits_per_weight 5.2 is below the first point's 5.")
+    assert e.value.message.endswith(
+        "bits per weight (every layer at the scheme, the output head at W8A16): no point fits it"
+    )
+    assert not (planted[0] / "head-over").exists()
 
 
 def test_gptq_quantizes_fine_group_layers_each_on_its_own(planted):

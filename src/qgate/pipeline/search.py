@@ -93,11 +93,17 @@ def search_checkpoint(
         sens = fisher_sensitivity(base, calib, scheme, scfg, settings, head)
         write_cached(spath, json.dumps(sens).encode())
         echo(f"    sensitivity: {len(sens['layers'])} layers from {sens['sequences']} sequences in {sens['seconds']}s")
-    smoothed = cached_smoothing(base, calib, scheme, opts, cache_dir, echo) if smooths(scheme, kv) else None
-    built = BUILT if smoothed else "full quantization"
     head_name = sens.get("head")
     plan = make_plan(sens["layers"], ladder, {head_name: head_ladder} if head_name else None)
-    kmax = plan.max_count(cfg.max_bits_per_weight)
+    if (budget := cfg.max_bits_per_weight) is not None and plan.bits(0) > budget:  # the head's first rung counts too
+        raise ConfigError(
+            f"search.max_bits_per_weight {budget} is below the first point's {plan.bits(0):.4g} bits per weight "
+            f"(every layer at the scheme{', the output head at W8A16' if head_name else ''}): no point fits it",
+            hint="raise search.max_bits_per_weight, or drop it (no budget)",
+        )
+    kmax = plan.max_count(budget)
+    smoothed = cached_smoothing(base, calib, scheme, opts, cache_dir, echo) if smooths(scheme, kv) else None
+    built = BUILT if smoothed else "full quantization"
     k0 = plan.start_count(cfg.start_share)
     tried: dict[int, bool] = {}
     points: list[dict] = []

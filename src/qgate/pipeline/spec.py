@@ -220,9 +220,10 @@ def search_fits(v: VariantSpec, cfg, where: str = "search"):
             f"{where}: scheme {v.scheme} has no per-layer fallback", hint="search awq-w4a16 or gptq-w4a16"
         )
     if why := ladder_problem(scheme, cfg):
-        fix = (
-            "set search.fallback_bits: 16" if why.startswith("fallback") else "lower search.fine_group_size or drop it"
-        )
+        fix = {  # the field the message starts with
+            "fallback_bits": "set search.fallback_bits: 16",
+            "max_bits_per_weight": "raise search.max_bits_per_weight, or drop it (no budget)",
+        }.get(why.split()[0], "lower search.fine_group_size or drop it")
         raise ConfigError(f"{where}.{why}", hint=fix)
     if reason := fine_groups_refusal(scheme, KVCacheConfig(v.kv_cache) if v.kv_cache else None, cfg):
         raise ConfigError(f"{where}: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")

@@ -80,12 +80,18 @@ def bits_per_weight(bits: int, group_size: int | None, symmetric: bool, scale_bi
 
 
 def ladder_problem(scheme, cfg: SearchConfig) -> str | None:
-    """Why cfg's ladder cannot climb from `scheme`, or None: each rung must hold more than the one below it (the
-    message names the field, without its path)."""
+    """Why cfg's ladder cannot climb from `scheme`, or None: each rung must hold more than the one below it, and the
+    size budget must hold the first (the message names the field, without its path)."""
     if cfg.fallback_bits <= scheme.num_bits:
         return (
             f"fallback_bits {cfg.fallback_bits} must be above the scheme's {scheme.num_bits} bits: a layer that falls "
             "back keeps more precision"
+        )
+    own = bits_per_weight(scheme.num_bits, scheme.group_size, scheme.symmetric)
+    if cfg.max_bits_per_weight is not None and cfg.max_bits_per_weight < own:
+        return (
+            f"max_bits_per_weight {cfg.max_bits_per_weight} is below the scheme's own {own:.4g} bits per weight: no "
+            "point of the search fits it"
         )
     g = cfg.fine_group_size
     if g and g >= scheme.group_size:
