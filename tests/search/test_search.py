@@ -559,6 +559,28 @@ def test_spec_search_key_is_strict(tmp_path, workdir):
             load_spec(pipeline_spec(tmp_path, workdir, variants=[served], calibrate=split))
 
 
+def test_qgate_search_on_a_variant_without_a_search_key_is_checked_before_any_stage(tmp_path, workdir, capsys):
+    """`qgate search --variant V` searches a variant with no `search:` key with the defaults, which loading the spec
+    does not check: a spec with no search split, or a W8A16 variant whose default fallback is W8A16 again, fails at
+    once with the spec's own message, before the model, calibration and baseline stages (minutes on a real model)."""
+    from qgate.cli.main import main
+
+    spec = pipeline_spec(tmp_path, workdir)  # no calibrate.search_size; variants awq-cpu and w8, no `search:` key
+    assert main(["search", "--spec", str(spec), "--variant", "awq-cpu"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "error: variants[0].search: its points would be chosen on the shadow split that then gates the chosen one, "
+        "which flatters it (variant awq-cpu)\n  hint: set calibrate.search_size" in err
+    ), err
+    split = {"calib_size": 24, "shadow_size": 48, "search_size": 24}
+    spec = pipeline_spec(tmp_path, workdir, calibrate=split)
+    assert main(["search", "--spec", str(spec), "--variant", "w8"]) == 1
+    err = capsys.readouterr().err
+    assert "error: variants[1].search.fallback_bits 8 must be above the scheme's 8 bits" in err, err
+    assert "(variant w8)\n  hint: set search.fallback_bits: 16" in err, err
+    assert not (tmp_path / "work").exists()  # no stage ran, no workdir made
+
+
 def test_pipeline_search_chooses_on_its_own_split_and_the_shadow_split_confirms(tmp_path, workdir):
     """No selection bias: the pipeline's search gates its points on the search split; the chosen checkpoint's gate
     runs on the shadow split, which the search never saw, and its report says so."""

@@ -32,11 +32,11 @@ def search_cmd(
     quiet_libraries()
     from qgate.errors import GateFailed
     from qgate.pipeline.jobs import run_search
-    from qgate.pipeline.spec import load_spec
+    from qgate.pipeline.spec import check_search, load_spec
     from qgate.progress import console_err, interactive, quiet_console
 
     s = load_spec(spec).on_device(device)
-    s.variant(variant)  # a misspelt name fails before the workdir and its logs are made
+    check_search(s, variant)  # a misspelt name, or a search that cannot run, fails before the workdir is made
     workdir = s.path(s.workdir)
     log_file = None if interactive() else quiet_console(workdir / "logs" / "qgate-search.log")
     typer.echo(

@@ -231,8 +231,10 @@ def run_search(spec: PipelineSpec, variant: str, echo: Callable[[str], None] = p
     workdir lock. `qgate run` on the same spec reuses the result."""
     from qgate.gates.gating import baseline_floor
     from qgate.locks import workdir_lock
+    from qgate.pipeline.spec import check_search
 
     v = spec.variant(variant)
+    check_search(spec, variant)  # before the stages: the model and the baseline's references take minutes
     with workdir_lock(spec.path(spec.workdir), f"qgate search {spec.name} {variant}", wait=wait, echo=echo):
         led = Ledger(spec.path(spec.workdir), echo)
         base = model_stage(led, spec)

@@ -206,6 +206,26 @@ def search_config(v: VariantSpec, where: str = "search"):
     return search_fits(v, build_config(SearchConfig, v.search or {}, where), where)
 
 
+def no_search_split(where: str) -> ConfigError:
+    return ConfigError(
+        f"{where}: its points would be chosen on the shadow split that then gates the chosen one, which flatters it",
+        hint="set calibrate.search_size (e.g. 48): a held-out split of its own for the search",
+    )
+
+
+def check_search(spec: PipelineSpec, name: str):
+    """The SearchConfig `qgate search` runs variant `name` with, before any stage: a variant without a `search:` key
+    is searched with the defaults, which loading the spec does not check. ConfigError as load_spec would give it."""
+    v = spec.variant(name)  # an unknown name fails here, with the names there are
+    where = key_path("variants", spec.variants.index(v), "search")
+    try:
+        if not spec.calibrate.search_size:
+            raise no_search_split(where)
+        return search_config(v, where)
+    except ConfigError as e:
+        raise ConfigError(f"{e.message} (variant {name})", hint=e.hint) from None
+
+
 def search_fits(v: VariantSpec, cfg, where: str = "search"):
     """cfg, a valid SearchConfig, when the variant can be searched with it; ConfigError when its scheme has no
     per-layer fallback, or cfg's ladder does not climb from it (search/plan.py ladder_problem), or its KV cache or
@@ -390,13 +410,7 @@ def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
             else True,
         ]
         if v.search is not None and not spec.calibrate.search_size:
-            found.append(
-                ConfigError(
-                    f"{at('search')}: its points would be chosen on the shadow split that then gates the chosen one, "
-                    "which flatters it",
-                    hint="set calibrate.search_size (e.g. 48): a held-out split of its own for the search",
-                )
-            )
+            found.append(no_search_split(at("search")))
         if all(p is not None for p in parts):  # what needs the parts above to be valid
             own = parts[-1]
             search = (
