@@ -486,3 +486,37 @@ def test_the_shipped_specs_load_with_what_their_comments_promise(name):
     else:
         assert next(v for v in spec.variants if v.search).name == "awq-w4a16-searched"
         assert spec.calibrate.search_size > 0  # the search's points are chosen off the shadow split
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a host without CUDA")
+def test_gates_on_cuda_are_refused_before_any_stage_on_a_host_without_it(tmp_path, workdir, capsys):
+    """`gates.device: cuda` on a CPU host fails at once, not after the model and calibrate stages (minutes for a real
+    model), for `qgate run` and `qgate search` alike; `--device cpu` overrides it."""
+    split = {"calib_size": 24, "shadow_size": 48, "search_size": 24}
+    spec = pipeline_spec(tmp_path, workdir, calibrate=split)
+    doc = yaml.safe_load(spec.read_text())
+    doc["gates"]["device"] = "cuda"
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    for argv in (["run", str(spec)], ["search", "--spec", str(spec), "--variant", "awq-cpu"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert "error: device 'cuda': torch " in err and "sees no CUDA device on this host" in err, err
+        assert not (tmp_path / "work" / "base").exists() and not (tmp_path / "work" / "calib").exists()
+    from qgate.pipeline.jobs import check_gate_device
+
+    check_gate_device(load_spec(spec).on_device("cpu"))  # the override: no error
+
+
+def test_a_run_that_fails_early_does_not_print_an_earlier_runs_table(tmp_path, workdir, capsys):
+    """The table on stdout is this run's: a run that fails before writing summary.json (here its traffic is gone) shows
+    none, though the workdir holds an earlier run's."""
+    spec = pipeline_spec(tmp_path, workdir)
+    earlier = {"variants": [{"variant": "old-variant", "verdict": "pass", "warned": False, "version": 7, "report": "r",
+                             "failed_checks": [], "inconclusive_checks": []}]}  # fmt: skip
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "summary.json").write_text(json.dumps(earlier))
+    (tmp_path / "traffic.jsonl").unlink()
+    assert main(["run", str(spec)]) == 1
+    out, err = capsys.readouterr()
+    assert "old-variant" not in out and "verdict" not in out, out
+    assert "traffic.jsonl" in err, err

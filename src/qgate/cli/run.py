@@ -48,12 +48,14 @@ def run_cmd(
     log_file = None if interactive() else quiet_console(workdir / "logs" / "qgate-run.log")
     o.say(f"pipeline {s.name}: workdir {workdir}" + (f"; library logs: {log_file}" if log_file else ""))
     summary, refused = None, None
+    earlier = _written(s)
     try:
         summary = run_pipeline(s, echo=lambda m: typer.echo(m, file=console_err()), wait=wait, executor=executor)
     except PromotionRefused as e:
         refused = e
     finally:
-        if not isinstance(sys.exc_info()[1], LockHeld):  # another job's results are not this run's table
+        # this run's table only: not an earlier run's summary (a run that failed before writing one), nor another job's
+        if not isinstance(sys.exc_info()[1], LockHeld) and _written(s) != earlier:
             _print_table(s, o)
     summary = _load_summary(s)
     if summary is not None:
@@ -70,6 +72,12 @@ def run_cmd(
         f"MLflow store: {summary['tracking_uri']}   (view: {ui if ui.exists() else 'mlflow'} ui --backend-store-uri "
         f"{summary['tracking_uri']})"
     )
+
+
+def _written(spec) -> int | None:
+    """When the workdir's summary.json was last written (ns), None while there is none."""
+    path = spec.path(spec.workdir) / "summary.json"
+    return path.stat().st_mtime_ns if path.exists() else None
 
 
 def _load_summary(spec) -> dict | None:

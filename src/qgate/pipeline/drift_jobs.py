@@ -22,7 +22,7 @@ from pathlib import Path
 
 from qgate.errors import PromotionRefused
 from qgate.gates.result import GateReport
-from qgate.pipeline.jobs import gate_variants
+from qgate.pipeline.jobs import check_gate_device, gate_variants
 from qgate.pipeline.ledger import Ledger
 from qgate.pipeline.spec import PipelineSpec, VariantSpec
 from qgate.pipeline.stages import Chain, calibrate_stage, model_stage, register_stage, traffic_key
@@ -64,6 +64,7 @@ def drift_check(
     from qgate.locks import job_lock, workdir_lock
 
     _check_store(spec)
+    check_gate_device(spec)
     sha, parts = _traffic(spec, recent, executor)
     main, _ = _dirs(spec, sha, echo)
     what = f"qgate drift check for {spec.registry.model_name}"
@@ -211,6 +212,7 @@ def drift_run(
 
     cfg = spec.drift_config()
     _check_store(spec)
+    check_gate_device(spec)
     sha, parts = _traffic(spec, recent, executor)
     main, r = _dirs(spec, sha, echo)
     model = spec.registry.model_name

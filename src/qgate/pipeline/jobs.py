@@ -43,10 +43,20 @@ def run_pipeline(
     from qgate.locks import workdir_lock
 
     check_executor(executor, EXECUTORS)
+    check_gate_device(spec)
     if executor == "ray":
         placeable(spec.variants, echo)
     with workdir_lock(spec.path(spec.workdir), f"qgate run {spec.name}", wait=wait, echo=echo):
         return _run(spec, echo, executor)
+
+
+def check_gate_device(spec: PipelineSpec) -> None:
+    """BackendUnavailable, before any stage, when the gates' device is not on this host (`gates.device: cuda` on a
+    host without CUDA). The gates score here, on the driver (the baseline's references first), even when variants
+    run as Ray tasks, and the model and calibrate stages before them can take minutes."""
+    from qgate.device import resolve_device
+
+    resolve_device(spec.gates.device or "auto")
 
 
 def _run(spec: PipelineSpec, echo: Callable[[str], None], executor: str = "serial") -> dict:
@@ -235,6 +245,7 @@ def run_search(spec: PipelineSpec, variant: str, echo: Callable[[str], None] = p
 
     v = spec.variant(variant)
     check_search(spec, variant)  # before the stages: the model and the baseline's references take minutes
+    check_gate_device(spec)
     with workdir_lock(spec.path(spec.workdir), f"qgate search {spec.name} {variant}", wait=wait, echo=echo):
         led = Ledger(spec.path(spec.workdir), echo)
         base = model_stage(led, spec)
