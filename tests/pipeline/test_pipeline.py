@@ -197,10 +197,9 @@ def test_a_variants_scheme_and_engine_problems_come_in_one_load_each_named_by_it
         "  - variants[0].engine.options.max_seq_len must be >= 16, got 8 (variant a)",
     ]
     # the search's own keys are checked beside the scheme's; the checks against the scheme once both are valid
+    split = {"calib_size": 24, "shadow_size": 48, "search_size": 8}
     bad = {"name": "a", "scheme": "gptq-w4a16", "options": {"group_size": 48}, "search": {"max_stepz": 2}}
-    path = pipeline_spec(
-        tmp_path, workdir, variants=[bad], calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 8}
-    )
+    path = pipeline_spec(tmp_path, workdir, variants=[bad], calibrate=split)
     with pytest.raises(ConfigError) as e:
         load_spec(path)
     assert str(e.value).splitlines()[1:3] == [
@@ -208,9 +207,7 @@ def test_a_variants_scheme_and_engine_problems_come_in_one_load_each_named_by_it
         "  - variants[0].search.max_stepz: unknown key; did you mean 'max_steps'? (variant a)",
     ]
     coarse = {"name": "a", "scheme": "gptq-w4a16", "options": {"group_size": 64}, "search": {"fine_group_size": 128}}
-    path = pipeline_spec(
-        tmp_path, workdir, variants=[coarse], calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 8}
-    )
+    path = pipeline_spec(tmp_path, workdir, variants=[coarse], calibrate=split)
     with pytest.raises(ConfigError) as e:  # at load, not after calibration and the sensitivity scan
         load_spec(path)
     assert str(e.value) == (
@@ -219,9 +216,7 @@ def test_a_variants_scheme_and_engine_problems_come_in_one_load_each_named_by_it
         "  hint: lower search.fine_group_size or drop it"
     )
     w8 = {"name": "a", "scheme": "gptq-w8a16", "options": {"group_size": 64}, "search": {}}
-    path = pipeline_spec(
-        tmp_path, workdir, variants=[w8], calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 8}
-    )
+    path = pipeline_spec(tmp_path, workdir, variants=[w8], calibrate=split)
     with pytest.raises(ConfigError) as e:  # W8A16 falling back to W8A16 would climb nowhere
         load_spec(path)
     assert str(e.value) == (
@@ -229,17 +224,11 @@ def test_a_variants_scheme_and_engine_problems_come_in_one_load_each_named_by_it
         "more precision (variant a)\n  hint: set search.fallback_bits: 16"
     )
     w8["search"] = {"fallback_bits": 16, "max_bits_per_weight": 8.25}  # W8 g64, symmetric: 8 + 32 / 64
-    path = pipeline_spec(
-        tmp_path, workdir, variants=[w8], calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 8}
-    )
+    path = pipeline_spec(tmp_path, workdir, variants=[w8], calibrate=split)
     with pytest.raises(ConfigError, match=r"max_bits_per_weight 8.25 is below the scheme's own 8.5 bits per weight"):
         load_spec(path)
     w8["search"] = {"fallback_bits": 16}
-    assert load_spec(
-        pipeline_spec(
-            tmp_path, workdir, variants=[w8], calibrate={"calib_size": 24, "shadow_size": 48, "search_size": 8}
-        )
-    )
+    assert load_spec(pipeline_spec(tmp_path, workdir, variants=[w8], calibrate=split))
 
 
 def test_a_key_given_twice_fails_the_spec_instead_of_the_last_one_winning(tmp_path, workdir):

@@ -74,16 +74,20 @@ def run_cmd(
     )
 
 
+def _summary_path(spec) -> Path:
+    return spec.path(spec.workdir) / "summary.json"
+
+
 def _written(spec) -> int | None:
     """When the workdir's summary.json was last written (ns), None while there is none."""
-    path = spec.path(spec.workdir) / "summary.json"
+    path = _summary_path(spec)
     return path.stat().st_mtime_ns if path.exists() else None
 
 
 def _load_summary(spec) -> dict | None:
     import json
 
-    path = spec.path(spec.workdir) / "summary.json"
+    path = _summary_path(spec)
     return json.loads(path.read_text()) if path.exists() else None
 
 

@@ -239,11 +239,8 @@ def search_fits(v: VariantSpec, cfg, where: str = "search"):
         raise ConfigError(
             f"{where}: scheme {v.scheme} has no per-layer fallback", hint="search awq-w4a16 or gptq-w4a16"
         )
-    if why := ladder_problem(scheme, cfg):
-        fix = {  # the field the message starts with
-            "fallback_bits": "set search.fallback_bits: 16",
-            "max_bits_per_weight": "raise search.max_bits_per_weight, or drop it (no budget)",
-        }.get(why.split()[0], "lower search.fine_group_size or drop it")
+    if problem := ladder_problem(scheme, cfg):
+        why, fix = problem
         raise ConfigError(f"{where}.{why}", hint=fix)
     if reason := fine_groups_refusal(scheme, KVCacheConfig(v.kv_cache) if v.kv_cache else None, cfg):
         raise ConfigError(f"{where}: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
@@ -405,19 +402,15 @@ def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
             check(lambda v=v: engine_config(v.engine.backend, where=at("engine", "options"), **v.engine.options), found)
             if v.engine
             else True,
-            check(lambda v=v: build_config(SearchConfig, v.search, at("search")), found)
-            if v.search is not None
-            else True,
         ]
-        if v.search is not None and not spec.calibrate.search_size:
+        searched = v.search is not None
+        own = check(lambda v=v: build_config(SearchConfig, v.search, at("search")), found) if searched else True
+        if searched and not spec.calibrate.search_size:
             found.append(no_search_split(at("search")))
-        if all(p is not None for p in parts):  # what needs the parts above to be valid
-            own = parts[-1]
-            search = (
-                check(lambda v=v, own=own: search_fits(v, own, at("search")), found) if v.search is not None else True
-            )
+        if all(p is not None for p in (*parts, own)):  # what needs the parts above to be valid
+            search = check(lambda v=v, own=own: search_fits(v, own, at("search")), found) if searched else True
             if v.engine and search is not None:
-                fine = search.fine_group_size if v.search is not None else None
+                fine = search.fine_group_size if searched else None
                 check(lambda v=v, fine=fine: _check_engine(v, at("engine"), fine), found)
         for e in found:
             for p in e.problems:

@@ -79,25 +79,28 @@ def bits_per_weight(bits: int, group_size: int | None, symmetric: bool, scale_bi
     return bits + (scale_bits + (0 if symmetric else bits)) / group_size
 
 
-def ladder_problem(scheme, cfg: SearchConfig) -> str | None:
-    """Why cfg's ladder cannot climb from `scheme`, or None: each rung must hold more than the one below it, and the
-    size budget must hold the first (the message names the field, without its path)."""
+def ladder_problem(scheme, cfg: SearchConfig) -> tuple[str, str] | None:
+    """Why cfg's ladder cannot climb from `scheme`, and the fix, or None: each rung must hold more than the one below
+    it, and the size budget must hold the first (the message names the field, without its path)."""
     if cfg.fallback_bits <= scheme.num_bits:
         return (
             f"fallback_bits {cfg.fallback_bits} must be above the scheme's {scheme.num_bits} bits: a layer that falls "
-            "back keeps more precision"
+            "back keeps more precision",
+            "set search.fallback_bits: 16",
         )
     own = bits_per_weight(scheme.num_bits, scheme.group_size, scheme.symmetric)
     if cfg.max_bits_per_weight is not None and cfg.max_bits_per_weight < own:
         return (
             f"max_bits_per_weight {cfg.max_bits_per_weight} is below the scheme's own {own:.4g} bits per weight: no "
-            "point of the search fits it"
+            "point of the search fits it",
+            "raise search.max_bits_per_weight, or drop it (no budget)",
         )
     g = cfg.fine_group_size
     if g and g >= scheme.group_size:
         return (
             f"fine_group_size {g} must be below the scheme's group_size {scheme.group_size}: it is the finer step "
-            "between the scheme and the fallback"
+            "between the scheme and the fallback",
+            "lower search.fine_group_size or drop it",
         )
     return None
 
@@ -110,8 +113,8 @@ def rungs(scheme, cfg: SearchConfig) -> list[Rung]:
         return Rung(rung_tag(bits, g), bits, g, bits_per_weight(bits, g, sym), label)
 
     out = [rung(scheme.num_bits, scheme.group_size, f"W{scheme.num_bits}A16 g{scheme.group_size}")]
-    if why := ladder_problem(scheme, cfg):
-        raise ConfigError(f"search.{why}")
+    if problem := ladder_problem(scheme, cfg):
+        raise ConfigError(f"search.{problem[0]}")
     if cfg.fine_group_size:
         out.append(rung(scheme.num_bits, cfg.fine_group_size, f"W{scheme.num_bits}A16 g{cfg.fine_group_size}"))
     fb = cfg.fallback_bits
