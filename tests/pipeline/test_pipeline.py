@@ -478,19 +478,24 @@ def test_the_shipped_specs_load_with_what_their_comments_promise(name):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a host without CUDA")
-def test_gates_on_cuda_are_refused_before_any_stage_on_a_host_without_it(tmp_path, workdir, capsys):
+def test_gates_on_cuda_are_refused_before_any_stage_on_a_host_without_it(tmp_path, workdir, capsys, monkeypatch):
     """`gates.device: cuda` on a CPU host fails at once, not after the model and calibrate stages (minutes for a real
-    model), for `qgate run` and `qgate search` alike; `--device cpu` overrides it."""
+    model), for `qgate run`, `qgate search` and both drift jobs alike; each takes the `--device` its hint names."""
     split = {"calib_size": 24, "shadow_size": 48, "search_size": 24}
     spec = pipeline_spec(tmp_path, workdir, calibrate=split)
     doc = yaml.safe_load(spec.read_text())
     doc["gates"]["device"] = "cuda"
     spec.write_text(yaml.safe_dump(doc, sort_keys=False))
-    for argv in (["run", str(spec)], ["search", "--spec", str(spec), "--variant", "awq-cpu"]):
-        assert main(argv) == 1
-        err = capsys.readouterr().err
-        assert "error: device 'cuda': torch " in err and "sees no CUDA device on this host" in err, err
-        assert not (tmp_path / "work" / "base").exists() and not (tmp_path / "work" / "calib").exists()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")  # the drift jobs' store check
+    recent = ["--spec", str(spec), "--traffic", str(tmp_path / "traffic.jsonl")]
+    commands = (["run", str(spec)], ["search", "--spec", str(spec), "--variant", "awq-cpu"])
+    for argv in (*commands, ["drift", "check", *recent], ["drift", "run", *recent]):
+        for device in ("cuda", "cuda:1"):  # the spec's, then the override's
+            assert main(argv + ["--device", device] * (device != "cuda")) == 1, argv
+            err = capsys.readouterr().err
+            assert f"error: device '{device}': torch " in err and "sees no CUDA device on this host" in err, err
+            assert "hint: run with --device cpu" in err, err
+            assert not (tmp_path / "work" / "base").exists() and not (tmp_path / "work" / "calib").exists()
     from qgate.pipeline.jobs import check_gate_device
 
     check_gate_device(load_spec(spec).on_device("cpu"))  # the override: no error

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from qgate.cli.options import Executor, quiet_libraries, seconds
+from qgate.cli.options import Device, Executor, quiet_libraries, seconds
 from qgate.errors import EXIT_DRIFT
 
 app = typer.Typer(
@@ -43,12 +43,12 @@ def _err(text: str) -> None:
     typer.echo(text, file=console_err())
 
 
-def _load(spec: Path):
+def _load(spec: Path, device: str | None):
     quiet_libraries()
     from qgate.pipeline.spec import load_spec
     from qgate.progress import interactive, quiet_console
 
-    s = load_spec(spec)
+    s = load_spec(spec).on_device(device)
     if not interactive():  # cron, CI: a few plain lines here, library logs in a file
         log = quiet_console(s.path(s.workdir) / "logs" / "qgate-drift.log")
         _err(f"library logs: {log}")
@@ -66,11 +66,12 @@ def check_cmd(
         float, typer.Option(callback=seconds, help="Seconds to wait for a running drift job on this model.")
     ] = 0.0,
     executor: Executor = "serial",
+    device: Device = None,
 ) -> None:
     """Compare recent traffic with production's calibration profile and re-gate production on it. Exit 3 on drift."""
     from qgate.pipeline.drift_jobs import drift_check
 
-    s = _load(spec)
+    s = _load(spec, device)
     report = drift_check(s, traffic, echo=_err, record=record, wait=wait, executor=executor)
     _out(f"drift check: {report['verdict'].upper()}  report {report['report']}")
     if report["drift"]:
@@ -85,12 +86,13 @@ def run_cmd(
         float, typer.Option(callback=seconds, help="Seconds to wait for another drift run on this model to finish.")
     ] = 0.0,
     executor: Executor = "serial",
+    device: Device = None,
 ) -> None:
     """The scheduled job: check; on drift recalibrate, gate and register every variant, then promote per
     drift.auto_promote."""
     from qgate.pipeline.drift_jobs import drift_run
 
-    s = _load(spec)
+    s = _load(spec, device)
     result = drift_run(s, traffic, echo=_err, wait=wait, executor=executor)
     check = result["check"]
     _out(f"drift check: {check['verdict'].upper()}  report {check['report']}")
