@@ -580,6 +580,7 @@ def profiled(fn, path: Path, what: str) -> None:
         fn()
     wall = time.perf_counter() - t
     avg = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         f.write(f"{what} under the profiler: {wall:.1f} s wall\n")
         for key in ("self_device_time_total", "device_time_total", "cpu_time_total", "self_cpu_time_total"):
