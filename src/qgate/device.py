@@ -7,6 +7,7 @@
     x = to_device(rows, device, torch.long)   # host data onto the device without the host waiting for it
     HostCopy(t).tolist()                      # device data to the host, waiting for that copy alone
     s = graph_seconds(lambda: f(x), device)   # CUDA: seconds per call of f, its kernels captured in a graph
+    timing_host(device)                       # what a time measured here was measured on, to compare two times
     y = planless_sdpa(q, k, v, attn_mask=m)   # attention that builds no per-shape plan (CUDA: no cuDNN)
 
 torch is imported only when a device is resolved.
@@ -84,6 +85,31 @@ def compute_dtype(config: dict, device, name: str = "auto"):
 def numerics(device, dtype) -> str:
     """A tag for caches of baseline work: 'cpu-float32', 'cuda-bfloat16' (the card's name is not part of it)."""
     return f"{device.type}-{str(dtype).removeprefix('torch.')}"
+
+
+def timing_host(device) -> str:
+    """What a time measured on `device` depends on, beside the work itself: the card's name on CUDA, else the CPU's
+    model and torch's thread count; then torch's version. Two times are comparable only when these are equal."""
+    import torch
+
+    if device is not None and device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"{_cpu_model()}, {torch.get_num_threads()} torch threads"
+    return f"{where}; torch {torch.__version__}"
+
+
+def _cpu_model() -> str:
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def batch_tokens(device, vocab: int, hidden: int, share: float = 0.25) -> int | None:

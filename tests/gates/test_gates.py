@@ -977,6 +977,60 @@ def test_noise_floor_is_measured_cached_reported_and_guards_thresholds(base_art,
     check_thresholds(ShadowConfig(kl_p99_max=0.05, top1_agreement_min=0.9), synthetic)
 
 
+def test_perf_divides_times_from_one_card_or_cpu_and_measures_a_foreign_one_again(base_art, calib_arts, workdir):
+    """The prefill speed-up divides two times. With a perf threshold, a cached baseline time measured on another card
+    or CPU is measured again here; report-only, it is reused and the row says it is not comparable; a candidate timed
+    elsewhere than its baseline is INCONCLUSIVE, naming both."""
+    import torch
+
+    from qgate.cache import write_cached
+    from qgate.device import timing_host
+    from qgate.gates.gating import PerfConfig, _perf_check
+
+    here, h100 = timing_host(torch.device("cpu")), "NVIDIA H100 80GB HBM3; torch 2.11.0+cu130"
+    shadow = ShadowConfig(max_new_tokens=8, max_prompt_tokens=32)
+    gated = GateConfig(shadow=shadow, eval=None, long_context=None, perf=PerfConfig(min_prefill_speedup=0.01))
+    cache = workdir / "cache-perf"
+
+    def gate(cfg, name):
+        art = run_gates(base_art, base_art, calib_arts["shadow"], cfg, workdir / name, cache)
+        report = json.loads((art.path / "report.json").read_text())
+        return report, next(r for r in report["results"] if r["gate"] == "perf")
+
+    def measured_on_an_h100():
+        (path,) = cache.glob("noise-floor-*.json")
+        write_cached(path, json.dumps(json.loads(path.read_text()) | {"timed_on": h100}).encode())
+
+    report, perf = gate(gated, "g-perf1")
+    assert report["noise_floor"]["timed_on"] == here == report["inputs"]["scored_on"], report["noise_floor"]
+    assert perf["verdict"] == "pass" and perf["evidence"]["baseline_timed_on"] == here
+    assert report["environment"]["torch"] == torch.__version__ and report["environment"]["qgate"]
+    measured_on_an_h100()
+    report, perf = gate(gated, "g-perf2")
+    assert report["noise_floor"]["cached"] is False and report["noise_floor"]["timed_on"] == here
+    assert perf["verdict"] == "pass" and perf["evidence"]["baseline_timed_on"] == here
+    measured_on_an_h100()
+    report, perf = gate(replace(gated, perf=PerfConfig()), "g-perf3")
+    assert report["noise_floor"]["cached"] is True and perf["verdict"] == "info"
+    assert (
+        perf["evidence"]["why"]
+        == f"not comparable: the baseline's time was measured on {h100}, the candidate's on {here}"
+    )
+
+    floor, ref, m = (
+        {"baseline_score_seconds": 2.0, "timed_on": h100},
+        {"seq_lens": [5, 7], "score_seconds": 9.0},
+        {"score_seconds": 1.0},
+    )
+    r = _perf_check(floor, ref, m, "cpu-onnxruntime", here, PerfConfig(min_prefill_speedup=1.5))
+    assert r.verdict == "inconclusive" and not r.passed and h100 in r.line() and here in r.line(), r.line()
+    for limit, verdict in ((1.5, "pass"), (3.0, "fail")):
+        r = _perf_check(
+            floor | {"timed_on": here}, ref, m, "cpu-onnxruntime", here, PerfConfig(min_prefill_speedup=limit)
+        )
+        assert (r.verdict, r.observed, r.decided_on) == (verdict, 2.0, "point")
+
+
 def test_lm_eval_templates_compile_once_and_render_as_before():
     """run_tasks makes lm-eval compile each Jinja template once instead of once per document: same text out."""
     import lm_eval.utils as lm_utils

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from qgate.artifact import Artifact, engine_checkpoint, sha256_json, sha256_tree, typed_config
@@ -73,7 +73,7 @@ class GateConfig:
     stop_on_fail: bool = False  # after a decided FAIL on shadow, parity or perf, skip long context and eval
     device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
     dtype: str = "auto"  # reference checkpoints' compute dtype: auto (float32 on CPU, served dtype on CUDA)
-    VERSION = 10  # of the report's layout and the gates' rules; what changed in each is in git
+    VERSION = 11  # of the report's layout and the gates' rules; what changed in each is in git
 
     def __post_init__(self):
         from qgate.device import check_device, check_dtype
@@ -82,6 +82,19 @@ class GateConfig:
             raise ConfigError(f"gates.on_inconclusive: {self.on_inconclusive!r} is not 'block' or 'warn'")
         check_device(self.device)
         check_dtype(self.dtype)
+
+
+LIBRARIES = ("torch", "transformers", "lm-eval", "llmcompressor", "compressed-tensors", "onnxruntime-genai")
+
+
+def environment() -> dict[str, str]:
+    """What the scores depend on beside the models and data: Python, qgate and the libraries that compute them."""
+    import sys
+
+    import qgate
+    from qgate.execute import versions
+
+    return {"python": sys.version.split()[0], "qgate": qgate.__version__} | versions(LIBRARIES)
 
 
 def _describe(art: Artifact, name: str | None = None) -> dict:
@@ -204,11 +217,15 @@ def baseline_floor(
 ) -> tuple[dict, dict, bool]:
     """The baseline's shadow reference and noise floor (both cached), after checking the thresholds against the floor:
     ConfigError if a threshold is tighter than the baseline itself can meet. Returns (reference, floor, reference
-    cached)."""
+    cached). With a perf threshold, a floor whose time was measured on another card or CPU is measured again here:
+    the perf check divides it by the candidate's time."""
+    from qgate.device import resolve_device, timing_host
+
     runner = runner or _LazyRunner(baseline, cfg.device, cfg.dtype)
     cache_dir = runner.cache(cache_dir)
     ref, hit = baseline_reference(runner, baseline, shadow, cfg.shadow, cache_dir)
-    floor = noise_floor(runner, baseline, shadow, ref, cfg.shadow, cache_dir)
+    here = timing_host(resolve_device(cfg.device)) if cfg.perf.min_prefill_speedup is not None else None
+    floor = noise_floor(runner, baseline, shadow, ref, cfg.shadow, cache_dir, timed_on=here)
     check_thresholds(cfg.shadow, floor)
     return ref, floor, hit
 
@@ -363,6 +380,7 @@ def run_gates(
         },
         "results": list(decided.results),
         "timings": {k: round(v, 2) for k, v in timings.items()},
+        "environment": environment(),
         "notes": list(notes),
     }
     source = checkpoint or (engine_checkpoint(candidate) if candidate.kind == "engine" else candidate)
@@ -397,6 +415,7 @@ def _score(
 ) -> tuple[list[GateResult], dict, dict]:
     """Every gate after the contract: (results, what the report records of the scoring, the shadow metrics with the
     mask of gated positions). Adds its timings to `timings`."""
+    from qgate.device import timing_host
     from qgate.engines.runners import load_runner
 
     # One model in memory at a time: the baseline's work (cached by content) comes first and the baseline is freed,
@@ -431,24 +450,8 @@ def _score(
         t = time.perf_counter()
         results += _parity(cand, ckpt, side, ref, gated, cfg)
         timings["parity"] = parity_s + time.perf_counter() - t
-    base_s = float(floor.get("baseline_score_seconds", ref["score_seconds"]))  # the baseline on the same scoring path
-    speedup = base_s / m["score_seconds"] if m["score_seconds"] > 0 else float("nan")
-    results.append(
-        GateResult.check(
-            "perf",
-            "prefill_speedup",
-            speedup,
-            cfg.perf.min_prefill_speedup,
-            True,
-            int(len(ref["seq_lens"])),
-            evidence={
-                "baseline_score_seconds": base_s,
-                "candidate_score_seconds": m["score_seconds"],
-                "candidate_runtime": cand.kind,
-                "baseline_timing_from_cache": bool(floor.get("cached")),
-            },
-        )
-    )  # cached: measured in an earlier run
+    scored_on = timing_host(getattr(cand, "device", None))  # an onnxruntime engine has none: the CPU
+    results.append(_perf_check(floor, ref, m, cand.kind, scored_on, cfg.perf))
     stopped = _stopped(results, cfg)
     long_cov = None
     if lref is not None and stopped is None:
@@ -463,7 +466,7 @@ def _score(
         timings["candidate_eval"] = time.perf_counter() - t
         results += eval_gate(base_scores, cand_scores, cfg.eval)
     record = {
-        "inputs": {"candidate_runtime": cand.kind, "numerics": cand.numerics},
+        "inputs": {"candidate_runtime": cand.kind, "numerics": cand.numerics, "scored_on": scored_on},
         "noise_floor": floor,
         "shadow_scoring": scored,
         "long_context": long_cov,
@@ -475,6 +478,36 @@ def _score(
         },
     }
     return results, record, m | {"gated": gated}
+
+
+def _perf_check(floor: dict, ref: dict, m: dict, runtime: str, cand_on: str, cfg: PerfConfig) -> GateResult:
+    """The candidate's teacher-forced scoring throughput against the baseline's, the noise floor's time on the same
+    scoring path (cached: measured in an earlier run). Two times are evidence only when measured on the same card or
+    CPU (`cand_on` and the floor's `timed_on`, device.timing_host): otherwise, as for an engine on the CPU against a
+    baseline on a GPU, the check is INCONCLUSIVE and says where each was measured."""
+    base_s = float(floor.get("baseline_score_seconds", ref["score_seconds"]))
+    speedup = base_s / m["score_seconds"] if m["score_seconds"] > 0 else float("nan")
+    base_on = floor.get("timed_on")
+    evidence = {
+        "baseline_score_seconds": base_s,
+        "candidate_score_seconds": m["score_seconds"],
+        "candidate_runtime": runtime,
+        "baseline_timing_from_cache": bool(floor.get("cached")),
+        "baseline_timed_on": base_on,
+        "candidate_timed_on": cand_on,
+    }
+    result = GateResult.check(
+        "perf", "prefill_speedup", speedup, cfg.min_prefill_speedup, True, int(len(ref["seq_lens"])), evidence=evidence
+    )
+    if base_on == cand_on or result.verdict == "error":
+        return result
+    why = (
+        f"not comparable: the baseline's time was measured on {base_on or 'a host the cache does not record'}, "
+        f"the candidate's on {cand_on}"
+    )
+    if result.verdict == "info":
+        return replace(result, evidence=evidence | {"why": why})
+    return replace(result, verdict="inconclusive", passed=False, evidence=evidence | {"why": why})
 
 
 def _stopped(results: list[GateResult], cfg: GateConfig) -> dict | None:

@@ -56,6 +56,8 @@ def version_description(report: dict, meta: dict, report_uri: str) -> str:
         ("shadow set sha256", str(report["inputs"].get("shadow_sha256"))[:16]),
         ("artifact sha256", str(report["inputs"].get("candidate_sha256"))[:16]),
     ]
+    if report["inputs"].get("scored_on"):
+        lineage.append(("scored on", report["inputs"]["scored_on"]))
     scored = report.get("shadow_scoring") or {}
     info = [r for r in report["results"] if r["threshold"] is None and r["gate"] in ("parity", "perf")]
     parts = [head, "", checks_table(report["results"], gated_only=True), ""]

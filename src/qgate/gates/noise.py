@@ -25,9 +25,18 @@ from qgate.gates.shadow import REFERENCE_VERSION, ShadowConfig, candidate_metric
 
 
 def noise_floor(
-    runner_factory, baseline: Artifact, shadow: Artifact, ref: dict, cfg: ShadowConfig, cache_dir: Path
+    runner_factory,
+    baseline: Artifact,
+    shadow: Artifact,
+    ref: dict,
+    cfg: ShadowConfig,
+    cache_dir: Path,
+    timed_on: str | None = None,
 ) -> dict:
-    """{"kl_mean", "kl_p99", "top1_agreement": {"observed", "ci"}, "path", "cached"}, cached by content hash."""
+    """{"kl_mean", "kl_p99", "top1_agreement": {"observed", "ci"}, "path", "baseline_score_seconds", "timed_on",
+    "cached"}, cached by content hash. timed_on (device.timing_host): the baseline's time must have been measured
+    there; a cached floor timed elsewhere (another card or CPU, or an unrecorded one) is measured again and replaces
+    it."""
     key = sha256_json(
         {
             "baseline": baseline.sha256,
@@ -41,8 +50,13 @@ def noise_floor(
     )
     path = Path(cache_dir) / f"noise-floor-{key[:24]}.json"
     if (data := read_cached(path)) is not None:
-        return json.loads(data) | {"cached": True}
-    m = candidate_metrics(runner_factory(), ref, desc="noise floor: baseline vs itself")
+        cached = json.loads(data)
+        if timed_on is None or cached.get("timed_on") == timed_on:
+            return cached | {"cached": True}
+    from qgate.device import timing_host
+
+    runner = runner_factory()
+    m = candidate_metrics(runner, ref, desc="noise floor: baseline vs itself")
     masks, _ = scoring_summary(ref, cfg)
     checks = kl_top1_checks(m, ref["prompt_of"], masks["gated"], None)
     floor = {r.metric: {"observed": r.observed, "ci": list(r.ci) if r.ci else None} for r in checks}
@@ -51,6 +65,7 @@ def noise_floor(
         f"{cfg.positions} positions"
     )
     floor["baseline_score_seconds"] = m["score_seconds"]
+    floor["timed_on"] = timing_host(getattr(runner, "device", None))
     write_cached(path, json.dumps(floor).encode())
     return floor | {"cached": False}
 

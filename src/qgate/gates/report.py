@@ -131,7 +131,7 @@ def _row(r: dict) -> str:
     verdict = r["verdict"]
     note = f"~{r['n_to_decide']} items would decide it" if r.get("n_to_decide") else r["evidence"].get("error", "")
     note = note or r["evidence"].get("unbounded_because", "")
-    why = r["evidence"].get("why", "") if verdict == "fail" else ""
+    why = r["evidence"].get("why", "") if verdict != "pass" else ""
     note = "; ".join(x for x in (note, why, r["evidence"].get("caveat", "")) if x)
     cells = (
         verdict.upper(),
@@ -339,4 +339,5 @@ Task guards: the Holm-adjusted p-value of a loss beyond the margin.</dd></dl>
 {_scored(report)}
 {_floor(report)}
 {imgs}<h2>Inputs</h2><ul>{lineage}</ul><p>Baseline cache: {html.escape(cache)}</p>
-<p>Timings (s): {html.escape(json.dumps(report["timings"]))}</p>""")
+<p>Timings (s): {html.escape(json.dumps(report["timings"]))}</p>
+<p>Environment: {html.escape(", ".join(f"{k} {v}" for k, v in report.get("environment", {}).items()))}</p>""")

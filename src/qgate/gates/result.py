@@ -197,11 +197,11 @@ class GateResult:
             extra += "  [guard: Holm-adjusted CI]"
         if self.n_to_decide is not None:
             extra += f"  ~{self.n_to_decide} items would decide it"
-        elif self.verdict == "inconclusive":
+        elif self.verdict == "inconclusive" and not self.evidence.get("why"):
             extra += "  (unbounded CI or observed on the threshold: more items may not decide it)"
         if self.verdict == "error":
             extra += f"  ({self.evidence.get('error', 'could not run')})"
-        elif self.verdict == "fail" and self.evidence.get("why"):
+        elif self.verdict != "pass" and self.evidence.get("why"):
             extra += f"  ({self.evidence['why']})"
         return f"{self.verdict.upper():12s} {self.gate}.{self.metric} = {self.observed:.4g}{ci}{thr}{extra}"
 
