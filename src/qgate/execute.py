@@ -125,6 +125,12 @@ def versions(names: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def releases(names: tuple[str, ...]) -> dict[str, str]:
+    """versions() without local build labels: torch 2.13.0+cpu and 2.13.0+cu128 are one release built for two kinds of
+    hardware."""
+    return {name: v.split("+", 1)[0] for name, v in versions(names).items()}
+
+
 @functools.lru_cache(maxsize=4)
 def environment(names: tuple[str, ...] | None = None) -> dict[str, str]:
     """What a result made in this process depends on: Python's version, the sha256 of qgate's source files, and the
@@ -149,7 +155,7 @@ def environment(names: tuple[str, ...] | None = None) -> dict[str, str]:
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
         "qgate source": sha256_tree(Path(qgate.__file__).parent, suffix=".py")[:16],
     }
-    return out | {name: v.split("+", 1)[0] for name, v in versions(names).items()}
+    return out | releases(names)
 
 
 def _checked(expected: dict[str, str], fn: Callable[..., Any], *args) -> Any:

@@ -157,6 +157,38 @@ def test_second_candidate_reuses_cached_baseline(base_art, w8_art, awq_art, cali
     assert rep2["cache"] == {"shadow_baseline": "hit", "noise_floor": "hit", "eval_baseline": "hit"}
 
 
+def test_baseline_caches_are_not_reused_across_a_library_upgrade(base_art, w8_art, calib_arts, workdir, monkeypatch):
+    """A baseline's cached answers, log-probs, noise floor, long-context NLLs and eval scores were computed by one
+    release of torch and transformers (and lm-eval): after an upgrade they are computed again, so a candidate is not
+    compared with another library's numbers. A local build label (+cpu, +cu128) is not a release."""
+    import qgate.execute
+
+    cache = workdir / "cache-upgrade"
+    first = run_gates(w8_art, base_art, calib_arts["shadow"], FAST, workdir / "g-up1", cache)
+    real = qgate.execute.versions
+    made = {p.name for p in cache.glob("*.sha256")}
+    assert len(made) == 4, made  # shadow reference, noise floor, long context, eval
+
+    def relabelled(names):  # the same releases built for another device
+        return {n: v.split("+")[0] + "+cu128" for n, v in real(names).items()}
+
+    monkeypatch.setattr(qgate.execute, "versions", relabelled)
+    same = run_gates(w8_art, base_art, calib_arts["shadow"], FAST, workdir / "g-up2", cache)
+    assert {p.name for p in cache.glob("*.sha256")} == made
+    for name in ("transformers", "lm-eval"):
+        monkeypatch.setattr(
+            qgate.execute, "versions", lambda names, n=name: real(names) | {n: "99.0"} if n in names else real(names)
+        )
+        run_gates(w8_art, base_art, calib_arts["shadow"], FAST, workdir / f"g-up-{name}", cache)
+        now = {p.name for p in cache.glob("*.sha256")}
+        added = {n.split("-")[0] for n in now - made}
+        assert added == ({"shadow", "noise", "long", "eval"} if name == "transformers" else {"eval"}), now - made
+        made = now
+    reports = [json.loads((a.path / "report.json").read_text()) for a in (first, same)]
+    assert reports[0]["cache"] == {"shadow_baseline": "miss", "noise_floor": "miss", "eval_baseline": "miss"}
+    assert reports[1]["cache"] == {"shadow_baseline": "hit", "noise_floor": "hit", "eval_baseline": "hit"}
+
+
 def test_report_files_and_evidence(base_art, w8_art, calib_arts, workdir):
     art = run_gates(w8_art, base_art, calib_arts["shadow"], FAST, workdir / "g-w8", workdir / "cache-shared")
     html = (art.path / "report.html").read_text()

@@ -17,12 +17,14 @@ from pathlib import Path
 from qgate.artifact import Artifact, engine_checkpoint, sha256_json, sha256_tree, typed_config
 from qgate.cache import read_cached, write_cached
 from qgate.errors import ConfigError, InputError
+from qgate.execute import releases
 from qgate.gates.contract import ContractConfig, contract_gate
 from qgate.gates.evalgate import SCORES_VERSION, TASK_DIR, EvalConfig, eval_gate, run_tasks
 from qgate.gates.longctx import LongContextConfig, baseline_long_reference, long_context_gate
 from qgate.gates.noise import check_thresholds, noise_floor
 from qgate.gates.report import write_report
 from qgate.gates.result import ON_INCONCLUSIVE, POSITIVE, GateReport, GateResult, OnInconclusive, check_threshold_values
+from qgate.gates.scoring import SCORING_LIBRARIES
 from qgate.gates.shadow import (
     KL_THRESHOLDS,
     ShadowConfig,
@@ -117,6 +119,7 @@ def _cached_eval(runner_factory, baseline: Artifact, cfg: EvalConfig, cache_dir:
             "limit": cfg.limit,
             "data": sha256_tree(TASK_DIR),
             "v": SCORES_VERSION,
+            "libs": releases((*SCORING_LIBRARIES, "lm-eval")),
         }
     )
     path = cache_dir / f"eval-baseline-{key[:24]}.json"

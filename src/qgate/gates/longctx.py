@@ -30,8 +30,9 @@ import numpy as np
 from qgate.artifact import Artifact, sha256_file, sha256_json
 from qgate.cache import read_cached_arrays, write_cached
 from qgate.errors import ConfigError, InputError
+from qgate.execute import releases
 from qgate.gates.result import POSITIVE, GateResult, check_threshold_values
-from qgate.gates.scoring import reduce_logits, split_sequences
+from qgate.gates.scoring import SCORING_LIBRARIES, reduce_logits, split_sequences
 from qgate.gates.stats import cluster_bootstrap
 from qgate.progress import progress
 
@@ -146,6 +147,7 @@ def baseline_long_reference(
             "context": context,
             "max_documents": cfg.max_documents,
             "v": LONG_REFERENCE_VERSION,
+            "libs": releases(SCORING_LIBRARIES),
         }
     )
     path = Path(cache_dir) / f"long-baseline-{key[:24]}.npz"

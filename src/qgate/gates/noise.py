@@ -21,6 +21,8 @@ import numpy as np
 from qgate.artifact import Artifact, sha256_json
 from qgate.cache import read_cached, write_cached
 from qgate.errors import ConfigError
+from qgate.execute import releases
+from qgate.gates.scoring import SCORING_LIBRARIES
 from qgate.gates.shadow import REFERENCE_VERSION, ShadowConfig, candidate_metrics, kl_top1_checks, scoring_summary
 
 
@@ -46,6 +48,7 @@ def noise_floor(
             "path": "gate-scoring",
             "v": 2,
             "reference": REFERENCE_VERSION,
+            "libs": releases(SCORING_LIBRARIES),
         }
     )
     path = Path(cache_dir) / f"noise-floor-{key[:24]}.json"

@@ -27,6 +27,7 @@ import numpy as np
 
 from qgate.device import to_device
 
+SCORING_LIBRARIES = ("torch", "transformers")  # what a baseline's cached scores depend on beside their inputs
 MAX_BATCH_TOKENS = 1024  # padded tokens per scoring batch: 1024 x 49k vocab x 4 bytes = 200 MB of logits
 MAX_BATCH_ROWS = 16
 

@@ -50,10 +50,12 @@ from qgate.chat import encode_with_sources
 from qgate.engines.logits import reduce_blocks
 from qgate.engines.protocol import Generates, GeneratesScored, ScoresServed
 from qgate.errors import ConfigError, InputError
+from qgate.execute import releases
 from qgate.gates.result import POSITIVE, SHARE, GateResult, check_threshold_values
 from qgate.gates.scoring import (
     MAX_BATCH_ROWS,
     MAX_BATCH_TOKENS,
+    SCORING_LIBRARIES,
     UNDEFINED,
     length_batches,
     reduce_kl,
@@ -207,7 +209,8 @@ REFERENCE_VERSION = 5  # of what a baseline reference holds and how its log-prob
 def baseline_reference(
     runner_factory, baseline: Artifact, shadow: Artifact, cfg: ShadowConfig, cache_dir: Path
 ) -> tuple[dict, bool]:
-    """Baseline answers and top-k log-probs, computed once per (baseline, shadow set, settings)."""
+    """Baseline answers and top-k log-probs, computed once per (baseline, shadow set, settings, release of torch and
+    transformers: an upgrade computes them again, so a candidate is never compared with another library's numbers)."""
     key = sha256_json(
         {
             "baseline": baseline.sha256,
@@ -215,6 +218,7 @@ def baseline_reference(
             "cfg": cfg.reference_key(),
             "v": REFERENCE_VERSION,
             "batches": [MAX_BATCH_TOKENS, GREEDY_BATCH_TOKENS, GREEDY_BATCH_ROWS],
+            "libs": releases(SCORING_LIBRARIES),
         }
     )
     path = Path(cache_dir) / f"shadow-baseline-{key[:24]}.npz"
