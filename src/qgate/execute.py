@@ -112,6 +112,10 @@ def _windowed(
         i += 1
 
 
+LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors", "onnxruntime-genai", "mlflow", "lm-eval")
+# whose behaviour a gate verdict depends on: `qgate --version` and every gate report name their versions
+
+
 def versions(names: tuple[str, ...]) -> dict[str, str]:
     """Each named distribution's installed version ("not installed" for one that is not)."""
     from importlib.metadata import PackageNotFoundError, version

@@ -116,6 +116,32 @@ def test_abort_and_interrupt_exit_130(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "aborted"
 
 
+def test_a_gpu_out_of_memory_is_an_error_with_what_to_do_not_an_internal_error(monkeypatch, capsys):
+    """A CUDA allocation that fails part way (another job took the card) says so, with torch's figures and a hint."""
+    import torch
+
+    said = (
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB "
+        "is free.\nSee documentation for Memory Management"
+    )
+
+    def boom(*a, **k):
+        raise torch.OutOfMemoryError(said)
+
+    monkeypatch.setattr(cli_main, "_dispatch", boom)
+    assert main(["gate"]) == 1
+    first, hint = capsys.readouterr().err.strip().splitlines()
+    assert first == f"error: out of memory on the GPU (torch: {said.splitlines()[0]})"
+    assert hint.startswith("  hint: another process may hold the card's memory (nvidia-smi") and "--device" in hint
+
+    def other(*a, **k):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(cli_main, "_dispatch", other)
+    assert main(["gate"]) == 1
+    assert capsys.readouterr().err.startswith("internal error: RuntimeError: something else")
+
+
 def test_a_checkpoint_is_summarized_in_one_readable_line():
     """`model import` and `quantize` print what the checkpoint is, its size and hash, not its raw metadata."""
     from types import SimpleNamespace

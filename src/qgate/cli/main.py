@@ -25,22 +25,15 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Quantize LLMs, gate them on real traffic, promote only what passes.",
 )
-VERSIONED = ("torch", "transformers", "llmcompressor", "compressed-tensors", "onnxruntime-genai", "mlflow", "lm-eval")
 
 
 def version_line() -> str:
     """qgate's version and those of the libraries whose behaviour a gate verdict depends on (read from package
     metadata: nothing heavy is imported)."""
-    from importlib.metadata import PackageNotFoundError, version
+    from qgate.execute import LIBRARIES, versions
 
-    def v(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
-
-    libs = ", ".join(f"{n} {v(n)}" for n in VERSIONED)
-    return f"qgate {v('qgate')} (python {sys.version.split()[0]}; {libs})"
+    libs = ", ".join(f"{n} {v}" for n, v in versions(LIBRARIES).items())
+    return f"qgate {versions(('qgate',))['qgate']} (python {sys.version.split()[0]}; {libs})"
 
 
 def _print_version(value: bool) -> None:
@@ -113,7 +106,22 @@ def _message(e: BaseException, argv: list[str] | None = None) -> tuple[str, int]
         return f"error: file not found: {e.filename}", EXIT_ERROR
     if isinstance(e, MemoryError):
         return "error: out of memory; lower calibration or shadow sizes", EXIT_ERROR
+    if _device_out_of_memory(e):
+        said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return (
+            f"error: out of memory on the GPU (torch: {said})\n  hint: another process may hold the card's memory "
+            "(nvidia-smi lists it): free it, or pick a card with more free memory (--device cuda:N where the "
+            "command takes it, else CUDA_VISIBLE_DEVICES)",
+            EXIT_ERROR,
+        )
     return f"internal error: {type(e).__name__}: {e} (set QGATE_DEBUG=1 for the traceback)", EXIT_ERROR
+
+
+def _device_out_of_memory(e: BaseException) -> bool:
+    """torch's OutOfMemoryError: a GPU allocation failed part way, when another process took the card's memory or
+    the work does not fit. torch is looked up, not imported: if it was never imported, this is not its error."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(e, getattr(torch, "OutOfMemoryError", ()))
 
 
 def _dispatch(argv: list[str] | None):

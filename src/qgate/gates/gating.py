@@ -86,15 +86,12 @@ class GateConfig:
         check_dtype(self.dtype)
 
 
-LIBRARIES = ("torch", "transformers", "lm-eval", "llmcompressor", "compressed-tensors", "onnxruntime-genai")
-
-
 def environment() -> dict[str, str]:
-    """What the scores depend on beside the models and data: Python, qgate and the libraries that compute them."""
+    """What the scores depend on beside the models and data: Python, qgate and the libraries a verdict depends on."""
     import sys
 
     import qgate
-    from qgate.execute import versions
+    from qgate.execute import LIBRARIES, versions
 
     return {"python": sys.version.split()[0], "qgate": qgate.__version__} | versions(LIBRARIES)
 
