@@ -1037,6 +1037,9 @@ def test_perf_divides_times_from_one_card_or_cpu_and_measures_a_foreign_one_agai
     assert report["noise_floor"]["timed_on"] == here == report["inputs"]["scored_on"], report["noise_floor"]
     assert perf["verdict"] == "pass" and perf["evidence"]["baseline_timed_on"] == here
     assert report["environment"]["torch"] == torch.__version__ and report["environment"]["qgate"]
+    from qgate.gates.markdown import version_description
+
+    assert f"| scored on | `{here}` |" in version_description(report, {}, "runs:/x")  # the registry page says where
     measured_on_an_h100()
     report, perf = gate(gated, "g-perf2")
     assert report["noise_floor"]["cached"] is False and report["noise_floor"]["timed_on"] == here
