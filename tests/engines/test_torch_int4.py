@@ -3,6 +3,7 @@ and gates on a device."""
 
 import json
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -592,6 +593,18 @@ def test_gate_scores_the_engine_and_separates_runtime_from_quantization(
         ("release",),
         ("load", "engine", int4_f32.path.name),
     ]
+    # the engine's shadow scoring decodes the answers, the baseline's time is teacher-forced: reported as not
+    # comparable; with a perf threshold the engine is timed teacher-forced too, and the check decides on that
+    perf = by["prefill_speedup"]
+    assert perf["verdict"] == "info" and perf["evidence"]["candidate_scoring"] == "served (answers as decode steps)"
+    assert perf["evidence"]["why"].startswith("not comparable: the candidate's time is its served"), perf
+    from qgate.gates.gating import PerfConfig
+
+    cfg = replace(cfg, perf=PerfConfig(min_prefill_speedup=1e-3))
+    art = run_gates(int4_f32, base_art, calib_arts["shadow"], cfg, workdir / "gate-int4-perf", workdir / "cache-int4")
+    perf = next(r for r in json.loads((art.path / "report.json").read_text())["results"] if r["gate"] == "perf")
+    assert perf["evidence"]["candidate_scoring"] == "teacher-forced" and "why" not in perf["evidence"], perf
+    assert perf["verdict"] == "pass" and perf["decided_on"] == "point" and perf["observed"] > 1e-3
 
 
 def test_devices_are_checked_before_anything_loads(monkeypatch):

@@ -1052,17 +1052,14 @@ def test_perf_divides_times_from_one_card_or_cpu_and_measures_a_foreign_one_agai
         == f"not comparable: the baseline's time was measured on {h100}, the candidate's on {here}"
     )
 
-    floor, ref, m = (
-        {"baseline_score_seconds": 2.0, "timed_on": h100},
-        {"seq_lens": [5, 7], "score_seconds": 9.0},
-        {"score_seconds": 1.0},
-    )
-    r = _perf_check(floor, ref, m, "cpu-onnxruntime", here, PerfConfig(min_prefill_speedup=1.5))
+    floor, ref = {"baseline_score_seconds": 2.0, "timed_on": h100}, {"seq_lens": [5, 7], "score_seconds": 9.0}
+    tf, served = "teacher-forced", "served (answers as decode steps)"
+    r = _perf_check(floor, ref, 1.0, tf, "cpu-onnxruntime", here, PerfConfig(min_prefill_speedup=1.5))
     assert r.verdict == "inconclusive" and not r.passed and h100 in r.line() and here in r.line(), r.line()
+    r = _perf_check(floor | {"timed_on": here}, ref, 1.0, served, "torch-int4", here, PerfConfig())
+    assert r.verdict == "info" and "time is its served (answers as decode steps) scoring" in r.line(), r.line()
     for limit, verdict in ((1.5, "pass"), (3.0, "fail")):
-        r = _perf_check(
-            floor | {"timed_on": here}, ref, m, "cpu-onnxruntime", here, PerfConfig(min_prefill_speedup=limit)
-        )
+        r = _perf_check(floor | {"timed_on": here}, ref, 1.0, tf, "cpu-onnxruntime", here, PerfConfig(limit))
         assert (r.verdict, r.observed, r.decided_on) == (verdict, 2.0, "point")
 
 

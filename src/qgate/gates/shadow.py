@@ -285,9 +285,10 @@ def _check_defined(baseline: Artifact, top_lp: np.ndarray, positions: list[int])
         )
 
 
-def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dict:
+def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate", served: bool = True) -> dict:
     """Per-position KL, tail mass, top-1 agreement and whether the candidate's logits defined no distribution there
-    (its KL is then +inf: gates/scoring.reduce_logits); per-prompt first divergence."""
+    (its KL is then +inf: gates/scoring.reduce_logits); per-prompt first divergence. served: an engine that scores
+    answers as it serves them (ScoresServed) does so; False scores every position teacher-forced, as the baseline."""
     seqs = _sequences(ref)
     starts = np.concatenate([[0], np.cumsum(ref["seq_lens"] - 1)])  # sequence i's positions in ref's arrays
 
@@ -307,7 +308,8 @@ def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate") -> dic
     ts = time.perf_counter()
     # the baseline's top-k ids and log-probs per position, [T - 1, k] per sequence
     ids, lps = ([ref[key][starts[i] : starts[i + 1]] for i in range(len(seqs))] for key in ("top_idx", "top_lp"))
-    scored = score_sequences(runner, seqs, desc, reduce_kl, prompt_lens=ref["prompt_lens"], rows=(ids, lps))
+    prompt_lens = ref["prompt_lens"] if served else None
+    scored = score_sequences(runner, seqs, desc, reduce_kl, prompt_lens=prompt_lens, rows=(ids, lps))
     rows = [per_sequence(i, *r) for i, r in enumerate(scored)]
     score_s = time.perf_counter() - ts
     kls, tails, agree, undefined, first_div, gen_lens = zip(*rows, strict=True)
