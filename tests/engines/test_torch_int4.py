@@ -602,8 +602,10 @@ def test_gate_scores_the_engine_and_separates_runtime_from_quantization(
 
     cfg = replace(cfg, perf=PerfConfig(min_prefill_speedup=1e-3))
     art = run_gates(int4_f32, base_art, calib_arts["shadow"], cfg, workdir / "gate-int4-perf", workdir / "cache-int4")
-    perf = next(r for r in json.loads((art.path / "report.json").read_text())["results"] if r["gate"] == "perf")
+    report = json.loads((art.path / "report.json").read_text())
+    perf = next(r for r in report["results"] if r["gate"] == "perf")
     assert perf["evidence"]["candidate_scoring"] == "teacher-forced" and "why" not in perf["evidence"], perf
+    assert report["timings"]["candidate_teacher_forced"] == round(perf["evidence"]["candidate_score_seconds"], 2)
     assert perf["verdict"] == "pass" and perf["decided_on"] == "point" and perf["observed"] > 1e-3
 
 

@@ -456,6 +456,7 @@ def _score(
     if isinstance(cand, ScoresServed):  # its shadow scoring decoded the answers: timed again as the baseline was
         if cfg.perf.min_prefill_speedup is not None:
             cand_s = candidate_metrics(cand, ref, "perf: candidate teacher-forced", served=False)["score_seconds"]
+            timings["candidate_teacher_forced"] = cand_s
         else:
             how = "served (answers as decode steps)"
     results.append(_perf_check(floor, ref, cand_s, how, cand.kind, scored_on, cfg.perf))
