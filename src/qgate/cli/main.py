@@ -106,22 +106,24 @@ def _message(e: BaseException, argv: list[str] | None = None) -> tuple[str, int]
         return f"error: file not found: {e.filename}", EXIT_ERROR
     if isinstance(e, MemoryError):
         return "error: out of memory; lower calibration or shadow sizes", EXIT_ERROR
-    if _device_out_of_memory(e):
-        said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return (
-            f"error: out of memory on the GPU (torch: {said})\n  hint: another process may hold the card's memory "
-            "(nvidia-smi lists it): free it, or pick a card with more free memory (--device cuda:N where the "
-            "command takes it, else CUDA_VISIBLE_DEVICES)",
-            EXIT_ERROR,
-        )
+    if (oom := _device_out_of_memory(e)) is not None:
+        return f"error: {oom}", oom.exit_code
     return f"internal error: {type(e).__name__}: {e} (set QGATE_DEBUG=1 for the traceback)", EXIT_ERROR
 
 
-def _device_out_of_memory(e: BaseException) -> bool:
-    """torch's OutOfMemoryError: a GPU allocation failed part way, when another process took the card's memory or
-    the work does not fit. torch is looked up, not imported: if it was never imported, this is not its error."""
+def _device_out_of_memory(e: BaseException) -> QgateError | None:
+    """torch's OutOfMemoryError (a GPU allocation failed part way, when another process took the card's memory or
+    the work does not fit) as an error with what to do, else None. torch is looked up, not imported: if it was never
+    imported, this is not its error."""
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(e, getattr(torch, "OutOfMemoryError", ()))
+    if torch is None or not isinstance(e, getattr(torch, "OutOfMemoryError", ())):
+        return None
+    said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return QgateError(
+        f"out of memory on the GPU (torch: {said})",
+        hint="another process may hold the card's memory (nvidia-smi lists it): free it, or pick a card with more "
+        "free memory (--device cuda:N where the command takes it, else CUDA_VISIBLE_DEVICES)",
+    )
 
 
 def _dispatch(argv: list[str] | None):
