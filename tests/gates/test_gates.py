@@ -1063,6 +1063,50 @@ def test_perf_divides_times_from_one_card_or_cpu_and_measures_a_foreign_one_agai
         assert (r.verdict, r.observed, r.decided_on) == (verdict, 2.0, "point")
 
 
+def test_perf_times_each_side_after_a_warm_up_batch(base_art, calib_arts, workdir, monkeypatch):
+    """A runner's first forward pays for what later ones reuse (on a GPU: CUDA's lazy module loading, cuBLAS handles,
+    the allocator's growth). The prefill speed-up divides the baseline's time by the candidate's, and a candidate is
+    scored in a fresh process against a baseline timed in another: when the check gates, each side is timed after one
+    untimed batch, so a first forward that costs seconds is in neither time. A floor cached report-only (timed cold)
+    is measured again warm."""
+    import time
+
+    from qgate.engines.runners import TorchRunner
+    from qgate.gates.gating import PerfConfig
+
+    cold_s, forward = 4.0, TorchRunner.logits_batch
+    first_calls: list[int] = []
+
+    def cold_first_forward(self, seqs, *args, **kwargs):
+        if not getattr(self, "warmed", False):
+            self.warmed = True
+            first_calls.append(len(seqs))
+            time.sleep(cold_s)
+        return forward(self, seqs, *args, **kwargs)
+
+    monkeypatch.setattr(TorchRunner, "logits_batch", cold_first_forward)
+    shadow = ShadowConfig(max_new_tokens=8, max_prompt_tokens=32)
+
+    def gate(perf, name):
+        cfg = GateConfig(shadow=shadow, eval=None, long_context=None, perf=perf)
+        art = run_gates(base_art, base_art, calib_arts["shadow"], cfg, workdir / name, workdir / "cache-warm")
+        report = json.loads((art.path / "report.json").read_text())
+        return report, next(r for r in report["results"] if r["gate"] == "perf")
+
+    report, perf = gate(PerfConfig(), "g-cold")  # report-only: no extra batch, both times cold here
+    assert perf["verdict"] == "info" and perf["evidence"]["timed_after_warm_up"] is False
+    assert report["noise_floor"]["warm_up"] is False and "candidate_warm_up" not in report["timings"]
+    assert len(first_calls) == 2 and perf["evidence"]["candidate_score_seconds"] > cold_s, first_calls
+
+    report, perf = gate(PerfConfig(min_prefill_speedup=0.5), "g-warm")
+    ev = perf["evidence"]
+    assert report["noise_floor"]["cached"] is False and report["noise_floor"]["warm_up"] is True, report["noise_floor"]
+    assert len(first_calls) == 4, first_calls  # the baseline's noise floor and the candidate: one cold call each
+    assert ev["baseline_score_seconds"] < cold_s and ev["candidate_score_seconds"] < cold_s, ev
+    assert ev["timed_after_warm_up"] is True and report["timings"]["candidate_warm_up"] > cold_s
+    assert perf["verdict"] == "pass" and 0.5 < perf["observed"] < 2.0, perf
+
+
 def test_lm_eval_templates_compile_once_and_render_as_before():
     """run_tasks makes lm-eval compile each Jinja template once instead of once per document: same text out."""
     import lm_eval.utils as lm_utils

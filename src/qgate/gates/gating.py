@@ -76,7 +76,7 @@ class GateConfig:
     stop_on_fail: bool = False  # after a decided FAIL on shadow, parity or perf, skip long context and eval
     device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
     dtype: str = "auto"  # reference checkpoints' compute dtype: auto (float32 on CPU, served dtype on CUDA)
-    VERSION = 11  # of the report's layout and the gates' rules; what changed in each is in git
+    VERSION = 12  # of the report's layout and the gates' rules; what changed in each is in git
 
     def __post_init__(self):
         from qgate.device import check_device, check_dtype
@@ -444,9 +444,12 @@ def _score(
     t = time.perf_counter()
     cand = load_runner(candidate, cfg.device, cfg.dtype)
     timings["candidate_load"] = time.perf_counter() - t
-    check = run_shadow(cand, ref, cfg.shadow)
+    timed = cfg.perf.min_prefill_speedup is not None  # the perf check gates: both its times are taken warm
+    check = run_shadow(cand, ref, cfg.shadow, warm_up=timed and not isinstance(cand, ScoresServed))
     m, results, scored, gated = check.metrics, list(check.results), check.scored, check.gated
     timings["candidate_shadow"] = m["score_seconds"]
+    if m["warm_up_seconds"]:
+        timings["candidate_warm_up"] = m["warm_up_seconds"]
     if parity:
         t = time.perf_counter()
         results += _parity(cand, ckpt, side, ref, gated, cfg)
@@ -454,8 +457,8 @@ def _score(
     scored_on = timing_host(getattr(cand, "device", None))  # an onnxruntime engine has none: the CPU
     cand_s, how = m["score_seconds"], "teacher-forced"
     if isinstance(cand, ScoresServed):  # its shadow scoring decoded the answers: timed again as the baseline was
-        if cfg.perf.min_prefill_speedup is not None:
-            cand_s = candidate_metrics(cand, ref, "perf: candidate teacher-forced", served=False)["score_seconds"]
+        if timed:
+            cand_s = candidate_metrics(cand, ref, "perf: candidate teacher-forced", False, True)["score_seconds"]
             timings["candidate_teacher_forced"] = cand_s
         else:
             how = "served (answers as decode steps)"
@@ -492,10 +495,12 @@ def _perf_check(
     floor: dict, ref: dict, cand_s: float, how: str, runtime: str, cand_on: str, cfg: PerfConfig
 ) -> GateResult:
     """The candidate's teacher-forced scoring throughput on the shadow sequences (`cand_s` seconds, scored `how`)
-    against the baseline's, the noise floor's time on the same scoring path (cached: measured in an earlier run). Two
-    times are evidence only when they time the same work on the same card or CPU (`cand_on` and the floor's
-    `timed_on`, device.timing_host): otherwise, as for an engine on the CPU against a baseline on a GPU, the check is
-    INCONCLUSIVE and says why; report-only, an engine's served scoring is reported as such."""
+    against the baseline's, the noise floor's time on the same scoring path (cached: measured in an earlier run).
+    When the check gates, each is timed after one untimed batch (shadow.candidate_metrics' warm_up), so neither pays
+    for a first forward (a candidate is scored in a fresh process, against a baseline timed in another); report-only,
+    neither is. Two times are evidence only when they time the same work on the same card or CPU (`cand_on` and the
+    floor's `timed_on`, device.timing_host): otherwise, as for an engine on the CPU against a baseline on a GPU, the
+    check is INCONCLUSIVE and says why; report-only, an engine's served scoring is reported as such."""
     base_s = float(floor.get("baseline_score_seconds", ref["score_seconds"]))
     speedup = base_s / cand_s if cand_s > 0 else float("nan")
     base_on = floor.get("timed_on")
@@ -507,6 +512,7 @@ def _perf_check(
         "baseline_timing_from_cache": bool(floor.get("cached")),
         "baseline_timed_on": base_on,
         "candidate_timed_on": cand_on,
+        "timed_after_warm_up": cfg.min_prefill_speedup is not None,
     }
     result = GateResult.check(
         "perf", "prefill_speedup", speedup, cfg.min_prefill_speedup, True, int(len(ref["seq_lens"])), evidence=evidence

@@ -36,9 +36,9 @@ def noise_floor(
     timed_on: str | None = None,
 ) -> dict:
     """{"kl_mean", "kl_p99", "top1_agreement": {"observed", "ci"}, "path", "baseline_score_seconds", "timed_on",
-    "cached"}, cached by content hash. timed_on (device.timing_host): the baseline's time must have been measured
-    there; a cached floor timed elsewhere (another card or CPU, or an unrecorded one) is measured again and replaces
-    it."""
+    "warm_up", "cached"}, cached by content hash. timed_on (device.timing_host), given when the perf check gates on
+    the time: it must have been measured there, after a warm-up batch (shadow.candidate_metrics); a cached floor timed
+    elsewhere (another card or CPU, or an unrecorded one) or cold is measured again and replaces it."""
     key = sha256_json(
         {
             "baseline": baseline.sha256,
@@ -54,12 +54,12 @@ def noise_floor(
     path = Path(cache_dir) / f"noise-floor-{key[:24]}.json"
     if (data := read_cached(path)) is not None:
         cached = json.loads(data)
-        if timed_on is None or cached.get("timed_on") == timed_on:
+        if timed_on is None or (cached.get("timed_on") == timed_on and cached.get("warm_up")):
             return cached | {"cached": True}
     from qgate.device import timing_host
 
     runner = runner_factory()
-    m = candidate_metrics(runner, ref, desc="noise floor: baseline vs itself")
+    m = candidate_metrics(runner, ref, desc="noise floor: baseline vs itself", warm_up=timed_on is not None)
     masks, _ = scoring_summary(ref, cfg)
     checks = kl_top1_checks(m, ref["prompt_of"], masks["gated"], None)
     floor = {r.metric: {"observed": r.observed, "ci": list(r.ci) if r.ci else None} for r in checks}
@@ -69,6 +69,7 @@ def noise_floor(
     )
     floor["baseline_score_seconds"] = m["score_seconds"]
     floor["timed_on"] = timing_host(getattr(runner, "device", None))
+    floor["warm_up"] = timed_on is not None
     write_cached(path, json.dumps(floor).encode())
     return floor | {"cached": False}
 

@@ -133,14 +133,8 @@ def score_sequences(runner, seqs: list[list[int]], desc: str, reduce, prompt_len
     answers with other kernels than prompts (the torch-int4 engine's decode steps) then scores each position as it
     serves it (runner.served_logits_batch)."""
     out: list = [None] * len(seqs)
-    budget = runner.batch_tokens  # a GPU runner's, from its free memory: rows are bounded by it alone
-    batches = length_batches(
-        [len(s) for s in seqs],
-        max_tokens=budget or MAX_BATCH_TOKENS,
-        max_rows=len(seqs) if budget else MAX_BATCH_ROWS,
-    )
     served = prompt_lens is not None and isinstance(runner, ScoresServed)
-    for batch in progress(batches, f"{desc} ({len(seqs)} prompts)", unit="batch"):
+    for batch in progress(scoring_batches(runner, seqs), f"{desc} ({len(seqs)} prompts)", unit="batch"):
         if served:
             logits = runner.served_logits_batch([seqs[i] for i in batch], [int(prompt_lens[i]) for i in batch])
         else:
@@ -150,6 +144,17 @@ def score_sequences(runner, seqs: list[list[int]], desc: str, reduce, prompt_len
             out[i] = r
         del logits, blocks
     return out
+
+
+def scoring_batches(runner, seqs: list[list[int]]) -> list[list[int]]:
+    """The length-sorted batches score_sequences runs `seqs` in: within MAX_BATCH_TOKENS and MAX_BATCH_ROWS on a CPU,
+    within a GPU runner's memory budget (runner.batch_tokens) alone there."""
+    budget = runner.batch_tokens
+    return length_batches(
+        [len(s) for s in seqs],
+        max_tokens=budget or MAX_BATCH_TOKENS,
+        max_rows=len(seqs) if budget else MAX_BATCH_ROWS,
+    )
 
 
 def greedy_batches(runner, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -285,10 +290,15 @@ def _check_defined(baseline: Artifact, top_lp: np.ndarray, positions: list[int])
         )
 
 
-def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate", served: bool = True) -> dict:
+def candidate_metrics(
+    runner, ref: dict, desc: str = "shadow: candidate", served: bool = True, warm_up: bool = False
+) -> dict:
     """Per-position KL, tail mass, top-1 agreement and whether the candidate's logits defined no distribution there
-    (its KL is then +inf: gates/scoring.reduce_logits); per-prompt first divergence. served: an engine that scores
-    answers as it serves them (ScoresServed) does so; False scores every position teacher-forced, as the baseline."""
+    (its KL is then +inf: gates/scoring.reduce_logits); per-prompt first divergence; `score_seconds`, the scoring's
+    time, and `warm_up_seconds`. served: an engine that scores answers as it serves them (ScoresServed) does so;
+    False scores every position teacher-forced, as the baseline. warm_up: the widest batch is scored once, untimed,
+    before the timed pass, so score_seconds times warm kernels and memory (a runner's first forward pays for CUDA's
+    lazy module loading, cuBLAS handles and the allocator's growth): the perf check divides two such times."""
     seqs = _sequences(ref)
     starts = np.concatenate([[0], np.cumsum(ref["seq_lens"] - 1)])  # sequence i's positions in ref's arrays
 
@@ -305,10 +315,22 @@ def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate", served
             len(answer),
         )
 
-    ts = time.perf_counter()
     # the baseline's top-k ids and log-probs per position, [T - 1, k] per sequence
     ids, lps = ([ref[key][starts[i] : starts[i + 1]] for i in range(len(seqs))] for key in ("top_idx", "top_lp"))
     prompt_lens = ref["prompt_lens"] if served else None
+    tw = time.perf_counter()
+    if warm_up:
+        widest = max(scoring_batches(runner, seqs), key=lambda b: len(b) * max(len(seqs[i]) for i in b))
+        score_sequences(
+            runner,
+            [seqs[i] for i in widest],
+            f"{desc}, warm-up",
+            reduce_kl,
+            prompt_lens=None if prompt_lens is None else [prompt_lens[i] for i in widest],
+            rows=([ids[i] for i in widest], [lps[i] for i in widest]),
+        )
+    ts = time.perf_counter()
+    warm_s = ts - tw
     scored = score_sequences(runner, seqs, desc, reduce_kl, prompt_lens=prompt_lens, rows=(ids, lps))
     rows = [per_sequence(i, *r) for i, r in enumerate(scored)]
     score_s = time.perf_counter() - ts
@@ -321,6 +343,7 @@ def candidate_metrics(runner, ref: dict, desc: str = "shadow: candidate", served
         "first_div": np.array(first_div),
         "gen_lens": np.array(gen_lens),
         "score_seconds": score_s,
+        "warm_up_seconds": warm_s if warm_up else 0.0,
     }
 
 
@@ -462,9 +485,12 @@ class ShadowCheck:
     metrics: dict  # candidate_metrics: per-position KL, top-1 agreement, timings
 
 
-def run_shadow(runner, ref: dict, cfg: ShadowConfig, desc: str = "shadow: candidate") -> ShadowCheck:
-    """The shadow gate: the candidate scored on the baseline reference's sequences, and its checks."""
-    m = candidate_metrics(runner, ref, desc)
+def run_shadow(
+    runner, ref: dict, cfg: ShadowConfig, desc: str = "shadow: candidate", warm_up: bool = False
+) -> ShadowCheck:
+    """The shadow gate: the candidate scored on the baseline reference's sequences (warm_up: see candidate_metrics),
+    and its checks."""
+    m = candidate_metrics(runner, ref, desc, warm_up=warm_up)
     results, scored, gated = shadow_gate(m, ref, cfg)
     return ShadowCheck(results, scored, gated, m)
 
