@@ -598,6 +598,7 @@ def test_gate_scores_the_engine_and_separates_runtime_from_quantization(
     perf = by["prefill_speedup"]
     assert perf["verdict"] == "info" and perf["evidence"]["candidate_scoring"] == "served (answers as decode steps)"
     assert perf["evidence"]["why"].startswith("not comparable: the candidate's time is its served"), perf
+    assert "candidate_warm_up" not in report["timings"] and perf["evidence"]["timed_after_warm_up"] is False
     from qgate.gates.gating import PerfConfig
 
     cfg = replace(cfg, perf=PerfConfig(min_prefill_speedup=1e-3))
@@ -606,6 +607,7 @@ def test_gate_scores_the_engine_and_separates_runtime_from_quantization(
     perf = next(r for r in report["results"] if r["gate"] == "perf")
     assert perf["evidence"]["candidate_scoring"] == "teacher-forced" and "why" not in perf["evidence"], perf
     assert report["timings"]["candidate_teacher_forced"] == round(perf["evidence"]["candidate_score_seconds"], 2)
+    assert report["timings"]["candidate_warm_up"] > 0 and perf["evidence"]["timed_after_warm_up"] is True
     assert perf["verdict"] == "pass" and perf["decided_on"] == "point" and perf["observed"] > 1e-3
 
 

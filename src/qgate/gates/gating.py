@@ -458,8 +458,9 @@ def _score(
     cand_s, how = m["score_seconds"], "teacher-forced"
     if isinstance(cand, ScoresServed):  # its shadow scoring decoded the answers: timed again as the baseline was
         if timed:
-            cand_s = candidate_metrics(cand, ref, "perf: candidate teacher-forced", False, True)["score_seconds"]
-            timings["candidate_teacher_forced"] = cand_s
+            tf = candidate_metrics(cand, ref, "perf: candidate teacher-forced", served=False, warm_up=True)
+            cand_s = timings["candidate_teacher_forced"] = tf["score_seconds"]
+            timings["candidate_warm_up"] = tf["warm_up_seconds"]
         else:
             how = "served (answers as decode steps)"
     results.append(_perf_check(floor, ref, cand_s, how, cand.kind, scored_on, cfg.perf))
