@@ -118,6 +118,31 @@ def silence_tqdm() -> None:
         tqdm.std.tqdm.__init__ = quiet_init
 
 
+class _WrittenBelow:
+    """A filter for the root logger's handlers that drops a record a handler below the root already wrote to fd 1 or
+    2: some libraries (datasets) add their own stderr handler and still propagate, which put each of their lines in
+    the log twice, once without a timestamp."""
+
+    def filter(self, record) -> bool:
+        import logging
+
+        logger = logging.getLogger(record.name)
+        while logger.parent is not None:  # the root alone has none
+            if any(_to_std_fd(h) and record.levelno >= h.level for h in logger.handlers):
+                return False
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        return True
+
+
+def _to_std_fd(handler) -> bool:
+    try:
+        return handler.stream.fileno() in (1, 2)
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 def quiet_console(log_file: Path) -> Path:
     """Send fds 1 and 2 to `log_file` and keep the console for qgate's own lines. Returns the log's path."""
     import logging
@@ -144,6 +169,9 @@ def quiet_console(log_file: Path) -> Path:
         logging.basicConfig(
             stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+    for handler in root.handlers:
+        if not any(isinstance(f, _WrittenBelow) for f in handler.filters):
+            handler.addFilter(_WrittenBelow())
     os.environ["LLM_COMPRESSOR_LOG_LEVEL"] = "INFO"  # llm-compressor's console sink is stdout, fd 1: the log
     logging.getLogger("qgate").info("library logs of this run: %s", log_file)
     return log_file

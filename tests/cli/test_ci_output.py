@@ -173,11 +173,33 @@ def test_run_without_a_tty_is_quiet_machine_readable_and_logs_libraries_to_a_fil
     doc = RunDoc.model_validate_json(p.stdout)
     assert doc.promoted is not None and doc.promoted.version == doc.variants[0].version and doc.exit_code == 0
     assert doc.log_file and Path(doc.log_file).exists() and Path(doc.log_file).stat().st_size > 0
+    log = Path(doc.log_file).read_text().splitlines()
+    doubled = [b for a, b in zip(log, log[1:], strict=False) if a.strip() and b.endswith(f": {a}")]
+    assert not doubled, doubled[:3]  # each library line once
     lines = p.stderr.splitlines()
     assert "\r" not in p.stderr and len(lines) < 80, p.stderr  # no redraws; a few lines per stage
     assert sum("shadow: candidate" in ln for ln in lines) <= 12  # progress lines at most every 10%
     assert ET.parse(tmp_path / "junit.xml").getroot().find("testsuite").get("name") == "w8"
     assert "Promoted **w8**" in (tmp_path / "summary.md").read_text()
+
+
+def test_a_library_with_its_own_stderr_handler_logs_each_line_once(tmp_path):
+    """datasets adds a stderr handler to its logger and still propagates to the root's: after quiet_console sends fd
+    2 to the log, each of its lines reached the log twice, once bare and once with a timestamp."""
+    log = tmp_path / "run.log"
+    code = (
+        "import logging, sys; from pathlib import Path; from qgate.progress import quiet_console\n"
+        "import datasets\n"  # imported first, as the gates' modules import it
+        f"quiet_console(Path({str(log)!r}))\n"
+        "logging.getLogger('datasets.builder').info('from datasets')\n"
+        "logging.getLogger('lm_eval.api').info('from lm-eval')\n"
+        "logging.getLogger('transformers.modeling_utils').warning('from transformers')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    text = log.read_text()
+    for line in ("from datasets", "from lm-eval", "from transformers"):
+        assert text.count(line) == 1, text
 
 
 def test_libraries_that_call_tqdm_directly_print_no_bars_without_a_tty(monkeypatch):
