@@ -49,8 +49,17 @@ def resolve_device(name: str = "auto"):
                 f"device {name!r}: torch {torch.__version__} sees no CUDA device on this host",
                 hint="run with --device cpu (or auto), or on a host with an NVIDIA GPU and a CUDA build of torch",
             )
-        if (dev.index or 0) >= torch.cuda.device_count():
-            raise BackendUnavailable(f"device {name!r}: this host has {torch.cuda.device_count()} CUDA device(s)")
+        if (dev.index or 0) >= (n := torch.cuda.device_count()):
+            import os
+
+            shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise BackendUnavailable(
+                f"device {name!r}: torch sees {n} CUDA device(s) here, cuda:0"
+                + (f" to cuda:{n - 1}" if n > 1 else "")
+                + (f" (CUDA_VISIBLE_DEVICES={shown!r} shows only those)" if shown is not None else ""),
+                hint=f"run with --device cuda{':N with N below ' + str(n) if n > 1 else ''} (or auto); in a process "
+                "given one card by CUDA_VISIBLE_DEVICES, that card is cuda:0",
+            )
     return dev
 
 

@@ -623,6 +623,13 @@ def test_devices_are_checked_before_anything_loads(monkeypatch):
     with pytest.raises(BackendUnavailable, match="no CUDA device"):
         resolve_device("cuda")
     assert resolve_device("auto").type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CI job given one card of several
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(BackendUnavailable) as e:
+        resolve_device("cuda:1")
+    assert "sees 1 CUDA device(s) here, cuda:0 (CUDA_VISIBLE_DEVICES='3' shows only those)" in str(e.value)
+    assert "--device cuda (or auto)" in e.value.hint and "that card is cuda:0" in e.value.hint
     cuda = torch.device("cuda")
     assert compute_dtype({"torch_dtype": "float16"}, cuda) == torch.float16
     assert compute_dtype({"dtype": "float32"}, cuda) == torch.bfloat16
