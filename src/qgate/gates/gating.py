@@ -218,8 +218,8 @@ def baseline_floor(
 ) -> tuple[dict, dict, bool]:
     """The baseline's shadow reference and noise floor (both cached), after checking the thresholds against the floor:
     ConfigError if a threshold is tighter than the baseline itself can meet. Returns (reference, floor, reference
-    cached). With a perf threshold, a floor whose time was measured on another card or CPU is measured again here:
-    the perf check divides it by the candidate's time."""
+    cached). With a perf threshold, a floor whose time was measured on another card or CPU, or cold, is measured again
+    here: the perf check divides it by the candidate's time."""
     from qgate.device import resolve_device, timing_host
 
     runner = runner or _LazyRunner(baseline, cfg.device, cfg.dtype)
