@@ -607,7 +607,7 @@ def test_gate_scores_the_engine_and_separates_runtime_from_quantization(
     perf = next(r for r in report["results"] if r["gate"] == "perf")
     assert perf["evidence"]["candidate_scoring"] == "teacher-forced" and "why" not in perf["evidence"], perf
     assert report["timings"]["candidate_teacher_forced"] == round(perf["evidence"]["candidate_score_seconds"], 2)
-    assert report["timings"]["candidate_warm_up"] > 0 and perf["evidence"]["timed_after_warm_up"] is True
+    assert report["timings"]["candidate_warm_up"] >= 0 and perf["evidence"]["timed_after_warm_up"] is True
     assert perf["verdict"] == "pass" and perf["decided_on"] == "point" and perf["observed"] > 1e-3
 
 
