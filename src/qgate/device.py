@@ -97,12 +97,14 @@ def numerics(device, dtype) -> str:
 
 
 def timing_host(device) -> str:
-    """What a time measured on `device` depends on, beside the work itself: the card's name on CUDA, else the CPU's
-    model and torch's thread count; then torch's version. Two times are comparable only when these are equal."""
+    """What a time measured on `device` depends on, beside the work itself: on CUDA the card's name, its SM count and
+    its memory (a MIG slice of a card has fewer of both, under the card's name), else the CPU's model and torch's
+    thread count; then torch's version. Two times are comparable only when these are equal."""
     import torch
 
     if device is not None and device.type == "cuda":
-        where = torch.cuda.get_device_name(device)
+        props = torch.cuda.get_device_properties(device)
+        where = f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB"
     else:
         where = f"{_cpu_model()}, {torch.get_num_threads()} torch threads"
     return f"{where}; torch {torch.__version__}"

@@ -1063,6 +1063,21 @@ def test_perf_divides_times_from_one_card_or_cpu_and_measures_a_foreign_one_agai
         assert (r.verdict, r.observed, r.decided_on) == (verdict, 2.0, "point")
 
 
+def test_a_time_on_a_slice_of_a_card_is_not_one_on_the_whole_card(monkeypatch):
+    """A MIG slice runs a fraction of its card's SMs under the card's name: timing_host tells them apart, so the
+    perf check does not divide a time on one by a time on the other."""
+    import torch
+
+    from qgate.device import timing_host
+
+    card = {"name": "NVIDIA H100 80GB HBM3", "multi_processor_count": 132, "total_memory": 85 * 10**9}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(**card))
+    whole = timing_host(torch.device("cuda"))
+    assert whole.startswith("NVIDIA H100 80GB HBM3, 132 SMs, 79 GiB; torch "), whole
+    card |= {"multi_processor_count": 16, "total_memory": 10 * 10**9}  # a 1g.10gb slice
+    assert timing_host(torch.device("cuda")) != whole
+
+
 def test_perf_times_each_side_after_a_warm_up_batch(base_art, calib_arts, workdir, monkeypatch):
     """A runner's first forward pays for what later ones reuse (on a GPU: CUDA's lazy module loading, cuBLAS handles,
     the allocator's growth). The prefill speed-up divides the baseline's time by the candidate's, and a candidate is
