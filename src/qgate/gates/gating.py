@@ -496,12 +496,13 @@ def _perf_check(
     floor: dict, ref: dict, cand_s: float, how: str, runtime: str, cand_on: str, cfg: PerfConfig
 ) -> GateResult:
     """The candidate's teacher-forced scoring throughput on the shadow sequences (`cand_s` seconds, scored `how`)
-    against the baseline's, the noise floor's time on the same scoring path (cached: measured in an earlier run).
-    When the check gates, each is timed after one untimed batch (shadow.candidate_metrics' warm_up), so neither pays
-    for a first forward (a candidate is scored in a fresh process, against a baseline timed in another); report-only,
-    neither is. Two times are evidence only when they time the same work on the same card or CPU (`cand_on` and the
-    floor's `timed_on`, device.timing_host): otherwise, as for an engine on the CPU against a baseline on a GPU, the
-    check is INCONCLUSIVE and says why; report-only, an engine's served scoring is reported as such."""
+    against the baseline's, the noise floor's time on the same scoring path (cached: measured in an earlier run). When
+    the check gates, each is timed after one untimed batch (shadow.candidate_metrics' warm_up), so neither pays for a
+    first forward (a candidate is scored in a fresh process, against a baseline timed in another); report-only, the
+    candidate's is its first pass after loading. Two times are evidence only when they time the same work on the same
+    card or CPU (`cand_on` and the floor's `timed_on`, device.timing_host): otherwise, as for an engine on the CPU
+    against a baseline on a GPU, the check is INCONCLUSIVE and says why; report-only, an engine's served scoring is
+    reported as such."""
     base_s = float(floor.get("baseline_score_seconds", ref["score_seconds"]))
     speedup = base_s / cand_s if cand_s > 0 else float("nan")
     base_on = floor.get("timed_on")
