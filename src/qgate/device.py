@@ -15,6 +15,7 @@ torch is imported only when a device is resolved.
 
 from __future__ import annotations
 
+import os
 import re
 
 from qgate.errors import BackendUnavailable, ConfigError, human_bytes
@@ -50,8 +51,6 @@ def resolve_device(name: str = "auto"):
                 hint="run with --device cpu (or auto), or on a host with an NVIDIA GPU and a CUDA build of torch",
             )
         if (dev.index or 0) >= (n := torch.cuda.device_count()):
-            import os
-
             shown = os.environ.get("CUDA_VISIBLE_DEVICES")
             raise BackendUnavailable(
                 f"device {name!r}: torch sees {n} CUDA device(s) here, cuda:0"

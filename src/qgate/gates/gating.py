@@ -46,6 +46,12 @@ class PerfConfig:
     def __post_init__(self):
         check_threshold_values("gates.perf", self, {"min_prefill_speedup": POSITIVE})
 
+    @property
+    def gates(self) -> bool:
+        """Whether the check decides (a threshold is set): then both its times must be comparable, taken on this card
+        or CPU and warm (after one untimed batch); report-only, the times the shadow gate took anyway are reported."""
+        return self.min_prefill_speedup is not None
+
 
 @dataclass(frozen=True)
 class ParityConfig:
@@ -225,7 +231,7 @@ def baseline_floor(
     runner = runner or _LazyRunner(baseline, cfg.device, cfg.dtype)
     cache_dir = runner.cache(cache_dir)
     ref, hit = baseline_reference(runner, baseline, shadow, cfg.shadow, cache_dir)
-    here = timing_host(resolve_device(cfg.device)) if cfg.perf.min_prefill_speedup is not None else None
+    here = timing_host(resolve_device(cfg.device)) if cfg.perf.gates else None
     floor = noise_floor(runner, baseline, shadow, ref, cfg.shadow, cache_dir, timed_on=here)
     check_thresholds(cfg.shadow, floor)
     return ref, floor, hit
@@ -444,8 +450,7 @@ def _score(
     t = time.perf_counter()
     cand = load_runner(candidate, cfg.device, cfg.dtype)
     timings["candidate_load"] = time.perf_counter() - t
-    timed = cfg.perf.min_prefill_speedup is not None  # the perf check gates: both its times are taken warm
-    check = run_shadow(cand, ref, cfg.shadow, warm_up=timed and not isinstance(cand, ScoresServed))
+    check = run_shadow(cand, ref, cfg.shadow, warm_up=cfg.perf.gates and not isinstance(cand, ScoresServed))
     m, results, scored, gated = check.metrics, list(check.results), check.scored, check.gated
     timings["candidate_shadow"] = m["score_seconds"]
     if m["warm_up_seconds"]:
@@ -457,7 +462,7 @@ def _score(
     scored_on = timing_host(getattr(cand, "device", None))  # an onnxruntime engine has none: the CPU
     cand_s, how = m["score_seconds"], "teacher-forced"
     if isinstance(cand, ScoresServed):  # its shadow scoring decoded the answers: timed again as the baseline was
-        if timed:
+        if cfg.perf.gates:
             tf = candidate_metrics(cand, ref, "perf: candidate teacher-forced", served=False, warm_up=True)
             cand_s = timings["candidate_teacher_forced"] = tf["score_seconds"]
             timings["candidate_warm_up"] = tf["warm_up_seconds"]
@@ -514,7 +519,7 @@ def _perf_check(
         "baseline_timing_from_cache": bool(floor.get("cached")),
         "baseline_timed_on": base_on,
         "candidate_timed_on": cand_on,
-        "timed_after_warm_up": cfg.min_prefill_speedup is not None,
+        "timed_after_warm_up": cfg.gates,
     }
     result = GateResult.check(
         "perf", "prefill_speedup", speedup, cfg.min_prefill_speedup, True, int(len(ref["seq_lens"])), evidence=evidence
