@@ -2,6 +2,7 @@
 (engines/bf16_products.py), with float32 as the yardstick, all in one run.
 
     .venv/bin/python benchmarks/bench_cpu_bf16.py [--model .qgate/demo/base] [--eval]
+    .venv/bin/python benchmarks/bench_cpu_bf16.py --model <a bf16 torch-int4 engine>
 
 Run alone (two CPU-heavy processes slow torch 3-20x). Prints the host (CPU, whether it has AMX or AVX512-BF16, torch
 threads), then per numerics mode of TorchRunner:
@@ -13,6 +14,10 @@ greedy decode (batch 1, 32 new tokens), as ratios to float32, and each bf16 mode
 float32 on that forward. --eval also times the demo spec's eval (lm-eval tasks and perplexity documents, the gate's
 scoring) in float32 and bf16-products: bf16-torch is left out there, since on a CPU without bf16 matmuls it takes
 several times as long.
+
+--model may be a bf16 torch-int4 engine (`qgate engine build --backend torch-int4`): its modes are bf16-torch and
+bf16-products (its dense Linears, 8-bit weights and the head, multiplying in float32 from bf16_products.FLOAT32_ROWS
+rows on), with bf16-torch as the yardstick, since the engine computes in the dtype it was built in.
 """
 
 from __future__ import annotations
@@ -46,17 +51,23 @@ def host() -> dict:
     }
 
 
+def is_engine(model: Path) -> bool:
+    return (model / "engine.json").is_file()
+
+
 def runner(model: Path, mode: str):
-    """A TorchRunner in `mode`; native_bf16 is set for the load only, so that the mode does not depend on this host."""
+    """A TorchRunner, or the engine's runner, in `mode`; native_bf16 is set for the load only, so that the mode does
+    not depend on this host."""
     import qgate.device
-    from qgate.engines.runners import TorchRunner
+    from qgate.artifact import Artifact
+    from qgate.engines.runners import TorchRunner, load_runner
 
     if mode == "float32":
         return TorchRunner(model, dtype="float32")
     saved = qgate.device.native_bf16
     qgate.device.native_bf16 = lambda device: mode == "bf16-torch"
     try:
-        return TorchRunner(model, dtype="bfloat16")
+        return load_runner(Artifact.load(model)) if is_engine(model) else TorchRunner(model, dtype="bfloat16")
     finally:
         qgate.device.native_bf16 = saved
 
@@ -89,31 +100,37 @@ def main() -> int:
     import numpy as np
 
     print(json.dumps(host()), flush=True)
+    modes = MODES[1:] if is_engine(args.model) else MODES
+    if args.eval and is_engine(args.model):
+        ap.error("--eval times the reference path: give it a checkpoint")
     rows, logits = {}, {}
-    for mode in MODES:
+    for mode in modes:
         r = runner(args.model, mode)
         seqs = prompts(r.tokenizer, 4, 256)
         r.logits_batch(seqs[:1], keep_last=1)  # warm-up
         rows[mode] = {"forward_s": best(lambda r=r: logits.__setitem__(mode, r.logits_batch(seqs)), 3)}
         rows[mode]["decode_s"] = best(lambda r=r: r.greedy_batch([seqs[0][:64]], 32), 2)
         del r
-    ref = np.stack(logits["float32"]).astype(np.float64)
+    yardstick = modes[0]
+    ref = np.stack(logits[yardstick]).astype(np.float64)
     lp = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
-    for mode in MODES[1:]:
+    for mode in modes[1:]:
         x = np.stack(logits[mode]).astype(np.float64)
         lq = x - np.logaddexp.reduce(x, axis=-1, keepdims=True)
         kl = (np.exp(lp) * (lp - lq)).sum(-1)
-        rows[mode]["kl_p99_vs_float32"] = float(np.quantile(kl, 0.99))
-        rows[mode]["top1_vs_float32"] = float((x.argmax(-1) == ref.argmax(-1)).mean())
+        rows[mode][f"kl_p99_vs_{yardstick}"] = float(np.quantile(kl, 0.99))
+        rows[mode][f"top1_vs_{yardstick}"] = float((x.argmax(-1) == ref.argmax(-1)).mean())
     if args.eval:
         from qgate.pipeline.spec import load_spec
 
         cfg = load_spec(ROOT / "pipelines/promote.yaml").gate_config().eval
         for mode in ("float32", "bf16-products"):
             rows[mode]["eval_s"] = counted_eval(runner(args.model, mode), cfg)["wall"]
-    f32 = rows["float32"]
+    base = rows[yardstick]
     for mode, row in rows.items():
-        ratios = {f"{k}_vs_float32": round(row[k] / f32[k], 3) for k in ("forward_s", "decode_s", "eval_s") if k in row}
+        ratios = {
+            f"{k}_vs_{yardstick}": round(row[k] / base[k], 3) for k in ("forward_s", "decode_s", "eval_s") if k in row
+        }
         print(json.dumps({"mode": mode, **{k: round(v, 6) for k, v in row.items()}, **ratios}), flush=True)
     t, p = rows["bf16-torch"], rows["bf16-products"]
     print(

@@ -64,8 +64,8 @@ def resolve_device(name: str = "auto"):
 
 def native_bf16(device) -> bool:
     """Whether bfloat16 matmuls run in hardware on this device: CUDA, or a CPU with AMX tiles or AVX512-BF16. On
-    other CPUs torch's bfloat16 matmul runs slower than float32, and the reference path multiplies in float32
-    (engines/bf16_products.py)."""
+    other CPUs torch's bfloat16 matmul runs slower than float32, and the reference path and the torch-int4 engine's
+    dense Linears multiply in float32 (engines/bf16_products.py)."""
     import torch
 
     if device.type == "cuda":
@@ -148,13 +148,14 @@ def host_memory() -> tuple[int, int] | None:
         return None
 
 
-def check_fits(device, nbytes: int, what: str, hint: str | None = None) -> None:
+def check_fits(device, nbytes: int, what: str, hint: str | None = None, takes: str = "its weights take") -> None:
     """BackendUnavailable before a model loads onto `device` when its weights (nbytes) alone exceed the memory left
     there: the load would run out of memory part way, after reading that much from disk (on the CPU, the kernel
     kills the process). On CUDA the card's free memory, with what torch's allocator holds unused, which the load
     reuses; on the CPU the host's available memory and free swap (host_memory; nothing where that cannot be read).
     Scoring needs memory on top, so a model that passes may still not score; one that fails cannot load. hint: what
-    to do instead, where the default (the gate's: another device) does not fit the caller."""
+    to do instead, where the default (the gate's: another device) does not fit the caller. takes: what the message
+    says needs nbytes."""
     kind = getattr(device, "type", "cpu")
     if kind == "cuda":
         import torch
@@ -173,7 +174,7 @@ def check_fits(device, nbytes: int, what: str, hint: str | None = None) -> None:
         return
     if nbytes > free:
         raise BackendUnavailable(
-            f"{what}: its weights take {human_bytes(nbytes)} on {device}, which has {left}",
+            f"{what}: {takes} {human_bytes(nbytes)} on {device}, which has {left}",
             hint=hint or f"qgate scores a model on one device: {instead}",
         )
 

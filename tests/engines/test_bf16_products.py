@@ -126,3 +126,92 @@ def test_the_reference_multiplies_in_float32_only_where_bf16_is_emulated(base_ar
     assert r.numerics == "cpu-bfloat16"
     f32 = TorchRunner(base_art.path)  # float32: nothing to swap
     assert {type(m) for m in f32.model.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
+
+
+def test_an_engines_dense_linear_multiplies_in_float32_from_float32_rows():
+    """The torch-int4 engine's dense bf16 Linear with its float32 copies (bf16_products.float32_copies) reads them from
+    FLOAT32_ROWS rows on, counted over every leading dimension; fewer rows (decode steps) keep torch's bf16 matmul."""
+    from qgate.engines.bf16_products import FLOAT32_ROWS, float32_copies
+    from qgate.engines.static_llama import Linear
+
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 32).to(torch.bfloat16), torch.randn(48).to(torch.bfloat16)
+    lin = Linear(w, b, torch.bfloat16, torch.device("cpu"))
+    x = torch.randn(FLOAT32_ROWS, 32).to(torch.bfloat16)
+    assert lin.weight32 is None and torch.equal(lin(x), F.linear(x, w, b))  # no copies: bf16 at every row count
+    float32_copies([lin], "m")
+    assert set(lin.state_dict()) == {"weight", "bias"} and torch.equal(lin.weight32, w.float())
+    lin.weight32 = 2 * lin.weight32  # marked: an output that reads the float32 copy doubles its product (exactly)
+    many = torch.randn(2, FLOAT32_ROWS // 2, 32).to(torch.bfloat16)
+    assert torch.equal(lin(many), F.linear(many.float(), 2 * w.float(), b.float()).to(torch.bfloat16))
+    few = torch.randn(FLOAT32_ROWS - 1, 32).to(torch.bfloat16)
+    assert torch.equal(lin(few), F.linear(few, w, b))
+
+
+def _meminfo(tmp_path, monkeypatch, available: int):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: 1048576 kB\nMemAvailable: {available // 1024} kB\nSwapFree: 0 kB\n")
+    monkeypatch.setattr(qgate.device, "MEMINFO", str(meminfo))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_bf16_engine_copies_its_dense_weights_only_where_bf16_is_emulated(w8_art, tmp_path, monkeypatch, native):
+    """A bf16 torch-int4 engine of 8-bit weights (every Linear dense) on a CPU without bf16 matmuls: each dense Linear,
+    the head included, holds float32 copies outside the state dict, and its logits stay within bf16's rounding of the
+    same engine multiplying in bf16."""
+    from qgate.engines.build import build_engine
+    from qgate.engines.runners import load_runner
+    from qgate.engines.static_llama import Linear
+
+    engine = build_engine(w8_art, "torch-int4", tmp_path / "w8-bf16", verify=False)
+    monkeypatch.setattr(qgate.device, "native_bf16", lambda dev: True)
+    bf16 = load_runner(engine)
+    monkeypatch.setattr(qgate.device, "native_bf16", lambda dev: native)
+    runner = load_runner(engine)
+    dense = [m for m in runner.model.modules() if isinstance(m, Linear) and m.weight is not None]
+    assert len(dense) == 4 * 2 + 1  # qkv, o, gate_up and down (fused) in each of 2 layers, and the tied head
+    assert all((m.weight32 is None) == native for m in dense)
+    assert set(runner.model.state_dict()) == set(bf16.model.state_dict())
+    seqs = [list(range(5, 45)), list(range(60, 72))]
+    for a, b in zip(bf16.logits_batch(seqs), runner.logits_batch(seqs), strict=True):
+        pa, pb = (
+            torch.log_softmax(torch.from_numpy(a).double(), -1),
+            torch.log_softmax(torch.from_numpy(b).double(), -1),
+        )
+        assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-3
+
+
+def test_float32_copies_the_host_cannot_hold_are_refused_before_they_are_made(w8_art, base_art, tmp_path, monkeypatch):
+    """The reference in bf16 and a bf16 engine on a CPU without bf16 matmuls need 4 bytes per Linear parameter more
+    than their weights: where the host's available memory cannot hold that, each refuses with both figures and what
+    to do, instead of being killed part way through; at exactly that much it loads."""
+    from qgate.engines.build import build_engine
+    from qgate.engines.runners import load_runner
+    from qgate.errors import BackendUnavailable, human_bytes
+
+    engine = build_engine(w8_art, "torch-int4", tmp_path / "w8-bf16", verify=False)
+    monkeypatch.setattr(qgate.device, "native_bf16", lambda dev: False)
+    ref = TorchRunner(base_art.path, dtype="bfloat16")
+    need = 4 * sum(m.weight.numel() for m in ref.model.modules() if isinstance(m, Float32ProductLinear))
+    eng = load_runner(engine)
+    eng_need = 4 * sum(
+        m.weight32.numel() + (0 if m.bias32 is None else m.bias32.numel())
+        for m in eng.model.modules()
+        if getattr(m, "weight32", None) is not None
+    )
+    takes = "the float32 copies its matmuls need on this CPU take"
+    for what, n, load, hint in (
+        (
+            f"{base_art.path}: the bfloat16 reference",
+            need,
+            lambda: TorchRunner(base_art.path, dtype="bfloat16"),
+            "gates.dtype: float32",
+        ),
+        (f"{engine.path}: the torch-int4 engine in bfloat16", eng_need, lambda: load_runner(engine), "more memory"),
+    ):
+        _meminfo(tmp_path, monkeypatch, n - 1024)
+        with pytest.raises(BackendUnavailable, match=rf"{what}: {takes} {human_bytes(n)} on cpu, which has") as e:
+            load()
+        assert hint in e.value.hint
+        _meminfo(tmp_path, monkeypatch, -(-n // 1024) * 1024)
+        load()

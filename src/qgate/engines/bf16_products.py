@@ -1,19 +1,49 @@
 """bfloat16 models on CPUs without bfloat16 matmuls: each Linear's product computed in float32 on its bf16 values.
 
-    if dtype == torch.bfloat16 and not native_bf16(device):
-        float32_products(model)      # every bf16 nn.Linear: bf16 in, bf16 out, the product summed in float32
+    if emulated(device, dtype):          # bf16 on a CPU without bf16 matmuls (device.native_bf16)
+        float32_products(model, "<path>: the bfloat16 reference")   # every bf16 nn.Linear: bf16 in, bf16 out,
+                                         # the product summed in float32
 
 A CPU with AMX tiles or AVX512-BF16 multiplies bf16 values, sums the products in float32 and rounds the sum to bf16.
 Elsewhere torch computes a bf16 matmul several times slower than a float32 one of the same shape. The product of two
 bf16 values is exact in float32, so a float32 matmul on the same bf16 values computes what those CPUs compute, up to
 the order of the float32 sums, and its output is rounded to bf16 as theirs is. The float32 copy of each weight is
-made once, at the swap: 4 bytes per parameter beside the model's own bf16 weights, which stay as they are.
+made once, at the swap: 4 bytes per parameter beside the model's own bf16 weights, which stay as they are, and the
+host's memory is checked for them all first (float32_copies).
+
+The torch-int4 engine's dense Linears (8-bit weights, the head, unquantized layers) multiply in float32 from
+FLOAT32_ROWS rows on and keep torch's bf16 matmul below, where a few rows (decode steps) run faster in it than in
+float32 on the same CPUs; its int4 kernel takes bf16 and runs fast on them.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+FLOAT32_ROWS = 8  # rows from which an engine's dense bf16 Linear multiplies in float32 on such a CPU
+HINT = "gate in float32 (gates.dtype: float32), or on a host with more memory or with AMX or AVX512-BF16"
+
+
+def emulated(device, dtype) -> bool:
+    """Whether `dtype` is bf16 on a CPU without bf16 matmuls (device.native_bf16), where Linears multiply in float32."""
+    from qgate.device import native_bf16
+
+    device = torch.device(device)
+    return dtype == torch.bfloat16 and device.type == "cpu" and not native_bf16(device)
+
+
+def float32_copies(linears: list, what: str, hint: str = HINT) -> None:
+    """Give each module (a `weight` and a `bias` or None, on the CPU) float32 copies of them as plain attributes,
+    weight32 and bias32, outside the state dict; first BackendUnavailable (device.check_fits) where the host's memory
+    cannot hold them all: 4 bytes per parameter, which the kernel would otherwise kill the process part way through."""
+    from qgate.device import check_fits
+
+    need = sum(4 * (m.weight.numel() + (0 if m.bias is None else m.bias.numel())) for m in linears)
+    check_fits(torch.device("cpu"), need, what, hint, takes="the float32 copies its matmuls need on this CPU take")
+    for m in linears:
+        m.weight32 = m.weight.detach().float()
+        m.bias32 = None if m.bias is None else m.bias.detach().float()
 
 
 class Float32ProductLinear(torch.nn.Linear):
@@ -26,20 +56,17 @@ class Float32ProductLinear(torch.nn.Linear):
         return F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
 
 
-def float32_products(model: torch.nn.Module) -> int:
+def float32_products(model: torch.nn.Module, what: str = "the model") -> int:
     """Swap every bf16 nn.Linear of `model` for a Float32ProductLinear in place; returns how many. Exactly nn.Linear:
     a subclass keeps its own forward. A forward set on the instance stays, and multiplies in float32 where it calls
     the class's, as compressed-tensors' quantized forward does (its activation quantization kept); one that calls
     nn.Linear.forward itself, as an offloading wrapper does, keeps torch's bf16 matmul. The modules keep their
     parameters, so the state dict, tied weights and the embeddings are unchanged; the float32 copies are plain
-    attributes, outside the state dict."""
-    n = 0
-    for m in model.modules():
-        if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16:
-            if getattr(vars(m).get("forward"), "__func__", None) is torch.nn.Linear.forward:
-                del m.forward  # nn.Linear's own forward bound on the instance (left by removing a wrapper)
-            m.weight32 = m.weight.detach().float()
-            m.bias32 = None if m.bias is None else m.bias.detach().float()
-            m.__class__ = Float32ProductLinear
-            n += 1
-    return n
+    attributes, outside the state dict (float32_copies, which checks the host's memory first, naming `what`)."""
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16]
+    float32_copies(linears, what)
+    for m in linears:
+        if getattr(vars(m).get("forward"), "__func__", None) is torch.nn.Linear.forward:
+            del m.forward  # nn.Linear's own forward bound on the instance (left by removing a wrapper)
+        m.__class__ = Float32ProductLinear
+    return len(linears)

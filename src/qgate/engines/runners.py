@@ -179,18 +179,17 @@ class TorchRunner:
 
     def __init__(self, path: Path, device: str = "cpu", dtype: str = "auto"):
         """device: auto, cpu, cuda or cuda:N; dtype: auto (float32 on the CPU, the served dtype on CUDA) or a name."""
-        import torch
 
         from qgate.device import (
             batch_tokens,
             check_model_fits,
             compute_dtype,
             forward_cost,
-            native_bf16,
             numerics,
             resolve_device,
         )
         from qgate.engines import fused_norms
+        from qgate.engines.bf16_products import emulated, float32_products
         from qgate.trust import check_loadable, load_causal_lm, load_tokenizer
 
         check_loadable(path)
@@ -213,10 +212,8 @@ class TorchRunner:
         check_vocab(path, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
         if decompressed:
             _without_offloading(self.model)
-        if self.dtype == torch.bfloat16 and not native_bf16(self.device):
-            from qgate.engines.bf16_products import float32_products
-
-            float32_products(self.model)
+        if emulated(self.device, self.dtype):
+            float32_products(self.model, f"{path}: the bfloat16 reference")
             _log_float32_products()
         if self.device.type in fused_norms.DEVICES:
             fused_norms.fuse_rms_norms(self.model)

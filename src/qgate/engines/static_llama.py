@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from qgate.device import planless_sdpa
+from qgate.engines.bf16_products import FLOAT32_ROWS, emulated, float32_copies
 from qgate.engines.decode_attention import triton_attend
 from qgate.engines.elementwise import EAGER, Ops, compiled_ops, rms_norm
 from qgate.engines.int4pack import (
@@ -37,6 +38,7 @@ from qgate.engines.int4pack import (
 from qgate.errors import ConfigError
 
 ARCHITECTURES = ("LlamaForCausalLM",)
+HINT = "gate on a host with more memory, or with AMX or AVX512-BF16 (bf16 matmuls: no float32 copies)"
 STATIC_ROPE = ("default", "linear", "llama3")  # RoPE types whose frequencies do not depend on the sequence length
 
 
@@ -74,7 +76,8 @@ class Linear(nn.Module):
     several times slower at large row counts. That dense matrix is computed per forward, or once where `keep_dense`
     kept it (the same numbers either way). A kept matrix costs no dequantizing, so it serves from KEPT_DENSE_ROWS
     rows on (decode steps of large batches), where the int4 kernel reads its packed weights slower than a dense GEMM
-    reads the matrix four times their size. On a CPU every row count runs the int4 kernel. The int4 kernel's buffers
+    reads the matrix four times their size. On a CPU every row count runs the int4 kernel. A dense bf16 Linear on a CPU
+    without bf16 matmuls multiplies in float32 from FLOAT32_ROWS rows on (bf16_products.py). The int4 kernel's buffers
     are laid out as `split` blocks of the inputs (int4pack.split_k; 1: unsplit), which `resplit` changes."""
 
     def __init__(
@@ -94,9 +97,14 @@ class Linear(nn.Module):
             self.out_features = weight.shape[0]
             self.register_buffer("weight", weight.to(device, dtype))  # [O, I]
         self.register_buffer("bias", None if bias is None else bias.to(device, dtype))
+        # bf16 on a CPU without bf16 matmuls: float32 copies, outside the state dict (StaticLlama, bf16_products.py)
+        self.weight32: torch.Tensor | None = None
+        self.bias32: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., I] -> [..., O]
         if self.weight is not None:
+            if self.weight32 is not None and x.numel() // x.shape[-1] >= FLOAT32_ROWS:
+                return F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
             return F.linear(x, self.weight, self.bias)
         if not self.int4_serves(x.numel() // x.shape[-1]):
             return F.linear(x, self.dense if self.dense is not None else self.dequantized(), self.bias)
@@ -157,10 +165,13 @@ class StaticLlama(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         splits: dict[str, int] | None = None,
+        what: str = "the torch-int4 engine",
     ):
         """tensors: the checkpoint's state dict with every quantized Linear's prefix mapped to an Int4Weight or a dense
         float matrix (int4pack.repack) and every other tensor as saved. splits: the split_k factor per int4 weight
-        shape (int4pack.int4_shape; int4_choice.choose_splits picks them), 1 where absent."""
+        shape (int4pack.int4_shape; int4_choice.choose_splits picks them), 1 where absent. In bf16 on a CPU without
+        bf16 matmuls each dense Linear gets float32 copies of its weights (Linear.forward), once the host's memory is
+        found to hold them (bf16_products.float32_copies; an error names the model `what`)."""
         super().__init__()
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -247,6 +258,9 @@ class StaticLlama(nn.Module):
         self.register_buffer("cos", cos[0].to(device, dtype))  # [P, D]
         half = cos.shape[-1] // 2
         self.register_buffer("sin", torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1).to(device, dtype))  # signed
+        if emulated(device, dtype):
+            dense = [m for m in self.modules() if isinstance(m, Linear) and m.weight is not None]
+            float32_copies(dense, f"{what} in bfloat16", HINT)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.ops: Ops = EAGER  # the elementwise work between Linears (compile)

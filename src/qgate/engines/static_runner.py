@@ -63,7 +63,8 @@ def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dic
             tensors[p] = Int4Weight(
                 tensors.pop(f"{p}.codes"), tensors.pop(f"{p}.scales_and_zeros"), spec["group_sizes"][p]
             )
-    return StaticLlama(config, tensors, dtype, device, spec.get("int4_splits")).eval(), spec, config
+    model = StaticLlama(config, tensors, dtype, device, spec.get("int4_splits"), f"{engine_dir}: the torch-int4 engine")
+    return model.eval(), spec, config
 
 
 class StaticRunner:
