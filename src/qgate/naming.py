@@ -95,9 +95,14 @@ def build_config(cls, data: Mapping[str, Any], where: str, fixed: Mapping[str, A
         raise ConfigError(f"{where}: {e}") from e
 
 
+def field_namer(where: str, field_name=None):
+    """How an error names a config's field: `field_name` when given (a command names its flag), else `where.field`."""
+    return field_name or (lambda f: f"{where}.{f}")
+
+
 def _named(message: str, cls, where: str, field_name) -> str:
     """`message` with the field it starts with named by its path (see build_config), else under `where`."""
-    name = field_name or (lambda f: f"{where}.{f}")
+    name = field_namer(where, field_name)
     for f in sorted((f.name for f in fields(cls)), key=len, reverse=True):
         for head in (f"{where}.{f}", f"{cls.__name__}.{f}", f):
             if message.startswith(head) and message[len(head) : len(head) + 1] in (" ", ":"):

@@ -35,6 +35,7 @@ from qgate.calibrate.state import SampleState
 from qgate.calibrate.state_json import scan_partition_json, state_from_json
 from qgate.errors import InputError, check_each
 from qgate.execute import check_executor, map_ordered, workers
+from qgate.naming import field_namer
 from qgate.progress import progress
 
 SPLITS = ("calib", "shadow", "search")  # the calibration-set artifacts, by directory name under `out`
@@ -155,7 +156,7 @@ def sample_traffic(
     quoted += [b for b in broken[:_QUOTED] if b not in quoted]
     try:
         calib, shadow, search, counts = _select(
-            state, config, source_name, [json.loads(r) for r in quoted], field_name or (lambda f: f"calibrate.{f}")
+            state, config, source_name, [json.loads(r) for r in quoted], field_namer("calibrate", field_name)
         )
     except InputError as e:
         raise _naming_rejects(e, out / "rejects.jsonl", failed_rejects) from None

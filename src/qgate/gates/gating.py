@@ -93,8 +93,10 @@ class GateConfig:
         check_dtype(self.dtype)
 
 
-def environment() -> dict[str, str]:
-    """What the scores depend on beside the models and data: Python, qgate and the libraries a verdict depends on."""
+def scoring_versions() -> dict[str, str]:
+    """What the scores depend on beside the models and data, for the report: the versions of Python, qgate and the
+    libraries a verdict depends on (execute.environment is the other question: whether two processes may share
+    results)."""
     import sys
 
     import qgate
@@ -387,7 +389,7 @@ def run_gates(
         },
         "results": list(decided.results),
         "timings": {k: round(v, 2) for k, v in timings.items()},
-        "environment": environment(),
+        "environment": scoring_versions(),
         "notes": list(notes),
     }
     source = checkpoint or (engine_checkpoint(candidate) if candidate.kind == "engine" else candidate)
