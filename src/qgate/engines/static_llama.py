@@ -102,11 +102,12 @@ class Linear(nn.Module):
         self.bias32: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., I] -> [..., O]
+        rows = x.numel() // x.shape[-1]
         if self.weight is not None:
-            if self.weight32 is not None and x.numel() // x.shape[-1] >= FLOAT32_ROWS:
+            if self.weight32 is not None and rows >= FLOAT32_ROWS:
                 return F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
             return F.linear(x, self.weight, self.bias)
-        if not self.int4_serves(x.numel() // x.shape[-1]):
+        if not self.int4_serves(rows):
             return F.linear(x, self.dense if self.dense is not None else self.dequantized(), self.bias)
         y = split_mm(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, self.sz, self.split)
         y = y.reshape(*x.shape[:-1], self.out_features)
