@@ -82,11 +82,14 @@ def best(fn, reps: int) -> float:
 
 
 def prompts(tokenizer, n: int, width: int) -> list[list[int]]:
-    """n token sequences of `width` tokens, cut from the demo traffic's messages joined end to end."""
+    """n token sequences of `width` tokens, cut from the demo traffic's messages joined end to end (its records
+    without messages, the malformed lines the demo's traffic holds on purpose, skipped)."""
     ids: list[int] = []
     with open(ROOT / "data/demo/traffic.jsonl") as f:
         for line in f:
-            ids += tokenizer.encode(" ".join(m["content"] for m in json.loads(line)["messages"]))
+            rec = json.loads(line)
+            if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+                ids += tokenizer.encode(" ".join(str(m.get("content", "")) for m in rec["messages"]))
             if len(ids) >= n * width:
                 break
     return [ids[i * width : (i + 1) * width] for i in range(n)]

@@ -214,6 +214,36 @@ def test_engine_in_float32_computes_what_the_checkpoint_says(awq_art, int4_f32, 
     assert spec["max_seq_len"] == 512 and set(spec["group_sizes"].values()) == {32}
 
 
+def test_whole_sequences_attend_by_segment_on_the_cpu_as_under_the_mask(awq_art, int4_f32, monkeypatch):
+    """Teacher-forced sequences long enough to pay attend by causal segment on the CPU (no mask built): the same
+    logits as the masked forward and the reference path, in float32. A forward given both or neither of valid and
+    segments, or segments with a cache, is refused."""
+    import qgate.engines.static_runner as sr
+
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(3, 300, n).tolist() for n in (200, 150, 120, 40)]
+    ref, eng = load_runner(awq_art), load_runner(int4_f32)
+    calls, forward = [], eng.model.forward
+    monkeypatch.setattr(eng.model, "forward", lambda *a, **k: calls.append((a[2], k["segments"])) or forward(*a, **k))
+    by_segment = eng.logits_batch(seqs, keep_last=100)
+    ((valid, segments),) = calls
+    assert valid is None and sorted(b - a for _, a, b in segments) == [40, 120, 150, 200]
+    monkeypatch.setattr(sr, "SEGMENTED", ())
+    masked = eng.logits_batch(seqs, keep_last=100)
+    assert calls[1][0].shape[-1] == calls[1][0].shape[-2] and calls[1][1] is None
+    for a, b, c in zip(ref.logits_batch(seqs, keep_last=100), by_segment, masked, strict=True):
+        assert a.shape == b.shape == c.shape == (min(100, len(b)), a.shape[-1])
+        assert np.abs(b - c).max() < 1e-5 and np.abs(a - b).max() < 1e-5
+    tok = torch.tensor([seqs[3]])
+    pos = torch.arange(tok.shape[1])[None]
+    for valid, slot, segs in ((torch.ones_like(tok, dtype=torch.bool), None, [(0, 0, 40)]), (None, None, None)):
+        with pytest.raises(ValueError, match="either valid or segments"):
+            forward(tok, pos, valid, slot, segments=segs)
+    eng.model.setup_cache(1, 64)
+    with pytest.raises(ValueError, match="segments only without a cache"):
+        forward(tok, pos, None, 0, segments=[(0, 0, 40)])
+
+
 def test_fused_projections_compute_what_separate_ones_do(int4_f32):
     """q/k/v and gate/up run as one wider Linear each when their weights share a kind; a layer whose q_proj is dense
     and k/v int4 (a searched variant's fallback) keeps them apart, with the same logits."""

@@ -690,6 +690,34 @@ def test_pack_trees_lays_out_each_context_with_its_continuations():
         pack_trees([([1], [[2]]), ([], [[3]])], 0, 0)
 
 
+def test_segments_are_whole_sequences_seeing_what_the_mask_lets_them_see():
+    """Trees.segments: where each group is one sequence, its columns as (row, first, end), inside which the mask is
+    plain causal and outside which it sees nothing; several continuations to a group give None. segments_pay takes
+    the segments where they compute less than the mask's full squares."""
+    import torch
+
+    from qgate.engines.padding import pack_trees, sequences_as_trees
+    from qgate.engines.static_llama import segments_pay
+
+    seqs = [[1] * 9, [2] * 3, [3] * 5, [4] * 2]
+    t = pack_trees(sequences_as_trees(seqs, keep_last=2), 0, 0)
+    segs = t.segments()
+    assert sorted(b - a for _, a, b in segs) == [2, 3, 5, 9] and len(segs) == len(seqs)
+    mask = t.mask(0, torch.device("cpu")).numpy()
+    real = np.zeros(t.tokens.shape, dtype=bool)
+    for r, a, b in segs:
+        assert (mask[r, a:b, a:b] == np.tril(np.ones((b - a, b - a), dtype=bool))).all()
+        assert not mask[r, a:b, :a].any() and not mask[r, a:b, b:].any()
+        assert (t.tokens[r, a:b] == t.tokens[r, a]).all() and not real[r, a:b].any()
+        real[r, a:b] = True
+    assert real.sum() == (t.tree >= 0).sum()  # every real column is in one segment
+    assert pack_trees([([1, 2], [[3], [4]])], 0, 0).segments() is None
+    assert segments_pay([(0, 0, 4000)], 1, 4096)  # a long document: half its square
+    assert segments_pay([(r, 0, 100) for r in range(16)] + [(r, 100, 250) for r in range(16)], 16, 256)
+    assert not segments_pay([(r, 10 * i, 10 * i + 10) for r in range(16) for i in range(25)], 16, 256)  # 400 calls
+    assert not segments_pay([(r, 0, 50) for r in range(64)], 64, 64)  # short rows: the calls cost more
+
+
 def test_pack_sequences_fills_rows_first_fit_by_decreasing_length():
     import random
 

@@ -149,6 +149,19 @@ class Trees:
         """The logits read at `at` ([M, V]) as, per group, per continuation, its rows [len(k), V]: views, not copies."""
         return [[logits[a:b] for a, b in spans] for spans in self.spans]
 
+    def segments(self) -> list[tuple[int, int, int]] | None:
+        """Where every group is one sequence (a context with at most one continuation, as sequences_as_trees makes
+        them), each group's (row, first column, end column): its tokens see the earlier ones of the same columns and
+        nothing else, plain causal attention over [first, end). None where a group has several continuations."""
+        if any(len(spans) > 1 for spans in self.spans):
+            return None
+        out = []
+        for r in range(self.tree.shape[0]):
+            cols = np.flatnonzero(self.tree[r] >= 0)
+            cut = np.flatnonzero(np.diff(self.tree[r, cols])) + 1  # a group's columns are one run within its row
+            out += [(r, int(c[0]), int(c[-1]) + 1) for c in np.split(cols, cut) if len(c)]
+        return out
+
     def mask(self, prefix: int, device):
         """Which keys each query sees, [n, W, prefix + W] bool on `device`: the prefix's `prefix` cached positions
         first. A padding column sees itself only, so every row of the softmax has a key."""

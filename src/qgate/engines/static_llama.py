@@ -65,6 +65,25 @@ FUSE = True  # q/k/v and gate/up as one wider Linear each where their weights al
 DENSE_ROWS = {"cuda": 128}  # rows (tokens) from which an int4 Linear dequantizes and runs a dense GEMM, per device
 KEPT_DENSE_ROWS = 16  # rows from which an int4 Linear whose dense matrix is kept (keep_dense) runs the dense GEMM
 HANDS_PARTIALS = ("qkv", "o_proj", "gate_up", "down_proj")  # a layer's Linears whose forward reads Linear.parts
+SEGMENT_CALL_PAIRS = 4096  # an attention call by segment costs about as much as this many query-key pairs of the mask
+
+
+def segments_pay(segments: list[tuple[int, int, int]], rows: int, width: int) -> bool:
+    """Whether attention by causal segments (forward's `segments`) computes less than the masked attention over
+    [rows, width] rows: half of each segment's square, plus SEGMENT_CALL_PAIRS for each call, against every row's
+    whole square."""
+    return sum((b - a) ** 2 // 2 + SEGMENT_CALL_PAIRS for _, a, b in segments) < rows * width**2
+
+
+def causal_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments) -> torch.Tensor:
+    """Causal attention within each (row, first, end) segment of the T columns, one call each: q [B, H, T, D], k and
+    v [B, Hkv, T, D]. Returns [B, H, T, D]; columns outside every segment (padding) are zeros."""
+    out = q.new_zeros(q.shape)
+    for r, a, b in segments:  # 4-d slices: a 3-d call takes a slower kernel on the CPU
+        out[r : r + 1, :, a:b] = F.scaled_dot_product_attention(
+            q[r : r + 1, :, a:b], k[r : r + 1, :, a:b], v[r : r + 1, :, a:b], is_causal=True, enable_gqa=True
+        )
+    return out
 
 
 class Linear(nn.Module):
@@ -359,18 +378,23 @@ class StaticLlama(nn.Module):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        valid: torch.Tensor,
+        valid: torch.Tensor | None,
         slot: torch.Tensor | int | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        segments: list[tuple[int, int, int]] | None = None,
     ) -> torch.Tensor:
         """tokens, positions [B, T]; valid [B, S] bool: which key slots hold real tokens, these T included, each
         query seeing those at or before its own slot; or [B, T, S] bool: which keys each query sees, as given (a
         query must see at least one). slot: where these T tokens go in the cache (a 0-d long tensor when captured);
         None: no cache, S == T. Attention reads the first S slots of the cache, so a short context costs S slots, not
         the cache's length. logits_to_keep: the last k positions' logits, or a long tensor [M] of positions in the
-        flattened [B * T]. Returns float32 logits [B, T or k, V], or [M, V]."""
+        flattened [B * T]. segments, in place of valid (None) and without a cache: (row, first, end) column spans,
+        each one sequence whose tokens see its earlier ones and nothing else (causal_segments); the columns outside
+        them are padding, whose logits mean nothing. Returns float32 logits [B, T or k, V], or [M, V]."""
         b, t = tokens.shape
-        s = valid.shape[-1]
+        if (segments is None) == (valid is None) or (segments is not None and slot is not None):
+            raise ValueError("forward takes either valid or segments, and segments only without a cache")
+        s = t if valid is None else valid.shape[-1]
         x = F.embedding(tokens, self.embed).view(b * t, -1)  # [N, H], N = B * T
         cos, sin = (c[positions].view(b * t, 1, -1) for c in (self.cos, self.sin))  # [N, 1, D]
         slots = torch.arange(t, device=tokens.device)  # [T]: where these T go
@@ -401,9 +425,12 @@ class StaticLlama(nn.Module):
                     self.k_cache[i][:b].index_copy_(2, slots, k)
                     self.v_cache[i][:b].index_copy_(2, slots, v)
                     k, v = self.k_cache[i][:b, :, :s], self.v_cache[i][:b, :, :s]  # [B, Hkv, S, D]
-                # grouped-query attention as Hkv heads of G*T queries each: K/V are read as stored, never copied per
-                # head; these forwards' shapes are many, and a kernel that plans per shape would plan in each
-                a = planless_sdpa(q.reshape(b, nkv, g * t, d), k, v, attn_mask=bias())  # q: [B, H, T, D]
+                if segments is not None:
+                    a = causal_segments(q, k, v, segments)
+                else:  # grouped-query attention as Hkv heads of G*T queries each: K/V are read as stored, never
+                    # copied per head; these forwards' shapes are many, and a kernel that plans per shape would plan
+                    # in each
+                    a = planless_sdpa(q.reshape(b, nkv, g * t, d), k, v, attn_mask=bias())  # q: [B, H, T, D]
                 a = a.reshape(b, nq, t, d).transpose(1, 2).reshape(b * t, -1)  # [N, H * D]
             x, h = ops.add_rms_norm(x, layer["o_proj"].parts(a), layer.post_norm, self.eps)
             if "gate_up" in layer:

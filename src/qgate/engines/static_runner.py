@@ -35,13 +35,14 @@ from qgate.engines import decode_attention, elementwise, int4_choice
 from qgate.engines.int4pack import Int4Weight
 from qgate.engines.logits import as_logits, check_vocab
 from qgate.engines.padding import left_pad, pack_trees, right_pad, sequences_as_trees
-from qgate.engines.static_llama import StaticLlama
+from qgate.engines.static_llama import StaticLlama, segments_pay
 from qgate.errors import ConfigError, in_one_line
 
 WEIGHTS_FILE = "engine.safetensors"  # every tensor of an engine (engines/torch_int4.py names its layout)
 SERVED_SUBDIR = "checkpoint"  # an engine's config, generation config and tokenizer files: what the contract reads
 SERVED_FILES = ("config.json", "generation_config.json")
 DENSE_SHARE = 0.5  # of the device's free memory after the KV cache, at most, for dequantized weights kept (keep_dense)
+SEGMENTED = ("cpu",)  # devices where packed whole sequences attend by causal segment (StaticLlama.forward)
 
 
 def load_model(engine_dir: Path, device: torch.device) -> tuple[StaticLlama, dict, dict]:
@@ -259,12 +260,16 @@ class StaticRunner:
         """The prefix once into a cache, then every context with its continuations after it, packed several to a row
         (padding.pack_trees) in one forward, the logits read only at the positions that predict a continuation's
         tokens. Each context is computed once, and each continuation sees the prefix, its context and itself, as it
-        would alone."""
+        would alone. Where SEGMENTED names the device, there is no prefix, each group is one sequence and that
+        computes less (static_llama.segments_pay), attention runs by causal segment instead of under the mask."""
         p, dev, m = len(prefix), self.device, self.model
         trees = pack_trees(groups, p, self.pad)
         n, w = trees.tokens.shape
         tok, pos = to_device(trees.tokens, dev), to_device(trees.positions, dev)
         at = to_device(trees.at[:, 0] * w + trees.at[:, 1], dev)  # in the flattened [n * W]
+        segments = trees.segments() if dev.type in SEGMENTED and not p else None
+        if segments is not None and not segments_pay(segments, n, w):
+            segments = None
         if p:
             m.setup_cache(n, p + w)  # outside inference mode, as the decode caches are: the compiled functions' kind
         with torch.inference_mode():
@@ -274,7 +279,8 @@ class StaticRunner:
                 for cache in (*m.k_cache, *m.v_cache):  # the prefix's keys and values in every row
                     cache[1:, :, :p] = cache[:1, :, :p]
             try:
-                logits = as_logits(m(tok, pos, trees.mask(p, dev), p if p else None, logits_to_keep=at))  # [M, V]
+                valid = trees.mask(p, dev) if segments is None else None
+                logits = as_logits(m(tok, pos, valid, p or None, logits_to_keep=at, segments=segments))  # [M, V]
             finally:
                 if p:
                     m.k_cache, m.v_cache = [], []  # the scoring cache is freed; decoding sets up its own
