@@ -9,6 +9,7 @@
     s = graph_seconds(lambda: f(x), device)   # CUDA: seconds per call of f, its kernels captured in a graph
     timing_host(device)                       # what a time measured here was measured on, to compare two times
     y = planless_sdpa(q, k, v, attn_mask=m)   # attention that builds no per-shape plan (CUDA: no cuDNN)
+    out_of_memory(e)                          # whether an exception says an allocation failed, host or GPU
 
 torch is imported only when a device is resolved.
 """
@@ -277,6 +278,15 @@ def graph_seconds(f, device, calls: int = 20, replays: int = 5) -> float:
         graph.replay()
     torch.cuda.synchronize(device)
     return (time.perf_counter() - t) / (calls * replays)
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether e says an allocation failed: the host's MemoryError, or torch's OutOfMemoryError on a GPU. torch is
+    looked up, not imported: if it was never imported, this is not its error."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return isinstance(e, (MemoryError, getattr(torch, "OutOfMemoryError", ())))
 
 
 def release(device) -> None:

@@ -125,6 +125,31 @@ def test_a_candidate_whose_logits_break_at_long_range_fails_on_an_infinite_incre
     assert far.observed == float("inf") and far.verdict == "fail" and results[0].verdict == "pass"
 
 
+def test_a_document_that_does_not_fit_names_its_length_and_the_setting_that_cuts_it(base_runner, long_ref):
+    """Running out of memory on a document (torch's OutOfMemoryError on a GPU, MemoryError on the host) stops the
+    gate with the document's length and gates.long_context.context_tokens; any other error passes through as it is."""
+    import torch
+
+    class Failing(Degrading):
+        def __init__(self, inner, error):
+            super().__init__(inner, 0)
+            self.error = error
+
+        def logits_batch(self, seqs, keep_last=None):
+            raise self.error
+
+    cfg = LongContextConfig(max_documents=4)
+    n = int(long_ref[0]["lens"][0])
+    gpu = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB\nmore")
+    for error, said in ((gpu, "OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB"), (MemoryError(), "")):
+        with pytest.raises(ConfigError, match=f"a document of {n:,} tokens does not fit") as e:
+            long_context_gate(Failing(base_runner, error), long_ref[0], cfg, shadow_tokens=56)
+        assert f"({said or 'MemoryError: '})" in str(e.value) and e.value.__cause__ is error
+        assert "gates.long_context.context_tokens" in e.value.hint
+    with pytest.raises(ValueError, match="not memory"):
+        long_context_gate(Failing(base_runner, ValueError("not memory")), long_ref[0], cfg, shadow_tokens=56)
+
+
 def test_bad_documents_and_settings_are_refused_with_where(tmp_path):
     bad = tmp_path / "d.jsonl"
     bad.write_text('{"messages": []}\n{"title": "x"}\n')

@@ -16,6 +16,7 @@ import typer
 from typer._click.exceptions import NoArgsIsHelpError  # typer 0.29 vendors click: its classes, not click's
 
 from qgate.cli import calibrate, drift, engine, gate, model, quantize, registry, run, search
+from qgate.device import out_of_memory
 from qgate.errors import EXIT_ERROR, GateFailed, PromotionRefused, QgateError, free_bytes, human_bytes
 from qgate.registry.transport import server_failure
 
@@ -115,8 +116,7 @@ def _device_out_of_memory(e: BaseException) -> QgateError | None:
     """torch's OutOfMemoryError (a GPU allocation failed part way, when another process took the card's memory or
     the work does not fit) as an error with what to do, else None. torch is looked up, not imported: if it was never
     imported, this is not its error."""
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(e, getattr(torch, "OutOfMemoryError", ())):
+    if isinstance(e, MemoryError) or not out_of_memory(e):
         return None
     said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return QgateError(

@@ -29,7 +29,8 @@ import numpy as np
 
 from qgate.artifact import Artifact, sha256_file, sha256_json
 from qgate.cache import read_cached_arrays, write_cached
-from qgate.errors import ConfigError, InputError
+from qgate.device import out_of_memory
+from qgate.errors import ConfigError, InputError, in_one_line
 from qgate.execute import releases
 from qgate.gates.result import POSITIVE, GateResult, check_threshold_values
 from qgate.gates.scoring import SCORING_LIBRARIES, reduce_logits, split_sequences
@@ -126,7 +127,17 @@ def encode_documents(tokenizer, rows: list[dict], context: int, limit: int) -> t
 def nll(runner, seq: list[int]) -> np.ndarray:
     """Negative log-likelihood of seq[1:] given its prefix, per position (float64; +inf where the logits define no
     distribution)."""
-    (logits,) = runner.logits_batch([seq])
+    try:
+        (logits,) = runner.logits_batch([seq])
+    except Exception as e:
+        if not out_of_memory(e):
+            raise
+        raise ConfigError(
+            f"long context: a document of {len(seq):,} tokens does not fit in the memory of the device that scores it "
+            f"({in_one_line(e)})",
+            hint="lower gates.long_context.context_tokens, where every document is cut (by default the baseline's "
+            "max_position_embeddings), or score on a device with more free memory",
+        ) from e
     _, picked = reduce_logits(logits[:-1], np.asarray(seq[1:], np.int64)[:, None])
     del logits
     return -picked[:, 0]
