@@ -81,6 +81,15 @@ def best(fn, reps: int) -> float:
     return min(times)
 
 
+def kl_rows(p, q):
+    """KL(p || q) per position of two logits arrays [..., V], in float64."""
+    import numpy as np
+
+    lp, lq = (np.asarray(x, np.float64) for x in (p, q))
+    lp, lq = (x - np.logaddexp.reduce(x, axis=-1, keepdims=True) for x in (lp, lq))
+    return (np.exp(lp) * (lp - lq)).sum(-1)
+
+
 def prompts(tokenizer, n: int, width: int) -> list[list[int]]:
     """n token sequences of `width` tokens, cut from the demo traffic's messages joined end to end (its records
     without messages, the malformed lines the demo's traffic holds on purpose, skipped)."""
@@ -115,12 +124,10 @@ def main() -> int:
         rows[mode]["decode_s"] = best(lambda r=r: r.greedy_batch([seqs[0][:64]], 32), 2)
         del r
     yardstick = modes[0]
-    ref = np.stack(logits[yardstick]).astype(np.float64)
-    lp = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
+    ref = np.stack(logits[yardstick])
     for mode in modes[1:]:
-        x = np.stack(logits[mode]).astype(np.float64)
-        lq = x - np.logaddexp.reduce(x, axis=-1, keepdims=True)
-        kl = (np.exp(lp) * (lp - lq)).sum(-1)
+        x = np.stack(logits[mode])
+        kl = kl_rows(ref, x)
         rows[mode][f"kl_p99_vs_{yardstick}"] = float(np.quantile(kl, 0.99))
         rows[mode][f"top1_vs_{yardstick}"] = float((x.argmax(-1) == ref.argmax(-1)).mean())
     if args.eval:

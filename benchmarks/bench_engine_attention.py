@@ -19,15 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_cpu_bf16 import host, prompts  # beside this script
-
-
-def kl_rows(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """KL(p || q) per position of two logits arrays [T, V], in float64."""
-    lp, lq = (x.astype(np.float64) - x.max(-1, keepdims=True) for x in (p, q))
-    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
-    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
-    return (np.exp(lp) * (lp - lq)).sum(-1)
+from bench_cpu_bf16 import host, kl_rows, prompts  # beside this script
 
 
 def main() -> int:
