@@ -244,6 +244,20 @@ def test_whole_sequences_attend_by_segment_on_the_cpu_as_under_the_mask(awq_art,
         forward(tok, pos, None, 0, segments=[(0, 0, 40)])
 
 
+def test_an_engine_gives_a_documents_logits_in_blocks_as_whole(int4_f32, monkeypatch):
+    """The engine reads a document's logits in blocks of at most BLOCK_LOGITS values, its hidden states computed
+    once as one causal segment: the logits of the whole [T, V] forward."""
+    import qgate.engines.logits as lg
+
+    eng = load_runner(int4_f32)
+    seq = np.random.default_rng(1).integers(3, 300, 100).tolist()
+    whole = eng.logits(seq)
+    monkeypatch.setattr(lg, "BLOCK_LOGITS", 7 * whole.shape[-1] + 3)  # blocks of 7 rows
+    blocks = list(eng.logits_blocks(seq))
+    assert [len(b) for b in blocks] == [7] * 14 + [2]
+    assert np.abs(np.concatenate(blocks) - whole).max() < 1e-5
+
+
 def test_fused_projections_compute_what_separate_ones_do(int4_f32):
     """q/k/v and gate/up run as one wider Linear each when their weights share a kind; a layer whose q_proj is dense
     and k/v int4 (a searched variant's fallback) keeps them apart, with the same logits."""
@@ -739,6 +753,29 @@ def test_cuda_graph_decode_equals_eager_decode(awq_art, calib_arts, workdir):
     for a, b in zip(ref.logits_batch(SEQS), runner.served_logits_batch(SEQS, [2, 3, 4]), strict=True):
         pa, pb = torch.log_softmax(torch.as_tensor(a).float(), -1), torch.log_softmax(b.float(), -1)
         assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_a_document_in_blocks_attends_without_a_mask_on_cuda(awq_art, calib_arts, workdir):
+    """On CUDA, where the reference builds a mask for every batch, a document read in blocks runs its decoder with
+    none (causal attention) and the engine as one causal segment: each gives its own logits_batch's logits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    eng = build_engine(awq_art, "torch-int4", workdir / "int4-blocks-cuda", calib_arts["profile"])
+    ref, runner = load_runner(awq_art, "cuda", "bfloat16"), load_runner(eng, "cuda")
+    masks = []
+    for layer in ref.model.model.layers:
+        layer.self_attn.register_forward_pre_hook(lambda m, a, k: masks.append(k["attention_mask"]), with_kwargs=True)
+    seq = np.random.default_rng(2).integers(3, 300, 480).tolist()
+    for r in (ref, runner):
+        (whole,) = r.logits_batch([seq])
+        list(r.logits_blocks(seq[:8]))  # the reference checks its head once, with the model's masked forward
+        masks.clear()
+        blocks = torch.cat(list(r.logits_blocks(seq)))
+        pa, pb = torch.log_softmax(whole.float(), -1), torch.log_softmax(blocks.float(), -1)
+        assert blocks.is_cuda and (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-3
+        if r is ref:
+            assert len(masks) == len(ref.model.model.layers) and all(m is None for m in masks)
 
 
 @pytest.mark.gpu

@@ -149,6 +149,65 @@ def test_a_document_that_does_not_fit_names_its_length_and_the_setting_that_cuts
     with pytest.raises(ValueError, match="not memory"):
         long_context_gate(Failing(base_runner, ValueError("not memory")), long_ref[0], cfg, shadow_tokens=56)
 
+    class FailingInBlocks(Failing):
+        def logits_blocks(self, seq):  # a generator that fails when first read, as the forward in it would
+            yield from ()
+            raise self.error
+
+    with pytest.raises(ConfigError, match=f"a document of {n:,} tokens does not fit"):
+        long_context_gate(FailingInBlocks(base_runner, MemoryError()), long_ref[0], cfg, shadow_tokens=56)
+
+
+def test_a_document_is_scored_from_blocks_of_its_logits_as_from_the_whole(base_art, base_runner, monkeypatch):
+    """The reference reads a document's logits in blocks of at most BLOCK_LOGITS values, from one pass of its
+    decoder: the logits and negative log-likelihoods of the whole [T, V], and the model's own forward (which computes
+    every position's logits) runs once per runner, on a few tokens, to check the head. A model whose logits are more
+    than its output embedding of the last hidden states (a softcap here) gives the blocks of its own forward."""
+    import torch
+
+    import qgate.engines.logits as lg
+    from qgate.engines.runners import ATTENTION_MASKED, HEAD_PROBE, TorchRunner
+    from qgate.gates.longctx import nll
+
+    seq = np.random.default_rng(0).integers(3, 300, 100).tolist()
+    whole = base_runner.logits(seq)
+    vocab = whole.shape[-1]
+    monkeypatch.setattr(lg, "BLOCK_LOGITS", 7 * vocab + 3)  # blocks of 7 rows
+    expected = -np.log(torch.softmax(torch.from_numpy(whole[:-1]).double(), -1).numpy()[np.arange(99), seq[1:]])
+
+    def forwards(runner) -> list:
+        calls, forward = [], runner.model.forward
+        monkeypatch.setattr(runner.model, "forward", lambda *a, **k: calls.append(a[0].shape) or forward(*a, **k))
+        return calls
+
+    plain = TorchRunner(base_art.path)
+    plain.model.set_attn_implementation(ATTENTION_MASKED)  # as on CUDA, where a mask is always built
+    calls, masks = forwards(plain), []
+    for layer in plain.model.model.layers:
+        layer.self_attn.register_forward_pre_hook(lambda m, a, k: masks.append(k["attention_mask"]), with_kwargs=True)
+    for _ in range(2):
+        masks.clear()
+        blocks = list(plain.logits_blocks(seq))
+        assert [len(b) for b in blocks] == [7] * 14 + [2]
+        assert np.abs(np.concatenate(blocks) - whole).max() < 1e-5
+        assert np.abs(nll(plain, seq) - expected).max() < 1e-6
+    assert calls == [(1, HEAD_PROBE)] and plain._head_is_plain is True
+    assert len(masks) == 2 * len(plain.model.model.layers) and all(m is None for m in masks)  # causal, no mask
+    assert plain.model.config._attn_implementation == ATTENTION_MASKED
+
+    capped = TorchRunner(base_art.path)
+    forward = capped.model.forward
+
+    def softcap(*a, **k):
+        out = forward(*a, **k)
+        out.logits = 2 * torch.tanh(out.logits / 2)
+        return out
+
+    monkeypatch.setattr(capped.model, "forward", softcap)
+    blocks = list(capped.logits_blocks(seq))
+    assert capped._head_is_plain is False and [len(b) for b in blocks] == [7] * 14 + [2]
+    assert np.abs(np.concatenate(blocks) - 2 * np.tanh(whole / 2)).max() < 1e-5
+
 
 def test_bad_documents_and_settings_are_refused_with_where(tmp_path):
     bad = tmp_path / "d.jsonl"

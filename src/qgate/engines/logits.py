@@ -2,6 +2,7 @@
 
 logits = as_logits(model_output)      # numpy on a CPU, the tensor itself on an accelerator
 per_block = reduce_blocks(reduce, [logits_a, logits_b])   # a row-wise reduction: one pass on a GPU
+for block in head_blocks(model.lm_head, hidden, vocab): ...  # a long sequence's logits, never all at once
 """
 
 from __future__ import annotations
@@ -10,12 +11,31 @@ from pathlib import Path
 
 import numpy as np
 
+BLOCK_LOGITS = 2**25  # logits per block of head_blocks: 128 MB in float32
+
 
 def as_logits(t):
     """float32 logits as a runner returns them: a numpy array (sharing the tensor's memory) on the CPU, the tensor
     itself on an accelerator, where gates/scoring.py reduces it without copying it to the host."""
     t = t.float()
     return t.numpy() if t.device.type == "cpu" else t
+
+
+def block_rows(vocab: int) -> int:
+    """Rows of a block of logits: at most BLOCK_LOGITS logits, at least one row."""
+    return max(1, BLOCK_LOGITS // vocab)
+
+
+def head_blocks(head, hidden, vocab: int):
+    """as_logits(head(hidden)) for hidden states [T, H], as blocks [n, vocab] of consecutive rows (block_rows),
+    computed one by one as they are read."""
+    import torch
+
+    rows = block_rows(vocab)
+    for a in range(0, len(hidden), rows):
+        with torch.inference_mode():
+            block = as_logits(head(hidden[a : a + rows]))
+        yield block  # outside inference mode: the reader's code runs in its own mode
 
 
 def cat_rows(parts: list):

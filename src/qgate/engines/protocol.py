@@ -9,7 +9,7 @@ it runs on (engines/logits.py). The abilities are checked with isinstance, never
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -23,6 +23,16 @@ class Runner(Protocol):
 
     def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list:
         """Per sequence, as `logits` (its last keep_last positions only, when given), each row computed as if alone."""
+
+
+@runtime_checkable
+class LogitsInBlocks(Protocol):
+    """Scores one long sequence without holding its [T, V] logits at once: at 32,768 tokens and a 128,256-token
+    vocabulary they take 16.8 GB in float32."""
+
+    def logits_blocks(self, seq: Sequence[int]) -> Iterator:
+        """`logits(seq)` as blocks [n_i, V] of consecutive positions, in order, from one forward; the sequence
+        attends causally with no mask built."""
 
 
 @runtime_checkable

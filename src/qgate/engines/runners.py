@@ -13,14 +13,15 @@ import functools
 import json
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from qgate.artifact import Artifact
 from qgate.device import to_device
-from qgate.engines.logits import as_logits, cat_rows, check_vocab, reduce_blocks
+from qgate.engines.logits import as_logits, block_rows, cat_rows, check_vocab, head_blocks, reduce_blocks
 from qgate.engines.padding import left_pad, length_groups, pack_trees, right_pad, sequences_as_trees
 from qgate.errors import BackendUnavailable, InputError
 
@@ -38,6 +39,7 @@ def dequantize_kwargs(path: Path) -> dict:
 ATTENTION = "qgate_sdpa_gqa"
 ATTENTION_MASKED = "qgate_sdpa_gqa_masked"  # the same on CUDA, with a mask always built (_masked_sdpa_mask)
 PACKED_CONTEXTS = {"cuda": True}  # devices where the reference packs the sequences it scores into rows
+HEAD_PROBE = 8  # tokens of the forward that checks a model's head once (TorchRunner._plain_head)
 COMPACT_BELOW = 0.75  # greedy_scored: drop finished answers from the decode batch once fewer than this share still run
 
 
@@ -221,6 +223,7 @@ class TorchRunner:
         self.batch_tokens = batch_tokens(self.device, self.model.config.vocab_size, self.model.config.hidden_size)
         self.numerics = numerics(self.device, self.dtype)
         self.forward_cost = forward_cost(self.device)  # continuation_logits' length groups
+        self._head_is_plain: bool | None = None  # _plain_head, once known
 
     def _ids(self, data, dtype=None):
         """Host data (lists, numpy) as a tensor on this runner's device, copied without waiting for it."""
@@ -250,6 +253,47 @@ class TorchRunner:
         with torch.inference_mode():
             out = as_logits(self.model(x, attention_mask=mask, position_ids=pos, logits_to_keep=k).logits)  # [B, k, V]
         return [out[i, max(k - len(s), 0) :] for i, s in enumerate(seqs)]
+
+    def logits_blocks(self, seq: Sequence[int]) -> Iterator:
+        """logits(seq) as blocks of consecutive positions (engines/logits.head_blocks), from one forward that
+        attends causally with no mask built: the decoder's last hidden states [T, H] are kept, never the [T, V]
+        logits. A model whose logits are more than its output embedding of those states (a softcap, a scale:
+        _plain_head) gives the blocks of logits(seq) instead."""
+        import torch
+
+        ids = self._ids([list(seq)], torch.long)
+        if not self._plain_head(ids[:, :HEAD_PROBE]):
+            logits = self.logits(seq)
+            rows = block_rows(logits.shape[-1])
+            yield from (logits[a : a + rows] for a in range(0, len(logits), rows))
+            return
+        with torch.inference_mode(), self._unmasked():
+            hidden = self.model.get_decoder()(input_ids=ids).last_hidden_state[0]  # [T, H]
+        yield from head_blocks(self.model.get_output_embeddings(), hidden, self.model.config.vocab_size)
+
+    def _plain_head(self, probe) -> bool:
+        """Whether the model's logits are its output embedding of the decoder's last hidden states, as logits_blocks
+        computes them; checked once, on the last of a few tokens (probe [1, n])."""
+        import torch
+
+        if self._head_is_plain is None:
+            with torch.inference_mode():
+                full = self.model(probe, logits_to_keep=1).logits[0, -1].float()
+                last = self.model.get_decoder()(input_ids=probe).last_hidden_state[0, -1:]
+                own = self.model.get_output_embeddings()(last)[0].float()
+            self._head_is_plain = bool(torch.allclose(full, own, rtol=1e-3, atol=1e-3))
+        return self._head_is_plain
+
+    @contextmanager
+    def _unmasked(self):
+        """The model attends as on a CPU (ATTENTION) meanwhile: without padding transformers then builds no mask
+        and calls causal attention, where ATTENTION_MASKED builds a [T, T] mask, and grouped_sdpa G copies of it."""
+        was = self.model.config._attn_implementation
+        self.model.set_attn_implementation(ATTENTION)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(was)
 
     def continuation_logits(
         self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], prefix: Sequence[int] = ()

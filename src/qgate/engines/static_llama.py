@@ -392,6 +392,22 @@ class StaticLlama(nn.Module):
         each one sequence whose tokens see its earlier ones and nothing else (causal_segments); the columns outside
         them are padding, whose logits mean nothing. Returns float32 logits [B, T or k, V], or [M, V]."""
         b, t = tokens.shape
+        h = self.hidden(tokens, positions, valid, slot, segments)  # [B * T, H]
+        if isinstance(logits_to_keep, torch.Tensor):
+            return self.lm_head(h[logits_to_keep]).float()
+        h = h.view(b, t, -1)
+        return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h).float()
+
+    def hidden(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor | None,
+        slot: torch.Tensor | int | None = None,
+        segments: list[tuple[int, int, int]] | None = None,
+    ) -> torch.Tensor:
+        """forward's last hidden states, normed, before the head: [B * T, H], flattened as the tokens [B, T]."""
+        b, t = tokens.shape
         if (segments is None) == (valid is None) or (segments is not None and slot is not None):
             raise ValueError("forward takes either valid or segments, and segments only without a cache")
         s = t if valid is None else valid.shape[-1]
@@ -439,7 +455,4 @@ class StaticLlama(nn.Module):
                 gate, up = layer["gate_proj"](h), layer["up_proj"](h)
             norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
             x, h = ops.add_rms_norm(x, layer["down_proj"].parts(ops.silu_mul(gate, up)), norm, self.eps)
-        if isinstance(logits_to_keep, torch.Tensor):
-            return self.lm_head(h[logits_to_keep]).float()
-        h = h.view(b, t, -1)
-        return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h).float()
+        return h

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,7 @@ import torch
 from qgate.device import HostCopy, graph_seconds, to_device
 from qgate.engines import decode_attention, elementwise, int4_choice
 from qgate.engines.int4pack import Int4Weight
-from qgate.engines.logits import as_logits, check_vocab
+from qgate.engines.logits import as_logits, check_vocab, head_blocks
 from qgate.engines.padding import left_pad, pack_trees, right_pad, sequences_as_trees
 from qgate.engines.static_llama import StaticLlama, segments_pay
 from qgate.errors import ConfigError, in_one_line
@@ -248,6 +248,16 @@ class StaticRunner:
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         return self.logits_batch([ids])[0]
+
+    def logits_blocks(self, seq: Sequence[int]) -> Iterator:
+        """logits(seq) as blocks of consecutive positions (engines/logits.head_blocks), from one forward that
+        attends as one causal segment on any device, with no mask built: the last hidden states [T, H] are kept,
+        never the [T, V] logits."""
+        t, dev = len(seq), self.device
+        tok, pos = to_device([list(seq)], dev), to_device([list(range(t))], dev)
+        with torch.inference_mode():
+            hidden = self.model.hidden(tok, pos, None, segments=[(0, 0, t)])  # [T, H]
+        yield from head_blocks(self.model.lm_head, hidden, self.model.lm_head.out_features)
 
     def continuation_logits(
         self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], prefix: Sequence[int] = ()

@@ -30,6 +30,7 @@ import numpy as np
 from qgate.artifact import Artifact, sha256_file, sha256_json
 from qgate.cache import read_cached_arrays, write_cached
 from qgate.device import out_of_memory
+from qgate.engines.protocol import LogitsInBlocks
 from qgate.errors import ConfigError, InputError, in_one_line
 from qgate.execute import releases
 from qgate.gates.result import POSITIVE, GateResult, check_threshold_values
@@ -126,8 +127,17 @@ def encode_documents(tokenizer, rows: list[dict], context: int, limit: int) -> t
 
 def nll(runner, seq: list[int]) -> np.ndarray:
     """Negative log-likelihood of seq[1:] given its prefix, per position (float64; +inf where the logits define no
-    distribution)."""
+    distribution). A runner that gives its logits in blocks (LogitsInBlocks) never holds the document's [T, V]."""
+    targets = np.asarray(seq[1:], np.int64)[:, None]
     try:
+        if isinstance(runner, LogitsInBlocks):
+            picked, a = [], 0
+            for block in runner.logits_blocks(seq):
+                n = min(len(block), len(targets) - a)  # the last position predicts nothing
+                if n > 0:
+                    picked.append(reduce_logits(block[:n], targets[a : a + n])[1][:, 0])
+                a += len(block)
+            return -np.concatenate(picked)
         (logits,) = runner.logits_batch([seq])
     except Exception as e:
         if not out_of_memory(e):
@@ -138,12 +148,12 @@ def nll(runner, seq: list[int]) -> np.ndarray:
             hint="lower gates.long_context.context_tokens, where every document is cut (by default the baseline's "
             "max_position_embeddings), or score on a device with more free memory",
         ) from e
-    _, picked = reduce_logits(logits[:-1], np.asarray(seq[1:], np.int64)[:, None])
+    _, picked = reduce_logits(logits[:-1], targets)
     del logits
     return -picked[:, 0]
 
 
-LONG_REFERENCE_VERSION = 1
+LONG_REFERENCE_VERSION = 2
 
 
 def baseline_long_reference(
