@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -158,11 +159,12 @@ def test_a_document_that_does_not_fit_names_its_length_and_the_setting_that_cuts
         long_context_gate(FailingInBlocks(base_runner, MemoryError()), long_ref[0], cfg, shadow_tokens=56)
 
 
-def test_a_document_is_scored_from_blocks_of_its_logits_as_from_the_whole(base_art, base_runner, monkeypatch):
+def test_a_document_is_scored_from_blocks_of_its_logits_as_from_the_whole(base_art, base_runner, monkeypatch, caplog):
     """The reference reads a document's logits in blocks of at most BLOCK_LOGITS values, from one pass of its
     decoder: the logits and negative log-likelihoods of the whole [T, V], and the model's own forward (which computes
     every position's logits) runs once per runner, on a few tokens, to check the head. A model whose logits are more
-    than its output embedding of the last hidden states (a softcap here) gives the blocks of its own forward."""
+    than its output embedding of the last hidden states (a softcap, a scale) gives the blocks of its own forward, and
+    says so; one whose logits differ from that only by rounding does not."""
     import torch
 
     import qgate.engines.logits as lg
@@ -195,18 +197,27 @@ def test_a_document_is_scored_from_blocks_of_its_logits_as_from_the_whole(base_a
     assert len(masks) == 2 * len(plain.model.model.layers) and all(m is None for m in masks)  # causal, no mask
     assert plain.model.config._attn_implementation == ATTENTION_MASKED
 
-    capped = TorchRunner(base_art.path)
-    forward = capped.model.forward
+    def head(change):
+        """A runner whose forward's logits are `change` of its head's, as a softcap or a logit scale makes them."""
+        runner = TorchRunner(base_art.path)
+        forward = runner.model.forward
 
-    def softcap(*a, **k):
-        out = forward(*a, **k)
-        out.logits = 2 * torch.tanh(out.logits / 2)
-        return out
+        def changed(*a, **k):
+            out = forward(*a, **k)
+            out.logits = change(out.logits)
+            return out
 
-    monkeypatch.setattr(capped.model, "forward", softcap)
-    blocks = list(capped.logits_blocks(seq))
-    assert capped._head_is_plain is False and [len(b) for b in blocks] == [7] * 14 + [2]
-    assert np.abs(np.concatenate(blocks) - 2 * np.tanh(whole / 2)).max() < 1e-5
+        monkeypatch.setattr(runner.model, "forward", changed)
+        return runner
+
+    for change, plain in ((lambda x: x / 2, False), (lambda x: x + 0.01 * x.abs().max(), True)):  # a scale; rounding
+        runner = head(change)
+        with caplog.at_level(logging.INFO, "qgate"):
+            caplog.clear()
+            blocks = np.concatenate(list(runner.logits_blocks(seq)))
+        assert runner._head_is_plain is plain and len(blocks) == 100
+        assert np.abs(blocks - (whole if plain else change(whole))).max() < 1e-5
+        assert ("scored from all their logits at once" in caplog.text) is not plain
 
 
 def test_bad_documents_and_settings_are_refused_with_where(tmp_path):

@@ -39,7 +39,8 @@ def dequantize_kwargs(path: Path) -> dict:
 ATTENTION = "qgate_sdpa_gqa"
 ATTENTION_MASKED = "qgate_sdpa_gqa_masked"  # the same on CUDA, with a mask always built (_masked_sdpa_mask)
 PACKED_CONTEXTS = {"cuda": True}  # devices where the reference packs the sequences it scores into rows
-HEAD_PROBE = 8  # tokens of the forward that checks a model's head once (TorchRunner._plain_head)
+HEAD_PROBE = 8  # tokens of the forward that checks a model's head once (TorchRunner._head_vocab)
+HEAD_TOLERANCE = 0.02  # of the largest logit: how far the head's own logits may be from the model's (_head_vocab)
 COMPACT_BELOW = 0.75  # greedy_scored: drop finished answers from the decode batch once fewer than this share still run
 
 
@@ -195,6 +196,7 @@ class TorchRunner:
         from qgate.trust import check_loadable, load_causal_lm, load_tokenizer
 
         check_loadable(path)
+        self.path = Path(path)
         self.device = resolve_device(device)
         config = json.loads((Path(path) / "config.json").read_text())
         self.dtype = compute_dtype(config, self.device, dtype)
@@ -223,7 +225,8 @@ class TorchRunner:
         self.batch_tokens = batch_tokens(self.device, self.model.config.vocab_size, self.model.config.hidden_size)
         self.numerics = numerics(self.device, self.dtype)
         self.forward_cost = forward_cost(self.device)  # continuation_logits' length groups
-        self._head_is_plain: bool | None = None  # _plain_head, once known
+        self._head_is_plain: bool | None = None  # _head_vocab, once known
+        self._vocab = 0
 
     def _ids(self, data, dtype=None):
         """Host data (lists, numpy) as a tensor on this runner's device, copied without waiting for it."""
@@ -258,31 +261,47 @@ class TorchRunner:
         """logits(seq) as blocks of consecutive positions (engines/logits.head_blocks), from one forward that
         attends causally with no mask built: the decoder's last hidden states [T, H] are kept, never the [T, V]
         logits. A model whose logits are more than its output embedding of those states (a softcap, a scale:
-        _plain_head) gives the blocks of logits(seq) instead."""
+        _head_vocab) gives the blocks of logits(seq) instead."""
         import torch
 
         ids = self._ids([list(seq)], torch.long)
-        if not self._plain_head(ids[:, :HEAD_PROBE]):
+        vocab = self._head_vocab(ids[:, :HEAD_PROBE])
+        if vocab is None:
             logits = self.logits(seq)
             rows = block_rows(logits.shape[-1])
             yield from (logits[a : a + rows] for a in range(0, len(logits), rows))
             return
         with torch.inference_mode(), self._unmasked():
             hidden = self.model.get_decoder()(input_ids=ids).last_hidden_state[0]  # [T, H]
-        yield from head_blocks(self.model.get_output_embeddings(), hidden, self.model.config.vocab_size)
+        yield from head_blocks(self.model.get_output_embeddings(), hidden, vocab)
 
-    def _plain_head(self, probe) -> bool:
-        """Whether the model's logits are its output embedding of the decoder's last hidden states, as logits_blocks
-        computes them; checked once, on the last of a few tokens (probe [1, n])."""
+    def _head_vocab(self, probe) -> int | None:
+        """The logits' width where they are the output embedding of the decoder's last hidden states, as
+        logits_blocks computes them: on the last of a few tokens (probe [1, n]), the two differ by at most
+        HEAD_TOLERANCE of the largest logit (bf16's rounding is 0.4%; a softcap or a scale moves them more). None
+        where they are not, or where the model has no such decoder and embedding. Checked once."""
         import torch
 
         if self._head_is_plain is None:
+            head = self.model.get_output_embeddings()
             with torch.inference_mode():
-                full = self.model(probe, logits_to_keep=1).logits[0, -1].float()
-                last = self.model.get_decoder()(input_ids=probe).last_hidden_state[0, -1:]
-                own = self.model.get_output_embeddings()(last)[0].float()
-            self._head_is_plain = bool(torch.allclose(full, own, rtol=1e-3, atol=1e-3))
-        return self._head_is_plain
+                full = self.model(probe, logits_to_keep=1).logits[0, -1].float()  # [V]
+                try:
+                    last = self.model.get_decoder()(input_ids=probe).last_hidden_state[0, -1:]  # [1, H]
+                    own = head(last)[0].float() if head is not None else None
+                except AttributeError:  # a decoder without last_hidden_state: get_decoder found none
+                    own = None
+                same = own is not None and own.shape == full.shape
+                apart = float((full - own).abs().max()) if same else float("inf")
+            self._head_is_plain = apart <= HEAD_TOLERANCE * float(full.abs().max())
+            self._vocab = full.shape[-1]
+            if not self._head_is_plain:
+                logging.getLogger("qgate").info(
+                    "%s: its logits are not its output embedding of its last hidden states (a softcap or a scale); "
+                    "long documents are scored from all their logits at once",
+                    self.path,
+                )
+        return self._vocab if self._head_is_plain else None
 
     @contextmanager
     def _unmasked(self):
