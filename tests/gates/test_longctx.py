@@ -196,6 +196,7 @@ def test_a_document_is_scored_from_blocks_of_its_logits_as_from_the_whole(base_a
     assert calls == [(1, HEAD_PROBE)] and plain._head_is_plain is True
     assert len(masks) == 2 * len(plain.model.model.layers) and all(m is None for m in masks)  # causal, no mask
     assert plain.model.config._attn_implementation == ATTENTION_MASKED
+    assert nll(plain, seq[:1]).shape == nll(base_runner, seq[:1]).shape == (0,)  # one token predicts nothing
 
     def head(change):
         """A runner whose forward's logits are `change` of its head's, as a softcap or a logit scale makes them."""

@@ -131,7 +131,7 @@ def nll(runner, seq: list[int]) -> np.ndarray:
     targets = np.asarray(seq[1:], np.int64)[:, None]
     try:
         if isinstance(runner, LogitsInBlocks):
-            picked, a = [], 0
+            picked, a = [np.zeros(0)], 0  # a one-token sequence predicts nothing
             for block in runner.logits_blocks(seq):
                 n = min(len(block), len(targets) - a)  # the last position predicts nothing
                 if n > 0:
