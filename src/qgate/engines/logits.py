@@ -21,17 +21,12 @@ def as_logits(t):
     return t.numpy() if t.device.type == "cpu" else t
 
 
-def block_rows(vocab: int) -> int:
-    """Rows of a block of logits: at most BLOCK_LOGITS logits, at least one row."""
-    return max(1, BLOCK_LOGITS // vocab)
-
-
 def head_blocks(head, hidden, vocab: int):
-    """as_logits(head(hidden)) for hidden states [T, H], as blocks [n, vocab] of consecutive rows (block_rows),
-    computed one by one as they are read."""
+    """as_logits(head(hidden)) for hidden states [T, H], as blocks [n, vocab] of consecutive rows, at most
+    BLOCK_LOGITS logits each (at least one row), computed one by one as they are read."""
     import torch
 
-    rows = block_rows(vocab)
+    rows = max(1, BLOCK_LOGITS // vocab)
     for a in range(0, len(hidden), rows):
         with torch.inference_mode():
             block = as_logits(head(hidden[a : a + rows]))

@@ -21,7 +21,7 @@ import numpy as np
 
 from qgate.artifact import Artifact
 from qgate.device import to_device
-from qgate.engines.logits import as_logits, block_rows, cat_rows, check_vocab, head_blocks, reduce_blocks
+from qgate.engines.logits import as_logits, cat_rows, check_vocab, head_blocks, reduce_blocks
 from qgate.engines.padding import left_pad, length_groups, pack_trees, right_pad, sequences_as_trees
 from qgate.errors import BackendUnavailable, InputError
 
@@ -261,15 +261,13 @@ class TorchRunner:
         """logits(seq) as blocks of consecutive positions (engines/logits.head_blocks), from one forward that
         attends causally with no mask built: the decoder's last hidden states [T, H] are kept, never the [T, V]
         logits. A model whose logits are more than its output embedding of those states (a softcap, a scale:
-        _head_vocab) gives the blocks of logits(seq) instead."""
+        _head_vocab) gives logits(seq) as one block instead."""
         import torch
 
         ids = self._ids([list(seq)], torch.long)
         vocab = self._head_vocab(ids[:, :HEAD_PROBE])
         if vocab is None:
-            logits = self.logits(seq)
-            rows = block_rows(logits.shape[-1])
-            yield from (logits[a : a + rows] for a in range(0, len(logits), rows))
+            yield self.logits(seq)  # one block: the model's own forward computes every position's logits
             return
         with torch.inference_mode(), self._unmasked():
             hidden = self.model.get_decoder()(input_ids=ids).last_hidden_state[0]  # [T, H]

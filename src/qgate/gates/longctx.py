@@ -127,18 +127,17 @@ def encode_documents(tokenizer, rows: list[dict], context: int, limit: int) -> t
 
 def nll(runner, seq: list[int]) -> np.ndarray:
     """Negative log-likelihood of seq[1:] given its prefix, per position (float64; +inf where the logits define no
-    distribution). A runner that gives its logits in blocks (LogitsInBlocks) never holds the document's [T, V]."""
+    distribution), reduced block by block. A runner that gives its logits in blocks (LogitsInBlocks) never holds the
+    document's [T, V]; any other gives them as one block."""
     targets = np.asarray(seq[1:], np.int64)[:, None]
+    picked, a = [np.zeros(0)], 0  # a one-token sequence predicts nothing
     try:
-        if isinstance(runner, LogitsInBlocks):
-            picked, a = [np.zeros(0)], 0  # a one-token sequence predicts nothing
-            for block in runner.logits_blocks(seq):
-                n = min(len(block), len(targets) - a)  # the last position predicts nothing
-                if n > 0:
-                    picked.append(reduce_logits(block[:n], targets[a : a + n])[1][:, 0])
-                a += len(block)
-            return -np.concatenate(picked)
-        (logits,) = runner.logits_batch([seq])
+        blocks = runner.logits_blocks(seq) if isinstance(runner, LogitsInBlocks) else runner.logits_batch([seq])
+        for block in blocks:
+            n = min(len(block), len(targets) - a)  # the last position predicts nothing
+            if n > 0:
+                picked.append(reduce_logits(block[:n], targets[a : a + n])[1][:, 0])
+            a += len(block)
     except Exception as e:
         if not out_of_memory(e):
             raise
@@ -148,9 +147,7 @@ def nll(runner, seq: list[int]) -> np.ndarray:
             hint="lower gates.long_context.context_tokens, where every document is cut (by default the baseline's "
             "max_position_embeddings), or score on a device with more free memory",
         ) from e
-    _, picked = reduce_logits(logits[:-1], targets)
-    del logits
-    return -picked[:, 0]
+    return -np.concatenate(picked)
 
 
 LONG_REFERENCE_VERSION = 2
