@@ -258,6 +258,33 @@ def test_an_engine_gives_a_documents_logits_in_blocks_as_whole(int4_f32, monkeyp
     assert np.abs(np.concatenate(blocks) - whole).max() < 1e-5
 
 
+def test_a_documents_attention_builds_no_plan_for_its_length(base_art, int4_f32, monkeypatch):
+    """A document read in blocks attends causally through device.planless_sdpa in every layer, in the reference and
+    in the engine: each document has a length of its own, and on CUDA torch's choice of kernel (cuDNN's, on Hopper)
+    would build an execution plan for each. Its logits are the whole forward's."""
+    import qgate.device as device
+    import qgate.engines.static_llama as sl
+
+    plain, lengths = device.planless_sdpa, []
+
+    def spy(query, key, value, **kw):
+        lengths.append(query.shape[-2])
+        return plain(query, key, value, **kw)
+
+    monkeypatch.setattr(device, "planless_sdpa", spy)
+    monkeypatch.setattr(sl, "planless_sdpa", spy)
+    layers = json.loads((base_art.path / "config.json").read_text())["num_hidden_layers"]
+    seq = np.random.default_rng(3).integers(3, 300, 90).tolist()
+    for art in (base_art, int4_f32):
+        runner = load_runner(art)
+        whole = runner.logits(seq)
+        list(runner.logits_blocks(seq[:8]))  # the reference checks its head once, on its first document
+        lengths.clear()
+        blocks = np.concatenate(list(runner.logits_blocks(seq)))
+        assert lengths == [len(seq)] * layers, art.path
+        assert np.abs(blocks - whole).max() < 1e-4
+
+
 def test_fused_projections_compute_what_separate_ones_do(int4_f32):
     """q/k/v and gate/up run as one wider Linear each when their weights share a kind; a layer whose q_proj is dense
     and k/v int4 (a searched variant's fallback) keeps them apart, with the same logits."""

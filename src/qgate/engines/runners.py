@@ -59,25 +59,30 @@ def _gqa_sdpa(
     """transformers' SDPA attention, except that grouped-query K/V are never copied per query head. transformers
     copies K/V once per query head whenever a mask is present; on a left-padded batch that copy of the whole KV cache
     per layer and decode step costs 10x the attention itself (benchmarks/bench_gates_engines.py). With a mask on
-    CUDA, grouped_sdpa: a layout the memory-efficient kernel takes, which builds no plan per shape. Else, or with
-    grouped=False (the call before grouped_sdpa, kept to compare the two), K/V as they are, with enable_gqa
-    (enable_gqa_sdpa)."""
+    CUDA, grouped_sdpa: a layout the memory-efficient kernel takes, which builds no plan per shape. Else K/V as they
+    are, with enable_gqa (enable_gqa_sdpa), and without cuDNN's kernel, which would plan for each new length (a
+    long document's, where no mask is built); with grouped=False (the call before grouped_sdpa, kept to compare the
+    two), always that, with torch's choice of kernel."""
     if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
         attention_mask = attention_mask[..., : key.shape[-2]]
     masked = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
     if grouped and masked and query.is_cuda:
         return grouped_sdpa(query, key, value, attention_mask, scaling), None
-    return enable_gqa_sdpa(module, query, key, value, attention_mask, scaling, is_causal), None
+    return enable_gqa_sdpa(module, query, key, value, attention_mask, scaling, is_causal, planless=grouped), None
 
 
-def enable_gqa_sdpa(module, query, key, value, attention_mask, scaling=None, is_causal=None):
-    """Attention over K/V as stored, grouped queries by enable_gqa, with torch's choice of kernel. query [B, H, T,
-    D]; key, value [B, Hkv, S, D]; attention_mask [B or 1, 1 or H, T, S] or None. Returns [B, T, H, D]."""
+def enable_gqa_sdpa(module, query, key, value, attention_mask, scaling=None, is_causal=None, planless=False):
+    """Attention over K/V as stored, grouped queries by enable_gqa, with torch's choice of kernel, or with
+    device.planless_sdpa's where `planless`. query [B, H, T, D]; key, value [B, Hkv, S, D]; attention_mask [B or 1,
+    1 or H, T, S] or None. Returns [B, T, H, D]."""
     import torch
+
+    from qgate.device import planless_sdpa
 
     groups = getattr(module, "num_key_value_groups", 1)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    out = torch.nn.functional.scaled_dot_product_attention(
+    sdpa = planless_sdpa if planless else torch.nn.functional.scaled_dot_product_attention
+    out = sdpa(
         query,
         key,
         value,

@@ -77,10 +77,11 @@ def segments_pay(segments: list[tuple[int, int, int]], rows: int, width: int) ->
 
 def causal_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments) -> torch.Tensor:
     """Causal attention within each (row, first, end) segment of the T columns, one call each: q [B, H, T, D], k and
-    v [B, Hkv, T, D]. Returns [B, H, T, D]; columns outside every segment (padding) are zeros."""
+    v [B, Hkv, T, D]. Returns [B, H, T, D]; columns outside every segment (padding) are zeros. Each segment's length
+    is a shape of its own, so the calls build no plan (planless_sdpa: flash attention on CUDA)."""
     out = q.new_zeros(q.shape)
     for r, a, b in segments:  # 4-d slices: a 3-d call takes a slower kernel on the CPU
-        out[r : r + 1, :, a:b] = F.scaled_dot_product_attention(
+        out[r : r + 1, :, a:b] = planless_sdpa(
             q[r : r + 1, :, a:b], k[r : r + 1, :, a:b], v[r : r + 1, :, a:b], is_causal=True, enable_gqa=True
         )
     return out
