@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine (docs/gpu.md, "A session with a GPU machine"): install the wheels `scripts/gpu_wheels.sh`
-# put in .whl/, run the 8B scale benchmark, then the gpu-marked tests in the time left. Logs and scale.json go to $OUT.
+# put in .whl/, run the 8B scale benchmark, then the gpu-marked tests in the time left, then qgate's own commands on a
+# toy model (scripts/gpu_cli.sh) if 100 s are still left. Logs and scale.json go to $OUT.
 #   bash scripts/gpu_session.sh [SECONDS [ARGS for benchmarks/gpu_scale.py...]]     # SECONDS: the whole budget (560)
 set -uo pipefail
 budget=${1:-560}
@@ -34,4 +35,9 @@ left=$((budget - (SECONDS - start)))
 echo "tests: ${left} s left"
 [ "$tests" = 1 ] && [ "$left" -gt 20 ] && timeout "$left" python3 -m pytest -q -m gpu tests/engines \
   -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -30
+left=$((budget - (SECONDS - start)))
+if [ "$left" -gt 100 ]; then
+  timeout "$left" bash scripts/gpu_cli.sh /tmp/gpu-cli 2>&1 | tee "$OUT/cli.log"
+  cp /tmp/gpu-cli/gate/report.json "$OUT/cli-gate-report.json" 2>/dev/null
+fi
 echo "total $((SECONDS - start)) s"
