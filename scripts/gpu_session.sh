@@ -33,7 +33,7 @@ timeout $((budget - 150 * tests - 5)) python3 benchmarks/gpu_scale.py --tokenize
 rm -rf "$work"
 left=$((budget - (SECONDS - start)))
 echo "tests: ${left} s left"
-[ "$tests" = 1 ] && [ "$left" -gt 20 ] && timeout "$left" python3 -m pytest -q -m gpu tests/engines \
+[ "$tests" = 1 ] && [ "$left" -gt 20 ] && timeout "$left" python3 -m pytest -q -m gpu tests/engines --durations=20 \
   -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -30
 left=$((budget - (SECONDS - start)))
 if [ "$left" -gt 100 ]; then
