@@ -10,7 +10,10 @@ budget its free memory gives (device.batch_tokens: ~35,000 tokens for the 8B sha
 tasks (pipelines/promote.yaml) once and prints the forwards and positions of prefix, context, continuation and
 whole-sequence forwards against their real tokens, and forward_cost x forwards + positions (what the grouping into
 forwards minimizes). The wall time is this host's; with --forward-cost and --budget set for another device it is not
-that device's. Run alone (two CPU-heavy processes slow torch 3-20x).
+that device's. Then the model FLOPs of that work at gpu_scale.py's 8B shape with the tokenizer's vocabulary
+(eval_counts.model_flops: logits rows read, causal pairs attended), per real token and against 2 x the shape's
+parameters per real token, the MFU convention of the scale runs up to run 8. Run alone (two CPU-heavy processes slow
+torch 3-20x).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from eval_counts import PARTS, counted_eval  # beside this script
+from eval_counts import PARTS, counted_eval, flop_shape, model_flops  # beside this script
+from gpu_scale import SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,6 +69,18 @@ def main() -> int:
         )
     f, p, n = (sum(r[what].values()) for what in ("forwards", "positions", "real"))
     print(f"  total        forwards {f:4d}  positions {p:7d}  real {n:7d}  x{p / n:.3f}  cost {cost * f + p}")
+    shape = flop_shape(SHAPES["8b"] | {"vocab_size": len(runner.tokenizer)})
+    pairs = sum(r["pairs"].values())
+    per_token = model_flops(shape, n, r["rows"], pairs) / n
+    all_params = shape["decoder"] + 2 * shape["head"]  # and the input embedding, as gpu_scale counts parameters
+    print(
+        f"  logits rows read {r['rows']} ({r['rows'] / n:.3f} per real token), causal pairs {pairs} "
+        f"({pairs / n:.1f} per real token)"
+    )
+    print(
+        f"  8B shape: model FLOPs per real token {per_token / 1e9:.3f} G against 2 x params "
+        f"{2 * all_params / 1e9:.3f} G: x{per_token / (2 * all_params):.4f}"
+    )
     return 0
 
 

@@ -16,8 +16,11 @@ Every figure is printed as a ratio against a reference measured in this run:
                token / the bf16 matrix-vector read bandwidth measured here); per int4 shape, torch's kernel at
                inner_k_tiles 2/4/8 and against gemlite's Triton kernels at 1/8/32 rows, where gemlite is installed
                (measured after the gate, so that they cannot crowd it out of a time-limited run)
-  gate         MFU of the gate's teacher-forced scoring (real tokens only: 2 x params FLOPs per token / seconds /
-               --peak-tflops); wall time of the whole gate; parity KL p99 (engine vs its checkpoint)
+  gate         MFU of the gate's eval and teacher-forced shadow scoring: the model FLOPs of their real tokens
+               (eval_counts.model_flops: the decoder's weights per token, the head's per logits row read, causal
+               attention; no padding, no embedding lookup) / seconds / --peak-tflops; beside it `_2n`, 2 x all
+               parameters per real token, the convention of runs 1-8; wall time of the whole gate; parity KL p99
+               (engine vs its checkpoint)
 Writes scale.json to --out, and ends with one line per goal of issue 35: figure, limit, met or not.
 """
 
@@ -33,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from eval_counts import RUNNERS, EvalCounter, counted_eval  # beside this script
+from eval_counts import RUNNERS, EvalCounter, causal_pairs, counted_eval, flop_shape, model_flops  # beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {  # Llama-3-8B's shape with SmolLM2's vocabulary; a toy shape for checking this script anywhere
@@ -532,10 +535,13 @@ def enable_gqa_attention(ref):
         AttentionInterface.register(name, own)
 
 
-def reference_eval_seconds(base, device, cfg, fused: bool = True, runs: int = 1, cpu_steps: bool = False) -> list[dict]:
+def reference_eval_seconds(
+    base, device, cfg, shape: dict, fused: bool = True, runs: int = 1, cpu_steps: bool = False
+) -> list[dict]:
     """The baseline's eval `runs` times on one fresh reference runner: per run, RunnerLM's scoring seconds
-    (EvalCounter), real tokens and forwards; fused=False: with transformers' own RMSNorm code (engines/fused_norms.py);
-    cpu_steps: with the CPU's steps of requests, not scaled to the runner's token budget (RunnerLM._step)."""
+    (EvalCounter), real tokens, forwards and model FLOPs (flop_shape's `shape`); fused=False: with transformers' own
+    RMSNorm code (engines/fused_norms.py); cpu_steps: with the CPU's steps of requests, not scaled to the runner's
+    token budget (RunnerLM._step)."""
     from unittest import mock
 
     from qgate.engines import fused_norms, runners
@@ -549,7 +555,12 @@ def reference_eval_seconds(base, device, cfg, fused: bool = True, runs: int = 1,
     ):
         counted = [counted_eval(ref, cfg) for _ in range(runs)]
     return [
-        {"seconds": c["seconds"], "real_tokens": sum(c["real"].values()), "forwards": sum(c["forwards"].values())}
+        {
+            "seconds": c["seconds"],
+            "real_tokens": sum(c["real"].values()),
+            "forwards": sum(c["forwards"].values()),
+            "model_flops": model_flops(shape, sum(c["real"].values()), c["rows"], sum(c["pairs"].values())),
+        }
         for c in counted
     ]
 
@@ -690,6 +701,7 @@ def main() -> int:
     if built is None:
         return 1
     base, r["params"] = built
+    shape = r["flop_shape"] = flop_shape(json.loads((base.path / "config.json").read_text()))
     spec = load_spec(args.spec)
     sets = res.phase(
         "calibrate",
@@ -794,39 +806,50 @@ def main() -> int:
         report = json.loads((art.path / "report.json").read_text())
         timings = report["timings"]
         by = {x["gate"] + "." + x["metric"]: x for x in report["results"]}
-        n_tok = _shadow_tokens(work / "cache")
-        mfu, peak = {}, args.peak_tflops * 1e12
+        lens = _shadow_lengths(work / "cache")
+        n_tok = int(lens.sum())
+        # the shadow split's model FLOPs: a logits row at each position the gate compares (its KL's n, answers and
+        # prompts), or where the report has no such row, at each position that predicts a token of the sequence
+        compared = [by.get(f"shadow.{m}", {}).get("n") for m in ("kl_mean", "prompt.kl_mean")]
+        rows = sum(compared) if all(compared) else n_tok - len(lens)
+        shadow_flops = model_flops(shape, n_tok, rows, sum(causal_pairs(int(n)) for n in lens))
+        tokens = {kind: counted.total("real", kind) for kind in RUNNERS}
+        flops = {kind: counted.model_flops(kind, shape) for kind in RUNNERS}
+        mfu, mfu_2n, peak = {}, {}, args.peak_tflops * 1e12
+
+        def put(name: str, model: float, real: int, seconds: float | None) -> None:
+            if seconds and real:
+                mfu[name], mfu_2n[name] = model / seconds / peak, 2 * r["params"] * real / seconds / peak
+
         for name, seconds in (
             ("candidate_teacher_forced", timings.get("candidate_shadow")),
             ("baseline_teacher_forced", (report.get("noise_floor") or {}).get("baseline_score_seconds")),
             ("baseline_reference_with_decode", timings.get("baseline_shadow")),
         ):
-            if seconds and n_tok:
-                mfu[name] = 2 * r["params"] * n_tok / seconds / peak
-        tokens = {kind: counted.total("real", kind) for kind in RUNNERS}
+            put(name, shadow_flops, n_tok, seconds)
         for name, kind, seconds in (
             ("candidate_eval", "engine", timings.get("candidate_eval")),
             ("baseline_eval", "reference", timings.get("baseline_eval")),
         ):
-            if seconds and tokens[kind]:
-                mfu[name] = 2 * r["params"] * tokens[kind] / seconds / peak
-            if counted.seconds[kind]:
-                mfu[f"{name}_scoring"] = 2 * r["params"] * tokens[kind] / counted.seconds[kind] / peak
-        if counted.seconds["engine"] and tokens["reference"]:  # the engine on the reference's own work
-            mfu["candidate_eval_scoring_unique_tokens"] = (
-                2 * r["params"] * tokens["reference"] / counted.seconds["engine"] / peak
-            )
+            put(name, flops[kind], tokens[kind], seconds)
+            put(f"{name}_scoring", flops[kind], tokens[kind], counted.seconds[kind])
+        # the engine on the reference's own work
+        put("candidate_eval_scoring_unique_tokens", flops["reference"], tokens["reference"], counted.seconds["engine"])
         r["gate"] = {
             "verdict": report["verdict"],
             "timings": timings,
             "wall_seconds": wall,
             "shadow_tokens": n_tok,
+            "shadow_flops": {"model": shadow_flops, "logits_rows": rows, "2n": 2 * r["params"] * n_tok},
+            "eval_flops": flops,
+            "eval_logits_rows": {kind: counted.rows[kind] for kind in RUNNERS},
             "eval_tokens": tokens,
             "eval_scoring_seconds": {kind: counted.seconds[kind] for kind in RUNNERS},
             "eval_forwards": {kind: counted.by_part("forwards", kind) for kind in RUNNERS},
             "eval_padded_positions": {kind: counted.by_part("positions", kind) for kind in RUNNERS},
             "eval_real_tokens": {kind: counted.by_part("real", kind) for kind in RUNNERS},
             "shadow_mfu": mfu,
+            "shadow_mfu_2n": mfu_2n,
             "parity_kl_p99": by.get("parity.engine_vs_checkpoint.kl_p99", {}).get("observed"),
             "results": {k: (v.get("observed"), v.get("verdict")) for k, v in by.items()},
         }
@@ -856,7 +879,8 @@ def main() -> int:
         tokens, lens, plens = ref["tokens"], ref["seq_lens"], ref["prompt_lens"]
         bounds = np.concatenate([[0], np.cumsum(lens)])
         seqs = [tokens[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-        flops = 2 * r["params"] * int(lens.sum())
+        # forwards alone compute a logits row at every position
+        flops = model_flops(shape, int(lens.sum()), int(lens.sum()), sum(causal_pairs(int(n)) for n in lens))
         out = r["scoring"] = {"shadow_tokens": int(lens.sum())}
         engine = load_runner(eng, str(device))
         budget = engine.batch_tokens or 1024
@@ -918,10 +942,11 @@ def main() -> int:
             ("transformers_norms", False, False),
             ("cpu_steps", True, True),
         ):
-            runs = reference_eval_seconds(base, device, cfg, fused, runs=2, cpu_steps=cpu_steps)
+            runs = reference_eval_seconds(base, device, cfg, shape, fused, runs=2, cpu_steps=cpu_steps)
             out[name] = dict(zip(("first", "second"), runs))
             for row in out[name].values():
-                row["mfu"] = 2 * r["params"] * row["real_tokens"] / row["seconds"] / (args.peak_tflops * 1e12)
+                row["mfu"] = row.pop("model_flops") / row["seconds"] / (args.peak_tflops * 1e12)
+                row["mfu_2n"] = 2 * r["params"] * row["real_tokens"] / row["seconds"] / (args.peak_tflops * 1e12)
             res.save()
             release(device)
 
@@ -987,20 +1012,22 @@ def goal_rows(r: dict) -> list[dict]:
 def print_goals(r: dict) -> None:
     """One line per goal of the results `r`: figure, limit and verdict, aligned, for a log read without the JSON."""
     print(f"goals (set for the 8b shape on one H100; this run: {r.get('shape')} on {r.get('device')}):", flush=True)
+    if r.get("gate") and "shadow_mfu_2n" not in r["gate"]:  # a run before model FLOPs were counted
+        print("MFU in this run is 2 x all parameters per real token, not model FLOPs (about 3-4% higher)", flush=True)
     for g in goal_rows(r):
         verdict = {True: "met", False: "NOT MET", None: "not measured"}[g["met"]]
         value = "-" if g["value"] is None else f"{g['value']:.4g}"
         print(f"goal  {g['goal']:46s} {value:>10s}  {g['limit']:>8s}  {verdict}", flush=True)
 
 
-def _shadow_tokens(cache: Path) -> int:
-    """Real tokens in the shadow sequences the gate scored (from the cached baseline reference)."""
+def _shadow_lengths(cache: Path):
+    """The lengths of the shadow sequences the gate scored (from the cached baseline reference)."""
     import numpy as np
 
     for p in sorted(cache.rglob("shadow-baseline-*.npz")):
         with np.load(p) as z:
-            return int(z["seq_lens"].sum())
-    return 0
+            return z["seq_lens"].astype(np.int64)
+    return np.zeros(0, np.int64)
 
 
 if __name__ == "__main__":
