@@ -14,8 +14,9 @@ continuations packed into one forward ("packed", where the runner `packs_context
 its continuation groups; "whole" for logits_batch calls (whole sequences, scored continuations, perplexity windows).
 
 Beside them, what the model FLOPs of that work are made of (model_flops): the logits `rows` the eval reads (one per
-continuation token of each request) and the causal (query, key) `pairs` its real tokens attend (each token its
-sequence's earlier tokens, the shared prefix included, and itself), whatever the runner's layout of them.
+continuation token of each request, the row of a context shared by several continuations once) and the causal
+(query, key) `pairs` its real tokens attend (each token its sequence's earlier tokens, the shared prefix included,
+and itself), whatever the runner's layout of them.
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ class EvalCounter:
                     contexts = sum(len(c) for c, _ in groups)
                     continuations = sum(len(k) - 1 for _, ks in groups for k in ks)  # the last token is not fed
                     ctx_pairs = sum(causal_pairs(len(c), p) for c, _ in groups)
+                    # a context's last row predicts every one of its continuations' first tokens: read once
+                    self.rows[kind] -= sum(len(ks) - 1 for _, ks in groups)
                     cont_pairs = sum(causal_pairs(len(k) - 1, p + len(c)) for c, ks in groups for k in ks)
                     if packs:
                         self.real[kind, "packed"] += contexts + continuations

@@ -38,8 +38,9 @@ def test_causal_pairs_count_each_token_seeing_what_came_before_and_itself():
 @pytest.mark.parametrize("packs", [False, True])
 def test_the_counter_counts_what_each_request_needs(base_art, monkeypatch, packs):
     """Requests scored whole and a question whose two choices share their context: real tokens are every token fed
-    (a continuation's last is not), a logits row per continuation token, and the pairs each fed token attends; the
-    same whether the runner packs the question into one row or runs it left-padded."""
+    (a continuation's last is not), a logits row per continuation token (the choices' first ones share theirs), and
+    the pairs each fed token attends; the same whether the runner packs the question into one row or runs it
+    left-padded."""
     from qgate.engines import runners
 
     monkeypatch.setitem(runners.PACKED_CONTEXTS, "cpu", packs)
@@ -50,7 +51,7 @@ def test_the_counter_counts_what_each_request_needs(base_art, monkeypatch, packs
         lm._score_many(whole + question)
     fed = [len(c) + len(k) - 1 for c, k in whole]
     assert counted.total("real", "reference") == sum(fed) + 5 + 1
-    assert counted.rows["reference"] == 2 + 3 + 2 + 1
+    assert counted.rows["reference"] == 2 + 3 + 2  # the choices' first tokens share their context's last row
     assert counted.total("pairs", "reference") == sum(causal_pairs(n) for n in fed) + causal_pairs(5) + causal_pairs(
         1, 5
     )
