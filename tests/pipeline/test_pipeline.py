@@ -501,6 +501,30 @@ def test_gates_on_cuda_are_refused_before_any_stage_on_a_host_without_it(tmp_pat
     check_gate_device(load_spec(spec).on_device("cpu"))  # the override: no error
 
 
+def test_without_mlflow_a_spec_gates_and_what_registers_refuses_first(tmp_path, workdir, capsys, monkeypatch):
+    """Where MLflow is not importable (a host given qgate's gate but not its registry), a spec loads with its registry
+    names unchecked, since nothing can be registered there, and `qgate gate --spec` reads its gates; `qgate run`, both
+    drift jobs and the registry commands refuse before any stage, naming MLflow and how to install it."""
+    import sys
+
+    spec = pipeline_spec(tmp_path, workdir)
+    for name in [m for m in sys.modules if m == "mlflow" or m.startswith("mlflow.")] + ["mlflow"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import mlflow` now raises ImportError
+    assert load_spec(spec).gate_config().shadow is not None
+    recent = ["--spec", str(spec), "--traffic", str(tmp_path / "traffic.jsonl")]
+    for argv in (
+        ["run", str(spec)],
+        ["drift", "check", *recent],
+        ["drift", "run", *recent],
+        ["status", "--model", "m"],
+    ):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert "needs MLflow, which is not importable here" in err and "hint: install qgate with its" in err, err
+        assert "internal error" not in err and "Traceback" not in err, err
+        assert not (tmp_path / "work" / "base").exists() and not (tmp_path / "work" / "calib").exists()
+
+
 def test_a_run_that_fails_early_does_not_print_an_earlier_runs_table(tmp_path, workdir, capsys):
     """The table on stdout is this run's: a run that fails before writing summary.json (here its traffic is gone) shows
     none, though the workdir holds an earlier run's."""

@@ -20,7 +20,7 @@ from qgate.artifact import Artifact
 from qgate.errors import RegistryError
 from qgate.registry.checks import check_version
 from qgate.registry.lease import Lease, registry_lock
-from qgate.registry.names import check_names
+from qgate.registry.names import check_names, require_mlflow
 from qgate.registry.transport import absent, configure_http
 
 DEFAULT_STORE = Path(".qgate/mlflow")
@@ -83,6 +83,7 @@ def refusals(what: str):
 def _client(store: Path | None, *, create: bool = True):
     import logging
 
+    require_mlflow("the model registry")
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     import mlflow

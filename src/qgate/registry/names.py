@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from qgate.errors import ConfigError, config_problems
+from qgate.errors import BackendUnavailable, ConfigError, config_problems
 
 _HINTS = {
     "model name": "a registered model's name may hold anything but '/' and ':', e.g. smollm2-135m-instruct",
@@ -23,9 +23,13 @@ def name_problems(
     where: dict[str, str] | None = None,
 ) -> list[ConfigError]:
     """One ConfigError per value MLflow would refuse; `where` names each value's key path or flag (default: what it
-    is, e.g. "alias")."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.utils import validation as v
+    is, e.g. "alias"). None where MLflow is not importable: nothing can be registered there, and what registers
+    refuses first (require_mlflow), while a command that never touches the registry (a gate) runs."""
+    try:
+        from mlflow.exceptions import MlflowException
+        from mlflow.utils import validation as v
+    except ImportError:
+        return []
 
     rules = {
         "model name": (model_name, (v._validate_model_name,)),
@@ -49,3 +53,15 @@ def check_names(**values: str | None) -> None:
     """name_problems as one ConfigError (every problem listed), before a registry operation starts."""
     if problems := name_problems(**values):
         raise config_problems(problems)
+
+
+def require_mlflow(what: str) -> None:
+    """BackendUnavailable unless MLflow is importable: `what` (a registry command, a pipeline's register and promote
+    stages, a drift job) needs it, and says so before any work."""
+    try:
+        import mlflow  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailable(
+            f"{what} needs MLflow, which is not importable here ({e})",
+            hint="install qgate with its dependencies (pip install -e .; mlflow is one of them)",
+        ) from e
