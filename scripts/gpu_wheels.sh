@@ -8,7 +8,8 @@
 # classes of the click that typer 0.29 vendors. gemlite (Triton int4 kernels; the image's triton 3.6 serves it) is for
 # the int4 kernel comparisons of benchmarks/gpu_scale.py and int4_kernels.py alone, and comes only with GEMLITE=1:
 # run 6 measured it slower than torch's kernel, and its first calls take minutes of a device session.
-# The registry, onnxruntime and the CPU engine are not carried.
+# The registry, onnxruntime and the CPU engine are not carried: without MLflow a spec still loads, its registry
+# names unchecked (registry/names.py), and only what registers refuses.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
