@@ -7,6 +7,7 @@ import pytest
 import tiny
 
 from qgate.errors import ConfigError
+from qgate.gates import report
 from qgate.gates.evalgate import EvalConfig, eval_gate, task_config
 from qgate.gates.gating import GateConfig, run_gates
 from qgate.gates.result import GateResult, overall
@@ -268,6 +269,34 @@ def test_three_verdicts_decided_on_the_confidence_interval():
     assert GateResult.check("x", "y", 3.0, None, False, 10).verdict == "info"
     assert overall([ok, straddles]) == "inconclusive" and overall([ok, straddles, bad]) == "fail"
     assert overall([ok, err]) == "fail" and overall([ok]) == "pass"
+
+
+def test_a_tail_too_thin_to_bound_says_how_many_more_values_would_bound_it():
+    rng = np.random.default_rng(1)
+    x = rng.exponential(0.01, 200)  # p99 ~0.046, far below a threshold of 0.5; 200 values cannot bound p99 above
+    lo, hi, ev = quantile_ci(x, np.arange(x.size), 0.99, cluster_name="prompts")
+    row = GateResult.check("shadow", "kl_p99", float(np.quantile(x, 0.99)), 0.5, False, x.size, (lo, hi), evidence=ev)
+    assert row.verdict == "inconclusive" and hi == float("inf")
+    # independent values: n_eff is about n, and about 368 of them bound p99 at 95%
+    assert ev["min_n_effective"] == 368 and ev["n_effective"] in (199, 200)
+    assert row.n_to_decide == ev["n_to_bound"] == ev["clusters_to_bound"] == -(-200 * 368 // ev["n_effective"])
+    said = f"about {row.n_to_decide} prompts ({row.n_to_decide} values) would"
+    assert said in row.line() and "may not decide" not in row.line() and said in report._row(row.to_dict())
+    more = rng.exponential(0.01, row.n_to_decide)  # that many values of the same traffic decide it
+    lo, hi, ev = quantile_ci(more, np.arange(more.size), 0.99)
+    assert (
+        GateResult.check("shadow", "kl_p99", float(np.quantile(more, 0.99)), 0.5, False, more.size, (lo, hi)).verdict
+        == "pass"
+    )
+    # clustered: the count scales with the design effect; a bad point gets no count, bounding would not decide it
+    cl = np.repeat(np.arange(48), 48)
+    y = rng.exponential(0.01, cl.size)
+    y[cl == 0] *= 50  # the tail in one prompt
+    lo, hi, ev = quantile_ci(y, cl, 0.99)
+    assert hi == float("inf") and ev["n_to_bound"] == -(-y.size * 368 // ev["n_effective"]) > y.size
+    assert ev["clusters_to_bound"] == -(-48 * 368 // ev["n_effective"])
+    bad = GateResult.check("shadow", "kl_p99", 0.6, 0.5, False, y.size, (0.4, float("inf")), evidence=ev)
+    assert bad.verdict == "inconclusive" and bad.n_to_decide is None
 
 
 def test_quantile_interval_respects_clustering_and_refuses_to_bound_thin_tails():

@@ -130,9 +130,9 @@ def _row(r: dict) -> str:
     thr = "" if r["threshold"] is None else ("&ge; " if r["higher_is_better"] else "&le; ") + num(r["threshold"])
     verdict = r["verdict"]
     note = f"~{r['n_to_decide']} items would decide it" if r.get("n_to_decide") else r["evidence"].get("error", "")
-    note = note or r["evidence"].get("unbounded_because", "")
+    unbounded = r["evidence"].get("unbounded_because", "")
     why = r["evidence"].get("why", "") if verdict != "pass" else ""
-    note = "; ".join(x for x in (note, why, r["evidence"].get("caveat", "")) if x)
+    note = "; ".join(x for x in (note, unbounded, why, r["evidence"].get("caveat", "")) if x)
     cells = (
         verdict.upper(),
         r["gate"],

@@ -117,7 +117,11 @@ class GateResult:
                 verdict = "fail"
             else:
                 verdict = "inconclusive"
-        more = _n_to_decide(observed, threshold, ci, n) if verdict == "inconclusive" else None
+        more = None
+        if verdict == "inconclusive":
+            more = _n_to_decide(observed, threshold, ci, n)
+            if more is None and sign * (observed - threshold) > 0:  # a good point, its interval unbounded on that side
+                more = ev.get("n_to_bound")  # stats.quantile_ci: the sample size that bounds it
         return cls(
             gate,
             metric,
@@ -197,7 +201,9 @@ class GateResult:
             extra += "  [guard: Holm-adjusted CI]"
         if self.n_to_decide is not None:
             extra += f"  ~{self.n_to_decide} items would decide it"
-        elif self.verdict == "inconclusive" and not self.evidence.get("why"):
+        if self.verdict == "inconclusive" and self.evidence.get("unbounded_because"):
+            extra += f"  ({self.evidence['unbounded_because']})"
+        elif self.n_to_decide is None and self.verdict == "inconclusive" and not self.evidence.get("why"):
             extra += "  (unbounded CI or observed on the threshold: more items may not decide it)"
         if self.verdict == "error":
             extra += f"  ({self.evidence.get('error', 'could not run')})"

@@ -424,7 +424,7 @@ def kl_top1_checks(
         )
     ]
     for q, name in ((0.99, "kl_p99"), (0.999, "kl_p999")):
-        lo, hi, ev = quantile_ci(kl, cl, q)
+        lo, hi, ev = quantile_ci(kl, cl, q, cluster_name="prompts")
         out.append(
             GateResult.check(
                 gate, f"{prefix}{name}", quantile(kl, q), thr(f"{name}_max"), False, n, (lo, hi), evidence=ev

@@ -52,15 +52,18 @@ def cluster_bootstrap(
     return quantile(stats, a), quantile(stats, 1 - a)
 
 
-def quantile_ci(values: np.ndarray, clusters: np.ndarray, q: float, level: float = 0.95) -> tuple[float, float, dict]:
+def quantile_ci(
+    values: np.ndarray, clusters: np.ndarray, q: float, level: float = 0.95, cluster_name: str = "clusters"
+) -> tuple[float, float, dict]:
     """Distribution-free interval for the q-quantile of clustered samples (tokens within prompts).
 
     Order-statistic (binomial) ranks, computed on the Kish effective sample size n/deff, where the design
     effect deff comes from the per-cluster counts above the estimate (a ratio estimator), not from n
     independent tokens; the ranks map back through the empirical quantile function. A percentile bootstrap
     of an extreme quantile collapses onto a few repeated tail values; this does not. When even the sample
-    maximum is not a (1+level)/2 upper bound (n_eff < log((1-level)/2) / log(q): 367 for p99, 3,688 for
-    p99.9 at 95%), the upper end is +inf: such a check can fail, never pass.
+    maximum is not a (1+level)/2 upper bound (n_eff < log((1-level)/2) / log(q): 368 for p99, 3,688 for
+    p99.9 at 95%), the upper end is +inf: such a check can fail, never pass. The evidence then says how many
+    values (`n_to_bound`) and clusters (`clusters_to_bound`) would reach that effective n at this design effect.
     """
     from scipy.stats import binom
 
@@ -94,7 +97,11 @@ def quantile_ci(values: np.ndarray, clusters: np.ndarray, q: float, level: float
         "method": "order-statistic-clustered",
     }
     if not np.isfinite(hi):
-        ev["unbounded_because"] = f"effective n {m} < {need}: the sample cannot bound p{100 * q:g} from above"
+        ev["n_to_bound"], ev["clusters_to_bound"] = int(np.ceil(n * need / m)), int(np.ceil(k * need / m))
+        ev["unbounded_because"] = (
+            f"effective n {m} < {need}: the sample cannot bound p{100 * q:g} from above; at this design effect about "
+            f"{ev['clusters_to_bound']} {cluster_name} ({ev['n_to_bound']} values) would"
+        )
     return lo, hi, ev
 
 
