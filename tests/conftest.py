@@ -83,7 +83,9 @@ def gated(base_art, w8_art, awq_art, calib_arts, workdir):
         ),  # 192 answer tokens cannot bound a p99
         eval=EvalConfig(tasks=("bigbench_general_knowledge",), limit=8, min_recovery=None),
     )
-    strict = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=1e-4), eval=None)
+    strict = GateConfig(  # 24 prompts x 16 answer tokens: 384 positions, enough to bound p99
+        shadow=ShadowConfig(max_new_tokens=16, max_prompt_tokens=48, kl_p99_max=1e-4), eval=None
+    )
     ok = run_gates(w8_art, base_art, calib_arts["shadow"], lenient, workdir / "reg-ok", workdir / "cache-reg")
     bad = run_gates(awq_art, base_art, calib_arts["shadow"], strict, workdir / "reg-bad", workdir / "cache-reg")
     assert ok.meta["passed"] and not bad.meta["passed"]

@@ -26,7 +26,7 @@ def test_gate_json_junit_and_job_summary(base_art, awq_art, calib_arts, tmp_path
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     spec = gates_spec(
         tmp_path / "spec.yaml",
-        {"shadow": {"max_new_tokens": 8, "max_prompt_tokens": 48, "kl_p99_max": 1e-4}, "eval": None},
+        {"shadow": {"max_new_tokens": 16, "max_prompt_tokens": 48, "kl_p99_max": 1e-4}, "eval": None},  # 384 positions
     )
     rc = main(
         [

@@ -897,7 +897,7 @@ def test_gate_runs_in_bfloat16_on_the_cpu(w8_art, base_art, calib_arts, workdir,
     from qgate.gates.gating import GateConfig, run_gates
     from qgate.gates.shadow import ShadowConfig
 
-    shadow = ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=0.5, top1_agreement_min=None)
+    shadow = ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, top1_agreement_min=None)
     monkeypatch.setattr(device, "native_bf16", lambda dev: False)
     runners._log_float32_products.cache_clear()  # said once per process: this test must see it
     with caplog.at_level(logging.INFO, logger="qgate"):

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import tiny
 
-from qgate.errors import ConfigError
+from qgate.errors import ConfigError, InputError
 from qgate.gates import report
 from qgate.gates.evalgate import EvalConfig, eval_gate, task_config
 from qgate.gates.gating import GateConfig, run_gates
 from qgate.gates.result import GateResult, overall
-from qgate.gates.shadow import ShadowConfig, baseline_reference, candidate_metrics
+from qgate.gates.shadow import ShadowConfig, baseline_reference, candidate_metrics, unpassable_quantiles
 from qgate.gates.stats import cluster_bootstrap, holm, mcnemar_exact, paired_binary_ci, quantile_ci
 
 FAST = GateConfig(
@@ -269,6 +269,49 @@ def test_three_verdicts_decided_on_the_confidence_interval():
     assert GateResult.check("x", "y", 3.0, None, False, 10).verdict == "info"
     assert overall([ok, straddles]) == "inconclusive" and overall([ok, straddles, bad]) == "fail"
     assert overall([ok, err]) == "fail" and overall([ok]) == "pass"
+
+
+def test_a_split_too_small_to_pass_a_tail_check_is_refused_before_scoring(
+    base_art, w8_art, calib_arts, workdir, monkeypatch
+):
+    assert unpassable_quantiles(ShadowConfig(max_new_tokens=16), 23) == []  # 368 positions can bound p99
+    assert unpassable_quantiles(ShadowConfig(max_new_tokens=16), 22) == [
+        "gates.shadow.kl_p99_max: p99 needs at least 368 scored positions for its 95% interval to have an upper end, "
+        "and 22 prompts give at most 352 (16 per prompt)"
+    ]
+    assert unpassable_quantiles(ShadowConfig(max_new_tokens=16, kl_p99_max=None), 22) == []  # reported, not gated
+    assert unpassable_quantiles(ShadowConfig(max_new_tokens=16, positions="answer+prompt"), 22) == []  # 400 a prompt
+    assert len(unpassable_quantiles(ShadowConfig(max_new_tokens=16, max_prompts=22), 100)) == 1  # the first 22 only
+    # p99.9 needs ten times as many: the default split (64 prompts x 48 answer tokens) can never pass it
+    assert [w.split(":")[0] for w in unpassable_quantiles(ShadowConfig(kl_p999_max=0.5), 64)] == [
+        "gates.shadow.kl_p999_max"
+    ]
+
+    thin = GateConfig(shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=64), eval=None, long_context=None)
+    with pytest.raises(InputError) as e:  # 24 prompts x 8 tokens: 192 positions
+        run_gates(w8_art, base_art, calib_arts["shadow"], thin, workdir / "g-thin", workdir / "cache-thin")
+    assert "24 prompts give at most 192" in e.value.message and "no candidate could pass" in e.value.message
+    assert "--shadow-size" in e.value.hint and "max_new_tokens" in e.value.hint
+    assert not (workdir / "g-thin").exists() and not any((workdir / "cache-thin").iterdir())  # nothing scored
+
+    class Scored(Exception):
+        pass
+
+    def scored(*a, **k):
+        raise Scored
+
+    import qgate.gates.gating as gating
+
+    monkeypatch.setattr(gating, "_score", scored)  # under warn the gate scores: its p99 can still fail a candidate
+    with pytest.raises(Scored):
+        run_gates(
+            w8_art,
+            base_art,
+            calib_arts["shadow"],
+            replace(thin, on_inconclusive="warn"),
+            workdir / "g-w",
+            workdir / "c-w",
+        )
 
 
 def test_a_tail_too_thin_to_bound_says_how_many_more_values_would_bound_it():
@@ -1077,7 +1120,7 @@ def test_perf_divides_times_from_one_card_or_cpu_and_measures_a_foreign_one_agai
     from qgate.gates.gating import PerfConfig, _perf_check
 
     here, h100 = timing_host(torch.device("cpu")), "NVIDIA H100 80GB HBM3; torch 2.11.0+cu130"
-    shadow = ShadowConfig(max_new_tokens=8, max_prompt_tokens=32)
+    shadow = ShadowConfig(max_new_tokens=8, max_prompt_tokens=32, kl_p99_max=None)  # 192 positions: reported
     gated = GateConfig(shadow=shadow, eval=None, long_context=None, perf=PerfConfig(min_prefill_speedup=0.01))
     cache = workdir / "cache-perf"
 
@@ -1157,7 +1200,7 @@ def test_perf_times_each_side_after_a_warm_up_batch(base_art, calib_arts, workdi
         return forward(self, seqs, *args, **kwargs)
 
     monkeypatch.setattr(TorchRunner, "logits_batch", cold_first_forward)
-    shadow = ShadowConfig(max_new_tokens=8, max_prompt_tokens=32)
+    shadow = ShadowConfig(max_new_tokens=8, max_prompt_tokens=32, kl_p99_max=None)  # 192 positions: reported
 
     def gate(perf, name):
         cfg = GateConfig(shadow=shadow, eval=None, long_context=None, perf=perf)
@@ -1299,7 +1342,7 @@ def test_stop_on_fail_skips_long_context_and_eval_after_a_decided_fail_and_says_
     from qgate.gates.longctx import LongContextConfig
 
     cfg = GateConfig(
-        shadow=ShadowConfig(max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=1e-4),
+        shadow=ShadowConfig(max_new_tokens=16, max_prompt_tokens=48, kl_p99_max=1e-4),  # 384 positions bound p99
         eval=EvalConfig(tasks=("bigbench_general_knowledge",), limit=8),
         long_context=LongContextConfig(max_documents=2, context_tokens=256, windows=2),
     )

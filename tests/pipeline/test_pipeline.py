@@ -64,7 +64,7 @@ def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch
         tmp_path,
         workdir,
         variants=[{"name": "w4", "scheme": "gptq-w4a16", "options": {"group_size": 32}}],
-        gates={"shadow": {"max_new_tokens": 4, "max_prompt_tokens": 32, "kl_p99_max": 1e-4}, "eval": None},
+        gates={"shadow": {"max_new_tokens": 8, "max_prompt_tokens": 32, "kl_p99_max": 1e-4}, "eval": None},  # 48 x 8
     )
     assert main(["run", str(spec)]) == 2
     assert json.loads((tmp_path / "work/summary.json").read_text())["promoted"] is None
@@ -231,6 +231,35 @@ def test_a_variants_scheme_and_engine_problems_come_in_one_load_each_named_by_it
     assert load_spec(pipeline_spec(tmp_path, workdir, variants=[w8], calibrate=split))
 
 
+def test_a_split_too_small_for_a_gated_tail_fails_the_spec_at_load(tmp_path, workdir):
+    """A p99 gated on a split too small to bound it can fail but never pass: refused before calibrating anything.
+    The shadow split counts under on_inconclusive: block; a searched variant's split always (a point must pass)."""
+    shadow = {"max_new_tokens": 16, "max_prompt_tokens": 48, "kl_p99_max": 0.5}
+    path = pipeline_spec(tmp_path, workdir, calibrate={"calib_size": 24, "shadow_size": 20}, gates={"shadow": shadow})
+    with pytest.raises(ConfigError) as e:
+        load_spec(path)
+    assert str(e.value).splitlines() == [
+        f"{path}: gates.shadow.kl_p99_max: p99 needs at least 368 scored positions for its 95% interval to have an "
+        "upper end, and 20 prompts give at most 320 (16 per prompt) (calibrate.shadow_size: 20): such a check can "
+        "fail but never pass",
+        "  hint: sample more prompts (calibrate.shadow_size; several times the least count, since a prompt's tokens "
+        "count less than independent ones), gate more tokens per prompt (gates.shadow.max_new_tokens), or report the "
+        "quantile (its threshold null) and gate kl_mean_max",
+    ]
+    warn = {"shadow": shadow, "on_inconclusive": "warn"}  # INCONCLUSIVE passes with a warning; a FAIL still fails
+    assert load_spec(pipeline_spec(tmp_path, workdir, calibrate={"calib_size": 24, "shadow_size": 20}, gates=warn))
+    assert load_spec(pipeline_spec(tmp_path, workdir, calibrate={"calib_size": 24, "shadow_size": 23}, gates=warn))
+    searched = {"name": "a", "scheme": "gptq-w4a16", "options": {"group_size": 32}, "search": {}}
+    split = {"calib_size": 24, "shadow_size": 48, "search_size": 8}
+    path = pipeline_spec(tmp_path, workdir, calibrate=split, gates=warn, variants=[searched])
+    with pytest.raises(ConfigError, match=r"8 prompts give at most 128 .*\(calibrate.search_size: 8\)"):
+        load_spec(path)
+    path = pipeline_spec(
+        tmp_path, workdir, calibrate=split, gates=warn, variants=[{k: v for k, v in searched.items() if k != "search"}]
+    )
+    assert load_spec(path)  # no variant is searched: the search split is not gated
+
+
 def test_a_key_given_twice_fails_the_spec_instead_of_the_last_one_winning(tmp_path, workdir):
     """PyYAML keeps the last of two equal keys: a threshold set twice would gate on whichever came second."""
     path = pipeline_spec(tmp_path, workdir)
@@ -304,7 +333,7 @@ def test_gate_cli_exit_code_2_on_failure(base_art, awq_art, calib_arts, tmp_path
     spec = pipeline_spec(
         tmp_path,
         base_art.path.parent,
-        gates={"shadow": {"max_new_tokens": 4, "max_prompt_tokens": 32, "kl_p99_max": 1e-4}, "eval": None},
+        gates={"shadow": {"max_new_tokens": 16, "max_prompt_tokens": 32, "kl_p99_max": 1e-4}, "eval": None},  # 24 x 16
     )
     rc = main(
         [

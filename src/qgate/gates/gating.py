@@ -33,8 +33,10 @@ from qgate.gates.shadow import (
     candidate_metrics,
     kl_top1_checks,
     load_shadow,
+    more_positions_hint,
     rescore_reference,
     run_shadow,
+    unpassable_quantiles,
 )
 
 
@@ -321,6 +323,12 @@ def run_gates(
     timings: dict[str, float] = {}
     t = time.perf_counter()
     rows = load_shadow(shadow, cfg.shadow)
+    if cfg.on_inconclusive == "block" and (why := unpassable_quantiles(cfg.shadow, len(rows))):
+        raise InputError(
+            f"{shadow.path}: {'; '.join(why)}: such a check can fail but never pass, so under gates.on_inconclusive: "
+            "block no candidate could pass this gate",
+            hint=more_positions_hint(cfg.shadow, "qgate calibrate sample --shadow-size"),
+        )
     check_held_out(candidate, shadow, checkpoint)
     results = contract_gate(candidate, baseline, rows, cfg.contract)
     timings["contract"] = time.perf_counter() - t

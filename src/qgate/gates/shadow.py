@@ -62,7 +62,7 @@ from qgate.gates.scoring import (
     split_sequences,
     top_k_logprobs,
 )
-from qgate.gates.stats import cluster_bootstrap, quantile, quantile_ci, wilson
+from qgate.gates.stats import cluster_bootstrap, min_effective_n, quantile, quantile_ci, wilson
 from qgate.progress import progress
 
 TEMPLATE, PROMPT, ANSWER = 0, 1, 2  # token classes: chat template, traffic prompt text, baseline answer
@@ -82,8 +82,8 @@ class ShadowConfig:
     top_k: int = 1024  # baseline log-probs kept per position; KL is exact up to the tail mass left out
     max_prompts: int | None = None  # the first this many shadow prompts; None: all of them
     kl_mean_max: float | None = None  # per-token KL(baseline / candidate), mean; None: reported, not gated
-    kl_p99_max: float | None = 0.5  # its 99th percentile, with a clustered order-statistic CI
-    kl_p999_max: float | None = None  # its 99.9th percentile (needs ~10x the positions p99 needs)
+    kl_p99_max: float | None = 0.5  # its 99th percentile, clustered order-statistic CI (passes from 368 positions)
+    kl_p999_max: float | None = None  # its 99.9th percentile (passes from 3,688 positions, 10x p99's)
     top1_agreement_min: float | None = 0.9  # share of positions where both models' argmax agree
     identical_generation_min: float | None = None  # share of prompts whose greedy answers are identical
     positions: str = "answer"  # which positions the gated checks score: "answer" or "answer+prompt"
@@ -196,6 +196,36 @@ def greedy_scored(runner, prompts: list[list[int]], max_new_tokens: int, top_k: 
         for i, r in zip(batch, out, strict=True):
             results[i] = r
     return results
+
+
+QUANTILES = {"kl_p99_max": 0.99, "kl_p999_max": 0.999}  # the gated KL quantiles and their q
+
+
+def unpassable_quantiles(cfg: ShadowConfig, prompts: int) -> list[str]:
+    """Why each gated KL quantile of `cfg` can never PASS on a split of `prompts` prompts, whatever the candidate:
+    they give at most prompts x the gated tokens per prompt positions (max_new_tokens answer tokens, plus up to
+    max_prompt_tokens for answer+prompt), fewer than the effective n a 95% upper bound needs
+    (stats.min_effective_n), and clustering only lowers the effective n. [] when each can."""
+    prompts = min(prompts, cfg.max_prompts) if cfg.max_prompts else prompts
+    per = cfg.max_new_tokens + (cfg.max_prompt_tokens if PROMPT in POSITION_SETS[cfg.positions] else 0)
+    out = []
+    for name, q in QUANTILES.items():
+        if getattr(cfg, name) is not None and prompts * per < (need := min_effective_n(q)):
+            out.append(
+                f"gates.shadow.{name}: p{100 * q:g} needs at least {need} scored positions for its 95% interval to "
+                f"have an upper end, and {prompts} prompts give at most {prompts * per} ({per} per prompt)"
+            )
+    return out
+
+
+def more_positions_hint(cfg: ShadowConfig, size_flag: str) -> str:
+    """What to change when unpassable_quantiles names a check: the split's prompts (`size_flag`), the tokens gated
+    per prompt, or the check itself."""
+    return (
+        f"sample more prompts ({size_flag}; several times the least count, since a prompt's tokens count less than "
+        "independent ones), gate more tokens per prompt (gates.shadow.max_new_tokens), or report the quantile (its "
+        "threshold null) and gate kl_mean_max"
+    )
 
 
 def load_shadow(shadow: Artifact, cfg: ShadowConfig) -> list[dict]:

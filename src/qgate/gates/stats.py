@@ -3,6 +3,7 @@ differences.
 
 lo, hi = cluster_bootstrap(values, clusters, np.mean)
 lo, hi, ev = quantile_ci(values, clusters, 0.99)      # hi is inf when the sample cannot bound the tail
+min_effective_n(0.99)                                 # 368: fewer values can never bound p99 from above
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ def cluster_bootstrap(
     return quantile(stats, a), quantile(stats, 1 - a)
 
 
+def min_effective_n(q: float, level: float = 0.95) -> int:
+    """The effective sample size below which quantile_ci cannot bound the q-quantile from above: the sample maximum
+    is a (1+level)/2 upper bound only from there (368 for p99, 3,688 for p99.9 at 95%)."""
+    return int(np.ceil(np.log((1 - level) / 2) / np.log(q)))
+
+
 def quantile_ci(
     values: np.ndarray, clusters: np.ndarray, q: float, level: float = 0.95, cluster_name: str = "clusters"
 ) -> tuple[float, float, dict]:
@@ -82,10 +89,10 @@ def quantile_ci(
     deff = float(max(var_cluster / var_iid, 1.0)) if var_iid > 0 else 1.0
     m = max(int(n / deff), 1)  # effective n
     a = (1 - level) / 2
+    need = min_effective_n(q, level)
     lo_rank, hi_rank = int(binom.ppf(a, m, q)), int(binom.ppf(1 - a, m, q)) + 1  # 1-based ranks among m
     lo = quantile(x, max(lo_rank, 1) / m * (1 - 1e-12)) if lo_rank >= 1 else float(x.min())
     hi = quantile(x, hi_rank / m) if hi_rank <= m else float("inf")
-    need = int(np.ceil(np.log(a) / np.log(q)))
     ev = {
         "n": n,
         "clusters": int(k),

@@ -369,6 +369,25 @@ def _check_engine(v: VariantSpec, where: str, fine_group_size: int | None = None
         raise ConfigError(f"{where}: {why}", hint=f"{keep}, or choose {row.serves}")
 
 
+def _unpassable_splits(spec: PipelineSpec, gates) -> list[ConfigError]:
+    """A gated KL quantile that the split it is scored on is too small to pass (gates/shadow.unpassable_quantiles):
+    the shadow split's gates under on_inconclusive: block, and a searched variant's points, which count only if
+    they pass."""
+    from qgate.gates.shadow import more_positions_hint, unpassable_quantiles
+
+    splits = {"shadow_size": spec.calibrate.shadow_size} if gates.on_inconclusive == "block" else {}
+    if spec.calibrate.search_size and any(v.search is not None for v in spec.variants):
+        splits["search_size"] = spec.calibrate.search_size
+    return [
+        ConfigError(
+            f"{why} (calibrate.{key}: {n}): such a check can fail but never pass",
+            hint=more_positions_hint(gates.shadow, f"calibrate.{key}"),
+        )
+        for key, n in splits.items()
+        for why in unpassable_quantiles(gates.shadow, n)
+    ]
+
+
 def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
     """Fail at load time, not an hour in: scheme names, option names, thresholds, unique variant names. Every section
     and every variant is checked, so one load reports each problem, not only the first."""
@@ -416,7 +435,9 @@ def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
             for p in e.problems:
                 msg = p.message if p.message.startswith("variants[") else f"{key_path('variants', i)}: {p.message}"
                 problems.append(ConfigError(f"{msg} (variant {v.name})", hint=p.hint))
-    check(spec.gate_config)
+    gates = check(spec.gate_config)
+    if gates is not None:
+        problems += _unpassable_splits(spec, gates)
     check(spec.drift_config)
     alias = spec.drift.get("alias")
     problems += name_problems(
