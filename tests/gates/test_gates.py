@@ -325,6 +325,11 @@ def test_a_tail_too_thin_to_bound_says_how_many_more_values_would_bound_it():
     assert row.n_to_decide == ev["n_to_bound"] == ev["clusters_to_bound"] == -(-200 * 368 // ev["n_effective"])
     said = f"about {row.n_to_decide} prompts ({row.n_to_decide} values) would"
     assert said in row.line() and "may not decide" not in row.line() and said in report._row(row.to_dict())
+    from qgate.gates.markdown import version_description
+
+    doc = {"candidate": {"name": "c"}, "verdict": "inconclusive", "inputs": {}, "results": [row.to_dict()]}
+    md = version_description(doc, {}, "runs:/x").split("**Undecided**\n\n")[1].split("\n\n")[0]
+    assert md == f"- `shadow.kl_p99`: ~{row.n_to_decide} items would decide it; {ev['unbounded_because']}"
     more = rng.exponential(0.01, row.n_to_decide)  # that many values of the same traffic decide it
     lo, hi, ev = quantile_ci(more, np.arange(more.size), 0.99)
     assert (

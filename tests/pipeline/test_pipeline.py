@@ -358,8 +358,11 @@ def test_gate_cli_exit_code_2_on_failure(base_art, awq_art, calib_arts, tmp_path
 
 
 @pytest.mark.parametrize("mode, rc", [("block", 2), ("warn", 0)])
-def test_inconclusive_check_blocks_or_warns(base_art, awq_art, calib_arts, tmp_path, capsys, mode, rc):
-    """A threshold 5% above the observed value, well inside its CI: the check is INCONCLUSIVE."""
+def test_inconclusive_check_blocks_or_warns(base_art, awq_art, calib_arts, tmp_path, capsys, monkeypatch, mode, rc):
+    """A threshold 5% above the observed value, well inside its CI: the check is INCONCLUSIVE, and the CI job summary
+    says what would decide it."""
+    summary = tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
 
     def gate(shadow, **gates):
         spec = pipeline_spec(
@@ -406,6 +409,8 @@ def test_inconclusive_check_blocks_or_warns(base_art, awq_art, calib_arts, tmp_p
     out = capsys.readouterr()
     line = next(x for x in out.out.splitlines() if "shadow.kl_mean =" in x)
     assert line.split()[0] == "INCONCLUSIVE" and "items would decide it" in line and "mde=" in line
+    undecided = summary.read_text().rsplit("**Undecided**\n\n", 1)[1].splitlines()
+    assert undecided[0].startswith("- `shadow.kl_mean`: ~") and undecided[0].endswith(" items would decide it")
     report = json.loads((tmp_path / "g/report.json").read_text())
     assert report["verdict"] == "inconclusive" and report["passed"] is (mode == "warn")
     if mode == "block":

@@ -85,13 +85,16 @@ def gate_doc(art, report: dict, candidate: str):
 def ci_outputs(o: Output, reports: dict[str, dict], junit: Path | None) -> None:
     """JUnit file and GitHub job summary for these gate reports (name -> report.json content)."""
     from qgate.cli.output import step_summary, write_junit
-    from qgate.gates.markdown import ICON, checks_table
+    from qgate.gates.markdown import ICON, checks_table, undecided
 
     if junit is not None:
         o.say(f"junit: {write_junit(junit, {k: GateReport.from_json(r) for k, r in reports.items()})}")
     step_summary(
         "\n\n".join(
-            f"### qgate gate {name}: {ICON.get(r['verdict'], r['verdict'])}\n\n{checks_table(r['results'])}"
+            "\n\n".join(
+                [f"### qgate gate {name}: {ICON.get(r['verdict'], r['verdict'])}", checks_table(r["results"])]
+                + (["**Undecided**", "\n".join(lines)] if (lines := undecided(r["results"])) else [])
+            )
             for name, r in reports.items()
         )
     )
