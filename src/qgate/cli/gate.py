@@ -89,15 +89,12 @@ def ci_outputs(o: Output, reports: dict[str, dict], junit: Path | None) -> None:
 
     if junit is not None:
         o.say(f"junit: {write_junit(junit, {k: GateReport.from_json(r) for k, r in reports.items()})}")
-    step_summary(
-        "\n\n".join(
-            "\n\n".join(
-                [f"### qgate gate {name}: {ICON.get(r['verdict'], r['verdict'])}", checks_table(r["results"])]
-                + (["**Undecided**", "\n".join(lines)] if (lines := undecided(r["results"])) else [])
-            )
-            for name, r in reports.items()
-        )
-    )
+    sections = []
+    for name, r in reports.items():
+        sections += [f"### qgate gate {name}: {ICON.get(r['verdict'], r['verdict'])}", checks_table(r["results"])]
+        if open_checks := undecided(r["results"]):
+            sections.append(open_checks)
+    step_summary("\n\n".join(sections))
 
 
 def raise_unless_passed(art, what: str) -> None:

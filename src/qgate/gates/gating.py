@@ -327,7 +327,7 @@ def run_gates(
         raise InputError(
             f"{shadow.path}: {'; '.join(why)}: such a check can fail but never pass, so under gates.on_inconclusive: "
             "block no candidate could pass this gate",
-            hint=more_positions_hint(cfg.shadow, "qgate calibrate sample --shadow-size"),
+            hint=more_positions_hint("qgate calibrate sample --shadow-size"),
         )
     check_held_out(candidate, shadow, checkpoint)
     results = contract_gate(candidate, baseline, rows, cfg.contract)

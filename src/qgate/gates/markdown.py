@@ -1,7 +1,7 @@
 """Gate evidence as Markdown: the MLflow version description and the CI job summary read the same tables.
 
 md = checks_table(report["results"])                 # one row per check: verdict, observed, CI, threshold, n, mde
-lines = undecided(report["results"])                 # what would decide each INCONCLUSIVE check
+md = undecided(report["results"])                    # what would decide each INCONCLUSIVE check ("" for none)
 md = version_description(report, candidate_meta, "runs:/<id>/gate-report/report.html")
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from qgate.gates.result import GateReport, caveats
+from qgate.gates.result import GateReport, caveats, decide_notes
 
 ICON = {"pass": "✅ PASS", "fail": "❌ FAIL", "inconclusive": "⚠️ INCONCLUSIVE", "error": "⛔ ERROR", "info": "ℹ️ info"}
 
@@ -40,18 +40,17 @@ def checks_table(results: list[dict], gated_only: bool = False) -> str:
     return "\n".join(rows)
 
 
-def undecided(results: list[dict]) -> list[str]:
-    """One Markdown list item per INCONCLUSIVE check: what would decide it, as far as its evidence says (roughly how
-    many items, why its interval is unbounded, what the guard saw)."""
-    out = []
+def undecided(results: list[dict]) -> str:
+    """An "Undecided" section, one list item per INCONCLUSIVE check saying what would decide it as far as its evidence
+    says (result.decide_notes, and what a guard saw); "" when no check is inconclusive."""
+    items = []
     for r in results:
-        if r["verdict"] != "inconclusive":
-            continue
-        ev = r.get("evidence") or {}
-        said = [f"~{r['n_to_decide']} items would decide it"] if r.get("n_to_decide") else []
-        said += [x for x in (ev.get("unbounded_because"), ev.get("why")) if x]
-        out.append(f"- `{r['gate']}.{r['metric']}`: " + ("; ".join(said) or "its 95% interval straddles the threshold"))
-    return out
+        if r["verdict"] == "inconclusive":
+            said = decide_notes(r) + ([why] if (why := (r.get("evidence") or {}).get("why")) else [])
+            items.append(
+                f"- `{r['gate']}.{r['metric']}`: {'; '.join(said) or 'its 95% interval straddles the threshold'}"
+            )
+    return "**Undecided**\n\n" + "\n".join(items) if items else ""
 
 
 def version_description(report: dict, meta: dict, report_uri: str) -> str:
@@ -77,7 +76,7 @@ def version_description(report: dict, meta: dict, report_uri: str) -> str:
     info = [r for r in report["results"] if r["threshold"] is None and r["gate"] in ("parity", "perf")]
     parts = [head, "", checks_table(report["results"], gated_only=True), ""]
     if open_checks := undecided(report["results"]):
-        parts += ["**Undecided**", "", *open_checks, ""]
+        parts += [open_checks, ""]
     if scored:
         parts += [
             f"Shadow gate: {scored.get('prompts')} held-out traffic prompts, {scored.get('gated_positions')} gated "

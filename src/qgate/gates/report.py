@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qgate.gates.result import GateReport
+from qgate.gates.result import GateReport, decide_notes
 
 KL_FLOOR = 1e-8  # the histogram's log axis clips smaller per-token KL values (exact agreement) to this
 COLORS = {"pass": "#228833", "fail": "#cc3311", "inconclusive": "#ee7733", "error": "#aa3377", "info": "#777777"}
@@ -129,10 +129,9 @@ def _row(r: dict) -> str:
     ci = f"[{num(r['ci'][0])}, {num(r['ci'][1])}]" if r["ci"] else ""
     thr = "" if r["threshold"] is None else ("&ge; " if r["higher_is_better"] else "&le; ") + num(r["threshold"])
     verdict = r["verdict"]
-    note = f"~{r['n_to_decide']} items would decide it" if r.get("n_to_decide") else r["evidence"].get("error", "")
-    unbounded = r["evidence"].get("unbounded_because", "")
     why = r["evidence"].get("why", "") if verdict != "pass" else ""
-    note = "; ".join(x for x in (note, unbounded, why, r["evidence"].get("caveat", "")) if x)
+    notes = (r["evidence"].get("error", ""), *decide_notes(r), why, r["evidence"].get("caveat", ""))
+    note = "; ".join(x for x in notes if x)
     cells = (
         verdict.upper(),
         r["gate"],

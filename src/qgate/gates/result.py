@@ -219,6 +219,13 @@ def _mde(ci: tuple[float, float] | None) -> float | None:
     return (ci[1] - ci[0]) / (2 * Z95) * (Z95 + Z80)
 
 
+def decide_notes(r: dict) -> list[str]:
+    """What a check's row says would decide it (report.json's form of a GateResult): roughly how many items
+    (`n_to_decide`), and why its interval is unbounded (stats.quantile_ci)."""
+    n, unbounded = r.get("n_to_decide"), (r.get("evidence") or {}).get("unbounded_because")
+    return ([f"~{n} items would decide it"] if n else []) + ([unbounded] if unbounded else [])
+
+
 def _n_to_decide(observed: float, threshold: float, ci: tuple[float, float] | None, n: int) -> int | None:
     """Half-width shrinks as 1/sqrt(n): the n at which it would equal the distance to the threshold."""
     if ci is None or not all(math.isfinite(x) for x in ci) or n <= 0:

@@ -198,7 +198,7 @@ def greedy_scored(runner, prompts: list[list[int]], max_new_tokens: int, top_k: 
     return results
 
 
-QUANTILES = {"kl_p99_max": 0.99, "kl_p999_max": 0.999}  # the gated KL quantiles and their q
+QUANTILES = {"kl_p99": 0.99, "kl_p999": 0.999}  # the KL quantile checks and their q; thresholds: <name>_max
 
 
 def unpassable_quantiles(cfg: ShadowConfig, prompts: int) -> list[str]:
@@ -210,15 +210,15 @@ def unpassable_quantiles(cfg: ShadowConfig, prompts: int) -> list[str]:
     per = cfg.max_new_tokens + (cfg.max_prompt_tokens if PROMPT in POSITION_SETS[cfg.positions] else 0)
     out = []
     for name, q in QUANTILES.items():
-        if getattr(cfg, name) is not None and prompts * per < (need := min_effective_n(q)):
+        if getattr(cfg, f"{name}_max") is not None and prompts * per < (need := min_effective_n(q)):
             out.append(
-                f"gates.shadow.{name}: p{100 * q:g} needs at least {need} scored positions for its 95% interval to "
+                f"gates.shadow.{name}_max: p{100 * q:g} needs at least {need} scored positions for its 95% interval to "
                 f"have an upper end, and {prompts} prompts give at most {prompts * per} ({per} per prompt)"
             )
     return out
 
 
-def more_positions_hint(cfg: ShadowConfig, size_flag: str) -> str:
+def more_positions_hint(size_flag: str) -> str:
     """What to change when unpassable_quantiles names a check: the split's prompts (`size_flag`), the tokens gated
     per prompt, or the check itself."""
     return (
@@ -453,7 +453,7 @@ def kl_top1_checks(
             evidence=evidence,
         )
     ]
-    for q, name in ((0.99, "kl_p99"), (0.999, "kl_p999")):
+    for name, q in QUANTILES.items():
         lo, hi, ev = quantile_ci(kl, cl, q, cluster_name="prompts")
         out.append(
             GateResult.check(

@@ -381,7 +381,7 @@ def _unpassable_splits(spec: PipelineSpec, gates) -> list[ConfigError]:
     return [
         ConfigError(
             f"{why} (calibrate.{key}: {n}): such a check can fail but never pass",
-            hint=more_positions_hint(gates.shadow, f"calibrate.{key}"),
+            hint=more_positions_hint(f"calibrate.{key}"),
         )
         for key, n in splits.items()
         for why in unpassable_quantiles(gates.shadow, n)

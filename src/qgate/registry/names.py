@@ -23,7 +23,7 @@ def name_problems(
     where: dict[str, str] | None = None,
 ) -> list[ConfigError]:
     """One ConfigError per value MLflow would refuse; `where` names each value's key path or flag (default: what it
-    is, e.g. "alias"). None where MLflow is not importable: nothing can be registered there, and what registers
+    is, e.g. "alias"). No problems where MLflow is not importable: nothing can be registered there, and what registers
     refuses first (require_mlflow), while a command that never touches the registry (a gate) runs."""
     try:
         from mlflow.exceptions import MlflowException
