@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tiny
 
-from qgate.errors import ConfigError, InputError
+from qgate.errors import BackendUnavailable, ConfigError, InputError
 from qgate.gates import report
 from qgate.gates.evalgate import EvalConfig, eval_gate, task_config
 from qgate.gates.gating import GateConfig, run_gates
@@ -393,6 +393,32 @@ def test_paired_accuracy_interval_never_has_zero_width_and_covers():
         _, lo, hi = paired_binary_ci(base, cand)
         hits += lo <= -0.02 <= hi
     assert 0.93 <= hits / 2000 <= 0.975  # nominal 95%
+
+
+def test_time_ratio_interval_covers_at_three_passes_a_side():
+    """The perf check's interval: a ratio of geometric-mean times with a t interval on log times. Run-to-run jitter
+    of 5% and 3% (log-normal) on three passes a side, a true speed-up of 1.3: nominal 95% coverage, read apart
+    (Welch) and, with a host speed that drifts 20% between rounds, in turn (paired), where the drift cancels; two
+    equal sets of times give an interval centred on 1."""
+    from qgate.gates.stats import time_ratio_ci
+
+    rng = np.random.default_rng(3)
+    hits, widths = {"apart": 0, "in turn": 0}, []
+    for _ in range(2000):
+        base, cand = 13.0 * np.exp(rng.normal(0, 0.05, 3)), 10.0 * np.exp(rng.normal(0, 0.03, 3))
+        ratio, lo, hi = time_ratio_ci(base, cand)
+        hits["apart"] += lo <= 1.3 <= hi
+        assert lo < ratio < hi
+        drift = np.exp(rng.normal(0, 0.2, 3))  # the host's speed over the rounds, shared by a round's two passes
+        _, lo, hi = time_ratio_ci(base * drift, cand * drift, paired=True)
+        hits["in turn"] += lo <= 1.3 <= hi
+        _, lo_w, hi_w = time_ratio_ci(base * drift, cand * drift)  # the same passes read apart: drift widens it
+        widths.append(np.log(hi / lo) / np.log(hi_w / lo_w))
+    assert all(0.93 <= h / 2000 <= 0.975 for h in hits.values()), hits
+    assert np.median(widths) < 0.5, np.median(widths)
+    ratio, lo, hi = time_ratio_ci([1.0, 1.1, 0.9], [1.0, 1.1, 0.9])
+    assert abs(ratio - 1) < 1e-12 and abs(lo * hi - 1) < 1e-9 and 0.7 < lo < 0.85, (lo, hi)
+    assert np.isnan(time_ratio_ci([1.0], [1.0, 1.1])[1])  # one pass: no spread to read an interval from
 
 
 def test_cluster_bootstrap_covers_truth():
@@ -1157,15 +1183,31 @@ def test_perf_divides_times_from_one_card_or_cpu_and_measures_a_foreign_one_agai
         == f"not comparable: the baseline's time was measured on {h100}, the candidate's on {here}"
     )
 
-    floor, ref = {"baseline_score_seconds": 2.0, "timed_on": h100}, {"seq_lens": [5, 7], "score_seconds": 9.0}
+    floor = {"baseline_score_seconds": 2.0, "baseline_score_passes": [2.0, 2.1, 1.9], "timed_on": h100}
+    cand = [1.0, 1.02, 0.98]
+    apart = {"baseline": floor["baseline_score_passes"], "candidate": cand, "paired": False}
     tf, served = "teacher-forced", "served (answers as decode steps)"
-    r = _perf_check(floor, ref, 1.0, tf, "cpu-onnxruntime", here, PerfConfig(min_prefill_speedup=1.5))
+    r = _perf_check(floor, apart, tf, "cpu-onnxruntime", here, PerfConfig(min_prefill_speedup=1.5))
     assert r.verdict == "inconclusive" and not r.passed and h100 in r.line() and here in r.line(), r.line()
-    r = _perf_check(floor | {"timed_on": here}, ref, 1.0, served, "torch-int4", here, PerfConfig())
+    alone = {"baseline": [2.0], "candidate": [1.0], "paired": False}
+    r = _perf_check(floor | {"timed_on": here}, alone, served, "torch-int4", here, PerfConfig())
     assert r.verdict == "info" and "time is its served (answers as decode steps) scoring" in r.line(), r.line()
-    for limit, verdict in ((1.5, "pass"), (3.0, "fail")):
-        r = _perf_check(floor | {"timed_on": here}, ref, 1.0, tf, "cpu-onnxruntime", here, PerfConfig(limit))
-        assert (r.verdict, r.observed, r.decided_on) == (verdict, 2.0, "point")
+    floor |= {"timed_on": here}
+    for limit, verdict in ((1.5, "pass"), (2.5, "fail"), (2.1, "inconclusive")):  # Welch: CI [1.79, 2.23]
+        r = _perf_check(floor, apart, tf, "cpu-onnxruntime", here, PerfConfig(limit))
+        assert (r.verdict, r.decided_on, r.n) == (verdict, "ci", 3) and 1.78 < r.ci[0] < 1.8 < 2.22 < r.ci[1] < 2.24
+        assert abs(r.observed - 2.0) < 0.01 and r.evidence["candidate_score_passes"] == cand, r
+        assert "apart from the candidate" in r.evidence["caveat"], r.evidence  # drift between them is not in it
+    assert "~14 timed passes of each model would decide it" in r.line(), r.line()
+    in_turn = apart | {"paired": True}  # the same passes timed in turn: their ratios 2.0, 2.06, 1.94
+    r = _perf_check(floor, in_turn, tf, "cpu-onnxruntime", here, PerfConfig(2.2))
+    assert r.verdict == "fail" and 1.85 < r.ci[0] < r.ci[1] < 2.16 and "caveat" not in r.evidence, r
+    assert _perf_check(floor, apart, tf, "cpu-onnxruntime", here, PerfConfig(2.2)).verdict == "inconclusive"
+    for bad in (1, 2.5, True):  # one pass has no spread; a count is a whole number
+        with pytest.raises(ConfigError, match="gates.perf.repeats"):
+            PerfConfig(min_prefill_speedup=1.5, repeats=bad)
+    r = _perf_check(floor, apart | {"candidate": cand[:1]}, tf, "cpu-onnxruntime", here, PerfConfig(1.5))
+    assert r.verdict == "inconclusive" and "one timed pass" in r.line(), r.line()  # no spread on one side
 
 
 def test_a_time_on_a_slice_of_a_card_is_not_one_on_the_whole_card(monkeypatch):
@@ -1183,12 +1225,13 @@ def test_a_time_on_a_slice_of_a_card_is_not_one_on_the_whole_card(monkeypatch):
     assert timing_host(torch.device("cuda")) != whole
 
 
-def test_perf_times_each_side_after_a_warm_up_batch(base_art, calib_arts, workdir, monkeypatch):
+def test_perf_times_both_models_in_turn_warm_or_says_they_were_timed_apart(base_art, calib_arts, workdir, monkeypatch):
     """A runner's first forward pays for what later ones reuse (on a GPU: CUDA's lazy module loading, cuBLAS handles,
-    the allocator's growth). The prefill speed-up divides the baseline's time by the candidate's, and a candidate is
-    scored in a fresh process against a baseline timed in another: when the check gates, each side is timed after one
-    untimed batch, so a first forward that costs seconds is in neither time. A floor cached report-only (timed cold)
-    is measured again warm."""
+    the allocator's growth), and a host's speed drifts between processes. When the perf check gates, the baseline is
+    loaded again beside the candidate and the two are timed in turn, each after one untimed batch, so neither a first
+    forward that costs seconds nor a drift between the baseline's process and the candidate's is in the speed-up. A
+    baseline that does not fit beside the candidate is timed apart, with its noise floor (a floor cached report-only,
+    timed cold, or in fewer passes, is measured again), and the row carries a caveat saying so."""
     import time
 
     from qgate.engines.runners import TorchRunner
@@ -1215,16 +1258,45 @@ def test_perf_times_each_side_after_a_warm_up_batch(base_art, calib_arts, workdi
 
     report, perf = gate(PerfConfig(), "g-cold")  # report-only: no extra batch, both times cold here
     assert perf["verdict"] == "info" and perf["evidence"]["timed_after_warm_up"] is False
-    assert report["noise_floor"]["warm_up"] is False and "candidate_warm_up" not in report["timings"]
+    assert report["noise_floor"]["warm_up"] is False and "perf" not in report["timings"]
     assert len(first_calls) == 2 and perf["evidence"]["candidate_score_seconds"] > cold_s, first_calls
 
     report, perf = gate(PerfConfig(min_prefill_speedup=0.01), "g-warm")  # times of ~30 ms: a loose threshold
     ev = perf["evidence"]
     assert report["noise_floor"]["cached"] is False and report["noise_floor"]["warm_up"] is True, report["noise_floor"]
-    assert len(first_calls) == 4, first_calls  # the baseline's noise floor and the candidate: one cold call each
-    assert ev["baseline_score_seconds"] < cold_s and ev["candidate_score_seconds"] < cold_s, ev
-    assert ev["timed_after_warm_up"] is True and report["timings"]["candidate_warm_up"] > cold_s
-    assert perf["verdict"] == "pass" and perf["decided_on"] == "point", perf
+    assert len(report["noise_floor"]["baseline_score_passes"]) == 3, report["noise_floor"]
+    assert len(first_calls) == 5, first_calls  # the noise floor's baseline, the candidate, the baseline in turn
+    assert ev["timed"] == "in turn, in this process" and ev["timed_after_warm_up"] is True and "caveat" not in ev
+    assert len(ev["baseline_score_passes"]) == len(ev["candidate_score_passes"]) == 3, ev  # gates.perf.repeats
+    assert max(ev["baseline_score_passes"] + ev["candidate_score_passes"]) < cold_s, ev  # each pass timed warm
+    assert ev["baseline_score_passes"] != report["noise_floor"]["baseline_score_passes"], ev
+    assert perf["verdict"] == "pass" and perf["decided_on"] == "ci" and perf["n"] == 3, perf
+    assert report["timings"]["perf"] > cold_s  # the baseline's load and first forward are the gate's time
+
+    import qgate.device
+    import qgate.gates.gating as gating
+
+    shadow_gate, fits, loaded = gating.run_shadow, qgate.device.check_model_fits, []
+
+    def candidate_loaded(runner, *args, **kwargs):
+        loaded.append(runner)
+        return shadow_gate(runner, *args, **kwargs)
+
+    def only_one_fits(device, path, *args, **kwargs):
+        if loaded:  # a model is loaded already: the baseline does not fit beside it
+            raise BackendUnavailable(f"{path}: its weights take 1 GiB on cpu, which has 0 B available", hint="gate")
+        return fits(device, path, *args, **kwargs)
+
+    monkeypatch.setattr(gating, "run_shadow", candidate_loaded)
+    monkeypatch.setattr(qgate.device, "check_model_fits", only_one_fits)
+    report, perf = gate(PerfConfig(min_prefill_speedup=0.01, repeats=4), "g-apart")  # a floor with too few passes
+    ev, floor = perf["evidence"], report["noise_floor"]
+    assert floor["cached"] is False and ev["baseline_score_passes"] == floor["baseline_score_passes"], (ev, floor)
+    assert len(ev["baseline_score_passes"]) == len(ev["candidate_score_passes"]) == 4, ev
+    assert ev["timed"].startswith("apart") and max(ev["candidate_score_passes"]) < cold_s, ev
+    assert "before the candidate loaded, apart from the candidate (the baseline does not fit beside" in ev["caveat"]
+    assert "0 B available)" in ev["caveat"] and "\n" not in ev["caveat"], ev["caveat"]  # one line, no hint
+    assert perf["verdict"] == "pass" and perf["decided_on"] == "ci", perf
 
 
 def test_lm_eval_templates_compile_once_and_render_as_before():

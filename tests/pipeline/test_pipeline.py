@@ -415,6 +415,7 @@ def test_inconclusive_check_blocks_or_warns(base_art, awq_art, calib_arts, tmp_p
     assert report["verdict"] == "inconclusive" and report["passed"] is (mode == "warn")
     if mode == "block":
         assert "refused: gate inconclusive" in out.err and "on_inconclusive: block" in out.err
+        assert f"what would decide it: shadow.kl_mean: {undecided[0].split(': ', 1)[1]}; or set" in out.err, out.err
     else:
         assert "warning: inconclusive checks passed under on_inconclusive: warn: kl_mean" in out.err
 

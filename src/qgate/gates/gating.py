@@ -17,7 +17,7 @@ from pathlib import Path
 from qgate.artifact import Artifact, engine_checkpoint, sha256_json, sha256_tree, typed_config
 from qgate.cache import read_cached, write_cached
 from qgate.engines.protocol import ScoresServed
-from qgate.errors import ConfigError, InputError
+from qgate.errors import BackendUnavailable, ConfigError, InputError
 from qgate.execute import releases
 from qgate.gates.contract import ContractConfig, contract_gate
 from qgate.gates.evalgate import SCORES_VERSION, TASK_DIR, EvalConfig, eval_gate, run_tasks
@@ -38,21 +38,34 @@ from qgate.gates.shadow import (
     run_shadow,
     unpassable_quantiles,
 )
+from qgate.gates.stats import time_ratio_ci
 
 
 @dataclass(frozen=True)
 class PerfConfig:
-    min_prefill_speedup: float | None = None  # candidate vs baseline teacher-forced scoring throughput
-    VERSION = 1
+    min_prefill_speedup: float | None = None  # candidate vs baseline teacher-forced scoring throughput, 95% CI
+    repeats: int = 3  # timed scoring passes of each model when the check gates: its interval comes from their spread
+    VERSION = 2
 
     def __post_init__(self):
         check_threshold_values("gates.perf", self, {"min_prefill_speedup": POSITIVE})
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 2:
+            raise ConfigError(
+                f"gates.perf.repeats must be a whole number >= 2, got {self.repeats!r}",
+                hint="the speed-up's interval is read from the spread of each model's timed passes: one pass has none",
+            )
 
     @property
     def gates(self) -> bool:
         """Whether the check decides (a threshold is set): then both its times must be comparable, taken on this card
-        or CPU and warm (after one untimed batch); report-only, the times the shadow gate took anyway are reported."""
+        or CPU, warm (after one untimed batch), and `repeats` times each; report-only, the times the shadow gate took
+        anyway are reported."""
         return self.min_prefill_speedup is not None
+
+    @property
+    def passes(self) -> int:
+        """Timed scoring passes of each model: `repeats` when the check gates, else the one the shadow gate makes."""
+        return self.repeats if self.gates else 1
 
 
 @dataclass(frozen=True)
@@ -84,7 +97,7 @@ class GateConfig:
     stop_on_fail: bool = False  # after a decided FAIL on shadow, parity or perf, skip long context and eval
     device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
     dtype: str = "auto"  # reference checkpoints' compute dtype: auto (float32 on CPU, served dtype on CUDA)
-    VERSION = 12  # of the report's layout and the gates' rules; what changed in each is in git
+    VERSION = 13  # of the report's layout and the gates' rules; what changed in each is in git
 
     def __post_init__(self):
         from qgate.device import check_device, check_dtype
@@ -236,7 +249,7 @@ def baseline_floor(
     cache_dir = runner.cache(cache_dir)
     ref, hit = baseline_reference(runner, baseline, shadow, cfg.shadow, cache_dir)
     here = timing_host(resolve_device(cfg.device)) if cfg.perf.gates else None
-    floor = noise_floor(runner, baseline, shadow, ref, cfg.shadow, cache_dir, timed_on=here)
+    floor = noise_floor(runner, baseline, shadow, ref, cfg.shadow, cache_dir, timed_on=here, passes=cfg.perf.passes)
     check_thresholds(cfg.shadow, floor)
     return ref, floor, hit
 
@@ -460,25 +473,22 @@ def _score(
     t = time.perf_counter()
     cand = load_runner(candidate, cfg.device, cfg.dtype)
     timings["candidate_load"] = time.perf_counter() - t
-    check = run_shadow(cand, ref, cfg.shadow, warm_up=cfg.perf.gates and not isinstance(cand, ScoresServed))
+    check = run_shadow(cand, ref, cfg.shadow)
     m, results, scored, gated = check.metrics, list(check.results), check.scored, check.gated
     timings["candidate_shadow"] = m["score_seconds"]
-    if m["warm_up_seconds"]:
-        timings["candidate_warm_up"] = m["warm_up_seconds"]
     if parity:
         t = time.perf_counter()
         results += _parity(cand, ckpt, side, ref, gated, cfg)
         timings["parity"] = parity_s + time.perf_counter() - t
     scored_on = timing_host(getattr(cand, "device", None))  # an onnxruntime engine has none: the CPU
-    cand_s, how = m["score_seconds"], "teacher-forced"
-    if isinstance(cand, ScoresServed):  # its shadow scoring decoded the answers: timed again as the baseline was
-        if cfg.perf.gates:
-            tf = candidate_metrics(cand, ref, "perf: candidate teacher-forced", served=False, warm_up=True)
-            cand_s = timings["candidate_teacher_forced"] = tf["score_seconds"]
-            timings["candidate_warm_up"] = tf["warm_up_seconds"]
-        else:
-            how = "served (answers as decode steps)"
-    results.append(_perf_check(floor, ref, cand_s, how, cand.kind, scored_on, cfg.perf))
+    how = "served (answers as decode steps)" if isinstance(cand, ScoresServed) else "teacher-forced"
+    if cfg.perf.gates:  # timed again teacher-forced, as the baseline is
+        t = time.perf_counter()
+        times, how = _perf_times(cand, baseline, ref, floor, cfg), "teacher-forced"
+        timings["perf"] = time.perf_counter() - t
+    else:
+        times = {"baseline": _floor_passes(floor, ref)[:1], "candidate": [m["score_seconds"]], "paired": False}
+    results.append(_perf_check(floor, times, how, cand.kind, scored_on, cfg.perf))
     stopped = _stopped(results, cfg)
     long_cov = None
     if lref is not None and stopped is None:
@@ -507,43 +517,104 @@ def _score(
     return results, record, m | {"gated": gated}
 
 
-def _perf_check(
-    floor: dict, ref: dict, cand_s: float, how: str, runtime: str, cand_on: str, cfg: PerfConfig
-) -> GateResult:
-    """The candidate's teacher-forced scoring throughput on the shadow sequences (`cand_s` seconds, scored `how`)
-    against the baseline's, the noise floor's time on the same scoring path (cached: measured in an earlier run). When
-    the check gates, each is timed after one untimed batch (shadow.candidate_metrics' warm_up), so neither pays for a
-    first forward (a candidate is scored in a fresh process, against a baseline timed in another); report-only, the
-    candidate's is its first pass after loading. Two times are evidence only when they time the same work on the same
-    card or CPU (`cand_on` and the floor's `timed_on`, device.timing_host): otherwise, as for an engine on the CPU
-    against a baseline on a GPU, the check is INCONCLUSIVE and says why; report-only, an engine's served scoring is
-    reported as such."""
-    base_s = float(floor.get("baseline_score_seconds", ref["score_seconds"]))
-    speedup = base_s / cand_s if cand_s > 0 else float("nan")
-    base_on = floor.get("timed_on")
+def _floor_passes(floor: dict, ref: dict) -> list[float]:
+    """The baseline's timed teacher-forced passes recorded with its noise floor (one, in a floor cached before it
+    recorded passes; the reference's own time where a floor recorded none)."""
+    passes = floor.get("baseline_score_passes") or [floor.get("baseline_score_seconds", ref["score_seconds"])]
+    return [float(x) for x in passes]
+
+
+def _perf_times(cand, baseline: Artifact, ref: dict, floor: dict, cfg: GateConfig) -> dict:
+    """The times the perf check divides when it gates: each model's teacher-forced scoring of the shadow sequences,
+    `cfg.perf.repeats` timed passes each, each side warm (one untimed batch before its first).
+
+    In turn (`paired`): the baseline is loaded again beside the candidate, and the two are timed pass by pass,
+    alternating which goes first, so a host that runs faster or slower as the gate goes on moves both alike. Apart:
+    when the baseline does not fit beside the candidate (BackendUnavailable before it loads, or CUDA running out of
+    memory as it scores), the candidate's passes against the baseline's recorded with its noise floor, timed before
+    the candidate loaded or in an earlier run (`apart_because` says why)."""
+    base = _LazyRunner(baseline, cfg.device, cfg.dtype)
+    b_s: list[float] = []
+    c_s: list[float] = []
+    try:
+        for k in range(cfg.perf.repeats):
+            turn = ((base, b_s, "baseline"), (lambda: cand, c_s, "candidate"))
+            for runner, into, who in turn if k % 2 == 0 else turn[::-1]:
+                desc = f"perf: {who}, pass {k + 1}/{cfg.perf.repeats} in turn"
+                into.append(candidate_metrics(runner(), ref, desc, served=False, warm_up=k == 0)["score_seconds"])
+        return {"baseline": b_s, "candidate": c_s, "paired": True}
+    except BackendUnavailable as e:  # raised before the baseline loads
+        why = f"the baseline does not fit beside the candidate: {e.message}"
+    except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
+        if "out of memory" not in str(e):
+            raise
+        why = f"the baseline ran out of memory beside the candidate: {str(e).splitlines()[0]}"
+    finally:
+        base.release()
+    c_s = candidate_metrics(cand, ref, "perf: candidate apart", served=False, warm_up=True, passes=cfg.perf.repeats)[
+        "score_passes"
+    ]
+    return {"baseline": _floor_passes(floor, ref), "candidate": c_s, "paired": False, "apart_because": why}
+
+
+def _perf_check(floor: dict, times: dict, how: str, runtime: str, cand_on: str, cfg: PerfConfig) -> GateResult:
+    """The candidate's teacher-forced scoring throughput on the shadow sequences against the baseline's: the ratio of
+    their geometric-mean times (`times`: _perf_times' passes when the check gates; report-only, the noise floor's
+    first pass and the candidate's shadow scoring, `how` it scored). Gating, it is decided on its 95% interval
+    (stats.time_ratio_ci: paired when the two were timed in turn); two passes timed apart carry a caveat, since
+    their interval does not hold a host that ran faster or slower between them. Two times are evidence only when they
+    time the same work on the same card or CPU (`cand_on` and the floor's `timed_on`, device.timing_host): otherwise,
+    as for an engine on the CPU against a baseline on a GPU, the check is INCONCLUSIVE and says why; report-only, an
+    engine's served scoring is reported as such."""
+    base_s, cand_s, paired = times["baseline"], times["candidate"], times["paired"]
+    speedup, lo, hi = time_ratio_ci(base_s, cand_s, paired=paired)
+    base_on = cand_on if paired else floor.get("timed_on")
     evidence = {
-        "baseline_score_seconds": base_s,
-        "candidate_score_seconds": cand_s,
+        "baseline_score_seconds": base_s[0],
+        "candidate_score_seconds": cand_s[0],
+        "baseline_score_passes": base_s,
+        "candidate_score_passes": cand_s,
+        "timed": "in turn, in this process" if paired else "apart: the baseline with its noise floor",
         "candidate_scoring": how,
         "candidate_runtime": runtime,
-        "baseline_timing_from_cache": bool(floor.get("cached")),
+        "baseline_timing_from_cache": not paired and bool(floor.get("cached")),
         "baseline_timed_on": base_on,
         "candidate_timed_on": cand_on,
         "timed_after_warm_up": cfg.gates,
+        "n_counts": "timed passes of each model",
     }
+    if cfg.gates and not paired:
+        when = "in an earlier run" if floor.get("cached") else "before the candidate loaded"
+        evidence["caveat"] = (
+            f"the baseline was timed {when}, apart from the candidate ({times.get('apart_because', 'not in turn')}): "
+            "the interval does not hold a host that ran faster or slower between the two"
+        )
+    n = min(len(base_s), len(cand_s))
+    ci = (lo, hi) if n >= 2 else None
     result = GateResult.check(
-        "perf", "prefill_speedup", speedup, cfg.min_prefill_speedup, True, int(len(ref["seq_lens"])), evidence=evidence
+        "perf", "prefill_speedup", speedup, cfg.min_prefill_speedup, True, n, ci, evidence=evidence
     )
-    if result.verdict == "error" or (base_on == cand_on and how == "teacher-forced"):
+    comparable = base_on == cand_on and how == "teacher-forced"
+    if result.verdict == "info":
+        why = {} if comparable else {"why": _not_comparable(base_on, cand_on, how)}
+        return replace(result, evidence=evidence | why)
+    if result.verdict == "error":
         return result
+    if not comparable:
+        why = _not_comparable(base_on, cand_on, how)
+    elif ci is None:
+        why = "one timed pass of a model has no spread to read an interval from: time each gates.perf.repeats times"
+    else:
+        return result
+    return replace(result, verdict="inconclusive", passed=False, n_to_decide=None, evidence=evidence | {"why": why})
+
+
+def _not_comparable(base_on: str | None, cand_on: str, how: str) -> str:
+    """Why two perf times do not time the same work on the same card or CPU."""
     if base_on != cand_on:
         where = base_on or "a host the cache does not record"
-        why = f"not comparable: the baseline's time was measured on {where}, the candidate's on {cand_on}"
-    else:
-        why = f"not comparable: the candidate's time is its {how} scoring, the baseline's teacher-forced"
-    if result.verdict == "info":
-        return replace(result, evidence=evidence | {"why": why})
-    return replace(result, verdict="inconclusive", passed=False, evidence=evidence | {"why": why})
+        return f"not comparable: the baseline's time was measured on {where}, the candidate's on {cand_on}"
+    return f"not comparable: the candidate's time is its {how} scoring, the baseline's teacher-forced"
 
 
 def _stopped(results: list[GateResult], cfg: GateConfig) -> dict | None:

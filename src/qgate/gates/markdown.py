@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from qgate.gates.result import GateReport, caveats, decide_notes
+from qgate.gates.result import GateReport, caveats, what_decides
 
 ICON = {"pass": "✅ PASS", "fail": "❌ FAIL", "inconclusive": "⚠️ INCONCLUSIVE", "error": "⛔ ERROR", "info": "ℹ️ info"}
 
@@ -42,14 +42,8 @@ def checks_table(results: list[dict], gated_only: bool = False) -> str:
 
 def undecided(results: list[dict]) -> str:
     """An "Undecided" section, one list item per INCONCLUSIVE check saying what would decide it as far as its evidence
-    says (result.decide_notes, and what a guard saw); "" when no check is inconclusive."""
-    items = []
-    for r in results:
-        if r["verdict"] == "inconclusive":
-            said = decide_notes(r) + ([why] if (why := (r.get("evidence") or {}).get("why")) else [])
-            items.append(
-                f"- `{r['gate']}.{r['metric']}`: {'; '.join(said) or 'its 95% interval straddles the threshold'}"
-            )
+    says (result.what_decides); "" when no check is inconclusive."""
+    items = [f"- `{r['gate']}.{r['metric']}`: {what_decides(r)}" for r in results if r["verdict"] == "inconclusive"]
     return "**Undecided**\n\n" + "\n".join(items) if items else ""
 
 

@@ -34,11 +34,13 @@ def noise_floor(
     cfg: ShadowConfig,
     cache_dir: Path,
     timed_on: str | None = None,
+    passes: int = 1,
 ) -> dict:
-    """{"kl_mean", "kl_p99", "top1_agreement": {"observed", "ci"}, "path", "baseline_score_seconds", "timed_on",
-    "warm_up", "cached"}, cached by content hash. timed_on (device.timing_host), given when the perf check gates on
-    the time: it must have been measured there, after a warm-up batch (shadow.candidate_metrics); a cached floor timed
-    elsewhere (another card or CPU, or an unrecorded one) or cold is measured again and replaces it."""
+    """{"kl_mean", "kl_p99", "top1_agreement": {"observed", "ci"}, "path", "baseline_score_seconds",
+    "baseline_score_passes", "timed_on", "warm_up", "cached"}, cached by content hash. timed_on (device.timing_host),
+    given when the perf check gates on the time: it must have been measured there, after a warm-up batch, in at least
+    `passes` timed passes (shadow.candidate_metrics); a cached floor timed elsewhere (another card or CPU, or an
+    unrecorded one), cold or in fewer passes is measured again and replaces it."""
     key = sha256_json(
         {
             "baseline": baseline.sha256,
@@ -54,12 +56,16 @@ def noise_floor(
     path = Path(cache_dir) / f"noise-floor-{key[:24]}.json"
     if (data := read_cached(path)) is not None:
         cached = json.loads(data)
-        if timed_on is None or (cached.get("timed_on") == timed_on and cached.get("warm_up")):
+        timed = cached.get("timed_on") == timed_on and cached.get("warm_up")
+        if timed_on is None or (timed and len(cached.get("baseline_score_passes", ())) >= passes):
             return cached | {"cached": True}
     from qgate.device import timing_host
 
     runner = runner_factory()
-    m = candidate_metrics(runner, ref, desc="noise floor: baseline vs itself", warm_up=timed_on is not None)
+    gated = timed_on is not None
+    m = candidate_metrics(
+        runner, ref, desc="noise floor: baseline vs itself", warm_up=gated, passes=passes if gated else 1
+    )
     masks, _ = scoring_summary(ref, cfg)
     checks = kl_top1_checks(m, ref["prompt_of"], masks["gated"], None)
     floor = {r.metric: {"observed": r.observed, "ci": list(r.ci) if r.ci else None} for r in checks}
@@ -68,8 +74,9 @@ def noise_floor(
         f"{cfg.positions} positions"
     )
     floor["baseline_score_seconds"] = m["score_seconds"]
+    floor["baseline_score_passes"] = m["score_passes"]
     floor["timed_on"] = timing_host(getattr(runner, "device", None))
-    floor["warm_up"] = timed_on is not None
+    floor["warm_up"] = gated
     write_cached(path, json.dumps(floor).encode())
     return floor | {"cached": False}
 

@@ -199,11 +199,9 @@ class GateResult:
             extra += f"  mde={self.mde:.3g}"
         if self.decided_on == "holm-guard":
             extra += "  [guard: Holm-adjusted CI]"
-        if self.n_to_decide is not None:
-            extra += f"  ~{self.n_to_decide} items would decide it"
-        if self.verdict == "inconclusive" and self.evidence.get("unbounded_because"):
-            extra += f"  ({self.evidence['unbounded_because']})"
-        elif self.n_to_decide is None and self.verdict == "inconclusive" and not self.evidence.get("why"):
+        if self.verdict == "inconclusive" and (notes := decide_notes(self.to_dict())):
+            extra += "  " + "; ".join(notes)
+        elif self.verdict == "inconclusive" and not self.evidence.get("why"):
             extra += "  (unbounded CI or observed on the threshold: more items may not decide it)"
         if self.verdict == "error":
             extra += f"  ({self.evidence.get('error', 'could not run')})"
@@ -220,10 +218,19 @@ def _mde(ci: tuple[float, float] | None) -> float | None:
 
 
 def decide_notes(r: dict) -> list[str]:
-    """What a check's row says would decide it (report.json's form of a GateResult): roughly how many items
-    (`n_to_decide`), and why its interval is unbounded (stats.quantile_ci)."""
-    n, unbounded = r.get("n_to_decide"), (r.get("evidence") or {}).get("unbounded_because")
-    return ([f"~{n} items would decide it"] if n else []) + ([unbounded] if unbounded else [])
+    """What a check's row says would decide it (report.json's form of a GateResult): roughly how many of what its n
+    counts (`n_to_decide`; `evidence.n_counts`, items unless it says otherwise), and why its interval is unbounded
+    (stats.quantile_ci)."""
+    ev = r.get("evidence") or {}
+    n, unbounded = r.get("n_to_decide"), ev.get("unbounded_because")
+    return ([f"~{n} {ev.get('n_counts', 'items')} would decide it"] if n else []) + ([unbounded] if unbounded else [])
+
+
+def what_decides(r: dict) -> str:
+    """One line for an INCONCLUSIVE row: its decide_notes and the reason it gives (`evidence.why`), or, when its
+    evidence says neither, that its interval straddles the threshold."""
+    why = (r.get("evidence") or {}).get("why")
+    return "; ".join(decide_notes(r) + ([why] if why else [])) or "its 95% interval straddles the threshold"
 
 
 def _n_to_decide(observed: float, threshold: float, ci: tuple[float, float] | None, n: int) -> int | None:

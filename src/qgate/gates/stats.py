@@ -1,9 +1,10 @@
 """Paired statistics for gates: cluster bootstrap, clustered quantile intervals, exact McNemar, paired accuracy
-differences.
+differences, speed-ups from repeated timings.
 
 lo, hi = cluster_bootstrap(values, clusters, np.mean)
 lo, hi, ev = quantile_ci(values, clusters, 0.99)      # hi is inf when the sample cannot bound the tail
 min_effective_n(0.99)                                 # 368: fewer values can never bound p99 from above
+ratio, lo, hi = time_ratio_ci([2.0, 2.1, 1.9], [1.0, 1.02, 0.98])  # a speed-up from timed passes of each side
 """
 
 from __future__ import annotations
@@ -176,6 +177,31 @@ def paired_binary_ci(
     d, se = agresti_min(b, c)
     base = float(b.mean())  # the candidate's accuracy lies in [0, 1], so the difference in [-base, 1 - base]
     return float(c.mean()) - base, float(max(d - z * se, -base)), float(min(d + z * se, 1.0 - base))
+
+
+def time_ratio_ci(base_seconds, cand_seconds, paired: bool = False, level: float = 0.95) -> tuple[float, float, float]:
+    """A speed-up (baseline time / candidate time) from repeated timed passes of each: the ratio of their geometric
+    means, with a t interval on the log times (a time's jitter is multiplicative). paired: pass k of each side was
+    timed in turn with the other's, so a drift of the host over the passes cancels in their ratio (a paired t on the
+    log ratios); otherwise Welch's. (ratio, lo, hi); lo and hi are NaN when a side has fewer than two passes, whose
+    spread could not be read."""
+    from scipy.stats import t as student_t
+
+    lb, lc = np.log(np.asarray(base_seconds, float)), np.log(np.asarray(cand_seconds, float))
+    d = float(lb.mean() - lc.mean())
+    if min(len(lb), len(lc)) < 2:
+        return float(np.exp(d)), float("nan"), float("nan")
+    if paired:
+        diff = lb - lc
+        se, df = float(diff.std(ddof=1) / np.sqrt(len(diff))), len(diff) - 1
+    else:
+        vb, vc = lb.var(ddof=1) / len(lb), lc.var(ddof=1) / len(lc)
+        se = float(np.sqrt(vb + vc))
+        df = se**4 / (vb**2 / (len(lb) - 1) + vc**2 / (len(lc) - 1)) if se > 0 else 1  # Welch-Satterthwaite
+    if se == 0:
+        return float(np.exp(d)), float(np.exp(d)), float(np.exp(d))
+    half = float(student_t.ppf((1 + level) / 2, df)) * se
+    return float(np.exp(d)), float(np.exp(d - half)), float(np.exp(d + half))
 
 
 def holm(p_values: list[float]) -> list[float]:
