@@ -105,10 +105,9 @@ def raise_unless_passed(art, what: str) -> None:
         unscored = "" if report.scored else " (the serving contract; not scored: --score-anyway scores it)"
         raise GateFailed(f"gate failed for {what}: {', '.join(report.failed)}{unscored}", hint=evidence)
     if not report.passed:
-        from qgate.gates.result import what_decides
+        from qgate.gates.result import what_would_decide
 
-        open_checks = [r for r in report.results if r["verdict"] == "inconclusive"]
-        decides = "; ".join(f"{r['gate']}.{r['metric']}: {what_decides(r)}" for r in open_checks)
+        decides = "; ".join(f"{check}: {said}" for check, said in what_would_decide(list(report.results)).items())
         raise GateFailed(
             f"gate inconclusive for {what}: {', '.join(report.inconclusive)} (gates.on_inconclusive: block)",
             hint=f"{evidence}; what would decide it: {decides}; or set gates.on_inconclusive: warn",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from qgate.gates.result import GateReport, caveats, what_decides
+from qgate.gates.result import GateReport, caveats, what_would_decide
 
 ICON = {"pass": "✅ PASS", "fail": "❌ FAIL", "inconclusive": "⚠️ INCONCLUSIVE", "error": "⛔ ERROR", "info": "ℹ️ info"}
 
@@ -42,8 +42,8 @@ def checks_table(results: list[dict], gated_only: bool = False) -> str:
 
 def undecided(results: list[dict]) -> str:
     """An "Undecided" section, one list item per INCONCLUSIVE check saying what would decide it as far as its evidence
-    says (result.what_decides); "" when no check is inconclusive."""
-    items = [f"- `{r['gate']}.{r['metric']}`: {what_decides(r)}" for r in results if r["verdict"] == "inconclusive"]
+    says (result.what_would_decide); "" when no check is inconclusive."""
+    items = [f"- `{check}`: {said}" for check, said in what_would_decide(results).items()]
     return "**Undecided**\n\n" + "\n".join(items) if items else ""
 
 

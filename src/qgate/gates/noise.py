@@ -39,8 +39,8 @@ def noise_floor(
     """{"kl_mean", "kl_p99", "top1_agreement": {"observed", "ci"}, "path", "baseline_score_seconds",
     "baseline_score_passes", "timed_on", "warm_up", "cached"}, cached by content hash. timed_on (device.timing_host),
     given when the perf check gates on the time: it must have been measured there, after a warm-up batch, in at least
-    `passes` timed passes (shadow.candidate_metrics); a cached floor timed elsewhere (another card or CPU, or an
-    unrecorded one), cold or in fewer passes is measured again and replaces it."""
+    `passes` timed passes (shadow.candidate_metrics; 1 where the check does not gate); a cached floor timed elsewhere
+    (another card or CPU, or an unrecorded one), cold or in fewer passes is measured again and replaces it."""
     key = sha256_json(
         {
             "baseline": baseline.sha256,
@@ -63,9 +63,7 @@ def noise_floor(
 
     runner = runner_factory()
     gated = timed_on is not None
-    m = candidate_metrics(
-        runner, ref, desc="noise floor: baseline vs itself", warm_up=gated, passes=passes if gated else 1
-    )
+    m = candidate_metrics(runner, ref, desc="noise floor: baseline vs itself", warm_up=gated, passes=passes)
     masks, _ = scoring_summary(ref, cfg)
     checks = kl_top1_checks(m, ref["prompt_of"], masks["gated"], None)
     floor = {r.metric: {"observed": r.observed, "ci": list(r.ci) if r.ci else None} for r in checks}

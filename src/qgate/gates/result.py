@@ -226,11 +226,16 @@ def decide_notes(r: dict) -> list[str]:
     return ([f"~{n} {ev.get('n_counts', 'items')} would decide it"] if n else []) + ([unbounded] if unbounded else [])
 
 
-def what_decides(r: dict) -> str:
-    """One line for an INCONCLUSIVE row: its decide_notes and the reason it gives (`evidence.why`), or, when its
-    evidence says neither, that its interval straddles the threshold."""
-    why = (r.get("evidence") or {}).get("why")
-    return "; ".join(decide_notes(r) + ([why] if why else [])) or "its 95% interval straddles the threshold"
+def what_would_decide(results: list[dict]) -> dict[str, str]:
+    """ "gate.metric" -> one line for each INCONCLUSIVE row, in report order: its decide_notes and the reason it
+    gives (`evidence.why`), or, when its evidence says neither, that its interval straddles the threshold."""
+    out = {}
+    for r in results:
+        if r["verdict"] == "inconclusive":
+            why = (r.get("evidence") or {}).get("why")
+            said = "; ".join(decide_notes(r) + ([why] if why else []))
+            out[f"{r['gate']}.{r['metric']}"] = said or "its 95% interval straddles the threshold"
+    return out
 
 
 def _n_to_decide(observed: float, threshold: float, ci: tuple[float, float] | None, n: int) -> int | None:
