@@ -12,7 +12,15 @@ from qgate.gates.evalgate import EvalConfig, eval_gate, task_config
 from qgate.gates.gating import GateConfig, run_gates
 from qgate.gates.result import GateResult, overall
 from qgate.gates.shadow import ShadowConfig, baseline_reference, candidate_metrics, unpassable_quantiles
-from qgate.gates.stats import cluster_bootstrap, holm, mcnemar_exact, paired_binary_ci, quantile_ci
+from qgate.gates.stats import (
+    cluster_bootstrap,
+    holm,
+    mcnemar_exact,
+    paired_binary_ci,
+    paired_ratio_ci,
+    paired_ratio_score,
+    quantile_ci,
+)
 
 FAST = GateConfig(
     shadow=ShadowConfig(max_new_tokens=20, max_prompt_tokens=64), eval=EvalConfig(limit=12)
@@ -395,6 +403,91 @@ def test_paired_accuracy_interval_never_has_zero_width_and_covers():
     assert 0.93 <= hits / 2000 <= 0.975  # nominal 95%
 
 
+def _items(both: int, gained: int, lost: int, neither: int) -> tuple[np.ndarray, np.ndarray]:
+    """Paired right/wrong items (baseline, candidate) with these counts."""
+    counts = [both, gained, lost, neither]
+    return np.repeat([True, False, True, False], counts), np.repeat([True, True, False, False], counts)
+
+
+@pytest.mark.parametrize(
+    "table, level, published, digits",
+    [  # Tang's asymptotic score interval, as published (ratesci's and contingencytables' tests, Fagerland et al.)
+        ((59, 6, 16, 80), 0.95, (0.7476, 0.9876), 4),  # Cavo et al. 2012
+        ((1, 1, 7, 12), 0.95, (0.065, 0.907), 3),  # Bentur et al. 2009
+        ((446, 5, 16, 690), 0.90, (0.958, 0.992), 3),
+        ((43, 0, 1, 0), 0.90, (0.904, 1.039), 3),
+    ],
+)
+def test_paired_ratio_score_and_interval_known_values(table, level, published, digits):
+    """The score statistic crosses -+z at Tang's published ends; the gate's interval takes Tang's lower end and the
+    skewness-corrected upper end, each where its own statistic equals -+z."""
+    from scipy.stats import norm
+
+    z = float(norm.ppf(1 - (1 - level) / 2))
+    base, cand = _items(*table)
+    step = 0.5 * 10**-digits  # the published figures' rounding
+    lo_pub, hi_pub = published
+    assert paired_ratio_score(base, cand, lo_pub - step) > z > paired_ratio_score(base, cand, lo_pub + step)
+    assert paired_ratio_score(base, cand, hi_pub - step) > -z > paired_ratio_score(base, cand, hi_pub + step)
+    est, lo, hi = paired_ratio_ci(base, cand, z)
+    assert est == pytest.approx((table[0] + table[1]) / (table[0] + table[2]))
+    assert round(lo, digits) == lo_pub and lo < est < hi
+    assert paired_ratio_score(base, cand, hi, skew=True) == pytest.approx(-z, abs=1e-9)
+
+
+def test_paired_ratio_interval_edges():
+    """No discordant item among n, k right on both: the lower end is k / (k + z^2), not k/k; at a ratio of 1 the
+    skewness correction vanishes; a baseline with nothing right has no ratio."""
+    z = 1.959964
+    for k, n in ((8, 16), (50, 100), (800, 1617)):
+        base, cand = _items(k, 0, 0, n - k)
+        est, lo, hi = paired_ratio_ci(base, cand)
+        assert est == 1.0 and lo == pytest.approx(k / (k + z * z), rel=1e-9) and hi > 1.0
+    base, cand = _items(40, 3, 9, 48)
+    assert paired_ratio_score(base, cand, 1.0) == pytest.approx(paired_ratio_score(base, cand, 1.0, skew=True))
+    assert paired_ratio_score(base, cand, 0.9) > paired_ratio_score(base, cand, 0.95)  # decreasing in the ratio
+    assert all(np.isnan(paired_ratio_ci(*_items(0, 5, 0, 5))))
+    est, lo, hi = paired_ratio_ci(*_items(0, 0, 10, 0))  # the candidate got nothing right
+    assert (est, lo) == (0.0, 0.0) and 0 < hi < 0.5
+    (r,) = eval_gate(
+        {"t": {"kind": "mc", "per_item": [0.0] * 10}},
+        {"t": {"kind": "mc", "per_item": [1.0] * 10}},
+        _eval_cfg(("t",), min_recovery=0.9),
+    )
+    assert r.verdict == "error" and r.ci is None
+
+
+@pytest.mark.parametrize(
+    "n, base_acc, margin, gained",
+    [
+        (50, 0.9, 0.95, 0.0),  # few items, every flip a loss: the rule before passed 9.8% of these
+        (200, 0.5, 0.98, 0.0),  # a near-lossless variant: 7.9% before
+        (200, 0.9, 0.9, 0.01),
+        (50, 0.9, 0.9, 0.01),  # Tang's upper end alone fails 3.8% of these
+    ],
+)
+def test_a_candidate_exactly_at_the_margin_passes_and_fails_at_most_nominally(n, base_acc, margin, gained):
+    """The eval gate's promise: PASS only when the 95% interval lies wholly above min_recovery, FAIL only when wholly
+    below. So a candidate whose true recovery equals the margin should pass at most 2.5% of the time and fail at
+    most 2.5%. 20,000 draws of paired items from the true table, each distinct table gated once and weighted by how
+    often it was drawn: both rates stay below 3% (Monte Carlo error about 0.11%)."""
+    lost = base_acc * (1 - margin) + gained
+    p = np.array([base_acc - lost, gained, lost, 1 - base_acc - gained])
+    tables, weight = np.unique(np.random.default_rng(0).multinomial(n, p, 20000), axis=0, return_counts=True)
+    passes = fails = 0
+    cfg = _eval_cfg(("t",), min_recovery=margin)
+    for t, w in zip(tables, weight, strict=True):
+        base, cand = _items(*map(int, t))
+        (r,) = eval_gate(
+            {"t": {"kind": "mc", "per_item": base.astype(float).tolist()}},
+            {"t": {"kind": "mc", "per_item": cand.astype(float).tolist()}},
+            cfg,
+        )
+        passes += w * (r.verdict == "pass")
+        fails += w * (r.verdict == "fail")
+    assert passes / 20000 < 0.03 and fails / 20000 < 0.03
+
+
 def test_time_ratio_interval_covers_at_three_passes_a_side():
     """The perf check's interval: a ratio of geometric-mean times with a t interval on log times. Run-to-run jitter
     of 5% and 3% (log-normal) on three passes a side, a true speed-up of 1.3: nominal 95% coverage, read apart
@@ -448,14 +541,14 @@ def _eval_cfg(tasks, **kw) -> EvalConfig:
 
 
 def test_pooled_tasks_decide_what_each_small_task_cannot():
-    """Three 70-item tasks, each losing 6 items (recovery ~0.85 against a limit of 0.95): alone each interval
+    """Three 70-item tasks, each losing 5 items (recovery ~0.87 against a limit of 0.95): alone each interval
     straddles the limit; pooled, the 210 items' interval lies below it."""
     rng = np.random.default_rng(0)
     base, cand = {}, {}
     for t in ("a", "b", "c"):
         b = rng.random(70) < 0.6
         c = b.copy()
-        c[np.nonzero(b)[0][:6]] = False  # 6 losses
+        c[np.nonzero(b)[0][:5]] = False  # 5 losses
         base[t], cand[t] = (
             {"kind": "mc", "per_item": b.astype(float).tolist()},
             {"kind": "mc", "per_item": c.astype(float).tolist()},
@@ -465,7 +558,7 @@ def test_pooled_tasks_decide_what_each_small_task_cannot():
     pooled = eval_gate(base, cand, _eval_cfg(("a", "b", "c"), min_recovery=0.95, pool=True))
     assert pooled[0].metric == "mc_pooled.recovery" and pooled[0].n == 210 and pooled[0].verdict == "fail"
     assert pooled[0].ci[1] < 0.95 and pooled[0].decided_on == "ci"
-    assert pooled[0].evidence["lost"] == 18 and pooled[0].evidence["tasks"] == ["a", "b", "c"]
+    assert pooled[0].evidence["lost"] == 15 and pooled[0].evidence["tasks"] == ["a", "b", "c"]
     assert [(r.verdict, r.decided_on) for r in pooled[1:]] == [("info", "holm-guard")] * 3  # none alone below 0.95
     assert pooled[0].mde < min(r.mde for r in alone)
 

@@ -4,8 +4,9 @@
     results = eval_gate(base_scores, cand_scores, EvalConfig())
 
 Each check follows the one rule it states (`decided_on`):
-- Multiple-choice tasks: recovery (candidate accuracy / baseline accuracy) with a paired Agresti-Min interval.
-  PASS when the 95% CI lies above `min_recovery`, FAIL when it lies wholly below, INCONCLUSIVE otherwise ("ci").
+- Multiple-choice tasks: recovery (candidate accuracy / baseline accuracy) with Tang's paired score interval for a
+  ratio of accuracies (`stats.paired_ratio_ci`). PASS when the 95% CI lies above `min_recovery`, FAIL when it lies
+  wholly below, INCONCLUSIVE otherwise ("ci").
 - `pool: true`: the items of every multiple-choice task form one gated check (`mc_pooled.recovery`), so its power
   comes from all of them. Each task's row is then a guard against a loss that pooling hides ("holm-guard"): the
   same `min_recovery` margin, on intervals adjusted by Holm's step-down procedure over the pooled tasks (family-wise
@@ -32,7 +33,14 @@ import yaml
 
 from qgate.errors import ConfigError
 from qgate.gates.result import POSITIVE, SHARE, GateResult, check_threshold_values
-from qgate.gates.stats import agresti_min, holm, mcnemar_exact, paired_binary_ci, paired_bootstrap
+from qgate.gates.stats import (
+    holm,
+    mcnemar_exact,
+    paired_binary_ci,
+    paired_bootstrap,
+    paired_ratio_ci,
+    paired_ratio_score,
+)
 from qgate.naming import Registry
 
 TASK_DIR = Path(__file__).parent / "tasks"
@@ -65,7 +73,7 @@ class EvalConfig:
     pool: bool = False  # one gated check over all multiple-choice items; per-task rows are guards
     significant_loss_alpha: float | None = None  # a number: also FAIL a recovery check's items on an exact McNemar
     # loss (one-sided p below it), as its own row; None: off
-    VERSION = 4  # of the checks' rules; what changed in each is in git
+    VERSION = 5  # of the checks' rules; what changed in each is in git
 
     def __post_init__(self):
         check_threshold_values("gates.eval", self, {"min_recovery": SHARE, "max_bpb_increase": POSITIVE})
@@ -182,19 +190,15 @@ def _bias_caveat(b: dict) -> str:
 def _mc_check(
     name: str, bc: np.ndarray, cc: np.ndarray, min_recovery: float | None, evidence: dict | None = None
 ) -> GateResult:
-    """Recovery with its 95% Agresti-Min interval, decided on that interval alone."""
+    """Recovery with its 95% paired score interval, decided on that interval alone. The accuracy difference and its
+    Agresti-Min interval (`delta`, `delta_ci`) are evidence beside it."""
     test = mcnemar_exact(bc, cc)
     delta, lo, hi = paired_binary_ci(bc, cc)
     base_acc, cand_acc = float(bc.mean()), float(cc.mean())
-    rec = cand_acc / base_acc if base_acc > 0 else float("nan")
-    ci = _recovery_ci(base_acc, lo, hi)
+    rec, rec_lo, rec_hi = paired_ratio_ci(bc, cc)
+    ci = (rec_lo, rec_hi) if base_acc > 0 else None
     ev = {"base_acc": base_acc, "cand_acc": cand_acc, "delta": delta, "delta_ci": [lo, hi], **test, **(evidence or {})}
     return GateResult.check("eval", f"{name}.recovery", rec, min_recovery, True, len(bc), ci, test["p_value"], ev)
-
-
-def _recovery_ci(base_acc: float, lo: float, hi: float) -> tuple[float, float] | None:
-    """An interval of the accuracy difference (candidate - baseline) as one of recovery (candidate / baseline)."""
-    return ((base_acc + lo) / base_acc, (base_acc + hi) / base_acc) if base_acc > 0 else None
 
 
 def _loss_check(name: str, r: GateResult, alpha: float) -> GateResult:
@@ -304,25 +308,24 @@ def _guard_tasks(
 ) -> None:
     """Pooled mode: each task's row (results[i] for i in rows, with items base[j], cand[j]) becomes a guard at the
     pooled check's margin, in place. Holm's step-down over the tasks, as intervals: in order of the one-sided p-value
-    of "recovery >= margin", the task at step s (of m) gets the Agresti-Min interval at z = z(1 - GUARD_ERROR/(m - s));
-    it fails when that interval lies wholly below the margin and every task before it failed. That is Holm's test of
-    a loss beyond the margin at family-wise error GUARD_ERROR, the bad side of the gated check's 95% CI."""
+    of "recovery >= margin" (the paired score statistic at the margin), the task at step s (of m) gets the paired
+    score interval at z = z(1 - GUARD_ERROR/(m - s)); it fails when that interval lies wholly below the margin and
+    every task before it failed. That is Holm's test of a loss beyond the margin at family-wise error GUARD_ERROR,
+    the bad side of the gated check's 95% CI."""
     from scipy.stats import norm
 
     m = len(rows)
-    p_one = []
-    for b, c in zip(base, cand, strict=True):
-        acc = float(b.mean())
-        d, se = agresti_min(b, c)
-        d0 = (margin - 1.0) * acc  # the margin as an accuracy difference
-        p_one.append(float(norm.cdf((d - d0) / se)) if acc > 0 and se > 0 else 1.0)
+    p_one = [
+        float(norm.cdf(paired_ratio_score(b, c, margin, skew=True))) if b.any() else 1.0
+        for b, c in zip(base, cand, strict=True)
+    ]
     adjusted = holm(p_one)
     failing = True
     for step, j in enumerate(sorted(range(m), key=lambda j: p_one[j])):
-        r, acc = results[rows[j]], float(base[j].mean())
+        r = results[rows[j]]
         level = 1 - 2 * GUARD_ERROR / (m - step)
-        _, lo, hi = paired_binary_ci(base[j], cand[j], z=float(norm.ppf(1 - GUARD_ERROR / (m - step))))
-        ci = _recovery_ci(acc, lo, hi) or (float("nan"), float("nan"))
+        _, lo, hi = paired_ratio_ci(base[j], cand[j], z=float(norm.ppf(1 - GUARD_ERROR / (m - step))))
+        ci = (lo, hi)
         ev = r.evidence | {
             "ci_95_unadjusted": list(r.ci) if r.ci else None,
             "holm_step": step + 1,

@@ -1,10 +1,11 @@
 """Paired statistics for gates: cluster bootstrap, clustered quantile intervals, exact McNemar, paired accuracy
-differences, speed-ups from repeated timings.
+differences and ratios, speed-ups from repeated timings.
 
 lo, hi = cluster_bootstrap(values, clusters, np.mean)
 lo, hi, ev = quantile_ci(values, clusters, 0.99)      # hi is inf when the sample cannot bound the tail
 min_effective_n(0.99)                                 # 368: fewer values can never bound p99 from above
 ratio, lo, hi = time_ratio_ci([2.0, 2.1, 1.9], [1.0, 1.02, 0.98])  # a speed-up from timed passes of each side
+recovery, lo, hi = paired_ratio_ci(base_correct, cand_correct)      # candidate / baseline accuracy, paired items
 """
 
 from __future__ import annotations
@@ -177,6 +178,83 @@ def paired_binary_ci(
     d, se = agresti_min(b, c)
     base = float(b.mean())  # the candidate's accuracy lies in [0, 1], so the difference in [-base, 1 - base]
     return float(c.mean()) - base, float(max(d - z * se, -base)), float(min(d + z * se, 1.0 - base))
+
+
+def _paired_table(base_correct: np.ndarray, cand_correct: np.ndarray) -> tuple[int, int, int, int]:
+    """(both right, gained: only the candidate right, lost: only the baseline right, n)."""
+    b, c = np.asarray(base_correct, bool), np.asarray(cand_correct, bool)
+    return int(np.sum(b & c)), int(np.sum(~b & c)), int(np.sum(b & ~c)), len(b)
+
+
+def paired_ratio_score(base_correct: np.ndarray, cand_correct: np.ndarray, ratio: float, skew: bool = False) -> float:
+    """The score statistic for "candidate accuracy / baseline accuracy = ratio" on paired right/wrong items: about
+    N(0, 1) at the true ratio, positive when the observed ratio is above `ratio`. Tang's asymptotic score (Tang,
+    Tang & Chan, 2003, Stat Med 22:1217): the candidate's right count less ratio x the baseline's, over its standard
+    error at the table's maximum-likelihood cells under that null. skew: with the skewness correction of Gart & Nam,
+    as Laud generalised it (2017, Pharm Stat 16:334), for a ratio below 1 where the items flip mostly one way."""
+    return _ratio_score(*_paired_table(base_correct, cand_correct), ratio, skew)
+
+
+def _ratio_score(both: int, gained: int, lost: int, n: int, ratio: float, skew: bool) -> float:
+    a = n * (1 + ratio)
+    b = (both + lost) * ratio**2 - (both + gained + 2 * lost)
+    c = lost * (1 - ratio) * (both + gained + lost) / n
+    q_lost = (-b + np.sqrt(max(b * b - 4 * a * c, 0.0))) / (2 * a)  # the cells' maximum likelihood under the null
+    some = (both + gained + lost) / n
+    q_both, q_gained = (some - (1 + ratio) * q_lost) / ratio, (q_lost + (ratio - 1) * some) / ratio
+    # an item adds (candidate right) - ratio x (baseline right): 1 - ratio, 1, -ratio or 0
+    var = n * (q_both * (1 - ratio) ** 2 + q_gained + q_lost * ratio**2)
+    num = (both + gained) - ratio * (both + lost)
+    if var <= 0:  # no spread left under this null: only the sign of the difference counts
+        return float(np.sign(num) * np.inf) if num else 0.0
+    t = num / np.sqrt(var)
+    if not skew:
+        return float(t)
+    g6 = n * (q_both * (1 - ratio) ** 3 + q_gained - q_lost * ratio**3) / var**1.5 / 6  # skewness / 6
+    # the corrected z solves z = t - g6 (z^2 - 1): its root near t, in a form that stays exact as g6 -> 0
+    return float(2 * (t + g6) / (1 + np.sqrt(max(1 + 4 * g6 * (t + g6), 0.0))))
+
+
+def paired_ratio_ci(
+    base_correct: np.ndarray, cand_correct: np.ndarray, z: float = 1.959964
+) -> tuple[float, float, float]:
+    """Candidate accuracy / baseline accuracy on paired right/wrong items, with an interval whose each end is a
+    one-sided bound at (1 - level) / 2: the lower end the smallest ratio that Tang's score (`paired_ratio_score`)
+    does not reject, the upper end the largest that its skewness-corrected form does not. Where the true ratio sits
+    on a threshold, each end crosses it by mistake about as often as nominal, whether the items flip both ways or
+    one way, few or many; the uncorrected score's upper end, the corrected score's lower end, and an accuracy
+    difference's interval divided by the baseline's accuracy (as if that accuracy were known) cross it more often
+    (benchmarks/bench_recovery_ci.py). Never of zero width: with no discordant item it still spans the ratios that
+    as many agreements cannot rule out. (ratio, lo, hi); NaN when the baseline gets no item right."""
+    table = _paired_table(base_correct, cand_correct)
+    both, gained, lost, _ = table
+    if both + lost == 0:
+        return float("nan"), float("nan"), float("nan")
+    est = (both + gained) / (both + lost)
+    lo = 0.0 if both + gained == 0 else _score_root(table, z, est, False, 0.5)
+    return float(est), lo, _score_root(table, -z, max(est, 1e-6), True, 2.0)
+
+
+def _score_root(table: tuple[int, int, int, int], target: float, start: float, skew: bool, step: float) -> float:
+    """The ratio at which the score crosses `target`, searched outward from `start` by factors of `step` (0.5: the
+    lower end, where the score falls to `target` from above; 2: the upper end, from below)."""
+    from scipy.optimize import brentq
+
+    def f(ratio: float) -> float:
+        return _ratio_score(*table, ratio, skew) - target
+
+    def near(ratio: float) -> bool:  # on the estimate's side of the root
+        return f(ratio) < 0 if step < 1 else f(ratio) > 0
+
+    inside = start
+    while not near(inside) and 1e-9 < inside < 1e9:  # a table so skewed that its estimate is rejected
+        inside /= step
+    outside = inside * step
+    while near(outside) and 1e-9 < outside < 1e9:
+        inside, outside = outside, outside * step
+    if not 1e-9 < outside < 1e9:
+        return 0.0 if step < 1 else float("inf")
+    return float(brentq(f, min(inside, outside), max(inside, outside), xtol=1e-14))
 
 
 def time_ratio_ci(base_seconds, cand_seconds, paired: bool = False, level: float = 0.95) -> tuple[float, float, float]:
