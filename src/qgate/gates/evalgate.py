@@ -14,7 +14,8 @@ Each check follows the one rule it states (`decided_on`):
 - `significant_loss_alpha` (off by default): its own row per gated recovery check (`<task>.no_significant_loss`),
   the exact one-sided McNemar p-value of a loss among the flipped items; FAIL below alpha ("point"). Without it a
   loss smaller than the margin passes however significant, which is what a margin means.
-- Perplexity tasks: relative increase in bits per byte, with a paired bootstrap interval over documents ("ci").
+- Perplexity tasks: relative increase in bits per byte, with a t interval over documents (`stats.ratio_of_sums_ci`:
+  the bytes cancel, so it is the candidate's summed NLL over the baseline's) ("ci").
 Label bias: a task whose baseline picks one answer position on LABEL_BIAS of its items or more is flagged
 (`evidence.caveat`), and the pooled check also states its recovery and mde over the items of the other tasks: items
 a model answers by position add n without adding power against a loss of knowledge.
@@ -37,9 +38,9 @@ from qgate.gates.stats import (
     holm,
     mcnemar_exact,
     paired_binary_ci,
-    paired_bootstrap,
     paired_ratio_ci,
     paired_ratio_score,
+    ratio_of_sums_ci,
 )
 from qgate.naming import Registry
 
@@ -245,8 +246,8 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
         else:
             bll, cll, nb = np.array(b["ll"]), np.array(c["ll"]), np.array(b["bytes"])
             base_bpb, cand_bpb = _bpb(bll, nb), _bpb(cll, nb)
-            ci = paired_bootstrap(np.stack([cll, bll], 1), nb, lambda ll, b: _bpb(ll[:, 0], b) / _bpb(ll[:, 1], b) - 1)
-            ev = {"base_bpb": base_bpb, "cand_bpb": cand_bpb}
+            _, lo, hi, interval = ratio_of_sums_ci(cll, bll, np.arange(len(nb)))  # one document a cluster
+            ev = {"base_bpb": base_bpb, "cand_bpb": cand_bpb, "interval": interval}
             results.append(
                 GateResult.check(
                     "eval",
@@ -255,7 +256,7 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
                     cfg.max_bpb_increase,
                     False,
                     len(nb),
-                    ci,
+                    (lo - 1, hi - 1),
                     None,
                     ev,
                 )

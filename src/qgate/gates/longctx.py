@@ -12,9 +12,10 @@ with the baseline's chat template and cut at the served context. Both models sco
 each document's own tokens (message content; chat-template tokens excluded) are split by position into doubling
 windows ending at the served context C: (0, C/8], (C/8, C/4], (C/4, C/2], (C/2, C] by default. One check per window:
 the relative increase of the candidate's mean negative log-likelihood over the baseline's on those tokens (perplexity
-ratio minus one, in log terms), with a percentile bootstrap interval resampling whole documents. PASS when the interval
-lies below `max_nll_increase`, FAIL when wholly above, INCONCLUSIVE otherwise. A window fewer than two documents reach
-is not scored, and every check carries a caveat when the documents stop short of the served context.
+ratio minus one, in log terms), with a t interval over documents that holds its level with few of them
+(`stats.ratio_of_sums_ci`). PASS when the interval lies below `max_nll_increase`, FAIL when wholly above, INCONCLUSIVE
+otherwise. A window fewer than two documents reach is not scored, and every check carries a caveat when the documents
+stop short of the served context.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from qgate.errors import ConfigError, InputError, in_one_line
 from qgate.execute import releases
 from qgate.gates.result import POSITIVE, GateResult, check_threshold_values
 from qgate.gates.scoring import SCORING_LIBRARIES, reduce_logits, split_sequences
-from qgate.gates.stats import cluster_bootstrap
+from qgate.gates.stats import ratio_of_sums_ci
 from qgate.progress import progress
 
 DOCUMENTS = Path(__file__).parent / "tasks" / "data" / "sharegpt_long.jsonl"
@@ -49,7 +50,7 @@ class LongContextConfig:
     context_tokens: int | None = None  # the served context C; None: the baseline's max_position_embeddings
     windows: int = 4  # doubling windows ending at C: (0, C/8], (C/8, C/4], (C/4, C/2], (C/2, C]
     max_nll_increase: float | None = 0.05  # per window: PASS needs the 95% CI of the relative NLL increase below it
-    VERSION = 1
+    VERSION = 2  # of how the checks are computed; what changed in each is in git
 
     def __post_init__(self):
         check_threshold_values("gates.long_context", self, {"max_nll_increase": POSITIVE})
@@ -230,10 +231,7 @@ def long_context_gate(runner, ref: dict, cfg: LongContextConfig, shadow_tokens: 
         if docs_in < MIN_DOCUMENTS:
             coverage["windows_not_scored"].append(f"{lo + 1}-{hi}: {docs_in} document(s) reach it")
             continue
-        values = np.stack([cand_nll[m], base_nll[m]], 1)
-        with np.errstate(invalid="ignore"):
-            ratio = float(values[:, 0].sum() / values[:, 1].sum() - 1)
-            ci = cluster_bootstrap(values, doc[m], lambda v: v[:, 0].sum() / v[:, 1].sum() - 1)
+        ratio, ci_lo, ci_hi, interval = ratio_of_sums_ci(cand_nll[m], base_nll[m], doc[m])
         per_doc = {
             int(d): float(cand_nll[m & (doc == d)].sum() / base_nll[m & (doc == d)].sum() - 1)
             for d in np.unique(doc[m])
@@ -244,6 +242,9 @@ def long_context_gate(runner, ref: dict, cfg: LongContextConfig, shadow_tokens: 
             "base_nll_mean": float(base_nll[m].mean()),
             "cand_nll_mean": float(cand_nll[m].mean()),
             "per_document": per_doc,
+            "tokens": int(m.sum()),
+            "interval": interval,
+            "n_counts": "documents",  # the interval's evidence grows with documents, not with their tokens
         }
         if caveat:
             ev["caveat"] = caveat
@@ -251,11 +252,11 @@ def long_context_gate(runner, ref: dict, cfg: LongContextConfig, shadow_tokens: 
             GateResult.check(
                 "long_context",
                 f"nll_increase.{lo + 1}-{hi}",
-                ratio,
+                ratio - 1,
                 cfg.max_nll_increase,
                 False,
-                int(m.sum()),
-                ci,
+                docs_in,
+                (ci_lo - 1, ci_hi - 1),
                 evidence=ev,
             )
         )

@@ -325,7 +325,8 @@ same margin, otherwise reported. <b>INFO</b> rows are reported, not gated.</p>
 <dl><dt>n</dt><dd>Shadow checks: token positions scored. Their CIs resample whole prompts (tokens of one prompt are not
 independent), so the evidence is closer to the number of prompts than to n; quantiles use a clustered order-statistic
 interval, unbounded (inf) when the sample is too small to bound them. Eval checks: items (documents for
-perplexity).</dd>
+perplexity). Long-context checks: documents, each a cluster of its tokens (counted in the evidence); their
+interval is a t interval over documents, wide when few documents reach a window.</dd>
 <dt>mde</dt><dd>Minimum detectable effect: the true distance from the observed value that this n detects with 80% power
 at the 95% level (from the CI's width).</dd>
 <dt>p</dt><dd>Multiple-choice recovery: the exact two-sided McNemar p-value on the items that flipped (reported; it
