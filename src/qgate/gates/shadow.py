@@ -17,8 +17,11 @@ excluded, as is any position whose whole prefix repeats an earlier prompt's. The
 decides on answer positions by default (`positions: answer+prompt` adds traffic prompt
 tokens); the other class is reported beside it.
 
-Quantiles (p99, p99.9) get a clustered order-statistic interval (stats.quantile_ci), which
-is unbounded above when the sample is too small to bound them: such a check cannot pass.
+The mean KL and top-1 agreement get a bootstrap-t interval resampling whole prompts
+(stats.cluster_bootstrap_t): a few prompts hold most of the disagreement, and an interval that
+ignores that skew passes a candidate on its threshold too often. Quantiles (p99, p99.9) get a
+clustered order-statistic interval (stats.quantile_ci), which is unbounded above when the sample
+is too small to bound them: such a check cannot pass.
 
 A position where the candidate's logits define no distribution (a NaN or +inf logit) scores
 KL +inf and never agrees, and `defined_logits` fails the candidate if there is one anywhere.
@@ -62,7 +65,7 @@ from qgate.gates.scoring import (
     split_sequences,
     top_k_logprobs,
 )
-from qgate.gates.stats import cluster_bootstrap, min_effective_n, quantile, quantile_ci, wilson
+from qgate.gates.stats import cluster_bootstrap_t, min_effective_n, quantile, quantile_ci, wilson
 from qgate.progress import progress
 
 TEMPLATE, PROMPT, ANSWER = 0, 1, 2  # token classes: chat template, traffic prompt text, baseline answer
@@ -87,7 +90,7 @@ class ShadowConfig:
     top1_agreement_min: float | None = 0.9  # share of positions where both models' argmax agree
     identical_generation_min: float | None = None  # share of prompts whose greedy answers are identical
     positions: str = "answer"  # which positions the gated checks score: "answer" or "answer+prompt"
-    VERSION = 3  # of how the checks are computed; what changed in each is in git
+    VERSION = 4  # of how the checks are computed; what changed in each is in git
 
     def __post_init__(self):
         check_threshold_values("gates.shadow", self, KL_THRESHOLDS | {"identical_generation_min": SHARE})
@@ -462,7 +465,7 @@ def kl_top1_checks(
             thr("kl_mean_max"),
             False,
             n,
-            cluster_bootstrap(kl, cl, np.mean),
+            _mean_ci(kl, cl, 0.0, np.inf),
             evidence=evidence,
         )
     ]
@@ -481,11 +484,18 @@ def kl_top1_checks(
             thr("top1_agreement_min"),
             True,
             n,
-            cluster_bootstrap(agree, cl, np.mean),
+            _mean_ci(agree, cl, 0.0, 1.0),
             evidence={"flip_rate": float(1 - agree.mean())},
         )
     )
     return out
+
+
+def _mean_ci(values: np.ndarray, prompts: np.ndarray, low: float, high: float) -> tuple[float, float]:
+    """The 95% interval of a mean over positions clustered in prompts (stats.cluster_bootstrap_t), within the range
+    the quantity can take."""
+    _, lo, hi, _ = cluster_bootstrap_t(values, prompts)
+    return float(np.clip(lo, low, high)), float(np.clip(hi, low, high))
 
 
 def defined_check(m: dict, ref: dict, gate: str = "shadow") -> GateResult:

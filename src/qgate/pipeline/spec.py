@@ -1,8 +1,8 @@
 """The pipeline spec: strict YAML, validated into typed configs. Unknown keys are errors with their path.
 
     spec = load_spec(Path("pipelines/promote.yaml"))
-    spec.gate_config()
-    spec.drift_config()   # GateConfig built from the `gates:` section
+    spec.gate_config()    # GateConfig built from the `gates:` section
+    spec.drift_config()   # DriftConfig built from the `drift:` section
 
 Relative paths in a spec are relative to the spec file's directory.
 """
