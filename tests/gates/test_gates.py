@@ -579,6 +579,10 @@ def test_a_ratio_over_few_documents_holds_its_level_where_a_bootstrap_cannot():
     half = t.ppf(0.975, 4) * per_doc.std(ddof=1) / np.sqrt(5)
     assert ev["df"] == pytest.approx(4) and (lo, hi) == pytest.approx((per_doc.mean() - half, per_doc.mean() + half))
     assert np.isnan(ratio_of_sums_ci(per_doc[doc], np.ones(50), np.zeros(50))[1])  # one document: no interval
+    many = np.arange(100_000)  # a perplexity task of many documents: its degrees of freedom take O(k), not k x k
+    assert ratio_of_sums_ci(1 + rng.normal(0, 0.01, many.size), np.ones(many.size), many)[3]["df"] == pytest.approx(
+        99_999
+    )
 
 
 def _eval_cfg(tasks, **kw) -> EvalConfig:

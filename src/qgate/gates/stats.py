@@ -91,9 +91,13 @@ def ratio_of_sums_ci(
         return ratio, float("nan"), float("nan"), ev
     a2 = w**2 / (1 - w)  # CR2: each residual over its leverage's complement, the leverage of a weighted mean being w
     se = float(np.sqrt(np.sum(a2 * r**2)))
-    m = np.eye(k) - np.outer(np.ones(k), w)  # residuals = m @ cluster ratios
-    q = m.T @ (a2[:, None] * m)  # the variance estimate as a quadratic form in the cluster ratios
-    df = float(np.trace(q) ** 2 / np.trace(q @ q))
+    # Satterthwaite: the variance estimate is x' Q x in the clusters' ratios x, with Q = M' diag(a2) M and residuals
+    # M x = x - w'x. Q = diag(a2) + B C B' for B = [w, a2], C = [[sum(a2), -1], [-1, 0]], so its traces take O(k).
+    b, c = np.stack([w, a2], 1), np.array([[a2.sum(), -1.0], [-1.0, 0.0]])
+    cg = c @ (b.T @ b)
+    tr_q = a2.sum() - 2 * np.sum(w * a2) + a2.sum() * np.sum(w * w)
+    tr_q2 = np.sum(a2 * a2) + 2 * np.trace(c @ (b.T @ (a2[:, None] * b))) + np.trace(cg @ cg)
+    df = float(tr_q**2 / tr_q2)
     half = float(student_t.ppf((1 + level) / 2, df)) * se
     return ratio, ratio - half, ratio + half, ev | {"df": round(df, 2), "se": se}
 
