@@ -17,8 +17,15 @@ Nominal: at most 2.5% each.
 kl_mean and top1_agreement are means over positions clustered in prompts: the bootstrap-t resampling whole prompts
 (`stats.cluster_bootstrap_t`, what the gate uses), the percentile interval of the same resamples (the rule before),
 and the cluster-robust t interval (`stats.ratio_of_sums_ci`, what the long-context check uses over documents).
-kl_p99 is the clustered order-statistic interval (`stats.quantile_ci`). The scored arrays are cached next to --out,
-so a second run with other --split/--draws scores nothing.
+kl_p99 is the clustered order-statistic interval (`stats.quantile_ci`: Korn & Graubard's effective n, on the
+prompts' degrees of freedom), and the same on Kish's n / deff without that adjustment (the rule before). The scored
+arrays are cached next to --out, so a second run with other --split/--draws scores nothing.
+
+    .venv/bin/python benchmarks/bench_shadow_ci.py --synthetic        # no model: where these intervals stop holding
+
+--synthetic draws the same splits from made-up traffic whose KL is log-normal within a prompt, with prompt effects of
+four shapes (normal, wider normal, heavy-tailed t3, 5% of prompts far worse), and prints each one's design effect at
+the p99 over the whole traffic: how much its disagreement gathers in prompts.
 """
 
 from __future__ import annotations
@@ -70,16 +77,23 @@ def score(args) -> dict[str, np.ndarray]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline", type=Path, required=True)
-    ap.add_argument("--candidate", type=Path, required=True)
+    ap.add_argument("--baseline", type=Path)
+    ap.add_argument("--candidate", type=Path)
+    ap.add_argument("--synthetic", action="store_true", help="made-up traffic of four prompt-effect shapes; no model")
     ap.add_argument("--traffic", type=Path, default=ROOT / "data/demo/traffic.jsonl")
     ap.add_argument("--prompts", type=int, default=480, help="the large split taken as the traffic")
     ap.add_argument("--split", type=int, default=48, help="prompts per drawn split (the demo's shadow_size)")
     ap.add_argument("--draws", type=int, default=2000, help="splits drawn (Monte Carlo error ~0.35%% at 2000)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/bench-shadow-ci"))
     args = ap.parse_args()
-    from qgate.gates.stats import cluster_bootstrap_t, quantile, quantile_ci, ratio_of_sums_ci
-
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores")
+    if args.synthetic:
+        for name, s in synthetic().items():
+            print(f"== {name}")
+            count(s, args)
+        return
+    if args.baseline is None or args.candidate is None:
+        ap.error("--baseline and --candidate are needed, unless --synthetic")
     cache = args.out / f"scored-{args.candidate.resolve().parent.name}-{args.prompts}.npz"
     if cache.exists():
         s = dict(np.load(cache))
@@ -87,14 +101,42 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         s = score(args)
         np.savez(cache, **s)
+    count(s, args)
+
+
+def synthetic(prompts: int = 480, positions: int = 46) -> dict[str, dict[str, np.ndarray]]:
+    """Made-up scored splits: per-position KL log-normal around a per-prompt level, top-1 agreement its lowest 10%
+    flipped. The prompt levels' shapes run from mild clustering to disagreement held by a few prompts."""
+    rng = np.random.default_rng(5)
+    prompt = np.repeat(np.arange(prompts), positions)
+    effects = {
+        "prompt effect normal, sd 0.5": rng.normal(0, 0.5, prompts),
+        "prompt effect normal, sd 1": rng.normal(0, 1.0, prompts),
+        "prompt effect t3, scale 0.5": 0.5 * rng.standard_t(3, prompts),
+        "5% of prompts e^2 worse": np.where(rng.random(prompts) < 0.05, 2.0, 0.0),
+    }
+    out = {}
+    for name, u in effects.items():
+        kl = 0.01 * np.exp(u[prompt] + rng.normal(0, 1, prompt.size))
+        out[name] = {"kl": kl, "agree": (kl <= np.quantile(kl, 0.9)).astype(float), "prompt": prompt}
+    return out
+
+
+def count(s: dict[str, np.ndarray], args) -> None:
+    """Draw args.draws splits of args.split prompts from s and print how often each interval passes and fails a
+    candidate that sits on s's own value."""
+    from qgate.gates.stats import cluster_bootstrap_t, quantile, quantile_ci, ratio_of_sums_ci
+
     prompts = np.unique(s["prompt"])
     truth = {"kl_mean": s["kl"].mean(), "top1_agreement": s["agree"].mean(), "kl_p99": quantile(s["kl"], 0.99)}
-    print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores; {len(prompts)} prompts, {len(s['kl'])} positions")
+    whole = quantile_ci(s["kl"], s["prompt"], 0.99)[2]
+    print(f"{len(prompts)} prompts, {len(s['kl'])} positions; design effect at the p99 {whole['design_effect']:.2f}")
     print("the whole split: " + ", ".join(f"{k} {v:.4f}" for k, v in truth.items()))
     rng = np.random.default_rng(0)
     by_prompt = {p: np.flatnonzero(s["prompt"] == p) for p in prompts}
     rules = ("bootstrap-t", "percentile", "t (CR2)")
-    counts = {f"{m} {r}": np.zeros(2) for m in ("kl_mean", "top1") for r in rules} | {"kl_p99": np.zeros(2)}
+    counts = {f"{m} {r}": np.zeros(2) for m in ("kl_mean", "top1") for r in rules}
+    counts |= {"kl_p99": np.zeros(2), "kl_p99 n/deff": np.zeros(2)}
     t0 = time.perf_counter()
     for _ in range(args.draws):
         picked = [by_prompt[p] for p in rng.choice(prompts, args.split)]  # with replacement: draws from the traffic
@@ -108,8 +150,9 @@ def main() -> None:
             intervals = [(lo, hi), ev["percentile"], ratio_of_sums_ci(values, np.ones(len(idx)), cl)[1:3]]
             for rule, (lo, hi) in zip(rules, intervals, strict=True):
                 counts[f"{metric} {rule}"] += [hi < t, lo > t] if low_good else [lo > t, hi < t]
-        lo, hi, _ = quantile_ci(s["kl"][idx], cl, 0.99)
-        counts["kl_p99"] += [hi < truth["kl_p99"], lo > truth["kl_p99"]]
+        for rule, df in (("kl_p99", None), ("kl_p99 n/deff", np.inf)):
+            lo, hi, _ = quantile_ci(s["kl"][idx], cl, 0.99, design_df=df)
+            counts[rule] += [hi < truth["kl_p99"], lo > truth["kl_p99"]]
     print(f"{args.draws} splits of {args.split} prompts, {time.perf_counter() - t0:.0f} s")
     print(f"{'interval':20s} {'passes':>7} {'fails':>7}")
     for name, c in counts.items():

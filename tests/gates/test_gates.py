@@ -19,6 +19,7 @@ from qgate.gates.stats import (
     paired_binary_ci,
     paired_ratio_ci,
     paired_ratio_score,
+    quantile,
     quantile_ci,
     ratio_of_sums_ci,
 )
@@ -329,8 +330,8 @@ def test_a_tail_too_thin_to_bound_says_how_many_more_values_would_bound_it():
     lo, hi, ev = quantile_ci(x, np.arange(x.size), 0.99, cluster_name="prompts")
     row = GateResult.check("shadow", "kl_p99", float(np.quantile(x, 0.99)), 0.5, False, x.size, (lo, hi), evidence=ev)
     assert row.verdict == "inconclusive" and hi == float("inf")
-    # independent values: n_eff is about n, and about 368 of them bound p99 at 95%
-    assert ev["min_n_effective"] == 368 and ev["n_effective"] in (199, 200)
+    # independent values: n_eff is n over (t_199 / z)^2 = 1.012, and about 368 of them bound p99 at 95%
+    assert ev["min_n_effective"] == 368 and ev["n_effective"] in (196, 197) and ev["design_df"] == 199
     assert row.n_to_decide == ev["n_to_bound"] == ev["clusters_to_bound"] == -(-200 * 368 // ev["n_effective"])
     said = f"about {row.n_to_decide} prompts ({row.n_to_decide} values) would"
     assert said in row.line() and "may not decide" not in row.line() and said in report._row(row.to_dict())
@@ -376,6 +377,26 @@ def test_quantile_interval_respects_clustering_and_refuses_to_bound_thin_tails()
     assert ev_c["design_effect"] > 3 and ev_c["n_effective"] < ev_i["n_effective"] and hi_c >= hi_i
     lo, hi, _ = quantile_ci(np.repeat([3.84], 2304) + rng.normal(0, 1e-3, 2304), clusters, 0.99)
     assert hi > lo  # no zero-width intervals
+
+
+def test_quantile_interval_takes_its_effective_n_on_the_clusters_degrees_of_freedom():
+    from scipy.stats import norm
+    from scipy.stats import t as student_t
+
+    rng = np.random.default_rng(3)
+    clusters = np.repeat(np.arange(12), 200)  # 2,400 tokens in 12 prompts
+    x = rng.exponential(1.0, clusters.size) * np.exp(rng.normal(0, 0.3, 12))[clusters]
+    lo, hi, ev = quantile_ci(x, clusters, 0.99)
+    _, hi_plain, ev_plain = quantile_ci(x, clusters, 0.99, design_df=np.inf)  # Kish's n / deff, no adjustment
+    deff = ev_plain["design_effect"]
+    assert ev["design_df"] == 11 and ev["design_effect"] == deff > 1
+    assert abs(ev_plain["n_effective"] - x.size / deff) <= 2
+    adjust = (student_t.ppf(0.975, 11) / norm.ppf(0.975)) ** 2  # 1.261: the variance rests on 12 prompts
+    assert abs(ev["n_effective"] - x.size / (deff * adjust)) <= 2
+    assert hi >= hi_plain and lo <= quantile(x, 0.99) <= hi
+    # one prompt has no degrees of freedom: however many tokens, it bounds nothing
+    lo, hi, ev = quantile_ci(x[:200], np.zeros(200), 0.99)
+    assert hi == float("inf") and ev["n_effective"] == 1 and "cannot bound" in ev["unbounded_because"]
 
 
 def test_mcnemar_and_paired_ci_known_values():

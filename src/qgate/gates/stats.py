@@ -109,19 +109,28 @@ def min_effective_n(q: float, level: float = 0.95) -> int:
 
 
 def quantile_ci(
-    values: np.ndarray, clusters: np.ndarray, q: float, level: float = 0.95, cluster_name: str = "clusters"
+    values: np.ndarray,
+    clusters: np.ndarray,
+    q: float,
+    level: float = 0.95,
+    cluster_name: str = "clusters",
+    design_df: float | None = None,
 ) -> tuple[float, float, dict]:
     """Distribution-free interval for the q-quantile of clustered samples (tokens within prompts).
 
-    Order-statistic (binomial) ranks, computed on the Kish effective sample size n/deff, where the design
-    effect deff comes from the per-cluster counts above the estimate (a ratio estimator), not from n
-    independent tokens; the ranks map back through the empirical quantile function. A percentile bootstrap
-    of an extreme quantile collapses onto a few repeated tail values; this does not. When even the sample
-    maximum is not a (1+level)/2 upper bound (n_eff < log((1-level)/2) / log(q): 368 for p99, 3,688 for
-    p99.9 at 95%), the upper end is +inf: such a check can fail, never pass. The evidence then says how many
-    values (`n_to_bound`) and clusters (`clusters_to_bound`) would reach that effective n at this design effect.
+    Order-statistic (binomial, Clopper-Pearson) ranks on an effective sample size, mapped back through the
+    empirical quantile function. The effective size is Korn & Graubard's (1998, Survey Methodology 24:193):
+    n / deff, where the design effect deff (at least 1) comes from the per-cluster counts above the estimate (a
+    ratio estimator), not from n independent tokens, times (z / t)^2 for the t quantile on the variance's
+    degrees of freedom, `design_df` (the clusters less one unless given; inf: no adjustment), since that variance
+    is estimated from the clusters. A percentile bootstrap of an extreme quantile collapses onto a few repeated
+    tail values; this does not. When even the sample maximum is not a (1+level)/2 upper bound (n_eff <
+    log((1-level)/2) / log(q): 368 for p99, 3,688 for p99.9 at 95%), the upper end is +inf: such a check can
+    fail, never pass. The evidence then says how many values (`n_to_bound`) and clusters (`clusters_to_bound`)
+    would reach that effective n at this design effect. One cluster has no degrees of freedom and bounds nothing.
     """
-    from scipy.stats import binom
+    from scipy.stats import binom, norm
+    from scipy.stats import t as student_t
 
     x = np.asarray(values, float)
     n = len(x)
@@ -136,8 +145,15 @@ def quantile_ci(
     var_cluster = (k / max(k - 1, 1)) * np.sum((tot - p_hat * size) ** 2) / n**2
     var_iid = p_hat * (1 - p_hat) / n
     deff = float(max(var_cluster / var_iid, 1.0)) if var_iid > 0 else 1.0
-    m = max(int(n / deff), 1)  # effective n
     a = (1 - level) / 2
+    df = float(k - 1 if design_df is None else design_df)
+    if df == np.inf:
+        t_over_z = 1.0
+    elif df > 0:
+        t_over_z = float(student_t.ppf(1 - a, df) / norm.ppf(1 - a))
+    else:
+        t_over_z = np.inf
+    m = max(int(n / (deff * t_over_z**2)), 1)  # effective n
     need = min_effective_n(q, level)
     lo_rank, hi_rank = int(binom.ppf(a, m, q)), int(binom.ppf(1 - a, m, q)) + 1  # 1-based ranks among m
     lo = quantile(x, max(lo_rank, 1) / m * (1 - 1e-12)) if lo_rank >= 1 else float(x.min())
@@ -148,9 +164,10 @@ def quantile_ci(
         "tail_count": int(above.sum()),
         "tail_clusters": int(np.sum(tot > 0)),
         "design_effect": round(deff, 3),
+        "design_df": df,
         "n_effective": m,
         "min_n_effective": need,
-        "method": "order-statistic-clustered",
+        "method": "order-statistic-clustered (Korn-Graubard)",
     }
     if not np.isfinite(hi):
         ev["n_to_bound"], ev["clusters_to_bound"] = int(np.ceil(n * need / m)), int(np.ceil(k * need / m))
