@@ -1,6 +1,6 @@
 """How often the shadow checks' intervals miss, on a real candidate's per-position KL and top-1 agreement.
 
-    .venv/bin/python benchmarks/bench_shadow_ci.py --baseline .qgate/demo/model \
+    .venv/bin/python benchmarks/bench_shadow_ci.py --baseline .qgate/demo/base \
         --candidate .qgate/demo/variants/awq-w4a16-cpu/checkpoint        # ~6 minutes on 2 cores
 
 A shadow split is a sample of prompts; its checks' intervals claim 95% for the traffic those prompts come from. This

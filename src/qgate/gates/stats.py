@@ -28,6 +28,13 @@ def quantile(values, q: float) -> float:
     return float("inf") if v > 1e300 else v
 
 
+def _cluster_var(c: np.ndarray, d: np.ndarray, ratio) -> np.ndarray:
+    """Cluster-robust variance of sum(c) / sum(d) over the last axis (clusters' sums c of values and d of weights):
+    the clusters' linearized residuals c - ratio * d, with the k / (k - 1) small-sample factor."""
+    k = c.shape[-1]
+    return (k / max(k - 1, 1)) * np.sum((c - ratio * d) ** 2, -1) / np.sum(d, -1) ** 2
+
+
 def cluster_bootstrap_t(
     values: np.ndarray, clusters: np.ndarray, n_boot: int = N_BOOT, level: float = 0.95, seed: int = SEED
 ) -> tuple[float, float, float, dict]:
@@ -50,14 +57,11 @@ def cluster_bootstrap_t(
     if not np.isfinite(mean):
         return mean, float("nan"), float("nan"), ev
 
-    def robust_se(c, d, ratio):  # of sum(c) / sum(d), from the clusters' linearized residuals
-        return np.sqrt(k / (k - 1) * np.sum((c - ratio * d) ** 2, -1)) / np.sum(d, -1)
-
-    se = float(robust_se(c, d, mean))
+    se = float(np.sqrt(_cluster_var(c, d, mean)))
     pick = np.random.default_rng(seed).integers(0, k, (n_boot, k))
     cs, ds = c[pick], d[pick]
     means = cs.sum(1) / ds.sum(1)
-    ses = robust_se(cs, ds, means[:, None])
+    ses = np.sqrt(_cluster_var(cs, ds, means[:, None]))
     a = (1 - level) / 2
     ev |= {"se": se, "percentile": [quantile(means, a), quantile(means, 1 - a)]}
     t = np.divide(means - mean, ses, out=np.full(n_boot, np.nan), where=ses > 0)
@@ -92,11 +96,11 @@ def ratio_of_sums_ci(
     a2 = w**2 / (1 - w)  # CR2: each residual over its leverage's complement, the leverage of a weighted mean being w
     se = float(np.sqrt(np.sum(a2 * r**2)))
     # Satterthwaite: the variance estimate is x' Q x in the clusters' ratios x, with Q = M' diag(a2) M and residuals
-    # M x = x - w'x. Q = diag(a2) + B C B' for B = [w, a2], C = [[sum(a2), -1], [-1, 0]], so its traces take O(k).
-    b, c = np.stack([w, a2], 1), np.array([[a2.sum(), -1.0], [-1.0, 0.0]])
-    cg = c @ (b.T @ b)
+    # M x = x - w'x. Q = diag(a2) + B C B' for B = [w, a2], C = cm = [[sum(a2), -1], [-1, 0]]: traces in O(k).
+    b, cm = np.stack([w, a2], 1), np.array([[a2.sum(), -1.0], [-1.0, 0.0]])
+    cg = cm @ (b.T @ b)
     tr_q = a2.sum() - 2 * np.sum(w * a2) + a2.sum() * np.sum(w * w)
-    tr_q2 = np.sum(a2 * a2) + 2 * np.trace(c @ (b.T @ (a2[:, None] * b))) + np.trace(cg @ cg)
+    tr_q2 = np.sum(a2 * a2) + 2 * np.trace(cm @ (b.T @ (a2[:, None] * b))) + np.trace(cg @ cg)
     df = float(tr_q**2 / tr_q2)
     half = float(student_t.ppf((1 + level) / 2, df)) * se
     return ratio, ratio - half, ratio + half, ev | {"df": round(df, 2), "se": se}
@@ -142,7 +146,7 @@ def quantile_ci(
     k = len(ids)
     tot, size = np.bincount(inv, above, k), np.bincount(inv, minlength=k).astype(float)
     p_hat = float(above.mean())
-    var_cluster = (k / max(k - 1, 1)) * np.sum((tot - p_hat * size) ** 2) / n**2
+    var_cluster = _cluster_var(tot, size, p_hat)
     var_iid = p_hat * (1 - p_hat) / n
     deff = float(max(var_cluster / var_iid, 1.0)) if var_iid > 0 else 1.0
     a = (1 - level) / 2
