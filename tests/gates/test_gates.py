@@ -396,7 +396,19 @@ def test_quantile_interval_takes_its_effective_n_on_the_clusters_degrees_of_free
     assert hi >= hi_plain and lo <= quantile(x, 0.99) <= hi
     # one prompt has no degrees of freedom: however many tokens, it bounds nothing
     lo, hi, ev = quantile_ci(x[:200], np.zeros(200), 0.99)
-    assert hi == float("inf") and ev["n_effective"] == 1 and "cannot bound" in ev["unbounded_because"]
+    assert (lo, hi) == (float("-inf"), float("inf")) and ev["n_effective"] == 1 and "cannot bound" in ev["unbounded_because"]
+
+
+def test_quantile_interval_lower_end_stays_below_the_estimate_at_small_effective_n():
+    # two or three prompts, or p99.9 on a few hundred tokens: an effective n of a few, where the lower rank is the
+    # last one; the lower end must not be the sample maximum (a guard on a small route would fail on one token)
+    rng = np.random.default_rng(3)
+    for k, q, per in ((2, 0.99, 60), (2, 0.999, 200), (3, 0.999, 40)):
+        clusters = np.repeat(np.arange(k), per)
+        x = rng.exponential(1.0, clusters.size) * np.exp(rng.normal(0, 0.5, k))[clusters]
+        lo, hi, ev = quantile_ci(x, clusters, q)
+        assert ev["n_effective"] < 25 and hi == float("inf")  # below 25 the lower rank of p99.9 is the last
+        assert lo <= quantile(x, q) < x.max(), (k, q, lo, ev["n_effective"])
 
 
 def test_mcnemar_and_paired_ci_known_values():

@@ -90,7 +90,7 @@ class ShadowConfig:
     top1_agreement_min: float | None = 0.9  # share of positions where both models' argmax agree
     identical_generation_min: float | None = None  # share of prompts whose greedy answers are identical
     positions: str = "answer"  # which positions the gated checks score: "answer" or "answer+prompt"
-    VERSION = 5  # of how the checks are computed; what changed in each is in git
+    VERSION = 6  # of how the checks are computed; what changed in each is in git
 
     def __post_init__(self):
         check_threshold_values("gates.shadow", self, KL_THRESHOLDS | {"identical_generation_min": SHARE})

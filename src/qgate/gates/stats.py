@@ -122,8 +122,9 @@ def quantile_ci(
 ) -> tuple[float, float, dict]:
     """Distribution-free interval for the q-quantile of clustered samples (tokens within prompts).
 
-    Order-statistic (binomial, Clopper-Pearson) ranks on an effective sample size, mapped back through the
-    empirical quantile function. The effective size is Korn & Graubard's (1998, Survey Methodology 24:193):
+    Order-statistic (binomial, Clopper-Pearson) ranks on an effective sample size m, mapped back through the
+    empirical quantile function: the upper rank r at r / m, the lower at r / (m + 1), where the r-th of m draws
+    sits on average (at r / m a small m's lower end would be the sample maximum). The effective size is Korn & Graubard's (1998, Survey Methodology 24:193):
     n / deff, where the design effect deff (at least 1) comes from the per-cluster counts above the estimate (a
     ratio estimator), not from n independent tokens, times (z / t)^2 for the t quantile on the variance's
     degrees of freedom, `design_df` (the clusters less one unless given; inf: no adjustment), since that variance
@@ -131,7 +132,8 @@ def quantile_ci(
     tail values; this does not. When even the sample maximum is not a (1+level)/2 upper bound (n_eff <
     log((1-level)/2) / log(q): 368 for p99, 3,688 for p99.9 at 95%), the upper end is +inf: such a check can
     fail, never pass. The evidence then says how many values (`n_to_bound`) and clusters (`clusters_to_bound`)
-    would reach that effective n at this design effect. One cluster has no degrees of freedom and bounds nothing.
+    would reach that effective n at this design effect. One cluster has no degrees of freedom and bounds nothing,
+    on either side.
     """
     from scipy.stats import binom, norm
     from scipy.stats import t as student_t
@@ -160,8 +162,10 @@ def quantile_ci(
     m = max(int(n / (deff * t_over_z**2)), 1)  # effective n
     need = min_effective_n(q, level)
     lo_rank, hi_rank = int(binom.ppf(a, m, q)), int(binom.ppf(1 - a, m, q)) + 1  # 1-based ranks among m
-    lo = quantile(x, max(lo_rank, 1) / m * (1 - 1e-12)) if lo_rank >= 1 else float(x.min())
+    lo = quantile(x, lo_rank / (m + 1)) if lo_rank >= 1 else float(x.min())
     hi = quantile(x, hi_rank / m) if hi_rank <= m else float("inf")
+    if not np.isfinite(t_over_z):  # one cluster: nothing about the others, below as above
+        lo = float("-inf")
     ev = {
         "n": n,
         "clusters": int(k),
