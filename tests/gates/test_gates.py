@@ -396,7 +396,11 @@ def test_quantile_interval_takes_its_effective_n_on_the_clusters_degrees_of_free
     assert hi >= hi_plain and lo <= quantile(x, 0.99) <= hi
     # one prompt has no degrees of freedom: however many tokens, it bounds nothing
     lo, hi, ev = quantile_ci(x[:200], np.zeros(200), 0.99)
-    assert (lo, hi) == (float("-inf"), float("inf")) and ev["n_effective"] == 1 and "cannot bound" in ev["unbounded_because"]
+    assert (
+        (lo, hi) == (float("-inf"), float("inf"))
+        and ev["n_effective"] == 1
+        and "cannot bound" in ev["unbounded_because"]
+    )
 
 
 def test_quantile_interval_lower_end_stays_below_the_estimate_at_small_effective_n():
@@ -584,6 +588,21 @@ def _documents(rng, k: int, increase: float = 0.05) -> tuple[np.ndarray, np.ndar
     base = rng.gamma(4.0, 0.5, doc.size)
     cand = base * (1 + rng.normal(increase, 0.02, k)[doc]) + rng.normal(0, 0.3, doc.size)
     return cand, base, doc
+
+
+def test_bootstrap_t_with_few_clusters_is_a_t_interval_and_never_a_point_by_chance():
+    from qgate.gates.stats import BOOT_MIN_CLUSTERS, cluster_bootstrap_t
+
+    rng = np.random.default_rng(0)
+    x = (rng.random(5 * 40) < 0.8).astype(float)
+    cl = np.repeat(np.arange(5), 40)
+    mean, lo, hi, ev = cluster_bootstrap_t(x, cl)
+    assert 5 < BOOT_MIN_CLUSTERS and ev["method"].startswith("cluster-robust t") and lo < mean < hi and ev["df"] < 5
+    same = np.tile([1.0, 0.0, 1.0, 1.0], 20)  # two prompts with the same share, 0.75, by chance
+    assert cluster_bootstrap_t(same, np.repeat([0, 1], 40))[1:3] == (float("-inf"), float("inf"))
+    big = np.tile(same, 5)  # ten such prompts: bootstrapped, and still no interval from identical cluster means
+    assert cluster_bootstrap_t(big, np.repeat(np.arange(10), 40))[1:3] == (float("-inf"), float("inf"))
+    assert cluster_bootstrap_t(np.ones(400), np.repeat(np.arange(10), 40))[:3] == (1.0, 1.0, 1.0)  # nothing varies
 
 
 def test_a_ratio_over_few_documents_holds_its_level_where_a_bootstrap_cannot():

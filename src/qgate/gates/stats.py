@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 N_BOOT = 1000
+BOOT_MIN_CLUSTERS = 8  # fewer: too few distinct resamples to studentize (with 2, every one gives t = 0 or none)
 SEED = 0
 _HUGE = np.finfo(float).max
 
@@ -44,8 +45,10 @@ def cluster_bootstrap_t(
     disagreement are skewed (a few prompts hold most of them), so an interval symmetric about the mean, or the
     percentile bootstrap, sits too close on the side where the rare heavy prompts are missing: the side that passes
     a candidate (benchmarks/bench_shadow_ci.py). A resample whose clusters all have the same mean has no spread to
-    studentize by and is left out. Needs several clusters: with few, use ratio_of_sums_ci. (mean, lo, hi,
-    evidence with the percentile interval of the same resamples); lo, hi = -inf, inf with fewer than two clusters."""
+    studentize by and is left out. Below BOOT_MIN_CLUSTERS clusters the interval is ratio_of_sums_ci's (a t interval
+    on few clusters' degrees of freedom). Clusters whose means agree while the values vary give no interval
+    (-inf, inf); values that never vary give [mean, mean]. (mean, lo, hi, evidence with the percentile interval of
+    the same resamples); lo, hi = -inf, inf with fewer than two clusters."""
     x = np.asarray(values, float)
     ids, inv = np.unique(np.asarray(clusters), return_inverse=True)
     k = len(ids)
@@ -56,6 +59,15 @@ def cluster_bootstrap_t(
         return mean, float("-inf"), float("inf"), ev
     if not np.isfinite(mean):
         return mean, float("nan"), float("nan"), ev
+    varies = bool(x.min() != x.max())
+    if k < BOOT_MIN_CLUSTERS:
+        _, lo, hi, cr2 = ratio_of_sums_ci(x, np.ones_like(x), clusters, level)
+        ev |= {"method": "cluster-robust t (CR2): too few clusters to bootstrap"} | {
+            key: cr2[key] for key in ("df", "se") if key in cr2
+        }
+        if varies and not lo < hi:  # clusters whose means agree by chance (0/1 values): no spread to read
+            lo, hi = float("-inf"), float("inf")
+        return mean, float(lo), float(hi), ev
 
     se = float(np.sqrt(_cluster_var(c, d, mean)))
     pick = np.random.default_rng(seed).integers(0, k, (n_boot, k))
@@ -65,8 +77,8 @@ def cluster_bootstrap_t(
     a = (1 - level) / 2
     ev |= {"se": se, "percentile": [quantile(means, a), quantile(means, 1 - a)]}
     t = np.divide(means - mean, ses, out=np.full(n_boot, np.nan), where=ses > 0)
-    if se == 0 or np.isnan(t).all():  # every cluster has the same mean: nothing varies
-        return mean, mean, mean, ev
+    if se == 0 or np.isnan(t).all():  # every cluster has the same mean: by chance, or nothing varies
+        return (mean, float("-inf"), float("inf"), ev) if varies else (mean, mean, mean, ev)
     t_lo, t_hi = np.nanquantile(t, [a, 1 - a])
     return mean, float(mean - t_hi * se), float(mean - t_lo * se), ev
 
@@ -124,16 +136,16 @@ def quantile_ci(
 
     Order-statistic (binomial, Clopper-Pearson) ranks on an effective sample size m, mapped back through the
     empirical quantile function: the upper rank r at r / m, the lower at r / (m + 1), where the r-th of m draws
-    sits on average (at r / m a small m's lower end would be the sample maximum). The effective size is Korn & Graubard's (1998, Survey Methodology 24:193):
-    n / deff, where the design effect deff (at least 1) comes from the per-cluster counts above the estimate (a
-    ratio estimator), not from n independent tokens, times (z / t)^2 for the t quantile on the variance's
-    degrees of freedom, `design_df` (the clusters less one unless given; inf: no adjustment), since that variance
-    is estimated from the clusters. A percentile bootstrap of an extreme quantile collapses onto a few repeated
-    tail values; this does not. When even the sample maximum is not a (1+level)/2 upper bound (n_eff <
-    log((1-level)/2) / log(q): 368 for p99, 3,688 for p99.9 at 95%), the upper end is +inf: such a check can
-    fail, never pass. The evidence then says how many values (`n_to_bound`) and clusters (`clusters_to_bound`)
-    would reach that effective n at this design effect. One cluster has no degrees of freedom and bounds nothing,
-    on either side.
+    sits on average (at r / m a small m's lower end would be the sample maximum). The effective size is Korn &
+    Graubard's (1998, Survey Methodology 24:193): n / deff, where the design effect deff (at least 1) comes from
+    the per-cluster counts above the estimate (a ratio estimator), not from n independent tokens, times (z / t)^2
+    for the t quantile on the variance's degrees of freedom, `design_df` (the clusters less one unless given; inf:
+    no adjustment), since that variance is estimated from the clusters. A percentile bootstrap of an extreme
+    quantile collapses onto a few repeated tail values; this does not. When even the sample maximum is not a
+    (1+level)/2 upper bound (n_eff < log((1-level)/2) / log(q): 368 for p99, 3,688 for p99.9 at 95%), the upper
+    end is +inf: such a check can fail, never pass. The evidence then says how many values (`n_to_bound`) and
+    clusters (`clusters_to_bound`) would reach that effective n at this design effect. One cluster has no degrees
+    of freedom and bounds nothing, on either side.
     """
     from scipy.stats import binom, norm
     from scipy.stats import t as student_t
