@@ -205,6 +205,7 @@ def test_report_files_and_evidence(base_art, w8_art, calib_arts, workdir):
     html = (art.path / "report.html").read_text()
     assert "data:image/png;base64," in html and "kl_p99" in html
     assert (art.path / "shadow.png").stat().st_size > 5000 and (art.path / "eval.png").exists()
+    assert (art.path / "routes.png").stat().st_size > 5000  # the split holds chat, code-assist and rewrite
     report = json.loads((art.path / "report.json").read_text())
     for r in report["results"]:
         assert {"metric", "observed", "threshold", "higher_is_better", "n", "ci", "p_value", "passed"} <= set(r)
@@ -238,7 +239,8 @@ def test_report_files_and_evidence(base_art, w8_art, calib_arts, workdir):
     from qgate.gates.markdown import version_description
 
     md = version_description(report, {}, "runs:/x").split("**Caveats**\n\n")[1].split("\n\n")[0]
-    names = ", ".join(f"`shadow.{r['metric']}`" for r in report["results"] if r["metric"] in caveated)
+    decided = [r for r in report["results"] if r["metric"] in caveated and r["verdict"] != "info"]
+    names = ", ".join(f"`shadow.{r['metric']}`" for r in decided)  # a route guard that did not fail decided nothing
     assert md == f"- {names}: {caveat.pop()}"  # one line naming every check the caveat weakens
     whole = run_gates(
         w8_art,
@@ -1645,7 +1647,9 @@ def test_stop_on_fail_skips_long_context_and_eval_after_a_decided_fail_and_says_
     gates_full, gates_stopped = ({r["gate"] for r in r_["results"]} for r_ in (rf, rs))
     assert {"long_context", "eval"} <= gates_full and rf["stopped"] is None
     assert gates_stopped.isdisjoint({"long_context", "eval"}) and {"shadow", "perf"} <= gates_stopped
-    assert rs["stopped"] == {"after": ["shadow.kl_p99"], "skipped": ["long_context", "eval"]}
+    after = rs["stopped"]["after"]  # the pooled p99, then its guard on each route (every one fails at 1e-4)
+    assert rs["stopped"]["skipped"] == ["long_context", "eval"] and after[0] == "shadow.kl_p99"
+    assert all(a.startswith("shadow.route.") and a.endswith(".kl_p99") for a in after[1:])
     assert rs["long_context"] is None and rs["config"]["stop_on_fail"] is True
     note = "Not run: long_context and eval. The gate had already failed on shadow.kl_p99"
     assert any(n.startswith(note) for n in rs["notes"]) and note in (stopped.path / "report.html").read_text()

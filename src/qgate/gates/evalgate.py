@@ -33,7 +33,7 @@ import numpy as np
 import yaml
 
 from qgate.errors import ConfigError
-from qgate.gates.result import POSITIVE, SHARE, GateResult, check_threshold_values
+from qgate.gates.result import GUARD_ERROR, POSITIVE, SHARE, GateResult, check_threshold_values
 from qgate.gates.stats import (
     holm,
     mcnemar_exact,
@@ -299,9 +299,6 @@ def eval_gate(base: dict, cand: dict, cfg: EvalConfig) -> list[GateResult]:
         )
         results[:0] = head
     return results
-
-
-GUARD_ERROR = 0.025  # one-sided, family-wise: the bad side of a two-sided 95% interval
 
 
 def _guard_tasks(

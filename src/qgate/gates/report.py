@@ -61,25 +61,15 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
         files["shadow"] = out / "shadow.png"
         fig.savefig(files["shadow"], dpi=110)
         plt.close(fig)
+    if routes := _route_figure(plt, out, report):
+        files["routes"] = routes
     evals = [r for r in report["results"] if r["gate"] == "eval" and r["ci"]]
     kinds = sorted({r["metric"].rsplit(".", 1)[-1] for r in evals})  # one panel per unit: recovery, bpb_increase
     if evals:
         fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 0.8 + 0.45 * len(evals)), squeeze=False)
         for ax, kind in zip(axes[0], kinds):
             rows = [r for r in evals if r["metric"].endswith("." + kind)]
-            for i, r in enumerate(rows):
-                lo, hi = r["ci"]
-                color = COLORS[r["verdict"]]
-                ax.errorbar(
-                    r["observed"], i, xerr=[[r["observed"] - lo], [hi - r["observed"]]], fmt="o", color=color, capsize=4
-                )
-                if r["threshold"] is not None:
-                    ax.plot([r["threshold"]] * 2, [i - 0.35, i + 0.35], color="k", lw=1.5)
-            ax.set_yticks(range(len(rows)), [r["metric"].rsplit(".", 1)[0] for r in rows], fontsize=8)
-            ax.set_ylim(-0.6, len(rows) - 0.4)
-            ax.locator_params(axis="x", nbins=5)
-            better = "higher" if rows[0]["higher_is_better"] else "lower"
-            ax.set_title(f"{kind} ({better} is better)", fontsize=10)
+            _interval_rows(ax, rows, [r["metric"].rsplit(".", 1)[0] for r in rows], kind)
         fig.suptitle(
             "Change vs baseline: 95% CI, black bar = threshold; green pass, red fail, orange inconclusive, grey "
             "report-only",
@@ -119,6 +109,59 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
     return files
 
 
+def _interval_rows(ax, rows: list[dict], labels: list[str], name: str) -> None:
+    """One row per check, top down: its point and interval coloured by its verdict and a black bar at its threshold;
+    an end the sample cannot bound is drawn to the panel's edge as an arrow."""
+    ends = [x for r in rows for x in (*(r["ci"] or ()), r["observed"], r["threshold"] or np.nan) if np.isfinite(x)]
+    lo_edge, hi_edge = min(ends), max(ends)
+    pad = 0.05 * (hi_edge - lo_edge or 1.0)
+    lo_edge, hi_edge = lo_edge - pad, hi_edge + pad
+    for i, r in enumerate(rows):
+        lo, hi = r["ci"] or (r["observed"], r["observed"])
+        color = COLORS[r["verdict"]]
+        ax.plot([max(lo, lo_edge), min(hi, hi_edge)], [i, i], color=color, lw=2)
+        ax.plot(r["observed"], i, "o", color=color)
+        for end, edge, mark in ((lo, lo_edge, "<"), (hi, hi_edge, ">")):
+            if not np.isfinite(end):
+                ax.plot(edge, i, mark, color=color)
+        if r["threshold"] is not None:
+            ax.plot([r["threshold"]] * 2, [i - 0.35, i + 0.35], color="k", lw=1.5)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylim(len(rows) - 0.4, -0.6)
+    ax.set_xlim(lo_edge, hi_edge)
+    ax.locator_params(axis="x", nbins=5)
+    better = "higher" if rows[0]["higher_is_better"] else "lower"
+    ax.set_title(f"{name} ({better} is better)", fontsize=10)
+
+
+def _route_figure(plt, out: Path, report: dict) -> Path | None:
+    """routes.png: per guarded shadow check, the pooled row (95% CI) over each route's guard (Holm-adjusted CI).
+    None without route guards."""
+    guards = [r for r in report["results"] if r["gate"] == "shadow" and r["metric"].startswith("route.")]
+    if not guards:
+        return None
+    checks = list(dict.fromkeys(r["metric"].rsplit(".", 1)[1] for r in guards))
+    pooled = {r["metric"]: r for r in report["results"] if r["gate"] == "shadow"}
+    per = [[pooled[c]] + [r for r in guards if r["metric"].endswith("." + c)] for c in checks]
+    fig, axes = plt.subplots(1, len(checks), figsize=(5.5 * len(checks), 1.0 + 0.45 * len(per[0])), squeeze=False)
+    for ax, check, rows in zip(axes[0], checks, per, strict=True):
+        evs = [r["evidence"] for r in rows[1:]]
+        labels = ["all traffic (95%)"] + [
+            f"{e['route'][:24]} ({e['share_of_gated']:.0%}; {e['adjusted_level']:.1%})" for e in evs
+        ]
+        _interval_rows(ax, rows, labels, check)
+    fig.suptitle(
+        "Shadow checks by traffic route (share of gated positions; interval level): black bar = threshold; a route "
+        "fails (red) when its whole interval is on the bad side",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path = out / "routes.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 _VERDICT_CSS = "".join(f".{k} td:first-child{{color:{c};font-weight:bold}}" for k, c in COLORS.items())
 
 
@@ -130,7 +173,9 @@ def _row(r: dict) -> str:
     thr = "" if r["threshold"] is None else ("&ge; " if r["higher_is_better"] else "&le; ") + num(r["threshold"])
     verdict = r["verdict"]
     why = r["evidence"].get("why", "") if verdict != "pass" else ""
-    notes = (r["evidence"].get("error", ""), *decide_notes(r), why, r["evidence"].get("caveat", ""))
+    level = r["evidence"].get("adjusted_level") if r["decided_on"] == "holm-guard" else None
+    adjusted = f"its interval is Holm-adjusted, at {level:.2%}" if level else ""
+    notes = (r["evidence"].get("error", ""), *decide_notes(r), adjusted, why, r["evidence"].get("caveat", ""))
     note = "; ".join(x for x in notes if x)
     cells = (
         verdict.upper(),
@@ -222,7 +267,9 @@ def _scored(report: dict) -> str:
         f"{s['repeated_prefix_excluded']} repeating an earlier prompt's prefix (excluded). "
         f"Gated on <b>{html.escape(s['positions'])}</b> positions: {s['gated_positions']} scored, "
         f"{s['unique_positions']} unique prefixes in all. The <code>prompt.*</code> rows report the traffic prompt "
-        f"positions alone.</p>" + _coverage(s)
+        "positions alone; the <code>route.*</code> rows hold each gated check to its threshold on each traffic route's "
+        "positions alone (gates.shadow.route_guards), so a route the pooled figure averages away can still fail.</p>"
+        + _coverage(s)
     )
 
 
@@ -318,8 +365,9 @@ h1 span{{color:{COLORS[report["verdict"]]}}} dt{{font-weight:bold;margin-top:.4e
 confidence interval lies wholly on the good side of the threshold, <b>FAIL</b> when wholly on the bad side,
 <b>INCONCLUSIVE</b> when it straddles it (on_inconclusive: {html.escape(report.get("on_inconclusive", "block"))}).
 <b>point</b>: no interval (a count, a p-value, an infinite value), the observed value against the threshold.
-<b>holm-guard</b>: a per-task guard under a pooled check, FAIL when its Holm-adjusted interval lies wholly below the
-same margin, otherwise reported. <b>INFO</b> rows are reported, not gated.</p>
+<b>holm-guard</b>: a per-task (eval) or per-route (shadow) guard under a pooled check, FAIL when its Holm-adjusted
+interval lies wholly on the bad side of the same threshold, otherwise reported: it can stop a candidate, never pass
+one. <b>INFO</b> rows are reported, not gated.</p>
 <table><tr><th></th><th>gate</th><th>metric</th><th>observed</th><th>95% CI</th><th>threshold</th><th>decided on</th>
 <th>n</th><th>mde</th><th>p</th><th>note</th></tr>{rows}</table>
 <dl><dt>n</dt><dd>Shadow checks: token positions scored. Their CIs resample whole prompts (tokens of one prompt are not

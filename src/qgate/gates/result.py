@@ -26,6 +26,7 @@ VERDICTS = ("pass", "fail", "inconclusive", "error", "info")
 OnInconclusive = Literal["block", "warn"]  # gates.on_inconclusive: does an undecided check block promotion?
 ON_INCONCLUSIVE: tuple[str, ...] = get_args(OnInconclusive)
 Z95, Z80 = 1.959964, 0.841621
+GUARD_ERROR = 0.025  # a family of guards' one-sided, family-wise error: the bad side of a two-sided 95% interval
 SHARE = (0.0, 1.0)  # a threshold on a share (agreement, recovery) lies in (0, 1]
 POSITIVE = (0.0, math.inf)  # one on a divergence, an increase or a speed-up is finite and > 0
 

@@ -21,7 +21,9 @@ The mean KL and top-1 agreement get a bootstrap-t interval resampling whole prom
 (stats.cluster_bootstrap_t): a few prompts hold most of the disagreement, and an interval that
 ignores that skew passes a candidate on its threshold too often. Quantiles (p99, p99.9) get a
 clustered order-statistic interval (stats.quantile_ci), which is unbounded above when the sample
-is too small to bound them: such a check cannot pass.
+is too small to bound them: such a check cannot pass. Each gated check is also held to its threshold on each
+traffic route's positions alone (the split's `route` per prompt; gates/routes.py), as a guard that can fail a
+candidate the pooled figures would pass, and never passes one.
 
 A position where the candidate's logits define no distribution (a NaN or +inf logit) scores
 KL +inf and never agrees, and `defined_logits` fails the candidate if there is one anywhere.
@@ -55,6 +57,7 @@ from qgate.engines.protocol import Generates, GeneratesScored, ScoresServed
 from qgate.errors import ConfigError, InputError
 from qgate.execute import releases
 from qgate.gates.result import POSITIVE, SHARE, GateResult, check_threshold_values
+from qgate.gates.routes import Interval, RouteCheck, route_guards
 from qgate.gates.scoring import (
     MAX_BATCH_ROWS,
     MAX_BATCH_TOKENS,
@@ -90,7 +93,8 @@ class ShadowConfig:
     top1_agreement_min: float | None = 0.9  # share of positions where both models' argmax agree
     identical_generation_min: float | None = None  # share of prompts whose greedy answers are identical
     positions: str = "answer"  # which positions the gated checks score: "answer" or "answer+prompt"
-    VERSION = 6  # of how the checks are computed; what changed in each is in git
+    route_guards: bool = True  # each gated check on each traffic route too, as a guard that can only fail
+    VERSION = 7  # of how the checks are computed; what changed in each is in git
 
     def __post_init__(self):
         check_threshold_values("gates.shadow", self, KL_THRESHOLDS | {"identical_generation_min": SHARE})
@@ -260,10 +264,10 @@ def baseline_reference(
         }
     )
     path = Path(cache_dir) / f"shadow-baseline-{key[:24]}.npz"
-    if (cached := read_cached_arrays(path)) is not None:
-        return cached, True
-    runner = runner_factory()
     rows = load_shadow(shadow, cfg)
+    if (cached := read_cached_arrays(path)) is not None:
+        return cached | _routes(rows), True
+    runner = runner_factory()
     encoded = [encode_with_sources(runner.tokenizer, row["messages"], cfg.max_prompt_tokens) for row in rows]
     t0 = time.perf_counter()
     prompts = [e.ids for e in encoded]
@@ -304,7 +308,13 @@ def baseline_reference(
     # not compressed: top-k log-probs barely compress, and zlib costs a large share of the reference's time
     np.savez(buf, **ref)
     write_cached(path, buf.getvalue())
-    return ref, False
+    return ref | _routes(rows), False
+
+
+def _routes(rows: list[dict]) -> dict:
+    """`prompt_route`: each shadow prompt's traffic route ("" where its row names none), read from the split beside
+    the cached reference rather than stored in it."""
+    return {"prompt_route": np.array([str(row.get("route") or "") for row in rows])}
 
 
 def _check_defined(baseline: Artifact, top_lp: np.ndarray, positions: list[int]) -> None:
@@ -443,9 +453,9 @@ def kl_top1_checks(
     evidence: dict | None = None,
     gate: str = "shadow",
 ) -> list[GateResult]:
-    """kl_mean, kl_p99, kl_p999 and top1_agreement over the masked positions. Thresholds are read from cfg's
-    kl_mean_max, kl_p99_max, kl_p999_max and top1_agreement_min; report-only when cfg is None."""
-    kl, agree, cl = m["kl"][mask], m["agree"][mask].astype(float), clusters[mask]
+    """kl_mean, kl_p99, kl_p999 and top1_agreement over the masked positions, on their 95% intervals (estimators).
+    Thresholds are read from cfg's kl_mean_max, kl_p99_max, kl_p999_max and top1_agreement_min; report-only when cfg
+    is None. `evidence` goes on kl_mean's row."""
     n = int(mask.sum())
     if n == 0:
         return (
@@ -456,46 +466,56 @@ def kl_top1_checks(
             if cfg
             else []
         )
-    thr = (lambda name: getattr(cfg, name)) if cfg else (lambda name: None)
-    out = [
-        GateResult.check(
-            gate,
-            f"{prefix}kl_mean",
-            float(kl.mean()),
-            thr("kl_mean_max"),
-            False,
-            n,
-            _mean_ci(kl, cl, 0.0, np.inf),
-            evidence=evidence,
-        )
-    ]
-    for name, q in QUANTILES.items():
-        lo, hi, ev = quantile_ci(kl, cl, q, cluster_name="prompts")
-        out.append(
-            GateResult.check(
-                gate, f"{prefix}{name}", quantile(kl, q), thr(f"{name}_max"), False, n, (lo, hi), evidence=ev
-            )
-        )
-    out.append(
-        GateResult.check(
-            gate,
-            f"{prefix}top1_agreement",
-            float(agree.mean()),
-            thr("top1_agreement_min"),
-            True,
-            n,
-            _mean_ci(agree, cl, 0.0, 1.0),
-            evidence={"flip_rate": float(1 - agree.mean())},
-        )
-    )
+    out = []
+    for name, (higher, interval) in estimators(m, clusters).items():
+        observed, lo, hi, ev = interval(mask, 0.95)
+        if name == "kl_mean":
+            ev = evidence
+        elif name == "top1_agreement":
+            ev = {"flip_rate": 1 - observed}
+        threshold = getattr(cfg, THRESHOLD_OF[name]) if cfg else None
+        out.append(GateResult.check(gate, f"{prefix}{name}", observed, threshold, higher, n, (lo, hi), evidence=ev))
     return out
 
 
-def _mean_ci(values: np.ndarray, prompts: np.ndarray, low: float, high: float) -> tuple[float, float]:
-    """The 95% interval of a mean over positions clustered in prompts (stats.cluster_bootstrap_t), within the range
-    the quantity can take."""
-    _, lo, hi, _ = cluster_bootstrap_t(values, prompts)
-    return float(np.clip(lo, low, high)), float(np.clip(hi, low, high))
+THRESHOLD_OF = {name.rsplit("_", 1)[0]: name for name in KL_THRESHOLDS}  # "kl_p99" -> "kl_p99_max"
+
+
+def estimators(m: dict, clusters: np.ndarray) -> dict[str, tuple[bool, Interval]]:
+    """Each KL and top-1 check's estimator: whether higher is better, and interval(mask, level) -> (observed, lo, hi,
+    evidence) over the masked positions at that two-sided level. Means (KL, agreement) get the bootstrap-t over
+    prompts (stats.cluster_bootstrap_t) within the range the quantity can take; quantiles the clustered
+    order-statistic interval (stats.quantile_ci)."""
+    kl, agree = m["kl"], m["agree"].astype(float)
+
+    def mean_of(x: np.ndarray, low: float, high: float) -> Interval:
+        def interval(mask: np.ndarray, level: float):
+            _, lo, hi, ev = cluster_bootstrap_t(x[mask], clusters[mask], level=level)
+            return float(x[mask].mean()), float(np.clip(lo, low, high)), float(np.clip(hi, low, high)), ev
+
+        return interval
+
+    def quantile_of(q: float) -> Interval:
+        def interval(mask: np.ndarray, level: float):
+            lo, hi, ev = quantile_ci(kl[mask], clusters[mask], q, level=level, cluster_name="prompts")
+            return quantile(kl[mask], q), lo, hi, ev
+
+        return interval
+
+    return (
+        {"kl_mean": (False, mean_of(kl, 0.0, np.inf))}
+        | {name: (False, quantile_of(q)) for name, q in QUANTILES.items()}
+        | {"top1_agreement": (True, mean_of(agree, 0.0, 1.0))}
+    )
+
+
+def route_checks(m: dict, clusters: np.ndarray, cfg: ShadowConfig) -> list[RouteCheck]:
+    """The checks cfg gates (a threshold set), for route_guards: the same estimators as kl_top1_checks."""
+    return [
+        RouteCheck(name, getattr(cfg, THRESHOLD_OF[name]), higher, interval)
+        for name, (higher, interval) in estimators(m, clusters).items()
+        if getattr(cfg, THRESHOLD_OF[name]) is not None
+    ]
 
 
 def defined_check(m: dict, ref: dict, gate: str = "shadow") -> GateResult:
@@ -553,6 +573,8 @@ def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> tuple[list[GateResult]
     scored |= coverage(ref, cfg)
     ev = {"tail_mass_mean": float(m["tail"].mean()), "tail_mass_max": float(m["tail"].max()), "scored": scored}
     results = [defined_check(m, ref)] + kl_top1_checks(m, clusters, masks["gated"], cfg, evidence=ev)
+    if cfg.route_guards and "prompt_route" in ref:
+        results += route_guards(ref["prompt_route"][clusters], masks["gated"], route_checks(m, clusters, cfg))
     for part in ("answer", "prompt"):  # the classes the gate did not decide on alone, reported beside it
         if part != cfg.positions:
             results += kl_top1_checks(m, clusters, masks[part], None, prefix=f"{part}.")
