@@ -64,8 +64,8 @@ def draw(s: dict, by_route: dict[str, list[np.ndarray]], alloc: dict[str, int], 
 
 def gate(split: dict, cfg) -> tuple[dict[str, str], dict[str, bool]]:
     """The pooled checks' verdicts, and per check whether any route's guard failed."""
+    from qgate.gates.kl_checks import kl_top1_checks, route_checks
     from qgate.gates.routes import route_guards
-    from qgate.gates.shadow import kl_top1_checks, route_checks
 
     mask = np.ones(len(split["kl"]), bool)
     pooled = {r.metric: r.verdict for r in kl_top1_checks(split, split["prompt"], mask, cfg)}

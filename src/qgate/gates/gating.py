@@ -21,17 +21,16 @@ from qgate.errors import BackendUnavailable, ConfigError, InputError
 from qgate.execute import releases
 from qgate.gates.contract import ContractConfig, contract_gate
 from qgate.gates.evalgate import SCORES_VERSION, TASK_DIR, EvalConfig, eval_gate, run_tasks
+from qgate.gates.kl_checks import KL_THRESHOLDS, kl_top1_checks
 from qgate.gates.longctx import LongContextConfig, baseline_long_reference, long_context_gate
 from qgate.gates.noise import check_thresholds, noise_floor
 from qgate.gates.report import write_report
 from qgate.gates.result import ON_INCONCLUSIVE, POSITIVE, GateReport, GateResult, OnInconclusive, check_threshold_values
 from qgate.gates.scoring import SCORING_LIBRARIES
 from qgate.gates.shadow import (
-    KL_THRESHOLDS,
     ShadowConfig,
     baseline_reference,
     candidate_metrics,
-    kl_top1_checks,
     load_shadow,
     more_positions_hint,
     rescore_reference,

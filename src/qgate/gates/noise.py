@@ -22,8 +22,9 @@ from qgate.artifact import Artifact, sha256_json
 from qgate.cache import read_cached, write_cached
 from qgate.errors import ConfigError
 from qgate.execute import releases
+from qgate.gates.kl_checks import kl_top1_checks
 from qgate.gates.scoring import SCORING_LIBRARIES
-from qgate.gates.shadow import REFERENCE_VERSION, ShadowConfig, candidate_metrics, kl_top1_checks, scoring_summary
+from qgate.gates.shadow import REFERENCE_VERSION, ShadowConfig, candidate_metrics, scoring_summary
 
 
 def noise_floor(

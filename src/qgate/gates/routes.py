@@ -11,8 +11,9 @@ and it never passes one. A route the split holds too few prompts of gets a wide 
 The adjustment is Holm's step-down, done with intervals: with m routes left untested, each gets its interval
 at one-sided error GUARD_ERROR / m; those wholly on the bad side fail and leave, and the rest are tested again
 at the smaller m, until a round fails none. That rejects exactly the routes Holm's procedure on the intervals'
-p-values would, at family-wise error GUARD_ERROR per check: a candidate on its threshold in every route fails
-through a guard at most as often as the pooled check fails it (benchmarks/bench_route_guards.py).
+p-values would, at family-wise error GUARD_ERROR per check, the bad side of the pooled check's 95% interval
+(benchmarks/bench_route_guards.py measures it). The checks and their estimators come from gates/kl_checks.py
+(route_checks).
 """
 
 from __future__ import annotations
