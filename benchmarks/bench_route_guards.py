@@ -1,6 +1,6 @@
 """How often the shadow gate's per-route guards fail a candidate, good or bad, on a real candidate's scored traffic.
 
-    .venv/bin/python benchmarks/bench_route_guards.py        # ~4 minutes on 2 cores, from bench_shadow_ci.py's cache
+    .venv/bin/python benchmarks/bench_route_guards.py --draws 2000   # ~9 min on 2 cores, from bench_shadow_ci's cache
 
 The input is what `benchmarks/bench_shadow_ci.py` caches: a candidate's per-position KL and top-1 agreement on a
 large held-out split (480 prompts of the demo traffic, `--scored`), and that split's rows (`--shadow`), whose
