@@ -60,7 +60,8 @@ def forward_only(runner, seqs: list[list[int]]) -> float:
 
 def bench_shadow(arts: dict, cache: Path, repeats: int) -> dict:
     from qgate.engines.runners import load_runner
-    from qgate.gates.shadow import ShadowConfig, _sequences, baseline_reference, candidate_metrics, top_k_reference
+    from qgate.gates.passes import sequences, top_k_reference
+    from qgate.gates.shadow import ShadowConfig, baseline_reference, candidate_metrics
 
     cfg = ShadowConfig()
     base = load_runner(arts["base"])
@@ -70,11 +71,11 @@ def bench_shadow(arts: dict, cache: Path, repeats: int) -> dict:
         ref, hit = baseline_reference(lambda: base, arts["base"], arts["shadow"], cfg, cache / f"cold-{i}")
         colds.append(time.perf_counter() - t)
         assert not hit
-        fwds.append(forward_only(base, _sequences(ref)))
+        fwds.append(forward_only(base, sequences(ref)))
         t = time.perf_counter()
-        top_k_reference(base, _sequences(ref), cfg.top_k, "bench: teacher-forced scoring")
+        top_k_reference(base, sequences(ref), cfg.top_k, "bench: teacher-forced scoring")
         scores.append(time.perf_counter() - t)
-    seqs = _sequences(ref)
+    seqs = sequences(ref)
     out = {
         "prompts": len(seqs),
         "tokens": int(ref["seq_lens"].sum()),

@@ -117,27 +117,30 @@ def test_a_memory_budget_batches_every_row_together_with_the_same_scores(base_ar
     batch and the shadow sequences score in one forward, with the answers and log-probs the CPU's batches give."""
     from qgate.chat import encode_with_sources
     from qgate.engines.runners import load_runner
+    from qgate.gates import passes
     from qgate.gates import shadow as sh
 
     runner = load_runner(base_art)
     cfg = sh.ShadowConfig(max_new_tokens=6, max_prompt_tokens=48)
     rows = sh.load_shadow(calib_arts["shadow"], cfg)
     prompts = [encode_with_sources(runner.tokenizer, r["messages"], 48)[0] for r in rows]
-    monkeypatch.setattr(sh, "GREEDY_BATCH_ROWS", 5)
-    monkeypatch.setattr(sh, "MAX_BATCH_ROWS", 5)
-    assert len(sh.greedy_batches(runner, prompts, 6)) > 1
-    capped = sh.greedy_scored(runner, prompts, 6, 4)
+    monkeypatch.setattr(passes, "GREEDY_BATCH_ROWS", 5)
+    monkeypatch.setattr(passes, "MAX_BATCH_ROWS", 5)
+    assert len(passes.greedy_batches(runner, prompts, 6)) > 1
+    capped = passes.greedy_scored(runner, prompts, 6, 4)
     seqs = [p + a for p, (a, _) in zip(prompts, capped, strict=True)]
     calls = []
     inner = runner.logits_batch
     runner.logits_batch = lambda batch, keep_last=None: calls.append(len(batch)) or inner(batch, keep_last)
-    capped_scores = sh.score_sequences(runner, seqs, "t", lambda x: (x.max(-1),))
+    capped_scores = passes.score_sequences(runner, seqs, "t", lambda x: (x.max(-1),))
     assert max(calls) <= 5
     runner.batch_tokens = 10**6
-    assert sh.greedy_batches(runner, prompts, 6) == [sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))]
-    budgeted = sh.greedy_scored(runner, prompts, 6, 4)
+    assert passes.greedy_batches(runner, prompts, 6) == [
+        sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    ]
+    budgeted = passes.greedy_scored(runner, prompts, 6, 4)
     calls.clear()
-    scores = sh.score_sequences(runner, seqs, "t", lambda x: (x.max(-1),))
+    scores = passes.score_sequences(runner, seqs, "t", lambda x: (x.max(-1),))
     assert calls == [len(seqs)]
     for (a, (ids, lp)), (b, (ids2, lp2)) in zip(capped, budgeted, strict=True):
         assert a == b and np.abs(lp - lp2).max() < 1e-4

@@ -24,6 +24,7 @@ from qgate.gates.evalgate import SCORES_VERSION, TASK_DIR, EvalConfig, eval_gate
 from qgate.gates.kl_checks import KL_THRESHOLDS, kl_top1_checks
 from qgate.gates.longctx import LongContextConfig, baseline_long_reference, long_context_gate
 from qgate.gates.noise import check_thresholds, noise_floor
+from qgate.gates.passes import rescore_reference
 from qgate.gates.report import write_report
 from qgate.gates.result import ON_INCONCLUSIVE, POSITIVE, GateReport, GateResult, OnInconclusive, check_threshold_values
 from qgate.gates.scoring import SCORING_LIBRARIES
@@ -33,7 +34,6 @@ from qgate.gates.shadow import (
     candidate_metrics,
     load_shadow,
     more_positions_hint,
-    rescore_reference,
     run_shadow,
     unpassable_quantiles,
 )
