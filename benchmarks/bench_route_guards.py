@@ -41,16 +41,6 @@ def load(scored: Path, shadow: Path) -> dict[str, np.ndarray]:
     return s | {"route": routes[s["prompt"]]}
 
 
-def allocation(shares: dict[str, int], size: int) -> dict[str, int]:
-    """Largest-remainder allocation of `size` prompts in proportion to each route's prompts."""
-    total = sum(shares.values())
-    exact = {r: size * n / total for r, n in shares.items()}
-    out = {r: int(x) for r, x in exact.items()}
-    for r in sorted(exact, key=lambda r: out[r] - exact[r])[: size - sum(out.values())]:
-        out[r] += 1
-    return out
-
-
 def draw(s: dict, by_route: dict[str, list[np.ndarray]], alloc: dict[str, int], rng) -> dict[str, np.ndarray]:
     picked = [(r, by_route[r][i]) for r, k in alloc.items() for i in rng.integers(0, len(by_route[r]), k)]
     idx = np.concatenate([x for _, x in picked])
@@ -98,6 +88,8 @@ def degraded(s: dict, route: str, factor: float, rng) -> dict:
 
 
 def main() -> None:
+    from qgate.calibrate.sample import _allocate  # the split sampler's own rule
+    from qgate.gates.kl_checks import KL_THRESHOLDS, THRESHOLD_OF
     from qgate.gates.stats import quantile
     from qgate.pipeline.spec import load_spec
 
@@ -122,7 +114,8 @@ def main() -> None:
     print(f"thresholds: kl_p99 <= {cfg.kl_p99_max}, top1_agreement >= {cfg.top1_agreement_min}")
     rng = np.random.default_rng(0)
     for size in args.split or [48, 192]:
-        alloc = allocation(dict(zip(routes.tolist(), counts.tolist(), strict=True)), size)
+        shares = dict(zip(routes.tolist(), counts.tolist(), strict=True))
+        alloc = _allocate(shares, size, caps=dict.fromkeys(shares, size))  # with replacement: no route runs out
         print(f"\n== splits of {size} prompts ({', '.join(f'{r} {k}' for r, k in alloc.items())}), {args.draws} each")
         cols = "".join(f"{c:>9s}" for c in ("pooled F", "pooled P", "guard F", "gate F", "gate P"))
         print(f"{'case':34s} {'check':16s} {'true':>7s}{cols}")
@@ -146,9 +139,8 @@ def main() -> None:
         def cfg_of(checks: dict):
             from dataclasses import replace
 
-            none = {"kl_mean_max": None, "kl_p99_max": None, "kl_p999_max": None, "top1_agreement_min": None}
-            return replace(cfg, **(none | {f"{c}_{'min' if c.startswith('top1') else 'max'}": v
-                                           for c, v in checks.items()}))  # fmt: skip
+            only = dict.fromkeys(KL_THRESHOLDS) | {THRESHOLD_OF[c]: v for c, v in checks.items()}
+            return replace(cfg, **only)
 
         p99 = cfg.kl_p99_max
         at_p99 = s | {"kl": scaled_to(s, lambda x: quantile(x, 0.99), p99)}

@@ -112,7 +112,9 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
 def _interval_rows(ax, rows: list[dict], labels: list[str], name: str) -> None:
     """One row per check, top down: its point and interval coloured by its verdict and a black bar at its threshold;
     an end the sample cannot bound is drawn to the panel's edge as an arrow."""
-    ends = [x for r in rows for x in (*(r["ci"] or ()), r["observed"], r["threshold"] or np.nan) if np.isfinite(x)]
+    ends = [
+        x for r in rows for x in (*(r["ci"] or ()), r["observed"], r["threshold"]) if x is not None and np.isfinite(x)
+    ]
     lo_edge, hi_edge = min(ends), max(ends)
     pad = 0.05 * (hi_edge - lo_edge or 1.0)
     lo_edge, hi_edge = lo_edge - pad, hi_edge + pad
