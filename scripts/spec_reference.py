@@ -106,7 +106,9 @@ def render() -> str:
     from qgate.engines.build import BACKENDS, backend
     from qgate.gates.contract import ContractConfig
     from qgate.gates.evalgate import EvalConfig
-    from qgate.gates.gating import GateConfig, ParityConfig, PerfConfig
+    from qgate.gates.gating import GateConfig
+    from qgate.gates.parity import ParityConfig
+    from qgate.gates.perf import PerfConfig
     from qgate.gates.longctx import LongContextConfig
     from qgate.gates.shadow import ShadowConfig
     from qgate.quantize.compress import CalibOptions
@@ -126,8 +128,8 @@ def render() -> str:
         ("`gates.contract:`", "gates/contract.py", ContractConfig, ()),
         ("`gates.eval:` (null: no eval gate)", "gates/evalgate.py", EvalConfig, ()),
         ("`gates.long_context:` (null: not probed)", "gates/longctx.py", LongContextConfig, ()),
-        ("`gates.parity:`", "gates/gating.py", ParityConfig, ()),
-        ("`gates.perf:`", "gates/gating.py", PerfConfig, ()),
+        ("`gates.parity:`", "gates/parity.py", ParityConfig, ()),
+        ("`gates.perf:`", "gates/perf.py", PerfConfig, ()),
         ("`drift:`", "calibrate/traffic_drift.py", DriftConfig, ()),
     ]
     parts = [HEAD]

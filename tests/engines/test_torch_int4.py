@@ -670,7 +670,7 @@ def test_gate_scores_the_engine_and_separates_runtime_from_quantization(
     assert perf["verdict"] == "info" and perf["evidence"]["candidate_scoring"] == "served (answers as decode steps)"
     assert perf["evidence"]["why"].startswith("not comparable: the candidate's time is its served"), perf
     assert "perf" not in report["timings"] and perf["evidence"]["timed_after_warm_up"] is False
-    from qgate.gates.gating import PerfConfig
+    from qgate.gates.perf import PerfConfig
 
     cfg = replace(cfg, perf=PerfConfig(min_prefill_speedup=1e-3))
     art = run_gates(int4_f32, base_art, calib_arts["shadow"], cfg, workdir / "gate-int4-perf", workdir / "cache-int4")

@@ -1361,7 +1361,7 @@ def test_perf_divides_times_from_one_card_or_cpu_and_measures_a_foreign_one_agai
 
     from qgate.cache import write_cached
     from qgate.device import timing_host
-    from qgate.gates.gating import PerfConfig, _perf_check
+    from qgate.gates.perf import PerfConfig, perf_check
 
     here, h100 = timing_host(torch.device("cpu")), "NVIDIA H100 80GB HBM3; torch 2.11.0+cu130"
     shadow = ShadowConfig(max_new_tokens=8, max_prompt_tokens=32, kl_p99_max=None)  # 192 positions: reported
@@ -1400,26 +1400,26 @@ def test_perf_divides_times_from_one_card_or_cpu_and_measures_a_foreign_one_agai
     cand = [1.0, 1.02, 0.98]
     apart = {"baseline": floor["baseline_score_passes"], "candidate": cand, "paired": False}
     tf, served = "teacher-forced", "served (answers as decode steps)"
-    r = _perf_check(floor, apart, tf, "cpu-onnxruntime", here, PerfConfig(min_prefill_speedup=1.5))
+    r = perf_check(floor, apart, tf, "cpu-onnxruntime", here, PerfConfig(min_prefill_speedup=1.5))
     assert r.verdict == "inconclusive" and not r.passed and h100 in r.line() and here in r.line(), r.line()
     alone = {"baseline": [2.0], "candidate": [1.0], "paired": False}
-    r = _perf_check(floor | {"timed_on": here}, alone, served, "torch-int4", here, PerfConfig())
+    r = perf_check(floor | {"timed_on": here}, alone, served, "torch-int4", here, PerfConfig())
     assert r.verdict == "info" and "time is its served (answers as decode steps) scoring" in r.line(), r.line()
     floor |= {"timed_on": here}
     for limit, verdict in ((1.5, "pass"), (2.5, "fail"), (2.1, "inconclusive")):  # Welch: CI [1.79, 2.23]
-        r = _perf_check(floor, apart, tf, "cpu-onnxruntime", here, PerfConfig(limit))
+        r = perf_check(floor, apart, tf, "cpu-onnxruntime", here, PerfConfig(limit))
         assert (r.verdict, r.decided_on, r.n) == (verdict, "ci", 3) and 1.78 < r.ci[0] < 1.8 < 2.22 < r.ci[1] < 2.24
         assert abs(r.observed - 2.0) < 0.01 and r.evidence["candidate_score_passes"] == cand, r
         assert "apart from the candidate" in r.evidence["caveat"], r.evidence  # drift between them is not in it
     assert "~14 timed passes of each model would decide it" in r.line(), r.line()
     in_turn = apart | {"paired": True}  # the same passes timed in turn: their ratios 2.0, 2.06, 1.94
-    r = _perf_check(floor, in_turn, tf, "cpu-onnxruntime", here, PerfConfig(2.2))
+    r = perf_check(floor, in_turn, tf, "cpu-onnxruntime", here, PerfConfig(2.2))
     assert r.verdict == "fail" and 1.85 < r.ci[0] < r.ci[1] < 2.16 and "caveat" not in r.evidence, r
-    assert _perf_check(floor, apart, tf, "cpu-onnxruntime", here, PerfConfig(2.2)).verdict == "inconclusive"
+    assert perf_check(floor, apart, tf, "cpu-onnxruntime", here, PerfConfig(2.2)).verdict == "inconclusive"
     for bad in (1, 2.5, True):  # one pass has no spread; a count is a whole number
         with pytest.raises(ConfigError, match="gates.perf.repeats"):
             PerfConfig(min_prefill_speedup=1.5, repeats=bad)
-    r = _perf_check(floor, apart | {"candidate": cand[:1]}, tf, "cpu-onnxruntime", here, PerfConfig(1.5))
+    r = perf_check(floor, apart | {"candidate": cand[:1]}, tf, "cpu-onnxruntime", here, PerfConfig(1.5))
     assert r.verdict == "inconclusive" and "one timed pass" in r.line(), r.line()  # no spread on one side
 
 
@@ -1448,7 +1448,7 @@ def test_perf_times_both_models_in_turn_warm_or_says_they_were_timed_apart(base_
     import time
 
     from qgate.engines.runners import TorchRunner
-    from qgate.gates.gating import PerfConfig
+    from qgate.gates.perf import PerfConfig
 
     cold_s, forward = 4.0, TorchRunner.logits_batch
     first_calls: list[int] = []

@@ -161,7 +161,7 @@ def search_stage(
     """The variant's searched checkpoint (its `search:` settings). `qgate search` and `qgate run` share the stage, so
     one reuses what the other found. Points are gated on the search split, so the shadow split that gates the chosen
     point afterwards is data the search never saw."""
-    from qgate.gates.gating import numerics_key
+    from qgate.gates.numerics import numerics_key
     from qgate.pipeline.search import search_checkpoint
     from qgate.pipeline.spec import search_config
     from qgate.quantize.compress import CalibOptions
