@@ -517,18 +517,18 @@ def attention_first_calls(device, heads: int, kv_heads: int, head_dim: int) -> d
 
 @contextlib.contextmanager
 def enable_gqa_attention(ref):
-    """For the block, reference runner `ref` calls attention as it did before runners.grouped_sdpa:
-    runners._gqa_sdpa with grouped=False, K/V with enable_gqa and torch's choice of kernel (cuDNN's on Hopper, which
+    """For the block, reference runner `ref` calls attention as it did before attention.grouped_sdpa:
+    attention.gqa_sdpa with grouped=False, K/V with enable_gqa and torch's choice of kernel (cuDNN's on Hopper, which
     plans per shape)."""
     import functools
 
     from transformers import AttentionInterface
 
-    from qgate.engines import runners
+    from qgate.engines import attention
 
     name = ref.model.config._attn_implementation
     own = AttentionInterface._global_mapping[name]
-    AttentionInterface.register(name, functools.partial(runners._gqa_sdpa, grouped=False))
+    AttentionInterface.register(name, functools.partial(attention.gqa_sdpa, grouped=False))
     try:
         yield
     finally:
@@ -784,7 +784,7 @@ def main() -> int:
             rows[b]["eager_bf16_tok_s"] = b * decode_rate(ref.greedy_batch, [prompt] * b, min(args.steps, 32))
             res.save()
         dec["batch1_vs_eager"] = rows[1]["engine_tok_s"] / rows[1]["eager_bf16_tok_s"]
-        with enable_gqa_attention(ref):  # A/B at batch 1: the call before runners.grouped_sdpa
+        with enable_gqa_attention(ref):  # A/B at batch 1: the call before attention.grouped_sdpa
             rows[1]["eager_bf16_tok_s_enable_gqa"] = decode_rate(ref.greedy_batch, [prompt], min(args.steps, 32))
         del ref
         release(device)

@@ -107,9 +107,9 @@ def render() -> str:
     from qgate.gates.contract import ContractConfig
     from qgate.gates.evalgate import EvalConfig
     from qgate.gates.gating import GateConfig
+    from qgate.gates.longctx import LongContextConfig
     from qgate.gates.parity import ParityConfig
     from qgate.gates.perf import PerfConfig
-    from qgate.gates.longctx import LongContextConfig
     from qgate.gates.shadow import ShadowConfig
     from qgate.quantize.compress import CalibOptions
     from qgate.search.plan import SearchConfig

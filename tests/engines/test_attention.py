@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import qgate.device as device
-from qgate.engines.runners import enable_gqa_sdpa, grouped_sdpa, load_runner
+from qgate.engines.attention import enable_gqa_sdpa, grouped_sdpa
+from qgate.engines.runners import load_runner
 
 
 class _Attention:
@@ -101,7 +102,7 @@ def test_reference_attention_on_cuda_builds_no_plans(base_art):
         pytest.skip("needs CUDA")
     from transformers import AttentionInterface
 
-    from qgate.engines import runners
+    from qgate.engines import attention
 
     seqs = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24]]
     ref = load_runner(base_art, "cuda")
@@ -109,11 +110,11 @@ def test_reference_attention_on_cuda_builds_no_plans(base_art):
     got = ref.logits_batch(seqs)
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
-    AttentionInterface.register(name, functools.partial(runners._gqa_sdpa, grouped=False))
+    AttentionInterface.register(name, functools.partial(attention.gqa_sdpa, grouped=False))
     try:
         want = ref.logits_batch(seqs)
     finally:
-        AttentionInterface.register(name, runners._gqa_sdpa)
+        AttentionInterface.register(name, attention.gqa_sdpa)
     for a, b in zip(got, want, strict=True):
         pa, pb = (torch.log_softmax(torch.as_tensor(x).float().cpu(), -1) for x in (a, b))  # on the GPU as scored
         assert a.shape == b.shape and (pb.exp() * (pb - pa)).sum(-1).max().item() < 1e-3

@@ -507,7 +507,7 @@ def test_the_cuda_attention_mask_computes_what_transformers_skip_does(base_art, 
     """On CUDA the reference path always builds the SDPA mask (skipping it reads the padding mask on the host): the
     same logits as transformers' own mask on unpadded, padded and cached forwards. Checked on the CPU by switching
     the model to it."""
-    from qgate.engines import runners
+    from qgate.engines import attention
 
     runner = TorchRunner(base_art.path)
     groups = [([5, 6, 7], [[8, 9], [10]]), ([1, 2], [[3, 4, 5]])]
@@ -517,10 +517,10 @@ def test_the_cuda_attention_mask_computes_what_transformers_skip_does(base_art, 
 
     before = scores()
     built = []
-    inner = runners._masked_sdpa_mask
-    monkeypatch.setattr(runners, "_masked_sdpa_mask", lambda *a, **k: built.append(1) or inner(*a, **k))
-    runners._register_attention(torch.device("cuda"))  # registers both names; the mask function as patched
-    runner.model.set_attn_implementation(runners.ATTENTION_MASKED)
+    inner = attention.masked_sdpa_mask
+    monkeypatch.setattr(attention, "masked_sdpa_mask", lambda *a, **k: built.append(1) or inner(*a, **k))
+    attention.register_attention(torch.device("cuda"))  # registers both names; the mask function as patched
+    runner.model.set_attn_implementation(attention.ATTENTION_MASKED)
     after = scores()
     assert len(built) >= 5  # every forward built its mask: logits_batch, logits, the prefix, contexts, continuations
     for a, b in zip(before, after, strict=True):

@@ -168,7 +168,8 @@ def test_a_document_is_scored_from_blocks_of_its_logits_as_from_the_whole(base_a
     import torch
 
     import qgate.engines.logits as lg
-    from qgate.engines.runners import ATTENTION_MASKED, HEAD_PROBE, TorchRunner
+    from qgate.engines.attention import ATTENTION_MASKED
+    from qgate.engines.runners import HEAD_PROBE, TorchRunner
     from qgate.gates.longctx import nll
 
     seq = np.random.default_rng(0).integers(3, 300, 100).tolist()

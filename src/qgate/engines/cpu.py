@@ -75,7 +75,7 @@ def cannot_hold(ckpt: Artifact) -> str | None:
 
 def load_runner(art: Artifact, device: str = "cpu", dtype: str = "auto"):
     """The gates' runner for a built engine: onnxruntime on this host's CPU (device and dtype do not apply)."""
-    from qgate.engines.runners import OrtRunner
+    from qgate.engines.ort_runner import OrtRunner
 
     return OrtRunner(art.path / ENGINE_SUBDIR, art.path / ENGINE_SUBDIR)
 

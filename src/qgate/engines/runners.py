@@ -21,7 +21,8 @@ import numpy as np
 
 from qgate.artifact import Artifact
 from qgate.device import to_device
-from qgate.engines.logits import as_logits, cat_rows, check_vocab, head_blocks, reduce_blocks
+from qgate.engines.attention import ATTENTION, register_attention
+from qgate.engines.logits import as_logits, cat_rows, check_vocab, head_blocks
 from qgate.engines.padding import left_pad, length_groups, pack_trees, right_pad, sequences_as_trees
 from qgate.errors import BackendUnavailable, InputError
 
@@ -36,128 +37,9 @@ def dequantize_kwargs(path: Path) -> dict:
     return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
 
 
-ATTENTION = "qgate_sdpa_gqa"
-ATTENTION_MASKED = "qgate_sdpa_gqa_masked"  # the same on CUDA, with a mask always built (_masked_sdpa_mask)
 PACKED_CONTEXTS = {"cuda": True}  # devices where the reference packs the sequences it scores into rows
 HEAD_PROBE = 8  # tokens of the forward that checks a model's head once (TorchRunner._head_vocab)
 HEAD_TOLERANCE = 0.02  # of the largest logit: how far the head's own logits may be from the model's (_head_vocab)
-COMPACT_BELOW = 0.75  # greedy_scored: drop finished answers from the decode batch once fewer than this share still run
-
-
-def _gqa_sdpa(
-    module,
-    query,
-    key,
-    value,
-    attention_mask,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    grouped: bool = True,
-    **kwargs,
-):
-    """transformers' SDPA attention, except that grouped-query K/V are never copied per query head. transformers
-    copies K/V once per query head whenever a mask is present; on a left-padded batch that copy of the whole KV cache
-    per layer and decode step costs 10x the attention itself (benchmarks/bench_gates_engines.py). With a mask on
-    CUDA, grouped_sdpa: a layout the memory-efficient kernel takes, which builds no plan per shape. Else K/V as they
-    are, with enable_gqa (enable_gqa_sdpa), and without cuDNN's kernel, which would plan for each new length (a
-    long document's, where no mask is built); with grouped=False (the call before grouped_sdpa, kept to compare the
-    two), always that, with torch's choice of kernel."""
-    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
-        attention_mask = attention_mask[..., : key.shape[-2]]
-    masked = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
-    if grouped and masked and query.is_cuda:
-        return grouped_sdpa(query, key, value, attention_mask, scaling), None
-    return enable_gqa_sdpa(module, query, key, value, attention_mask, scaling, is_causal, planless=grouped), None
-
-
-def enable_gqa_sdpa(module, query, key, value, attention_mask, scaling=None, is_causal=None, planless=False):
-    """Attention over K/V as stored, grouped queries by enable_gqa, with torch's choice of kernel, or with
-    device.planless_sdpa's where `planless`. query [B, H, T, D]; key, value [B, Hkv, S, D]; attention_mask [B or 1,
-    1 or H, T, S] or None. Returns [B, T, H, D]."""
-    import torch
-
-    from qgate.device import planless_sdpa
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    sdpa = planless_sdpa if planless else torch.nn.functional.scaled_dot_product_attention
-    out = sdpa(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=0.0,
-        scale=scaling,
-        is_causal=bool(query.shape[2] > 1 and attention_mask is None and causal),
-        enable_gqa=groups > 1,
-    )
-    return out.transpose(1, 2).contiguous()
-
-
-def grouped_sdpa(query, key, value, attention_mask, scaling=None):
-    """enable_gqa_sdpa's products with each K/V head's G query heads as one head of G x T rows, the mask repeated per
-    group, as the torch-int4 engine lays them out: a call the memory-efficient kernel takes (it takes a mask but not
-    enable_gqa), through device.planless_sdpa. query [B, H, T, D]; key, value [B, Hkv, S, D]; attention_mask [B or 1,
-    1, T, S], boolean or additive. Returns [B, T, H, D]."""
-    from qgate.device import planless_sdpa
-
-    b, h, t, d = query.shape
-    hkv, s = key.shape[1], key.shape[-2]
-    g = h // hkv
-    mask = attention_mask.expand(b, 1, t, s)[:, :, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
-    out = planless_sdpa(query.reshape(b, hkv, g * t, d), key, value, attn_mask=mask, scale=scaling)
-    return out.unflatten(2, (g, t)).permute(0, 3, 1, 2, 4).reshape(b, t, h, d).contiguous()  # one copy, any strides
-
-
-def _masked_sdpa_mask(*args, **kwargs):
-    """transformers' SDPA mask, built whatever the padding: to skip building it where attention is plainly causal,
-    transformers reads the padding mask's values on the host, which waits for the device in every forward."""
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(*args, **(kwargs | {"allow_is_causal_skip": False, "allow_is_bidirectional_skip": False}))
-
-
-def _register_attention(device) -> str:
-    """The attention implementation a model on `device` runs: _gqa_sdpa, with transformers' SDPA mask on a CPU and
-    _masked_sdpa_mask on an accelerator, where a forward then holds no host synchronization."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    for name, mask in ((ATTENTION, sdpa_mask), (ATTENTION_MASKED, _masked_sdpa_mask)):
-        AttentionInterface.register(name, _gqa_sdpa)
-        AttentionMaskInterface.register(name, mask)
-    return ATTENTION if device.type == "cpu" else ATTENTION_MASKED
-
-
-def _reserved_cache(cache, capacity: int):
-    """The same cache, each layer's keys and values moved into a buffer reserved for `capacity` positions: a decode step
-    then writes one position instead of copying the whole cache (DynamicLayer's torch.cat per layer and step)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class ReservedLayer(DynamicLayer):
-        def __init__(self, keys, values):
-            super().__init__()
-            n = keys.shape[-2]
-            self.kbuf = keys.new_empty((*keys.shape[:2], capacity, keys.shape[-1]))
-            self.vbuf = values.new_empty((*values.shape[:2], capacity, values.shape[-1]))
-            self.kbuf[:, :, :n], self.vbuf[:, :, :n] = keys, values
-            self.dtype, self.device, self.is_initialized, self.n = keys.dtype, keys.device, True, n
-            self.keys, self.values = self.kbuf[:, :, :n], self.vbuf[:, :, :n]
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            m = self.n + key_states.shape[-2]
-            self.kbuf[:, :, self.n : m], self.vbuf[:, :, self.n : m] = key_states, value_states
-            self.n = m
-            self.keys, self.values = self.kbuf[:, :, :m], self.vbuf[:, :, :m]
-            return self.keys, self.values
-
-        def batch_select_indices(self, indices):
-            self.kbuf, self.vbuf = self.kbuf[indices], self.vbuf[indices]
-            self.keys, self.values = self.kbuf[:, :, : self.n], self.vbuf[:, :, : self.n]
-
-    cache.layers = [ReservedLayer(layer.keys, layer.values) for layer in cache.layers]
-    return cache
 
 
 def _without_offloading(model) -> None:
@@ -214,7 +96,7 @@ class TorchRunner:
             self.model = load_causal_lm(
                 path,
                 dtype=self.dtype,
-                attn_implementation=_register_attention(self.device),
+                attn_implementation=register_attention(self.device),
                 **decompressed,
                 **placed,
             ).eval()
@@ -460,166 +342,12 @@ class TorchRunner:
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, reduce, prefill_tokens: int = 1024
     ) -> list[tuple[list[int], tuple]]:
         """Greedy answers and the logits of every position of prompt + answer that predicts a next token, reduced
-        on the fly: reduce(logits [N, V]) -> a tuple of arrays with leading dimension N. Per prompt: (answer,
-        the reduced arrays over its len(prompt) + len(answer) - 1 positions, in order).
-
-        Left-padded prefills (prefill_tokens padded tokens each) return the prompt positions' logits (what
-        teacher-forced scoring computes) and KV caches, joined so that every row decodes in the same steps; each
-        decode step's logits pick the next token and are kept as that position's scores. So the
-        answers cost the decode steps, not a second pass over the prompts. The answers are those of greedy_batch
-        (the same forwards generate() runs); the logits equal teacher-forced ones up to float rounding, which the
-        noise floor measures."""
-        import numpy as np
-        import torch
-        from transformers import DynamicCache
+        on the fly by reduce(logits [N, V]): scored_decode.greedy_scored on this runner's model. Per prompt: (answer,
+        the reduced arrays over its len(prompt) + len(answer) - 1 positions, in order)."""
+        from qgate.engines.scored_decode import greedy_scored
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        eos = self.model.generation_config.eos_token_id
-        stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        width, rows = max(len(p) for p in prompts), len(prompts)
-        mask = self._ids(left_pad(prompts, pad)[1], torch.long)
-        pos = self._ids([[len(p) - 1] for p in prompts], torch.long)  # each row's last position
-        answers: list[list[int]] = [[] for _ in prompts]
-        parts: list[list[tuple]] = [[] for _ in prompts]
-        with torch.inference_mode():
-            keys, values, firsts = [], [], []
-            a = 0
-            # prefill in small left-padded batches of similar length (a [B, W, V] logits tensor is slow)
-            while a < rows:
-                b = a + 1
-                while b < rows and (b + 1 - a) * max(len(p) for p in prompts[a : b + 1]) <= prefill_tokens:
-                    b += 1
-                chunk = prompts[a:b]
-                tok, real = left_pad(chunk, pad)
-                w = tok.shape[1]
-                cm = self._ids(real, torch.long)
-                out = self.model(
-                    self._ids(tok),
-                    attention_mask=cm,
-                    position_ids=(cm.cumsum(-1) - 1).clamp(min=0),
-                    use_cache=True,
-                )
-                blocks = [out.logits[i, w - len(p) :].float() for i, p in enumerate(chunk)]
-                for i, r in enumerate(reduce_blocks(reduce, blocks)):
-                    parts[a + i].append(r)
-                del blocks
-                firsts.append(out.logits[:, -1].argmax(-1))
-                # left-pad the cache to the common width; the mask hides the padding
-                layers = out.past_key_values.layers
-                keys.append([torch.nn.functional.pad(layer.keys, (0, 0, width - w, 0)) for layer in layers])
-                values.append([torch.nn.functional.pad(layer.values, (0, 0, width - w, 0)) for layer in layers])
-                del out, layers
-                a = b
-            nxt = torch.cat(firsts)
-            cache = _reserved_cache(
-                DynamicCache(
-                    ddp_cache_data=[
-                        (torch.cat([k[li] for k in keys]), torch.cat([v[li] for v in values]))
-                        for li in range(len(keys[0]))
-                    ],
-                    config=self.model.config,
-                ),
-                width + max_new_tokens,
-            )
-            del keys, values
-            live = np.ones(rows, bool)  # per prompt
-            active = np.arange(rows)  # the prompts still in the decode batch, in batch order
-            for step in range(max_new_tokens):
-                tokens = nxt.tolist()  # one copy to the host per step, not one per row
-                for j, i in enumerate(active):
-                    if live[i]:
-                        answers[i].append(tokens[j])
-                        live[i] = answers[i][-1] not in stops
-                if step == max_new_tokens - 1 or not live.any():
-                    break
-                on = live[active]
-                if on.mean() < COMPACT_BELOW:  # finished answers leave the batch: a decode step costs its rows
-                    sel = self._ids(np.nonzero(on)[0])
-                    for layer in cache.layers:
-                        layer.batch_select_indices(sel)
-                    mask, pos, nxt, active, on = mask[sel], pos[sel], nxt[sel], active[on], on[on]
-                mask = torch.cat([mask, torch.ones(len(active), 1, dtype=torch.long, device=self.device)], -1)
-                pos = pos + 1
-                feed = torch.where(self._ids(on), nxt, torch.full_like(nxt, pad))[:, None]
-                logits = (
-                    self.model(feed, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-                    .logits[:, -1]
-                    .float()
-                )
-                keep = np.nonzero(on)[0]
-                reduced = reduce(logits[self._ids(keep)])
-                for j, r in enumerate(keep):
-                    parts[active[r]].append(tuple(a[j : j + 1] for a in reduced))
-                nxt = logits.argmax(-1)
-        return [
-            (a, tuple(np.concatenate(cols) for cols in zip(*ps, strict=True)))
-            for a, ps in zip(answers, parts, strict=True)
-        ]
-
-
-class OrtRunner:
-    """The built CPU engine's ONNX graph on onnxruntime: the same int4 kernels onnxruntime-genai serves with."""
-
-    kind = "onnxruntime-cpu"
-    numerics = "cpu-onnxruntime"
-    batch_tokens = None  # the gates' default
-    packs_contexts = False  # continuation_logits runs each context and continuation on its own
-
-    def __init__(self, engine_dir: Path, tokenizer_dir: Path):
-        import onnxruntime as ort
-
-        gcfg = json.loads((engine_dir / "genai_config.json").read_text())["model"]
-        dec = gcfg["decoder"]
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        self.session = ort.InferenceSession(str(engine_dir / dec["filename"]), opts, providers=["CPUExecutionProvider"])
-        from qgate.trust import check_loadable, load_tokenizer
-
-        check_loadable(tokenizer_dir)
-        self.tokenizer = load_tokenizer(tokenizer_dir)
-        self.layers, self.kv_heads, self.head = dec["num_hidden_layers"], dec["num_key_value_heads"], dec["head_size"]
-        self.names = dec["inputs"]
-        self.present = (dec["outputs"]["present_key_names"], dec["outputs"]["present_value_names"])
-        self.max_length = int(gcfg.get("context_length", 2048))
-        if "vocab_size" in gcfg:
-            check_vocab(engine_dir, self.tokenizer, int(gcfg["vocab_size"]))
-        self._dtype = np.float16 if "float16" in self.session.get_inputs()[2].type else np.float32
-
-    def _run(self, ids: Sequence[int], past: list[np.ndarray] | None, keep_cache: bool):
-        """One sequence (batch 1) after an optional KV cache [2 * layers x [1, kv_heads, T, head]]."""
-        x = np.asarray([list(ids)], dtype=np.int64)
-        t = 0 if past is None else past[0].shape[2]
-        feed = {self.names["input_ids"]: x, self.names["attention_mask"]: np.ones((1, t + x.shape[1]), dtype=np.int64)}
-        empty = np.zeros((1, self.kv_heads, 0, self.head), dtype=self._dtype)
-        for i in range(self.layers):
-            feed[self.names["past_key_names"] % i] = empty if past is None else past[2 * i]
-            feed[self.names["past_value_names"] % i] = empty if past is None else past[2 * i + 1]
-        outs = ["logits"] + ([self.present[j % 2] % (j // 2) for j in range(2 * self.layers)] if keep_cache else [])
-        logits, *present = self.session.run(outs, feed)
-        return logits[0].astype(np.float32, copy=False), present
-
-    def logits(self, ids: Sequence[int]) -> np.ndarray:
-        return self._run(ids, None, False)[0]
-
-    def logits_batch(self, seqs: Sequence[Sequence[int]], keep_last: int | None = None) -> list[np.ndarray]:
-        return [self.logits(s)[-(keep_last or len(s)) :] for s in seqs]
-
-    def continuation_logits(
-        self, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], prefix: Sequence[int] = ()
-    ) -> list[list[np.ndarray]]:
-        """As TorchRunner.continuation_logits: the prefix runs once, each context after the prefix's KV cache, each
-        continuation after its context's."""
-        head = self._run(prefix, None, True)[1] if prefix else None
-        res = []
-        for ctx, conts in groups:
-            first, cache = self._run(ctx, head, True)
-            res.append(
-                [
-                    first[-1:] if len(k) == 1 else np.concatenate([first[-1:], self._run(k[:-1], cache, False)[0]])
-                    for k in conts
-                ]
-            )
-        return res
+        return greedy_scored(self.model, pad, self.device, prompts, max_new_tokens, reduce, prefill_tokens)
 
 
 def load_runner(art: Artifact, device: str = "cpu", dtype: str = "auto"):

@@ -160,9 +160,9 @@ class PipelineSpec(_Strict):
         from qgate.gates.contract import ContractConfig
         from qgate.gates.evalgate import EvalConfig
         from qgate.gates.gating import GateConfig
+        from qgate.gates.longctx import LongContextConfig
         from qgate.gates.parity import ParityConfig
         from qgate.gates.perf import PerfConfig
-        from qgate.gates.longctx import LongContextConfig
         from qgate.gates.shadow import ShadowConfig
 
         lc = self.gates.long_context
