@@ -1,7 +1,7 @@
 """The attention the reference path runs: transformers' SDPA without copying grouped-query K/V per query head.
 
     name = register_attention(torch.device("cuda"))           # ATTENTION_MASKED on an accelerator, ATTENTION on a CPU
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)
+    model = trust.load_causal_lm(path, attn_implementation=name)
 
 Registered under qgate's own names in transformers' AttentionInterface and AttentionMaskInterface; the tensor
 functions (gqa_sdpa, enable_gqa_sdpa, grouped_sdpa) take transformers' attention arguments.

@@ -27,19 +27,18 @@ An allow entry names a difference key or a prefix of one ("chat_template", "gene
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from qgate.artifact import Artifact, engine_checkpoint
-from qgate.chat import render
 from qgate.errors import ConfigError
+from qgate.gates.file_diff import MISSING, SHOW, difference, file_diffs, leaves, read_json, same
 from qgate.gates.result import GateResult
+from qgate.gates.tokenizer_diff import loaded_tokenizer_diffs, rendering_diffs, template_diff
 from qgate.trust import TOKENIZER_FILES
 
 FACETS = ("tokenizer", "chat_template", "generation_config", "context_length", "architecture", "prompt_rendering")
-SHOW = 5  # differences listed one by one under one parent key; more are summarized with their count
 
 _NAMES = "where the model was loaded from or what it was called: a name, not behaviour"
 _VERSION = "the version of the library that wrote the file"
@@ -107,7 +106,6 @@ GENAI_MODEL = {
     "decoder.num_key_value_heads": ("architecture", "num_key_value_heads"),
     "decoder.head_size": ("architecture", "head_dim"),
 }
-MISSING = "<absent>"
 
 
 @dataclass(frozen=True)
@@ -144,105 +142,6 @@ def served_files(art: Artifact) -> tuple[Path, dict | None]:
     return art.path, None
 
 
-def _json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _diff(facet: str, key: str, file: str, base, cand) -> dict:
-    return {"key": f"{facet}.{key}" if key else facet, "file": file, "baseline": base, "candidate": cand}
-
-
-def _same(a, b, key: str) -> bool:
-    """JSON equality, with token ids compared as sets (an id or a list of them) and booleans never equal to numbers."""
-    if key.endswith("token_id") and a is not MISSING and b is not MISSING:
-        return _ids(a) == _ids(b)
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    return a == b
-
-
-def _ids(v) -> list | None:
-    if v is None:
-        return None
-    return sorted(v) if isinstance(v, list) else [v]
-
-
-def json_diffs(a, b, path: tuple = ()) -> tuple[list[tuple[tuple, object, object]], int]:
-    """Every leaf where two JSON values differ, as (path parts, baseline value, candidate value), nested keys and
-    list items (int parts) included; and the number of leaves compared."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        out, n = [], 0
-        for k in sorted(a.keys() | b.keys(), key=str):
-            d, m = json_diffs(a.get(k, MISSING), b.get(k, MISSING), path + (k,))
-            out += d
-            n += m
-        return out, max(n, 1)
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and a != b:
-        out, n = [], 0
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            d, m = json_diffs(x, y, path + (i,))
-            out += d
-            n += m
-        return out, n
-    if isinstance(a, list) and isinstance(b, list) and a == b:
-        return [], max(len(a), 1)
-    name = str(path[-1]) if path else ""
-    return ([] if _same(a, b, name) else [(path, a, b)]), 1
-
-
-def dotted(parts) -> str:
-    """('model', 'merges', 17) -> 'model.merges[17]'."""
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out
-
-
-def leaves(obj, path: str = ""):
-    """(dotted path, value) of every leaf of a JSON object; lists are leaves."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from leaves(v, f"{path}.{k}" if path else str(k))
-    else:
-        yield path, obj
-
-
-def _file_diffs(
-    prefix_of, file: str, bpath: Path, cpath: Path, skip: tuple[str, ...] = ()
-) -> tuple[list[tuple[str, dict]], int]:
-    """(facet, difference) pairs for one file served by both: JSON compared key by key, merges.txt line by line, a
-    binary file by content; a file one side lacks is one difference. prefix_of(top-level key) -> (facet, key prefix)."""
-    if not bpath.exists() and not cpath.exists():
-        return [], 0
-    if bpath.exists() != cpath.exists():
-        facet, prefix = prefix_of("")
-        side = {True: "present", False: "absent"}
-        return [
-            (facet, {"key": prefix, "file": file, "baseline": side[bpath.exists()], "candidate": side[cpath.exists()]})
-        ], 1
-    if cpath.suffix == ".json":
-        diffs, n = json_diffs(_json(bpath), _json(cpath))
-    elif cpath.suffix == ".txt":
-        bl, cl = bpath.read_text().splitlines(), cpath.read_text().splitlines()
-        diffs = [((f"line{i + 1}",), x, y) for i, (x, y) in enumerate(zip(bl, cl, strict=False)) if x != y]
-        diffs += [
-            ((f"line{i + 1}",), (bl + [MISSING] * len(cl))[i], (cl + [MISSING] * len(bl))[i])
-            for i in range(min(len(bl), len(cl)), max(len(bl), len(cl)))
-        ]
-        n = max(len(bl), len(cl))
-    else:
-        h = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (bpath, cpath)]
-        diffs, n = ([(("sha256",), h[0], h[1])] if h[0] != h[1] else []), 1
-    out = []
-    for parts, b, c in diffs:
-        if parts[0] in skip:
-            continue
-        facet, key = prefix_of(str(parts[0]))
-        full, parent = dotted((key, *parts)), dotted((key, *parts[:-1]))
-        out.append((facet, {"key": full, "parent": parent, "file": file, "baseline": b, "candidate": c}))
-    return out, n
-
-
 def _config_prefix(top: str) -> tuple[str, str]:
     facet = "context_length" if any(w in top for w in CONTEXT_WORDS) else "architecture"
     return facet, facet
@@ -263,7 +162,7 @@ def _served_diffs(
     for file in TOKENIZER_FILES:
         if (prefix := FILE_KEYS[file]) is None:
             continue
-        pairs, n = _file_diffs(
+        pairs, n = file_diffs(
             lambda _p, pre=prefix: ("tokenizer", pre),
             file,
             bdir / file,
@@ -273,7 +172,7 @@ def _served_diffs(
         add(pairs, n, "tokenizer")
     if config_dir is None:  # the candidate's config.json could not be found: nothing to compare it with
         facets["architecture"][0].append(
-            _diff(
+            difference(
                 "architecture",
                 "",
                 "config.json",
@@ -283,12 +182,12 @@ def _served_diffs(
         )
     else:
         where = "config.json" if config_dir == cdir else f"{config_dir / 'config.json'} (the engine's checkpoint)"
-        pairs, _ = _file_diffs(_config_prefix, where, bdir / "config.json", config_dir / "config.json")
-        keys = [k.split(".")[0] for k, _ in leaves(_json(bdir / "config.json"))]
+        pairs, _ = file_diffs(_config_prefix, where, bdir / "config.json", config_dir / "config.json")
+        keys = [k.split(".")[0] for k, _ in leaves(read_json(bdir / "config.json"))]
         for facet in ("context_length", "architecture"):
             add([p for p in pairs if p[0] == facet], sum(_config_prefix(k)[0] == facet for k in keys), facet)
     if genai is None:
-        pairs, n = _file_diffs(
+        pairs, n = file_diffs(
             lambda _p: ("generation_config", "generation_config"),
             "generation_config.json",
             bdir / "generation_config.json",
@@ -316,7 +215,7 @@ def _genai_diffs(bdir: Path, genai: dict) -> list[tuple[str, dict]]:
     """The CPU engine's genai_config.json against the baseline: model shapes and context length against config.json,
     token ids and search settings against its generation_config.json (Transformers' defaults where it sets none). A
     key with no counterpart must be one of ENGINE_RUNTIME's."""
-    bc, bg = _json(bdir / "config.json"), _json(bdir / "generation_config.json")
+    bc, bg = read_json(bdir / "config.json"), read_json(bdir / "generation_config.json")
     gen = _generation_defaults() | {k: v for k, v in bg.items() if v is not None}
     out = []
     for path, value in leaves(genai):
@@ -336,79 +235,14 @@ def _genai_diffs(bdir: Path, genai: dict) -> list[tuple[str, dict]]:
             out.append(
                 (
                     "generation_config",
-                    _diff("generation_config", f"genai.{path}", "genai_config.json", MISSING, value)
+                    difference("generation_config", f"genai.{path}", "genai_config.json", MISSING, value)
                     | {"why": "no counterpart in the baseline's files"},
                 )
             )
             continue
-        if not _same(base, value, name):
-            out.append((facet, _diff(facet, name, "genai_config.json", base, value)))
+        if not same(base, value, name):
+            out.append((facet, difference(facet, name, "genai_config.json", base, value)))
     return out
-
-
-def _loaded_tokenizer_diffs(btok, ctok) -> list[dict]:
-    """What the tokenizer files mean once loaded: the vocabulary (added tokens included) and the special tokens."""
-    out = []
-    bv, cv = btok.get_vocab(), ctok.get_vocab()
-    moved = sorted((t for t in bv.keys() & cv.keys() if bv[t] != cv[t]), key=lambda t: bv[t])
-    only = sorted(bv.keys() ^ cv.keys())
-    if moved or only or len(bv) != len(cv):
-        out.append(
-            _diff(
-                "tokenizer",
-                "vocab",
-                "tokenizer (loaded)",
-                {t: bv.get(t) for t in (moved + only)[:SHOW]},
-                {t: cv.get(t) for t in (moved + only)[:SHOW]},
-            )
-            | {"count": len(moved) + len(only), "sizes": [len(bv), len(cv)]}
-        )
-    for attr in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        b = (getattr(btok, attr), getattr(btok, f"{attr}_id"))
-        c = (getattr(ctok, attr), getattr(ctok, f"{attr}_id"))
-        if b != c:
-            out.append(_diff("tokenizer", f"special.{attr}", "tokenizer (loaded)", list(b), list(c)))
-    return out
-
-
-def _template_diff(btok, ctok) -> list[dict]:
-    b, c = btok.chat_template or "", ctok.chat_template or ""
-    if b == c:
-        return []
-    bl, cl = b.splitlines(), c.splitlines()
-    line = next((i for i, (x, y) in enumerate(zip(bl, cl, strict=False)) if x != y), min(len(bl), len(cl)))
-    return [
-        _diff("chat_template", "", "chat_template.jinja", (bl + [""])[line], (cl + [""])[line])
-        | {"first_line": line + 1}
-    ]
-
-
-def _rendering_diffs(btok, ctok, rows: list[dict]) -> tuple[list[dict], int]:
-    """Whole prompts, untruncated: what a server renders, whatever window the shadow gate later scores."""
-    bad = []
-    for i, row in enumerate(rows):
-        b, c = (tok(render(tok, row["messages"]), add_special_tokens=False)["input_ids"] for tok in (btok, ctok))
-        if b != c:
-            at = next((j for j, (x, y) in enumerate(zip(b, c, strict=False)) if x != y), min(len(b), len(c)))
-            bad.append(
-                {
-                    "prompt": i,
-                    "position": at,
-                    "baseline": b[at : at + 4],
-                    "candidate": c[at : at + 4],
-                    "baseline_text": btok.decode(b[at : at + 4]),
-                    "candidate_text": ctok.decode(c[at : at + 4]),
-                }
-            )
-    diffs = (
-        [
-            _diff("prompt_rendering", "", "shadow prompts", bad[0]["baseline_text"], bad[0]["candidate_text"])
-            | {"prompts_differing": len(bad), "first": bad[0], "examples": bad[1:SHOW]}
-        ]
-        if bad
-        else []
-    )
-    return diffs, len(rows)
 
 
 def summarize(diffs: list[dict]) -> list[dict]:
@@ -453,11 +287,11 @@ def contract_gate(
     special_tokens.check(bdir, btok)
     cfg_dir = cdir if genai is None else config_dir
     facets = _served_diffs(bdir, cdir, cfg_dir, genai)
-    head_quantized = cfg_dir is not None and quantizes_head(_json(cfg_dir / "config.json"))
+    head_quantized = cfg_dir is not None and quantizes_head(read_json(cfg_dir / "config.json"))
     tok_diffs, tok_n = facets["tokenizer"]
-    facets["tokenizer"] = (_loaded_tokenizer_diffs(btok, ctok) + tok_diffs, tok_n + len(btok.get_vocab()))
-    facets["chat_template"] = (_template_diff(btok, ctok), 1)
-    facets["prompt_rendering"] = _rendering_diffs(btok, ctok, rows)
+    facets["tokenizer"] = (loaded_tokenizer_diffs(btok, ctok) + tok_diffs, tok_n + len(btok.get_vocab()))
+    facets["chat_template"] = (template_diff(btok, ctok), 1)
+    facets["prompt_rendering"] = rendering_diffs(btok, ctok, rows)
     results = []
     for facet, (diffs, n) in facets.items():
         refused, accepted, allowed = [], [], []
