@@ -221,12 +221,12 @@ def test_a_registration_killed_halfway_is_cleaned_up_and_a_missing_description_r
     next registration), or a version without its description (rewritten)."""
     from mlflow import MlflowClient
 
-    from qgate.registry.mlflow_store import _client
+    from qgate.registry.client import client as registry_client
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     ok, _ = gated
     store = tmp_path / "mlflow"
-    mlflow, client = _client(store)
+    mlflow, client = registry_client(store)
     exp = client.get_experiment_by_name("qgate")
     with mlflow.start_run(experiment_id=exp.experiment_id, tags={"qgate.gate_report_sha256": ok.sha256}) as run:
         orphan = mlflow.initialize_logged_model(

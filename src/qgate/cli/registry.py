@@ -22,7 +22,8 @@ def register_cmd(
     (idempotent: the same gate report and candidate give the same version)."""
     quiet_libraries()
     from qgate.artifact import Artifact
-    from qgate.registry.mlflow_store import register, tracking_uri
+    from qgate.registry.client import tracking_uri
+    from qgate.registry.mlflow_store import register
 
     o = Output(json_out)
     report = Artifact.load(gate, "gate-report")

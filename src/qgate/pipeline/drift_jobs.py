@@ -78,7 +78,7 @@ def drift_check(
 def _check_store(spec: PipelineSpec) -> None:
     """A drift job watches a registered production version: a missing store, or MLflow missing, fails before the
     traffic is read."""
-    from qgate.registry.mlflow_store import tracking_uri
+    from qgate.registry.client import tracking_uri
     from qgate.registry.names import require_mlflow
 
     require_mlflow("a drift job (its production version is read from the model registry)")

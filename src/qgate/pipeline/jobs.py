@@ -112,7 +112,7 @@ def _run(spec: PipelineSpec, echo: Callable[[str], None], executor: str = "seria
 
 
 def _tracking_uri(spec: PipelineSpec) -> str:
-    from qgate.registry.mlflow_store import tracking_uri
+    from qgate.registry.client import tracking_uri
 
     return tracking_uri(spec.path(spec.registry.store))
 

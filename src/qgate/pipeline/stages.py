@@ -283,7 +283,8 @@ def variant_chain(
 def register_stage(led: Ledger, spec: PipelineSpec, chain: Chain) -> Chain:
     """Register the gated variant with its evidence (idempotent: the registry finds a version registered before a
     kill, and the ledger one recorded after it). Returns the chain with its version."""
-    from qgate.registry.mlflow_store import register, tracking_uri
+    from qgate.registry.client import tracking_uri
+    from qgate.registry.mlflow_store import register
 
     store = spec.path(spec.registry.store)
     profile = chain.cal.profile

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from qgate.artifact import Artifact, sha256_tree
 from qgate.errors import RegistryError
-from qgate.registry.mlflow_store import EXPERIMENT, _client, _version
+from qgate.registry.client import EXPERIMENT, client
+from qgate.registry.mlflow_store import model_version
 
 
 def _download(uri: str, dest: Path, expected: str | None, what: str) -> Path:
@@ -44,8 +45,8 @@ def _download(uri: str, dest: Path, expected: str | None, what: str) -> Path:
 def production_evidence(model_name: str, alias: str, store: Path | None, dest: Path) -> dict:
     """The version `alias` points at: its files (verified), its calibration profile (verified), recipe and gate
     numbers."""
-    _, client = _client(store, create=False)
-    mv = _version(client, model_name, None, alias, store)
+    _, ml = client(store, create=False)
+    mv = model_version(ml, model_name, None, alias, store)
     tags = mv.tags
     where = f"{model_name} v{mv.version} (@{alias})"
     if "qgate.profile_artifact" not in tags:
@@ -75,8 +76,8 @@ def production_evidence(model_name: str, alias: str, store: Path | None, dest: P
 
 def record_drift(model_name: str, version: str, report_dir: Path, verdict: str, store: Path | None) -> str:
     """Log the drift report as a run artifact and tag the version with the check's time, verdict and report URI."""
-    mlflow, client = _client(store)
-    exp = client.get_experiment_by_name(EXPERIMENT)
+    mlflow, ml = client(store)
+    exp = ml.get_experiment_by_name(EXPERIMENT)
     now = datetime.now(UTC).isoformat(timespec="seconds")
     with mlflow.start_run(
         experiment_id=exp.experiment_id,
@@ -90,5 +91,5 @@ def record_drift(model_name: str, version: str, report_dir: Path, verdict: str, 
         "qgate.drift.verdict": verdict,
         "qgate.drift.report_artifact": uri,
     }.items():
-        client.set_model_version_tag(model_name, str(version), k, v)
+        ml.set_model_version_tag(model_name, str(version), k, v)
     return uri

@@ -12,137 +12,18 @@ models:/<model_id>. Versions carry lineage and gate evidence as tags.
 from __future__ import annotations
 
 import json
-import os
 from datetime import UTC
 from pathlib import Path
 
 from qgate.artifact import Artifact
 from qgate.errors import RegistryError
 from qgate.registry.checks import check_version
+from qgate.registry.client import DEFAULT_STORE, EXPERIMENT, PREVIOUS, refusals, tracking_uri
+from qgate.registry.client import client as client_of
 from qgate.registry.lease import Lease, registry_lock
-from qgate.registry.names import check_names, require_mlflow
-from qgate.registry.transport import absent, configure_http
-
-DEFAULT_STORE = Path(".qgate/mlflow")
-EXPERIMENT = "qgate"
-PREVIOUS = "previous-production"
-
-
-def tracking_uri(store: Path | None = None, *, create: bool = True, spec_key: str | None = None) -> str:
-    """$MLFLOW_TRACKING_URI, else the embedded SQLite store. Reads (`create=False`) never make a store:
-    a missing one is a RegistryError naming the directory searched, and where it came from: --store, or `spec_key`
-    when a spec named it."""
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    where = Path(store or DEFAULT_STORE).resolve()
-    if create:
-        where.mkdir(parents=True, exist_ok=True)
-    elif not (where / "mlflow.db").exists():
-        origin = spec_key or ("--store" if store else f"the default {DEFAULT_STORE} under the current directory")
-        raise RegistryError(
-            f"no MLflow store at {where} (searched {origin})",
-            hint=f"set {spec_key} to the store `qgate run` registered into, or set MLFLOW_TRACKING_URI"
-            if spec_key
-            else "pass --store with the pipeline's registry.store directory, or set MLFLOW_TRACKING_URI",
-        )
-    return f"sqlite:///{where / 'mlflow.db'}"
-
-
-_DENIED = ("PERMISSION_DENIED", "UNAUTHENTICATED", "UNAUTHORIZED")
-
-
-def refusals(what: str):
-    """Decorator for registry operations: a tracking server's refusal (no permission, bad credentials) becomes a
-    RegistryError (exit 1) saying who refused what and how to fix it, instead of a traceback."""
-    import functools
-
-    def wrap(fn):
-        @functools.wraps(fn)
-        def inner(*args, **kwargs):
-            import mlflow
-
-            try:
-                return fn(*args, **kwargs)
-            except mlflow.exceptions.MlflowException as e:
-                code = getattr(e, "error_code", "")
-                if code not in _DENIED and "401" not in str(e) and "403" not in str(e):
-                    raise
-                user = os.environ.get("MLFLOW_TRACKING_USERNAME") or "(no MLFLOW_TRACKING_USERNAME)"
-                where = os.environ.get("MLFLOW_TRACKING_URI") or "the tracking server"
-                raise RegistryError(
-                    f"{where} refused to {what} for user {user}: {code or 'HTTP 401/403'}: {getattr(e, 'message', e)}",
-                    hint="ask an admin of the tracking server for EDIT (register) or MANAGE (aliases) permission; "
-                    "credentials come from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD",
-                ) from None
-
-        return inner
-
-    return wrap
-
-
-def _client(store: Path | None, *, create: bool = True):
-    import logging
-
-    require_mlflow("the model registry")
-    logging.getLogger("mlflow").setLevel(logging.WARNING)
-    logging.getLogger("alembic").setLevel(logging.WARNING)
-    import mlflow
-    from mlflow import MlflowClient
-
-    configure_http()
-    uri = tracking_uri(store, create=create)
-    embedded = uri.startswith("sqlite:///") and not os.environ.get("MLFLOW_TRACKING_URI")
-    if embedded and create:
-        with _init_lock(uri):  # one process creates the schema, and nobody sees it half made
-            _create_embedded(Path(uri[len("sqlite:///") :]))
-    client = MlflowClient(uri, uri)
-    if create and not embedded and client.get_experiment_by_name(EXPERIMENT) is None:
-        try:
-            client.create_experiment(EXPERIMENT)
-        except mlflow.exceptions.MlflowException as e:
-            if e.error_code != "RESOURCE_ALREADY_EXISTS":  # another process created it first: fine
-                raise
-    _set_uris(mlflow, uri)
-    return mlflow, client
-
-
-def _create_embedded(db: Path) -> None:
-    """A new embedded store is built as a temporary database (MLflow's schema migrations, the qgate experiment with
-    its artifacts beside the database) and renamed into place: a process killed mid-migration leaves no store that
-    every later run would fail on."""
-    from mlflow import MlflowClient
-
-    if db.exists():
-        return
-    for stale in db.parent.glob(f".{db.name}.tmp-*"):
-        stale.unlink(missing_ok=True)
-    tmp = db.with_name(f".{db.name}.tmp-{os.getpid()}")
-    client = MlflowClient(f"sqlite:///{tmp}", f"sqlite:///{tmp}")
-    client.create_experiment(EXPERIMENT, artifact_location=(db.parent / "artifacts").as_uri())
-    os.replace(tmp, db)
-
-
-def _init_lock(uri: str):
-    """Two processes opening a new embedded store at once would both run MLflow's schema migrations, and one fails."""
-    from filelock import FileLock
-
-    locks = Path(uri[len("sqlite:///") :]).parent / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(locks / "init.lock"), timeout=600)
-
-
-def _set_uris(mlflow, uri: str) -> None:
-    """Point MLflow's fluent API at `uri` without leaving it in the environment: mlflow.set_tracking_uri also exports
-    MLFLOW_TRACKING_URI (and set_registry_uri MLFLOW_REGISTRY_URI), which tracking_uri() would then take for the
-    user's choice, so the first store a process touched would win over every later --store."""
-    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+from qgate.registry.names import check_names
+from qgate.registry.tags import MODEL_DESCRIPTION, version_tags
+from qgate.registry.transport import absent
 
 
 def find_version(
@@ -155,7 +36,7 @@ def find_version(
     """The version already registered for this gate report and candidate, if any: registering twice (a re-run after
     a kill between registering and recording it) returns the first version instead of making a duplicate."""
 
-    found = _versions_of(_client(store)[1], model_name, gate_sha256, candidate_sha256, profile_sha256)
+    found = _versions_of(client_of(store)[1], model_name, gate_sha256, candidate_sha256, profile_sha256)
     return found[0] if found else None
 
 
@@ -217,7 +98,7 @@ def register(
             f"{gate.path}: report.json says passed={stated}, its manifest passed={gate.meta.get('passed')}",
             hint="re-run the gate; do not edit gate reports",
         )
-    _, client = _client(store)
+    _, client = client_of(store)
     with registry_lock(
         client, store or DEFAULT_STORE, model_name
     ) as lease:  # the existence check and the registration, as one step
@@ -237,7 +118,7 @@ def _register(
     from qgate.progress import console_err
     from qgate.registry.repair import remove_orphans
 
-    mlflow, client = _client(store)
+    mlflow, client = client_of(store)
     report = json.loads((gate.path / "report.json").read_text())
     existing = find_version(
         model_name, gate.sha256, candidate.sha256, store, profile.sha256 if profile is not None else None
@@ -279,7 +160,7 @@ def _register(
         client.log_model_artifacts(model.model_id, str(candidate.path))
         mlflow.finalize_logged_model(model.model_id, "READY")
         run_id = run.info.run_id
-        tags = _version_tags(gate, candidate, report, verdict, run_id, model.model_id, profile, recipe)
+        tags = version_tags(gate, candidate, report, verdict, run_id, model.model_id, profile, recipe)
         lease.check(f"creating the {model_name} version of gate run {run_id}")
         mv = mlflow.register_model(f"models:/{model.model_id}", model_name, tags=tags)
     mv = _one_version(client, model_name, gate, candidate, profile, exp.experiment_id, lease) or mv
@@ -313,81 +194,9 @@ def _one_version(client, model_name, gate, candidate, profile, experiment_id, le
     return found[0] if found else None
 
 
-MODEL_DESCRIPTION = """Quantized variants gated by **qgate** against the baseline on held-out production traffic and
-offline evals.
-
-- Every version's description holds its gate verdict, each check (observed, 95% CI, threshold, decision) and its
-  lineage; the full report is the gate run's `gate-report/report.html` artifact.
-- `@production` is moved only by `qgate promote` / `qgate drift run` / `qgate rollback`, which refuse a version whose
-  gate did not pass or whose stored files no longer match their gated sha256; `@previous-production` is the rollback
-  target.
-- Filter versions by the tags `qgate.gate_verdict`, `qgate.scheme`, `qgate.backend`, `qgate.kv_cache_dtype`,
-  `qgate.base_model_sha256`, `qgate.calibration_sha256`; `qgate.drift.verdict` holds the last drift check.
-"""
-
-
-def _names_tag(names: list[str], what: str = "layers") -> str:
-    """Layer names for a tag: comma-joined, '-' for none, their count when too long for MLflow's tag value."""
-    joined = ",".join(names) or "-"
-    return joined if len(joined) < 4000 else f"{len(names)} {what} (see the report)"
-
-
-def _version_tags(
-    gate: Artifact,
-    candidate: Artifact,
-    report: dict,
-    verdict: str,
-    run_id: str,
-    model_id: str,
-    profile: Artifact | None,
-    recipe: dict | None,
-) -> dict[str, str]:
-    tags = {
-        "qgate.gate_passed": str(bool(gate.meta["passed"])).lower(),
-        "qgate.gate_verdict": verdict,
-        "qgate.gate_failed_checks": ",".join(gate.meta.get("failed", [])) or "-",
-        "qgate.gate_inconclusive_checks": ",".join(gate.meta.get("inconclusive", [])) or "-",
-        "qgate.scheme": str(candidate.meta.get("scheme")),
-        "qgate.backend": str(candidate.meta.get("backend", "torch-reference")),
-        "qgate.kv_cache_dtype": str(candidate.meta.get("kv_cache_dtype") or "model-default"),
-        "qgate.calibration_sha256": str(candidate.meta.get("calibration_sha256")),
-        "qgate.base_model_sha256": str(candidate.meta.get("base_model")),
-        "qgate.artifact_sha256": candidate.sha256,
-        "qgate.gate_report_sha256": gate.sha256,
-        "qgate.gate_report_artifact": f"runs:/{run_id}/gate-report/report.html",
-        "qgate.model_id": model_id,
-        "qgate.variant": str(report["candidate"]["name"]),
-    }
-    if profile is not None:
-        tags |= {"qgate.profile_sha256": profile.sha256, "qgate.profile_artifact": f"runs:/{run_id}/traffic-profile"}
-    if recipe is not None:
-        tags["qgate.recipe"] = json.dumps(recipe, sort_keys=True)
-    if candidate.meta.get("bits_per_weight") is not None:
-        tags["qgate.bits_per_weight"] = f"{candidate.meta['bits_per_weight']:.3f}"
-    if candidate.meta.get("lm_head"):  # a quantized output head (search.lm_head); absent: the head is not quantized
-        tags["qgate.lm_head"] = candidate.meta["lm_head"]
-    if search := candidate.meta.get("search"):  # what a search traded: which layers fell back, at what size
-        fallback = candidate.meta.get("fallback_layers", [])
-        tags |= {
-            "qgate.search.fallback_layers": _names_tag(fallback),
-            "qgate.search.fine_group_layers": _names_tag(
-                candidate.meta.get("fine_group_layers", []),
-                f"layers at group size {candidate.meta.get('fine_group_size')}",
-            ),
-            "qgate.search.fallback_count": str(len(fallback)),
-            "qgate.search.moves": str(search["chosen_k"]),
-            "qgate.search.found": str(search["found"]).lower(),
-            "qgate.search.points_tried": str(search["points_tried"]),
-        }
-    tags |= {
-        f"qgate.{r['gate']}.{r['metric']}": f"{r['observed']:.6g}"
-        for r in report["results"]
-        if r["threshold"] is not None
-    }
-    return tags
-
-
-def _version(client, model_name: str, version: str | None, alias: str | None, store: Path | None):
+def model_version(client, model_name: str, version: str | None, alias: str | None, store: Path | None):
+    """The MlflowClient version `version`, or the one `alias` points at; RegistryError naming the model's versions and
+    aliases when there is none."""
     import mlflow
 
     try:
@@ -440,7 +249,7 @@ def _model_not_found(client, model_name: str, store: Path | None) -> RegistryErr
 def promote(model_name: str, version: str, alias: str = "production", store: Path | None = None) -> dict:
     """Point `alias` at `version` if its gate passed and its stored artifact still hashes to what was gated."""
     check_names(model_name=model_name, version=str(version), alias=alias)
-    _, client = _client(store, create=False)
+    _, client = client_of(store, create=False)
     with registry_lock(
         client, store or DEFAULT_STORE, model_name
     ) as lease:  # read production, then move both aliases, as one step
@@ -450,7 +259,7 @@ def promote(model_name: str, version: str, alias: str = "production", store: Pat
 def _promote(client, model_name: str, version: str, alias: str, store: Path | None, lease: Lease) -> dict:
     import mlflow
 
-    actual = check_version(_version(client, model_name, version, None, store))
+    actual = check_version(model_version(client, model_name, version, None, store))
     previous = None
     try:
         previous = str(client.get_model_version_by_alias(model_name, alias).version)
@@ -476,7 +285,7 @@ def rollback(model_name: str, store: Path | None = None) -> dict:
     """Point `production` at `previous-production` after re-checking it (check_version), and `previous-production` at
     the version production held, so a second rollback undoes the first."""
     check_names(model_name=model_name)
-    _, client = _client(store, create=False)
+    _, client = client_of(store, create=False)
     with registry_lock(client, store or DEFAULT_STORE, model_name) as lease:
         return _rollback(client, model_name, store, lease)
 
@@ -519,7 +328,7 @@ def status(model_name: str, store: Path | None = None) -> list[dict]:
     """Every alias of the model with its version's verdict, recipe, drift check and evidence link."""
 
     check_names(model_name=model_name)
-    _, client = _client(store, create=False)
+    _, client = client_of(store, create=False)
     aliases = dict(_registered_model(client, model_name, store).aliases)
     order = ["production", PREVIOUS] + sorted(a for a in aliases if a not in ("production", PREVIOUS))
     rows = []
@@ -558,8 +367,8 @@ def verify(model_name: str, alias: str = "production", store: Path | None = None
     changed; RegistryError if the model, alias or store does not exist.
     """
     check_names(model_name=model_name, alias=alias)
-    _, client = _client(store, create=False)
-    mv = _version(client, model_name, None, alias, store)
+    _, client = client_of(store, create=False)
+    mv = model_version(client, model_name, None, alias, store)
     actual = check_version(mv)
     return {
         "model": model_name,
