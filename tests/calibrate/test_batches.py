@@ -23,7 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qgate.calibrate import batches, state
-from qgate.calibrate.batches import PY_SPACE, Batch, read_batches
+from qgate.calibrate.batch import Batch
+from qgate.calibrate.batches import read_batches
+from qgate.calibrate.columns import PY_SPACE
 from qgate.calibrate.reader import open_decoded, read_traffic
 from qgate.calibrate.scrub import HINT, RULE_HINTS, rule_hints, scrub
 from qgate.calibrate.sources import Partition
@@ -351,8 +353,8 @@ def test_parquet_timestamps_take_the_columnar_path_when_their_zone_is_known(tmp_
     import pyarrow.parquet as pq
 
     columnar = []
-    real = batches._columns
-    monkeypatch.setattr(batches, "_columns", lambda t: columnar.append(r := real(t)) or r)
+    real = batches.accepted_columns
+    monkeypatch.setattr(batches, "accepted_columns", lambda t: columnar.append(r := real(t)) or r)
     zone = dt.timezone(dt.timedelta(hours=2))
     base = [{"prompt": f"prompt number {i}", "latency_ms": float(i)} for i in range(50)]
     cases = {

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qgate.calibrate.batches import PY_SPACE, Batch, prefetched, read_batches
+from qgate.calibrate.batch import Batch
+from qgate.calibrate.batches import prefetched, read_batches
+from qgate.calibrate.columns import PY_SPACE
 from qgate.calibrate.profile import BUCKETS, LENGTH_EDGES, TrafficProfiler
 from qgate.calibrate.scrub import HINT, rule_hints, scrub
 from qgate.calibrate.sketches import DistinctCount
