@@ -26,9 +26,10 @@ from qgate.calibrate import batches, state
 from qgate.calibrate.batch import Batch
 from qgate.calibrate.batches import read_batches
 from qgate.calibrate.columns import PY_SPACE
-from qgate.calibrate.reader import open_decoded, read_traffic
+from qgate.calibrate.reader import read_traffic
 from qgate.calibrate.scrub import HINT, RULE_HINTS, rule_hints, scrub
 from qgate.calibrate.sources import Partition
+from qgate.calibrate.streams import open_decoded
 from qgate.calibrate.words import bag_counter, batch_words, text_words, words
 
 sys.path.insert(0, str(Path(__file__).parent))

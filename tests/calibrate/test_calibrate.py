@@ -431,11 +431,11 @@ def test_a_decompression_bomb_is_refused_after_a_bounded_read(tmp_path, suffix, 
 
     from backports.zstd import ZstdFile
 
-    from qgate.calibrate import reader
+    from qgate.calibrate import reader, streams
     from qgate.calibrate.batches import read_units
     from qgate.calibrate.sources import list_partitions
 
-    monkeypatch.setattr(reader, "INFLATION_FLOOR", 8 << 20)  # the same check at a test's size
+    monkeypatch.setattr(streams, "INFLATION_FLOOR", 8 << 20)  # the same check at a test's size
     lines = tiny.make_traffic(tmp_path / "t.jsonl", n=20).read_bytes()
     bomb = tmp_path / f"bomb.jsonl{suffix}"
     with gzip.open(bomb, "wb", 9) if suffix == ".gz" else ZstdFile(bomb, "wb", level=19) as f:
@@ -448,7 +448,7 @@ def test_a_decompression_bomb_is_refused_after_a_bounded_read(tmp_path, suffix, 
     assert "decompression bomb, refused" in items[-1].reason and reader.STREAM_BROKE in items[-1].reason
     units = list(read_units(list_partitions(bomb)[0], reader.MAX_LINE_BYTES))
     assert units[-1][0] == "items" and "decompression bomb" in units[-1][2][0].reason
-    monkeypatch.setattr(reader, "INFLATION_FLOOR", 1 << 20)
+    monkeypatch.setattr(streams, "INFLATION_FLOOR", 1 << 20)
     many = tiny.make_traffic(tmp_path / "many.jsonl", n=20000).read_bytes()  # distinct records, past the floor
     ordinary = tmp_path / f"many.jsonl{suffix}"
     with gzip.open(ordinary, "wb", 9) if suffix == ".gz" else ZstdFile(ordinary, "wb", level=19) as f:

@@ -293,7 +293,7 @@ def test_each_partition_is_read_once_and_the_source_hash_is_of_what_was_read(tmp
     """The scans hash the bytes they read (the rest of a corrupt compressed stream too, and a Parquet file in one
     sequential pass): the artifacts' source hash equals the files' own sha256s, and no intact JSONL partition is
     opened twice (on object storage a second pass is a second download). A corrupt gzip is opened once more, without
-    hashing, for the standard library's exact tail (reader._Gunzip)."""
+    hashing, for the standard library's exact tail (streams._Gunzip)."""
     import zlib
 
     import pyarrow as pa

@@ -10,7 +10,7 @@ from specs import pipeline_spec
 from qgate.cli.main import main
 from qgate.cli.output import ErrorDoc
 from qgate.errors import ConfigError
-from qgate.pipeline import spec as spec_module
+from qgate.pipeline import strict_yaml
 from qgate.pipeline.spec import load_spec
 
 
@@ -274,7 +274,7 @@ def test_a_key_given_twice_fails_the_spec_instead_of_the_last_one_winning(tmp_pa
         f"{path}:{at + 2}: key 'kl_mean_max' appears twice in one mapping, first on line {at + 1}\n"
     )
     anchors = "shadow: &s {max_new_tokens: 4}\nshadow2:\n  <<: *s\n  max_new_tokens: 8\n"
-    assert yaml.load(anchors, Loader=spec_module._TwiceLoader)["shadow2"] == {"max_new_tokens": 8}  # merge: fine
+    assert yaml.load(anchors, Loader=strict_yaml._TwiceLoader)["shadow2"] == {"max_new_tokens": 8}  # merge: fine
 
 
 def test_registry_names_mlflow_would_refuse_fail_the_spec_at_load_not_after_the_run(tmp_path, workdir, capsys):

@@ -33,7 +33,6 @@ from qgate.calibrate.reader import (
     Reject,
     Request,
     lines_of,
-    open_decoded,
     parquet_pieces,
     parse_line,
     parse_record,
@@ -43,6 +42,7 @@ from qgate.calibrate.reader import (
     truncated,
 )
 from qgate.calibrate.sources import PARQUET, Partition, drain
+from qgate.calibrate.streams import open_decoded
 
 # decompressed JSONL bytes per block. A block's parsed columns, word splits and strings are transient memory many times
 # its size, so peak RSS follows the largest block: smaller blocks keep it flat as the log grows, at a small cost in

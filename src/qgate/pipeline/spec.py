@@ -15,13 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from qgate.calibrate.sample import SampleConfig
 from qgate.errors import ConfigError, InputError, config_problems
 from qgate.gates.result import OnInconclusive
 from qgate.naming import build_config, key_path, suggest
+from qgate.pipeline.strict_yaml import load_yaml
 from qgate.quantize.compress import CalibOptions
 
 
@@ -297,46 +297,11 @@ def _pydantic_error(path: Path, e: ValidationError) -> ConfigError:
     return config_problems(problems, f"{path}: ")
 
 
-class _TwiceLoader(yaml.SafeLoader):
-    """yaml.safe_load, except that a key given twice in one mapping is an error: PyYAML keeps the last one silently,
-    so `kl_p99_max` set twice would gate on whichever came second."""
-
-
-class _KeyTwice(yaml.constructor.ConstructorError):
-    pass
-
-
-def _mapping_once(loader: _TwiceLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    first: dict = {}
-    for key_node, _ in node.value:
-        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
-            continue  # a merge (`<<: *anchor`) is overridden by the keys beside it, as YAML means it to be
-        key = loader.construct_object(key_node)
-        if key in first:
-            raise _KeyTwice(
-                None,
-                None,
-                f"key {key!r} appears twice in one mapping, first on line {first[key] + 1}",
-                key_node.start_mark,
-            )
-        first[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep)
-
-
-_TwiceLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_once)
-
-
 def load_spec(path: Path) -> PipelineSpec:
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: pipeline spec not found")
-    try:
-        data = yaml.load(path.read_text(), Loader=_TwiceLoader)  # noqa: S506 - a SafeLoader
-    except _KeyTwice as e:
-        where = f"{path}:{e.problem_mark.line + 1}" if e.problem_mark else str(path)
-        raise ConfigError(f"{where}: {e.problem}", hint="keep one of them: YAML would silently use the last") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({e})", hint="tags such as !function are not allowed") from e
+    data = load_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a pipeline spec is a mapping at the top level")
     if "root" in data:
