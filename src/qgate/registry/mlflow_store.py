@@ -334,8 +334,8 @@ def status(model_name: str, store: Path | None = None) -> list[dict]:
     rows = []
     for alias in order:
         version = aliases.get(alias)
-        tags = client.get_model_version(model_name, str(version)).tags if version is not None else {}
         mv = client.get_model_version(model_name, str(version)) if version is not None else None
+        tags = mv.tags if mv is not None else {}
         drift = tags.get("qgate.drift.verdict")
         rows.append(
             {
