@@ -299,7 +299,7 @@ def _eager_elementwise_step_ms(engine, device) -> float | None:
 
 def _unsplit_step_ms(engine, device) -> float | None:
     """_graph_step_ms with every int4 kernel unsplit (int4pack.split_k); None where the engine splits none."""
-    from qgate.engines.static_llama import Linear
+    from qgate.engines.int4_linear import Linear
 
     lins = [m for m in engine.model.modules() if isinstance(m, Linear) and m.weight is None and m.split > 1]
     if not lins:
@@ -335,7 +335,7 @@ def _split_sums_apart_step_ms(engine, device) -> float | None:
     instead of inside the elementwise function that reads them (Linear.parts); None where the engine splits none or
     runs that work eagerly."""
     from qgate.engines.elementwise import EAGER
-    from qgate.engines.static_llama import Linear
+    from qgate.engines.int4_linear import Linear
 
     split = any(isinstance(m, Linear) and m.weight is None and m.split > 1 for m in engine.model.modules())
     if not split or engine.model.ops is EAGER:
@@ -356,7 +356,7 @@ def _recorded(fn, *args):
 
 def _linear_shapes(engine) -> dict:
     """{(outputs, inputs, is int4): [Linear, ...]} of the engine's model."""
-    from qgate.engines.static_llama import Linear
+    from qgate.engines.int4_linear import Linear
 
     shapes: dict = {}
     for m in engine.model.modules():

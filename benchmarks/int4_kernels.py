@@ -32,8 +32,8 @@ def random_linear(out_features: int, in_features: int, group: int, device):
     """A torch-int4 engine Linear holding random int4 codes with small random scales and zeros, in bf16."""
     import torch
 
+    from qgate.engines.int4_linear import Linear
     from qgate.engines.int4pack import Int4Weight
-    from qgate.engines.static_llama import Linear
 
     g = torch.Generator().manual_seed(out_features * 7 + in_features)
     codes = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, generator=g)

@@ -132,7 +132,7 @@ def test_an_engines_dense_linear_multiplies_in_float32_from_float32_rows():
     """The torch-int4 engine's dense bf16 Linear with its float32 copies (bf16_products.float32_copies) reads them from
     FLOAT32_ROWS rows on, counted over every leading dimension; fewer rows (decode steps) keep torch's bf16 matmul."""
     from qgate.engines.bf16_products import FLOAT32_ROWS, float32_copies
-    from qgate.engines.static_llama import Linear
+    from qgate.engines.int4_linear import Linear
 
     torch.manual_seed(0)
     w, b = torch.randn(48, 32).to(torch.bfloat16), torch.randn(48).to(torch.bfloat16)
@@ -160,8 +160,8 @@ def test_a_bf16_engine_copies_its_dense_weights_only_where_bf16_is_emulated(w8_a
     the head included, holds float32 copies outside the state dict, and its logits stay within bf16's rounding of the
     same engine multiplying in bf16."""
     from qgate.engines.build import build_engine
+    from qgate.engines.int4_linear import Linear
     from qgate.engines.runners import load_runner
-    from qgate.engines.static_llama import Linear
 
     engine = build_engine(w8_art, "torch-int4", tmp_path / "w8-bf16", verify=False)
     monkeypatch.setattr(qgate.device, "native_bf16", lambda dev: True)

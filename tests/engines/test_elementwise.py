@@ -72,8 +72,8 @@ def test_split_partials_are_summed_inside_the_compiled_functions(int4_f32, tmp_p
     if not _cpp_compiler():
         pytest.skip("inductor finds no C++ compiler on this host")
     from qgate.engines import int4pack
+    from qgate.engines.int4_linear import Linear
     from qgate.engines.int4pack import split_factors
-    from qgate.engines.static_llama import Linear
     from qgate.engines.static_runner import StaticRunner
 
     plain = load_runner(int4_f32)

@@ -85,12 +85,12 @@ def test_int4_kernel_computes_the_checkpoints_weights(zero_point):
 def test_dense_path_dequantizes_what_the_int4_kernel_computes(monkeypatch, dtype):
     """Prefill-sized inputs on CUDA run a dense GEMM on dequantized codes: the same weights as the int4 kernel's,
     up to one rounding to the activation dtype. Checked on the CPU by enabling the dense path there."""
-    import qgate.engines.static_llama as sl
+    import qgate.engines.int4_linear as il
 
     state, w = _ct_layer(64, 128, 32)
     q = repack(state, _qconfig())[0]["l"]
-    monkeypatch.setattr(sl, "DENSE_ROWS", {"cpu": 4})
-    lin = sl.Linear(q, None, dtype, torch.device("cpu"))
+    monkeypatch.setattr(il, "DENSE_ROWS", {"cpu": 4})
+    lin = il.Linear(q, None, dtype, torch.device("cpu"))
     dense = lin.dequantized().float()
     assert lin.dequantized().dtype == dtype and dense.shape == w.shape
     tol = 1e-6 if dtype == torch.float32 else 2**-7  # bf16: scale and zero rounded as the kernel holds them
@@ -106,7 +106,7 @@ def test_split_layouts_compute_the_same_weight(monkeypatch):
     """split_k lays a weight out as s blocks of I/s inputs stacked along the outputs: the same codes and scales
     (unsplit gives them back bit for bit), the same dense matrix, and the same product within float32 rounding.
     A factor that would cut a group, or leave a block narrower than the CUDA packer's 32 inputs, is refused."""
-    import qgate.engines.static_llama as sl
+    import qgate.engines.int4_linear as il
 
     state, w = _ct_layer(48, 256, 32)
     q = repack(state, _qconfig())[0]["l"]
@@ -114,8 +114,8 @@ def test_split_layouts_compute_the_same_weight(monkeypatch):
     assert split_factors(4096, 128) == (1, 2, 4, 8) and split_factors(14336, 128) == (1, 2, 4, 8)
     x = torch.randn(3, 256)
     ref = x @ w.T
-    monkeypatch.setattr(sl, "DENSE_ROWS", {"cpu": 1000})  # keeps the portable codes, as a CUDA device does
-    plain = sl.Linear(q, None, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(il, "DENSE_ROWS", {"cpu": 1000})  # keeps the portable codes, as a CUDA device does
+    plain = il.Linear(q, None, torch.float32, torch.device("cpu"))
     for s in (2, 4, 8):
         qs = split_k(q, s)
         assert qs.codes.shape == (48 * s, 128 // s) and qs.scales_and_zeros.shape == (8 // s, 48 * s, 2)
@@ -123,7 +123,7 @@ def test_split_layouts_compute_the_same_weight(monkeypatch):
         assert torch.equal(back.codes, q.codes) and torch.equal(back.scales_and_zeros, q.scales_and_zeros)
         y = split_mm(x, device_pack(qs.codes, torch.device("cpu")), 32, qs.scales_and_zeros, s)
         assert y.shape == (3, 48) and (y - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
-        lin = sl.Linear(q, None, torch.float32, torch.device("cpu"), s)
+        lin = il.Linear(q, None, torch.float32, torch.device("cpu"), s)
         assert lin.split == s and torch.equal(lin.dequantized(), plain.dequantized())
         assert (lin(x) - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
         lin.resplit(1)
@@ -319,12 +319,12 @@ def test_kept_dense_weights_compute_what_dequantizing_each_forward_does(int4_f32
     """keep_dense keeps each int4 Linear's dequantized matrix while they fit in the bytes given: prefill-sized
     forwards then give the same logits, bit for bit, as dequantizing in every forward, and 0 drops them all. Checked
     on the CPU by enabling the dense path there."""
-    import qgate.engines.static_llama as sl
+    import qgate.engines.int4_linear as il
     from qgate.engines.static_runner import load_model
 
-    monkeypatch.setattr(sl, "DENSE_ROWS", {"cpu": 4})
+    monkeypatch.setattr(il, "DENSE_ROWS", {"cpu": 4})
     model, _, _ = load_model(int4_f32.path, torch.device("cpu"))
-    lins = [m for m in model.modules() if isinstance(m, sl.Linear) and m.weight is None]
+    lins = [m for m in model.modules() if isinstance(m, il.Linear) and m.weight is None]
     sizes = [m.codes.shape[0] * m.codes.shape[1] * 2 * 4 for m in lins]  # [O, I] float32
     tok = torch.tensor([SEQS[0]])
     pos = torch.arange(tok.shape[1])[None]
@@ -343,16 +343,16 @@ def test_kept_dense_weights_serve_forwards_from_kept_dense_rows(int4_f32, monkey
     """A kept dense matrix serves forwards of KEPT_DENSE_ROWS rows or more (decode steps of large batches), and the
     int4 kernel fewer rows; with nothing kept the int4 kernel serves every row count under DENSE_ROWS. The logits
     agree within float32 rounding. Checked on the CPU by enabling the dense path there."""
-    import qgate.engines.static_llama as sl
+    import qgate.engines.int4_linear as il
     from qgate.engines.static_runner import load_model
 
-    monkeypatch.setattr(sl, "DENSE_ROWS", {"cpu": 1000})
-    monkeypatch.setattr(sl, "KEPT_DENSE_ROWS", 3)
+    monkeypatch.setattr(il, "DENSE_ROWS", {"cpu": 1000})
+    monkeypatch.setattr(il, "KEPT_DENSE_ROWS", 3)
     model, _, _ = load_model(int4_f32.path, torch.device("cpu"))
-    n_int4 = sum(isinstance(m, sl.Linear) and m.weight is None for m in model.modules())
+    n_int4 = sum(isinstance(m, il.Linear) and m.weight is None for m in model.modules())
     rows = []
-    kernel = sl.split_mm
-    monkeypatch.setattr(sl, "split_mm", lambda x, *a: rows.append(x.shape[0]) or kernel(x, *a))
+    kernel = il.split_mm
+    monkeypatch.setattr(il, "split_mm", lambda x, *a: rows.append(x.shape[0]) or kernel(x, *a))
 
     def step(n: int) -> torch.Tensor:  # one token for each of n rows, no cache: the rows of a decode step
         tok = torch.tensor([[s[0]] for s in (SEQS * 2)[:n]])
@@ -374,7 +374,7 @@ def test_engine_serves_the_split_layouts_engine_json_names(int4_f32, tmp_path):
     """engine.json's int4_splits lays out each named int4 shape's kernel: the same logits within float32 rounding,
     the same greedy answers, and `numerics` says so. A shape the model lacks or a factor the shape cannot take is
     refused at load, naming it."""
-    from qgate.engines.static_llama import Linear
+    from qgate.engines.int4_linear import Linear
     from qgate.engines.static_runner import StaticRunner
 
     plain = load_runner(int4_f32)
@@ -398,26 +398,26 @@ def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32,
     """choose_splits times every factor each int4 shape takes at the rows its int4 kernel serves, and lays out all
     Linears of the shape as the fastest one, if it saves SPLIT_SAVING and computes the unsplit product; the model's
     logits stay within float32 rounding. Timed here by a table in place of CUDA graphs."""
-    import qgate.engines.static_llama as sl
+    import qgate.engines.int4_linear as il
     from qgate.engines.static_runner import load_model
 
-    monkeypatch.setattr(sl, "DENSE_ROWS", {"cpu": 1000})  # keeps the portable codes, as a CUDA device does
+    monkeypatch.setattr(il, "DENSE_ROWS", {"cpu": 1000})  # keeps the portable codes, as a CUDA device does
     model, _, _ = load_model(int4_f32.path, torch.device("cpu"))
-    lins = [m for m in model.modules() if isinstance(m, sl.Linear) and m.weight is None]
+    lins = [m for m in model.modules() if isinstance(m, il.Linear) and m.weight is None]
     tok = torch.tensor([SEQS[0]])
     pos = torch.arange(tok.shape[1])[None]
     valid = torch.ones_like(tok, dtype=torch.bool)
     with torch.inference_mode():
         before = model(tok, pos, valid)
     calls: list[tuple[int, int, int]] = []  # (rows, factor, its packed weight's address) per kernel call
-    kernel = sl.split_mm
+    kernel = il.split_mm
 
     def timed_mm(x, packed, group, sz, s):
         calls.append((x.shape[0], s, packed.data_ptr()))
         y = kernel(x, packed, group, sz, s)
         return y * 1.5 if s == 8 else y  # a broken layout: computes something else
 
-    monkeypatch.setattr(sl, "split_mm", timed_mm)
+    monkeypatch.setattr(il, "split_mm", timed_mm)
     monkeypatch.setattr(int4_choice, "split_mm", timed_mm)
     cost = {1: 10.0, 2: 9.8, 4: 6.0, 8: 1.0}  # microseconds per row: 2 saves under SPLIT_SAVING
 
@@ -438,7 +438,7 @@ def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32,
         assert r["us"][1] == pytest.approx(10.0 * 38) and ("rejected" in r) == (8 in factors)
         assert r["split"] == (4 if 4 in factors else 1)  # 8 is fastest but wrong; 2 saves too little
     assert {m.split for m in lins} == {r["split"] for r in record.values()} and {m.split for m in lins} > {1}
-    monkeypatch.setattr(sl, "split_mm", kernel)
+    monkeypatch.setattr(il, "split_mm", kernel)
     monkeypatch.setattr(int4_choice, "split_mm", kernel)
     with torch.inference_mode():
         assert torch.allclose(model(tok, pos, valid), before, atol=1e-5)
@@ -471,13 +471,14 @@ def test_split_layouts_are_timed_without_the_sum_the_next_kernel_does(int4_f32, 
     """fused (forwards will run the elementwise work compiled, which adds the partials): a shape whose every Linear
     hands over its partials (q/k/v, o, gate/up, down) is timed on the kernel alone, as the served step runs it, and
     still checked on the summed product; unfused, every layout is timed with its sum."""
+    import qgate.engines.int4_linear as il
     import qgate.engines.static_llama as sl
     from qgate.engines.static_runner import load_model
 
-    monkeypatch.setattr(sl, "DENSE_ROWS", {"cpu": 1000})
+    monkeypatch.setattr(il, "DENSE_ROWS", {"cpu": 1000})
     model, _, _ = load_model(int4_f32.path, torch.device("cpu"))
     timed: list[tuple[str, int]] = []
-    mm, parts = sl.split_mm, sl.split_parts
+    mm, parts = il.split_mm, il.split_parts
     monkeypatch.setattr(int4_choice, "split_mm", lambda x, p, g, sz, s: timed.append(("mm", s)) or mm(x, p, g, sz, s))
     monkeypatch.setattr(
         int4_choice, "split_parts", lambda x, p, g, sz, s: timed.append(("parts", s)) or parts(x, p, g, sz, s)
@@ -759,7 +760,7 @@ def test_cuda_graph_decode_equals_eager_decode(awq_art, calib_arts, workdir):
         pa, pb = torch.log_softmax(torch.as_tensor(a).float(), -1), torch.log_softmax(b.float(), -1)
         assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
     # the build timed each int4 shape's kernel layouts and recorded the fastest; a load lays the kernels out so
-    from qgate.engines.static_llama import Linear
+    from qgate.engines.int4_linear import Linear
 
     spec = json.loads((eng.path / "engine.json").read_text())
     assert spec["int4_splits"] == {k: v["split"] for k, v in eng.meta["int4_splits"].items()}

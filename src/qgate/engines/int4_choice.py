@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from qgate.engines.int4_linear import Linear
 from qgate.engines.int4pack import device_pack, split_factors, split_k, split_mm, split_parts
-from qgate.engines.static_llama import Linear
 
 SPLIT_SAVING = 0.05  # share of the unsplit int4 kernel's time a split_k layout must save to be chosen (choose_splits)
 SPLIT_TOLERANCE = 0.02  # a split_k layout's largest difference from the unsplit product, of its largest magnitude
