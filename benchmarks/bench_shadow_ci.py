@@ -17,6 +17,8 @@ Nominal: at most 2.5% each.
 kl_mean and top1_agreement are means over positions clustered in prompts: the bootstrap-t resampling whole prompts
 (`stats.cluster_bootstrap_t`, what the gate uses), the percentile interval of the same resamples (the rule before),
 and the cluster-robust t interval (`stats.ratio_of_sums_ci`, what the long-context check uses over documents).
+For kl_mean also two candidates that aim at skew, on the same resamples: the bootstrap-t on the log of the mean, and
+BCa (Efron's bias-corrected and accelerated percentile interval, acceleration from the jackknife over prompts).
 kl_p99 is the clustered order-statistic interval (`stats.quantile_ci`: Korn & Graubard's effective n, on the
 prompts' degrees of freedom), and the same on Kish's n / deff without that adjustment (the rule before). The scored
 arrays are cached next to --out, so a second run with other --split/--draws scores nothing.
@@ -122,6 +124,34 @@ def synthetic(prompts: int = 480, positions: int = 46) -> dict[str, dict[str, np
     return out
 
 
+def skew_intervals(values: np.ndarray, clusters: np.ndarray, seed: int) -> dict[str, tuple]:
+    """kl_mean's 95% interval by the bootstrap-t on log(mean) and by BCa, from the same cluster resamples the gate's
+    bootstrap-t draws (stats.cluster_bootstrap_t's scheme)."""
+    from scipy.stats import norm
+
+    from qgate.gates.stats import N_BOOT, _cluster_var
+
+    ids, inv = np.unique(clusters, return_inverse=True)
+    k = len(ids)
+    c, d = np.bincount(inv, values, k), np.bincount(inv, minlength=k).astype(float)
+    mean = c.sum() / d.sum()
+    se = np.sqrt(_cluster_var(c, d, mean))
+    pick = np.random.default_rng(seed).integers(0, k, (N_BOOT, k))
+    means = c[pick].sum(1) / d[pick].sum(1)
+    ses = np.sqrt(_cluster_var(c[pick], d[pick], means[:, None]))
+    ok = (means > 0) & (ses > 0)
+    t_log = (np.log(means[ok]) - np.log(mean)) / (ses[ok] / means[ok])  # the delta method's se of log(mean)
+    q_lo, q_hi = np.quantile(t_log, [0.025, 0.975])
+    out = {"log bootstrap-t": (mean * np.exp(-q_hi * se / mean), mean * np.exp(-q_lo * se / mean))}
+    z0 = norm.ppf((means < mean).mean())
+    jack = (c.sum() - c) / (d.sum() - d)  # [k]: the mean without each prompt
+    dev = jack.mean() - jack
+    acc = (dev**3).sum() / (6 * ((dev**2).sum()) ** 1.5)
+    z = norm.ppf([0.025, 0.975])
+    out["BCa"] = tuple(np.quantile(means, norm.cdf(z0 + (z0 + z) / (1 - acc * (z0 + z)))))
+    return out
+
+
 def count(s: dict[str, np.ndarray], args) -> None:
     """Draw args.draws splits of args.split prompts from s and print how often each interval passes and fails a
     candidate that sits on s's own value."""
@@ -136,8 +166,9 @@ def count(s: dict[str, np.ndarray], args) -> None:
     by_prompt = {p: np.flatnonzero(s["prompt"] == p) for p in prompts}
     rules = ("bootstrap-t", "percentile", "t (CR2)")
     counts = {f"{m} {r}": np.zeros(2) for m in ("kl_mean", "top1") for r in rules}
+    counts |= {"kl_mean log bootstrap-t": np.zeros(2), "kl_mean BCa": np.zeros(2)}
     counts |= {"kl_p99": np.zeros(2), "kl_p99 n/deff": np.zeros(2)}
-    t0 = time.perf_counter()
+    t0, seed = time.perf_counter(), {}
     for _ in range(args.draws):
         picked = [by_prompt[p] for p in rng.choice(prompts, args.split)]  # with replacement: draws from the traffic
         idx = np.concatenate(picked)
@@ -146,17 +177,20 @@ def count(s: dict[str, np.ndarray], args) -> None:
             ("kl_mean", s["kl"][idx], truth["kl_mean"], True),
             ("top1", s["agree"][idx], truth["top1_agreement"], False),
         ):
-            _, lo, hi, ev = cluster_bootstrap_t(values, cl, seed=int(rng.integers(2**31)))
+            seed[metric] = int(rng.integers(2**31))
+            _, lo, hi, ev = cluster_bootstrap_t(values, cl, seed=seed[metric])
             intervals = [(lo, hi), ev["percentile"], ratio_of_sums_ci(values, np.ones(len(idx)), cl)[1:3]]
             for rule, (lo, hi) in zip(rules, intervals, strict=True):
                 counts[f"{metric} {rule}"] += [hi < t, lo > t] if low_good else [lo > t, hi < t]
+        for rule, (lo, hi) in skew_intervals(s["kl"][idx], cl, seed["kl_mean"]).items():  # the same resamples
+            counts[f"kl_mean {rule}"] += [hi < truth["kl_mean"], lo > truth["kl_mean"]]
         for rule, df in (("kl_p99", None), ("kl_p99 n/deff", np.inf)):
             lo, hi, _ = quantile_ci(s["kl"][idx], cl, 0.99, design_df=df)
             counts[rule] += [hi < truth["kl_p99"], lo > truth["kl_p99"]]
     print(f"{args.draws} splits of {args.split} prompts, {time.perf_counter() - t0:.0f} s")
-    print(f"{'interval':20s} {'passes':>7} {'fails':>7}")
+    print(f"{'interval':24s} {'passes':>7} {'fails':>7}")
     for name, c in counts.items():
-        print(f"{name:20s} {c[0] / args.draws:7.3f} {c[1] / args.draws:7.3f}")
+        print(f"{name:24s} {c[0] / args.draws:7.3f} {c[1] / args.draws:7.3f}")
 
 
 if __name__ == "__main__":
