@@ -14,6 +14,13 @@ import numpy as np
 BLOCK_LOGITS = 2**25  # logits per block of head_blocks: 128 MB in float32
 
 
+def stop_tokens(eos_token_id) -> set[int]:
+    """The token ids that end a greedy answer: a generation config's eos_token_id, one id, a list of them, or None."""
+    if eos_token_id is None:
+        return set()
+    return set(eos_token_id) if isinstance(eos_token_id, list) else {eos_token_id}
+
+
 def as_logits(t):
     """float32 logits as a runner returns them: a numpy array (sharing the tensor's memory) on the CPU, the tensor
     itself on an accelerator, where gates/scoring.py reduces it without copying it to the host."""

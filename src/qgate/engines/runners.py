@@ -22,7 +22,7 @@ import numpy as np
 from qgate.artifact import Artifact
 from qgate.device import to_device
 from qgate.engines.attention import ATTENTION, register_attention
-from qgate.engines.logits import as_logits, cat_rows, check_vocab, head_blocks
+from qgate.engines.logits import as_logits, cat_rows, check_vocab, head_blocks, stop_tokens
 from qgate.engines.padding import left_pad, length_groups, pack_trees, right_pad, sequences_as_trees
 from qgate.errors import BackendUnavailable, InputError
 
@@ -313,6 +313,12 @@ class TorchRunner:
             res[g].append(first[g][None] if len(k) == 1 else cat_rows([first[g][None], rest[r]]))
         return res
 
+    @property
+    def _answer_pad(self) -> int:
+        """The token greedy decoding pads its rows with: the tokenizer's pad token, else its EOS."""
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation with the KV cache; stops at EOS (included)."""
         return self.greedy_batch([ids], max_new_tokens)[0]
@@ -322,7 +328,7 @@ class TorchRunner:
         each row's position ids from it) and the KV cache. Each answer stops at its first EOS, which it includes."""
         import torch
 
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        pad = self._answer_pad
         tok, real = left_pad(prompts, pad)
         width = tok.shape[1]
         x, mask = self._ids(tok), self._ids(real, torch.long)
@@ -330,8 +336,7 @@ class TorchRunner:
             out = self.model.generate(
                 x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
             )
-        eos = self.model.generation_config.eos_token_id
-        stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        stops = stop_tokens(self.model.generation_config.eos_token_id)
         answers = []
         for row in out[:, width:].tolist():
             end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
@@ -346,8 +351,7 @@ class TorchRunner:
         the reduced arrays over its len(prompt) + len(answer) - 1 positions, in order)."""
         from qgate.engines.scored_decode import greedy_scored
 
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        return greedy_scored(self.model, pad, self.device, prompts, max_new_tokens, reduce, prefill_tokens)
+        return greedy_scored(self.model, self._answer_pad, self.device, prompts, max_new_tokens, reduce, prefill_tokens)
 
 
 def load_runner(art: Artifact, device: str = "cpu", dtype: str = "auto"):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from qgate.device import to_device
-from qgate.engines.logits import reduce_blocks
+from qgate.engines.logits import reduce_blocks, stop_tokens
 from qgate.engines.padding import left_pad
 
 COMPACT_BELOW = 0.75  # drop finished answers from the decode batch once fewer than this share still run
@@ -70,8 +70,7 @@ def greedy_scored(
     def ids(data, dtype=None):
         return to_device(data, device, dtype)
 
-    eos = model.generation_config.eos_token_id
-    stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    stops = stop_tokens(model.generation_config.eos_token_id)
     width, rows = max(len(p) for p in prompts), len(prompts)
     mask = ids(left_pad(prompts, pad)[1], torch.long)
     pos = ids([[len(p) - 1] for p in prompts], torch.long)  # each row's last position

@@ -26,8 +26,8 @@ import numpy as np
 
 from qgate.gates.result import GUARD_ERROR, GateResult
 
+LABEL_CHARS = 48  # a route's label in a metric name, at most
 # interval(mask, level) -> (observed, lo, hi, evidence) over the positions in `mask`, at two-sided `level`
-LABEL_CHARS = 48
 Interval = Callable[[np.ndarray, float], tuple[float, float, float, dict]]
 
 
