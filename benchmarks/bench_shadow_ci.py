@@ -129,16 +129,12 @@ def skew_intervals(values: np.ndarray, clusters: np.ndarray, seed: int) -> dict[
     bootstrap-t draws (stats.cluster_bootstrap_t's scheme)."""
     from scipy.stats import norm
 
-    from qgate.gates.stats import N_BOOT, _cluster_var
+    from qgate.gates.stats import N_BOOT, _cluster_var, cluster_resamples, cluster_sums
 
-    ids, inv = np.unique(clusters, return_inverse=True)
-    k = len(ids)
-    c, d = np.bincount(inv, values, k), np.bincount(inv, minlength=k).astype(float)
+    c, d = cluster_sums(values, clusters)
     mean = c.sum() / d.sum()
     se = np.sqrt(_cluster_var(c, d, mean))
-    pick = np.random.default_rng(seed).integers(0, k, (N_BOOT, k))
-    means = c[pick].sum(1) / d[pick].sum(1)
-    ses = np.sqrt(_cluster_var(c[pick], d[pick], means[:, None]))
+    means, ses = cluster_resamples(c, d, N_BOOT, seed)
     ok = (means > 0) & (ses > 0)
     t_log = (np.log(means[ok]) - np.log(mean)) / (ses[ok] / means[ok])  # the delta method's se of log(mean)
     q_lo, q_hi = np.quantile(t_log, [0.025, 0.975])

@@ -36,6 +36,22 @@ def _cluster_var(c: np.ndarray, d: np.ndarray, ratio) -> np.ndarray:
     return (k / max(k - 1, 1)) * np.sum((c - ratio * d) ** 2, -1) / np.sum(d, -1) ** 2
 
 
+def cluster_sums(values: np.ndarray, clusters: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per cluster (in sorted cluster order): the sum of its values and its count of them, as floats."""
+    ids, inv = np.unique(np.asarray(clusters), return_inverse=True)
+    k = len(ids)
+    return np.bincount(inv, np.asarray(values, float), k), np.bincount(inv, minlength=k).astype(float)
+
+
+def cluster_resamples(c: np.ndarray, d: np.ndarray, n_boot: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """n_boot resamples of whole clusters (cluster_sums' c and d), drawn with replacement: each one's mean and its
+    cluster-robust standard error."""
+    pick = np.random.default_rng(seed).integers(0, len(c), (n_boot, len(c)))
+    cs, ds = c[pick], d[pick]
+    means = cs.sum(1) / ds.sum(1)
+    return means, np.sqrt(_cluster_var(cs, ds, means[:, None]))
+
+
 def cluster_bootstrap_t(
     values: np.ndarray, clusters: np.ndarray, n_boot: int = N_BOOT, level: float = 0.95, seed: int = SEED
 ) -> tuple[float, float, float, dict]:
@@ -50,9 +66,8 @@ def cluster_bootstrap_t(
     (-inf, inf); values that never vary give [mean, mean]. (mean, lo, hi, evidence with the percentile interval of
     the same resamples); lo, hi = -inf, inf with fewer than two clusters."""
     x = np.asarray(values, float)
-    ids, inv = np.unique(np.asarray(clusters), return_inverse=True)
-    k = len(ids)
-    c, d = np.bincount(inv, x, k), np.bincount(inv, minlength=k).astype(float)
+    c, d = cluster_sums(x, clusters)
+    k = len(c)
     mean = float(c.sum() / d.sum())
     ev: dict = {"clusters": int(k), "method": "cluster bootstrap-t"}
     if k < 2:
@@ -70,10 +85,7 @@ def cluster_bootstrap_t(
         return mean, float(lo), float(hi), ev
 
     se = float(np.sqrt(_cluster_var(c, d, mean)))
-    pick = np.random.default_rng(seed).integers(0, k, (n_boot, k))
-    cs, ds = c[pick], d[pick]
-    means = cs.sum(1) / ds.sum(1)
-    ses = np.sqrt(_cluster_var(cs, ds, means[:, None]))
+    means, ses = cluster_resamples(c, d, n_boot, seed)
     a = (1 - level) / 2
     ev |= {"se": se, "percentile": [quantile(means, a), quantile(means, 1 - a)]}
     t = np.divide(means - mean, ses, out=np.full(n_boot, np.nan), where=ses > 0)
