@@ -1269,7 +1269,7 @@ def test_encode_with_sources_marks_traffic_tokens_not_template(base_art):
 
 def _synthetic(template_kl: float):
     """Two prompts sharing a 4-token template (system prompt) then 3 traffic tokens, then 5 answer tokens."""
-    from qgate.gates.shadow import ANSWER, PROMPT, TEMPLATE
+    from qgate.gates.positions import ANSWER, PROMPT, TEMPLATE
 
     seqs, cls = [], []
     for p in range(40):
@@ -1316,7 +1316,7 @@ def test_shadow_gate_scores_traffic_not_template_boilerplate():
 
 
 def test_repeated_prefixes_are_scored_once():
-    from qgate.gates.shadow import ANSWER, PROMPT, TEMPLATE, position_classes
+    from qgate.gates.positions import ANSWER, PROMPT, TEMPLATE, position_classes
 
     m, ref = _synthetic(0.0)
     ref = dict(ref, tokens=ref["tokens"].copy())

@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
+from qgate.gates.positions import ANSWER, PROMPT
 from qgate.gates.result import GUARD_ERROR, GateReport
 from qgate.gates.routes import RouteCheck, route_guards, route_labels
-from qgate.gates.shadow import ANSWER, PROMPT, ShadowConfig, shadow_gate
+from qgate.gates.shadow import ShadowConfig, shadow_gate
 
 CHAT, CODE = "chat", "code-assist"
 

@@ -23,8 +23,9 @@ from qgate.cache import read_cached, write_cached
 from qgate.errors import ConfigError
 from qgate.execute import releases
 from qgate.gates.kl_checks import kl_top1_checks
+from qgate.gates.positions import scoring_summary
 from qgate.gates.scoring import SCORING_LIBRARIES
-from qgate.gates.shadow import REFERENCE_VERSION, ShadowConfig, candidate_metrics, scoring_summary
+from qgate.gates.shadow import REFERENCE_VERSION, ShadowConfig, candidate_metrics
 
 
 def noise_floor(
@@ -65,7 +66,7 @@ def noise_floor(
     runner = runner_factory()
     gated = timed_on is not None
     m = candidate_metrics(runner, ref, desc="noise floor: baseline vs itself", warm_up=gated, passes=passes)
-    masks, _ = scoring_summary(ref, cfg)
+    masks, _ = scoring_summary(ref, cfg.positions)
     checks = kl_top1_checks(m, ref["prompt_of"], masks["gated"], None)
     floor = {r.metric: {"observed": r.observed, "ci": list(r.ci) if r.ci else None} for r in checks}
     floor["path"] = (

@@ -13,7 +13,7 @@ no second generation pass.
 What counts as evidence is decided per position, by the token it predicts: answer tokens
 and prompt tokens that came from traffic (message content) are evidence; chat-template
 tokens (role markers, a default system prompt) are identical across prompts and are
-excluded, as is any position whose whole prefix repeats an earlier prompt's. The gate
+excluded, as is any position whose whole prefix repeats an earlier prompt's (gates/positions.py). The gate
 decides on answer positions by default (`positions: answer+prompt` adds traffic prompt
 tokens); the other class is reported beside it.
 
@@ -66,6 +66,7 @@ from qgate.gates.passes import (
     sequences,
     top_k_reference,
 )
+from qgate.gates.positions import ANSWER, POSITION_SETS, PROMPT, TEMPLATE, coverage, scoring_summary
 from qgate.gates.result import SHARE, GateResult, check_threshold_values
 from qgate.gates.routes import route_guards
 from qgate.gates.scoring import (
@@ -75,9 +76,6 @@ from qgate.gates.scoring import (
     reduce_kl,
 )
 from qgate.gates.stats import min_effective_n, wilson
-
-TEMPLATE, PROMPT, ANSWER = 0, 1, 2  # token classes: chat template, traffic prompt text, baseline answer
-POSITION_SETS = {"answer": (ANSWER,), "answer+prompt": (ANSWER, PROMPT)}
 
 
 @dataclass(frozen=True)
@@ -306,63 +304,6 @@ def candidate_metrics(
     }
 
 
-def position_classes(ref: dict) -> tuple[np.ndarray, np.ndarray]:
-    """Per scored position (t predicts token t+1 of its sequence): the class of the predicted token, and whether
-    the position's whole prefix (tokens 0..t+1) is new, i.e. not already scored in an earlier prompt."""
-    cls, first = [], []
-    seen: set[int] = set()
-    start = 0
-    for n in ref["seq_lens"]:
-        seq, c = ref["tokens"][start : start + n].tolist(), ref["token_class"][start : start + n]
-        cls.append(c[1:])
-        h, new = hash((seq[0],)), np.zeros(n - 1, bool)
-        for t in range(1, n):
-            h = hash((h, seq[t]))
-            new[t - 1] = h not in seen
-            seen.add(h)
-        first.append(new)
-        start += n
-    return np.concatenate(cls), np.concatenate(first)
-
-
-def scoring_summary(ref: dict, cfg: ShadowConfig) -> tuple[dict[str, np.ndarray], dict]:
-    """Masks of the gated, answer and traffic-prompt positions (repeated prefixes dropped), and what was scored."""
-    cls, new = position_classes(ref)
-    masks = {
-        "gated": np.isin(cls, POSITION_SETS[cfg.positions]) & new,
-        "answer": (cls == ANSWER) & new,
-        "prompt": (cls == PROMPT) & new,
-    }
-    info = {
-        "positions": cfg.positions,
-        "total_positions": int(len(cls)),
-        "answer_positions": int(np.sum(cls == ANSWER)),
-        "traffic_prompt_positions": int(np.sum(cls == PROMPT)),
-        "template_positions_excluded": int(np.sum(cls == TEMPLATE)),
-        "repeated_prefix_excluded": int(np.sum(np.isin(cls, (ANSWER, PROMPT)) & ~new)),
-        "gated_positions": int(masks["gated"].sum()),
-        "unique_positions": int(new.sum()),
-        "prompts": int(len(ref["seq_lens"])),
-    }
-    return masks, info
-
-
-def coverage(ref: dict, cfg: ShadowConfig) -> dict:
-    """How much of the shadow prompts the gate sees: a prompt longer than max_prompt_tokens is scored on its last
-    max_prompt_tokens tokens (chat.encode_with_sources keeps the latest turn). `caveat`: what a gate on cut prompts
-    cannot say, for the checks it weakens; None when every prompt was scored whole."""
-    lens, m = ref["prompt_tokens"], cfg.max_prompt_tokens
-    cut, longest = int(np.sum(lens > m)), int(lens.max(initial=0))
-    caveat = (
-        f"{cut} of {len(lens)} shadow prompts are longer than gates.shadow.max_prompt_tokens ({m}; the longest has "
-        f"{longest} tokens) and were scored on their last {m} tokens: this evidence covers contexts of up to "
-        f"{m + cfg.max_new_tokens} tokens, not those prompts whole"
-        if cut
-        else None
-    )
-    return {"max_prompt_tokens": m, "prompts_cut": cut, "longest_prompt_tokens": longest, "caveat": caveat}
-
-
 @dataclass(frozen=True)
 class ShadowCheck:
     results: list[GateResult]  # defined_logits, the gated KL and top-1 checks, report-only classes, generation
@@ -382,8 +323,8 @@ def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> tuple[list[GateResult]
     """The gated checks on cfg.positions, report-only figures for the other classes, what was scored (with its
     coverage), and the mask of gated positions. The gated checks carry the coverage caveat when prompts were cut."""
     clusters = ref["prompt_of"]
-    masks, scored = scoring_summary(ref, cfg)
-    scored |= coverage(ref, cfg)
+    masks, scored = scoring_summary(ref, cfg.positions)
+    scored |= coverage(ref, cfg.max_prompt_tokens, cfg.max_new_tokens)
     ev = {"tail_mass_mean": float(m["tail"].mean()), "tail_mass_max": float(m["tail"].max()), "scored": scored}
     results = [defined_check(m, ref)] + kl_top1_checks(m, clusters, masks["gated"], cfg, evidence=ev)
     if cfg.route_guards and "prompt_route" in ref:
