@@ -34,8 +34,9 @@ def main() -> int:
     from qgate.gates.gating import baseline_floor, shadow_check
     from qgate.pipeline.ledger import Ledger
     from qgate.pipeline.search import point_overrides
-    from qgate.pipeline.spec import load_spec, search_config
+    from qgate.pipeline.spec import load_spec
     from qgate.pipeline.stages import calibrate_stage, model_stage
+    from qgate.pipeline.variant import search_config
     from qgate.quantize.compress import CalibOptions, quantize
     from qgate.quantize.schemes import scheme_config
     from qgate.quantize.smoothing import cached_smoothing

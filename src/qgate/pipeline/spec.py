@@ -15,27 +15,31 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import BaseModel, Field, ValidationError, create_model
 
 from qgate.calibrate.sample import SampleConfig
 from qgate.errors import ConfigError, InputError, config_problems
 from qgate.gates.result import OnInconclusive
 from qgate.naming import build_config, key_path, suggest
 from qgate.pipeline.strict_yaml import load_yaml
+from qgate.pipeline.variant import (
+    Strict,
+    VariantSpec,
+    check_engine,
+    no_search_split,
+    search_config,
+    search_fits,
+)
 from qgate.quantize.compress import CalibOptions
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelSpec(_Strict):
+class ModelSpec(Strict):
     hf_dir: str | None = None
     gguf_package: str | None = None
     gguf_file: str | None = None
 
 
-def _section(config: type, name: str) -> type[_Strict]:
+def _section(config: type, name: str) -> type[Strict]:
     """A strict spec section with exactly the fields, types and defaults of the frozen dataclass `config`: the
     stage's own config is where a setting is defined and documented; its range checks run when the spec loads."""
     import dataclasses
@@ -43,7 +47,7 @@ def _section(config: type, name: str) -> type[_Strict]:
     hints = typing.get_type_hints(config)
     fields = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(config)}
     return create_model(
-        name, __base__=_Strict, __doc__=f"`{name}` fields: {config.__module__}.{config.__name__}", **fields
+        name, __base__=Strict, __doc__=f"`{name}` fields: {config.__module__}.{config.__name__}", **fields
     )
 
 
@@ -51,47 +55,7 @@ CalibrateSpec = _section(SampleConfig, "CalibrateSpec")
 QuantizeSpec = _section(CalibOptions, "QuantizeSpec")
 
 
-class EngineSpec(_Strict):
-    backend: str  # a row of engines/build.py BACKENDS (checked at load, with a suggestion)
-    options: dict[str, Any] = Field(default_factory=dict)
-
-
-class VariantSpec(_Strict):
-    name: str
-    scheme: str
-    options: dict[str, Any] = Field(default_factory=dict)
-    kv_cache: Literal["fp8", "int8"] | None = None
-    engine: EngineSpec | None = None  # None: gate the checkpoint on the PyTorch reference path
-    search: dict[str, Any] | None = None  # per-layer fallback search (search/plan.py SearchConfig); `qgate search`
-    resources: dict[str, float] = Field(default_factory=dict)  # Ray task resources under `qgate run --executor ray`:
-    # num_cpus, num_gpus, memory (bytes) or custom ones
-
-    @field_validator("resources")
-    @classmethod
-    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
-        bad = [k for k, x in v.items() if x < 0]
-        if bad:
-            raise ValueError(f"resources must be >= 0 ({', '.join(bad)})")
-        return v
-
-    @field_validator("name")
-    @classmethod
-    def _safe_name(cls, v: str) -> str:
-        if not v or not all(c.isalnum() or c in "-_." for c in v):
-            raise ValueError("variant names may use letters, digits, '-', '_' and '.' only")
-        return v
-
-    def recipe(self) -> dict:
-        """How to rebuild this variant: kept with its registered version, so a drift job can re-run it."""
-        return {
-            "scheme": self.scheme,
-            "options": dict(self.options),
-            "kv_cache": self.kv_cache,
-            "engine": self.engine.model_dump() if self.engine is not None else None,
-        } | ({"search": dict(self.search)} if self.search is not None else {})
-
-
-class GatesSpec(_Strict):
+class GatesSpec(Strict):
     """Each section is its gate's config (gates/*.py), built by gate_config(); an unset scalar takes GateConfig's
     default (gates/gating.py), which is where each one is defined and documented."""
 
@@ -111,18 +75,18 @@ class GatesSpec(_Strict):
 _GATE_SCALARS = ("on_inconclusive", "score_anyway", "stop_on_fail", "device", "dtype")
 
 
-class RegistrySpec(_Strict):
+class RegistrySpec(Strict):
     model_name: str
     store: str = ".qgate/mlflow"  # embedded SQLite store; MLFLOW_TRACKING_URI overrides
 
 
-class PromoteSpec(_Strict):
+class PromoteSpec(Strict):
     alias: str = "production"
     choose: Literal["best", "smallest", "first"] = "best"  # best: passing variant with the lowest shadow kl_p99;
     # smallest: the fewest weights bytes (ties: lower kl_p99)
 
 
-class PipelineSpec(_Strict):
+class PipelineSpec(Strict):
     version: Literal[1]
     name: str
     workdir: str
@@ -201,20 +165,6 @@ class PipelineSpec(_Strict):
         return build_config(DriftConfig, self.drift, "drift")
 
 
-def search_config(v: VariantSpec, where: str = "search"):
-    """The variant's SearchConfig, checked on its own and against the variant (search_fits)."""
-    from qgate.search.plan import SearchConfig
-
-    return search_fits(v, build_config(SearchConfig, v.search or {}, where), where)
-
-
-def no_search_split(where: str) -> ConfigError:
-    return ConfigError(
-        f"{where}: its points would be chosen on the shadow split that then gates the chosen one, which flatters it",
-        hint="set calibrate.search_size (e.g. 48): a held-out split of its own for the search",
-    )
-
-
 def check_search(spec: PipelineSpec, name: str):
     """The SearchConfig `qgate search` runs variant `name` with, before any stage: a variant without a `search:` key
     is searched with the defaults, which loading the spec does not check. ConfigError as load_spec would give it."""
@@ -226,39 +176,6 @@ def check_search(spec: PipelineSpec, name: str):
         return search_config(v, where)
     except ConfigError as e:
         raise ConfigError(f"{e.message} (variant {name})", hint=e.hint) from None
-
-
-def search_fits(v: VariantSpec, cfg, where: str = "search"):
-    """cfg, a valid SearchConfig, when the variant can be searched with it; ConfigError when its scheme has no
-    per-layer fallback, or cfg's ladder does not climb from it (search/plan.py ladder_problem), or its KV cache or
-    engine rule out cfg's options."""
-    from qgate.pipeline.search import fine_groups_refusal
-    from qgate.quantize.schemes import KVCacheConfig, scheme_config
-    from qgate.search.plan import ladder_problem
-
-    scheme = scheme_config(v.scheme, **v.options)
-    if not hasattr(scheme, "group_size"):
-        raise ConfigError(
-            f"{where}: scheme {v.scheme} has no per-layer fallback", hint="search awq-w4a16 or gptq-w4a16"
-        )
-    if problem := ladder_problem(scheme, cfg):
-        why, fix = problem
-        raise ConfigError(f"{where}.{why}", hint=fix)
-    if reason := fine_groups_refusal(scheme, KVCacheConfig(v.kv_cache) if v.kv_cache else None, cfg):
-        raise ConfigError(f"{where}: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
-    if cfg.lm_head:
-        from qgate.engines.build import BACKENDS
-
-        name = v.engine.backend if v.engine else None
-        if name is None or not BACKENDS.get(name).int8_head:
-            serve = [b for b in BACKENDS.names() if BACKENDS.get(b).int8_head]
-            raise ConfigError(
-                f"{where}.lm_head: variant {v.name} is served by "
-                f"{f'the {name} engine' if name else 'the reference path'}"
-                ", which computes a W8A16 head in full precision: quantizing it would cost accuracy and save nothing",
-                hint=f"drop search.lm_head, or serve the variant with engine backend {' or '.join(serve)}",
-            )
-    return cfg
 
 
 def _fields_at(loc: tuple) -> list[str]:
@@ -314,26 +231,6 @@ def load_spec(path: Path) -> PipelineSpec:
     if problems:
         raise config_problems(problems, f"{path}: ")
     return spec
-
-
-def _check_engine(v: VariantSpec, where: str, fine_group_size: int | None = None) -> None:
-    """An engine the pipeline could build and gate for this variant, or a ConfigError now (engines/build.py's table
-    says which backends the gates can run and which variants each refuses). A searched variant's W8 or unquantized
-    layers are handled at build time: it is gated on the reference path and its report says so."""
-    from qgate.engines.build import backend, refusal
-    from qgate.quantize.schemes import scheme_config
-
-    keep = "drop `engine:` to gate the checkpoint on the PyTorch reference path"
-    row = backend(v.engine.backend)
-    if row.runner is None:
-        raise ConfigError(
-            f"{where}: the gates cannot run {row.name} engines ({row.description}), so this variant could never "
-            "be gated",
-            hint=f"{keep}, then bundle the promoted checkpoint with `qgate engine build --backend {row.name}`",
-        )
-    why = refusal(row.name, v.scheme, scheme_config(v.scheme, **v.options), v.kv_cache, fine_group_size)
-    if why:
-        raise ConfigError(f"{where}: {why}", hint=f"{keep}, or choose {row.serves}")
 
 
 def _unpassable_splits(spec: PipelineSpec, gates) -> list[ConfigError]:
@@ -397,7 +294,7 @@ def _check_semantics(spec: PipelineSpec) -> list[ConfigError]:
             search = check(lambda v=v, own=own: search_fits(v, own, at("search")), found) if searched else True
             if v.engine and search is not None:
                 fine = search.fine_group_size if searched else None
-                check(lambda v=v, fine=fine: _check_engine(v, at("engine"), fine), found)
+                check(lambda v=v, fine=fine: check_engine(v, at("engine"), fine), found)
         for e in found:
             for p in e.problems:
                 msg = p.message if p.message.startswith("variants[") else f"{key_path('variants', i)}: {p.message}"

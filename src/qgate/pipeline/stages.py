@@ -163,7 +163,7 @@ def search_stage(
     point afterwards is data the search never saw."""
     from qgate.gates.numerics import numerics_key
     from qgate.pipeline.search import search_checkpoint
-    from qgate.pipeline.spec import search_config
+    from qgate.pipeline.variant import search_config
     from qgate.quantize.compress import CalibOptions
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
