@@ -443,10 +443,7 @@ def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32,
     with torch.inference_mode():
         assert torch.allclose(model(tok, pos, valid), before, atol=1e-5)
     # a timing that fails mid-way leaves every kernel unsplit, with a warning (a GPU build then records nothing)
-    from qgate.engines.static_runner import StaticRunner
-
-    runner = StaticRunner.__new__(StaticRunner)
-    runner.model, runner.device = model, torch.device("cpu")
+    from qgate.engines import static_kernels
 
     timings: list[int] = []
 
@@ -459,8 +456,8 @@ def test_choose_splits_takes_the_fastest_layout_that_computes_the_same(int4_f32,
 
     assert {m.split for m in lins} > {1}  # what the first choice left
     with caplog.at_level("WARNING", logger="qgate"):
-        runner._choose_splits([1, 2], broken)
-    assert runner.splits == {} and {m.split for m in lins} == {1} and "stay unsplit" in caplog.text
+        splits = static_kernels.choose_splits(model, torch.device("cpu"), [1, 2], broken)
+    assert splits == {} and {m.split for m in lins} == {1} and "stay unsplit" in caplog.text
     assert "RuntimeError: capture failed" in caplog.text
     # a kept dense matrix serves KEPT_DENSE_ROWS rows and more: those rows are not the int4 kernel's to time
     model.keep_dense(10**12)

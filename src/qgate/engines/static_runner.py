@@ -17,13 +17,12 @@ layouts at the captured batch sizes and records the fastest (engines/int4_choice
 with the kernel engine.json's `decode_attention` names, chosen the same way (engines/decode_attention.py). Where
 elementwise.COMPILED names the device, forwards run their elementwise work compiled (StaticLlama.compile). Where a
 capture fails, the decode kernel gives way to "sdpa" first and the compiled work to eager functions next, with a
-warning each, and `numerics` says what runs.
+warning each, and `numerics` says what runs (engines/static_kernels.py).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 
 from qgate.device import HostCopy, graph_seconds, to_device
-from qgate.engines import decode_attention, elementwise, int4_choice
+from qgate.engines import decode_attention, elementwise, static_kernels
 from qgate.engines.int4pack import Int4Weight
 from qgate.engines.logits import as_logits, check_vocab, head_blocks, stop_tokens
 from qgate.engines.padding import left_pad, pack_trees, right_pad, sequences_as_trees
@@ -110,17 +109,19 @@ class StaticRunner:
         self.served_rows: int | None = None  # rows decoded together when scoring as served (served_logits_batch)
         self.dense_bytes = 0  # dequantized weights kept (StaticLlama.keep_dense)
         sizes = graph_batch_sizes or self.spec["graph_batch_sizes"]
+        seconds = lambda f: graph_seconds(f, device)  # noqa: E731 - a call timed on the device, for the choices below
         if device.type == "cuda":
             self._graph_inputs(max(sizes), self.spec["max_seq_len"])
             # kept before capture: the graphs of KEPT_DENSE_ROWS rows or more read the kept matrices
             self.dense_bytes = self.model.keep_dense(int(torch.cuda.mem_get_info(device)[0] * DENSE_SHARE))
             if choose_kernels:  # after keep_dense: a kept matrix takes the rows from KEPT_DENSE_ROWS on
-                self._choose_splits(sizes, lambda f: graph_seconds(f, device))
-        self._compile()  # before capture: a graph replays the kernels its capture ran
+                self.splits = static_kernels.choose_splits(self.model, device, sizes, seconds)
+        static_kernels.compile_ops(self.model, device)  # before capture: a graph replays the kernels its capture ran
         if device.type == "cuda" and choose_kernels:  # after compile: "sdpa" runs the compiled rope_into_cache
-            self._choose_decode_kernel(sizes)
+            self.decode_choice = static_kernels.choose_decode(self.model, sizes, self.buckets, seconds)
         else:
-            self._serve_decode_kernel(self.spec.get("decode_attention", decode_attention.DEFAULT), engine_dir)
+            name = self.spec.get("decode_attention", decode_attention.DEFAULT)
+            static_kernels.serve_decode(self.model, device, name, engine_dir)
         if device.type == "cuda":
             self.served_rows = max(sizes)
             while True:
@@ -130,79 +131,18 @@ class StaticRunner:
                 except Exception as e:  # noqa: BLE001 - what does not capture gives way, and the rest is recaptured
                     why = f"capturing them failed: {in_one_line(e)}"
                     if self.model.decode_kernel != decode_attention.DEFAULT:
-                        self._sdpa_decode(why)
+                        static_kernels.sdpa_decode(self.model, why)
                     elif self.model.ops is not elementwise.EAGER:
-                        self._eager(why)
+                        static_kernels.eager(self.model, why)
                     else:
                         raise
                     self.graphs = {}
         self.batch_tokens = batch_tokens(device, self.model.embed.shape[0], config["hidden_size"])
 
-    def _choose_splits(self, sizes: Sequence[int], seconds) -> None:
-        """int4_choice.choose_splits into `splits`; where it fails, every int4 kernel stays unsplit, with a warning."""
-        try:
-            fused = bool(elementwise.COMPILED.get(self.device.type))  # the sums then run inside compiled kernels
-            self.splits = int4_choice.choose_splits(self.model, sizes, seconds, fused)
-        except Exception as e:  # noqa: BLE001 - the unsplit kernels serve: a layout is a speed-up, not a need
-            for m in self.model.modules():
-                if getattr(m, "split", 1) > 1:
-                    m.resplit(1)
-            self.splits = {}
-            logging.getLogger("qgate").warning(
-                "the torch-int4 engine's int4 kernels stay unsplit: choosing their layouts failed: %s", in_one_line(e)
-            )
-
     @property
     def numerics(self) -> str:
-        """What computes this runner's logits: device, engine, dtype, then '-splitk' where an int4 kernel is split,
-        the decode attention kernel where it is not "sdpa", and '-compiled' where the elementwise work is."""
-        m = self.model
-        tags = [f"{self.device.type}-torch-int4-{self.spec['dtype']}"]
-        tags += ["splitk"] if any(getattr(x, "split", 1) > 1 for x in m.modules()) else []
-        tags += [m.decode_kernel] if m.decode_kernel != decode_attention.DEFAULT else []
-        return "-".join(tags + (["compiled"] if m.ops is not elementwise.EAGER else []))
-
-    def _compile(self) -> None:
-        """Forwards with compiled elementwise work where elementwise.COMPILED names this device."""
-        if elementwise.COMPILED.get(self.device.type):
-            why = self.model.compile()
-            if why is not None:
-                self._eager(why)
-
-    def _eager(self, why: str) -> None:
-        """Forwards run their elementwise work eagerly from now on, with a warning saying why."""
-        self.model.ops = elementwise.EAGER
-        logging.getLogger("qgate").warning("the torch-int4 engine runs its elementwise work eagerly: %s", why)
-
-    def _choose_decode_kernel(self, sizes: Sequence[int]) -> None:
-        """decode_attention.choose_kernel at `sizes` and every context bucket into `decode_choice`; where it
-        fails, decode steps run the "sdpa" kernels, with a warning."""
-        try:
-            seconds = lambda f: graph_seconds(f, self.device)  # noqa: E731
-            self.decode_choice = decode_attention.choose_kernel(self.model, sizes, self.buckets, seconds)
-        except Exception as e:  # noqa: BLE001 - "sdpa" serves: another kernel is a speed-up, not a need
-            self.decode_choice = {}
-            self._sdpa_decode(f"choosing a kernel failed: {in_one_line(e)}")
-
-    def _serve_decode_kernel(self, name: str, engine_dir: Path) -> None:
-        """Decode steps run kernel `name` (engine.json's decode_attention) where it runs here; a kernel that runs on
-        CUDA only gives way to "sdpa" on a CPU, and on CUDA with a warning. ConfigError for a name qgate lacks."""
-        if name not in decode_attention.KERNELS:
-            kernels = ", ".join(decode_attention.KERNELS)
-            raise ConfigError(
-                f"{engine_dir}/engine.json: decode_attention {name!r} is not one of {kernels}",
-                hint="rebuild the engine with this qgate",
-            )
-        why = decode_attention.unavailable(name, self.device, self.model.head_dim)
-        if why is None:
-            self.model.decode_kernel = name
-        elif self.device.type == "cuda":
-            self._sdpa_decode(f"engine.json names {name!r}, and {why}")
-
-    def _sdpa_decode(self, why: str) -> None:
-        """Decode steps run the "sdpa" kernels from now on, with a warning saying why."""
-        self.model.decode_kernel = decode_attention.DEFAULT
-        logging.getLogger("qgate").warning("the torch-int4 engine's decode steps run the sdpa kernels: %s", why)
+        """What computes this runner's logits (static_kernels.numerics)."""
+        return static_kernels.numerics(self.model, self.device, self.spec["dtype"])
 
     def _graph_inputs(self, rows: int, slots: int) -> None:
         """The decode graphs' KV cache of `slots` slots for `rows` rows, their context buckets and static inputs."""
