@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 from qgate.errors import BackendUnavailable, ConfigError, human_bytes
 
@@ -253,6 +254,9 @@ def planless_sdpa(query, key, value, **kwargs):
         return sdpa(query, key, value, **kwargs)
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+Seconds = Callable[[Callable[[], object]], float]  # seconds one call of a function takes: graph_seconds on a device
 
 
 def graph_seconds(f, device, calls: int = 20, replays: int = 5) -> float:

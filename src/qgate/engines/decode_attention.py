@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qgate.device import Seconds
 from qgate.errors import in_one_line
 
 
@@ -88,9 +89,7 @@ def triton_attend(name: str, qkv, cos, sin, k_cache, v_cache, slot, valid, heads
     )
 
 
-def choose_kernel(
-    model, rows: Sequence[int], slots: Sequence[int], seconds: Callable[[Callable[[], object]], float]
-) -> dict:
+def choose_kernel(model, rows: Sequence[int], slots: Sequence[int], seconds: Seconds) -> dict:
     """Set model.decode_kernel (StaticLlama) to the kernel whose decode-step attention, timed by seconds(f) (a CUDA
     graph's replay on a GPU) and summed over every batch size in `rows` and context bucket in `slots`, is the least,
     and at least SAVING below "sdpa"'s; a kernel is left out where it does not run here (unavailable), where it

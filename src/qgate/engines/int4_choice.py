@@ -10,10 +10,11 @@ engine parity measures).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from qgate.device import Seconds
 from qgate.engines.int4_linear import Linear
 from qgate.engines.int4pack import device_pack, split_factors, split_k, split_mm, split_parts
 
@@ -31,9 +32,7 @@ def int4_by_shape(model) -> dict[str, list[Linear]]:
     return by_shape
 
 
-def choose_splits(
-    model, rows: Sequence[int], seconds: Callable[[Callable[[], object]], float], fused: bool = False
-) -> dict:
+def choose_splits(model, rows: Sequence[int], seconds: Seconds, fused: bool = False) -> dict:
     """Lay out each int4 weight shape's kernel as the split_k factor (int4pack.py) that serves `rows` fastest, for
     every Linear of that shape. rows: the row counts of the decode steps the engine captures; a Linear's count is
     one its int4 kernel serves (Linear.int4_serves: under KEPT_DENSE_ROWS where its dense matrix is kept, under its

@@ -13,16 +13,15 @@ on the "qgate" logger that says why, and `numerics` says what runs. engines/stat
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from qgate.device import Seconds
 from qgate.engines import decode_attention, elementwise, int4_choice
 from qgate.engines.static_llama import StaticLlama
 from qgate.errors import ConfigError, in_one_line
-
-Seconds = Callable[[Callable[[], object]], float]  # the time one call of a function takes (device.graph_seconds)
 
 
 def _warn(what: str, why: str) -> None:
