@@ -1,13 +1,13 @@
 """The reference path in bfloat16 on this CPU: torch's own bf16 matmuls against float32 products of the bf16 values
 (engines/bf16_products.py), with float32 as the yardstick, all in one run.
 
-    .venv/bin/python benchmarks/bench_cpu_bf16.py [--model .qgate/demo/base] [--eval]
+    .venv/bin/python benchmarks/bench_cpu_bf16.py [--model .qgate/demo/base] [--eval] [--long 4096]
     .venv/bin/python benchmarks/bench_cpu_bf16.py --model <a bf16 torch-int4 engine>
 
-Run alone (two CPU-heavy processes slow torch 3-20x). Prints the host (CPU, whether it has AMX or AVX512-BF16, torch
+Run alone (two CPU-heavy processes slow torch 3-20x). Prints the host (CPU, whether it has AMX, torch
 threads), then per numerics mode of TorchRunner:
   float32          gates.dtype float32
-  bf16-torch       gates.dtype bfloat16 with torch's own bf16 matmuls (what a CPU with AMX or AVX512-BF16 runs)
+  bf16-torch       gates.dtype bfloat16 with torch's own bf16 matmuls (what a CPU with AMX runs)
   bf16-products    gates.dtype bfloat16 with each Linear multiplying in float32 (what qgate runs on a CPU without)
 the seconds of a scoring forward (4 x 256 tokens of the demo's traffic, every position's logits, best of 3) and of a
 greedy decode (batch 1, 32 new tokens), as ratios to float32, and each bf16 mode's KL p99 and top-1 agreement against
@@ -18,6 +18,13 @@ several times as long.
 --model may be a bf16 torch-int4 engine (`qgate engine build --backend torch-int4`): its modes are bf16-torch and
 bf16-products (its dense Linears, 8-bit weights and the head, multiplying in float32 from bf16_products.FLOAT32_ROWS
 rows on), with bf16-torch as the yardstick, since the engine computes in the dtype it was built in.
+
+--long N also scores the longest shipped long-context document cut at N tokens, as the long-context gate does
+(gates/longctx.nll: one forward, logits in blocks), in bf16-torch, bf16-products and bf16-f32-attention: bf16-torch
+with every attention call of more than one query run in float32 on the bf16 values and cast back (not a mode qgate
+runs: torch's bf16 kernel rounds the softmax probabilities to bf16 before the product with V, as GPU flash attention
+does, and the float32 call does not). Prints each mode's seconds against bf16-torch and its mean NLL's relative
+difference from bf16-torch's.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ def host() -> dict:
         "cpu": cpu,
         "usable_cpus": len(os.sched_getaffinity(0)),
         "native_bf16": native_bf16(torch.device("cpu")),
+        "amx": torch.cpu._is_amx_tile_supported(),
+        "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
         "torch": f"{torch.__version__}, {torch.get_num_threads()} threads, interop {torch.get_num_interop_threads()}",
     }
 
@@ -70,6 +79,53 @@ def runner(model: Path, mode: str):
         return load_runner(Artifact.load(model)) if is_engine(model) else TorchRunner(model, dtype="bfloat16")
     finally:
         qgate.device.native_bf16 = saved
+
+
+def float32_attention():
+    """device.planless_sdpa, which every attention call of the reference path goes through, wrapped so that a call of
+    more than one bf16 query computes in float32 on the same values; returns the function that undoes it."""
+    import torch
+
+    import qgate.device
+
+    plain = qgate.device.planless_sdpa
+
+    def upcast(q, k, v, **kw):
+        if q.dtype != torch.bfloat16 or q.shape[-2] == 1:
+            return plain(q, k, v, **kw)
+        mask = kw.get("attn_mask")
+        if mask is not None and mask.is_floating_point():
+            kw["attn_mask"] = mask.float()
+        return plain(q.float(), k.float(), v.float(), **kw).to(q.dtype)
+
+    qgate.device.planless_sdpa = upcast
+    return lambda: setattr(qgate.device, "planless_sdpa", plain)
+
+
+def long_document(model: Path, tokens: int) -> list[dict]:
+    """One long-context document of `tokens` tokens scored per mode (--long): seconds and mean NLL of its tokens."""
+    import numpy as np
+
+    from qgate.gates.longctx import DOCUMENTS, encode_documents, load_documents, nll
+
+    out = []
+    for mode in ("bf16-torch", "bf16-products", "bf16-f32-attention"):
+        r = runner(model, "bf16-torch" if mode == "bf16-f32-attention" else mode)
+        undo = float32_attention() if mode == "bf16-f32-attention" else (lambda: None)
+        try:
+            (seq,), _ = encode_documents(r.tokenizer, load_documents(DOCUMENTS), tokens, 1)
+            nll(r, seq[:256])  # warm-up
+            t = time.perf_counter()
+            per = nll(r, seq)
+            out.append({"mode": mode, "tokens": len(seq), "long_s": time.perf_counter() - t})
+            out[-1]["mean_nll"] = float(np.mean(per[np.isfinite(per)]))
+        finally:
+            undo()
+        del r
+    for row in out:
+        row["long_s_vs_bf16-torch"] = round(row["long_s"] / out[0]["long_s"], 3)
+        row["mean_nll_rel_diff"] = row["mean_nll"] / out[0]["mean_nll"] - 1
+    return out
 
 
 def best(fn, reps: int) -> float:
@@ -108,13 +164,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=ROOT / ".qgate/demo/base", help="a checkpoint directory")
     ap.add_argument("--eval", action="store_true", help="also time the demo's eval in float32 and bf16-products")
+    ap.add_argument("--long", type=int, metavar="N", help="also score one long-context document of N tokens")
     args = ap.parse_args()
     import numpy as np
 
     print(json.dumps(host()), flush=True)
     modes = MODES[1:] if is_engine(args.model) else MODES
-    if args.eval and is_engine(args.model):
-        ap.error("--eval times the reference path: give it a checkpoint")
+    if (args.eval or args.long) and is_engine(args.model):
+        ap.error("--eval and --long time the reference path: give it a checkpoint")
     rows, logits = {}, {}
     for mode in modes:
         r = runner(args.model, mode)
@@ -148,6 +205,8 @@ def main() -> int:
         f"decode x{t['decode_s'] / p['decode_s']:.2f}",
         flush=True,
     )
+    for row in long_document(args.model, args.long) if args.long else ():
+        print(json.dumps(row), flush=True)
     return 0
 
 

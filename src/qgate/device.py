@@ -65,16 +65,16 @@ def resolve_device(name: str = "auto"):
 
 
 def native_bf16(device) -> bool:
-    """Whether bfloat16 matmuls run in hardware on this device: CUDA, or a CPU with AMX tiles or AVX512-BF16. On
-    other CPUs torch's bfloat16 matmul runs slower than float32, and the reference path and the torch-int4 engine's
-    dense Linears multiply in float32 (engines/bf16_products.py)."""
+    """Whether torch's bfloat16 matmuls run faster than float32 ones on this device: CUDA, or a CPU with AMX tiles.
+    On other CPUs, those with AVX512-BF16 included, torch's bfloat16 matmul of many rows runs slower than a float32
+    one (benchmarks/RESULTS.md), and the reference path and the torch-int4 engine's dense Linears multiply in
+    float32 on the bf16 values (engines/bf16_products.py), which computes the same products."""
     import torch
 
     if device.type == "cuda":
         return True
-    cpu = getattr(torch, "cpu", None)
-    checks = [getattr(cpu, f, None) for f in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    return any(bool(c()) for c in checks if callable(c))
+    amx = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
+    return callable(amx) and bool(amx())
 
 
 def compute_dtype(config: dict, device, name: str = "auto"):

@@ -34,6 +34,21 @@ def _kl_p99(p, q) -> float:
     return float((lp.exp() * (lp - lq)).sum(-1).flatten().quantile(0.99))
 
 
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "native"),
+    [(True, True, True), (True, False, True), (False, True, False), (False, False, False)],
+)
+def test_only_amx_makes_a_cpus_bf16_matmuls_native(monkeypatch, amx, avx512_bf16, native):
+    """AVX512-BF16 without AMX runs torch's bf16 matmuls slower than float32 (benchmarks/RESULTS.md): emulated."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert qgate.device.native_bf16(torch.device("cpu")) is native
+    from qgate.engines.bf16_products import emulated
+
+    assert emulated("cpu", torch.bfloat16) is not native
+    assert not emulated("cpu", torch.float32)
+
+
 def test_each_product_is_bf16_values_summed_in_float32_and_rounded_to_bf16():
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}

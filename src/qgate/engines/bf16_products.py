@@ -4,12 +4,13 @@
         float32_products(model, "<path>: the bfloat16 reference")   # every bf16 nn.Linear: bf16 in, bf16 out,
                                          # the product summed in float32
 
-A CPU with AMX tiles or AVX512-BF16 multiplies bf16 values, sums the products in float32 and rounds the sum to bf16.
-Elsewhere torch computes a bf16 matmul several times slower than a float32 one of the same shape. The product of two
-bf16 values is exact in float32, so a float32 matmul on the same bf16 values computes what those CPUs compute, up to
-the order of the float32 sums, and its output is rounded to bf16 as theirs is. The float32 copy of each weight is
-made once, at the swap: 4 bytes per parameter beside the model's own bf16 weights, which stay as they are, and the
-host's memory is checked for them all first (float32_copies).
+torch's bf16 matmul multiplies bf16 values, sums the products in float32 and rounds the sum to bf16. Only a CPU with
+AMX tiles runs it faster than a float32 matmul of the same shape: without AVX512-BF16 it is several times slower,
+and with AVX512-BF16 but no AMX slower too on the gates' forwards of many rows (benchmarks/RESULTS.md). The product
+of two bf16 values is exact in float32, so a float32 matmul on the same bf16 values computes what torch's bf16 matmul
+computes, up to the order of the float32 sums, and its output is rounded to bf16 as that one's is. The float32 copy
+of each weight is made once, at the swap: 4 bytes per parameter beside the model's own bf16 weights, which stay as
+they are, and the host's memory is checked for them all first (float32_copies).
 
 The torch-int4 engine's dense Linears (8-bit weights, the head, unquantized layers) multiply in float32 from
 FLOAT32_ROWS rows on and keep torch's bf16 matmul below, where a few rows (decode steps) run faster in it than in
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 FLOAT32_ROWS = 8  # rows from which an engine's dense bf16 Linear multiplies in float32 on such a CPU
-HINT = "gate in float32 (gates.dtype: float32), or on a host with more memory or with AMX or AVX512-BF16"
+HINT = "gate in float32 (gates.dtype: float32), or on a host with more memory or with AMX"
 
 
 def emulated(device, dtype) -> bool:

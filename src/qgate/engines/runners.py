@@ -55,7 +55,7 @@ def _without_offloading(model) -> None:
 def _log_float32_products() -> None:
     """Once per process: a gate loads several models."""
     logging.getLogger("qgate").info(
-        "bfloat16 on a CPU without AMX or AVX512-BF16: the reference path's matmuls run in float32 on its bf16 values "
+        "bfloat16 on a CPU without AMX: the reference path's matmuls run in float32 on its bf16 values "
         "(engines/bf16_products.py), with a float32 copy of each weight"
     )
 

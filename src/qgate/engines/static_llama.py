@@ -31,7 +31,7 @@ from qgate.engines.int4pack import Int4Weight, int4_shape
 from qgate.errors import ConfigError
 
 ARCHITECTURES = ("LlamaForCausalLM",)
-HINT = "gate on a host with more memory, or with AMX or AVX512-BF16 (bf16 matmuls: no float32 copies)"
+HINT = "gate on a host with more memory, or with AMX (bf16 matmuls: no float32 copies)"
 STATIC_ROPE = ("default", "linear", "llama3")  # RoPE types whose frequencies do not depend on the sequence length
 
 
