@@ -54,7 +54,6 @@ def host() -> dict:
         "cpu": cpu,
         "usable_cpus": len(os.sched_getaffinity(0)),
         "native_bf16": native_bf16(torch.device("cpu")),
-        "amx": torch.cpu._is_amx_tile_supported(),
         "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
         "torch": f"{torch.__version__}, {torch.get_num_threads()} threads, interop {torch.get_num_interop_threads()}",
     }
@@ -107,13 +106,14 @@ def long_document(model: Path, tokens: int) -> list[dict]:
     import numpy as np
 
     from qgate.gates.longctx import DOCUMENTS, encode_documents, load_documents, nll
+    from qgate.trust import load_tokenizer
 
+    (seq,), _ = encode_documents(load_tokenizer(model), load_documents(DOCUMENTS), tokens, 1)
     out = []
     for mode in ("bf16-torch", "bf16-products", "bf16-f32-attention"):
         r = runner(model, "bf16-torch" if mode == "bf16-f32-attention" else mode)
         undo = float32_attention() if mode == "bf16-f32-attention" else (lambda: None)
         try:
-            (seq,), _ = encode_documents(r.tokenizer, load_documents(DOCUMENTS), tokens, 1)
             nll(r, seq[:256])  # warm-up
             t = time.perf_counter()
             per = nll(r, seq)
