@@ -74,3 +74,16 @@ def test_a_killed_build_left_by_a_process_of_the_same_pid_does_not_block_the_nex
         tmp_path / "out", lambda t: (t.mkdir(), (t / "f").write_text("v1"), Artifact.create("engine", t, {}))[-1]
     )
     assert (art.path / "f").read_text() == "v1" and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_loading_a_missing_path_says_it_is_missing_and_a_bare_directory_that_it_has_no_manifest(tmp_path):
+    import pytest
+
+    from qgate.errors import InputError
+
+    with pytest.raises(InputError, match=r"nope: no such file or directory") as missing:
+        Artifact.load(tmp_path / "nope")
+    assert "manifest" not in str(missing.value)
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(InputError, match=r"bare: no qgate manifest \(qgate-artifact.json\) found"):
+        Artifact.load(tmp_path / "bare")

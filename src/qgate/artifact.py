@@ -112,6 +112,12 @@ class Artifact:
     def load(cls, path: Path, kind: str | tuple[str, ...] | None = None) -> Artifact:
         """The artifact whose manifest is in (or, for a file, beside) `path`; InputError unless it is one of `kind`."""
         path = Path(path)
+        if not path.exists():
+            raise InputError(
+                f"{path}: no such file or directory",
+                hint="check the path: pass a directory written by a qgate stage, or import a model with "
+                "`qgate model import`",
+            )
         manifest = path / MANIFEST if path.is_dir() else path.with_name(path.name + ".qgate.json")
         if not manifest.exists():
             raise InputError(
