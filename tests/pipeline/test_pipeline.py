@@ -536,6 +536,20 @@ def test_gates_on_cuda_are_refused_before_any_stage_on_a_host_without_it(tmp_pat
     check_gate_device(load_spec(spec).on_device("cpu"))  # the override: no error
 
 
+def test_a_run_whose_tracking_uri_mlflow_refuses_stops_before_any_stage(tmp_path, workdir, capsys, monkeypatch):
+    """A file-store MLFLOW_TRACKING_URI would otherwise fail the register stage, after every gate had run."""
+    spec = pipeline_spec(tmp_path, workdir)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", str(tmp_path / "mlruns"))
+    recent = ["--spec", str(spec), "--traffic", str(tmp_path / "traffic.jsonl")]
+    for argv in (["run", str(spec)], ["drift", "check", *recent]):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert f"error: MLFLOW_TRACKING_URI={tmp_path / 'mlruns'} names an MLflow file store" in err, err
+        assert not (tmp_path / "work" / "base").exists() and not (tmp_path / "work" / "calib").exists()
+        assert not (tmp_path / "mlruns").exists()
+
+
 def test_without_mlflow_a_spec_gates_and_what_registers_refuses_first(tmp_path, workdir, capsys, monkeypatch):
     """Where MLflow is not importable (a host given qgate's gate but not its registry), a spec loads with its registry
     names unchecked, since nothing can be registered there, and `qgate gate --spec` reads its gates; `qgate run`, both

@@ -248,3 +248,32 @@ def test_a_registration_killed_halfway_is_cleaned_up_and_a_missing_description_r
         "## " in c.get_model_version("half", v).description
         or "verdict" in c.get_model_version("half", v).description.lower()
     )
+
+
+def test_a_tracking_uri_naming_a_file_store_is_refused_with_what_to_set_instead(tmp_path, monkeypatch, capsys):
+    """MLflow 3 refuses its file store (a plain path or file: URI in MLFLOW_TRACKING_URI) unless
+    MLFLOW_ALLOW_FILE_STORE is true; the registry commands say so, and name the sqlite URI of a qgate store there."""
+    from qgate.registry.client import client, env_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    store = tmp_path / "store"
+    client(store)  # an embedded store: store/mlflow.db
+    for uri in (str(store), store.as_uri()):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        assert main(["status", "--model", "m"]) == 1
+        err = capsys.readouterr().err
+        assert f"error: MLFLOW_TRACKING_URI={uri} names an MLflow file store ({store})" in err, err
+        assert f"hint: that directory holds a qgate store: set MLFLOW_TRACKING_URI=sqlite:///{store}/mlflow.db" in err
+        assert "internal error" not in err
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", str(tmp_path / "mlruns"))
+    assert main(["verify", "--model", "m"]) == 1
+    assert "hint: set it to a tracking server's URL or to sqlite:///PATH/mlflow.db" in capsys.readouterr().err
+    assert not (tmp_path / "mlruns").exists()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's own opt-out: the URI is MLflow's to judge
+    assert env_tracking_uri() == str(tmp_path / "mlruns")
+    for uri in (f"sqlite:///{store}/mlflow.db", "https://mlflow.example.com", "databricks"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+        assert env_tracking_uri() == uri
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert env_tracking_uri() is None

@@ -41,11 +41,13 @@ def run_pipeline(
     executor: "serial" (default) or "ray": traffic partitions are scanned and variants run as Ray tasks."""
     from qgate.execute import check_executor
     from qgate.locks import workdir_lock
+    from qgate.registry.client import env_tracking_uri
     from qgate.registry.names import require_mlflow
 
     check_executor(executor, EXECUTORS)
     check_gate_device(spec)
     require_mlflow("qgate run (its register and promote stages)")
+    env_tracking_uri()  # a tracking URI MLflow refuses fails here, not at the register stage after the gates
     if executor == "ray":
         placeable(spec.variants, echo)
     with workdir_lock(spec.path(spec.workdir), f"qgate run {spec.name}", wait=wait, echo=echo):

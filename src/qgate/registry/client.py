@@ -25,7 +25,7 @@ def tracking_uri(store: Path | None = None, *, create: bool = True, spec_key: st
     a missing one is a RegistryError naming the directory searched, and where it came from: --store, or `spec_key`
     when a spec named it."""
     if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
+        return env_tracking_uri()
     where = Path(store or DEFAULT_STORE).resolve()
     if create:
         where.mkdir(parents=True, exist_ok=True)
@@ -38,6 +38,38 @@ def tracking_uri(store: Path | None = None, *, create: bool = True, spec_key: st
             else "pass --store with the pipeline's registry.store directory, or set MLFLOW_TRACKING_URI",
         )
     return f"sqlite:///{where / 'mlflow.db'}"
+
+
+def env_tracking_uri() -> str | None:
+    """$MLFLOW_TRACKING_URI, or None when unset. A local path or file: URI names MLflow's file store, which MLflow 3
+    refuses unless MLFLOW_ALLOW_FILE_STORE is true: that is a RegistryError saying what to set instead (the
+    sqlite:/// URI of a qgate store when the path holds one), raised before a run's stages rather than by its
+    register stage."""
+    from urllib.parse import urlparse
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return None
+    require_mlflow("the model registry")
+    from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+    from mlflow.utils.uri import get_uri_scheme
+
+    # MLflow's own reading of a store URI (mlflow.tracking.registry): these names are stores, and a drive letter
+    # (C:\...) is a path
+    if uri in {"databricks", "databricks-uc", "uc"} or get_uri_scheme(uri) not in ("", "file"):
+        return uri
+    if MLFLOW_ALLOW_FILE_STORE.get():
+        return uri
+    parsed = urlparse(uri)
+    path = Path(parsed.path if parsed.scheme == "file" else uri).resolve()
+    db = path / "mlflow.db"
+    raise RegistryError(
+        f"MLFLOW_TRACKING_URI={uri} names an MLflow file store ({path}), which MLflow refuses",
+        hint=f"that directory holds a qgate store: set MLFLOW_TRACKING_URI=sqlite:///{db}"
+        if db.exists()
+        else "set it to a tracking server's URL or to sqlite:///PATH/mlflow.db, or unset it to use registry.store "
+        "(--store); MLFLOW_ALLOW_FILE_STORE=true makes MLflow take the file store",
+    )
 
 
 _DENIED = ("PERMISSION_DENIED", "UNAUTHENTICATED", "UNAUTHORIZED")
