@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from qgate.artifact import Artifact
 
 
@@ -28,8 +30,6 @@ def test_a_failed_build_leaves_the_previous_output_and_no_temporary(tmp_path):
 
 def test_an_output_path_holding_anything_but_a_qgate_output_is_refused_before_the_build(tmp_path):
     """A mistyped --out (the traffic log, a directory of partitions) must not be replaced and then removed."""
-    import pytest
-
     from qgate.artifact import build_atomically
     from qgate.errors import InputError
 
@@ -77,8 +77,6 @@ def test_a_killed_build_left_by_a_process_of_the_same_pid_does_not_block_the_nex
 
 
 def test_loading_a_missing_path_says_it_is_missing_and_a_bare_directory_that_it_has_no_manifest(tmp_path):
-    import pytest
-
     from qgate.errors import InputError
 
     with pytest.raises(InputError, match=r"nope: no such file or directory") as missing:

@@ -24,8 +24,9 @@ def tracking_uri(store: Path | None = None, *, create: bool = True, spec_key: st
     """$MLFLOW_TRACKING_URI, else the embedded SQLite store. Reads (`create=False`) never make a store:
     a missing one is a RegistryError naming the directory searched, and where it came from: --store, or `spec_key`
     when a spec named it."""
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return env_tracking_uri()
+    uri = env_tracking_uri()
+    if uri is not None:
+        return uri
     where = Path(store or DEFAULT_STORE).resolve()
     if create:
         where.mkdir(parents=True, exist_ok=True)
