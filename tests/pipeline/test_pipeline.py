@@ -322,6 +322,7 @@ def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
     assert (
         f"{tmp_path / 'missing.jsonl'}: traffic log not found" in err and "> model" not in err
     )  # before the model stage
+    assert not (tmp_path / "work").exists()  # nor its log
     assert main(["run", str(pipeline_spec(tmp_path, workdir, traffic="bad.jsonl"))]) == 1  # the calibrate stage fails
     err = capsys.readouterr().err
     kept = tmp_path / "work" / "calib.rejects.jsonl"
@@ -530,7 +531,7 @@ def test_gates_on_cuda_are_refused_before_any_stage_on_a_host_without_it(tmp_pat
             err = capsys.readouterr().err
             assert f"error: device '{device}': torch " in err and "sees no CUDA device on this host" in err, err
             assert "hint: run with --device cpu" in err, err
-            assert not (tmp_path / "work" / "base").exists() and not (tmp_path / "work" / "calib").exists()
+            assert not (tmp_path / "work").exists(), argv  # nothing written, not even the job's log
     from qgate.pipeline.jobs import check_gate_device
 
     check_gate_device(load_spec(spec).on_device("cpu"))  # the override: no error
@@ -546,7 +547,7 @@ def test_a_run_whose_tracking_uri_mlflow_refuses_stops_before_any_stage(tmp_path
         assert main(argv) == 1, argv
         err = capsys.readouterr().err
         assert f"error: MLFLOW_TRACKING_URI={tmp_path / 'mlruns'} names an MLflow file store" in err, err
-        assert not (tmp_path / "work" / "base").exists() and not (tmp_path / "work" / "calib").exists()
+        assert not (tmp_path / "work").exists(), argv
         assert not (tmp_path / "mlruns").exists()
 
 
@@ -571,7 +572,7 @@ def test_without_mlflow_a_spec_gates_and_what_registers_refuses_first(tmp_path, 
         err = capsys.readouterr().err
         assert "needs MLflow, which is not importable here" in err and "hint: install qgate with its" in err, err
         assert "internal error" not in err and "Traceback" not in err, err
-        assert not (tmp_path / "work" / "base").exists() and not (tmp_path / "work" / "calib").exists()
+        assert not (tmp_path / "work").exists(), argv
 
 
 def test_a_run_that_fails_early_does_not_print_an_earlier_runs_table(tmp_path, workdir, capsys):

@@ -43,12 +43,14 @@ def _err(text: str) -> None:
     typer.echo(text, file=console_err())
 
 
-def _load(spec: Path, device: str | None):
+def _load(spec: Path, device: str | None, traffic: str, executor: str):
     quiet_libraries()
+    from qgate.pipeline.drift_jobs import drift_preflight
     from qgate.pipeline.spec import load_spec
     from qgate.progress import interactive, quiet_console
 
     s = load_spec(spec).on_device(device)
+    drift_preflight(s, traffic, executor)  # a job that cannot start writes nothing, not even its log
     if not interactive():  # cron, CI: a few plain lines here, library logs in a file
         log = quiet_console(s.path(s.workdir) / "logs" / "qgate-drift.log")
         _err(f"library logs: {log}")
@@ -71,7 +73,7 @@ def check_cmd(
     """Compare recent traffic with production's calibration profile and re-gate production on it. Exit 3 on drift."""
     from qgate.pipeline.drift_jobs import drift_check
 
-    s = _load(spec, device)
+    s = _load(spec, device, traffic, executor)
     report = drift_check(s, traffic, echo=_err, record=record, wait=wait, executor=executor)
     _out(f"drift check: {report['verdict'].upper()}  report {report['report']}")
     if report["drift"]:
@@ -92,7 +94,7 @@ def run_cmd(
     drift.auto_promote."""
     from qgate.pipeline.drift_jobs import drift_run
 
-    s = _load(spec, device)
+    s = _load(spec, device, traffic, executor)
     result = drift_run(s, traffic, echo=_err, wait=wait, executor=executor)
     check = result["check"]
     _out(f"drift check: {check['verdict'].upper()}  report {check['report']}")

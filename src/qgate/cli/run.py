@@ -38,12 +38,13 @@ def run_cmd(
     """Calibrate, quantize each variant, build engines, gate, register, and promote the best passing variant."""
     quiet_libraries()
     from qgate.errors import LockHeld, PromotionRefused
-    from qgate.pipeline.jobs import run_pipeline
+    from qgate.pipeline.jobs import run_pipeline, run_preflight
     from qgate.pipeline.spec import load_spec
     from qgate.progress import console_err, interactive, quiet_console
 
     o = Output(json_out)
     s = load_spec(spec).on_device(device)
+    run_preflight(s, executor)  # a run that cannot start writes nothing, not even its log
     workdir = s.path(s.workdir)
     log_file = None if interactive() else quiet_console(workdir / "logs" / "qgate-run.log")
     o.say(f"pipeline {s.name}: workdir {workdir}" + (f"; library logs: {log_file}" if log_file else ""))

@@ -31,12 +31,12 @@ def search_cmd(
     """Rank per-layer moves by sensitivity, then quantize and gate points until the smallest passing one is found."""
     quiet_libraries()
     from qgate.errors import GateFailed
-    from qgate.pipeline.jobs import run_search
-    from qgate.pipeline.spec import check_search, load_spec
+    from qgate.pipeline.jobs import run_search, search_preflight
+    from qgate.pipeline.spec import load_spec
     from qgate.progress import console_err, interactive, quiet_console
 
     s = load_spec(spec).on_device(device)
-    check_search(s, variant)  # a misspelt name, or a search that cannot run, fails before the workdir is made
+    search_preflight(s, variant)  # a search that cannot start writes nothing, not even its log
     workdir = s.path(s.workdir)
     log_file = None if interactive() else quiet_console(workdir / "logs" / "qgate-search.log")
     typer.echo(

@@ -63,8 +63,7 @@ def drift_check(
     it). executor: how the recent traffic's partitions are hashed and scanned (execute.py)."""
     from qgate.locks import job_lock, workdir_lock
 
-    _check_store(spec)
-    check_gate_device(spec)
+    drift_preflight(spec, recent, executor)
     sha, parts = _traffic(spec, recent, executor)
     main, _ = _dirs(spec, sha, echo)
     what = f"qgate drift check for {spec.registry.model_name}"
@@ -75,14 +74,22 @@ def drift_check(
         return _check(spec, recent, sha, parts, executor, echo, record)
 
 
-def _check_store(spec: PipelineSpec) -> None:
-    """A drift job watches a registered production version: a missing store, or MLflow missing, fails before the
-    traffic is read."""
+def drift_preflight(spec: PipelineSpec, recent: str | Path, executor: str = "serial") -> None:
+    """What a drift job refuses before it writes anything, its log included. A drift job watches a registered
+    production version: MLflow missing, or a missing store, fails before the traffic is read; so do an unknown
+    executor, a gate device this host lacks, and local recent traffic with no traffic file. Cheap: the CLI calls it
+    before it opens its log, and each job again. A URI is listed by the job itself, where its log records retries."""
+    from qgate.calibrate.sources import is_uri, list_partitions
+    from qgate.execute import check_executor
     from qgate.registry.client import tracking_uri
     from qgate.registry.names import require_mlflow
 
     require_mlflow("a drift job (its production version is read from the model registry)")
     tracking_uri(spec.path(spec.registry.store), create=False, spec_key="registry.store in the spec")
+    check_executor(executor)
+    check_gate_device(spec)
+    if not is_uri(recent):
+        list_partitions(recent)
 
 
 def _check(
@@ -214,8 +221,7 @@ def drift_run(
     from qgate.registry.mlflow_store import promote
 
     cfg = spec.drift_config()
-    _check_store(spec)
-    check_gate_device(spec)
+    drift_preflight(spec, recent, executor)
     sha, parts = _traffic(spec, recent, executor)
     main, r = _dirs(spec, sha, echo)
     model = spec.registry.model_name

@@ -39,19 +39,41 @@ def run_pipeline(
 ) -> dict:
     """Under the workdir lock: a second job on the same workdir waits `wait` seconds, then raises LockHeld (exit 1).
     executor: "serial" (default) or "ray": traffic partitions are scanned and variants run as Ray tasks."""
-    from qgate.execute import check_executor
     from qgate.locks import workdir_lock
+
+    run_preflight(spec, executor)
+    if executor == "ray":
+        placeable(spec.variants, echo)
+    with workdir_lock(spec.path(spec.workdir), f"qgate run {spec.name}", wait=wait, echo=echo):
+        return _run(spec, echo, executor)
+
+
+def run_preflight(spec: PipelineSpec, executor: str = "serial") -> None:
+    """What `qgate run` refuses before it writes anything, its log and the workdir included: an unknown executor, a
+    gate device this host lacks, MLflow missing, a tracking URI MLflow refuses (else the register stage fails after
+    the gates), a local traffic source with no traffic file. Cheap: `qgate run` calls it before it opens its log, and
+    run_pipeline again. A traffic URI is listed by the run itself, where its log records the object store's retries."""
+    from qgate.calibrate.sources import is_uri, list_partitions
+    from qgate.execute import check_executor
     from qgate.registry.client import env_tracking_uri
     from qgate.registry.names import require_mlflow
 
     check_executor(executor, EXECUTORS)
     check_gate_device(spec)
     require_mlflow("qgate run (its register and promote stages)")
-    env_tracking_uri()  # a tracking URI MLflow refuses fails here, not at the register stage after the gates
-    if executor == "ray":
-        placeable(spec.variants, echo)
-    with workdir_lock(spec.path(spec.workdir), f"qgate run {spec.name}", wait=wait, echo=echo):
-        return _run(spec, echo, executor)
+    env_tracking_uri()
+    traffic = spec.traffic_source()
+    if not is_uri(traffic):
+        list_partitions(traffic)
+
+
+def search_preflight(spec: PipelineSpec, variant: str) -> None:
+    """What `qgate search` refuses before it writes anything: a misspelt variant, a search that cannot run, a gate
+    device this host lacks. The model and the baseline's references after it take minutes."""
+    from qgate.pipeline.spec import check_search
+
+    check_search(spec, variant)
+    check_gate_device(spec)
 
 
 def check_gate_device(spec: PipelineSpec) -> None:
@@ -245,11 +267,9 @@ def run_search(spec: PipelineSpec, variant: str, echo: Callable[[str], None] = p
     workdir lock. `qgate run` on the same spec reuses the result."""
     from qgate.gates.gating import baseline_floor
     from qgate.locks import workdir_lock
-    from qgate.pipeline.spec import check_search
 
     v = spec.variant(variant)
-    check_search(spec, variant)  # before the stages: the model and the baseline's references take minutes
-    check_gate_device(spec)
+    search_preflight(spec, variant)
     with workdir_lock(spec.path(spec.workdir), f"qgate search {spec.name} {variant}", wait=wait, echo=echo):
         led = Ledger(spec.path(spec.workdir), echo)
         base = model_stage(led, spec)
