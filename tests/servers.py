@@ -26,6 +26,7 @@ def mlflow_server(root: Path, auth: bool = False, db: Path | None = None):
     """An `mlflow server` with its own SQLite store (or the store `db`) and proxied artifacts under root; yields its
     URL."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # no Huey job consumers: qgate runs no server-side jobs
     app = []
     if auth:
         ini = root / "auth.ini"
