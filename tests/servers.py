@@ -34,6 +34,8 @@ def mlflow_server(root: Path, auth: bool = False, db: Path | None = None):
             f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{root / 'auth.db'}\n"
             f"admin_username = {ADMIN[0]}\nadmin_password = {ADMIN[1]}\n"
             "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+            # MLflow's own credential cache: one scrypt check per (user, password) and worker, not one per request
+            "auth_cache_ttl_seconds = 600\n"
         )
         env |= {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": "qgate-test-secret"}
         app = ["--app-name", "basic-auth"]

@@ -80,22 +80,22 @@ def test_parallel_registrations_and_promotions_through_the_server(server, gated,
 
     url, _ = server
     ok, _ = gated
-    gates = [str(p) for p in distinct_reports(ok, tmp_path, 4)]  # each operation takes seconds through the auth server
+    gates = [str(p) for p in distinct_reports(ok, tmp_path, 6)]
     env = os.environ | {
         "MLFLOW_TRACKING_URI": url,
         "MLFLOW_TRACKING_USERNAME": "ci",
         "MLFLOW_TRACKING_PASSWORD": "ci-pass-1234",
     }
     results = run_workers(
-        "register", "-", "race", tmp_path / "go", [[str(w8_art.path), *gates[:2]], [str(w8_art.path), *gates[2:]]], env
+        "register", "-", "race", tmp_path / "go", [[str(w8_art.path), *gates[:3]], [str(w8_art.path), *gates[3:]]], env
     )
-    assert sorted(int(r["version"]) for rs in results for r in rs) == [1, 2, 3, 4]
-    results = run_workers("promote", "-", "race", tmp_path / "go", [["1", "3"], ["2", "4"]], env)
+    assert sorted(int(r["version"]) for rs in results for r in rs) == [1, 2, 3, 4, 5, 6]
+    results = run_workers("promote", "-", "race", tmp_path / "go", [["1", "3", "5"], ["2", "4", "6"]], env)
     os.environ.update({k: env[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")})
     try:
         client = MlflowClient(url, url)
         aliases = client.get_registered_model("race").aliases
-        assert len(client.search_model_versions("name='race'")) == 4
+        assert len(client.search_model_versions("name='race'")) == 6
         assert not [m.name for m in client.search_registered_models() if m.name.startswith("qgate-lease.")]  # released
     finally:
         for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
