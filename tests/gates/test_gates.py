@@ -26,7 +26,7 @@ from qgate.gates.stats import (
 
 FAST = GateConfig(
     shadow=ShadowConfig(max_new_tokens=20, max_prompt_tokens=64), eval=EvalConfig(limit=12)
-)  # 24 x 20 answer tokens: enough to bound p99
+)  # 24 x 20 answer tokens: they bound KL p99 while its tail's design effect stays under 1.17 (t on 23 df)
 
 
 class CountingRunner:
@@ -88,9 +88,8 @@ def test_candidate_identical_to_baseline_passes_with_zero_disagreement(base_art,
     assert {r["verdict"] for r in report["results"]} == {"pass", "info", "inconclusive"} and report[
         "verdict"
     ] == "inconclusive"
-    # 240 items, one check. KL p99 over 24 x 20 tokens is bounded only while its tail's design effect stays under
-    # 1.17; an identical candidate's ~1e-6 nats can cluster in a few prompts beyond that (1.26 on one host), so the
-    # pass run scores 24 x 32 tokens, bounded up to 1.87.
+    # 240 items, one check. An identical candidate's ~1e-6 nats can cluster in a few prompts past FAST's bound on the
+    # design effect (1.26 on one host), so the pass run scores 24 x 32 tokens, bounded up to 1.87.
     pooled = GateConfig(shadow=replace(FAST.shadow, max_new_tokens=32), eval=EvalConfig(limit=40, pool=True))
     art = run_gates(
         base_art, base_art, calib_arts["shadow"], pooled, workdir / "gate-self-pooled", workdir / "cache-self"

@@ -53,6 +53,17 @@ def run_workers(
     return results
 
 
+def race(store: str, ok: Artifact, w8_art: Artifact, root: Path, env: dict) -> list[list[dict]]:
+    """Two workers register three distinct gate reports each into `store` ("-": the tracking server in env), then
+    promote alternate versions; asserts no version was lost and returns the promotions' results."""
+    gates = [str(p) for p in distinct_reports(ok, root, 6)]
+    results = run_workers(
+        "register", store, "race", root / "go", [[str(w8_art.path), *gates[:3]], [str(w8_art.path), *gates[3:]]], env
+    )
+    assert sorted(int(r["version"]) for rs in results for r in rs) == [1, 2, 3, 4, 5, 6]
+    return run_workers("promote", store, "race", root / "go", [["1", "3", "5"], ["2", "4", "6"]], env)
+
+
 def check_promotion_chain(
     results: list[list[dict]], initial: str | None, production: str, previous: str | None
 ) -> None:
@@ -76,21 +87,10 @@ def test_parallel_registrations_and_promotions_on_the_embedded_store(gated, w8_a
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     ok, _ = gated
     store = tmp_path / "mlflow"
-    gates = [str(p) for p in distinct_reports(ok, tmp_path, 6)]
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    results = run_workers(
-        "register",
-        str(store),
-        "race",
-        tmp_path / "go",
-        [[str(w8_art.path), *gates[:3]], [str(w8_art.path), *gates[3:]]],
-        env,
-    )
-    versions = sorted(int(r["version"]) for rs in results for r in rs)
-    assert versions == [1, 2, 3, 4, 5, 6]
+    results = race(str(store), ok, w8_art, tmp_path, env)
     client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}", f"sqlite:///{store / 'mlflow.db'}")
     assert len(client.search_model_versions("name='race'")) == 6
-    results = run_workers("promote", str(store), "race", tmp_path / "go", [["1", "3", "5"], ["2", "4", "6"]], env)
     aliases = client.get_registered_model("race").aliases
     check_promotion_chain(results, None, str(aliases["production"]), str(aliases.get("previous-production")))
 

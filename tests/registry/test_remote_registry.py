@@ -76,21 +76,16 @@ def test_register_and_promote_through_an_authenticated_server_and_refuse_a_reade
 def test_parallel_registrations_and_promotions_through_the_server(server, gated, w8_art, tmp_path):
     """The same race as test_concurrency.py, against the real server: the lease kept in the server serializes them."""
     from mlflow import MlflowClient
-    from test_concurrency import check_promotion_chain, distinct_reports, run_workers
+    from test_concurrency import check_promotion_chain, race
 
     url, _ = server
     ok, _ = gated
-    gates = [str(p) for p in distinct_reports(ok, tmp_path, 6)]
     env = os.environ | {
         "MLFLOW_TRACKING_URI": url,
         "MLFLOW_TRACKING_USERNAME": "ci",
         "MLFLOW_TRACKING_PASSWORD": "ci-pass-1234",
     }
-    results = run_workers(
-        "register", "-", "race", tmp_path / "go", [[str(w8_art.path), *gates[:3]], [str(w8_art.path), *gates[3:]]], env
-    )
-    assert sorted(int(r["version"]) for rs in results for r in rs) == [1, 2, 3, 4, 5, 6]
-    results = run_workers("promote", "-", "race", tmp_path / "go", [["1", "3", "5"], ["2", "4", "6"]], env)
+    results = race("-", ok, w8_art, tmp_path, env)
     os.environ.update({k: env[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")})
     try:
         client = MlflowClient(url, url)
