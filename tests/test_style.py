@@ -1,4 +1,5 @@
-"""The house style, checked where CI runs: ruff's lint rules and its formatter, as configured in pyproject.toml."""
+"""The house style, checked where CI runs: ruff's lint rules and its formatter, as configured in pyproject.toml, over
+the code and the Python blocks of the Markdown docs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TREES = ("src", "tests", "scripts", "benchmarks")
+TREES = ("src", "tests", "scripts", "benchmarks", "docs", "README.md")
 
 
 def _ruff() -> str:
