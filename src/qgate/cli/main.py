@@ -8,9 +8,11 @@ Set QGATE_DEBUG=1 for tracebacks.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import sys
-from typing import Annotated
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 import typer
 from typer._click.exceptions import NoArgsIsHelpError  # typer 0.29 vendors click: its classes, not click's
@@ -73,15 +75,27 @@ app.command("run")(run.run_cmd)
 app.command("search")(search.search_cmd)
 
 
-def _command_path(argv: list[str] | None) -> str:
-    """`qgate calibrate sample` from argv, for usage errors the parser raises without a context."""
-    cmd, path = typer.main.get_command(app), ["qgate"]
-    for word in argv if argv is not None else sys.argv[1:]:
+@functools.cache
+def _command_tree():
+    """qgate's click command tree, built once: typer builds it anew on every call."""
+    return typer.main.get_command(app)
+
+
+def named_command(words: Sequence[str]) -> tuple[Any, list[str]]:
+    """The deepest qgate command the leading words name, and those words: (its command, ["calibrate", "sample"]) for
+    `calibrate sample --traffic t`; (the group, []) where the first word names no command."""
+    cmd, named = _command_tree(), []
+    for word in words:
         sub = getattr(cmd, "commands", {}).get(word)
         if sub is None:
             break
-        cmd, path = sub, path + [word]
-    return " ".join(path)
+        cmd, named = sub, [*named, word]
+    return cmd, named
+
+
+def _command_path(argv: list[str] | None) -> str:
+    """`qgate calibrate sample` from argv, for usage errors the parser raises without a context."""
+    return " ".join(["qgate", *named_command(argv if argv is not None else sys.argv[1:])[1]])
 
 
 def _message(e: BaseException, argv: list[str] | None = None) -> tuple[str, int]:
