@@ -170,15 +170,15 @@ def _meminfo(tmp_path, monkeypatch, available: int):
 
 
 @pytest.mark.parametrize("native", [False, True])
-def test_a_bf16_engine_copies_its_dense_weights_only_where_bf16_is_emulated(w8_art, tmp_path, monkeypatch, native):
-    """A bf16 torch-int4 engine of 8-bit weights (every Linear dense) on a CPU without bf16 matmuls: each dense Linear,
-    the head included, holds float32 copies outside the state dict, and its logits stay within bf16's rounding of the
-    same engine multiplying in bf16."""
+def test_a_bf16_engine_copies_its_dense_weights_only_where_bf16_is_emulated(base_art, tmp_path, monkeypatch, native):
+    """A bf16 torch-int4 engine of an unquantized checkpoint (every Linear dense) on a CPU without bf16 matmuls: each
+    dense Linear, the head included, holds float32 copies outside the state dict, and its logits stay within bf16's
+    rounding of the same engine multiplying in bf16."""
     from qgate.engines.build import build_engine
     from qgate.engines.int4_linear import Linear
     from qgate.engines.runners import load_runner
 
-    engine = build_engine(w8_art, "torch-int4", tmp_path / "w8-bf16", verify=False)
+    engine = build_engine(base_art, "torch-int4", tmp_path / "dense-bf16", verify=False)
     monkeypatch.setattr(qgate.device, "native_bf16", lambda dev: True)
     bf16 = load_runner(engine)
     monkeypatch.setattr(qgate.device, "native_bf16", lambda dev: native)
@@ -196,7 +196,7 @@ def test_a_bf16_engine_copies_its_dense_weights_only_where_bf16_is_emulated(w8_a
         assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-3
 
 
-def test_float32_copies_the_host_cannot_hold_are_refused_before_they_are_made(w8_art, base_art, tmp_path, monkeypatch):
+def test_float32_copies_the_host_cannot_hold_are_refused_before_they_are_made(base_art, tmp_path, monkeypatch):
     """The reference in bf16 and a bf16 engine on a CPU without bf16 matmuls need 4 bytes per Linear parameter more
     than their weights: where the host's available memory cannot hold that, each refuses with both figures and what
     to do, instead of being killed part way through; at exactly that much it loads."""
@@ -204,7 +204,7 @@ def test_float32_copies_the_host_cannot_hold_are_refused_before_they_are_made(w8
     from qgate.engines.runners import load_runner
     from qgate.errors import BackendUnavailable, human_bytes
 
-    engine = build_engine(w8_art, "torch-int4", tmp_path / "w8-bf16", verify=False)
+    engine = build_engine(base_art, "torch-int4", tmp_path / "dense-bf16", verify=False)
     monkeypatch.setattr(qgate.device, "native_bf16", lambda dev: False)
     ref = TorchRunner(base_art.path, dtype="bfloat16")
     need = 4 * sum(m.weight.numel() for m in ref.model.modules() if isinstance(m, Float32ProductLinear))

@@ -132,12 +132,6 @@ def test_split_layouts_compute_the_same_weight(monkeypatch):
         split_k(q, 16)
 
 
-def test_int8_layers_are_dense_and_exact():
-    state, w = _ct_layer(16, 64, 32, bits=8)
-    layers, kinds = repack(state, _qconfig(bits=8))
-    assert kinds == {"l": "dense-int8"} and torch.equal(layers["l"], w)
-
-
 @pytest.mark.parametrize(
     "bad,match",
     [
@@ -146,6 +140,7 @@ def test_int8_layers_are_dense_and_exact():
             "pack-quantized",
         ),
         (_qconfig(actorder="group"), "activation order"),
+        (_qconfig(bits=8), "serves 4-bit group-wise int weights"),
         (
             _qconfig()
             | {
@@ -525,16 +520,20 @@ def test_the_cuda_attention_mask_computes_what_transformers_skip_does(base_art, 
         assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
 
 
-def test_bf16_engine_stays_close_and_mixed_or_unquantized_checkpoints_serve(awq_art, w8_art, base_art, workdir):
+def test_bf16_engine_stays_close_and_unquantized_checkpoints_serve(awq_art, w8_art, base_art, workdir):
     ref = load_runner(awq_art)
     bf16 = load_runner(build_engine(awq_art, "torch-int4", workdir / "int4-bf16"))
     for a, b in zip(ref.logits_batch(SEQS), bf16.logits_batch(SEQS), strict=True):
         pa, pb = torch.log_softmax(torch.from_numpy(a), -1), torch.log_softmax(torch.from_numpy(b), -1)
         assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-3  # KL per position, bf16 rounding only
-    w8 = build_engine(w8_art, "torch-int4", workdir / "int4-w8", dtype="float32")
-    assert w8.meta["layer_kinds"] == {"dense-int8": 14}
-    for a, b in zip(load_runner(w8_art).logits_batch(SEQS), load_runner(w8).logits_batch(SEQS), strict=True):
-        assert np.abs(a - b).max() < 1e-5
+    with pytest.raises(
+        ConfigError, match=r"config_groups.group_0: 8-bit layers, and the torch-int4 engine has no int8"
+    ):
+        build_engine(w8_art, "torch-int4", workdir / "int4-w8", dtype="float32")  # W8 would be served dense
+    assert not (workdir / "int4-w8").exists()
+    with pytest.raises(ConfigError, match="as many bytes as unquantized weights") as refused:
+        build_engine(w8_art, "torch-int4", workdir / "int4-w8")
+    assert "reference path" in refused.value.hint and "search.fallback_bits: 16" in refused.value.hint
     dense = build_engine(base_art, "torch-int4", workdir / "int4-base", dtype="float32", verify=False)
     assert dense.meta["layer_kinds"] == {} and dense.meta["verified"] is False
     for a, b in zip(TorchRunner(base_art.path).logits_batch(SEQS), load_runner(dense).logits_batch(SEQS), strict=True):
@@ -549,7 +548,7 @@ def test_engine_refuses_quantized_kv_and_other_architectures(base_art, calib_art
     kv = quantize(
         base_art,
         calib_arts["calib"],
-        scheme_config("gptq-w8a16", group_size=32),
+        scheme_config("gptq-w4a16", group_size=32),
         tmp_path / "kv",
         kv=KVCacheConfig("fp8"),
         opts=CalibOptions(max_seq_length=32, max_samples=4),
@@ -585,7 +584,7 @@ def test_spec_refuses_what_the_engine_cannot_serve(tmp_path):
     }
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(spec))
-    with pytest.raises(ConfigError, match=r"variants\[0\].engine: the torch-int4 engine serves 4- and 8-bit"):
+    with pytest.raises(ConfigError, match=r"variants\[0\].engine: the torch-int4 engine serves 4-bit integer"):
         load_spec(path)
     spec["variants"][0] |= {"scheme": "gptq-w4a16", "kv_cache": "fp8"}
     path.write_text(yaml.safe_dump(spec))
@@ -597,21 +596,23 @@ def test_spec_refuses_what_the_engine_cannot_serve(tmp_path):
     path.write_text(yaml.safe_dump(spec))
     with pytest.raises(ConfigError, match="take group sizes 32, 64, 128, 256; scheme gptq-w4a16 has group_size 16"):
         load_spec(path)
-    spec["variants"][0] |= {"options": {"group_size": 64}, "search": {"fine_group_size": 16}}
+    spec["variants"][0] |= {"options": {"group_size": 64}, "search": {"fine_group_size": 16, "fallback_bits": 16}}
     path.write_text(yaml.safe_dump(spec | {"calibrate": {"search_size": 48}}))
     with pytest.raises(ConfigError, match="search.fine_group_size is 16"):
         load_spec(path)
-    spec["variants"][0]["search"] = {"fine_group_size": 32}
+    spec["variants"][0]["search"] = {"fine_group_size": 32}  # its fallback: W8A16, which this engine serves dense
     path.write_text(yaml.safe_dump(spec | {"calibrate": {"search_size": 48}}))
-    assert load_spec(path).variants[0].search == {"fine_group_size": 32}
-    spec["variants"][0] = {
-        "name": "w8",
-        "scheme": "gptq-w8a16",
-        "options": {"group_size": 16},
-        "engine": {"backend": "torch-int4"},
-    }
+    with pytest.raises(ConfigError, match=r"search.fallback_bits: 8 .* no int8 kernel") as refused:
+        load_spec(path)
+    assert "set search.fallback_bits: 16" in refused.value.hint
+    spec["variants"][0]["search"] = {"fine_group_size": 32, "fallback_bits": 16}
+    path.write_text(yaml.safe_dump(spec | {"calibrate": {"search_size": 48}}))
+    assert load_spec(path).variants[0].search == {"fine_group_size": 32, "fallback_bits": 16}
+    spec["variants"][0] = {"name": "w8", "scheme": "gptq-w8a16", "engine": {"backend": "torch-int4"}}
     path.write_text(yaml.safe_dump(spec))
-    assert load_spec(path).variants[0].name == "w8"  # served dense: any group size
+    with pytest.raises(ConfigError, match=r"variants\[0\].engine: the torch-int4 engine has no int8 kernel") as w8:
+        load_spec(path)
+    assert "drop `engine:`" in w8.value.hint
     spec["variants"][0] = {"name": "gptq", "scheme": "gptq-w4a16", "engine": {"backend": "torch-int4"}}
     path.write_text(yaml.safe_dump(spec | {"gates": {"device": "gpu"}}))
     with pytest.raises(ConfigError, match="gates.device: 'gpu' is not a device"):

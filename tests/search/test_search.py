@@ -403,29 +403,36 @@ def test_fine_group_layers_quantize_and_the_cpu_engine_serves_them_exactly(plant
 
 
 def test_the_torch_int4_engine_serves_three_rungs_exactly(planted):
-    """A searched layout on the torch-int4 engine: W4 g64 layers, finer W4 g32 layers and W8 layers in one
-    checkpoint. Each int4 layer keeps its own group size (fused projections only where they share one), the W8
-    layers are dense, and in float32 the engine computes what the checkpoint says."""
+    """A searched layout on the torch-int4 engine: W4 g64 layers, finer W4 g32 layers and unquantized layers in one
+    checkpoint. Each int4 layer keeps its own group size (fused projections only where they share one), the
+    unquantized layers are dense, and in float32 the engine computes what the checkpoint says. The same layout with
+    W8 layers is one the engine cannot hold (it has no int8 kernel): the pipeline gates that on the reference path."""
+    from dataclasses import replace
+
     import numpy as np
 
-    from qgate.engines.build import build_engine
+    from qgate.engines.build import build_engine, unsupported
     from qgate.engines.runners import load_runner
     from qgate.quantize.compress import CalibOptions, quantize
     from qgate.quantize.schemes import FallbackConfig, scheme_config
 
     d, base, arts = planted
     fine = (PLANTED[1], "model.layers.0.mlp.down_proj")
-    fb = FallbackConfig((PLANTED[0],), 8, fine, 32)
+    fb = FallbackConfig((PLANTED[0],), 16, fine, 32)
     scheme = scheme_config("awq-w4a16", group_size=64)
     ckpt = quantize(base, arts["calib"], scheme, d / "rungs", opts=CalibOptions(max_seq_length=64), fallback=fb)
-    assert ckpt.meta["weight_format"] == "w4a16+w4a16g32+w8a16"
+    assert ckpt.meta["weight_format"] == "w4a16+w4a16g32+unquantized" and unsupported(ckpt, "torch-int4") is None
+    w8 = replace(ckpt, meta=ckpt.meta | {"weight_format": "w4a16+w4a16g32+w8a16"})
+    assert unsupported(w8, "torch-int4").endswith(
+        "no int8 kernel (torch has no group-wise int8 weight-only one): its W8 layers would be served as dense weights"
+    )
     eng = build_engine(ckpt, "torch-int4", d / "rungs-int4", dtype="float32")
     spec = json.loads((eng.path / "engine.json").read_text())
     assert {spec["group_sizes"][p] for p in fine} == {32} and set(spec["group_sizes"].values()) == {32, 64}
-    assert spec["layers"][PLANTED[0]] == "dense-int8" and eng.meta["verified"] is True
+    assert PLANTED[0] not in spec["layers"] and set(spec["layers"].values()) == {"int4"} and eng.meta["verified"]
     seqs = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24]]
     ref, served = load_runner(ckpt), load_runner(eng)
-    assert "qkv" not in served.model.layers[1] and "qkv" in served.model.layers[0]  # v_proj is W8 in layer 1
+    assert "qkv" not in served.model.layers[1] and "qkv" in served.model.layers[0]  # v_proj is unquantized in layer 1
     for a, b in zip(ref.logits_batch(seqs), served.logits_batch(seqs), strict=True):
         assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
     assert served.greedy_batch(seqs, 8) == ref.greedy_batch(seqs, 8)

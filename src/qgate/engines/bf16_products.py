@@ -12,7 +12,7 @@ computes, up to the order of the float32 sums, and its output is rounded to bf16
 of each weight is made once, at the swap: 4 bytes per parameter beside the model's own bf16 weights, which stay as
 they are, and the host's memory is checked for them all first (float32_copies).
 
-The torch-int4 engine's dense Linears (8-bit weights, the head, unquantized layers) multiply in float32 from
+The torch-int4 engine's dense Linears (the head, unquantized layers) multiply in float32 from
 FLOAT32_ROWS rows on and keep torch's bf16 matmul below, where a few rows (decode steps) run faster in it than in
 float32 on the same CPUs; its int4 kernel takes bf16 and runs fast on them.
 """

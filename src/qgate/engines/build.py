@@ -30,7 +30,8 @@ class Backend:
     refuses: str | None = None  # (scheme name, scheme config, kv_cache) -> why it cannot serve that variant, or None
     cannot_hold: str | None = None  # (checkpoint) -> why it cannot hold this checkpoint's layout, or None
     serves: str = ""  # the schemes to choose instead, for a refusal's hint
-    int8_head: bool = False  # serves a checkpoint's W8A16 lm_head with int8 kernels (search.lm_head may quantize it)
+    int8_layers: bool = False  # serves W8A16 Linears, the head included, with int8 kernels: a search may move layers
+    # to W8 (search.fallback_bits: 8) and quantize the head (search.lm_head) only where this holds
     group_sizes: str | None = None  # the int4 group sizes its kernels take (a tuple, by reference); None: any
 
 
@@ -50,7 +51,7 @@ for _b in (
         refuses="qgate.engines.cpu:refusal",
         cannot_hold="qgate.engines.cpu:cannot_hold",
         serves="a 4-bit scheme (awq-w4a16, gptq-w4a16)",
-        int8_head=True,
+        int8_layers=True,
     ),
     Backend(
         "trtllm",
@@ -66,7 +67,8 @@ for _b in (
         "qgate.engines.torch_int4:build_torch_int4",
         "qgate.engines.static_runner:load_runner",
         refuses="qgate.engines.torch_int4:refusal",
-        serves="awq-w4a16, gptq-w4a16 or gptq-w8a16 without kv_cache",
+        cannot_hold="qgate.engines.torch_int4:cannot_hold",
+        serves="awq-w4a16 or gptq-w4a16 without kv_cache",
         group_sizes="qgate.engines.int4pack:KERNEL_GROUPS",
     ),
 ):

@@ -1,6 +1,6 @@
 """Repack compressed-tensors integer weights for torch's int4 weight-only kernels, without requantizing.
 
-    layers = repack(state_dict, quantization_config)     # {prefix: Int4Weight | dense bf16 [O, I]}
+    layers = repack(state_dict, quantization_config)     # {prefix: Int4Weight}
     packed = device_pack(layers[p].codes, device)         # the device's tiled layout, built at load
     y = int4_mm(x, packed, layers[p].group_size, layers[p].scales_and_zeros)   # x [N, I] -> y [N, O]
     w4 = split_k(layers[p], 4)                            # the same weight as 4 blocks of I/4 inputs, stacked
@@ -31,8 +31,9 @@ from the unsplit kernel's by rounding: each block's partial sum is rounded to x'
 `split_parts` stops before that sum, so a compiled function that reads the output can add the partials in its own
 kernel (engines/elementwise.py) instead of a reduction kernel of their own.
 
-Int8 layers (a mixed W4/W8 checkpoint) are served as dense weights dequantized from their codes: torch has no
-group-wise int8 weight-only kernel. Anything else (FP8, activation quantization, group activation order) is refused.
+Anything else is refused: 8-bit layers (torch has no group-wise int8 weight-only kernel, and serving them dense would
+cost as many bytes as unquantized weights, with W8's rounding on top), FP8, activation quantization and group
+activation order.
 """
 
 from __future__ import annotations
@@ -61,22 +62,17 @@ def check_scheme(qconfig: dict) -> None:
         raise ConfigError(
             f"the torch-int4 engine takes pack-quantized integer weights, this checkpoint is "
             f"{qconfig.get('format') or 'unquantized'}",
-            hint="quantize with awq-w4a16, gptq-w4a16 or gptq-w8a16; FP8 checkpoints run on the reference path",
+            hint="quantize with awq-w4a16 or gptq-w4a16; W8A16 and FP8 checkpoints run on the reference path",
         )
     for name, g in groups.items():
         w, a = g.get("weights") or {}, g.get("input_activations")
-        if (
-            a
-            or w.get("type") != "int"
-            or w.get("strategy") != "group"
-            or w.get("actorder") == "group"
-            or w.get("num_bits") not in (4, 8)
-        ):
+        int4 = w.get("type") == "int" and w.get("num_bits") == 4 and w.get("strategy") == "group"
+        if a or not int4 or w.get("actorder") == "group":
             raise ConfigError(
-                f"quantization_config.config_groups.{name}: the torch-int4 engine serves 4- or 8-bit "
-                f"group-wise int weights with float activations and no group activation order, got "
-                f"weights={w}, input_activations={a}",
-                hint="use actorder static or null, and a W4A16/W8A16 scheme",
+                f"quantization_config.config_groups.{name}: the torch-int4 engine serves 4-bit group-wise int "
+                f"weights with float activations and no group activation order, got weights={w}, "
+                f"input_activations={a}",
+                hint="use actorder static or null, and a W4A16 scheme",
             )
 
 
@@ -92,17 +88,11 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, lo], -1).reshape(packed.shape[0], -1)
 
 
-def dequantize(codes: torch.Tensor, zeros: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(q - z) * scale as float32 [O, I], groups along the input dimension."""
-    g = codes.shape[1] // scale.shape[1]
-    return (codes - zeros.repeat_interleave(g, 1)).float() * scale.repeat_interleave(g, 1)
-
-
 def repack(
     state: dict[str, torch.Tensor], qconfig: dict
 ) -> tuple[dict[str, Int4Weight | torch.Tensor], dict[str, str]]:
-    """Every quantized Linear of a compressed-tensors state dict: ({prefix: Int4Weight or dense float32 [O, I]},
-    {prefix: "int4" | "dense-int8"}). Unquantized tensors are left to the caller."""
+    """Every quantized Linear of a compressed-tensors state dict: ({prefix: Int4Weight}, {prefix: "int4"}).
+    Unquantized tensors are left to the caller."""
     check_scheme(qconfig)
     out: dict[str, Int4Weight | torch.Tensor] = {}
     kinds: dict[str, str] = {}
@@ -111,9 +101,6 @@ def repack(
         codes, zeros, scale = layer_codes(state, p, bits)
         scale = scale.float()
         group = codes.shape[1] // scale.shape[1]
-        if bits == 8:
-            out[p], kinds[p] = dequantize(codes, zeros, scale), "dense-int8"
-            continue
         if group not in KERNEL_GROUPS or codes.shape[1] % group or codes.shape[0] % 8:
             raise ConfigError(
                 f"{p}: int4 weight [{codes.shape[0]}, {codes.shape[1]}] with group size {group}: torch's "

@@ -4,12 +4,14 @@
     runner = load_runner(art)        # engines.static_runner.StaticRunner: what the gate scores
 
 A W4A16 compressed-tensors checkpoint is repacked without requantizing (engines/int4pack.py): its integer codes and
-scales are kept, and GPTQ/AWQ integer zero points fold into the kernel's float zeros. Int8 layers of a mixed W4/W8
-checkpoint and unquantized checkpoints are served as dense weights in `dtype`. Serves Llama-architecture checkpoints
-(engines/static_llama.py) with a KV cache in `dtype`; FP8 weights, activation quantization and quantized KV caches
-are refused at build. The decode step is captured as one CUDA graph per batch size the traffic profile's concurrency
-gives (engines/batch_sizes.py, the sizes the TensorRT-LLM bundle records); on a CPU the same model runs eagerly on
-torch's CPU int4 kernel, which is how CI checks its numerics.
+scales are kept, and GPTQ/AWQ integer zero points fold into the kernel's float zeros. Unquantized layers (a searched
+checkpoint's fallback layers, or a whole unquantized checkpoint) are served as dense weights in `dtype`. Serves
+Llama-architecture checkpoints (engines/static_llama.py) with a KV cache in `dtype`. Refused at spec load and at
+build: 8-bit layers (torch has no group-wise int8 kernel, so they would be served dense: as many bytes as unquantized
+ones, with W8's rounding on top), FP8 weights, activation quantization and quantized KV caches. The decode step is
+captured as one CUDA graph per batch size the traffic profile's concurrency gives (engines/batch_sizes.py, the sizes
+the TensorRT-LLM bundle records); on a CPU the same model runs eagerly on torch's CPU int4 kernel, which is how CI
+checks its numerics.
 
 Layout of `out`:
   engine.safetensors   dense tensors in `dtype`; per int4 Linear `<prefix>.codes` [O, I/2] uint8 and
@@ -34,6 +36,8 @@ from qgate.errors import ConfigError, InputError, check_each
 from qgate.trust import copy_tokenizer_files
 
 DTYPES = ("bfloat16", "float32")  # float32: CPU only, for checking the engine's numerics exactly
+NO_INT8 = "the torch-int4 engine has no int8 kernel (torch has no group-wise int8 weight-only one)"
+SAVES_NOTHING = "as many bytes as unquantized weights with W8's rounding error on top"
 
 
 @dataclass(frozen=True)
@@ -57,12 +61,23 @@ def refusal(scheme_name: str, scheme, kv_cache: str | None) -> str | None:
     from qgate.quantize.schemes import weight_format as format_of
 
     weight_format, actorder = format_of(scheme), getattr(scheme, "actorder", None)
-    if not all(part in ("w4a16", "w8a16", "unquantized") for part in weight_format.split("+")):
-        return f"the torch-int4 engine serves 4- and 8-bit integer weights with float activations, not {weight_format}"
+    if "w8a16" in weight_format.split("+"):
+        return f"{NO_INT8}: {scheme_name}'s layers would be served as dense {TorchInt4Config.dtype}, {SAVES_NOTHING}"
+    if not all(part in ("w4a16", "unquantized") for part in weight_format.split("+")):
+        return f"the torch-int4 engine serves 4-bit integer weights with float activations, not {weight_format}"
     if actorder == "group":
         return "the torch-int4 engine cannot serve GPTQ's group activation order (actorder: group)"
     if kv_cache:
         return f"the torch-int4 engine keeps its KV cache in the activation dtype, not {kv_cache}"
+    return None
+
+
+def cannot_hold(ckpt: Artifact) -> str | None:
+    """Why this engine cannot serve this checkpoint's layout as it is stored (a searched mix with W8 layers), or
+    None: the pipeline then gates the checkpoint on the reference path and says why."""
+    fmt = ckpt.meta.get("weight_format") or ""
+    if "w8a16" in fmt.split("+"):
+        return f"its layout is {fmt}, and {NO_INT8}: its W8 layers would be served as dense weights"
     return None
 
 
@@ -75,8 +90,17 @@ def check_checkpoint(ckpt: Artifact) -> dict:
         raise InputError(f"{ckpt.path}: engines are built from checkpoints, this is a {ckpt.kind}")
     cfg = json.loads((ckpt.path / "config.json").read_text())
     check_architecture(cfg)
-    if cfg.get("quantization_config"):
-        check_scheme(cfg["quantization_config"])
+    if qconfig := cfg.get("quantization_config"):
+        for name, g in (qconfig.get("config_groups") or {}).items():
+            w = g.get("weights") or {}
+            if w.get("type") == "int" and w.get("num_bits") == 8 and not g.get("input_activations"):
+                raise ConfigError(
+                    f"{ckpt.path}: quantization_config.config_groups.{name}: 8-bit layers, and {NO_INT8}: they would "
+                    f"be served as dense weights, {SAVES_NOTHING}",
+                    hint="gate a W8A16 checkpoint on the reference path (no engine); a search for this engine keeps "
+                    "its fallen-back layers unquantized (search.fallback_bits: 16)",
+                )
+        check_scheme(qconfig)
     if ckpt.meta.get("kv_cache_dtype"):
         raise ConfigError(
             f"{ckpt.path}: KV cache {ckpt.meta['kv_cache_dtype']}: the torch-int4 engine keeps its KV "

@@ -95,18 +95,23 @@ def search_fits(v: VariantSpec, cfg, where: str = "search"):
         raise ConfigError(f"{where}.{why}", hint=fix)
     if reason := fine_groups_refusal(scheme, KVCacheConfig(v.kv_cache) if v.kv_cache else None, cfg):
         raise ConfigError(f"{where}: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
-    if cfg.lm_head:
-        from qgate.engines.build import BACKENDS
+    from qgate.engines.build import BACKENDS
 
-        name = v.engine.backend if v.engine else None
-        if name is None or not BACKENDS.get(name).int8_head:
-            serve = [b for b in BACKENDS.names() if BACKENDS.get(b).int8_head]
-            raise ConfigError(
-                f"{where}.lm_head: variant {v.name} is served by "
-                f"{f'the {name} engine' if name else 'the reference path'}"
-                ", which computes a W8A16 head in full precision: quantizing it would cost accuracy and save nothing",
-                hint=f"drop search.lm_head, or serve the variant with engine backend {' or '.join(serve)}",
-            )
+    name = v.engine.backend if v.engine else None
+    int8 = [b for b in BACKENDS.names() if BACKENDS.get(b).int8_layers]
+    if cfg.lm_head and (name is None or not BACKENDS.get(name).int8_layers):
+        raise ConfigError(
+            f"{where}.lm_head: variant {v.name} is served by {f'the {name} engine' if name else 'the reference path'}"
+            ", which computes a W8A16 head in full precision: quantizing it would cost accuracy and save nothing",
+            hint=f"drop search.lm_head, or serve the variant with engine backend {' or '.join(int8)}",
+        )
+    if cfg.fallback_bits == 8 and name is not None and not BACKENDS.get(name).int8_layers:
+        raise ConfigError(
+            f"{where}.fallback_bits: 8 (the default) moves layers to W8A16, and the variant's {name} engine has no "
+            "int8 kernel: it would serve them as dense weights, as many bytes as unquantized ones with W8's rounding "
+            "error on top",
+            hint=f"set search.fallback_bits: 16, or serve the variant with engine backend {' or '.join(int8)}",
+        )
     return cfg
 
 
