@@ -223,12 +223,33 @@ def test_a_variants_scheme_and_engine_problems_come_in_one_load_each_named_by_it
         f"{path}: variants[0].search.fallback_bits 8 must be above the scheme's 8 bits: a layer that falls back keeps "
         "more precision (variant a)\n  hint: set search.fallback_bits: 16"
     )
-    w8["search"] = {"fallback_bits": 16, "max_bits_per_weight": 8.25}  # W8 g64, symmetric: 8 + 32 / 64
+    w8["search"] = {"fallback_bits": 16, "max_bits_per_weight": 8.2}  # W8 g64, symmetric: 8 + 16 / 64 at the least
     path = pipeline_spec(tmp_path, workdir, variants=[w8], calibrate=split)
-    with pytest.raises(ConfigError, match=r"max_bits_per_weight 8.25 is below the scheme's own 8.5 bits per weight"):
-        load_spec(path)
+    with pytest.raises(ConfigError, match=r"8.2 is below the scheme's own 8.25 bits per weight \(16-bit scales\)"):
+        load_spec(path)  # no host could search it: its scales take 16 bits at the least
     w8["search"] = {"fallback_bits": 16}
     assert load_spec(pipeline_spec(tmp_path, workdir, variants=[w8], calibrate=split))
+
+
+def test_a_size_budget_this_host_cannot_meet_is_refused_before_any_stage(tmp_path, workdir, capsys):
+    """A search quantizes in float32 on a CPU, so scales take 32 bits there and 16 on CUDA: a budget between the two
+    (W8 g64: 8.25 and 8.5 bits per weight) loads, since a CUDA host or a Ray worker with a GPU could search it, but
+    `qgate run` and `qgate search` on this CPU host refuse it before any stage, writing nothing."""
+    from qgate.cli.main import main
+
+    split = {"calib_size": 24, "shadow_size": 48, "search_size": 24}
+    w8 = {"name": "w8s", "scheme": "gptq-w8a16", "options": {"group_size": 64}}
+    w8["search"] = {"fallback_bits": 16, "max_bits_per_weight": 8.3}
+    spec = pipeline_spec(tmp_path, workdir, variants=[w8], calibrate=split)
+    assert load_spec(spec).variants[0].search["max_bits_per_weight"] == 8.3
+    for argv in (["run", str(spec)], ["search", "--spec", str(spec), "--variant", "w8s"]):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert (
+            "error: variants[0].search.max_bits_per_weight 8.3 is below the scheme's own 8.5 bits per weight (32-bit "
+            "scales): no point of the search fits it on this host (variant w8s)" in err
+        ), err
+        assert not (tmp_path / "work").exists(), argv
 
 
 def test_a_split_too_small_for_a_gated_tail_fails_the_spec_at_load(tmp_path, workdir):

@@ -103,6 +103,55 @@ def test_size_budget_bounds_the_fallback_count():
     assert unq.bits(5) == 32 and {m["to"] for m in unq.moves} == {"fp"}
 
 
+def test_rungs_count_scales_and_unquantized_layers_in_the_float_format_quantize_stores():
+    """On a CUDA host quantize stores a checkpoint's scales and unquantized layers in the served bf16, not float32:
+    each rung counts 16 bits for them there, so a budget admits what the checkpoints will measure. The head's
+    unquantized rung stays at the float32 the CPU engine serves it in."""
+    from qgate.search.plan import head_rungs, ladder_problem
+
+    scheme = _Scheme(group_size=128, symmetric=True)
+    cfg = SearchConfig(fallback_bits=16, fine_group_size=32)
+    assert [r.per_weight for r in rungs(scheme, cfg, 16)] == pytest.approx([4 + 16 / 128, 4 + 16 / 32, 16])
+    assert [r.per_weight for r in rungs(scheme, cfg)] == pytest.approx([4 + 32 / 128, 4 + 32 / 32, 32])
+    assert [r.per_weight for r in head_rungs(scheme, 16)] == pytest.approx([8 + 16 / 128, 32])
+    layers = [{"layer": "a", "params": 3000, "kl": 1.0}, {"layer": "b", "params": 1000, "kl": 1.0}]
+    plan = make_plan(layers, rungs(scheme, SearchConfig(fallback_bits=16), 16))
+    assert plan.bits(1) == pytest.approx((3000 * 4.125 + 1000 * 16) / 4000) and plan.max_count(7.2) == 1
+    assert make_plan(layers, rungs(scheme, SearchConfig(fallback_bits=16))).max_count(7.2) == 0  # 32 bits: too big
+    budget = SearchConfig(max_bits_per_weight=4.2)
+    assert ladder_problem(scheme, budget, 16) is None
+    assert ladder_problem(scheme, budget)[0].startswith("max_bits_per_weight 4.2 is below the scheme's own 4.25 ")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_points_predicted_bits_are_what_its_checkpoint_measures(base_art, calib_arts, tmp_path, monkeypatch, dtype):
+    """The plan's bits per weight for a point equal the bits its checkpoint measures, whether quantize runs in
+    float32 (a CPU host) or in the served bf16 (a CUDA host, here forced on the CPU): scales and unquantized layers
+    take the float format quantize stores them in."""
+    import torch
+    from safetensors.torch import load_file
+
+    import qgate.quantize.compress as compress
+    from qgate.quantize.compress import CalibOptions, quantize, stored_float_bits
+    from qgate.quantize.schemes import FallbackConfig, scheme_config
+
+    monkeypatch.setattr(compress, "load_dtype", lambda path: getattr(torch, dtype))
+    scheme = scheme_config("gptq-w4a16", group_size=32)
+    unq, fine = "model.layers.1.self_attn.v_proj", "model.layers.0.mlp.down_proj"
+    fb = FallbackConfig((unq,), 16, (fine,), 16)
+    opts = CalibOptions(max_seq_length=32, max_samples=8)
+    ckpt = quantize(base_art, calib_arts["calib"], scheme, tmp_path / dtype, opts=opts, fallback=fb)
+    float_bits = stored_float_bits(base_art.path)
+    assert float_bits == {"float32": 32, "bfloat16": 16}[dtype]
+    bits = {r.tag: r.per_weight for r in rungs(scheme, SearchConfig(fallback_bits=16, fine_group_size=16), float_bits)}
+    state = load_file(str(ckpt.path / "model.safetensors"))
+    n_unq, n_fine = state[f"{unq}.weight"].numel(), int(state[f"{fine}.weight_shape"].prod())
+    assert state[f"{unq}.weight"].dtype == getattr(torch, dtype)
+    params = ckpt.meta["linear_params"]
+    predicted = (params - n_unq - n_fine) * bits["4g32"] + n_unq * bits["fp"] + n_fine * bits["4g16"]
+    assert ckpt.meta["bits_per_weight"] == pytest.approx(predicted / params, abs=1e-4)
+
+
 def test_a_fine_group_rung_is_a_move_where_it_removes_more_kl_per_bit():
     """Ladder W4 g64 (4.5625 bits) -> W4 g32 (5.125) -> W8 g64 (8.625). a: g32 removes most of the KL for 0.56 bits,
     so it moves there first and to W8 later, at a lower gain; b: g32 removes little, so its only move is straight to

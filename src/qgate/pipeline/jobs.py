@@ -60,6 +60,8 @@ def run_preflight(spec: PipelineSpec, executor: str = "serial") -> None:
 
     check_executor(executor, EXECUTORS)
     check_gate_device(spec)
+    if executor == "serial":  # on Ray a variant is searched on the worker that quantizes it, whose check that is
+        check_search_budgets(spec, [v.name for v in spec.variants if v.search is not None])
     require_mlflow("qgate run (its register and promote stages)")
     env_tracking_uri()
     traffic = spec.traffic_source()
@@ -74,6 +76,27 @@ def search_preflight(spec: PipelineSpec, variant: str) -> None:
 
     check_search(spec, variant)
     check_gate_device(spec)
+    check_search_budgets(spec, [variant])
+
+
+def check_search_budgets(spec: PipelineSpec, variants: list[str]) -> None:
+    """ConfigError, before any stage, when a searched variant's size budget is below its scheme's own bits per weight
+    in the float format this host quantizes in (32-bit scales on a CPU, 16-bit on CUDA); loading the spec refused
+    only the budgets no host could meet."""
+    from qgate.errors import ConfigError
+    from qgate.naming import key_path
+    from qgate.pipeline.spec import check_search
+    from qgate.quantize.compress import stored_float_bits
+    from qgate.quantize.schemes import scheme_config
+    from qgate.search.plan import ladder_problem
+
+    for name in variants:
+        cfg, v = check_search(spec, name), spec.variant(name)
+        if cfg.max_bits_per_weight is not None and (
+            problem := ladder_problem(scheme_config(v.scheme, **v.options), cfg, stored_float_bits())
+        ):
+            where = key_path("variants", spec.variants.index(v), "search")
+            raise ConfigError(f"{where}.{problem[0]} on this host (variant {name})", hint=problem[1])
 
 
 def check_gate_device(spec: PipelineSpec) -> None:

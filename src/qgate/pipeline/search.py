@@ -62,7 +62,7 @@ def search_checkpoint(
     point's shadow checks are not independent of its choice."""
     from qgate.gates.gating import shadow_check
     from qgate.gates.numerics import numerics_key
-    from qgate.quantize.compress import CalibOptions, quantize
+    from qgate.quantize.compress import CalibOptions, quantize, stored_float_bits
     from qgate.search.plot import plot_points
     from qgate.search.sensitivity import SensitivityConfig, fisher_sensitivity
 
@@ -72,9 +72,10 @@ def search_checkpoint(
     scfg = SensitivityConfig(samples=cfg.samples, max_seq_length=opts.max_seq_length, seed=opts.seed)
     if reason := fine_groups_refusal(scheme, kv, cfg):
         raise ConfigError(f"search: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
-    ladder = rungs(scheme, cfg)
+    float_bits = stored_float_bits(base.path)  # the points' scales and unquantized layers: float32 or bf16
+    ladder = rungs(scheme, cfg, float_bits)
     settings = scored_settings(ladder)  # KL estimated at each
-    head_ladder = head_rungs(scheme) if cfg.lm_head else None
+    head_ladder = head_rungs(scheme, float_bits) if cfg.lm_head else None
     head = (head_ladder[0].bits, head_ladder[0].group_size) if head_ladder else None  # the head's KL is scored there
     skey = sha256_json(
         {

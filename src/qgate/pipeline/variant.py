@@ -83,14 +83,14 @@ def search_fits(v: VariantSpec, cfg, where: str = "search"):
     engine rule out cfg's options."""
     from qgate.pipeline.search import fine_groups_refusal
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
-    from qgate.search.plan import ladder_problem
+    from qgate.search.plan import FLOAT_BITS, ladder_problem
 
     scheme = scheme_config(v.scheme, **v.options)
     if not hasattr(scheme, "group_size"):
         raise ConfigError(
             f"{where}: scheme {v.scheme} has no per-layer fallback", hint="search awq-w4a16 or gptq-w4a16"
         )
-    if problem := ladder_problem(scheme, cfg):
+    if problem := ladder_problem(scheme, cfg, min(FLOAT_BITS)):  # what no host could search; the search checks its own
         why, fix = problem
         raise ConfigError(f"{where}.{why}", hint=fix)
     if reason := fine_groups_refusal(scheme, KVCacheConfig(v.kv_cache) if v.kv_cache else None, cfg):

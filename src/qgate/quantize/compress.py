@@ -62,6 +62,17 @@ def load_dtype(path: Path):
     return compute_dtype(json.loads((Path(path) / "config.json").read_text()), resolve_device("auto"))
 
 
+def stored_float_bits(path: Path | None = None) -> int:
+    """Bits of the float format quantize stores a checkpoint's scales and unquantized layers in on this host: those of
+    load_dtype (llm-compressor makes a weight's scales in its dtype) for the model at `path`; for any model when None,
+    32 without CUDA and 16 with it."""
+    import torch
+
+    from qgate.device import compute_dtype, resolve_device
+
+    return torch.finfo(load_dtype(path) if path is not None else compute_dtype({}, resolve_device("auto"))).bits
+
+
 def load_host_model(path: Path, dtype=None):
     """The model at `path` in host memory, in `dtype` (load_dtype's by default), for llm-compressor or a search's
     sensitivity scan. BackendUnavailable first where its weights alone exceed the host's memory (device.check_fits):
@@ -94,7 +105,7 @@ def linear_size(ckpt_dir: Path, unquantized: tuple[str, ...] = ()) -> dict:
     (stored in full precision), read from the saved safetensors. A quantized Linear is one with a `weight_scale`, in
     any compressed-tensors format: pack-quantized (`weight_packed` codes, `weight_shape`), int-quantized or
     float-quantized (FP8: the `weight` tensor itself holds the codes). Its bytes are its codes, scales, zero points
-    and group index; an FP8 per-channel Linear comes to 8 bits plus 32 per input width."""
+    and group index; an FP8 per-channel Linear comes to 8 bits plus its scale's (32 or 16) per input width."""
     from safetensors import safe_open
 
     parts = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx")

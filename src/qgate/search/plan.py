@@ -62,7 +62,7 @@ class Rung:
     tag: str  # as in a ranking's kl_at: '4g64'; 'fp' for unquantized
     bits: int
     group_size: int | None
-    per_weight: float  # bits per weight as compressed-tensors stores it
+    per_weight: float  # bits per weight as compressed-tensors stores it, in the float format quantize runs in
     label: str  # for people: 'W4A16 g32', 'W8A16', 'unquantized'
 
 
@@ -71,28 +71,34 @@ def rung_tag(bits: int, group_size: int | None) -> str:
     return "fp" if bits >= 16 else f"{bits}g{group_size}"
 
 
-def bits_per_weight(bits: int, group_size: int | None, symmetric: bool, scale_bits: int = 32) -> float:
-    """Codes, one scale per group (`scale_bits`: the checkpoint's float32) and, when asymmetric, a packed zero point
-    per group of the code width. Unquantized weights keep 32 bits."""
+FLOAT_BITS = (16, 32)  # the float formats a checkpoint stores scales and unquantized layers in: the served bf16 or
+# fp16 where quantize runs on CUDA, float32 where it runs on a CPU (quantize.compress.stored_float_bits)
+
+
+def bits_per_weight(bits: int, group_size: int | None, symmetric: bool, float_bits: int = 32) -> float:
+    """Codes, one scale per group and, when asymmetric, a packed zero point per group of the code width. Scales and
+    unquantized weights are stored in the float format the model was quantized in (llm-compressor makes a weight's
+    scales in its dtype): `float_bits` each."""
     if bits >= 16 or not group_size:
-        return 32.0
-    return bits + (scale_bits + (0 if symmetric else bits)) / group_size
+        return float(float_bits)
+    return bits + (float_bits + (0 if symmetric else bits)) / group_size
 
 
-def ladder_problem(scheme, cfg: SearchConfig) -> tuple[str, str] | None:
+def ladder_problem(scheme, cfg: SearchConfig, float_bits: int = 32) -> tuple[str, str] | None:
     """Why cfg's ladder cannot climb from `scheme`, and the fix, or None: each rung must hold more than the one below
-    it, and the size budget must hold the first (the message names the field, without its path)."""
+    it, and the size budget must hold the first in `float_bits` (the message names the field, without its path).
+    With the fewest float bits, min(FLOAT_BITS), it refuses only what no host could search."""
     if cfg.fallback_bits <= scheme.num_bits:
         return (
             f"fallback_bits {cfg.fallback_bits} must be above the scheme's {scheme.num_bits} bits: a layer that falls "
             "back keeps more precision",
             "set search.fallback_bits: 16",
         )
-    own = bits_per_weight(scheme.num_bits, scheme.group_size, scheme.symmetric)
+    own = bits_per_weight(scheme.num_bits, scheme.group_size, scheme.symmetric, float_bits)
     if cfg.max_bits_per_weight is not None and cfg.max_bits_per_weight < own:
         return (
-            f"max_bits_per_weight {cfg.max_bits_per_weight} is below the scheme's own {own:.4g} bits per weight: no "
-            "point of the search fits it",
+            f"max_bits_per_weight {cfg.max_bits_per_weight} is below the scheme's own {own:.4g} bits per weight "
+            f"({float_bits}-bit scales): no point of the search fits it",
             "raise search.max_bits_per_weight, or drop it (no budget)",
         )
     g = cfg.fine_group_size
@@ -105,15 +111,16 @@ def ladder_problem(scheme, cfg: SearchConfig) -> tuple[str, str] | None:
     return None
 
 
-def rungs(scheme, cfg: SearchConfig) -> list[Rung]:
-    """The ladder every layer can climb: the scheme, the finer group size (when set), the fallback."""
+def rungs(scheme, cfg: SearchConfig, float_bits: int = 32) -> list[Rung]:
+    """The ladder every layer can climb: the scheme, the finer group size (when set), the fallback; each rung's bits
+    per weight with scales and unquantized layers in `float_bits`."""
     sym = scheme.symmetric
 
     def rung(bits: int, g: int | None, label: str) -> Rung:
-        return Rung(rung_tag(bits, g), bits, g, bits_per_weight(bits, g, sym), label)
+        return Rung(rung_tag(bits, g), bits, g, bits_per_weight(bits, g, sym, float_bits), label)
 
     out = [rung(scheme.num_bits, scheme.group_size, f"W{scheme.num_bits}A16 g{scheme.group_size}")]
-    if problem := ladder_problem(scheme, cfg):
+    if problem := ladder_problem(scheme, cfg, float_bits):
         raise ConfigError(f"search.{problem[0]}")
     if cfg.fine_group_size:
         out.append(rung(scheme.num_bits, cfg.fine_group_size, f"W{scheme.num_bits}A16 g{cfg.fine_group_size}"))
@@ -122,12 +129,13 @@ def rungs(scheme, cfg: SearchConfig) -> list[Rung]:
     return out
 
 
-def head_rungs(scheme) -> list[Rung]:
-    """The output head's ladder under `lm_head: int8`: W8A16 at the scheme's group size, then unquantized."""
+def head_rungs(scheme, float_bits: int = 32) -> list[Rung]:
+    """The output head's ladder under `lm_head: int8`: W8A16 at the scheme's group size (its scales in `float_bits`),
+    then unquantized, at 32 bits: the float32 the engines that take a quantized head (the CPU engine) serve it in."""
     g = scheme.group_size
     return [
-        Rung(rung_tag(8, g), 8, g, bits_per_weight(8, g, scheme.symmetric), f"W8A16 g{g}"),
-        Rung(rung_tag(16, None), 16, None, bits_per_weight(16, None, scheme.symmetric), "unquantized"),
+        Rung(rung_tag(8, g), 8, g, bits_per_weight(8, g, scheme.symmetric, float_bits), f"W8A16 g{g}"),
+        Rung(rung_tag(16, None), 16, None, bits_per_weight(16, None, scheme.symmetric, 32), "unquantized"),
     ]
 
 
