@@ -31,8 +31,12 @@ class Backend:
     cannot_hold: str | None = None  # (checkpoint) -> why it cannot hold this checkpoint's layout, or None
     serves: str = ""  # the schemes to choose instead, for a refusal's hint
     int8_layers: bool = False  # serves W8A16 Linears, the head included, with int8 kernels: a search may move layers
-    # to W8 (search.fallback_bits: 8) and quantize the head (search.lm_head) only where this holds
+    # to W8 (search.fallback_bits: 8) and quantize the head (search.lm_head) only where this holds; elsewhere W8
+    # layers would be served dense (DENSE_W8)
     group_sizes: str | None = None  # the int4 group sizes its kernels take (a tuple, by reference); None: any
+
+
+DENSE_W8 = "as many bytes as unquantized weights with W8's rounding error on top"  # W8 layers served dense cost
 
 
 def _load(ref: str) -> Any:

@@ -88,13 +88,11 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, lo], -1).reshape(packed.shape[0], -1)
 
 
-def repack(
-    state: dict[str, torch.Tensor], qconfig: dict
-) -> tuple[dict[str, Int4Weight | torch.Tensor], dict[str, str]]:
+def repack(state: dict[str, torch.Tensor], qconfig: dict) -> tuple[dict[str, Int4Weight], dict[str, str]]:
     """Every quantized Linear of a compressed-tensors state dict: ({prefix: Int4Weight}, {prefix: "int4"}).
     Unquantized tensors are left to the caller."""
     check_scheme(qconfig)
-    out: dict[str, Int4Weight | torch.Tensor] = {}
+    out: dict[str, Int4Weight] = {}
     kinds: dict[str, str] = {}
     for p in packed_layers(state)[0]:
         bits = layer_bits(state, p)

@@ -32,12 +32,12 @@ from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
 from qgate.engines.batch_sizes import graph_batch_sizes, profile_concurrency
+from qgate.engines.build import DENSE_W8
 from qgate.errors import ConfigError, InputError, check_each
 from qgate.trust import copy_tokenizer_files
 
 DTYPES = ("bfloat16", "float32")  # float32: CPU only, for checking the engine's numerics exactly
 NO_INT8 = "the torch-int4 engine has no int8 kernel (torch has no group-wise int8 weight-only one)"
-SAVES_NOTHING = "as many bytes as unquantized weights with W8's rounding error on top"
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def refusal(scheme_name: str, scheme, kv_cache: str | None) -> str | None:
 
     weight_format, actorder = format_of(scheme), getattr(scheme, "actorder", None)
     if "w8a16" in weight_format.split("+"):
-        return f"{NO_INT8}: {scheme_name}'s layers would be served as dense {TorchInt4Config.dtype}, {SAVES_NOTHING}"
+        return f"{NO_INT8}: {scheme_name}'s layers would be served as dense {TorchInt4Config.dtype}, {DENSE_W8}"
     if not all(part in ("w4a16", "unquantized") for part in weight_format.split("+")):
         return f"the torch-int4 engine serves 4-bit integer weights with float activations, not {weight_format}"
     if actorder == "group":
@@ -96,7 +96,7 @@ def check_checkpoint(ckpt: Artifact) -> dict:
             if w.get("type") == "int" and w.get("num_bits") == 8 and not g.get("input_activations"):
                 raise ConfigError(
                     f"{ckpt.path}: quantization_config.config_groups.{name}: 8-bit layers, and {NO_INT8}: they would "
-                    f"be served as dense weights, {SAVES_NOTHING}",
+                    f"be served as dense weights, {DENSE_W8}",
                     hint="gate a W8A16 checkpoint on the reference path (no engine); a search for this engine keeps "
                     "its fallen-back layers unquantized (search.fallback_bits: 16)",
                 )
@@ -115,7 +115,7 @@ def build_torch_int4(ckpt: Artifact, config: TorchInt4Config, out: Path, profile
     from safetensors.torch import load_file, save_file
 
     from qgate.engines.gptq_layout import packed_layers
-    from qgate.engines.int4pack import Int4Weight, repack
+    from qgate.engines.int4pack import repack
     from qgate.engines.static_runner import SERVED_FILES, SERVED_SUBDIR, WEIGHTS_FILE
 
     cfg = check_checkpoint(ckpt)
@@ -127,10 +127,7 @@ def build_torch_int4(ckpt: Artifact, config: TorchInt4Config, out: Path, profile
     dtype = getattr(torch, config.dtype)
     tensors: dict[str, torch.Tensor] = {}
     for p, w in layers.items():
-        if isinstance(w, Int4Weight):
-            tensors[f"{p}.codes"], tensors[f"{p}.scales_and_zeros"] = w.codes, w.scales_and_zeros
-        else:
-            tensors[f"{p}.weight"] = w.to(dtype)
+        tensors[f"{p}.codes"], tensors[f"{p}.scales_and_zeros"] = w.codes, w.scales_and_zeros
     for k, v in packed_layers(state)[1].items():
         tensors[k] = v.to(dtype) if v.is_floating_point() else v
     concurrency = profile_concurrency(profile)
@@ -142,7 +139,7 @@ def build_torch_int4(ckpt: Artifact, config: TorchInt4Config, out: Path, profile
         "graph_batch_sizes": sizes,
         "max_batch_size": max_batch,
         "layers": kinds,
-        "group_sizes": {p: w.group_size for p, w in layers.items() if isinstance(w, Int4Weight)},
+        "group_sizes": {p: w.group_size for p, w in layers.items()},
     }
     out = Path(out)
     if out.exists():

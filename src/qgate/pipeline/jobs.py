@@ -70,19 +70,17 @@ def run_preflight(spec: PipelineSpec, executor: str = "serial") -> None:
 
 
 def search_preflight(spec: PipelineSpec, variant: str) -> None:
-    """What `qgate search` refuses before it writes anything: a misspelt variant, a search that cannot run, a gate
-    device this host lacks. The model and the baseline's references after it take minutes."""
-    from qgate.pipeline.spec import check_search
-
-    check_search(spec, variant)
+    """What `qgate search` refuses before it writes anything: a misspelt variant, a search that cannot run (its size
+    budget on this host included), a gate device this host lacks. The model and the baseline's references after it
+    take minutes."""
+    check_search_budgets(spec, [variant])  # check_search, then the budget on this host
     check_gate_device(spec)
-    check_search_budgets(spec, [variant])
 
 
 def check_search_budgets(spec: PipelineSpec, variants: list[str]) -> None:
-    """ConfigError, before any stage, when a searched variant's size budget is below its scheme's own bits per weight
-    in the float format this host quantizes in (32-bit scales on a CPU, 16-bit on CUDA); loading the spec refused
-    only the budgets no host could meet."""
+    """Each variant's search as `qgate search` checks it (spec.check_search), and then a ConfigError, before any
+    stage, when its size budget is below its scheme's own bits per weight in the float format this host quantizes in
+    (32-bit scales on a CPU, 16-bit on CUDA); loading the spec refused only the budgets no host could meet."""
     from qgate.errors import ConfigError
     from qgate.naming import key_path
     from qgate.pipeline.spec import check_search

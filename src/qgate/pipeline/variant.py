@@ -95,7 +95,7 @@ def search_fits(v: VariantSpec, cfg, where: str = "search"):
         raise ConfigError(f"{where}.{why}", hint=fix)
     if reason := fine_groups_refusal(scheme, KVCacheConfig(v.kv_cache) if v.kv_cache else None, cfg):
         raise ConfigError(f"{where}: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
-    from qgate.engines.build import BACKENDS
+    from qgate.engines.build import BACKENDS, DENSE_W8
 
     name = v.engine.backend if v.engine else None
     int8 = [b for b in BACKENDS.names() if BACKENDS.get(b).int8_layers]
@@ -108,8 +108,7 @@ def search_fits(v: VariantSpec, cfg, where: str = "search"):
     if cfg.fallback_bits == 8 and name is not None and not BACKENDS.get(name).int8_layers:
         raise ConfigError(
             f"{where}.fallback_bits: 8 (the default) moves layers to W8A16, and the variant's {name} engine has no "
-            "int8 kernel: it would serve them as dense weights, as many bytes as unquantized ones with W8's rounding "
-            "error on top",
+            f"int8 kernel: it would serve them as dense weights, {DENSE_W8}",
             hint=f"set search.fallback_bits: 16, or serve the variant with engine backend {' or '.join(int8)}",
         )
     return cfg
