@@ -21,7 +21,8 @@ Every figure is printed as a ratio against a reference measured in this run:
                attention; no padding, no embedding lookup) / seconds / --peak-tflops; beside it `_2n`, 2 x all
                parameters per real token, the convention of runs 1-8; wall time of the whole gate; parity KL p99
                (engine vs its checkpoint)
-Writes scale.json to --out, and ends with one line per goal of issue 35: figure, limit, met or not.
+Writes scale.json to --out, and ends with one line per goal of issue 35: figure, limit, met or not, and the run's
+picture, scale.png (benchmarks/scale_plot.py), beside each JSON where matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -979,6 +980,7 @@ def main() -> int:
     res.save()
     print(json.dumps(r, indent=1, default=str), flush=True)
     print_goals(r)
+    picture(r, res.paths)
     return 1 if r["failed"] else 0
 
 
@@ -1018,6 +1020,25 @@ def print_goals(r: dict) -> None:
         verdict = {True: "met", False: "NOT MET", None: "not measured"}[g["met"]]
         value = "-" if g["value"] is None else f"{g['value']:.4g}"
         print(f"goal  {g['goal']:46s} {value:>10s}  {g['limit']:>8s}  {verdict}", flush=True)
+
+
+def picture(r: dict, paths: list[Path]) -> None:
+    """benchmarks/scale_plot.py's picture of the results `r` beside each JSON path (scale.json: scale.png), where
+    matplotlib imports. The figures are saved in the JSON before it, so a picture that cannot be drawn is said and
+    the run goes on."""
+    import shutil
+
+    first = paths[0].with_suffix(".png")
+    try:
+        from scale_plot import draw  # beside this script
+
+        draw(r, first)
+    except Exception as e:  # noqa: BLE001 - a view of scale.json, which is already saved
+        print(f"picture: not drawn ({type(e).__name__}: {e}); draw it from the JSON with benchmarks/scale_plot.py")
+        return
+    for p in paths[1:]:
+        shutil.copyfile(first, p.with_suffix(".png"))
+    print(f"picture: {', '.join(str(p.with_suffix('.png')) for p in paths)}", flush=True)
 
 
 def _shadow_lengths(cache: Path):

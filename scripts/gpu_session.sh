@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine (docs/gpu.md, "A session with a GPU machine"): install the wheels `scripts/gpu_wheels.sh`
 # put in .whl/, run the 8B scale benchmark, then the gpu-marked tests in the time left, then qgate's own commands on a
-# toy model (scripts/gpu_cli.sh) if 100 s are still left. Logs and scale.json go to $OUT.
+# toy model (scripts/gpu_cli.sh) if 100 s are still left. Logs, scale.json and its picture (scale.png) go to $OUT.
 #   bash scripts/gpu_session.sh [SECONDS [ARGS for benchmarks/gpu_scale.py...]]     # SECONDS: the whole budget (560)
 set -uo pipefail
 budget=${1:-560}
