@@ -340,7 +340,7 @@ def test_a_tail_too_thin_to_bound_says_how_many_more_values_would_bound_it():
     # independent values: n_eff is n over (t_199 / z)^2 = 1.012, and about 368 of them bound p99 at 95%
     assert ev["min_n_effective"] == 368 and ev["n_effective"] in (196, 197) and ev["design_df"] == 199
     assert row.n_to_decide == ev["n_to_bound"] == ev["clusters_to_bound"] == -(-200 * 368 // ev["n_effective"])
-    said = f"about {row.n_to_decide} prompts ({row.n_to_decide} values) would"
+    said = f"about {row.n_to_decide} prompts ({row.n_to_decide} values) would bound it"
     assert said in row.line() and "may not decide" not in row.line() and said in report._row(row.to_dict())
     from qgate.gates.markdown import version_description
 

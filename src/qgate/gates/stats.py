@@ -205,7 +205,7 @@ def quantile_ci(
         ev["n_to_bound"], ev["clusters_to_bound"] = int(np.ceil(n * need / m)), int(np.ceil(k * need / m))
         ev["unbounded_because"] = (
             f"effective n {m} < {need}: the sample cannot bound p{100 * q:g} from above; at this design effect about "
-            f"{ev['clusters_to_bound']} {cluster_name} ({ev['n_to_bound']} values) would"
+            f"{ev['clusters_to_bound']} {cluster_name} ({ev['n_to_bound']} values) would bound it"
         )
     return lo, hi, ev
 
