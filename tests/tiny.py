@@ -46,15 +46,20 @@ def make_tokenizer(out: Path):
     return fast
 
 
-def make_model(out: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+def make_model(
+    out: Path, seed: int = 0, hidden: int = 64, layers: int = 2, model_type: str = "llama", **config
+) -> Path:
+    """A random causal LM of `model_type` (llama, or another transformers model type) with the tiny tokenizer, its
+    config's other settings from `config`."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(out)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    cfg = AutoConfig.for_model(
+        model_type,
         vocab_size=len(tok),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -66,12 +71,15 @@ def make_model(out: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> P
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
+        **config,
     )
-    model = LlamaForCausalLM(cfg).eval()
+    model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # larger-than-init weights so the model is not near-uniform and quantization error shows
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+            elif name.endswith(".bias"):  # zero at init: a bias a runner dropped would change nothing
+                p.normal_(0, 0.3)
     model.save_pretrained(out)
     return out
 

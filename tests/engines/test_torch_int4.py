@@ -558,14 +558,112 @@ def test_engine_refuses_quantized_kv_and_other_architectures(base_art, calib_art
     import shutil
 
     shutil.copytree(base_art.path, tmp_path / "qwen")
-    cfg = json.loads((tmp_path / "qwen/config.json").read_text()) | {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
+    cfg = json.loads((tmp_path / "qwen/config.json").read_text()) | {  # Qwen3 norms q and k per head: not Llama's
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
     }
     (tmp_path / "qwen/config.json").write_text(json.dumps(cfg))
     other = Artifact.create("checkpoint", tmp_path / "qwen", base_art.config, (), base_art.meta)
-    with pytest.raises(ConfigError, match="LlamaForCausalLM"):
+    with pytest.raises(ConfigError, match="implements LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, this"):
         build_engine(other, "torch-int4", tmp_path / "e2")
+    assert not (tmp_path / "e2").exists()
+
+
+@pytest.mark.parametrize(
+    "model_type,config",
+    [
+        ("qwen2", {}),  # biases on q, k and v
+        ("mistral", {"sliding_window": None}),
+        ("mistral", {"sliding_window": 512}),  # a window as long as the context binds nothing
+        ("llama", {"attention_bias": True, "mlp_bias": True}),  # a bias on every Linear
+    ],
+)
+def test_the_engine_computes_what_each_llama_family_checkpoint_says(model_type, config, calib_arts, tmp_path):
+    """Llama's decoder as Mistral and Qwen2 ship it, and Llama's with every bias: GPTQ W4 codes in a float32 engine
+    give the reference path's logits, teacher-forced and as served, and its greedy answers."""
+    from qgate.models import ModelSource, import_model
+    from qgate.quantize.compress import CalibOptions, quantize
+    from qgate.quantize.schemes import scheme_config
+
+    src = tiny.make_model(tmp_path / "src", model_type=model_type, **config)
+    base = import_model(ModelSource(hf_dir=str(src)), tmp_path / "base")
+    ckpt = quantize(
+        base,
+        calib_arts["calib"],
+        scheme_config("gptq-w4a16", group_size=32),
+        tmp_path / "gptq",
+        opts=CalibOptions(max_seq_length=32, max_samples=8),
+    )
+    eng = build_engine(ckpt, "torch-int4", tmp_path / "eng", calib_arts["profile"], dtype="float32")
+    ref, runner = load_runner(ckpt), load_runner(eng)
+    biases = [m.bias for m in runner.model.modules() if getattr(m, "bias", None) is not None]
+    assert (
+        len(biases) == {"qwen2": 2, "mistral": 0, "llama": 2 * 4}[model_type]
+    )  # per layer: qkv fused (+o, gate_up, down)
+    assert all(b.abs().max() > 0.1 for b in biases)
+    for a, b in zip(ref.logits_batch(SEQS), runner.logits_batch(SEQS), strict=True):
+        assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
+    for a, b in zip(ref.logits_batch(SEQS), runner.served_logits_batch(SEQS, [2, 3, 4]), strict=True):
+        assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
+    assert runner.greedy_batch(SEQS, 12) == ref.greedy_batch(SEQS, 12)
+    if biases:  # and they count: without them the engine computes another model
+        for b in biases:
+            b.zero_()
+        assert max(np.abs(a - b).max() for a, b in zip(ref.logits_batch(SEQS), runner.logits_batch(SEQS))) > 0.1
+
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize(
+    "config,refused",
+    [
+        (LLAMA, None),
+        (
+            LLAMA | {"architectures": ["Qwen2ForCausalLM"]},
+            "this checkpoint is ['Qwen2ForCausalLM'] (model_type 'llama')",
+        ),
+        (LLAMA | {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "implements LlamaForCausalLM"),
+        (LLAMA | {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, None),  # 4,096 over 512 tokens
+        (
+            LLAMA
+            | {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "max_position_embeddings": 32768},
+            "sliding_window 4096",  # Mistral 7B v0.1's
+        ),
+        (LLAMA | {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 256}, "last 256"),
+        (
+            LLAMA | {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "max_position_embeddings": 4096},
+            None,
+        ),
+        (LLAMA | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 128}, None),
+        (
+            LLAMA
+            | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 2}
+            | {"use_sliding_window": True, "sliding_window": 128, "max_window_layers": 1},  # layer 1 slides
+            "sliding_window 128",
+        ),
+        (
+            LLAMA
+            | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 2}
+            | {"use_sliding_window": True, "sliding_window": 128, "max_window_layers": 2},  # no layer slides
+            None,
+        ),
+        (LLAMA | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+        (LLAMA | {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ],
+)
+def test_the_engine_takes_the_decoders_it_computes_and_refuses_the_rest(config, refused):
+    """Each refusal names what the engine does not compute; a sliding window is refused only where some layer uses it
+    and it is shorter than the context: Mistral's default of 4,096 binds nothing in 512 tokens, and binds in Mistral
+    7B v0.1's 32,768."""
+    from qgate.engines.static_llama import check_architecture
+
+    if refused is None:
+        check_architecture(config)
+    else:
+        with pytest.raises(ConfigError, match=re.escape(refused)) as e:
+            check_architecture(config)
+        assert e.value.hint == "gate this checkpoint on the reference path"
 
 
 def test_spec_refuses_what_the_engine_cannot_serve(tmp_path):
@@ -780,6 +878,43 @@ def test_cuda_graph_decode_equals_eager_decode(awq_art, calib_arts, workdir):
     for a, b in zip(ref.logits_batch(SEQS), runner.served_logits_batch(SEQS, [2, 3, 4]), strict=True):
         pa, pb = torch.log_softmax(torch.as_tensor(a).float(), -1), torch.log_softmax(b.float(), -1)
         assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_a_biased_decoder_serves_on_cuda_as_its_checkpoint_says(calib_arts, tmp_path):
+    """Qwen2's q, k and v biases through the CUDA paths a Llama without biases does not take: the kernel layouts
+    timed at build (a biased Linear adds its bias after the split kernel's sum), the captured decode graphs and the
+    compiled elementwise work, against the checkpoint's bf16 reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from qgate.models import ModelSource, import_model
+    from qgate.quantize.compress import CalibOptions, quantize
+    from qgate.quantize.schemes import scheme_config
+
+    src = tiny.make_model(tmp_path / "src", model_type="qwen2")
+    base = import_model(ModelSource(hf_dir=str(src)), tmp_path / "base")
+    ckpt = quantize(
+        base,
+        calib_arts["calib"],
+        scheme_config("gptq-w4a16", group_size=32),
+        tmp_path / "gptq",
+        opts=CalibOptions(max_seq_length=32, max_samples=8),
+    )
+    eng = build_engine(ckpt, "torch-int4", tmp_path / "eng", calib_arts["profile"])
+    runner, ref = load_runner(eng, "cuda"), load_runner(ckpt, "cuda", "bfloat16")
+    assert runner.graphs and eng.meta["verified_on"].startswith("cuda")
+    served = runner.served_logits_batch(SEQS, [2, 3, 4])  # answers' positions as decode steps, from the graphs
+    prompts = [s * 3 for s in SEQS]
+    graphed = runner.greedy_batch(prompts, 16)
+    runner.graphs = {}
+    assert runner.greedy_batch(prompts, 16) == graphed
+    for got in (runner.logits_batch(SEQS), served):
+        for a, b in zip(ref.logits_batch(SEQS), got, strict=True):
+            pa, pb = (
+                torch.log_softmax(torch.as_tensor(a).float(), -1),
+                torch.log_softmax(torch.as_tensor(b).float(), -1),
+            )
+            assert (pa.exp() * (pa - pb)).sum(-1).max().item() < 1e-2
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
-"""A Llama decoder for serving: int4 or dense Linears, a static KV cache, and a decode step that CUDA graphs can
-capture.
+"""A Llama decoder for serving (Mistral's and Qwen2's too: ARCHITECTURES): int4 or dense Linears, a static KV cache,
+and a decode step that CUDA graphs can capture.
 
     model = StaticLlama(config, tensors, dtype=torch.bfloat16, device=torch.device("cuda"))
     model.setup_cache(batch=8, length=2048)
@@ -30,18 +30,40 @@ from qgate.engines.int4_linear import Linear
 from qgate.engines.int4pack import Int4Weight, int4_shape
 from qgate.errors import ConfigError
 
-ARCHITECTURES = ("LlamaForCausalLM",)
+ARCHITECTURES = {  # config.json's architecture -> its model_type: decoders this engine computes exactly
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",  # Llama's decoder with a sliding window, refused where it binds
+    "Qwen2ForCausalLM": "qwen2",  # Llama's decoder with biases on q, k and v (a Linear's bias, as any)
+}
 HINT = "gate on a host with more memory, or with AMX (bf16 matmuls: no float32 copies)"
 STATIC_ROPE = ("default", "linear", "llama3")  # RoPE types whose frequencies do not depend on the sequence length
 
 
+def model_config(config: dict):
+    """config.json as its architecture's own transformers config class (its defaults, its RoPE parameters)."""
+    from transformers import AutoConfig
+
+    rest = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config")}
+    return AutoConfig.for_model(config["model_type"], **rest)
+
+
 def check_architecture(config: dict) -> None:
-    """ConfigError unless this engine computes what the checkpoint's architecture computes."""
+    """ConfigError unless this engine computes what the checkpoint's architecture computes: one of ARCHITECTURES,
+    every layer attending to its whole context up to max_position_embeddings (a sliding window shorter than that
+    would change what a long context's tokens see), a RoPE type of STATIC_ROPE and SiLU."""
     arch = config.get("architectures") or []
-    if arch != list(ARCHITECTURES[:1]) or config.get("model_type") != "llama":
+    if len(arch) != 1 or ARCHITECTURES.get(arch[0]) != config.get("model_type"):
         raise ConfigError(
             f"the torch-int4 engine implements {', '.join(ARCHITECTURES)}, this checkpoint is "
-            f"{arch or config.get('model_type')}",
+            f"{arch or config.get('model_type')} (model_type {config.get('model_type')!r})",
+            hint="gate this checkpoint on the reference path",
+        )
+    c = model_config(config)
+    window, layers = getattr(c, "sliding_window", None), getattr(c, "layer_types", None)
+    if window is not None and (not layers or "sliding_attention" in layers) and window < c.max_position_embeddings:
+        raise ConfigError(
+            f"config.json sliding_window {window}: the model attends over the last {window} tokens only, and the "
+            f"torch-int4 engine attends over whole contexts (max_position_embeddings {c.max_position_embeddings})",
             hint="gate this checkpoint on the reference path",
         )
     rope = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get("rope_type", "default")
@@ -51,7 +73,10 @@ def check_architecture(config: dict) -> None:
             hint="gate this checkpoint on the reference path",
         )
     if config.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"config.json hidden_act {config.get('hidden_act')!r}: the torch-int4 engine serves silu")
+        raise ConfigError(
+            f"config.json hidden_act {config.get('hidden_act')!r}: the torch-int4 engine serves silu",
+            hint="gate this checkpoint on the reference path",
+        )
 
 
 FUSE = True  # q/k/v and gate/up as one wider Linear each where their weights allow (StaticLlama.__init__)
@@ -94,11 +119,10 @@ class StaticLlama(nn.Module):
         bf16 matmuls each dense Linear gets float32 copies of its weights (Linear.forward), once the host's memory is
         found to hold them (bf16_products.float32_copies; an error names the model `what`)."""
         super().__init__()
-        from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         check_architecture(config)
-        c = LlamaConfig(**{k: v for k, v in config.items() if k != "quantization_config"})
+        c = model_config(config)
         self.dtype, self.device, self.eps = dtype, device, c.rms_norm_eps
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
