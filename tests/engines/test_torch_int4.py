@@ -574,6 +574,7 @@ def test_engine_refuses_quantized_kv_and_other_architectures(base_art, calib_art
     [
         ("qwen2", {}),  # biases on q, k and v
         ("mistral", {"sliding_window": None}),
+        ("mistral", {"sliding_window": None, "head_dim": 32}),  # Mistral NeMo's kind: heads x head_dim != hidden
         ("mistral", {"sliding_window": 512}),  # a window as long as the context binds nothing
         ("llama", {"attention_bias": True, "mlp_bias": True}),  # a bias on every Linear
     ],
