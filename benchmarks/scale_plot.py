@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from gpu_scale import GOALS, goal_rows  # beside this script
+from scale_goals import GOALS, goal_rows  # beside this script
 
 DECODE_SERIES = (  # (key in decode.by_batch, label)
     ("engine_tok_s", "torch-int4 engine (int4, CUDA graphs)"),

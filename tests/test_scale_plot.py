@@ -1,5 +1,5 @@
 """benchmarks/scale_plot.py, the scale run's picture: it draws what scale.json holds, a goal is on the met side of
-the headroom axis exactly when gpu_scale calls it met, and a run cut short is drawn with what it measured."""
+the headroom axis exactly when scale_goals calls it met, and a run cut short is drawn with what it measured."""
 
 import copy
 import json
@@ -10,7 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from gpu_scale import GOALS, goal_rows, picture  # noqa: E402
+from gpu_scale import picture  # noqa: E402
+from scale_goals import GOALS, goal_rows  # noqa: E402
 from scale_plot import draw, headroom, panels  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
