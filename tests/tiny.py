@@ -49,8 +49,8 @@ def make_tokenizer(out: Path):
 def make_model(
     out: Path, seed: int = 0, hidden: int = 64, layers: int = 2, model_type: str = "llama", **config
 ) -> Path:
-    """A random causal LM of `model_type` (llama, or another transformers model type) with the tiny tokenizer, its
-    config's other settings from `config`."""
+    """A random causal LM of `model_type` (llama, or another transformers model type) with the tiny tokenizer; `config`
+    adds to its config's settings or replaces them."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -58,8 +58,7 @@ def make_model(
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(out)
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(
-        model_type,
+    settings = dict(
         vocab_size=len(tok),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -71,8 +70,8 @@ def make_model(
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        **config,
     )
+    cfg = AutoConfig.for_model(model_type, **settings | config)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # larger-than-init weights so the model is not near-uniform and quantization error shows
         for name, p in model.named_parameters():

@@ -594,18 +594,32 @@ def family_checkpoint(model_type: str, calib_arts, tmp_path, **config):
         ("mistral", {"sliding_window": None, "head_dim": 32}),  # Mistral NeMo's kind: heads x head_dim != hidden
         ("mistral", {"sliding_window": 512}),  # a window as long as the context binds nothing
         ("llama", {"attention_bias": True, "mlp_bias": True}),  # a bias on every Linear
+        ("llama", {"tie_word_embeddings": False}),  # its own head, as Llama 3 8B has
+        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+        (  # Llama 3.1's: frequencies with wavelengths over 64 positions slowed 8x, those under 16 kept
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+        ),
     ],
 )
 def test_the_engine_computes_what_each_llama_family_checkpoint_says(model_type, config, calib_arts, tmp_path):
-    """Llama's decoder as Mistral and Qwen2 ship it, and Llama's with every bias: GPTQ W4 codes in a float32 engine
-    give the reference path's logits, teacher-forced and as served, and its greedy answers."""
+    """Llama's decoder as Mistral and Qwen2 ship it, and Llama's with every bias, an untied head and each RoPE type
+    served: GPTQ W4 codes in a float32 engine give the reference path's logits, teacher-forced and as served, and its
+    greedy answers."""
     ckpt = family_checkpoint(model_type, calib_arts, tmp_path, **config)
     eng = build_engine(ckpt, "torch-int4", tmp_path / "eng", calib_arts["profile"], dtype="float32")
     ref, runner = load_runner(ckpt), load_runner(eng)
     biases = [m.bias for m in runner.model.modules() if getattr(m, "bias", None) is not None]
-    assert (
-        len(biases) == {"qwen2": 2, "mistral": 0, "llama": 2 * 4}[model_type]
-    )  # per layer: qkv fused (+o, gate_up, down)
+    # two layers' fused qkv (Qwen2), or their qkv, o, gate_up and down (Llama with every bias)
+    assert len(biases) == (2 if model_type == "qwen2" else 2 * 4 if config.get("mlp_bias") else 0)
     assert all(b.abs().max() > 0.1 for b in biases)
     for a, b in zip(ref.logits_batch(SEQS), runner.logits_batch(SEQS), strict=True):
         assert a.shape == b.shape and np.abs(a - b).max() < 1e-5
