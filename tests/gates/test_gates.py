@@ -587,6 +587,30 @@ def test_a_mean_over_skewed_prompts_passes_at_its_threshold_about_as_often_as_no
     assert cluster_bootstrap_t(same, np.zeros(100))[1:3] == (float("-inf"), float("inf"))  # one prompt decides nothing
 
 
+def test_disagreement_held_by_a_few_prompts_does_not_narrow_the_passing_end():
+    """Top-1 agreement where one prompt in 12 is broken (agreement 0.2) and the rest agree everywhere: the true
+    agreement is 0.933. A resample of the 24 prompts that draws none of the broken ones has no spread, and the
+    bootstrap left those out, the very resamples above the mean, so its lower end sat above the truth in 40% of
+    samples (400 draws), where only a sample with no broken prompt at all (11.5%: (11/12)^24) must miss it. That
+    end now comes from the cluster-robust t interval, and misses about that often. One flip in 1,152 positions still
+    bounds the agreement far above any threshold, below its estimate."""
+    rng = np.random.default_rng(0)
+    true, above, unavoidable = 1 - (1 / 12) * 0.8, 0, 0
+    for _ in range(400):
+        broken = rng.random(24) < 1 / 12
+        agree = (rng.random((24, 48)) < np.where(broken, 0.2, 1.0)[:, None]).astype(float).ravel()
+        mean, lo, hi, ev = cluster_bootstrap_t(agree, np.repeat(np.arange(24), 48), seed=int(rng.integers(2**31)))
+        above += lo > true
+        unavoidable += not broken.any()
+        if broken.sum() == 1:
+            assert ev["no_spread_share"] > 0.025 and "the lower end" in ev["ends_from"] and np.isfinite(lo)
+    assert unavoidable / 400 > 0.08 and above / 400 < unavoidable / 400 + 0.03
+    one = np.ones(24 * 48)
+    one[5] = 0.0
+    mean, lo, hi, ev = cluster_bootstrap_t(one, np.repeat(np.arange(24), 48))
+    assert 0.99 < lo < mean < hi and "the lower end" in ev["ends_from"]
+
+
 def _documents(rng, k: int, increase: float = 0.05) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Token NLLs of k documents of 20-400 tokens, the candidate's each raised by its document's own increase
     (mean `increase`, sd 0.02 between documents) plus token noise: (candidate, baseline, document of each token)."""

@@ -61,10 +61,14 @@ def cluster_bootstrap_t(
     disagreement are skewed (a few prompts hold most of them), so an interval symmetric about the mean, or the
     percentile bootstrap, sits too close on the side where the rare heavy prompts are missing: the side that passes
     a candidate (benchmarks/bench_shadow_ci.py). A resample whose clusters all have the same mean has no spread to
-    studentize by and is left out. Below BOOT_MIN_CLUSTERS clusters the interval is ratio_of_sums_ci's (a t interval
-    on few clusters' degrees of freedom). Clusters whose means agree while the values vary give no interval
-    (-inf, inf); values that never vary give [mean, mean]. (mean, lo, hi, evidence with the percentile interval of
-    the same resamples); lo, hi = -inf, inf with fewer than two clusters."""
+    studentize by: where its mean is the sample's it is left out, and where it differs its t is infinite that way.
+    Leaving those out would drop a tail: when a few prompts hold all the disagreement, the resamples that miss them
+    are the ones above the mean. Where more than a tail's share of resamples has an infinite t, the bootstrap cannot
+    place that end, and it is ratio_of_sums_ci's (evidence: `no_spread_share`, `ends_from`). Below BOOT_MIN_CLUSTERS
+    clusters the whole interval is ratio_of_sums_ci's (a t interval on few clusters' degrees of freedom). Clusters
+    whose means agree while the values vary give no interval (-inf, inf); values that never vary give [mean, mean].
+    (mean, lo, hi, evidence with the percentile interval of the same resamples); lo, hi = -inf, inf with fewer than
+    two clusters."""
     x = np.asarray(values, float)
     c, d = cluster_sums(x, clusters)
     k = len(c)
@@ -88,11 +92,24 @@ def cluster_bootstrap_t(
     means, ses = cluster_resamples(c, d, n_boot, seed)
     a = (1 - level) / 2
     ev |= {"se": se, "percentile": [quantile(means, a), quantile(means, 1 - a)]}
-    t = np.divide(means - mean, ses, out=np.full(n_boot, np.nan), where=ses > 0)
+    dev = means - mean
+    flat = np.where(dev > 0, np.inf, np.where(dev < 0, -np.inf, np.nan))  # a resample without spread: its t
+    t = np.divide(dev, ses, out=flat, where=ses > 0)
     if se == 0 or np.isnan(t).all():  # every cluster has the same mean: by chance, or nothing varies
         return (mean, float("-inf"), float("inf"), ev) if varies else (mean, mean, mean, ev)
-    t_lo, t_hi = np.nanquantile(t, [a, 1 - a])
-    return mean, float(mean - t_hi * se), float(mean - t_lo * se), ev
+    ev["no_spread_share"] = float(np.mean(ses <= 0))
+    if np.isinf(t).any():  # order statistics, each on its outer side: no interpolation toward an infinite t
+        t_lo, t_hi = np.nanquantile(t, a, method="lower"), np.nanquantile(t, 1 - a, method="higher")
+    else:
+        t_lo, t_hi = np.nanquantile(t, [a, 1 - a])
+    lo, hi = float(mean - t_hi * se), float(mean - t_lo * se)
+    if not (np.isfinite(lo) and np.isfinite(hi)):  # that end's tail is resamples without spread
+        _, t_lo_end, t_hi_end, cr2 = ratio_of_sums_ci(x, np.ones_like(x), clusters, level)
+        ev["ends_from"] = f"cluster-robust t (CR2, df {cr2.get('df')}): the bootstrap cannot place " + " and ".join(
+            side for side, end in (("the lower end", lo), ("the upper end", hi)) if not np.isfinite(end)
+        )
+        lo, hi = (lo if np.isfinite(lo) else float(t_lo_end)), (hi if np.isfinite(hi) else float(t_hi_end))
+    return mean, lo, hi, ev
 
 
 def ratio_of_sums_ci(
