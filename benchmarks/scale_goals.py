@@ -2,6 +2,7 @@
 end of a run, benchmarks/scale_plot.py draws them.
 
     rows = goal_rows(json.loads(Path("scale.json").read_text()))   # [{"goal", "value", "limit", "met"}]
+    x = figure(results, ("gate", "wall_seconds"))                    # a number, or None where not measured
     print_goals(results)                                             # one aligned line per goal
 """
 
@@ -20,15 +21,20 @@ GOALS = (
 )
 
 
+def figure(r: dict, path: tuple[str, ...]) -> float | None:
+    """The number at `path` in the results `r`, or None where the run did not measure it (a phase failed or was
+    skipped)."""
+    for key in path:
+        r = r.get(key) if isinstance(r, dict) else None
+    return r if isinstance(r, int | float) and not isinstance(r, bool) else None
+
+
 def goal_rows(r: dict) -> list[dict]:
     """Each goal of GOALS with its figure from the results `r` and whether it is met; a figure this run did not
-    measure (a phase failed or was skipped) is None, and so is its `met`."""
+    measure is None, and so is its `met`."""
     rows = []
     for name, path, limit, at_least in GOALS:
-        x = r
-        for key in path:
-            x = x.get(key) if isinstance(x, dict) else None
-        value = x if isinstance(x, int | float) else None
+        value = figure(r, path)
         met = None if value is None else (value >= limit if at_least else value <= limit)
         rows.append({"goal": name, "value": value, "limit": (">= " if at_least else "<= ") + f"{limit:g}", "met": met})
     return rows

@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from scale_goals import GOALS, goal_rows  # beside this script
+from scale_goals import GOALS, figure, goal_rows  # beside this script
 
 DECODE_SERIES = (  # (key in decode.by_batch, label)
     ("engine_tok_s", "torch-int4 engine (int4, CUDA graphs)"),
@@ -38,19 +38,11 @@ SCORING_BARS = (  # (label, path into the results, whether a goal names it)
 MFU_GOAL = 0.4  # issue 35's scoring goal, the figure every goal-named bar is held to
 
 
-def _at(r: dict, path: tuple[str, ...]):
-    """The number at `path` in the results, or None where the run did not measure it."""
-    for key in path:
-        r = r.get(key) if isinstance(r, dict) else None
-    return r if isinstance(r, int | float) and not isinstance(r, bool) else None
-
-
-def headroom(row: dict) -> float | None:
-    """A goal row's figure over its limit (at least) or its limit over its figure (at most): met at 1 or more."""
-    value, limit = row["value"], float(row["limit"].split()[1])
+def headroom(value: float | None, limit: float, at_least: bool) -> float | None:
+    """A goal's figure over its limit (at least) or its limit over its figure (at most): met at 1 or more."""
     if value is None:
         return None
-    if row["limit"].startswith(">="):
+    if at_least:
         return value / limit
     return limit / value if value > 0 else float("inf")
 
@@ -63,27 +55,27 @@ def panels(r: dict) -> dict:
     batches = sorted(int(b) for b in by_batch)
     decode = {}
     for key, label in DECODE_SERIES:
-        points = [(b, by_batch[str(b)][key]) for b in batches if _at(by_batch, (str(b), key))]
+        points = [(b, by_batch[str(b)][key]) for b in batches if figure(by_batch, (str(b), key))]
         if points:
             decode[label] = points
     missing = [label for key, label in DECODE_SERIES[:2] if label not in decode]
     scoring = []
     for label, path, goal in SCORING_BARS:
-        value = _at(r, path)
+        value = figure(r, path)
         if value is None:
             missing.append(f"MFU: {label}")
         else:
             scoring.append((label, value, goal))
     goals = []
-    for row in goal_rows(r):
-        h = headroom(row)
+    for (_, _, limit, at_least), row in zip(GOALS, goal_rows(r), strict=True):
+        h = headroom(row["value"], limit, at_least)
         if h is None:
             missing.append(f"goal: {row['goal']}")
         else:
             goals.append((row["goal"], h, row["met"]))
     return {
         "decode": decode,
-        "roofline": _at(r, ("decode", "int4_roofline_tok_s")),
+        "roofline": figure(r, ("decode", "int4_roofline_tok_s")),
         "scoring": scoring,
         "goals": goals,
         "missing": missing,

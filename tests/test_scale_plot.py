@@ -80,7 +80,7 @@ def test_a_goal_is_on_the_met_side_exactly_when_it_is_met(scale):
     assert {row["met"] for row in rows if row["limit"].startswith("<=")} == {scale <= 1}
     for row, (name, h, met) in zip(rows, panels(r)["goals"], strict=True):
         assert name == row["goal"] and met == row["met"] and (h >= 1) == row["met"], (row, h)
-    assert headroom({"value": 0.0, "limit": "<= 0.01"}) == float("inf")  # a parity KL of exactly 0
+    assert headroom(0.0, 0.01, False) == float("inf")  # a parity KL of exactly 0
 
 
 def test_a_run_cut_short_is_drawn_with_what_it_measured(tmp_path):
