@@ -47,10 +47,11 @@ def model_config(config: dict):
     return AutoConfig.for_model(config["model_type"], **rest)
 
 
-def check_architecture(config: dict) -> None:
-    """ConfigError unless this engine computes what the checkpoint's architecture computes: one of ARCHITECTURES,
-    every layer attending to its whole context up to max_position_embeddings (a sliding window shorter than that
-    would change what a long context's tokens see), a RoPE type of STATIC_ROPE and SiLU."""
+def check_architecture(config: dict):
+    """config.json as its model_config, or ConfigError unless this engine computes what the checkpoint's
+    architecture computes: one of ARCHITECTURES, every layer attending to its whole context up to
+    max_position_embeddings (a sliding window shorter than that would change what a long context's tokens see), a
+    RoPE type of STATIC_ROPE and SiLU."""
     arch = config.get("architectures") or []
     if len(arch) != 1 or ARCHITECTURES.get(arch[0]) != config.get("model_type"):
         raise ConfigError(
@@ -77,6 +78,7 @@ def check_architecture(config: dict) -> None:
             f"config.json hidden_act {config.get('hidden_act')!r}: the torch-int4 engine serves silu",
             hint="gate this checkpoint on the reference path",
         )
+    return c
 
 
 FUSE = True  # q/k/v and gate/up as one wider Linear each where their weights allow (StaticLlama.__init__)
@@ -121,8 +123,7 @@ class StaticLlama(nn.Module):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        check_architecture(config)
-        c = model_config(config)
+        c = check_architecture(config)
         self.dtype, self.device, self.eps = dtype, device, c.rms_norm_eps
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
