@@ -104,11 +104,11 @@ def cluster_bootstrap_t(
         t_lo, t_hi = np.nanquantile(t, [a, 1 - a])
     lo, hi = float(mean - t_hi * se), float(mean - t_lo * se)
     if not (np.isfinite(lo) and np.isfinite(hi)):  # that end's tail is resamples without spread
-        _, t_lo_end, t_hi_end, cr2 = ratio_of_sums_ci(x, np.ones_like(x), clusters, level)
+        _, cr2_lo, cr2_hi, cr2 = ratio_of_sums_ci(x, np.ones_like(x), clusters, level)
         ev["ends_from"] = f"cluster-robust t (CR2, df {cr2.get('df')}): the bootstrap cannot place " + " and ".join(
             side for side, end in (("the lower end", lo), ("the upper end", hi)) if not np.isfinite(end)
         )
-        lo, hi = (lo if np.isfinite(lo) else float(t_lo_end)), (hi if np.isfinite(hi) else float(t_hi_end))
+        lo, hi = (lo if np.isfinite(lo) else float(cr2_lo)), (hi if np.isfinite(hi) else float(cr2_hi))
     return mean, lo, hi, ev
 
 
