@@ -160,6 +160,21 @@ def test_unservable_schemes_are_refused(bad, match):
         check_scheme(bad)
 
 
+def test_8bit_layers_are_refused_with_the_callers_reason_where_it_gives_one():
+    """check_scheme says why 8-bit weight-only layers cannot be served where the caller knows (the engine's build:
+    no int8 kernel, served dense), names the checkpoint first, and keeps the general refusal otherwise."""
+    with pytest.raises(
+        ConfigError,
+        match=r"^ckpt/x: quantization_config.config_groups.group_0: 8-bit layers, and "
+        r"no int8 here\n",
+    ) as w8:
+        check_scheme(_qconfig(bits=8), "ckpt/x", "no int8 here")
+    assert "search.fallback_bits: 16" in w8.value.hint
+    with pytest.raises(ConfigError, match=r"^ckpt/x: quantization_config.config_groups.group_0: the torch-int4 "):
+        check_scheme(_qconfig(bits=8), "ckpt/x")
+    check_scheme(_qconfig(), "ckpt/x", "no int8 here")  # W4: nothing to refuse
+
+
 def test_group_sizes_the_kernel_lacks_are_refused():
     state, _ = _ct_layer(16, 64, 16)
     with pytest.raises(ConfigError, match="group size"):

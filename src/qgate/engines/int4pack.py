@@ -55,21 +55,30 @@ class Int4Weight:
     group_size: int
 
 
-def check_scheme(qconfig: dict) -> None:
-    """ConfigError unless every quantized layer is a group-wise integer weight with float activations."""
+def check_scheme(qconfig: dict, where: str = "", w8_why: str | None = None) -> None:
+    """ConfigError unless every quantized layer is a group-wise integer weight with float activations. where: what
+    the message names first (the checkpoint's path). w8_why: why 8-bit weight-only layers in particular cannot be
+    served, where the caller says more of them than that they are not 4-bit."""
+    at = f"{where}: " if where else ""
     groups = qconfig.get("config_groups") or {}
     if qconfig.get("format") not in ("pack-quantized", "mixed-precision") or not groups:
         raise ConfigError(
-            f"the torch-int4 engine takes pack-quantized integer weights, this checkpoint is "
+            f"{at}the torch-int4 engine takes pack-quantized integer weights, this checkpoint is "
             f"{qconfig.get('format') or 'unquantized'}",
             hint="quantize with awq-w4a16 or gptq-w4a16; W8A16 and FP8 checkpoints run on the reference path",
         )
     for name, g in groups.items():
         w, a = g.get("weights") or {}, g.get("input_activations")
+        if w8_why and not a and w.get("type") == "int" and w.get("num_bits") == 8:
+            raise ConfigError(
+                f"{at}quantization_config.config_groups.{name}: 8-bit layers, and {w8_why}",
+                hint="gate a W8A16 checkpoint on the reference path (no engine); a search for this engine keeps "
+                "its fallen-back layers unquantized (search.fallback_bits: 16)",
+            )
         int4 = w.get("type") == "int" and w.get("num_bits") == 4 and w.get("strategy") == "group"
         if a or not int4 or w.get("actorder") == "group":
             raise ConfigError(
-                f"quantization_config.config_groups.{name}: the torch-int4 engine serves 4-bit group-wise int "
+                f"{at}quantization_config.config_groups.{name}: the torch-int4 engine serves 4-bit group-wise int "
                 f"weights with float activations and no group activation order, got weights={w}, "
                 f"input_activations={a}",
                 hint="use actorder static or null, and a W4A16 scheme",

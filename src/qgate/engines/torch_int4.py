@@ -91,16 +91,7 @@ def check_checkpoint(ckpt: Artifact) -> dict:
     cfg = json.loads((ckpt.path / "config.json").read_text())
     check_architecture(cfg)
     if qconfig := cfg.get("quantization_config"):
-        for name, g in (qconfig.get("config_groups") or {}).items():
-            w = g.get("weights") or {}
-            if w.get("type") == "int" and w.get("num_bits") == 8 and not g.get("input_activations"):
-                raise ConfigError(
-                    f"{ckpt.path}: quantization_config.config_groups.{name}: 8-bit layers, and {NO_INT8}: they would "
-                    f"be served as dense weights, {DENSE_W8}",
-                    hint="gate a W8A16 checkpoint on the reference path (no engine); a search for this engine keeps "
-                    "its fallen-back layers unquantized (search.fallback_bits: 16)",
-                )
-        check_scheme(qconfig)
+        check_scheme(qconfig, str(ckpt.path), f"{NO_INT8}: they would be served as dense weights, {DENSE_W8}")
     if ckpt.meta.get("kv_cache_dtype"):
         raise ConfigError(
             f"{ckpt.path}: KV cache {ckpt.meta['kv_cache_dtype']}: the torch-int4 engine keeps its KV "
