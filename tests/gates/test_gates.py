@@ -269,8 +269,13 @@ def test_three_verdicts_decided_on_the_confidence_interval():
     assert (ok.verdict, ok.passed, ok.decided_on) == ("pass", True, "ci")
     assert (bad.verdict, bad.passed) == ("fail", False)
     assert (straddles.verdict, straddles.passed) == ("inconclusive", False)
-    # half-width 0.045 vs distance 0.01: about (0.045 / 0.01)^2 = 20x the items
-    assert straddles.n_to_decide == pytest.approx(400 * 4.5**2, rel=1e-6)
+    # the end facing the threshold is 0.05 from the point, which is 0.01 from it: about (0.05 / 0.01)^2 = 25x the items
+    assert straddles.n_to_decide == 400 * 25
+    # only the facing side counts, on either side of the threshold: a skewed interval's far side says nothing
+    good = GateResult.check("shadow", "kl_p99", 0.25, 0.375, False, 48, ci=(0.125, 0.5))
+    worse = GateResult.check("shadow", "kl_p99", 0.5, 0.375, False, 48, ci=(0.3125, 1.0))
+    assert good.n_to_decide == 48 * (0.25 / 0.125) ** 2 == 192  # the half width would say 108
+    assert worse.n_to_decide == 48 * (0.1875 / 0.125) ** 2 == 108  # the half width would say 363
     assert straddles.mde == pytest.approx(0.09 / (2 * 1.959964) * (1.959964 + 0.841621), rel=1e-6)
     hi = GateResult.check("eval", "recovery", 0.95, 0.9, True, 69, ci=(0.80, 1.10))
     assert hi.verdict == "inconclusive" and "~" in hi.line() and "INCONCLUSIVE" in hi.line()
@@ -353,7 +358,7 @@ def test_a_tail_too_thin_to_bound_says_how_many_more_values_would_bound_it():
         GateResult.check("shadow", "kl_p99", float(np.quantile(more, 0.99)), 0.5, False, more.size, (lo, hi)).verdict
         == "pass"
     )
-    # clustered: the count scales with the design effect; a bad point gets no count, bounding would not decide it
+    # clustered: the count scales with the design effect; a bad point is not bounded, its lower end counts instead
     cl = np.repeat(np.arange(48), 48)
     y = rng.exponential(0.01, cl.size)
     y[cl == 0] *= 50  # the tail in one prompt
@@ -361,7 +366,7 @@ def test_a_tail_too_thin_to_bound_says_how_many_more_values_would_bound_it():
     assert hi == float("inf") and ev["n_to_bound"] == -(-y.size * 368 // ev["n_effective"]) > y.size
     assert ev["clusters_to_bound"] == -(-48 * 368 // ev["n_effective"])
     bad = GateResult.check("shadow", "kl_p99", 0.6, 0.5, False, y.size, (0.4, float("inf")), evidence=ev)
-    assert bad.verdict == "inconclusive" and bad.n_to_decide is None
+    assert bad.verdict == "inconclusive" and bad.n_to_decide == 4 * y.size  # its lower end's count, not n_to_bound
 
 
 def test_quantile_interval_respects_clustering_and_refuses_to_bound_thin_tails():
@@ -1437,7 +1442,7 @@ def test_perf_divides_times_from_one_card_or_cpu_and_measures_a_foreign_one_agai
         assert (r.verdict, r.decided_on, r.n) == (verdict, "ci", 3) and 1.78 < r.ci[0] < 1.8 < 2.22 < r.ci[1] < 2.24
         assert abs(r.observed - 2.0) < 0.01 and r.evidence["candidate_score_passes"] == cand, r
         assert "apart from the candidate" in r.evidence["caveat"], r.evidence  # drift between them is not in it
-    assert "~14 timed passes of each model would decide it" in r.line(), r.line()
+    assert "~16 timed passes of each model would decide it" in r.line(), r.line()  # its upper end: 0.227 from 2.0
     in_turn = apart | {"paired": True}  # the same passes timed in turn: their ratios 2.0, 2.06, 1.94
     r = perf_check(floor, in_turn, tf, "cpu-onnxruntime", here, PerfConfig(2.2))
     assert r.verdict == "fail" and 1.85 < r.ci[0] < r.ci[1] < 2.16 and "caveat" not in r.evidence, r

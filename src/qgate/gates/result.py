@@ -240,13 +240,18 @@ def what_would_decide(results: list[dict]) -> dict[str, str]:
 
 
 def _n_to_decide(observed: float, threshold: float, ci: tuple[float, float] | None, n: int) -> int | None:
-    """Half-width shrinks as 1/sqrt(n): the n at which it would equal the distance to the threshold."""
-    if ci is None or not all(math.isfinite(x) for x in ci) or n <= 0:
+    """Roughly how many items would decide an interval that straddles the threshold: the n at which the interval's
+    side that faces the threshold (the observed value's distance to that end), shrinking as 1/sqrt(n), would reach
+    it. Only that end crosses, and the intervals of skewed statistics (bootstrap-t, quantiles, ratios) are not
+    symmetric (benchmarks/bench_n_to_decide.py). None where that side is unbounded, or the observed value is the
+    threshold."""
+    if ci is None or n <= 0:
         return None
-    half, gap = (ci[1] - ci[0]) / 2, abs(observed - threshold)
-    if gap <= 0 or half <= 0:
+    toward = threshold - observed
+    side = ci[1] - observed if toward > 0 else observed - ci[0]
+    if not (math.isfinite(side) and side > 0 and toward != 0):
         return None
-    return int(math.ceil(n * (half / gap) ** 2))
+    return int(math.ceil(n * (side / abs(toward)) ** 2))
 
 
 def caveats(results: list[dict]) -> dict[str, list[str]]:
