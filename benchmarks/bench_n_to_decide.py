@@ -12,7 +12,12 @@ one). For each inconclusive draw, a new split of the named size is drawn and gat
 estimate, with the median size named as a multiple of 48 prompts. A size named as the median of what decides it
 decides about half the time.
 
-    .venv/bin/python benchmarks/bench_n_to_decide.py              # kl_mean and kl_p99, 100 draws each; ~1 minute
+The perf check's speed-up, from 3 timed passes of each model (5% log-normal jitter; in turn, a host drift of 10%
+shared by a round's two passes), is named two ways too: `se only`, its log interval's half width scaled as
+1/sqrt(n), and `t-aware` (stats.passes_to_decide, what gates/perf.py names), where the t quantile also falls as
+passes are added.
+
+    .venv/bin/python benchmarks/bench_n_to_decide.py              # every row, 100 draws each; ~30 s
     .venv/bin/python benchmarks/bench_n_to_decide.py --draws 300 --seed 1
 """
 
@@ -24,7 +29,7 @@ import math
 import numpy as np
 
 from qgate.gates.result import GateResult
-from qgate.gates.stats import cluster_bootstrap_t, quantile_ci
+from qgate.gates.stats import cluster_bootstrap_t, passes_to_decide, quantile_ci, time_ratio_ci
 
 PROMPTS, PER, CAP = 48, 40, 4000  # the split, positions per prompt, the largest split drawn
 
@@ -80,6 +85,38 @@ def main() -> None:
                     decided[h] += gate(metric, y, cy, threshold).verdict != "inconclusive"
             for h in hows:
                 print(f"{metric:8s} {who:9s} {h:12s} {np.median(sizes[h]) / PROMPTS:13.2f} {decided[h] / tried:9.2f}")
+    perf_rows(rng, args.draws)
+
+
+def perf_rows(rng, draws: int) -> None:
+    """The speed-up rows: true speed-ups just above and below a threshold of 1.2, apart (Welch) and in turn."""
+
+    def passes(k: int, true: float, paired: bool) -> tuple[np.ndarray, np.ndarray]:
+        drift = np.exp(rng.normal(0, 0.1, k)) if paired else 1.0
+        return 13.0 * np.exp(rng.normal(0, 0.05, k)) * drift, 13.0 / true * np.exp(rng.normal(0, 0.05, k)) * drift
+
+    threshold = 1.2
+    print(f"{'perf':8s} {'timing':9s} {'true':>5s} {'estimate':12s} {'median passes':>13s} {'decided':>9s}")
+    for paired in (False, True):
+        for true in (1.25, 1.15):
+            tried, named, decided = 0, {"se only": [], "t-aware": []}, {"se only": 0, "t-aware": 0}
+            while tried < draws:
+                b, c = passes(3, true, paired)
+                ratio, lo, hi = time_ratio_ci(b, c, paired)
+                if not lo < threshold < hi:
+                    continue
+                tried += 1
+                half, gap = math.log(hi / lo) / 2, abs(math.log(ratio / threshold))
+                ns = {"se only": math.ceil(3 * (half / gap) ** 2), "t-aware": passes_to_decide(b, c, threshold, paired)}
+                for how, m in ns.items():
+                    named[how].append(m)
+                    _, lo2, hi2 = time_ratio_ci(*passes(min(m, CAP), true, paired), paired)
+                    decided[how] += not lo2 < threshold < hi2
+            for how in named:
+                print(
+                    f"{'perf':8s} {'in turn' if paired else 'apart':9s} {true:5.2f} {how:12s} "
+                    f"{np.median(named[how]):13.0f} {decided[how] / tried:9.2f}"
+                )
 
 
 if __name__ == "__main__":

@@ -564,6 +564,35 @@ def test_time_ratio_interval_covers_at_three_passes_a_side():
     assert np.isnan(time_ratio_ci([1.0], [1.0, 1.1])[1])  # one pass: no spread to read an interval from
 
 
+@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("threshold", [2.05, 2.1, 1.9])
+def test_passes_to_decide_names_the_fewest_passes_of_the_same_spread_that_decide(paired, threshold):
+    """An INCONCLUSIVE speed-up names how many timed passes of each model would decide it: with passes of the same
+    log mean and spread, the interval at that many clears the threshold and at one fewer it does not. The t
+    quantile's fall with the passes counts: the standard error alone would name about twice as many at 3 passes."""
+    from qgate.gates.stats import passes_to_decide, time_ratio_ci
+
+    base, cand = [2.0, 2.1, 1.9], [1.0, 1.02, 0.98]
+    _, lo, hi = time_ratio_ci(base, cand, paired)
+    assert lo < threshold < hi  # undecided at 3 passes
+    m = passes_to_decide(base, cand, threshold, paired)
+
+    def like(times, k):  # k passes with the log mean and sample spread of `times`
+        x = np.log(times)
+        z = np.linspace(-1, 1, k)
+        return np.exp(x.mean() + x.std(ddof=1) * (z - z.mean()) / z.std(ddof=1))
+
+    def decided(k):  # paired: the log ratios keep the three pairs' mean and spread
+        b = like(base, k)
+        c = b / like(np.divide(base, cand), k) if paired else like(cand, k)
+        _, lo, hi = time_ratio_ci(b, c, paired)
+        return not lo < threshold < hi
+
+    assert m > 3 and decided(m) and not decided(m - 1), m
+    se_alone = 3 * (np.log(hi / lo) / 2 / abs(np.log(hi * lo) / 2 - np.log(threshold))) ** 2  # 1/sqrt(n) only
+    assert m < se_alone, (m, se_alone)
+
+
 def _skewed_prompts(rng, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-1 agreement of k prompts of 16-48 answer tokens whose disagreement rates are Beta(0.2, 1.8): most prompts
     near none, a few with many, mean 0.1. (agreement per position, prompt of each)."""
@@ -1442,7 +1471,7 @@ def test_perf_divides_times_from_one_card_or_cpu_and_measures_a_foreign_one_agai
         assert (r.verdict, r.decided_on, r.n) == (verdict, "ci", 3) and 1.78 < r.ci[0] < 1.8 < 2.22 < r.ci[1] < 2.24
         assert abs(r.observed - 2.0) < 0.01 and r.evidence["candidate_score_passes"] == cand, r
         assert "apart from the candidate" in r.evidence["caveat"], r.evidence  # drift between them is not in it
-    assert "~16 timed passes of each model would decide it" in r.line(), r.line()  # its upper end: 0.227 from 2.0
+    assert "~7 timed passes of each model would decide it" in r.line(), r.line()  # stats.passes_to_decide
     in_turn = apart | {"paired": True}  # the same passes timed in turn: their ratios 2.0, 2.06, 1.94
     r = perf_check(floor, in_turn, tf, "cpu-onnxruntime", here, PerfConfig(2.2))
     assert r.verdict == "fail" and 1.85 < r.ci[0] < r.ci[1] < 2.16 and "caveat" not in r.evidence, r

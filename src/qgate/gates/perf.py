@@ -16,7 +16,7 @@ from qgate.errors import BackendUnavailable, ConfigError
 from qgate.gates.numerics import LazyRunner
 from qgate.gates.result import POSITIVE, GateResult, check_threshold_values
 from qgate.gates.shadow import candidate_metrics
-from qgate.gates.stats import time_ratio_ci
+from qgate.gates.stats import passes_to_decide, time_ratio_ci
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,8 @@ def perf_check(floor: dict, times: dict, how: str, runtime: str, cand_on: str, c
     result = GateResult.check(
         "perf", "prefill_speedup", speedup, cfg.min_prefill_speedup, True, n, ci, evidence=evidence
     )
+    if result.verdict == "inconclusive" and ci is not None:  # the t quantile falls too as passes are added
+        result = replace(result, n_to_decide=passes_to_decide(base_s, cand_s, cfg.min_prefill_speedup, paired=paired))
     comparable = base_on == cand_on and how == "teacher-forced"
     if result.verdict == "info":
         why = {} if comparable else {"why": _not_comparable(base_on, cand_on, how)}

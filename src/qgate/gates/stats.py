@@ -6,6 +6,7 @@ ratio, lo, hi, ev = ratio_of_sums_ci(cand_nll, base_nll, documents)  # sum / sum
 lo, hi, ev = quantile_ci(values, clusters, 0.99)                     # hi is inf when the sample cannot bound it
 min_effective_n(0.99)                                                # 368: fewer values never bound p99 above
 ratio, lo, hi = time_ratio_ci([2.0, 2.1, 1.9], [1.0, 1.02, 0.98])    # a speed-up from timed passes of each side
+m = passes_to_decide([2.0, 2.1, 1.9], [1.0, 1.02, 0.98], 2.1)        # passes of each that would decide it against 2.1
 recovery, lo, hi = paired_ratio_ci(base_correct, cand_correct)       # candidate / baseline accuracy, paired items
 """
 
@@ -351,6 +352,22 @@ def _score_root(table: tuple[int, int, int, int], target: float, start: float, s
     return float(brentq(f, min(inside, outside), max(inside, outside), xtol=1e-14))
 
 
+def _log_ratio(base_seconds, cand_seconds, paired: bool) -> tuple[float, float, float] | None:
+    """(mean log ratio, its standard error, its degrees of freedom) of timed passes (time_ratio_ci); None when a side
+    has fewer than two passes."""
+    lb, lc = np.log(np.asarray(base_seconds, float)), np.log(np.asarray(cand_seconds, float))
+    d = float(lb.mean() - lc.mean())
+    if min(len(lb), len(lc)) < 2:
+        return None
+    if paired:
+        diff = lb - lc
+        return d, float(diff.std(ddof=1) / np.sqrt(len(diff))), len(diff) - 1
+    vb, vc = lb.var(ddof=1) / len(lb), lc.var(ddof=1) / len(lc)
+    se = float(np.sqrt(vb + vc))
+    df = se**4 / (vb**2 / (len(lb) - 1) + vc**2 / (len(lc) - 1)) if se > 0 else 1  # Welch-Satterthwaite
+    return d, se, float(df)
+
+
 def time_ratio_ci(base_seconds, cand_seconds, paired: bool = False, level: float = 0.95) -> tuple[float, float, float]:
     """A speed-up (baseline time / candidate time) from repeated timed passes of each: the ratio of their geometric
     means, with a t interval on the log times (a time's jitter is multiplicative). paired: pass k of each side was
@@ -359,21 +376,50 @@ def time_ratio_ci(base_seconds, cand_seconds, paired: bool = False, level: float
     spread could not be read."""
     from scipy.stats import t as student_t
 
-    lb, lc = np.log(np.asarray(base_seconds, float)), np.log(np.asarray(cand_seconds, float))
-    d = float(lb.mean() - lc.mean())
-    if min(len(lb), len(lc)) < 2:
+    read = _log_ratio(base_seconds, cand_seconds, paired)
+    if read is None:
+        d = float(np.log(np.asarray(base_seconds, float)).mean() - np.log(np.asarray(cand_seconds, float)).mean())
         return float(np.exp(d)), float("nan"), float("nan")
-    if paired:
-        diff = lb - lc
-        se, df = float(diff.std(ddof=1) / np.sqrt(len(diff))), len(diff) - 1
-    else:
-        vb, vc = lb.var(ddof=1) / len(lb), lc.var(ddof=1) / len(lc)
-        se = float(np.sqrt(vb + vc))
-        df = se**4 / (vb**2 / (len(lb) - 1) + vc**2 / (len(lc) - 1)) if se > 0 else 1  # Welch-Satterthwaite
+    d, se, df = read
     if se == 0:
         return float(np.exp(d)), float(np.exp(d)), float(np.exp(d))
     half = float(student_t.ppf((1 + level) / 2, df)) * se
     return float(np.exp(d)), float(np.exp(d - half)), float(np.exp(d + half))
+
+
+def passes_to_decide(
+    base_seconds, cand_seconds, threshold: float, paired: bool = False, level: float = 0.95, most: int = 100_000
+) -> int | None:
+    """Roughly how many timed passes of each model would put time_ratio_ci's interval wholly on one side of the
+    speed-up `threshold`: the fewest m at which the t interval's half width on the log times, its standard error
+    shrinking as 1/sqrt(m) and its degrees of freedom growing with m (paired: m - 1; Welch: the df at hand scaled
+    as the passes are), is at most the log ratio's distance to the log threshold. With few passes the t quantile
+    falls as passes are added (4.30 at 2 df, 2.04 at 30), so the standard error alone would name too many. None
+    where the spread cannot be read, or the ratio is the threshold; `most` when not even that many would do."""
+    from scipy.stats import t as student_t
+
+    read = _log_ratio(base_seconds, cand_seconds, paired)
+    if read is None or read[1] <= 0 or not threshold > 0:
+        return None
+    d, se, df = read
+    gap, n = abs(d - float(np.log(threshold))), min(len(base_seconds), len(cand_seconds))
+    if gap == 0:
+        return None
+    q = (1 + level) / 2
+
+    def decides(m: int) -> bool:
+        dfm = m - 1 if paired else df * (m - 1) / (n - 1)
+        return float(student_t.ppf(q, dfm)) * se * np.sqrt(n / m) <= gap
+
+    lo, hi = n, n
+    while not decides(hi):  # the first power-of-two multiple that decides, then bisect below it
+        if hi >= most:
+            return most
+        lo, hi = hi, min(hi * 2, most)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if not decides(mid) else (lo, mid)
+    return hi
 
 
 def holm(p_values: list[float]) -> list[float]:
