@@ -26,6 +26,8 @@ def _norm(name: str) -> str:
 def hidden(kinds: Path, wheels: Path) -> list[str]:
     from importlib.metadata import packages_distributions
 
+    if not kinds.is_file():
+        raise SystemExit(f"{kinds}: not found: the GPU image's package list (the device tool's KINDS.md); set KINDS")
     line = next((s for s in kinds.read_text().splitlines() if "Packages: " in s), None)
     if line is None:
         raise SystemExit(f"{kinds}: no line with 'Packages: ' (the GPU image's package list)")

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -25,6 +27,8 @@ def test_hidden_is_what_neither_the_image_nor_the_wheels_hold(tmp_path):
     assert "yaml" not in names  # PyYAML's module, from a carried wheel (names compared normalized)
     assert "torch" in names and "pytest" in names  # installed here, in neither
     assert "qgate" not in names
+    with pytest.raises(SystemExit, match="not found: the GPU image's package list"):
+        hidden(tmp_path / "absent.md", wheels)
 
 
 def test_a_hidden_module_is_not_found_and_the_rest_import(tmp_path):
