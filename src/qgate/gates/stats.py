@@ -352,13 +352,13 @@ def _score_root(table: tuple[int, int, int, int], target: float, start: float, s
     return float(brentq(f, min(inside, outside), max(inside, outside), xtol=1e-14))
 
 
-def _log_ratio(base_seconds, cand_seconds, paired: bool) -> tuple[float, float, float] | None:
-    """(mean log ratio, its standard error, its degrees of freedom) of timed passes (time_ratio_ci); None when a side
-    has fewer than two passes."""
+def _log_ratio(base_seconds, cand_seconds, paired: bool) -> tuple[float, float | None, float | None]:
+    """(mean log ratio, its standard error, its degrees of freedom) of timed passes (time_ratio_ci); the standard
+    error and df are None when a side has fewer than two passes."""
     lb, lc = np.log(np.asarray(base_seconds, float)), np.log(np.asarray(cand_seconds, float))
     d = float(lb.mean() - lc.mean())
     if min(len(lb), len(lc)) < 2:
-        return None
+        return d, None, None
     if paired:
         diff = lb - lc
         return d, float(diff.std(ddof=1) / np.sqrt(len(diff))), len(diff) - 1
@@ -376,11 +376,9 @@ def time_ratio_ci(base_seconds, cand_seconds, paired: bool = False, level: float
     spread could not be read."""
     from scipy.stats import t as student_t
 
-    read = _log_ratio(base_seconds, cand_seconds, paired)
-    if read is None:
-        d = float(np.log(np.asarray(base_seconds, float)).mean() - np.log(np.asarray(cand_seconds, float)).mean())
+    d, se, df = _log_ratio(base_seconds, cand_seconds, paired)
+    if se is None:
         return float(np.exp(d)), float("nan"), float("nan")
-    d, se, df = read
     if se == 0:
         return float(np.exp(d)), float(np.exp(d)), float(np.exp(d))
     half = float(student_t.ppf((1 + level) / 2, df)) * se
@@ -398,10 +396,9 @@ def passes_to_decide(
     where the spread cannot be read, or the ratio is the threshold; `most` when not even that many would do."""
     from scipy.stats import t as student_t
 
-    read = _log_ratio(base_seconds, cand_seconds, paired)
-    if read is None or read[1] <= 0 or not threshold > 0:
+    d, se, df = _log_ratio(base_seconds, cand_seconds, paired)
+    if se is None or se <= 0 or not threshold > 0:
         return None
-    d, se, df = read
     gap, n = abs(d - float(np.log(threshold))), min(len(base_seconds), len(cand_seconds))
     if gap == 0:
         return None
