@@ -49,12 +49,11 @@ def gate(metric: str, x: np.ndarray, c: np.ndarray, threshold: float) -> GateRes
 
 
 def named(r: GateResult, how: str) -> int | None:
-    lo, hi = r.ci
-    toward = r.threshold - r.observed
-    side = (hi - lo) / 2 if how == "half width" else (hi - r.observed if toward > 0 else r.observed - lo)
-    if not (math.isfinite(side) and side > 0 and toward != 0):
-        return None
-    return math.ceil(r.n * (side / abs(toward)) ** 2)
+    """The size `how` names for the row r: the facing side's is the row's own count (gates/result.py)."""
+    if how == "facing side":
+        return r.n_to_decide
+    half, gap = (r.ci[1] - r.ci[0]) / 2, abs(r.threshold - r.observed)
+    return math.ceil(r.n * (half / gap) ** 2) if math.isfinite(half) and half > 0 and gap > 0 else None
 
 
 def main() -> None:
