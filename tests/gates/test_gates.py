@@ -1758,3 +1758,18 @@ def test_a_threshold_that_could_never_fail_or_never_pass_is_refused_at_load(tmp_
     gates[section][key] = None  # report-only is the way to say "do not gate on it"
     gates_spec(spec, gates)
     assert getattr(getattr(load_spec(spec).gate_config(), section), key) is None
+
+
+def test_a_report_names_torchs_build_where_its_package_metadata_leaves_it_out(monkeypatch):
+    """PyPI's CUDA wheels record torch 2.11.0 as their version and call themselves 2.11.0+cu130: the report says
+    which build scored, as the card's timing host does."""
+    import torch
+
+    import qgate.execute
+    from qgate.gates.gating import scoring_versions
+
+    monkeypatch.setattr(qgate.execute, "versions", lambda names: dict.fromkeys(names, "1.0"))
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    got = scoring_versions()
+    assert got["torch"] == "2.11.0+cu130" and got["transformers"] == "1.0"
+    assert list(got)[:3] == ["python", "qgate", "torch"]

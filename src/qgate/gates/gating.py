@@ -66,13 +66,19 @@ class GateConfig:
 def scoring_versions() -> dict[str, str]:
     """What the scores depend on beside the models and data, for the report: the versions of Python, qgate and the
     libraries a verdict depends on (execute.environment is the other question: whether two processes may share
-    results)."""
+    results). torch as it names itself: PyPI's CUDA wheels leave their build (+cu130) out of the package metadata."""
     import sys
+
+    import torch
 
     import qgate
     from qgate.execute import LIBRARIES, versions
 
-    return {"python": sys.version.split()[0], "qgate": qgate.__version__} | versions(LIBRARIES)
+    return (
+        {"python": sys.version.split()[0], "qgate": qgate.__version__}
+        | versions(LIBRARIES)
+        | {"torch": torch.__version__}
+    )
 
 
 def _describe(art: Artifact, name: str | None = None) -> dict:
