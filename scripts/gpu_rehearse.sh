@@ -3,9 +3,12 @@
 # would have: every module that neither the image holds nor .whl/ carries is hidden (scripts/image_only.py), so an
 # import that would fail on the card fails here. Then qgate's commands on the toy model (gpu_cli.sh), the scale run's
 # tiny shape with --profile, and the gpu tests (they skip without CUDA; their modules still import). Each step's exit
-# code is printed, then the hidden modules something asked for. Run `bash scripts/gpu_wheels.sh` first. The
-# interpreter is this machine's (Python 3.11, the CPU torch), not the card's 3.12: what it checks is the module set.
+# code is printed, then the hidden modules something asked for. Run `bash scripts/gpu_wheels.sh` first. By default
+# the interpreter is this machine's .venv (Python 3.11, the CPU torch): what it checks is the module set. With
+# IMAGE_PY, a Python shaped like the image (scripts/image_venv.sh: 3.12, the card's torch build), .whl/ is installed
+# with --target and src/ put on the path, as gpu_session.sh does on the card: the versions are checked too, not CUDA.
 #   bash scripts/gpu_rehearse.sh [OUT]      # KINDS: the image's package list (/work/.library/device/KINDS.md)
+#   IMAGE_PY=$(bash scripts/image_venv.sh) bash scripts/gpu_rehearse.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-/tmp/gpu-rehearsal}
@@ -13,10 +16,18 @@ KINDS=${KINDS:-/work/.library/device/KINDS.md}
 PY=${PY:-.venv/bin/python}
 [ -f .whl/tokenizer/tokenizer.json ] || { echo "no .whl/tokenizer: run bash scripts/gpu_wheels.sh first" >&2; exit 1; }
 rm -rf "$out" && mkdir -p "$out/site"
-"$PY" scripts/image_only.py "$KINDS" .whl >"$out/hidden.txt" || exit 1
+extra=""
+if [ -n "${IMAGE_PY:-}" ]; then  # the card's layout: the wheels in a --target folder, qgate from src/
+  PY=$IMAGE_PY
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$out/target" .whl/*.whl \
+    2>&1 | tail -3 || exit 1
+  extra=$out/target:$PWD/src
+fi
+PYTHONPATH=$extra "$PY" scripts/image_only.py "$KINDS" .whl >"$out/hidden.txt" || exit 1
 cp scripts/image_only.py "$out/site/sitecustomize.py"
+echo "rehearsal: $("$PY" -c "import sys, torch; print('Python', sys.version.split()[0], 'torch', torch.__version__)")"
 echo "rehearsal: $(wc -l <"$out/hidden.txt") modules hidden (in neither the image nor .whl/): $out/hidden.txt"
-export PYTHONPATH=$out/site QGATE_HIDDEN=$out/hidden.txt QGATE_HIDDEN_LOG=$out/asked.log
+export PYTHONPATH=$out/site${extra:+:$extra} QGATE_HIDDEN=$out/hidden.txt QGATE_HIDDEN_LOG=$out/asked.log
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1 TOKENIZERS_PARALLELISM=false
 failed=0
 run() {  # run NAME COMMAND...: its output to $out/NAME.log, its exit code printed
