@@ -5,8 +5,9 @@
 # tiny shape with --profile, and the gpu tests (they skip without CUDA; their modules still import). Each step's exit
 # code is printed, then the hidden modules something asked for. Run `bash scripts/gpu_wheels.sh` first. By default
 # the interpreter is this machine's .venv (Python 3.11, the CPU torch): what it checks is the module set. With
-# IMAGE_PY, a Python shaped like the image (scripts/image_venv.sh: 3.12, the card's torch build), .whl/ is installed
-# with --target and src/ put on the path, as gpu_session.sh does on the card: the versions are checked too, not CUDA.
+# IMAGE_PY, a Python shaped like the image (scripts/image_venv.sh: 3.12, the card's torch build), the call's own
+# script runs as the call will, `python3` that Python, with the tiny shape (gpu_session.sh 560 --shape tiny
+# --no-dense --profile): its wheel install, paths, budget and exit code, and the versions, are checked; CUDA is not.
 #   bash scripts/gpu_rehearse.sh [OUT]      # KINDS: the image's package list (/work/.library/device/KINDS.md)
 #   IMAGE_PY=$(bash scripts/image_venv.sh) bash scripts/gpu_rehearse.sh [OUT]
 set -uo pipefail
@@ -16,18 +17,12 @@ KINDS=${KINDS:-/work/.library/device/KINDS.md}
 PY=${PY:-.venv/bin/python}
 [ -f .whl/tokenizer/tokenizer.json ] || { echo "no .whl/tokenizer: run bash scripts/gpu_wheels.sh first" >&2; exit 1; }
 rm -rf "$out" && mkdir -p "$out/site"
-extra=""
-if [ -n "${IMAGE_PY:-}" ]; then  # the card's layout: the wheels in a --target folder, qgate from src/
-  PY=$IMAGE_PY
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$out/target" .whl/*.whl \
-    2>&1 | tail -3 || exit 1
-  extra=$out/target:$PWD/src
-fi
-PYTHONPATH=$extra "$PY" scripts/image_only.py "$KINDS" .whl >"$out/hidden.txt" || exit 1
+PY=${IMAGE_PY:-$PY}
+"$PY" scripts/image_only.py "$KINDS" .whl >"$out/hidden.txt" || exit 1
 cp scripts/image_only.py "$out/site/sitecustomize.py"
 echo "rehearsal: $("$PY" -c "import sys, torch; print('Python', sys.version.split()[0], 'torch', torch.__version__)")"
 echo "rehearsal: $(wc -l <"$out/hidden.txt") modules hidden (in neither the image nor .whl/): $out/hidden.txt"
-export PYTHONPATH=$out/site${extra:+:$extra} QGATE_HIDDEN=$out/hidden.txt QGATE_HIDDEN_LOG=$out/asked.log
+export PYTHONPATH=$out/site QGATE_HIDDEN=$out/hidden.txt QGATE_HIDDEN_LOG=$out/asked.log
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1 TOKENIZERS_PARALLELISM=false
 failed=0
 run() {  # run NAME COMMAND...: its output to $out/NAME.log, its exit code printed
@@ -37,9 +32,15 @@ run() {  # run NAME COMMAND...: its output to $out/NAME.log, its exit code print
   echo "rehearsal: $1 rc $rc ($((SECONDS - t)) s)"
   [ "$rc" = 0 ] || { tail -15 "$out/$1.log"; failed=1; }
 }
-run cli env PY="$PY" bash scripts/gpu_cli.sh "$out/cli"
-run scale "$PY" benchmarks/gpu_scale.py --shape tiny --tokenizer .whl/tokenizer --out "$out/scale" --no-dense \
-  --json "$out/scale.json" --profile "$out"
-run gpu-tests "$PY" -m pytest -q -m gpu tests/engines -p no:cacheprovider
+if [ -n "${IMAGE_PY:-}" ]; then  # gpu_session.sh puts .whl/ and src/ before this path, as on the card
+  run session env PATH="$(dirname "$PY"):$PATH" OUT="$out/session" bash scripts/gpu_session.sh 560 --shape tiny \
+    --no-dense --profile "$out/session"
+  grep -hE "^(cli|tests): |^total |^[0-9]+ (passed|failed|skipped)" "$out/session.log" | sed 's/^/rehearsal:   /'
+else
+  run cli env PY="$PY" bash scripts/gpu_cli.sh "$out/cli"
+  run scale "$PY" benchmarks/gpu_scale.py --shape tiny --tokenizer .whl/tokenizer --out "$out/scale" --no-dense \
+    --json "$out/scale.json" --profile "$out"
+  run gpu-tests "$PY" -m pytest -q -m gpu tests/engines -p no:cacheprovider
+fi
 echo "rehearsal: hidden modules asked for: $(sort "$out/asked.log" 2>/dev/null | uniq -c | awk '{printf "%s (%s) ", $2, $1}')"
 exit "$failed"
