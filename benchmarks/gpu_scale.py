@@ -670,10 +670,9 @@ def main() -> int:
     import torch
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    if not sys.stderr.isatty():  # a log file: no carriage-return bars from libraries (lm-eval's context building)
-        from qgate.progress import silence_tqdm
+    from qgate.cli.options import quiet_libraries
 
-        silence_tqdm()
+    quiet_libraries()  # as qgate's commands: libraries warn only, and draw no bars into a log file
 
     from qgate.calibrate.sample import SampleConfig, sample_traffic
     from qgate.device import release, resolve_device

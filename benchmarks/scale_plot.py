@@ -106,7 +106,10 @@ def draw(r: dict, out: Path) -> dict:
     dec.set_xticks(sorted({b for points in p["decode"].values() for b, _ in points} | {1}))
     dec.xaxis.set_major_formatter(plain)
     dec.yaxis.set_major_formatter(plain)
-    dec.legend(fontsize=8, loc="lower right")
+    if p["decode"] or p["roofline"]:
+        dec.legend(fontsize=8, loc="lower right")
+    else:  # a run with --no-decode
+        dec.text(0.5, 0.5, "decode not measured in this run", ha="center", va="center", transform=dec.transAxes)
     dec.grid(alpha=0.3, which="both")
 
     labels = [label for label, _, _ in p["scoring"]]
