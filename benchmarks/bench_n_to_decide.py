@@ -98,7 +98,7 @@ def perf_rows(rng, draws: int) -> None:
     print(f"{'perf':8s} {'timing':9s} {'true':>5s} {'estimate':12s} {'median passes':>13s} {'decided':>9s}")
     for paired in (False, True):
         for true in (1.25, 1.15):
-            tried, named, decided = 0, {"se only": [], "t-aware": []}, {"se only": 0, "t-aware": 0}
+            tried, sizes, decided = 0, {"se only": [], "t-aware": []}, {"se only": 0, "t-aware": 0}
             while tried < draws:
                 b, c = passes(3, true, paired)
                 ratio, lo, hi = time_ratio_ci(b, c, paired)
@@ -108,13 +108,13 @@ def perf_rows(rng, draws: int) -> None:
                 half, gap = math.log(hi / lo) / 2, abs(math.log(ratio / threshold))
                 ns = {"se only": math.ceil(3 * (half / gap) ** 2), "t-aware": passes_to_decide(b, c, threshold, paired)}
                 for how, m in ns.items():
-                    named[how].append(m)
+                    sizes[how].append(m)
                     _, lo2, hi2 = time_ratio_ci(*passes(min(m, CAP), true, paired), paired)
                     decided[how] += not lo2 < threshold < hi2
-            for how in named:
+            for how in sizes:
                 print(
                     f"{'perf':8s} {'in turn' if paired else 'apart':9s} {true:5.2f} {how:12s} "
-                    f"{np.median(named[how]):13.0f} {decided[how] / tried:9.2f}"
+                    f"{np.median(sizes[how]):13.0f} {decided[how] / tried:9.2f}"
                 )
 
 
