@@ -14,10 +14,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-/tmp/gpu-rehearsal}
 KINDS=${KINDS:-/work/.library/device/KINDS.md}
-PY=${PY:-.venv/bin/python}
+PY=${IMAGE_PY:-${PY:-.venv/bin/python}}
 [ -f .whl/tokenizer/tokenizer.json ] || { echo "no .whl/tokenizer: run bash scripts/gpu_wheels.sh first" >&2; exit 1; }
 rm -rf "$out" && mkdir -p "$out/site"
-PY=${IMAGE_PY:-$PY}
 "$PY" scripts/image_only.py "$KINDS" .whl >"$out/hidden.txt" || exit 1
 cp scripts/image_only.py "$out/site/sitecustomize.py"
 echo "rehearsal: $("$PY" -c "import sys, torch; print('Python', sys.version.split()[0], 'torch', torch.__version__)")"
