@@ -83,6 +83,18 @@ def make_model(
     return out
 
 
+def as_transformers_4(config: dict) -> None:
+    """Rewrite a Llama config.json (in place) the way Transformers 4 wrote it, as most checkpoints on model hubs
+    are: rope_theta and rope_scaling apart, torch_dtype, and the defaults head_dim and mlp_bias left out."""
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = None if rope == {"rope_type": "default"} else rope
+    config["torch_dtype"] = config.pop("dtype")
+    assert config.pop("head_dim") == config["hidden_size"] // config["num_attention_heads"]
+    assert config.pop("mlp_bias") is False
+    config["transformers_version"] = "4.44.2"
+
+
 ROUTES = ("chat", "code-assist", "rewrite")
 
 

@@ -2,6 +2,7 @@ import json
 
 import numpy as np
 import pytest
+import tiny
 import torch
 import yaml
 
@@ -66,7 +67,6 @@ def test_cpu_engine_matches_reference_path(awq_art, cpu_exact):
 
 
 def test_cpu_engine_scores_shared_contexts_like_whole_sequences(cpu_exact):
-    import tiny
 
     shared, prefix = tiny.check_lm_scores(load_runner(cpu_exact))
     assert shared == 9 and prefix >= 8
@@ -220,6 +220,31 @@ def test_the_engine_contract_denies_what_it_cannot_map(base_art, cpu_exact, cali
     )
     arch = next(r for r in contract_gate(orphan, base_art, rows, ContractConfig()) if r.metric == "architecture")
     assert arch.verdict == "fail" and "not found" in arch.evidence["differences"][0]["candidate"]
+
+
+def test_the_engine_contract_reads_a_baseline_config_as_loaded(base_art, cpu_exact, calib_arts, tmp_path):
+    """The CPU engine's genai_config.json names head_size and context_length; a baseline saved by Transformers 4 leaves
+    head_dim out of its config.json (a default) and writes rope_theta apart. Read as Transformers loads it, the
+    baseline has them: the engine passes against it, and still fails where its head size is not the baseline's."""
+    import shutil
+
+    from qgate.gates.contract import ContractConfig, contract_gate
+    from qgate.gates.shadow import ShadowConfig, load_shadow
+
+    rows = load_shadow(calib_arts["shadow"], ShadowConfig())
+    old = tmp_path / "old"
+    shutil.copytree(base_art.path, old, ignore=shutil.ignore_patterns("qgate-artifact.json"))
+    config = json.loads((old / "config.json").read_text())
+    tiny.as_transformers_4(config)
+    (old / "config.json").write_text(json.dumps(config))
+    old_art = Artifact.create("checkpoint", old, base_art.config, (), base_art.meta)
+    results = contract_gate(cpu_exact, old_art, rows, ContractConfig())
+    assert all(r.verdict == "pass" for r in results), [r.evidence["differences"] for r in results]
+    config["head_dim"] = 2 * config["hidden_size"] // config["num_attention_heads"]
+    (old / "config.json").write_text(json.dumps(config))
+    wider = Artifact.create("checkpoint", old, base_art.config, (), base_art.meta)
+    failed = {r.metric: r for r in contract_gate(cpu_exact, wider, rows, ContractConfig()) if r.verdict == "fail"}
+    assert "architecture.head_dim" in {d["key"] for d in failed["architecture"].evidence["differences"]}
 
 
 def test_a_model_larger_than_the_memory_left_is_refused_before_it_loads(

@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import tiny
 
 from qgate.artifact import Artifact
 from qgate.errors import ConfigError
@@ -164,8 +165,12 @@ DENIED = [
     ("config.json", "attn_logit_softcapping", 30.0, "architecture", "architecture.attn_logit_softcapping"),
     ("config.json", "tie_word_embeddings", False, "architecture", "architecture.tie_word_embeddings"),
     ("config.json", "rms_norm_eps", 1e-5, "architecture", "architecture.rms_norm_eps"),
+    ("config.json", "head_dim", 32, "architecture", "architecture.head_dim"),  # a default written out, changed
+    # read by Transformers into a setting its to_dict() leaves out: never the same setting by the loaded config
+    ("config.json", "_attn_implementation", "eager", "architecture", "architecture._attn_implementation"),
     ("generation_config.json", "repetition_penalty", 1.2, "generation_config", "generation_config.repetition_penalty"),
     ("generation_config.json", "do_sample", True, "generation_config", "generation_config.do_sample"),
+    ("generation_config.json", "temperature", 0.7, "generation_config", "generation_config.temperature"),
     ("tokenizer_config.json", "model_max_length", 64, "tokenizer", "tokenizer.config.model_max_length"),
     (
         "tokenizer_config.json",
@@ -298,6 +303,66 @@ def test_a_quantized_checkpoint_passes_the_contract_as_written(base_art, awq_art
     assert {d["key"] for r in results for d in r.evidence["allowed"]} == {"architecture.quantization_config"}
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (awq_art.path / f).read_bytes() == (base_art.path / f).read_bytes()
+
+
+def test_a_config_an_older_transformers_wrote_passes_where_it_loads_the_same(base_art, awq_art, rows, tmp_path):
+    """Most hub checkpoints were saved by Transformers 4 (rope_theta and rope_scaling apart, torch_dtype, defaults
+    left out), and a candidate quantized by another tool may be saved by Transformers 5, or the other way round. Keys
+    that load to the same settings pass, each listed with why, both ways round and beside a quantization_config; a
+    changed value written the old way still fails, on the keys that carry it."""
+    old = _variant(base_art, tmp_path, "old", _edit_json("config.json", tiny.as_transformers_4))
+    for cand, base in ((old, base_art), (base_art, old), (awq_art, old)):
+        results = contract_gate(cand, base, rows, ContractConfig())
+        assert all(r.verdict == "pass" for r in results), _failed(results)
+        why = {d["key"]: d["why"] for r in results for d in r.evidence["allowed"]}
+        assert "reads it into rope_parameters" in why["context_length.rope_theta"]
+        assert "reads it into rope_parameters" in why["context_length.rope_scaling"]
+        for key in ("context_length.rope_parameters", "architecture.head_dim", "architecture.mlp_bias"):
+            assert "the same once Transformers" in why[key]
+
+    def hotter(c):
+        tiny.as_transformers_4(c)
+        c["rope_theta"] *= 1.1
+
+    results = {
+        r.metric: r
+        for r in contract_gate(
+            _variant(base_art, tmp_path, "old-theta", _edit_json("config.json", hotter)),
+            base_art,
+            rows,
+            ContractConfig(),
+        )
+    }
+    assert results["context_length"].verdict == "fail" and results["architecture"].verdict == "pass"
+    refused = {d["key"]: d for d in results["context_length"].evidence["differences"]}
+    assert set(refused) == {
+        "context_length.rope_theta",
+        "context_length.rope_parameters",
+        "context_length.rope_scaling",
+    }
+    assert refused["context_length.rope_theta"]["candidate"] == pytest.approx(10000.0 * 1.1)
+
+
+def test_generation_settings_written_at_their_defaults_pass(base_art, rows, tmp_path):
+    """A generation_config.json that writes out Transformers' defaults (or null) where the baseline's leaves them unset
+    generates the same: it passes, each key listed with why. A setting the candidate leaves unset where the baseline
+    sets it off its default fails."""
+    defaults = _edit_json("generation_config.json", lambda g: g.update(do_sample=False, num_beams=1, top_k=None))
+    results = contract_gate(_variant(base_art, tmp_path, "defaults", defaults), base_art, rows, ContractConfig())
+    gen = next(r for r in results if r.metric == "generation_config")
+    assert gen.verdict == "pass"
+    keys = {d["key"]: d["why"] for d in gen.evidence["allowed"]}
+    assert set(keys) - {"generation_config.transformers_version"} == {
+        "generation_config.do_sample",
+        "generation_config.num_beams",
+        "generation_config.top_k",
+    }
+    assert all("default" in why for k, why in keys.items() if "version" not in k)
+    hot = _variant(base_art, tmp_path, "hot", _edit_json("generation_config.json", lambda g: g.update(temperature=0.6)))
+    failed = _failed(contract_gate(base_art, hot, rows, ContractConfig()))
+    assert [(d["key"], d["baseline"], d["candidate"]) for d in failed["generation_config"]] == [
+        ("generation_config.temperature", 0.6, "<absent>")
+    ]
 
 
 def test_many_differences_under_one_key_are_summarized(base_art, rows, tmp_path):

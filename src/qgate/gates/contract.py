@@ -8,7 +8,9 @@ keys and list items included: config.json, generation_config.json, tokenizer.jso
 special_tokens_map.json, added_tokens.json, vocab.json, merges.txt and tokenizer.model, on the files the candidate is
 actually served with (a checkpoint's own directory; for the CPU engine its onnx/ folder, its genai_config.json and the
 config.json of the checkpoint it was built from; the checkpoint inside a TRT-LLM bundle). A difference fails unless
-quantization is allowed to change that key (ALLOWED, one reason each) or `gates.contract.allow` names it. Keys are
+quantization is allowed to change that key (ALLOWED, one reason each), it holds the same setting on both sides once
+Transformers reads config.json and generation_config.json (gates/loaded_config.py: a key an older Transformers wrote
+differently, a default written out on one side), or `gates.contract.allow` names it. Keys are
 `facet.path`: config.json's context keys (rope, positions, windows) are `context_length.*`, its other keys
 `architecture.*`; generation_config.json's `generation_config.*`; tokenizer.json's `tokenizer.*`,
 tokenizer_config.json's `tokenizer.config.*`, the other tokenizer files' `tokenizer.<file stem>.*`. Each facet is one
@@ -34,6 +36,7 @@ from pathlib import Path
 from qgate.artifact import Artifact, engine_checkpoint
 from qgate.errors import ConfigError
 from qgate.gates.file_diff import MISSING, SHOW, difference, file_diffs, leaves, read_json, same
+from qgate.gates.loaded_config import effective_generation, loaded_config, mark_same_settings
 from qgate.gates.result import GateResult
 from qgate.gates.tokenizer_diff import loaded_tokenizer_diffs, rendering_diffs, template_diff
 from qgate.trust import TOKENIZER_FILES
@@ -111,7 +114,7 @@ GENAI_MODEL = {
 @dataclass(frozen=True)
 class ContractConfig:
     allow: tuple[str, ...] = ()  # difference keys (or prefixes) accepted beyond ALLOWED; each is listed in the report
-    VERSION = 2
+    VERSION = 3
 
     def __post_init__(self):
         for a in self.allow:
@@ -183,6 +186,7 @@ def _served_diffs(
     else:
         where = "config.json" if config_dir == cdir else f"{config_dir / 'config.json'} (the engine's checkpoint)"
         pairs, _ = file_diffs(_config_prefix, where, bdir / "config.json", config_dir / "config.json")
+        mark_same_settings([d for _, d in pairs], "config.json", bdir, config_dir)
         keys = [k.split(".")[0] for k, _ in leaves(read_json(bdir / "config.json"))]
         for facet in ("context_length", "architecture"):
             add([p for p in pairs if p[0] == facet], sum(_config_prefix(k)[0] == facet for k in keys), facet)
@@ -193,6 +197,7 @@ def _served_diffs(
             bdir / "generation_config.json",
             cdir / "generation_config.json",
         )
+        mark_same_settings([d for _, d in pairs], "generation_config.json", bdir, cdir)
         add(pairs, n, "generation_config")
     else:
         for facet, d in _genai_diffs(bdir, genai):
@@ -202,21 +207,13 @@ def _served_diffs(
     return facets
 
 
-def _generation_defaults() -> dict:
-    """Transformers' effective generation settings where a generation_config.json leaves one unset (it keeps them
-    in a private method; none when that is gone, and every unset setting then counts as absent)."""
-    from transformers import GenerationConfig
-
-    get = getattr(GenerationConfig, "_get_default_generation_params", None)
-    return dict(get()) if callable(get) else {}
-
-
 def _genai_diffs(bdir: Path, genai: dict) -> list[tuple[str, dict]]:
     """The CPU engine's genai_config.json against the baseline: model shapes and context length against config.json,
-    token ids and search settings against its generation_config.json (Transformers' defaults where it sets none). A
-    key with no counterpart must be one of ENGINE_RUNTIME's."""
-    bc, bg = read_json(bdir / "config.json"), read_json(bdir / "generation_config.json")
-    gen = _generation_defaults() | {k: v for k, v in bg.items() if v is not None}
+    token ids and search settings against its generation_config.json (Transformers' defaults where it sets none). The
+    baseline's config.json is read as Transformers loads it where it can (loaded_config). A key with no counterpart
+    must be one of ENGINE_RUNTIME's."""
+    bc = loaded_config(bdir) or read_json(bdir / "config.json")
+    gen = effective_generation(read_json(bdir / "generation_config.json"))
     out = []
     for path, value in leaves(genai):
         if _matches(path, ENGINE_RUNTIME):
@@ -298,6 +295,8 @@ def contract_gate(
         for d in diffs:
             if (why := _matches(d["key"], ALLOWED)) is not None:
                 allowed.append(d | {"allowed_because": ALLOWED[why], "allowed_key": why})
+            elif d.get("same_setting"):
+                allowed.append(d | {"allowed_because": d["same_setting"], "allowed_key": d["key"]})
             elif head_quantized and d["key"] == UNTIED_HEAD[0] and (d["baseline"], d["candidate"]) == (True, False):
                 allowed.append(d | {"allowed_because": UNTIED_HEAD[1], "allowed_key": UNTIED_HEAD[0]})
             elif cfg.accepts(d["key"]):
