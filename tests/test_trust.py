@@ -197,6 +197,24 @@ def test_a_checkpoint_without_a_loadable_tokenizer_is_refused_by_name(tmp_path, 
     assert not (tmp_path / "g").exists()
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", None])
+def test_weights_quantized_in_a_format_qgate_does_not_read_are_refused_by_name(tmp_path, base_art, method):
+    """A GPTQ or AWQ checkpoint from AutoGPTQ/AutoAWQ would load only through a library qgate does not carry, and fail
+    part way into a gate as an internal error; it is refused before anything loads, naming its quant_method. A
+    compressed-tensors checkpoint (llm-compressor's) is read."""
+    d = tmp_path / "q"
+    shutil.copytree(base_art.path, d, ignore=shutil.ignore_patterns("qgate-artifact.json"))
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"] = {"bits": 4, "group_size": 128} | ({"quant_method": method} if method else {})
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match=re.escape(f"quant_method is {method!r}; qgate reads unquantized")) as e:
+        check_loadable(d)
+    assert str(d / "config.json") in str(e.value)
+    config["quantization_config"]["quant_method"] = "compressed-tensors"
+    (d / "config.json").write_text(json.dumps(config))
+    check_loadable(d)
+
+
 @pytest.mark.parametrize(("fname", "size"), [("tokenizer.json", (256 << 20) + 1), ("config.json", (32 << 20) + 1)])
 def test_a_tokenizer_or_config_file_larger_than_any_real_one_is_refused_by_name(tmp_path, base_art, fname, size):
     """A tokenizer library parses tokenizer.json whole into memory: one of gigabytes would exhaust the host before any

@@ -10,6 +10,9 @@ can run code or read outside itself, each refused here with the file that did it
 - `auto_map` in `config.json` or `tokenizer_config.json`: Transformers would import Python shipped with the model.
   qgate always passes trust_remote_code off;
 - a symlink that leaves the directory.
+It also refuses, by its config.json, weights quantized in a format qgate does not read: qgate scores unquantized
+checkpoints and compressed-tensors ones (READ_QUANT_METHODS), where Transformers would need another library (AutoGPTQ,
+AutoAWQ, bitsandbytes) and fail part way into a gate.
 """
 
 from __future__ import annotations
@@ -63,6 +66,23 @@ def load_tokenizer(path: Path):
             hint="a checkpoint carries the tokenizer it is served with: copy tokenizer.json, "
             "tokenizer_config.json and the chat template from the model it was made from",
         ) from e
+
+
+def check_quant_method(path: Path) -> None:
+    """InputError naming config.json's quant_method where its weights are quantized in a format other than
+    READ_QUANT_METHODS: Transformers would load them only through another library, and not on every device."""
+    f = Path(path) / "config.json"
+    data = json.loads(f.read_text()) if f.is_file() else {}
+    qc = data.get("quantization_config") if isinstance(data, dict) else None
+    if qc is None:
+        return
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method not in READ_QUANT_METHODS:
+        raise InputError(
+            f"{f}: quantization_config.quant_method is {method!r}; qgate reads unquantized checkpoints and "
+            f"{', '.join(READ_QUANT_METHODS)} ones (what llm-compressor and `qgate quantize` write)",
+            hint="gate a candidate quantized with `qgate quantize` or llm-compressor; import a baseline unquantized",
+        )
 
 
 def load_causal_lm(path: Path, **kwargs):
@@ -124,11 +144,13 @@ def pickled_files(path: Path) -> list[Path]:
 
 MAX_FILE_BYTES = {"tokenizer.json": 256 << 20, "tokenizer.model": 256 << 20}  # the biggest real ones: ~35 MB
 MAX_METADATA_BYTES = 32 << 20  # any other tokenizer or config file: real ones are kilobytes to a few megabytes
+READ_QUANT_METHODS = ("compressed-tensors",)  # config.json's quantization_config.quant_method values qgate reads
 
 
 def check_loadable(path: Path, *, allow_pickle: bool = False) -> None:
-    """InputError if loading `path` as a model or tokenizer could run code or read outside it, or if a tokenizer or
-    config file is larger than any real one (a tokenizer library parses it whole into memory)."""
+    """InputError if loading `path` as a model or tokenizer could run code or read outside it, if a tokenizer or
+    config file is larger than any real one (a tokenizer library parses it whole into memory), or if its weights are
+    quantized in a format qgate does not read (check_quant_method)."""
     path = Path(path)
     root = path.resolve()
     for name in (*TOKENIZER_FILES, *_REMOTE_CODE_FILES, "generation_config.json"):
@@ -158,6 +180,7 @@ def check_loadable(path: Path, *, allow_pickle: bool = False) -> None:
                 f"{f}: 'auto_map' asks to run Python code shipped with the model ({json.dumps(auto_map)[:120]})",
                 hint="qgate never sets trust_remote_code; use an architecture that Transformers ships",
             )
+    check_quant_method(path)
     pickles = pickled_files(path)
     has_safetensors = any(path.rglob("*.safetensors"))
     if pickles and not allow_pickle and not has_safetensors:
