@@ -343,6 +343,23 @@ def test_a_config_an_older_transformers_wrote_passes_where_it_loads_the_same(bas
     assert refused["context_length.rope_theta"]["candidate"] == pytest.approx(10000.0 * 1.1)
 
 
+def test_a_config_transformers_cannot_load_counts_as_written(base_art, tmp_path):
+    """Where this Transformers cannot load a config.json (a model type it does not know), nothing is the same setting
+    by its loaded config: every difference counts as written."""
+    from qgate.gates.loaded_config import loaded_config, mark_same_settings
+
+    config = json.loads((base_art.path / "config.json").read_text()) | {"model_type": "no-such-model"}
+    config.pop("mlp_bias")
+    sides = [tmp_path / "b", tmp_path / "c"]
+    for d, written in zip(sides, (config, config | {"mlp_bias": False}), strict=True):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(written))
+    assert loaded_config(sides[0]) is None and loaded_config(base_art.path) is not None
+    diffs = [{"key": "architecture.mlp_bias", "baseline": "<absent>", "candidate": False}]
+    mark_same_settings(diffs, "config.json", *sides)
+    assert "same_setting" not in diffs[0]
+
+
 def test_generation_settings_written_at_their_defaults_pass(base_art, rows, tmp_path):
     """A generation_config.json that writes out Transformers' defaults (or null) where the baseline's leaves them unset
     generates the same: it passes, each key listed with why. A setting the candidate leaves unset where the baseline
