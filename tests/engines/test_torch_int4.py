@@ -684,6 +684,9 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_posi
             None,
         ),
         (LLAMA | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+        # Transformers 4 wrote the type as "type"; frequencies that depend on the length are refused in either form
+        (LLAMA | {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+        (LLAMA | {"rope_scaling": {"type": "linear", "factor": 2.0}}, None),
         (LLAMA | {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ],
 )
@@ -691,10 +694,14 @@ def test_the_engine_takes_the_decoders_it_computes_and_refuses_the_rest(config, 
     """Each refusal names what the engine does not compute; a sliding window is refused only where some layer uses it
     and it is shorter than the context: Mistral's default of 4,096 binds nothing in 512 tokens, and binds in Mistral
     7B v0.1's 32,768."""
+    import copy
+
     from qgate.engines.static_llama import check_architecture
 
+    written = copy.deepcopy(config)
     if refused is None:
         check_architecture(config)
+        assert config == written  # read, not rewritten: Transformers standardizes RoPE settings in place
     else:
         with pytest.raises(ConfigError, match=re.escape(refused)) as e:
             check_architecture(config)

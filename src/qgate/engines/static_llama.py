@@ -40,10 +40,13 @@ STATIC_ROPE = ("default", "linear", "llama3")  # RoPE types whose frequencies do
 
 
 def model_config(config: dict):
-    """config.json as its architecture's own transformers config class (its defaults, its RoPE parameters)."""
+    """config.json as its architecture's own transformers config class (its defaults, its RoPE parameters). The
+    config.json dict is left as it was: Transformers standardizes RoPE settings in place."""
+    import copy
+
     from transformers import AutoConfig
 
-    rest = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config")}
+    rest = {k: copy.deepcopy(v) for k, v in config.items() if k not in ("model_type", "quantization_config")}
     return AutoConfig.for_model(config["model_type"], **rest)
 
 
@@ -67,7 +70,8 @@ def check_architecture(config: dict):
             f"torch-int4 engine attends over whole contexts (max_position_embeddings {c.max_position_embeddings})",
             hint="gate this checkpoint on the reference path",
         )
-    rope = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get("rope_type", "default")
+    # as Transformers reads it: rope_parameters, or Transformers 4's rope_scaling, whose type may be under "type"
+    rope = (getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}).get("rope_type", "default")
     if rope not in STATIC_ROPE:
         raise ConfigError(
             f"config.json rope_type {rope!r}: the torch-int4 engine serves {', '.join(STATIC_ROPE)}",
