@@ -247,6 +247,32 @@ def test_the_engine_contract_reads_a_baseline_config_as_loaded(base_art, cpu_exa
     assert "architecture.head_dim" in {d["key"] for d in failed["architecture"].evidence["differences"]}
 
 
+def test_an_engine_whose_rotary_tables_are_not_the_checkpoints_is_refused(cpu_exact, calib_arts, tmp_path):
+    """onnxruntime-genai 0.18's Llama builder applies llama3 RoPE scaling and no other: a checkpoint with linear
+    scaling is built with plain RoPE, and its engine's logits move by 0.02 at position 1 and 0.4-0.5 from position 10
+    on. The build compares the tables it wrote with the checkpoint's own rotary module and refuses such an engine,
+    naming the RoPE type; with plain RoPE the tables are the same to the digit."""
+    from qgate.models import ModelSource, import_model
+    from qgate.quantize.compress import CalibOptions, quantize
+    from qgate.quantize.schemes import scheme_config
+
+    assert cpu_exact.meta["rope_tables"] == "same" and cpu_exact.meta["rope_max_diff"] == 0.0
+    rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    base = import_model(
+        ModelSource(hf_dir=str(tiny.make_model(tmp_path / "src", rope_parameters=rope))), tmp_path / "b"
+    )
+    awq = quantize(
+        base,
+        calib_arts["calib"],
+        scheme_config("awq-w4a16", group_size=32),
+        tmp_path / "awq",
+        opts=CalibOptions(max_seq_length=64),
+    )
+    with pytest.raises(ConfigError, match="not the checkpoint's RoPE \\(rope_type 'linear'\\)") as e:
+        build_engine(awq, "cpu", tmp_path / "eng", accuracy_level=1)
+    assert "differ by up to 2" in e.value.message and "reference path" in e.value.hint
+
+
 def test_a_model_larger_than_the_memory_left_is_refused_before_it_loads(
     base_art, awq_art, w8_art, int4_f32, monkeypatch, tmp_path
 ):

@@ -5,6 +5,8 @@
 The compressed-tensors checkpoint is repacked into the AutoAWQ layout (no re-quantization) and handed to
 onnxruntime-genai's model builder. lm_head stays full precision unless `lm_head: int8|int4` asks the builder to quantize
 it (the gate decides whether that is acceptable). The builder's console output goes to build.log beside the engine.
+A build whose rotary tables are not the checkpoint's RoPE (engines/rope_tables.py: the builder leaves out scaling it
+does not implement for the architecture) is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
+from qgate.engines.rope_tables import rope_mismatch
 from qgate.errors import BackendUnavailable, ConfigError, InputError, check_each
 from qgate.trust import copy_tokenizer_files
 
@@ -161,6 +164,13 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
         )
     shutil.rmtree(staging)
     shutil.rmtree(out / "cache", ignore_errors=True)
+    why, rope = rope_mismatch(out / ENGINE_SUBDIR / "model.onnx", cfg)
+    if why:
+        raise ConfigError(
+            f"{ckpt.path}: {why}",
+            hint="gate this checkpoint on the reference path (a variant without `engine:`), or build the torch-int4 "
+            "engine where it takes this RoPE type",
+        )
     aligned = _keep_token_ids(ckpt.path, out / ENGINE_SUBDIR / "genai_config.json")
     # The builder rewrites tokenizer_config.json (model_max_length, its loading arguments): serve the checkpoint's own.
     copy_tokenizer_files(ckpt.path, out / ENGINE_SUBDIR)
@@ -173,6 +183,7 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
         "checkpoint_path": str(ckpt.path),
         "builder_cmd": " ".join(cmd[1:]),
         "genai_config_aligned": aligned,
+        **rope,
     }
     return Artifact.create(
         "engine", out, {"engine": typed_config(config), "checkpoint": ckpt.config}, (ckpt.sha256,), meta
