@@ -5,8 +5,8 @@
 The compressed-tensors checkpoint is repacked into the AutoAWQ layout (no re-quantization) and handed to
 onnxruntime-genai's model builder. lm_head stays full precision unless `lm_head: int8|int4` asks the builder to quantize
 it (the gate decides whether that is acceptable). The builder's console output goes to build.log beside the engine.
-A build whose rotary tables are not the checkpoint's RoPE (engines/rope_tables.py: the builder leaves out scaling it
-does not implement for the architecture) is refused.
+A build whose rotary tables or attention windows are not the checkpoint's (engines/ort_checks.py: the builder leaves
+out what it does not implement for the architecture) is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
-from qgate.engines.rope_tables import rope_mismatch
+from qgate.engines.ort_checks import builder_layer_types, built_engine_problems
 from qgate.errors import BackendUnavailable, ConfigError, InputError, check_each
 from qgate.trust import copy_tokenizer_files
 
@@ -43,7 +43,7 @@ LM_HEAD = ("fp32", "int8", "int4")  # the vocabulary projection: on a small mode
 class CpuEngineConfig:
     accuracy_level: int = 4  # 4: int8 activations (ORT's CPU default, fastest); 1: fp32, exact
     lm_head: str = "fp32"  # "int8" / "int4": the builder quantizes lm_head (RTN, per block): faster decode, gated
-    VERSION = 4  # of what the builder writes; what changed in each is in git
+    VERSION = 5  # of what the builder writes; what changed in each is in git
 
     def __post_init__(self):
         check_each(
@@ -119,7 +119,10 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
     staging = out / "awq-staging"
     staging.mkdir(parents=True)
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-    (staging / "config.json").write_text(json.dumps(cfg | {"quantization_config": qcfg}, indent=2))
+    staged = cfg | {"quantization_config": qcfg}
+    if types := builder_layer_types(cfg):  # the builder reads windows per layer, from layer_types only
+        staged["layer_types"] = types
+    (staging / "config.json").write_text(json.dumps(staged, indent=2))
     for f in ckpt.path.iterdir():
         if (
             f.is_file()
@@ -133,6 +136,9 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
         options.append("disable_qkv_fusion=true")
     # Untied lm_head, so the embedding Gather keeps full-precision weights whatever the head becomes.
     options.append("shared_embeddings=false")
+    # Whole-context KV buffers for windowed layers too, masked to the window: the ring buffers the builder makes
+    # otherwise need a capacity that a forward without past state (the gates' scoring) does not give them.
+    options.append("windowed_kv_cache=false")
     if config.lm_head == "fp32":
         options.append("nodes_to_exclude=/lm_head/MatMul")
     elif config.lm_head == "int8":  # the builder's MatMulNBits quantizer, 8 bits for the last MatMul
@@ -164,12 +170,13 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
         )
     shutil.rmtree(staging)
     shutil.rmtree(out / "cache", ignore_errors=True)
-    why, rope = rope_mismatch(out / ENGINE_SUBDIR / "model.onnx", cfg)
-    if why:
+    problems, checked = built_engine_problems(out / ENGINE_SUBDIR / "model.onnx", cfg)
+    if problems:
         raise ConfigError(
-            f"{ckpt.path}: {why}",
+            f"{ckpt.path}: onnxruntime-genai's builder wrote an engine that does not compute what the checkpoint "
+            f"does: {'; '.join(problems)}",
             hint="gate this checkpoint on the reference path (a variant without `engine:`), or build the torch-int4 "
-            "engine where it takes this RoPE type",
+            "engine where it takes this architecture",
         )
     aligned = _keep_token_ids(ckpt.path, out / ENGINE_SUBDIR / "genai_config.json")
     # The builder rewrites tokenizer_config.json (model_max_length, its loading arguments): serve the checkpoint's own.
@@ -183,7 +190,7 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
         "checkpoint_path": str(ckpt.path),
         "builder_cmd": " ".join(cmd[1:]),
         "genai_config_aligned": aligned,
-        **rope,
+        **checked,
     }
     return Artifact.create(
         "engine", out, {"engine": typed_config(config), "checkpoint": ckpt.config}, (ckpt.sha256,), meta
