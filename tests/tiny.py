@@ -83,6 +83,23 @@ def make_model(
     return out
 
 
+def family_checkpoint(model_type: str, calib_arts, tmp_path: Path, scheme: str = "gptq-w4a16", **config):
+    """A tiny random model of `model_type` (make_model, `config` on top), quantized W4 g32 by `scheme`."""
+    from qgate.models import ModelSource, import_model
+    from qgate.quantize.compress import CalibOptions, quantize
+    from qgate.quantize.schemes import scheme_config
+
+    src = make_model(tmp_path / "src", model_type=model_type, **config)
+    base = import_model(ModelSource(hf_dir=str(src)), tmp_path / "base")
+    return quantize(
+        base,
+        calib_arts["calib"],
+        scheme_config(scheme, group_size=32),
+        tmp_path / "quantized",
+        opts=CalibOptions(max_seq_length=32, max_samples=8),
+    )
+
+
 def as_transformers_4(config: dict) -> None:
     """Rewrite a Llama config.json (in place) the way Transformers 4 wrote it, as most checkpoints on model hubs
     are: rope_theta and rope_scaling apart, torch_dtype, and the defaults head_dim and mlp_bias left out."""

@@ -247,21 +247,6 @@ def test_the_engine_contract_reads_a_baseline_config_as_loaded(base_art, cpu_exa
     assert "architecture.head_dim" in {d["key"] for d in failed["architecture"].evidence["differences"]}
 
 
-def _tiny_awq(calib_arts, tmp_path, **config):
-    from qgate.models import ModelSource, import_model
-    from qgate.quantize.compress import CalibOptions, quantize
-    from qgate.quantize.schemes import scheme_config
-
-    base = import_model(ModelSource(hf_dir=str(tiny.make_model(tmp_path / "src", **config))), tmp_path / "b")
-    return quantize(
-        base,
-        calib_arts["calib"],
-        scheme_config("awq-w4a16", group_size=32),
-        tmp_path / "awq",
-        opts=CalibOptions(max_seq_length=32, max_samples=8),
-    )
-
-
 def test_an_engine_whose_rotary_tables_are_not_the_checkpoints_is_refused(cpu_exact, calib_arts, tmp_path):
     """onnxruntime-genai 0.18's Llama builder applies llama3 RoPE scaling and no other: a checkpoint with linear
     scaling is built with plain RoPE, and its engine's logits move by 0.02 at position 1 and 0.4-0.5 from position 10
@@ -269,7 +254,8 @@ def test_an_engine_whose_rotary_tables_are_not_the_checkpoints_is_refused(cpu_ex
     naming the RoPE type; with plain RoPE the tables are the same to the digit."""
     assert cpu_exact.meta["rope_tables"] == "same" and cpu_exact.meta["rope_max_diff"] == 0.0
     assert cpu_exact.meta["attention_windows"] == "same"
-    awq = _tiny_awq(calib_arts, tmp_path, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    awq = tiny.family_checkpoint("llama", calib_arts, tmp_path, "awq-w4a16", rope_parameters=rope)
     with pytest.raises(ConfigError, match="not the checkpoint's RoPE \\(rope_type 'linear'\\)") as e:
         build_engine(awq, "cpu", tmp_path / "eng", accuracy_level=1)
     assert "differ by up to 2" in e.value.message and "reference path" in e.value.hint
@@ -289,7 +275,7 @@ def test_an_engine_attends_over_the_checkpoints_window(calib_arts, tmp_path, mod
     checkpoint's logits past the window. Built as the builder would build them unasked, Mistral's engine attended to
     the whole context (1.07 logits off at position 100) and Qwen2's failed its first forward longer than the window
     ("KV cache capacity (0) must be at least local_window_size (64)")."""
-    awq = _tiny_awq(calib_arts, tmp_path, model_type=model_type, **config)
+    awq = tiny.family_checkpoint(model_type, calib_arts, tmp_path, "awq-w4a16", **config)
     eng = build_engine(awq, "cpu", tmp_path / "eng", accuracy_level=1)
     assert eng.meta["attention_windows"] == "same"
     seq = np.random.default_rng(0).integers(3, 300, 200).tolist()

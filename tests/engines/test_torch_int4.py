@@ -584,23 +584,6 @@ def test_engine_refuses_quantized_kv_and_other_architectures(base_art, calib_art
     assert not (tmp_path / "e2").exists()
 
 
-def family_checkpoint(model_type: str, calib_arts, tmp_path, **config):
-    """A tiny random model of `model_type` (tiny.make_model), GPTQ W4 g32."""
-    from qgate.models import ModelSource, import_model
-    from qgate.quantize.compress import CalibOptions, quantize
-    from qgate.quantize.schemes import scheme_config
-
-    src = tiny.make_model(tmp_path / "src", model_type=model_type, **config)
-    base = import_model(ModelSource(hf_dir=str(src)), tmp_path / "base")
-    return quantize(
-        base,
-        calib_arts["calib"],
-        scheme_config("gptq-w4a16", group_size=32),
-        tmp_path / "gptq",
-        opts=CalibOptions(max_seq_length=32, max_samples=8),
-    )
-
-
 @pytest.mark.parametrize(
     "model_type,config",
     [
@@ -629,7 +612,7 @@ def test_the_engine_computes_what_each_llama_family_checkpoint_says(model_type, 
     """Llama's decoder as Mistral and Qwen2 ship it, and Llama's with every bias, an untied head and each RoPE type
     served: GPTQ W4 codes in a float32 engine give the reference path's logits, teacher-forced and as served, and its
     greedy answers."""
-    ckpt = family_checkpoint(model_type, calib_arts, tmp_path, **config)
+    ckpt = tiny.family_checkpoint(model_type, calib_arts, tmp_path, **config)
     eng = build_engine(ckpt, "torch-int4", tmp_path / "eng", calib_arts["profile"], dtype="float32")
     ref, runner = load_runner(ckpt), load_runner(eng)
     biases = [m.bias for m in runner.model.modules() if getattr(m, "bias", None) is not None]
@@ -929,7 +912,7 @@ def test_a_biased_decoder_serves_on_cuda_as_its_checkpoint_says(calib_arts, tmp_
     compiled elementwise work, against the checkpoint's bf16 reference."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    ckpt = family_checkpoint("qwen2", calib_arts, tmp_path)
+    ckpt = tiny.family_checkpoint("qwen2", calib_arts, tmp_path)
     eng = build_engine(ckpt, "torch-int4", tmp_path / "eng", calib_arts["profile"])
     runner, ref = load_runner(eng, "cuda"), load_runner(ckpt, "cuda", "bfloat16")
     assert runner.graphs and eng.meta["verified_on"].startswith("cuda")
