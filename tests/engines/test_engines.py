@@ -247,6 +247,21 @@ def test_the_engine_contract_reads_a_baseline_config_as_loaded(base_art, cpu_exa
     assert "architecture.head_dim" in {d["key"] for d in failed["architecture"].evidence["differences"]}
 
 
+def test_the_engine_of_a_decoder_whose_config_leaves_head_dim_out_passes_the_contract(calib_arts, tmp_path):
+    """Qwen2's config.json has no head_dim, as loaded too: its attention layers use hidden_size / num_attention_heads.
+    The engine's genai_config.json names head_size; compared with that derived value, it passes; a CPU engine of every
+    Qwen2 checkpoint failed the contract on it before."""
+    from qgate.gates.contract import ContractConfig, contract_gate
+    from qgate.gates.shadow import ShadowConfig, load_shadow
+
+    ckpt = tiny.family_checkpoint("qwen2", calib_arts, tmp_path, "awq-w4a16")
+    base = Artifact.load(tmp_path / "base")
+    assert "head_dim" not in json.loads((base.path / "config.json").read_text())
+    eng = build_engine(ckpt, "cpu", tmp_path / "eng", accuracy_level=1)
+    results = contract_gate(eng, base, load_shadow(calib_arts["shadow"], ShadowConfig()), ContractConfig())
+    assert all(r.verdict == "pass" for r in results), [r.evidence["differences"] for r in results]
+
+
 def test_an_engine_whose_rotary_tables_are_not_the_checkpoints_is_refused(cpu_exact, calib_arts, tmp_path):
     """onnxruntime-genai 0.18's Llama builder applies llama3 RoPE scaling and no other: a checkpoint with linear
     scaling is built with plain RoPE, and its engine's logits move by 0.02 at position 1 and 0.4-0.5 from position 10

@@ -213,6 +213,9 @@ def _genai_diffs(bdir: Path, genai: dict) -> list[tuple[str, dict]]:
     baseline's config.json is read as Transformers loads it where it can (loaded_config). A key with no counterpart
     must be one of ENGINE_RUNTIME's."""
     bc = loaded_config(bdir) or read_json(bdir / "config.json")
+    if bc.get("head_dim") is None and bc.get("hidden_size") and bc.get("num_attention_heads"):
+        # a config without head_dim (Qwen2's): its attention layers use hidden_size / num_attention_heads
+        bc = bc | {"head_dim": bc["hidden_size"] // bc["num_attention_heads"]}
     gen = effective_generation(read_json(bdir / "generation_config.json"))
     out = []
     for path, value in leaves(genai):
