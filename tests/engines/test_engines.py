@@ -280,22 +280,31 @@ def test_an_engine_whose_rotary_tables_are_not_the_checkpoints_is_refused(cpu_ex
     "model_type,config",
     [
         ("mistral", {"sliding_window": 64}),  # every layer slides, and the config has no layer_types
+        ("mistral", {"sliding_window": 512}),  # as long as the context: binds nothing, however it is built
         ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}),  # layer 1 slides
     ],
 )
 def test_an_engine_attends_over_the_checkpoints_window(calib_arts, tmp_path, model_type, config):
-    """A sliding window shorter than the context: the builder reads windows from layer_types alone, so Mistral's
-    config is given them and every layer's attention is windowed as Transformers windows it, and each layer keeps
-    whole-context KV buffers, which the gates' scoring (a forward without past state) can run: the engine gives its
-    checkpoint's logits past the window. Built as the builder would build them unasked, Mistral's engine attended to
-    the whole context (1.07 logits off at position 100) and Qwen2's failed its first forward longer than the window
+    """A sliding window: the builder reads windows from layer_types alone, so Mistral's config is given them and
+    every layer's attention is windowed as Transformers windows it, and each layer keeps whole-context KV buffers,
+    which the gates' scoring (a forward without past state) can run: the engine gives its checkpoint's logits past the
+    window, and passes the contract. A window as long as the context binds nothing, in either. Built as the builder
+    would build them unasked, Mistral's engine attended to the whole context (1.07 logits off at position 100) and
+    Qwen2's failed its first forward longer than the window
     ("KV cache capacity (0) must be at least local_window_size (64)")."""
+    from qgate.gates.contract import ContractConfig, contract_gate
+    from qgate.gates.shadow import ShadowConfig, load_shadow
+
     awq = tiny.family_checkpoint(model_type, calib_arts, tmp_path, "awq-w4a16", **config)
     eng = build_engine(awq, "cpu", tmp_path / "eng", accuracy_level=1)
     assert eng.meta["attention_windows"] == "same"
     seq = np.random.default_rng(0).integers(3, 300, 200).tolist()
     got, want = (np.asarray(r.logits(seq), np.float64) for r in (load_runner(eng), load_runner(awq, "cpu", "float32")))
     assert np.abs(got - want).max() < 0.01  # at every position, the window's edge and beyond it included
+    rows = load_shadow(calib_arts["shadow"], ShadowConfig())  # and it is served as its baseline is
+    assert all(
+        r.verdict == "pass" for r in contract_gate(eng, Artifact.load(tmp_path / "base"), rows, ContractConfig())
+    )
 
 
 def test_a_model_larger_than_the_memory_left_is_refused_before_it_loads(

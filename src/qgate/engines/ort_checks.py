@@ -102,12 +102,12 @@ def _slides(config: dict) -> tuple[list[bool], int | None, int]:
     return slides, window, c.max_position_embeddings
 
 
-def checkpoint_windows(config: dict) -> list[int | None]:
-    """Per layer, the sliding window Transformers applies to it where that window binds (shorter than the
-    context), else None."""
+def checkpoint_windows(config: dict) -> tuple[list[int | None], int]:
+    """(per layer, the sliding window Transformers applies to it where that window binds (shorter than the context),
+    else None; the context length)."""
     slides, window, context = _slides(config)
     binds = window is not None and window < context
-    return [window if s and binds else None for s in slides]
+    return [window if s and binds else None for s in slides], context
 
 
 def builder_layer_types(config: dict) -> list[str] | None:
@@ -138,9 +138,10 @@ def served_windows(model_path: Path) -> dict[int, int | None]:
 def window_problem(model_path: Path, config: dict) -> tuple[str | None, dict]:
     """(why the engine's attention windows are not the checkpoint's, or None; `attention_windows` "same" or why it
     was not checked)."""
-    want, got = checkpoint_windows(config), served_windows(model_path)
+    (want, context), got = checkpoint_windows(config), served_windows(model_path)
     if sorted(got) != list(range(len(want))):
         return None, {"attention_windows": f"not checked: {len(got)} attention nodes for {len(want)} layers"}
+    got = {i: w if w is not None and w < context else None for i, w in got.items()}  # a window that binds nothing
     wrong = [i for i, w in enumerate(want) if got[i] != w]
     if not wrong:
         return None, {"attention_windows": "same"}
