@@ -6,14 +6,14 @@ The builder sets RoPE and attention windows itself, per architecture, and can le
 architecture does not implement, with no error: onnxruntime-genai 0.18's Llama builder applies llama3 RoPE scaling
 and no other (linear and YaRN are built as plain RoPE), and a checkpoint with a sliding window but no per-layer
 `layer_types` (Mistral's) is built with every layer attending to its whole context unless its config is given them
-(builder_layer_types). Two checks read what was built:
+(builder_layer_types). Two checks read what was built, against the checkpoint's config as Transformers loads it:
   rotary tables  the `cos_cache` and `sin_cache` initializers ([positions, rotary dim / 2]) against what the
                  checkpoint's own Transformers rotary module (`model.rotary_emb`) gives when asked for every position
                  the engine holds (so a RoPE whose frequencies depend on the length, dynamic, differs too), over the
                  first CHECKED positions;
   windows        each layer's attention node's `local_window_size` (-1: none) against the window Transformers applies
-                 to that layer (config.json `sliding_window`, on the layers `layer_types` marks sliding, or on every
-                 layer where it has none), where that window is shorter than the context and so binds.
+                 to that layer where it binds (static_llama.layer_windows, which the torch-int4 engine's check reads
+                 too); a window as long as the context binds nothing on either side.
 """
 
 from __future__ import annotations
@@ -28,33 +28,25 @@ TOLERANCE = 1e-2  # largest |cos| or |sin| difference taken as the same table
 ATTENTION_OPS = ("GroupQueryAttention", "PagedAttention")  # the builder's attention nodes, one per layer
 
 
-def _graph(model_path: Path):
-    import onnx
-
-    return onnx.load(str(model_path), load_external_data=False).graph
-
-
-def served_tables(model_path: Path) -> tuple[np.ndarray, np.ndarray] | None:
-    """The engine's cos and sin caches, float64 [positions, rotary dim / 2], or None where it holds no such pair."""
+def served_tables(graph, base: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    """The engine's cos and sin caches (`graph`: its ONNX graph; `base`: the folder of its external data), float64
+    [positions, rotary dim / 2], or None where it holds no such pair."""
     from onnx import numpy_helper
 
-    found = {i.name: i for i in _graph(model_path).initializer if i.name in ("cos_cache", "sin_cache")}
+    found = {i.name: i for i in graph.initializer if i.name in ("cos_cache", "sin_cache")}
     if len(found) != 2:
         return None
-    base = str(Path(model_path).parent)
-    cos, sin = (numpy_helper.to_array(found[n], base).astype(np.float64) for n in ("cos_cache", "sin_cache"))
+    cos, sin = (numpy_helper.to_array(found[n], str(base)).astype(np.float64) for n in ("cos_cache", "sin_cache"))
     return cos, sin
 
 
-def checkpoint_tables(config: dict, positions: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """cos and sin of the checkpoint's own rotary module for positions 0..positions-1, float64 [positions, rotary
-    dim], or None where its architecture has no single `model.rotary_emb`."""
+def checkpoint_tables(c, positions: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """cos and sin of the checkpoint's own rotary module (`c`: its loaded config, static_llama.model_config) for
+    positions 0..positions-1, float64 [positions, rotary dim], or None where its architecture has no single
+    `model.rotary_emb`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qgate.engines.static_llama import model_config
-
-    c = model_config(config)
     with torch.device("meta"):  # the module tree only: no weights are allocated
         rotary = getattr(getattr(AutoModelForCausalLM.from_config(c), "model", None), "rotary_emb", None)
     if rotary is None:
@@ -65,15 +57,13 @@ def checkpoint_tables(config: dict, positions: int) -> tuple[np.ndarray, np.ndar
     return cos[0].double().numpy(), sin[0].double().numpy()
 
 
-def rope_problem(model_path: Path, config: dict) -> tuple[str | None, dict]:
+def rope_problem(graph, base: Path, c) -> tuple[str | None, dict]:
     """(why the engine's rotary tables are not the checkpoint's, or None; `rope_tables` "same", "differ" or why it
     was not checked, and the largest difference)."""
-    from qgate.engines.static_llama import model_config
-
-    served = served_tables(model_path)
+    served = served_tables(graph, base)
     if served is None:
         return None, {"rope_tables": "not checked: the engine holds no cos_cache/sin_cache pair"}
-    want = checkpoint_tables(config, served[0].shape[0])
+    want = checkpoint_tables(c, served[0].shape[0])
     if want is None:
         return None, {"rope_tables": "not checked: the checkpoint's architecture has no model.rotary_emb"}
     n, half = min(CHECKED, served[0].shape[0]), served[0].shape[1]
@@ -83,7 +73,7 @@ def rope_problem(model_path: Path, config: dict) -> tuple[str | None, dict]:
     if worst <= TOLERANCE:
         return None, evidence
     at = int(np.unravel_index(np.argmax(np.maximum(*diffs)), diffs[0].shape)[0])
-    rope = (getattr(model_config(config), "rope_parameters", None) or {}).get("rope_type", "default")
+    rope = (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default")
     return (
         f"its rotary tables are not the checkpoint's RoPE (rope_type {rope!r}): cos or sin differ by up to "
         f"{worst:.3g} (at position {at}), so the engine would encode positions differently from the checkpoint",
@@ -91,41 +81,27 @@ def rope_problem(model_path: Path, config: dict) -> tuple[str | None, dict]:
     )
 
 
-def _slides(config: dict) -> tuple[list[bool], int | None, int]:
-    """(per layer, whether Transformers applies the sliding window to it; the window; the context length)."""
-    from qgate.engines.static_llama import model_config
-
-    c = model_config(config)
-    window, types = getattr(c, "sliding_window", None), getattr(c, "layer_types", None)
-    n = c.num_hidden_layers
-    slides = [t == "sliding_attention" for t in types[:n]] if types else [window is not None] * n
-    return slides, window, c.max_position_embeddings
-
-
-def checkpoint_windows(config: dict) -> tuple[list[int | None], int]:
-    """(per layer, the sliding window Transformers applies to it where that window binds (shorter than the context),
-    else None; the context length)."""
-    slides, window, context = _slides(config)
-    binds = window is not None and window < context
-    return [window if s and binds else None for s in slides], context
-
-
 def builder_layer_types(config: dict) -> list[str] | None:
     """`layer_types` for the builder's copy of config.json where the checkpoint's sliding window applies to every
     layer without saying so per layer (Mistral's): the builder reads windows from `layer_types` alone. None where
     the config needs none (no window, or its own `layer_types`)."""
+    from qgate.engines.static_llama import model_config
+
     if config.get("layer_types") or config.get("sliding_window") is None:
         return None
-    slides, _, _ = _slides(config)
-    return ["sliding_attention" if s else "full_attention" for s in slides]
+    c = model_config(config)  # Transformers may derive them (Qwen2's, from use_sliding_window and max_window_layers)
+    types, n = getattr(c, "layer_types", None), c.num_hidden_layers
+    if not types:
+        return ["sliding_attention"] * n
+    return ["sliding_attention" if t == "sliding_attention" else "full_attention" for t in types[:n]]
 
 
-def served_windows(model_path: Path) -> dict[int, int | None]:
+def served_windows(graph) -> dict[int, int | None]:
     """Per layer index, the window its attention node applies (None: the whole context)."""
     import onnx
 
     out = {}
-    for node in _graph(model_path).node:
+    for node in graph.node:
         layer = re.search(r"layers\.(\d+)/", node.name)
         if node.op_type in ATTENTION_OPS and layer:
             size = next(
@@ -135,10 +111,12 @@ def served_windows(model_path: Path) -> dict[int, int | None]:
     return out
 
 
-def window_problem(model_path: Path, config: dict) -> tuple[str | None, dict]:
-    """(why the engine's attention windows are not the checkpoint's, or None; `attention_windows` "same" or why it
-    was not checked)."""
-    (want, context), got = checkpoint_windows(config), served_windows(model_path)
+def window_problem(graph, c) -> tuple[str | None, dict]:
+    """(why the engine's attention windows are not the checkpoint's (static_llama.layer_windows), or None;
+    `attention_windows` "same" or why it was not checked)."""
+    from qgate.engines.static_llama import layer_windows
+
+    want, got, context = layer_windows(c), served_windows(graph), c.max_position_embeddings
     if sorted(got) != list(range(len(want))):
         return None, {"attention_windows": f"not checked: {len(got)} attention nodes for {len(want)} layers"}
     got = {i: w if w is not None and w < context else None for i, w in got.items()}  # a window that binds nothing
@@ -149,18 +127,23 @@ def window_problem(model_path: Path, config: dict) -> tuple[str | None, dict]:
     span = lambda w: f"a window of {w} tokens" if w else "the whole context"  # noqa: E731
     return (
         f"{len(wrong)} of {len(want)} layers attend differently from the checkpoint's: layer {i} attends over "
-        f"{span(got[i])}, where the checkpoint's attends over {span(want[i])} (config.json sliding_window "
-        f"{config.get('sliding_window')})",
+        f"{span(got[i])}, where the checkpoint's attends over {span(want[i])} (sliding_window "
+        f"{getattr(c, 'sliding_window', None)})",
         {"attention_windows": f"differ in {len(wrong)} layers"},
     )
 
 
 def built_engine_problems(model_path: Path, config: dict) -> tuple[list[str], dict]:
     """Every way the built engine's positions or attention spans are not the checkpoint's (config: its config.json),
-    and what was compared, for the artifact's metadata."""
+    and what was compared, for the artifact's metadata. The ONNX graph (without its external data) and the loaded
+    config are read once, for both checks."""
+    import onnx
+
+    from qgate.engines.static_llama import model_config
+
+    graph, c = onnx.load(str(model_path), load_external_data=False).graph, model_config(config)
     problems, evidence = [], {}
-    for check in (rope_problem, window_problem):
-        why, ev = check(model_path, config)
+    for why, ev in (rope_problem(graph, Path(model_path).parent, c), window_problem(graph, c)):
         evidence |= ev
         problems += [why] if why else []
     return problems, evidence

@@ -50,6 +50,17 @@ def model_config(config: dict):
     return AutoConfig.for_model(config["model_type"], **rest)
 
 
+def layer_windows(c) -> list[int | None]:
+    """Per layer of a loaded config (model_config), the sliding window Transformers applies to it where that window
+    binds (shorter than max_position_embeddings), else None: on the layers `layer_types` marks sliding, or on every
+    layer where the config has a window and no `layer_types` (Mistral's)."""
+    window, types = getattr(c, "sliding_window", None), getattr(c, "layer_types", None)
+    n = c.num_hidden_layers
+    slides = [t == "sliding_attention" for t in types[:n]] if types else [window is not None] * n
+    binds = window is not None and window < c.max_position_embeddings
+    return [window if s and binds else None for s in slides]
+
+
 def check_architecture(config: dict):
     """config.json as its model_config, or ConfigError unless this engine computes what the checkpoint's
     architecture computes: one of ARCHITECTURES, every layer attending to its whole context up to
@@ -63,8 +74,8 @@ def check_architecture(config: dict):
             hint="gate this checkpoint on the reference path",
         )
     c = model_config(config)
-    window, layers = getattr(c, "sliding_window", None), getattr(c, "layer_types", None)
-    if window is not None and (not layers or "sliding_attention" in layers) and window < c.max_position_embeddings:
+    if any(w is not None for w in layer_windows(c)):
+        window = c.sliding_window
         raise ConfigError(
             f"config.json sliding_window {window}: the model attends over the last {window} tokens only, and the "
             f"torch-int4 engine attends over whole contexts (max_position_embeddings {c.max_position_embeddings})",
