@@ -7,10 +7,10 @@ Transformers 5 writes config.json differently from Transformers 4: `rope_theta` 
 `rope_parameters`, `torch_dtype` becomes `dtype`, and defaults such as `head_dim` and `mlp_bias` are written out. A
 baseline from a model hub, saved by Transformers 4, and a candidate saved by a tool on Transformers 5 (or the other
 way round) therefore differ on paper in keys that load to the same values; qgate's own quantize keeps the baseline's
-layout. A difference is the same setting only where the two
-loaded configs agree on the key itself, or on the key Transformers moves it into (RENAMED); a key Transformers reads
-into something to_dict() leaves out (`_attn_implementation`) stays a difference. In generation_config.json a key one
-side leaves unset (or null) holds Transformers' default there, which may be the other side's value.
+layout. A difference is the same setting only where the two loaded configs agree on the key itself, or on the key
+Transformers moves it into (RENAMED); a key Transformers reads into something to_dict() leaves out
+(`_attn_implementation`) stays a difference. In generation_config.json a key one side leaves unset (or null) holds
+Transformers' default there, which may be the other side's value.
 """
 
 from __future__ import annotations
