@@ -135,7 +135,8 @@ def render() -> str:
     parts = [HEAD]
     parts.append(
         "## `variants:`\n\nEach variant: `name` (letters, digits, `-`, `_`, `.`), `scheme` and its `options` "
-        "(quantize/schemes.py), `kv_cache` (`fp8` or `int8`), `engine` (`backend` and its `options`; none: the "
+        "(quantize/schemes.py), `kv_cache` (`fp8` or `int8`; the `cpu` and `torch-int4` engines keep their KV caches "
+        "in float and refuse it at load), `engine` (`backend` and its `options`; none: the "
         "checkpoint is gated on the PyTorch reference path), `search` (below) and `resources` (Ray task resources "
         "under `--executor ray`: `num_cpus`, `num_gpus`, `memory` in bytes, or custom ones).\n\n"
         "Engine backends (engines/build.py):\n\n| backend | what it is | gated by qgate |\n| --- | --- | --- |\n"

@@ -8,6 +8,10 @@ Hugging Face checkpoint, so every later stage starts from the same full-precisio
 Its special tokens are then made to agree with the GGUF metadata (special_tokens.reconcile: the fixes are listed in
 the manifest's `special_tokens_fixed`), and every baseline, GGUF or HF, must pass special_tokens.check: its tokenizer,
 generation config and chat template agree on eos, end of turn, bos and pad.
+
+A Hugging Face directory another tool quantized (compressed-tensors, as llm-compressor writes it) imports as scheme
+`imported`, with the weight format, KV-cache dtype and bits per weight its config.json and tensors give: a candidate
+to gate, or a baseline to gate against, which `qgate quantize` refuses to quantize again.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 from qgate.artifact import Artifact, typed_config
 from qgate.errors import ConfigError, InputError
 
+IMPORTED = "imported"  # the scheme of a checkpoint that arrived quantized
 IMPORT_VERSION = 3  # of what import_model writes for a given source (the pipeline's model stage key)
 # what Transformers writes back into tokenizer_config.json from how the tokenizer was loaded, not what it is:
 # local_files_only follows HF_HUB_OFFLINE, so keeping it would make one source import to different bytes
@@ -97,6 +102,8 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qgate import special_tokens
+    from qgate.quantize.compress import linear_size
+    from qgate.quantize.schemes import stored_format
     from qgate.trust import PICKLE_SUFFIXES, TOKENIZER_KWARGS, check_loadable, load_tokenizer
 
     out = Path(out)
@@ -141,6 +148,9 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
         "weights_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
         "special_tokens_fixed": fixes,
     }
+    fmt, kv = stored_format(out)
+    if fmt or kv:  # another tool quantized it: gated as a candidate (or as a baseline), never quantized again
+        meta |= {"scheme": IMPORTED, "weight_format": fmt, "kv_cache_dtype": kv, **linear_size(out)}
     return Artifact.create("checkpoint", out, typed_config(src), (), meta)
 
 

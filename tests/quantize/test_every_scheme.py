@@ -8,6 +8,7 @@ import pytest
 
 from qgate.artifact import Artifact
 from qgate.cli.main import main
+from qgate.quantize.schemes import stored_format
 
 # The tiny model's quantized Linears: 2 layers of q (64x64), k and v (32x64), o (64x64), gate and up (128x64), down
 # (64x128).
@@ -66,6 +67,7 @@ def test_every_scheme_quantizes_gates_and_registers(base_art, calib_arts, settin
     assert art.meta["linear_bytes"] == pytest.approx(BITS[scheme] * PARAMS / 8)
     assert f"{scheme} (" in line and f"{BITS[scheme]:.2f} bits/weight" in line
     assert (f"KV cache {kv}" in line) == bool(kv) and art.meta["kv_cache_dtype"] == kv
+    assert stored_format(out) == (art.meta["weight_format"], kv)  # what an import of it would record
     if kv:
         kv_scheme = json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
         assert kv_scheme["num_bits"] == 8 and kv_scheme["type"] == {"fp8": "float", "int8": "int"}[kv]

@@ -12,6 +12,7 @@ import tiny
 from specs import pipeline_spec
 
 from qgate.errors import ConfigError, InputError
+from qgate.quantize.schemes import stored_format
 from qgate.search.plan import SearchConfig, make_plan, next_count, rungs
 
 PLANTED = ("model.layers.1.self_attn.v_proj", "model.layers.1.self_attn.o_proj")
@@ -419,6 +420,7 @@ def test_fine_group_layers_quantize_and_the_cpu_engine_serves_them_exactly(plant
     scheme = scheme_config("awq-w4a16", group_size=32)
     ckpt = quantize(base, arts["calib"], scheme, d / "fine", opts=CalibOptions(max_seq_length=64), fallback=fb)
     assert ckpt.meta["weight_format"] == "w4a16+w4a16g16+w8a16" and unsupported(ckpt, "cpu") is None
+    assert stored_format(ckpt.path) == (ckpt.meta["weight_format"], None)
     assert ckpt.meta["lm_head"] == "w8a16"
     assert ckpt.meta["fine_group_layers"] == list(fine) and ckpt.meta["fine_group_size"] == 16
     state = load_file(str(ckpt.path / "model.safetensors"))
@@ -471,6 +473,7 @@ def test_the_torch_int4_engine_serves_three_rungs_exactly(planted):
     scheme = scheme_config("awq-w4a16", group_size=64)
     ckpt = quantize(base, arts["calib"], scheme, d / "rungs", opts=CalibOptions(max_seq_length=64), fallback=fb)
     assert ckpt.meta["weight_format"] == "w4a16+w4a16g32+unquantized" and unsupported(ckpt, "torch-int4") is None
+    assert stored_format(ckpt.path) == (ckpt.meta["weight_format"], None)
     w8 = replace(ckpt, meta=ckpt.meta | {"weight_format": "w4a16+w4a16g32+w8a16"})
     assert unsupported(w8, "torch-int4").endswith(
         "no int8 kernel (torch has no group-wise int8 weight-only one): its W8 layers would be served as dense weights"

@@ -276,6 +276,7 @@ def checkpoint_line(art) -> str:
         parts.append(f"{bits:.2f} bits/weight, {mb}" if bits is not None else f"bits/weight unknown, {mb}")
         if m.get("calibration_samples"):
             parts.append(f"{m['calibration_samples']} calibration samples")
-        parts.append(f"quantized in {m.get('quantize_seconds', 0):.0f} s")
+        if "quantize_seconds" in m:
+            parts.append(f"quantized in {m['quantize_seconds']:.0f} s")
         what = "; ".join(parts)
     return f"checkpoint {art.path}  {what}  sha256 {art.sha256[:16]}"

@@ -54,7 +54,7 @@ for _b in (
         "qgate.engines.cpu:load_runner",
         refuses="qgate.engines.cpu:refusal",
         cannot_hold="qgate.engines.cpu:cannot_hold",
-        serves="a 4-bit scheme (awq-w4a16, gptq-w4a16)",
+        serves="a 4-bit scheme (awq-w4a16, gptq-w4a16) without kv_cache",
         int8_layers=True,
     ),
     Backend(

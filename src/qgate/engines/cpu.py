@@ -36,6 +36,7 @@ def _supported(fmt: str | None) -> bool:
     return all(part.split("g")[0] in SUPPORTED_PARTS for part in fmt.split("+"))
 
 
+NO_KV = "onnxruntime-genai's builder reads no KV-cache scales: the cpu engine keeps its KV cache in float"
 LM_HEAD = ("fp32", "int8", "int4")  # the vocabulary projection: on a small model, most of the bytes read per token
 
 
@@ -62,6 +63,8 @@ def refusal(scheme_name: str, scheme, kv_cache: str | None) -> str | None:
             f"the cpu engine takes w4a16 checkpoints (mixed with w8a16 or finer-group w4a16 layers); scheme "
             f"{scheme_name} makes {fmt}"
         )
+    if kv_cache:
+        return f"{NO_KV}, not {kv_cache}"
     return None
 
 
@@ -95,14 +98,20 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
 
     from qgate.engines.awq_layout import to_awq
     from qgate.engines.gptq_layout import to_gptq
+    from qgate.quantize.schemes import stored_format
 
-    fmt = ckpt.meta.get("weight_format")
+    fmt, kv = stored_format(ckpt.path)
     if not _supported(fmt):
         raise ConfigError(
             f"{ckpt.path}: the CPU engine takes W4A16 checkpoints (with W8A16 or finer-group W4A16 layers); "
             f"this one is {fmt or 'unquantized'}",
             hint="FP8, W8A16, unquantized-fallback and baseline checkpoints run on the PyTorch reference path: pass "
             "the checkpoint to `qgate gate` directly",
+        )
+    if kv:
+        raise ConfigError(
+            f"{ckpt.path}: KV cache {kv}: {NO_KV}",
+            hint="quantize without --kv-cache for this engine, or gate the checkpoint on the reference path",
         )
     cfg = json.loads((ckpt.path / "config.json").read_text())
     state: dict = {}

@@ -85,6 +85,7 @@ def check_checkpoint(ckpt: Artifact) -> dict:
     """The checkpoint's config.json, or ConfigError naming what this engine cannot serve."""
     from qgate.engines.int4pack import check_scheme
     from qgate.engines.static_llama import check_architecture
+    from qgate.quantize.schemes import stored_format
 
     if ckpt.kind != "checkpoint":
         raise InputError(f"{ckpt.path}: engines are built from checkpoints, this is a {ckpt.kind}")
@@ -92,11 +93,10 @@ def check_checkpoint(ckpt: Artifact) -> dict:
     check_architecture(cfg)
     if qconfig := cfg.get("quantization_config"):
         check_scheme(qconfig, str(ckpt.path), f"{NO_INT8}: they would be served as dense weights, {DENSE_W8}")
-    if ckpt.meta.get("kv_cache_dtype"):
+    if kv := stored_format(ckpt.path)[1]:
         raise ConfigError(
-            f"{ckpt.path}: KV cache {ckpt.meta['kv_cache_dtype']}: the torch-int4 engine keeps its KV "
-            "cache in the activation dtype",
-            hint="quantize without --kv-cache for this engine",
+            f"{ckpt.path}: KV cache {kv}: the torch-int4 engine keeps its KV cache in the activation dtype",
+            hint="quantize without --kv-cache for this engine, or gate the checkpoint on the reference path",
         )
     return cfg
 

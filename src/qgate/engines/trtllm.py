@@ -42,7 +42,9 @@ class TrtllmConfig:
 
 
 def llm_api_options(ckpt: Artifact, config: TrtllmConfig, concurrency: dict) -> dict:
-    kv = ckpt.meta.get("kv_cache_dtype")
+    from qgate.quantize.schemes import stored_format
+
+    kv = stored_format(ckpt.path)[1]
     if kv not in KV_DTYPES:
         raise ConfigError(
             f"TensorRT-LLM's PyTorch backend serves KV cache as auto or fp8, not {kv!r}",

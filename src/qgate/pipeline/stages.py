@@ -50,17 +50,22 @@ class Chain:
 
 
 def model_stage(led: Ledger, spec: PipelineSpec) -> Artifact:
+    """The spec's model imported as the baseline that every variant quantizes: refused here, before calibration, when
+    it is quantized already."""
     from qgate.models import IMPORT_VERSION, ModelSource, import_model, source_fingerprint
+    from qgate.quantize.compress import check_unquantized
 
     msrc = ModelSource(**spec.model.model_dump())
     if msrc.hf_dir:
         msrc = ModelSource(hf_dir=str(spec.path(msrc.hf_dir)))
-    return led.run(
+    base = led.run(
         "model",
         {"src": source_fingerprint(msrc), "import": IMPORT_VERSION},
         led.workdir / "base",
         lambda out: import_model(msrc, out),
     )
+    check_unquantized(base, "the spec's model")
+    return base
 
 
 def traffic_key(spec: PipelineSpec, parts: list, executor: str, scans: Path) -> str:

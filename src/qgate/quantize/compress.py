@@ -87,6 +87,24 @@ def load_host_model(path: Path, dtype=None):
     return load_causal_lm(path, dtype=dtype)
 
 
+def check_unquantized(base: Artifact, what: str) -> None:
+    """InputError unless `base` is a full-precision baseline checkpoint, by its manifest and by its config.json (a
+    quantized checkpoint imported before the manifest said so): quantization starts from unquantized weights, and a
+    checkpoint another tool quantized is gated, not quantized again. what: the argument or key that named it."""
+    from qgate.quantize.schemes import stored_format
+
+    fmt, kv = stored_format(base.path) if base.kind == "checkpoint" else (None, None)
+    if base.kind == "checkpoint" and base.meta.get("scheme") == "baseline" and not (fmt or kv):
+        return
+    stored = ", ".join(x for x in (fmt, kv and f"KV cache {kv}") if x)
+    got = f"quantized already ({stored})" if stored else f"a {base.kind} of scheme {base.meta.get('scheme')}"
+    raise InputError(
+        f"{base.path}: {what} must be a full-precision baseline checkpoint; this one is {got}",
+        hint="quantize from the unquantized model (`qgate model import` it); a checkpoint quantized elsewhere is "
+        "gated as it is: `qgate gate --candidate`",
+    )
+
+
 def load_calibration(calib: Artifact, tokenizer, opts: CalibOptions):
     from datasets import Dataset
 
@@ -199,10 +217,7 @@ def quantize(
     import torch
     from llmcompressor import oneshot
 
-    if base.kind != "checkpoint" or base.meta.get("scheme") != "baseline":
-        raise InputError(
-            f"{base.path}: --model must be a full-precision baseline checkpoint (got {base.meta.get('scheme')})"
-        )
+    check_unquantized(base, "--model")
     from qgate.quantize.schemes import BUILT, smooths
 
     if smoothed is not None and (not smooths(scheme, kv) or smoothed.meta.get("base_model") != base.sha256):

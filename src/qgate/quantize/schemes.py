@@ -267,6 +267,40 @@ def weight_format(cfg, fallback: FallbackConfig | None = None) -> str:
     return "+".join(parts)
 
 
+def _part(weights: dict, acts: dict | None) -> str:
+    """One config group's weight_format name: 'w4a16', 'w8a8', 'fp8' (FP8 weights and activations), 'fp8a16'."""
+    wbits, abits = weights.get("num_bits"), (acts or {}).get("num_bits", 16)
+    if weights.get("type") == "float":
+        return "fp8" if wbits == 8 and abits == 8 and (acts or {}).get("type") == "float" else f"fp{wbits}a{abits}"
+    return f"w{wbits}a{abits}"
+
+
+def stored_format(path) -> tuple[str | None, str | None]:
+    """(weight_format, KV-cache dtype) that a checkpoint's config.json says it stores, in weight_format's and
+    KVCacheConfig's names: (None, None) for an unquantized one. For checkpoints qgate did not quantize itself (`qgate
+    model import` of another tool's output) and for what an engine builds from, whatever its manifest says.
+
+    Each compressed-tensors config group names one part: int4 groups at a group size below the largest become
+    'w4a16g<size>' (finer groups, as a search writes them), and `ignore` entries inside the decoder layers add
+    'unquantized' (lm_head alone is every scheme's default)."""
+    import json
+    from pathlib import Path
+
+    qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
+    if not isinstance(qc, dict):
+        return None, None
+    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
+    named = [(_part(g["weights"], g.get("input_activations")), g["weights"].get("group_size")) for g in groups]
+    widest = max((size or 0 for name, size in named if name == "w4a16"), default=0)
+    parts = {f"{name}g{size}" if name == "w4a16" and size and size < widest else name for name, size in named}
+    if any("layers" in str(x) for x in qc.get("ignore") or ()):
+        parts.add("unquantized")
+    order = lambda p: (not p.startswith("w4a16"), p == "unquantized", p)  # noqa: E731 - w4a16 first, as the engines read
+    kv = qc.get("kv_cache_scheme") or {}
+    kv_dtype = {"float": "fp", "int": "int"}.get(kv.get("type"), str(kv.get("type"))) + str(kv.get("num_bits"))
+    return "+".join(sorted(parts, key=order)) or None, kv_dtype if kv else None
+
+
 BUILT = "rtn on AWQ-smoothed weights"  # how a checkpoint made from cached AWQ smoothing says it was made
 
 
@@ -285,6 +319,7 @@ __all__ = [
     "SCHEMES",
     "scheme_config",
     "weight_format",
+    "stored_format",
     "BUILT",
     "smooths",
 ]

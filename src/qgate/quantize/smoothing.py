@@ -20,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
-from qgate.errors import InputError
 
 SMOOTHING_VERSION = 1
 
@@ -31,11 +30,10 @@ def smooth_awq(base: Artifact, calib: Artifact, scheme, opts, out: Path) -> Arti
     import torch
     from llmcompressor import oneshot
 
-    from qgate.quantize.compress import cpu_safe_intermediates, load_calibration, load_host_model
+    from qgate.quantize.compress import check_unquantized, cpu_safe_intermediates, load_calibration, load_host_model
     from qgate.trust import check_loadable, copy_tokenizer_files, load_tokenizer
 
-    if base.kind != "checkpoint" or base.meta.get("scheme") != "baseline":
-        raise InputError(f"{base.path}: smoothing starts from a full-precision baseline checkpoint")
+    check_unquantized(base, "smoothing's model")
     check_loadable(base.path)
     model = load_host_model(base.path)
     names = set(model.state_dict())

@@ -1,0 +1,142 @@
+"""A checkpoint another tool quantized, brought in with `qgate model import`: described by what its files store,
+gated as it is, never quantized again, and built into an engine only where the engine serves what it stores."""
+
+import json
+import shutil
+
+import pytest
+import yaml
+from specs import pipeline_spec
+
+from qgate.cli.main import main
+from qgate.cli.output import checkpoint_line
+from qgate.engines.build import build_engine
+from qgate.errors import ConfigError, InputError
+from qgate.models import IMPORTED, ModelSource, import_model
+from qgate.pipeline.spec import load_spec
+from qgate.quantize.compress import CalibOptions, quantize
+from qgate.quantize.schemes import KVCacheConfig, scheme_config, stored_format
+
+
+@pytest.fixture(scope="module")
+def w4_fp8kv(base_art, calib_arts, tmp_path_factory):
+    """A GPTQ W4A16 checkpoint with an FP8 KV cache, and a copy without qgate's manifest: another tool's output."""
+    d = tmp_path_factory.mktemp("imported")
+    ckpt = quantize(
+        base_art,
+        calib_arts["calib"],
+        scheme_config("gptq-w4a16", group_size=32),
+        d / "ckpt",
+        kv=KVCacheConfig("fp8"),
+        opts=CalibOptions(max_seq_length=32, max_samples=4),
+    )
+    shutil.copytree(ckpt.path, d / "elsewhere", ignore=shutil.ignore_patterns("qgate-artifact.json"))
+    return ckpt, d / "elsewhere"
+
+
+def test_an_import_of_a_quantized_checkpoint_records_what_it_stores(w4_fp8kv, tmp_path):
+    ckpt, elsewhere = w4_fp8kv
+    art = import_model(ModelSource(hf_dir=str(elsewhere)), tmp_path / "imp")
+    assert art.meta["scheme"] == IMPORTED
+    assert (art.meta["weight_format"], art.meta["kv_cache_dtype"]) == ("w4a16", "fp8")
+    for key in ("bits_per_weight", "linear_bytes", "linear_params", "weights_bytes"):
+        assert art.meta[key] == ckpt.meta[key], key
+    assert art.meta["bits_per_weight"] == pytest.approx(4 + 32 / 32)  # int4 codes and a float32 scale per 32
+    line = checkpoint_line(art)
+    assert "  imported (w4a16); KV cache fp8; 5.00 bits/weight, " in line and "quantized in" not in line
+
+
+def test_a_quantized_checkpoint_is_never_quantized_again(w4_fp8kv, calib_arts, tmp_path, capsys):
+    ckpt, elsewhere = w4_fp8kv
+    art = import_model(ModelSource(hf_dir=str(elsewhere)), tmp_path / "imp")
+    scheme = scheme_config("gptq-w4a16", group_size=32)
+    for model in (art, ckpt):
+        with pytest.raises(InputError, match=r"must be a full-precision baseline checkpoint; this one is quantized "):
+            quantize(model, calib_arts["calib"], scheme, tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+    argv = ["quantize", "--model", str(art.path), "--scheme", "gptq-w4a16", "--calib", str(calib_arts["calib"].path)]
+    assert main([*argv, "--out", str(tmp_path / "again")]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"error: {art.path}: --model must be a full-precision baseline checkpoint; this one is quantized already "
+        in err
+    )
+    assert "(w4a16, KV cache fp8)" in err and "qgate gate --candidate" in err and "internal error" not in err
+
+
+def test_a_pipeline_whose_model_is_quantized_stops_before_calibrating(w4_fp8kv, tmp_path, workdir, capsys):
+    spec = pipeline_spec(tmp_path, workdir)
+    doc = yaml.safe_load(spec.read_text())
+    doc["model"] = {"hf_dir": str(w4_fp8kv[1])}
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    assert main(["run", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert "the spec's model must be a full-precision baseline checkpoint; this one is quantized already" in err
+    assert not (tmp_path / "work/calib").exists()
+
+
+def test_engines_refuse_a_kv_cache_they_would_not_serve(w4_fp8kv, tmp_path, workdir):
+    """At spec load, and at the build by what config.json stores, whatever the manifest says: an imported
+    checkpoint's, or one from before the manifest said it. onnxruntime-genai's builder fails on the KV-cache scales;
+    torch-int4 would drop them."""
+    variant = {"name": "a", "scheme": "awq-w4a16", "kv_cache": "int8", "engine": {"backend": "cpu"}}
+    with pytest.raises(ConfigError, match=r"variants\[0\].engine: onnxruntime-genai's builder reads no KV-cache "):
+        load_spec(pipeline_spec(tmp_path, workdir, variants=[variant]))
+    ckpt, elsewhere = w4_fp8kv
+    art = import_model(ModelSource(hf_dir=str(elsewhere)), tmp_path / "imp")
+    silent = type(art)(art.kind, art.path, art.sha256, art.config, art.parents, art.meta | {"kv_cache_dtype": None})
+    for model in (ckpt, art, silent):
+        for name, says in (
+            ("cpu", "onnxruntime-genai's builder reads no KV-cache scales"),
+            ("torch-int4", "the torch-int4 engine keeps"),
+        ):
+            with pytest.raises(ConfigError, match=f"KV cache fp8: {says}"):
+                build_engine(model, name, tmp_path / name)
+            assert not (tmp_path / name).exists()
+
+
+def test_an_imported_w4a16_checkpoint_builds_a_cpu_engine_that_computes_it(base_art, calib_arts, tmp_path):
+    """Its manifest says w4a16 as a qgate checkpoint's does: the CPU engine took it for unquantized before."""
+    from qgate.engines.runners import load_runner
+
+    ckpt = quantize(
+        base_art,
+        calib_arts["calib"],
+        scheme_config("gptq-w4a16", group_size=32),
+        tmp_path / "ckpt",
+        opts=CalibOptions(max_seq_length=32, max_samples=4),
+    )
+    shutil.copytree(ckpt.path, tmp_path / "elsewhere", ignore=shutil.ignore_patterns("qgate-artifact.json"))
+    art = import_model(ModelSource(hf_dir=str(tmp_path / "elsewhere")), tmp_path / "imp")
+    eng = build_engine(art, "cpu", tmp_path / "eng", accuracy_level=1)
+    seq = list(range(5, 40))
+    diff = abs(load_runner(eng).logits(seq) - load_runner(art).logits(seq)).max()
+    assert diff < 0.01, diff
+
+
+def test_stored_format_names_other_tools_layouts(tmp_path):
+    """Config groups as other tools write them: per-group names, finer int4 groups, layers kept out, activations."""
+
+    def fmt(qc):
+        (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
+        return stored_format(tmp_path)
+
+    def group(bits, size=128, kind="int", acts=None):
+        w = {"num_bits": bits, "type": kind, "strategy": "group" if size else "channel", "group_size": size}
+        return {"targets": ["Linear"], "weights": w, "input_activations": acts}
+
+    fp8_acts = {"num_bits": 8, "type": "float", "dynamic": True}
+    assert fmt({"config_groups": {"g": group(4)}, "ignore": ["lm_head"]}) == ("w4a16", None)
+    assert fmt({"config_groups": {"a": group(8), "b": group(4, 32), "c": group(4)}}) == ("w4a16+w4a16g32+w8a16", None)
+    assert fmt({"config_groups": {"g": group(4)}, "ignore": ["lm_head", "model.layers.3.mlp.down_proj"]}) == (
+        "w4a16+unquantized",
+        None,
+    )
+    assert fmt({"config_groups": {"g": group(8, None, "float", fp8_acts)}}) == ("fp8", None)
+    assert fmt({"config_groups": {"g": group(8, None, "float")}}) == ("fp8a16", None)
+    assert fmt({"config_groups": {"g": group(8, None, acts={"num_bits": 8, "type": "int"})}}) == ("w8a8", None)
+    kv = {"num_bits": 8, "type": "int", "strategy": "tensor"}
+    assert fmt({"config_groups": {"g": group(4)}, "kv_cache_scheme": kv}) == ("w4a16", "int8")
+    assert fmt({"kv_cache_scheme": kv | {"type": "float"}}) == (None, "fp8")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert stored_format(tmp_path) == (None, None)
