@@ -36,6 +36,34 @@ def test_bad_records_are_rejected_with_line_numbers_and_reasons(tmp_path):
     assert arts["calib"].meta["stats"]["rejected"] == len(BAD)
 
 
+def test_the_summary_counts_rejects_by_reason_and_names_a_tool_call(tmp_path, capsys):
+    """A third of the log is tool-using conversations (an assistant turn of tool_calls and no text): every one is
+    rejected for that, and the summary says so above the strata they are missing from."""
+    from qgate.cli.main import main
+
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}
+    records = []
+    for i in range(150):
+        turns = [{"role": "user", "content": f"question {i} about the weather"}]
+        if i % 3 == 0:
+            turns += [call, {"role": "tool", "tool_call_id": "c", "content": "12 C"}, turns[0] | {"content": "more"}]
+        records.append(json.dumps({"messages": turns, "route": "agent" if i % 3 == 0 else "chat"}))
+    records[7] = "{oops"
+    (tmp_path / "t.jsonl").write_text("\n".join(records) + "\n")
+    argv = ["calibrate", "sample", "--traffic", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--calib-size", "10", "--shadow-size", "5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"read 150 records: 51 rejected (see {tmp_path / 'out' / 'rejects.jsonl'})")
+    assert out[1:3] == [
+        "  50 rejected: messages[i] is a tool call with no text content (tool_calls): qgate samples text turns only",
+        "  1 rejected: invalid JSON (unexpected character, expected a string key at column 2)",
+    ]
+    rejects = [json.loads(x) for x in (tmp_path / "out/rejects.jsonl").read_text().splitlines()]
+    assert {r["reason"] for r in rejects if r["line"] == 1} == {
+        "messages[1] is a tool call with no text content (tool_calls): qgate samples text turns only"
+    }
+
+
 def test_splits_are_disjoint_sized_and_hashed(tmp_path):
     traffic = tiny.make_traffic(tmp_path / "t.jsonl", n=200)
     arts = sample_traffic(traffic, tmp_path / "out", SampleConfig(calib_size=40, shadow_size=25))

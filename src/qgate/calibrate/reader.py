@@ -4,6 +4,8 @@
 
 Accepts JSONL (plain, `.gz` or `.zst`) or Parquet rows holding an OpenAI chat `messages` list or a plain
 `prompt` string, with optional `route`, `tenant` (strings), `ts` (ISO-8601 or epoch seconds) and `latency_ms`.
+Turns are text: a record with a tool-call turn that has no text content is rejected, saying so; a request's `tools`
+and the `tool_calls` beside a turn's text are not read, so such a prompt is sampled without them.
 Whatever else a line holds (bad UTF-8, NUL bytes, a truncated tail, nesting deeper than orjson's 1,024 levels,
 a field of the wrong type, a line longer than `max_line_bytes`) becomes a Reject with its line number and reason.
 A record over `max_line_bytes` is rejected unread: a JSONL line is skipped without being held, a Parquet row is
@@ -273,6 +275,8 @@ def _turns(messages: object) -> tuple[tuple, str | None]:
             ):
                 return (), f"messages[{i}].content has a text part whose 'text' is not a string"
             content = "\n".join(p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if content is None and (m.get("tool_calls") or m.get("function_call")):
+            return (), f"messages[{i}] is a tool call with no text content (tool_calls): qgate samples text turns only"
         if not isinstance(content, str):
             return (), f"messages[{i}].content is not text"
         if "\x00" in content:

@@ -83,6 +83,23 @@ def sample_cmd(
 
 
 _TABLE_ROWS = 20
+_REASONS = 3
+
+
+def _reasons(rejects: Path, rejected: int) -> list[str]:
+    """The commonest reasons in rejects.jsonl, one line each with its count: what a reader of the summary needs first
+    (a whole kind of request left out, say), without opening the file. Turn numbers are folded into `messages[i]`."""
+    import re
+    from collections import Counter
+
+    if not rejected or not rejects.is_file():
+        return []
+    with rejects.open() as f:
+        counts = Counter(re.sub(r"messages\[\d+\]", "messages[i]", json.loads(line)["reason"]) for line in f)
+    more = len(counts) - _REASONS
+    return [f"  {n:,} rejected: {why}" for why, n in counts.most_common(_REASONS)] + (
+        [f"  ... and {more} more reasons" if more > 1 else "  ... and 1 more reason"] if more > 0 else []
+    )
 
 
 def _summary(arts: dict, rejects: Path) -> list[str]:
@@ -94,6 +111,7 @@ def _summary(arts: dict, rejects: Path) -> list[str]:
         f"read {stats.get('records', 0):,} records: {stats.get('rejected', 0):,} rejected (see {rejects}), "
         f"{stats.get('too_short', 0):,} too short, {stats.get('duplicates', 0):,} duplicates"
         + ("" if unique["exact"] else " (estimated)"),
+        *_reasons(rejects, stats.get("rejected", 0)),
         f"unique prompts: {unique['value']:,}"
         + (
             ""
