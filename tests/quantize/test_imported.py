@@ -140,3 +140,34 @@ def test_stored_format_names_other_tools_layouts(tmp_path):
     assert fmt({"kv_cache_scheme": kv | {"type": "float"}}) == (None, "fp8")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert stored_format(tmp_path) == (None, None)
+
+
+def test_an_imported_candidate_is_gated_and_registered_with_no_lineage_it_lacks(
+    w4_fp8kv, base_art, calib_arts, tmp_path, monkeypatch
+):
+    """Its base model and calibration set are unknown: the registry says so, where the gate's baseline stood in."""
+    from mlflow import MlflowClient
+
+    from qgate.gates.gating import GateConfig, run_gates
+    from qgate.gates.shadow import ShadowConfig
+    from qgate.registry.mlflow_store import register
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    art = import_model(ModelSource(hf_dir=str(w4_fp8kv[1])), tmp_path / "imp")
+    shadow = ShadowConfig(
+        max_new_tokens=4, max_prompt_tokens=32, kl_p99_max=None, kl_mean_max=10.0, top1_agreement_min=None
+    )
+    cfg = GateConfig(shadow=shadow, eval=None, long_context=None)
+    gate = run_gates(art, base_art, calib_arts["shadow"], cfg, tmp_path / "gate", tmp_path / "cache")
+    assert gate.meta["passed"], gate.meta
+    version = register(gate, art, "imported", tmp_path / "store")
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    mv = MlflowClient(uri, uri).get_model_version("imported", version)
+    assert {k: mv.tags[f"qgate.{k}"] for k in ("scheme", "kv_cache_dtype", "bits_per_weight")} == {
+        "scheme": IMPORTED,
+        "kv_cache_dtype": "fp8",
+        "bits_per_weight": "5.000",
+    }
+    assert mv.tags["qgate.base_model_sha256"] == "-" and mv.tags["qgate.calibration_sha256"] == "-"
+    assert "| base model sha256 | `- (quantized elsewhere)` |" in mv.description
+    assert base_art.sha256[:16] not in mv.description.split("base model sha256")[1].split("\n")[0]

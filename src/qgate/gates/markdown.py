@@ -47,6 +47,13 @@ def undecided(results: list[dict]) -> str:
     return "**Undecided**\n\n" + "\n".join(items) if items else ""
 
 
+def _made_from(meta: dict, baseline: str | None) -> str:
+    """The model a candidate was quantized from: its manifest's, the baseline for an unquantized candidate (the
+    baseline gated against itself), and none known for one quantized elsewhere (`qgate model import`)."""
+    made_from = meta.get("base_model") or (None if meta.get("weight_format") else baseline)
+    return made_from[:16] if made_from else "- (quantized elsewhere)"
+
+
 def version_description(report: dict, meta: dict, report_uri: str) -> str:
     """The registry version's description: verdict, gated checks, lineage, and where the full report is."""
     cand = report["candidate"]
@@ -59,8 +66,8 @@ def version_description(report: dict, meta: dict, report_uri: str) -> str:
         ("scheme", meta.get("scheme") or "unquantized"),
         ("runtime", cand.get("backend")),
         ("KV cache", meta.get("kv_cache_dtype") or "model default"),
-        ("base model sha256", str(meta.get("base_model") or report["inputs"].get("baseline_sha256"))[:16]),
-        ("calibration set sha256", str(report["inputs"].get("calibration_sha256"))[:16]),
+        ("base model sha256", _made_from(meta, report["inputs"].get("baseline_sha256"))),
+        ("calibration set sha256", (report["inputs"].get("calibration_sha256") or "-")[:16]),
         ("shadow set sha256", str(report["inputs"].get("shadow_sha256"))[:16]),
         ("artifact sha256", str(report["inputs"].get("candidate_sha256"))[:16]),
     ]

@@ -47,8 +47,8 @@ def version_tags(
         "qgate.scheme": str(candidate.meta.get("scheme")),
         "qgate.backend": str(candidate.meta.get("backend", "torch-reference")),
         "qgate.kv_cache_dtype": str(candidate.meta.get("kv_cache_dtype") or "model-default"),
-        "qgate.calibration_sha256": str(candidate.meta.get("calibration_sha256")),
-        "qgate.base_model_sha256": str(candidate.meta.get("base_model")),
+        "qgate.calibration_sha256": candidate.meta.get("calibration_sha256") or "-",  # none: no data, or not known
+        "qgate.base_model_sha256": candidate.meta.get("base_model") or "-",  # none: quantized elsewhere (imported)
         "qgate.artifact_sha256": candidate.sha256,
         "qgate.gate_report_sha256": gate.sha256,
         "qgate.gate_report_artifact": f"runs:/{run_id}/gate-report/report.html",
