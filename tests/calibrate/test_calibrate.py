@@ -64,6 +64,35 @@ def test_the_summary_counts_rejects_by_reason_and_names_a_tool_call(tmp_path, ca
     }
 
 
+def test_traffic_the_sampler_cannot_read_is_drift_though_every_facet_read_stays(tmp_path):
+    """A third of the recent log turns to tool calls, every one rejected: routes, lengths and words of the records
+    read are as before, and the rejected share is what moved."""
+
+    def log(name: str, tools: bool) -> dict:
+        lines = []
+        for i in range(600):
+            turns = [{"role": "user", "content": f"question {i % 97} about the weather and the code"}]
+            if tools and i % 3 == 0:
+                turns += [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}, turns[0]]
+            lines.append(json.dumps({"messages": turns, "route": "chat"}))
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+        arts = sample_traffic(tmp_path / f"{name}.jsonl", tmp_path / name, SampleConfig(calib_size=10, shadow_size=10))
+        return json.loads((arts["profile"].path / "profile.json").read_text())
+
+    before, after = log("before", False), log("after", True)
+    rows = {r["facet"]: r for r in traffic_drift(before, after, DriftConfig())}
+    assert rows["rejected"]["verdict"] == "drift" and rows["rejected"]["js"] > rows["rejected"]["noise_p99"]
+    assert (rows["rejected"]["n_old"], rows["rejected"]["n_new"]) == (600, 600)
+    assert rows["rejected"]["top_shifts"] == [  # equal moves, in the categories' order
+        {"category": "read", "old": 1.0, "new": pytest.approx(2 / 3)},
+        {"category": "rejected", "old": 0.0, "new": pytest.approx(1 / 3)},
+    ]
+    assert [f for f, r in rows.items() if r["verdict"] == "drift"] == ["rejected"]
+    del before["stats"]  # a profile written before profiles kept the sampler's counts: nothing to compare
+    old = {r["facet"]: r for r in traffic_drift(before, after, DriftConfig())}["rejected"]
+    assert old["verdict"] == "inconclusive" and old["note"].startswith("nothing to compare")
+
+
 def test_splits_are_disjoint_sized_and_hashed(tmp_path):
     traffic = tiny.make_traffic(tmp_path / "t.jsonl", n=200)
     arts = sample_traffic(traffic, tmp_path / "out", SampleConfig(calib_size=40, shadow_size=25))
@@ -270,6 +299,7 @@ def _prof(lengths, routes, words, tenants=None):
         "routes": routes,
         "tenants": tenants or {"t": n},
         "unigrams": {"total": sum(words.values()), "top": words},
+        "stats": {"records": n, "rejected": 0},
     }
 
 

@@ -3,7 +3,8 @@
     rows = traffic_drift(old_profile, new_profile, DriftConfig())   # one row per facet
     [r["verdict"] for r in rows]                                     # "ok" | "drift" | "inconclusive"
 
-Each facet (prompt length, route, tenant, vocabulary) is a distribution; the distance is the Jensen-Shannon
+Each facet (prompt length, route, tenant, vocabulary, and the share of records the sampler rejected) is a
+distribution; the distance is the Jensen-Shannon
 divergence in bits (0 = same mix, 1 = disjoint). Two samples of the same traffic are never at distance 0, so each
 row also carries the divergence that sampling alone produces at these sizes (the 99th percentile of a parametric
 bootstrap from the pooled counts). A facet drifts when its divergence is above the spec's threshold and above
@@ -11,6 +12,9 @@ that noise; above the threshold but within the noise it is inconclusive (too lit
 Words of one request co-vary, so for vocabulary a multinomial bootstrap understates the noise (on the demo traffic,
 two halves of one log differ by JS 0.09 where it predicts 0.024); the noise there is measured instead, from each
 profile's two content-hashed halves, scaled to the sizes compared.
+The rejected share counts records the gates never see (malformed, or a kind of request qgate does not read, such as
+tool calls): when it grows, production's evidence covers less of the traffic, though every other facet, read from
+the records kept, stays where it was.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 from qgate.calibrate.profile import _js
 from qgate.errors import ConfigError
 
-FACETS = ("length", "route", "tenant", "vocabulary")
+FACETS = ("length", "route", "tenant", "vocabulary", "rejected")
 OTHER = "(other words)"
 
 
@@ -34,12 +38,13 @@ class DriftConfig:
     max_js_route: float = 0.05  # bits, for the route mix
     max_js_tenant: float = 0.05  # bits, for the tenant mix
     max_js_vocabulary: float = 0.1  # word mixes of two samples differ more: thousands of categories
+    max_js_rejected: float = 0.05  # bits, for the share of records rejected (0% -> 10% is 0.052)
     quality: bool = True  # re-gate production on a fresh shadow sample of the recent traffic
     auto_promote: bool = False  # drift run: promote the best passing recalibrated variant
     alias: str = "production"  # the version the job watches
     noise_draws: int = 200  # resamples that estimate each facet's sampling noise
     seed: int = 0  # of those resamples
-    VERSION = 1
+    VERSION = 2
 
     def __post_init__(self):
         for f in FACETS:
@@ -56,11 +61,14 @@ def facets(profile: dict) -> dict[str, tuple[dict, int]]:
     """Facet -> (counts, sample size in the facet's unit: requests, or words for vocabulary)."""
     n = int(profile["requests"])
     top = _with_tail(profile["unigrams"])  # the tail beyond the profile's top words keeps its mass
+    stats = profile.get("stats") or {}  # a profile written before it kept the sampler's counts has none
+    records, rejected = int(stats.get("records", 0)), int(stats.get("rejected", 0))
     return {
         "length": (profile["length_words"], n),
         "route": (profile["routes"], n),
         "tenant": (profile["tenants"], n),
         "vocabulary": (top, int(profile["unigrams"]["total"])),
+        "rejected": ({"read": records - rejected, "rejected": rejected} if records else {}, records),
     }
 
 
@@ -115,10 +123,13 @@ def traffic_drift(old: dict, new: dict, cfg: DriftConfig) -> list[dict]:
         limit = getattr(cfg, f"max_js_{f}")
         if js != js:
             verdict = "inconclusive"  # an empty facet: nothing to compare
+            note = "nothing to compare: a profile holds no counts for this facet (written before profiles kept them)"
         elif js <= limit:
-            verdict = "ok"
+            verdict, note = "ok", ""
         else:  # above the limit: drift only if also above the noise, and only if that noise was measured
-            verdict = "drift" if js > noise and not unmeasured else "inconclusive"
+            verdict, note = ("drift" if js > noise and not unmeasured else "inconclusive"), ""
+        if unmeasured:
+            note = "noise not measured: a profile predates split halves (multinomial lower bound shown)"
         shift = _top_shifts(a, b)
         rows.append(
             {
@@ -130,9 +141,7 @@ def traffic_drift(old: dict, new: dict, cfg: DriftConfig) -> list[dict]:
                 "n_new": n_b,
                 "verdict": verdict,
                 "top_shifts": shift,
-                "note": "noise not measured: a profile predates split halves (multinomial lower bound shown)"
-                if unmeasured
-                else "",
+                "note": note,
             }
         )
     return rows
@@ -142,5 +151,5 @@ def _top_shifts(a: dict, b: dict, k: int = 5) -> list[dict]:
     """The categories whose share moved most: what an on-call engineer reads first."""
     sa, sb = sum(a.values()) or 1, sum(b.values()) or 1
     keys = set(a) | set(b)
-    moves = sorted(((b.get(c, 0) / sb - a.get(c, 0) / sa, c) for c in keys), key=lambda t: -abs(t[0]))[:k]
+    moves = sorted(((b.get(c, 0) / sb - a.get(c, 0) / sa, c) for c in keys), key=lambda t: (-abs(t[0]), str(t[1])))[:k]
     return [{"category": str(c), "old": a.get(c, 0) / sa, "new": b.get(c, 0) / sb} for _, c in moves]
