@@ -171,3 +171,64 @@ def test_an_imported_candidate_is_gated_and_registered_with_no_lineage_it_lacks(
     assert mv.tags["qgate.base_model_sha256"] == "-" and mv.tags["qgate.calibration_sha256"] == "-"
     assert "| base model sha256 | `- (quantized elsewhere)` |" in mv.description
     assert base_art.sha256[:16] not in mv.description.split("base model sha256")[1].split("\n")[0]
+
+
+SEQ = list(range(5, 70))
+
+
+def _rotated(base_art, out, rotations: tuple[str, ...]):
+    """A W4A16 checkpoint llm-compressor made with SpinQuant's rotations (round to nearest: no calibration data), and
+    the logits over SEQ of the model it held in memory when it saved it: the model that is served."""
+    import torch
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform import SpinQuantModifier
+
+    from qgate.quantize.compress import cpu_safe_intermediates
+    from qgate.trust import copy_tokenizer_files, load_causal_lm
+
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    model = load_causal_lm(base_art.path, dtype=torch.float32)
+    recipe = [
+        SpinQuantModifier(rotations=list(rotations), transform_type="hadamard"),
+        QuantizationModifier(config_groups={"g": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"]),
+    ]
+    with cpu_safe_intermediates():
+        oneshot(model=model, recipe=recipe)
+    with torch.no_grad():
+        served = model(torch.tensor([SEQ])).logits[0].numpy()
+    model.save_pretrained(out, save_compressed=True)
+    copy_tokenizer_files(base_art.path, out)
+    shutil.copyfile(base_art.path / "generation_config.json", out / "generation_config.json")
+    return served
+
+
+@pytest.mark.parametrize("rotations", [("R1", "R2", "R3", "R4"), ("R1", "R2")], ids=["online", "fused"])
+def test_a_rotated_checkpoint_is_scored_with_its_rotations(base_art, tmp_path, rotations):
+    """Transformers applies none of a checkpoint's run-time rotations on load (R3 on the query and keys, R4 on
+    down_proj's input): scored without them its logits were up to 3 away from the model's. The reference path now
+    applies them, in every forward it runs; the engines, which cannot, refuse such a checkpoint, and build one whose
+    rotations are all fused into its weights (R1, R2)."""
+    import numpy as np
+
+    from qgate.engines.runners import load_runner
+    from qgate.quantize.schemes import online_transforms
+
+    served = _rotated(base_art, tmp_path / "elsewhere", rotations)
+    art = import_model(ModelSource(hf_dir=str(tmp_path / "elsewhere")), tmp_path / "imp")
+    runner = load_runner(art)
+    assert np.abs(runner.logits(SEQ) - served).max() < 1e-4
+    assert np.abs(np.concatenate([np.asarray(b) for b in runner.logits_blocks(SEQ)]) - served).max() < 1e-4
+    [batched] = runner.logits_batch([SEQ])
+    assert np.abs(batched - served).max() < 1e-4
+    online = online_transforms(art.path)
+    if "R3" in rotations:
+        assert sorted(online) == ["R3", "R4"]
+        for name in ("torch-int4", "cpu"):
+            with pytest.raises(ConfigError, match=r"transform_config rotates activations as the model runs \(R3, R4\)"):
+                build_engine(art, name, tmp_path / name)
+            assert not (tmp_path / name).exists()
+    else:
+        assert online == {}
+        engine = load_runner(build_engine(art, "torch-int4", tmp_path / "int4", dtype="float32"))
+        assert np.abs(engine.logits(SEQ) - served).max() < 1e-4

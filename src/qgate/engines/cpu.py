@@ -98,7 +98,7 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
 
     from qgate.engines.awq_layout import to_awq
     from qgate.engines.gptq_layout import to_gptq
-    from qgate.quantize.schemes import stored_format
+    from qgate.quantize.schemes import online_transforms, stored_format
 
     fmt, kv = stored_format(ckpt.path)
     if not _supported(fmt):
@@ -107,6 +107,12 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
             f"this one is {fmt or 'unquantized'}",
             hint="FP8, W8A16, unquantized-fallback and baseline checkpoints run on the PyTorch reference path: pass "
             "the checkpoint to `qgate gate` directly",
+        )
+    if rotations := online_transforms(ckpt.path):
+        raise ConfigError(
+            f"{ckpt.path}: quantization_config.transform_config rotates activations as the model runs "
+            f"({', '.join(sorted(rotations))}): onnxruntime-genai's builder applies no such rotation",
+            hint="gate the checkpoint on the reference path, which applies them",
         )
     if kv:
         raise ConfigError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -49,6 +50,18 @@ def _without_offloading(model) -> None:
     from compressed_tensors.offload import remove_dispatch
 
     remove_dispatch(model, onload_tensors=True)
+
+
+def _online_transforms(model, path: Path) -> None:
+    """The checkpoint's run-time rotations (quantize.schemes.online_transforms), attached as compressed-tensors
+    attaches them when it makes the model: hooks on the Linears, and on attention for its query and keys. Its fused
+    rotations are in the weights already."""
+    from qgate.quantize.schemes import online_transforms
+
+    if groups := online_transforms(path):
+        from compressed_tensors.transform import TransformConfig, apply_transform_config
+
+        apply_transform_config(model, TransformConfig.model_validate({"config_groups": groups}))
 
 
 @functools.cache
@@ -103,6 +116,7 @@ class TorchRunner:
         check_vocab(path, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
         if decompressed:
             _without_offloading(self.model)
+            _online_transforms(self.model, path)
         if emulated(self.device, self.dtype):
             float32_products(self.model, f"{path}: the bfloat16 reference")
             _log_float32_products()
@@ -193,6 +207,10 @@ class TorchRunner:
         """The model attends as on a CPU (ATTENTION) meanwhile: without padding transformers then builds no mask
         and calls causal attention, where ATTENTION_MASKED builds a [T, T] mask, and grouped_sdpa G copies of it."""
         was = self.model.config._attn_implementation
+        hooked = sys.modules.get("compressed_tensors.modeling.attention")  # imported where a model could be hooked
+        if hooked and was == hooked.HOOKED_ATTENTION_NAME:  # run-time rotations of the query and keys: kept
+            yield
+            return
         self.model.set_attn_implementation(ATTENTION)
         try:
             yield

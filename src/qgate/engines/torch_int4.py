@@ -85,7 +85,7 @@ def check_checkpoint(ckpt: Artifact) -> dict:
     """The checkpoint's config.json, or ConfigError naming what this engine cannot serve."""
     from qgate.engines.int4pack import check_scheme
     from qgate.engines.static_llama import check_architecture
-    from qgate.quantize.schemes import stored_format
+    from qgate.quantize.schemes import online_transforms, stored_format
 
     if ckpt.kind != "checkpoint":
         raise InputError(f"{ckpt.path}: engines are built from checkpoints, this is a {ckpt.kind}")
@@ -93,6 +93,12 @@ def check_checkpoint(ckpt: Artifact) -> dict:
     check_architecture(cfg)
     if qconfig := cfg.get("quantization_config"):
         check_scheme(qconfig, str(ckpt.path), f"{NO_INT8}: they would be served as dense weights, {DENSE_W8}")
+    if rotations := online_transforms(ckpt.path):
+        raise ConfigError(
+            f"{ckpt.path}: quantization_config.transform_config rotates activations as the model runs "
+            f"({', '.join(sorted(rotations))}): the torch-int4 engine applies no such rotation",
+            hint="gate the checkpoint on the reference path, which applies them",
+        )
     if kv := stored_format(ckpt.path)[1]:
         raise ConfigError(
             f"{ckpt.path}: KV cache {kv}: the torch-int4 engine keeps its KV cache in the activation dtype",

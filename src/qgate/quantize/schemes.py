@@ -301,6 +301,28 @@ def stored_format(path) -> tuple[str | None, str | None]:
     return "+".join(sorted(parts, key=order)) or None, kv_dtype if kv else None
 
 
+FUSED = ("weight_input", "weight_output")  # transform locations compressed-tensors folds into the saved weights
+
+
+def online_transforms(path) -> dict:
+    """The rotations a checkpoint's config.json asks to be applied as it runs (`quantization_config.transform_config`,
+    as llm-compressor's QuIP and SpinQuant write it): its config groups, each with only the `apply` entries at run-time
+    locations (a Linear's input or output, attention's query, the KV cache's keys). The FUSED entries are left out:
+    they are in the saved weights already, and applying them again would rotate twice. {} when there are none.
+    Transformers applies none of them on load; a model scored without them is not the model that is served."""
+    import json
+    from pathlib import Path
+
+    qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
+    groups = ((qc or {}).get("transform_config") or {}).get("config_groups") or {} if isinstance(qc, dict) else {}
+    online = {}
+    for name, scheme in groups.items():
+        keep = [a for a in scheme.get("apply") or () if a.get("location") not in FUSED]
+        if keep:
+            online[name] = scheme | {"apply": keep}
+    return online
+
+
 BUILT = "rtn on AWQ-smoothed weights"  # how a checkpoint made from cached AWQ smoothing says it was made
 
 
@@ -320,6 +342,7 @@ __all__ = [
     "scheme_config",
     "weight_format",
     "stored_format",
+    "online_transforms",
     "BUILT",
     "smooths",
 ]
