@@ -204,13 +204,14 @@ def _rotated(base_art, out, rotations: tuple[str, ...]):
 
 
 @pytest.mark.parametrize("rotations", [("R1", "R2", "R3", "R4"), ("R1", "R2")], ids=["online", "fused"])
-def test_a_rotated_checkpoint_is_scored_with_its_rotations(base_art, tmp_path, rotations):
+def test_a_rotated_checkpoint_is_scored_with_its_rotations(base_art, tmp_path, rotations, monkeypatch):
     """Transformers applies none of a checkpoint's run-time rotations on load (R3 on the query and keys, R4 on
     down_proj's input): scored without them its logits were up to 3 away from the model's. The reference path now
     applies them, in every forward it runs; the engines, which cannot, refuse such a checkpoint, and build one whose
     rotations are all fused into its weights (R1, R2)."""
     import numpy as np
 
+    from qgate.engines import runners
     from qgate.engines.runners import load_runner
     from qgate.quantize.schemes import online_transforms
 
@@ -221,6 +222,8 @@ def test_a_rotated_checkpoint_is_scored_with_its_rotations(base_art, tmp_path, r
     assert np.abs(np.concatenate([np.asarray(b) for b in runner.logits_blocks(SEQ)]) - served).max() < 1e-4
     [batched] = runner.logits_batch([SEQ])
     assert np.abs(batched - served).max() < 1e-4
+    monkeypatch.setitem(runners.PACKED_CONTEXTS, "cpu", True)  # as on CUDA: no packing through the hooked attention
+    assert runner.packs_contexts is ("R3" not in rotations)
     online = online_transforms(art.path)
     if "R3" in rotations:
         assert sorted(online) == ["R3", "R4"]

@@ -202,13 +202,18 @@ class TorchRunner:
                 )
         return self._vocab if self._head_is_plain else None
 
+    def _hooked_attention(self) -> bool:
+        """Whether the model attends through compressed-tensors' hooked attention (run-time rotations of the query
+        and keys, _online_transforms): the attention this runner chooses would leave them out."""
+        hooked = sys.modules.get("compressed_tensors.modeling.attention")  # imported where a model could be hooked
+        return bool(hooked) and self.model.config._attn_implementation == hooked.HOOKED_ATTENTION_NAME
+
     @contextmanager
     def _unmasked(self):
         """The model attends as on a CPU (ATTENTION) meanwhile: without padding transformers then builds no mask
         and calls causal attention, where ATTENTION_MASKED builds a [T, T] mask, and grouped_sdpa G copies of it."""
         was = self.model.config._attn_implementation
-        hooked = sys.modules.get("compressed_tensors.modeling.attention")  # imported where a model could be hooked
-        if hooked and was == hooked.HOOKED_ATTENTION_NAME:  # run-time rotations of the query and keys: kept
+        if self._hooked_attention():  # run-time rotations of the query and keys: kept
             yield
             return
         self.model.set_attn_implementation(ATTENTION)
@@ -246,11 +251,12 @@ class TorchRunner:
     def packs_contexts(self) -> bool:
         """Whether logits_batch and continuation_logits pack their sequences several to a row: on devices
         PACKED_CONTEXTS names, for models whose every layer attends causally over the whole sequence (a packed row's
-        attention mask is built here, and would not carry a sliding window or chunked attention)."""
+        attention mask is built here, and would not carry a sliding window or chunked attention), and not through
+        compressed-tensors' hooked attention, whose key hooks wrap the KV cache a packed row splits."""
         cfg = self.model.config
         full = all(t == "full_attention" for t in getattr(cfg, "layer_types", None) or ())
         local = getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_chunk_size", None)
-        return bool(PACKED_CONTEXTS.get(self.device.type)) and full and not local
+        return bool(PACKED_CONTEXTS.get(self.device.type)) and full and not local and not self._hooked_attention()
 
     def _spread(self, cache, rows: int) -> None:
         """A cached prefix's KV cache [1, ...] made [rows, ...] in place, the prefix once per row; None: no prefix."""
