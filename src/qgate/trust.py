@@ -108,10 +108,12 @@ def load_causal_lm(path: Path, **kwargs):
 QUANTIZATION_LEAVES = frozenset(
     {
         "weight_scale",
+        "weight_global_scale",
         "weight_zero_point",
         "weight_g_idx",
         "weight_shape",
         "input_scale",
+        "input_global_scale",
         "input_zero_point",
         "output_scale",
         "k_scale",
@@ -120,19 +122,34 @@ QUANTIZATION_LEAVES = frozenset(
 )
 
 
+def packed_shape(st, keys: set[str], prefix: str) -> tuple[int, ...]:
+    """The dense shape of the packed weight at `prefix` in an open safetensors file: its `weight_shape` where the
+    format stores one (pack-quantized), else the codes' own shape with two 4-bit codes to a byte (NVFP4 and MXFP4's
+    `weight_packed` [O, I/2] uint8)."""
+    if f"{prefix}.weight_shape" in keys:
+        return tuple(int(d) for d in st.get_tensor(f"{prefix}.weight_shape").tolist())
+    packed = st.get_slice(f"{prefix}.weight_packed")
+    *rows, cols = packed.get_shape()
+    return (*rows, cols * 8 * DTYPE_BYTES.get(packed.get_dtype(), 1) // 4)
+
+
+DTYPE_BYTES = {"U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8}  # the integer dtypes codes are packed into
+
+
 def dense_params(path: Path) -> int:
     """Parameters of the model in `path` as it is loaded dense (a compressed-tensors checkpoint decompressed), from
-    its safetensors headers: a packed weight counts the dense shape it stores in `weight_shape`, and quantization
+    its safetensors headers: a packed weight counts the dense shape it stands for (packed_shape), and quantization
     parameters count nothing."""
     from safetensors import safe_open
 
     n = 0
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
-            for k in st.keys():
+            keys = set(st.keys())
+            for k in keys:
                 prefix, _, leaf = k.rpartition(".")
                 if leaf == "weight_packed":
-                    n += math.prod(int(d) for d in st.get_tensor(f"{prefix}.weight_shape").tolist())
+                    n += math.prod(packed_shape(st, keys, prefix))
                 elif leaf not in QUANTIZATION_LEAVES:
                     n += math.prod(st.get_slice(k).get_shape())
     return n

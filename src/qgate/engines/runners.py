@@ -52,6 +52,17 @@ def _without_offloading(model) -> None:
     remove_dispatch(model, onload_tensors=True)
 
 
+def _in_dtype(model, dtype) -> None:
+    """Decompressed weights in the runner's compute dtype: compressed-tensors decompresses some formats (NVFP4,
+    MXFP4) to bfloat16 whatever dtype the model loads in, and a float32 activation cannot meet a bfloat16 weight in
+    a matmul. Cast up, the values are unchanged."""
+    for module in model.modules():
+        for name in ("weight", "bias"):
+            p = module._parameters.get(name)
+            if p is not None and p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
 def _online_transforms(model, path: Path) -> None:
     """The checkpoint's run-time rotations (quantize.schemes.online_transforms), attached as compressed-tensors
     attaches them when it makes the model: hooks on the Linears, and on attention for its query and keys. Its fused
@@ -116,6 +127,7 @@ class TorchRunner:
         check_vocab(path, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
         if decompressed:
             _without_offloading(self.model)
+            _in_dtype(self.model, self.dtype)
             _online_transforms(self.model, path)
         if emulated(self.device, self.dtype):
             float32_products(self.model, f"{path}: the bfloat16 reference")

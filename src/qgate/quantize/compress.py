@@ -126,7 +126,9 @@ def linear_size(ckpt_dir: Path, unquantized: tuple[str, ...] = ()) -> dict:
     and group index; an FP8 per-channel Linear comes to 8 bits plus its scale's (32 or 16) per input width."""
     from safetensors import safe_open
 
-    parts = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx")
+    from qgate.trust import packed_shape
+
+    parts = ("weight", "weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_g_idx")
     nbytes, params = 0, 0
     for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
@@ -134,8 +136,8 @@ def linear_size(ckpt_dir: Path, unquantized: tuple[str, ...] = ()) -> dict:
             for k in keys:
                 prefix, _, leaf = k.rpartition(".")
                 if leaf == "weight_scale":
-                    if f"{prefix}.weight_shape" in keys:
-                        params += math.prod(st.get_tensor(f"{prefix}.weight_shape").tolist())
+                    if f"{prefix}.weight_packed" in keys:
+                        params += math.prod(packed_shape(st, keys, prefix))
                     elif f"{prefix}.weight" in keys:
                         params += math.prod(st.get_slice(f"{prefix}.weight").get_shape())
                     else:
