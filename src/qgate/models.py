@@ -4,7 +4,9 @@
     qgate model import --hf path/to/hf_dir --out runs/base
 
 A GGUF file is dequantized by transformers into float32 weights and saved as a plain
-Hugging Face checkpoint, so every later stage starts from the same full-precision baseline.
+Hugging Face checkpoint, so every later stage starts from the same full-precision baseline. A GGUF llama.cpp
+quantized (Q4_1, Q8_0, ...) gives the float32 values of its quantized weights, not the model before it was quantized:
+the manifest's `gguf_weight_types` counts its tensors by storage type, and the import line names the quantized ones.
 Its special tokens are then made to agree with the GGUF metadata (special_tokens.reconcile: the fixes are listed in
 the manifest's `special_tokens_fixed`), and every baseline, GGUF or HF, must pass special_tokens.check: its tokenizer,
 generation config and chat template agree on eos, end of turn, bos and pad.
@@ -26,7 +28,7 @@ from qgate.artifact import Artifact, typed_config
 from qgate.errors import ConfigError, InputError
 
 IMPORTED = "imported"  # the scheme of a checkpoint that arrived quantized
-IMPORT_VERSION = 3  # of what import_model writes for a given source (the pipeline's model stage key)
+IMPORT_VERSION = 4  # of what import_model writes for a given source (the pipeline's model stage key)
 # what Transformers writes back into tokenizer_config.json from how the tokenizer was loaded, not what it is:
 # local_files_only follows HF_HUB_OFFLINE, so keeping it would make one source import to different bytes
 LOADING_ARGS = ("local_files_only", "is_local")
@@ -87,6 +89,25 @@ def _gguf_location(src: ModelSource) -> tuple[Path, str]:
     return path.parent, path.name
 
 
+FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")  # GGUF tensor types that hold weights unquantized
+
+
+def gguf_weight_types(path: Path) -> dict[str, int]:
+    """How many of a GGUF file's tensors each storage type holds ({"F32": 61, "Q4_1": 210, "Q8_0": 1}): a
+    file llama.cpp quantized imports as its dequantized weights, which is the baseline every candidate is held to."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    counts = Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors)
+    return dict(sorted(counts.items()))
+
+
+def lossy_gguf_types(meta: dict) -> list[str]:
+    """The quantized GGUF types a baseline's weights were dequantized from (gguf_weight_types), [] for none."""
+    return [t for t in meta.get("gguf_weight_types") or {} if t not in FLOAT_GGUF_TYPES]
+
+
 def source_fingerprint(src: ModelSource) -> str:
     """Content hash of what `import_model` would read: changes when the model files change."""
     from qgate.artifact import sha256_file, sha256_tree
@@ -108,6 +129,7 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
 
     out = Path(out)
     fixes: list[str] = []
+    stored: dict[str, int] = {}
     if src.hf_dir:
         hf = Path(src.hf_dir)
         if not (hf / "config.json").exists():
@@ -138,6 +160,7 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
         _save_tokenizer(tok, out)
         fixes = special_tokens.reconcile(out, special_tokens.gguf_special_tokens(root / name))
         special_tokens.check(out)
+        stored = gguf_weight_types(root / name)
     cfg = _read_config(out)
     meta = {
         "architecture": (cfg.get("architectures") or ["?"])[0],
@@ -148,6 +171,8 @@ def import_model(src: ModelSource, out: Path) -> Artifact:
         "weights_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
         "special_tokens_fixed": fixes,
     }
+    if stored:  # the GGUF's own weights: a quantized file's baseline is its dequantized grid, not the model before
+        meta["gguf_weight_types"] = stored
     fmt, kv = stored_format(out)
     if fmt or kv:  # another tool quantized it: gated as a candidate (or as a baseline), never quantized again
         meta |= {"scheme": IMPORTED, "weight_format": fmt, "kv_cache_dtype": kv, **linear_size(out)}

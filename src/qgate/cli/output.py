@@ -264,6 +264,10 @@ def checkpoint_line(art) -> str:
             if m.get("vocab_size")
             else f"baseline; {mb}"
         )
+        from qgate.models import lossy_gguf_types
+
+        if lossy := lossy_gguf_types(m):
+            what += f"; dequantized from GGUF {'/'.join(lossy)} weights"
     else:
         parts = [f"{m.get('scheme')} ({m.get('weight_format')})"]
         if m.get("kv_cache_dtype"):
