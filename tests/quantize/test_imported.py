@@ -18,20 +18,24 @@ from qgate.quantize.compress import CalibOptions, quantize
 from qgate.quantize.schemes import KVCacheConfig, scheme_config, stored_format
 
 
-@pytest.fixture(scope="module")
-def w4_fp8kv(base_art, calib_arts, tmp_path_factory):
-    """A GPTQ W4A16 checkpoint with an FP8 KV cache, and a copy without qgate's manifest: another tool's output."""
-    d = tmp_path_factory.mktemp("imported")
+def _made_elsewhere(base_art, calib_arts, d, kv: str | None = None):
+    """A GPTQ W4A16 checkpoint (with a KV-cache scheme when `kv`), and a copy without qgate's manifest: another tool's
+    output."""
     ckpt = quantize(
         base_art,
         calib_arts["calib"],
         scheme_config("gptq-w4a16", group_size=32),
         d / "ckpt",
-        kv=KVCacheConfig("fp8"),
+        kv=KVCacheConfig(kv) if kv else None,
         opts=CalibOptions(max_seq_length=32, max_samples=4),
     )
     shutil.copytree(ckpt.path, d / "elsewhere", ignore=shutil.ignore_patterns("qgate-artifact.json"))
     return ckpt, d / "elsewhere"
+
+
+@pytest.fixture(scope="module")
+def w4_fp8kv(base_art, calib_arts, tmp_path_factory):
+    return _made_elsewhere(base_art, calib_arts, tmp_path_factory.mktemp("imported"), "fp8")
 
 
 def test_an_import_of_a_quantized_checkpoint_records_what_it_stores(w4_fp8kv, tmp_path):
@@ -99,15 +103,8 @@ def test_an_imported_w4a16_checkpoint_builds_a_cpu_engine_that_computes_it(base_
     """Its manifest says w4a16 as a qgate checkpoint's does: the CPU engine took it for unquantized before."""
     from qgate.engines.runners import load_runner
 
-    ckpt = quantize(
-        base_art,
-        calib_arts["calib"],
-        scheme_config("gptq-w4a16", group_size=32),
-        tmp_path / "ckpt",
-        opts=CalibOptions(max_seq_length=32, max_samples=4),
-    )
-    shutil.copytree(ckpt.path, tmp_path / "elsewhere", ignore=shutil.ignore_patterns("qgate-artifact.json"))
-    art = import_model(ModelSource(hf_dir=str(tmp_path / "elsewhere")), tmp_path / "imp")
+    _, elsewhere = _made_elsewhere(base_art, calib_arts, tmp_path)
+    art = import_model(ModelSource(hf_dir=str(elsewhere)), tmp_path / "imp")
     eng = build_engine(art, "cpu", tmp_path / "eng", accuracy_level=1)
     seq = list(range(5, 40))
     diff = abs(load_runner(eng).logits(seq) - load_runner(art).logits(seq)).max()
@@ -176,23 +173,17 @@ def test_an_imported_candidate_is_gated_and_registered_with_no_lineage_it_lacks(
 SEQ = list(range(5, 70))
 
 
-def _rotated(base_art, out, rotations: tuple[str, ...]):
-    """A W4A16 checkpoint llm-compressor made with SpinQuant's rotations (round to nearest: no calibration data), and
-    the logits over SEQ of the model it held in memory when it saved it: the model that is served."""
+def _oneshot_elsewhere(base_art, out, recipe: list):
+    """The checkpoint llm-compressor's oneshot saves with `recipe` (no calibration data) in `out`, beside the
+    baseline's tokenizer and generation config, and the logits over SEQ of the model it held in memory when it saved
+    it: the model that is served."""
     import torch
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from llmcompressor.modifiers.transform import SpinQuantModifier
 
     from qgate.quantize.compress import cpu_safe_intermediates
     from qgate.trust import copy_tokenizer_files, load_causal_lm
 
-    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
     model = load_causal_lm(base_art.path, dtype=torch.float32)
-    recipe = [
-        SpinQuantModifier(rotations=list(rotations), transform_type="hadamard"),
-        QuantizationModifier(config_groups={"g": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"]),
-    ]
     with cpu_safe_intermediates():
         oneshot(model=model, recipe=recipe)
     with torch.no_grad():
@@ -201,6 +192,19 @@ def _rotated(base_art, out, rotations: tuple[str, ...]):
     copy_tokenizer_files(base_art.path, out)
     shutil.copyfile(base_art.path / "generation_config.json", out / "generation_config.json")
     return served
+
+
+def _rotated(base_art, out, rotations: tuple[str, ...]):
+    """A W4A16 checkpoint made with SpinQuant's rotations (round to nearest), and the served logits over SEQ."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform import SpinQuantModifier
+
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    recipe = [
+        SpinQuantModifier(rotations=list(rotations), transform_type="hadamard"),
+        QuantizationModifier(config_groups={"g": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"]),
+    ]
+    return _oneshot_elsewhere(base_art, out, recipe)
 
 
 @pytest.mark.parametrize("rotations", [("R1", "R2", "R3", "R4"), ("R1", "R2")], ids=["online", "fused"])
@@ -252,22 +256,12 @@ def test_fp4_checkpoints_import_and_score_as_the_model_llm_compressor_saved(
     (a SafetensorError, then a dtype mismatch in the first matmul). NVFP4's dequantized weights are rounded to bf16
     by the decompression itself (its scales are not powers of two), hence its wider tolerance."""
     import numpy as np
-    import torch
-    from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     from qgate.engines.runners import load_runner
-    from qgate.quantize.compress import cpu_safe_intermediates
-    from qgate.trust import copy_tokenizer_files, load_causal_lm
 
-    model = load_causal_lm(base_art.path, dtype=torch.float32)
-    with cpu_safe_intermediates():
-        oneshot(model=model, recipe=[QuantizationModifier(scheme=preset, targets="Linear", ignore=["lm_head"])])
-    with torch.no_grad():
-        served = model(torch.tensor([SEQ])).logits[0].numpy()
-    model.save_pretrained(tmp_path / "elsewhere", save_compressed=True)
-    copy_tokenizer_files(base_art.path, tmp_path / "elsewhere")
-    shutil.copyfile(base_art.path / "generation_config.json", tmp_path / "elsewhere" / "generation_config.json")
+    recipe = [QuantizationModifier(scheme=preset, targets="Linear", ignore=["lm_head"])]
+    served = _oneshot_elsewhere(base_art, tmp_path / "elsewhere", recipe)
     art = import_model(ModelSource(hf_dir=str(tmp_path / "elsewhere")), tmp_path / "imp")
     assert art.meta["weight_format"] == stored and art.meta["linear_params"] == 73_728  # every Linear but the head
     assert art.meta["bits_per_weight"] == pytest.approx(bits, abs=0.01)  # NVFP4's per-tensor global scale on top
