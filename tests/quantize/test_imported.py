@@ -142,7 +142,9 @@ def test_stored_format_names_other_tools_layouts(tmp_path):
 def test_an_imported_candidate_is_gated_and_registered_with_no_lineage_it_lacks(
     w4_fp8kv, base_art, calib_arts, tmp_path, monkeypatch
 ):
-    """Its base model and calibration set are unknown: the registry says so, where the gate's baseline stood in."""
+    """Its base model and calibration set are unknown: the report says the shadow split's being held out is not
+    checked, and the registry says what is not known where the gate's baseline stood in. Gated against a quantized
+    baseline, a report says what that baseline is."""
     from mlflow import MlflowClient
 
     from qgate.gates.gating import GateConfig, run_gates
@@ -168,6 +170,14 @@ def test_an_imported_candidate_is_gated_and_registered_with_no_lineage_it_lacks(
     assert mv.tags["qgate.base_model_sha256"] == "-" and mv.tags["qgate.calibration_sha256"] == "-"
     assert "| base model sha256 | `- (quantized elsewhere)` |" in mv.description
     assert base_art.sha256[:16] not in mv.description.split("base model sha256")[1].split("\n")[0]
+    held_out = "quantized outside qgate (`qgate model import`): the data it was calibrated on is not recorded, so"
+    quantized_baseline = "The baseline is itself quantized (w4a16, KV cache fp8): a PASS says the candidate behaves"
+    notes = json.loads((gate.path / "report.json").read_text())["notes"]
+    assert any(held_out in n for n in notes) and not any(quantized_baseline in n for n in notes)
+    ckpt = w4_fp8kv[0]  # qgate's own, gated against the imported copy of itself
+    again = run_gates(ckpt, art, calib_arts["shadow"], cfg, tmp_path / "gate2", tmp_path / "cache")
+    notes = json.loads((again.path / "report.json").read_text())["notes"]
+    assert any(n.startswith(quantized_baseline) for n in notes) and not any(held_out in n for n in notes)
 
 
 SEQ = list(range(5, 70))

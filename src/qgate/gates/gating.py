@@ -164,6 +164,24 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
     }
 
 
+def _provenance_notes(candidate: Artifact, baseline: Artifact) -> tuple[str, ...]:
+    """What a reader of the verdict must know about where the two models came from, when qgate did not make them."""
+    from qgate.models import IMPORTED
+    from qgate.quantize.schemes import stored_format
+
+    notes = ()
+    if candidate.meta.get("scheme") == IMPORTED:
+        notes += (
+            "The candidate was quantized outside qgate (`qgate model import`): the data it was calibrated on is not "
+            "recorded, so that the shadow split was held out from it is not checked.",
+        )
+    fmt, kv = stored_format(baseline.path)
+    if fmt or kv:
+        stored = ", ".join(x for x in (fmt, kv and f"KV cache {kv}") if x)
+        notes += (f"The baseline is itself quantized ({stored}): a PASS says the candidate behaves like that model.",)
+    return notes
+
+
 def check_held_out(candidate: Artifact, shadow: Artifact, checkpoint: Artifact | None = None) -> None:
     """The split a gate scores on must be one the candidate was not made with: InputError (no verdict) when the
     candidate's manifest, or its checkpoint's for an engine, names `shadow` as its calibration set or as a parent
@@ -251,6 +269,7 @@ def run_gates(
             f"The candidate was made from base model {made_from[:16]}, not from the baseline it is gated against "
             f"({baseline.sha256[:16]}): the verdict compares it with that baseline.",
         )
+    notes = notes + _provenance_notes(candidate, baseline)
     decided = GateReport.decide(results, cfg.on_inconclusive, scored["stopped"], m is not None)
     verdict, passed = decided.verdict, decided.passed
     report = {
