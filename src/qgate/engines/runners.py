@@ -53,13 +53,17 @@ def _without_offloading(model) -> None:
 
 
 def _in_dtype(model, dtype) -> None:
-    """Decompressed weights in the runner's compute dtype: compressed-tensors decompresses some formats (NVFP4,
-    MXFP4) to bfloat16 whatever dtype the model loads in, and a float32 activation cannot meet a bfloat16 weight in
-    a matmul. Cast up, the values are unchanged."""
+    """Decompressed Linears in the runner's compute dtype where theirs is narrower: compressed-tensors decompresses
+    some formats (NVFP4, MXFP4) to bfloat16 whatever dtype the model loads in, and a float32 activation cannot meet a
+    bfloat16 weight in a matmul. Only cast up, so the values are unchanged (a Linear a model keeps wider stays so)."""
+    import torch
+
     for module in model.modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
         for name in ("weight", "bias"):
             p = module._parameters.get(name)
-            if p is not None and p.is_floating_point() and p.dtype != dtype:
+            if p is not None and p.is_floating_point() and torch.finfo(p.dtype).bits < torch.finfo(dtype).bits:
                 p.data = p.data.to(dtype)
 
 

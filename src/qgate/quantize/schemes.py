@@ -8,7 +8,9 @@ Each config validates in __post_init__ and raises ConfigError with the key at fa
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from qgate.errors import ConfigError, check_each
@@ -275,6 +277,12 @@ def _part(weights: dict, acts: dict | None) -> str:
     return f"w{wbits}a{abits}"
 
 
+def _quantization_config(path) -> dict:
+    """config.json's `quantization_config` in the checkpoint at `path`; {} for an unquantized one."""
+    qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
+    return qc if isinstance(qc, dict) else {}
+
+
 def stored_format(path) -> tuple[str | None, str | None]:
     """(weight_format, KV-cache dtype) that a checkpoint's config.json says it stores, in weight_format's and
     KVCacheConfig's names: (None, None) for an unquantized one. For checkpoints qgate did not quantize itself (`qgate
@@ -282,23 +290,17 @@ def stored_format(path) -> tuple[str | None, str | None]:
 
     Each compressed-tensors config group names one part: int4 groups at a group size below the largest become
     'w4a16g<size>' (finer groups, as a search writes them), and `ignore` entries inside the decoder layers add
-    'unquantized' (lm_head alone is every scheme's default)."""
-    import json
-    from pathlib import Path
-
-    qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
-    if not isinstance(qc, dict):
-        return None, None
+    'unquantized' (lm_head alone is every scheme's default). w4a16 parts come first, as the engines read them."""
+    qc = _quantization_config(path)
     groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
     named = [(_part(g["weights"], g.get("input_activations")), g["weights"].get("group_size")) for g in groups]
     widest = max((size or 0 for name, size in named if name == "w4a16"), default=0)
     parts = {f"{name}g{size}" if name == "w4a16" and size and size < widest else name for name, size in named}
     if any("layers" in str(x) for x in qc.get("ignore") or ()):
         parts.add("unquantized")
-    order = lambda p: (not p.startswith("w4a16"), p == "unquantized", p)  # noqa: E731 - w4a16 first, as the engines read
+    fmt = "+".join(sorted(parts, key=lambda p: (not p.startswith("w4a16"), p == "unquantized", p))) or None
     kv = qc.get("kv_cache_scheme") or {}
-    kv_dtype = {"float": "fp", "int": "int"}.get(kv.get("type"), str(kv.get("type"))) + str(kv.get("num_bits"))
-    return "+".join(sorted(parts, key=order)) or None, kv_dtype if kv else None
+    return fmt, f"{'fp' if kv.get('type') == 'float' else kv.get('type')}{kv.get('num_bits')}" if kv else None
 
 
 FUSED = ("weight_input", "weight_output")  # transform locations compressed-tensors folds into the saved weights
@@ -310,11 +312,7 @@ def online_transforms(path) -> dict:
     locations (a Linear's input or output, attention's query, the KV cache's keys). The FUSED entries are left out:
     they are in the saved weights already, and applying them again would rotate twice. {} when there are none.
     Transformers applies none of them on load; a model scored without them is not the model that is served."""
-    import json
-    from pathlib import Path
-
-    qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
-    groups = ((qc or {}).get("transform_config") or {}).get("config_groups") or {} if isinstance(qc, dict) else {}
+    groups = (_quantization_config(path).get("transform_config") or {}).get("config_groups") or {}
     online = {}
     for name, scheme in groups.items():
         keep = [a for a in scheme.get("apply") or () if a.get("location") not in FUSED]
