@@ -84,14 +84,17 @@ def test_engines_refuse_a_kv_cache_they_would_not_serve(w4_fp8kv, tmp_path, work
     checkpoint's, or one from before the manifest said it. onnxruntime-genai's builder fails on the KV-cache scales;
     torch-int4 would drop them."""
     variant = {"name": "a", "scheme": "awq-w4a16", "kv_cache": "int8", "engine": {"backend": "cpu"}}
-    with pytest.raises(ConfigError, match=r"variants\[0\].engine: onnxruntime-genai's builder reads no KV-cache "):
+    with pytest.raises(
+        ConfigError,
+        match=r"variants\[0\].engine: the cpu engine keeps its KV cache in float: onnxruntime-genai's builder",
+    ):
         load_spec(pipeline_spec(tmp_path, workdir, variants=[variant]))
     ckpt, elsewhere = w4_fp8kv
     art = import_model(ModelSource(hf_dir=str(elsewhere)), tmp_path / "imp")
     silent = type(art)(art.kind, art.path, art.sha256, art.config, art.parents, art.meta | {"kv_cache_dtype": None})
     for model in (ckpt, art, silent):
         for name, says in (
-            ("cpu", "onnxruntime-genai's builder reads no KV-cache scales"),
+            ("cpu", "the cpu engine keeps its KV cache in float: onnxruntime-genai's builder reads no KV-cache"),
             ("torch-int4", "the torch-int4 engine keeps"),
         ):
             with pytest.raises(ConfigError, match=f"KV cache fp8: {says}"):

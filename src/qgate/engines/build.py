@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qgate.artifact import Artifact
-from qgate.errors import InputError
+from qgate.errors import ConfigError, InputError
 from qgate.naming import Registry, build_config
 
 
@@ -120,6 +120,26 @@ def unsupported(ckpt: Artifact, name: str) -> str | None:
     reference path and says so in the report, instead of failing a search result the engine cannot hold."""
     row = backend(name)
     return _load(row.cannot_hold)(ckpt) if row.cannot_hold else None
+
+
+def check_served_as_stored(ckpt: Artifact, engine: str, kv_cache: str) -> None:
+    """ConfigError, before a build, for what a checkpoint's config.json stores that `engine` would not serve as
+    stored: run-time rotations (quantize.schemes.online_transforms), or a quantized KV cache (kv_cache: how the
+    engine keeps its KV cache instead). Read from the file, whatever the manifest says (an imported checkpoint's)."""
+    from qgate.quantize.schemes import online_transforms, stored_format
+
+    keep = "gate the checkpoint on the reference path, which serves it as stored"
+    if rotations := online_transforms(ckpt.path):
+        raise ConfigError(
+            f"{ckpt.path}: quantization_config.transform_config rotates activations as the model runs "
+            f"({', '.join(sorted(rotations))}): the {engine} engine applies no such rotation",
+            hint=keep,
+        )
+    if kv := stored_format(ckpt.path)[1]:
+        raise ConfigError(
+            f"{ckpt.path}: KV cache {kv}: the {engine} engine keeps its KV cache {kv_cache}",
+            hint=f"quantize without --kv-cache for this engine, or {keep}",
+        )
 
 
 def build_engine(ckpt: Artifact, name: str, out: Path, profile: Artifact | None = None, **options: Any) -> Artifact:

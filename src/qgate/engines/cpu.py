@@ -36,7 +36,7 @@ def _supported(fmt: str | None) -> bool:
     return all(part.split("g")[0] in SUPPORTED_PARTS for part in fmt.split("+"))
 
 
-NO_KV = "onnxruntime-genai's builder reads no KV-cache scales: the cpu engine keeps its KV cache in float"
+NO_KV = "in float: onnxruntime-genai's builder reads no KV-cache scales"
 LM_HEAD = ("fp32", "int8", "int4")  # the vocabulary projection: on a small model, most of the bytes read per token
 
 
@@ -64,7 +64,7 @@ def refusal(scheme_name: str, scheme, kv_cache: str | None) -> str | None:
             f"{scheme_name} makes {fmt}"
         )
     if kv_cache:
-        return f"{NO_KV}, not {kv_cache}"
+        return f"the cpu engine keeps its KV cache {NO_KV}, not {kv_cache}"
     return None
 
 
@@ -97,10 +97,11 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
     from safetensors.torch import load_file, save_file
 
     from qgate.engines.awq_layout import to_awq
+    from qgate.engines.build import check_served_as_stored
     from qgate.engines.gptq_layout import to_gptq
-    from qgate.quantize.schemes import online_transforms, stored_format
+    from qgate.quantize.schemes import stored_format
 
-    fmt, kv = stored_format(ckpt.path)
+    fmt = stored_format(ckpt.path)[0]
     if not _supported(fmt):
         raise ConfigError(
             f"{ckpt.path}: the CPU engine takes W4A16 checkpoints (with W8A16 or finer-group W4A16 layers); "
@@ -108,17 +109,7 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
             hint="FP8, W8A16, unquantized-fallback and baseline checkpoints run on the PyTorch reference path: pass "
             "the checkpoint to `qgate gate` directly",
         )
-    if rotations := online_transforms(ckpt.path):
-        raise ConfigError(
-            f"{ckpt.path}: quantization_config.transform_config rotates activations as the model runs "
-            f"({', '.join(sorted(rotations))}): onnxruntime-genai's builder applies no such rotation",
-            hint="gate the checkpoint on the reference path, which applies them",
-        )
-    if kv:
-        raise ConfigError(
-            f"{ckpt.path}: KV cache {kv}: {NO_KV}",
-            hint="quantize without --kv-cache for this engine, or gate the checkpoint on the reference path",
-        )
+    check_served_as_stored(ckpt, "cpu", NO_KV)
     cfg = json.loads((ckpt.path / "config.json").read_text())
     state: dict = {}
     for f in sorted(ckpt.path.glob("*.safetensors")):

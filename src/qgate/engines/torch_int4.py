@@ -33,7 +33,7 @@ from pathlib import Path
 from qgate.artifact import Artifact, typed_config
 from qgate.engines.batch_sizes import graph_batch_sizes, profile_concurrency
 from qgate.engines.build import DENSE_W8
-from qgate.errors import ConfigError, InputError, check_each
+from qgate.errors import InputError, check_each
 from qgate.trust import copy_tokenizer_files
 
 DTYPES = ("bfloat16", "float32")  # float32: CPU only, for checking the engine's numerics exactly
@@ -83,9 +83,9 @@ def cannot_hold(ckpt: Artifact) -> str | None:
 
 def check_checkpoint(ckpt: Artifact) -> dict:
     """The checkpoint's config.json, or ConfigError naming what this engine cannot serve."""
+    from qgate.engines.build import check_served_as_stored
     from qgate.engines.int4pack import check_scheme
     from qgate.engines.static_llama import check_architecture
-    from qgate.quantize.schemes import online_transforms, stored_format
 
     if ckpt.kind != "checkpoint":
         raise InputError(f"{ckpt.path}: engines are built from checkpoints, this is a {ckpt.kind}")
@@ -93,17 +93,7 @@ def check_checkpoint(ckpt: Artifact) -> dict:
     check_architecture(cfg)
     if qconfig := cfg.get("quantization_config"):
         check_scheme(qconfig, str(ckpt.path), f"{NO_INT8}: they would be served as dense weights, {DENSE_W8}")
-    if rotations := online_transforms(ckpt.path):
-        raise ConfigError(
-            f"{ckpt.path}: quantization_config.transform_config rotates activations as the model runs "
-            f"({', '.join(sorted(rotations))}): the torch-int4 engine applies no such rotation",
-            hint="gate the checkpoint on the reference path, which applies them",
-        )
-    if kv := stored_format(ckpt.path)[1]:
-        raise ConfigError(
-            f"{ckpt.path}: KV cache {kv}: the torch-int4 engine keeps its KV cache in the activation dtype",
-            hint="quantize without --kv-cache for this engine, or gate the checkpoint on the reference path",
-        )
+    check_served_as_stored(ckpt, "torch-int4", "in the activation dtype")
     return cfg
 
 
