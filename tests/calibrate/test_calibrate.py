@@ -204,7 +204,7 @@ def test_parquet_input(tmp_path):
 
 def test_mostly_garbage_log_is_an_error_not_a_silent_sample(tmp_path):
     (tmp_path / "t.jsonl").write_text("\n".join(["not json"] * 50 + [json.dumps({"prompt": "ok"})]))
-    with pytest.raises(InputError, match="malformed"):
+    with pytest.raises(InputError, match="records were rejected"):
         sample_traffic(tmp_path / "t.jsonl", tmp_path / "o", SampleConfig(calib_size=1, shadow_size=1))
 
 
@@ -225,7 +225,7 @@ def test_a_failed_sample_quotes_its_first_rejects_names_the_worst_partitions_and
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert (
-        f"{logs} (3 files): 37 of 67 records are malformed (55%, more than --max-reject-fraction = 0.5); "
+        f"{logs} (3 files): 37 of 67 records were rejected (55%, more than --max-reject-fraction = 0.5); "
         "most in b.jsonl (30 of 40), c.jsonl (5 of 5), a.jsonl (2 of 22)\n" in err
     ), err
     assert (

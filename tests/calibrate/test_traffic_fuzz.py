@@ -223,7 +223,7 @@ def test_parquet_with_a_wrong_schema_is_rejected_row_by_row(tmp_path, rows, reas
     items = list(read_traffic(tmp_path / "t.parquet"))
     assert len(items) == 20 and all(isinstance(x, Reject) and reason in x.reason for x in items)
     assert [x.line for x in items] == list(range(1, 21))
-    with pytest.raises(InputError, match="20 of 20 records are malformed"):
+    with pytest.raises(InputError, match="20 of 20 records were rejected"):
         sample_traffic(tmp_path / "t.parquet", tmp_path / "o", SampleConfig(calib_size=1, shadow_size=1))
 
 

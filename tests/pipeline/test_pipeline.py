@@ -347,7 +347,7 @@ def test_cli_errors_are_one_line_with_exit_1(tmp_path, workdir, capsys):
     assert main(["run", str(pipeline_spec(tmp_path, workdir, traffic="bad.jsonl"))]) == 1  # the calibrate stage fails
     err = capsys.readouterr().err
     kept = tmp_path / "work" / "calib.rejects.jsonl"
-    assert "bad.jsonl: 11 of 21 records are malformed (52%" in err and f"reason: {kept}\n" in err, err
+    assert "bad.jsonl: 11 of 21 records were rejected (52%" in err and f"reason: {kept}\n" in err, err
     assert len(kept.read_text().splitlines()) == 11 and not (tmp_path / "work" / "calib").exists()
 
 

@@ -292,10 +292,10 @@ def _check_counts(
     frac = rejected / records
     if frac > config.max_reject_fraction:
         raise InputError(
-            f"{traffic}: {rejected} of {records} records are malformed ({frac:.0%}, more than "
+            f"{traffic}: {rejected} of {records} records were rejected ({frac:.0%}, more than "
             f"{name('max_reject_fraction')} = {config.max_reject_fraction}){_worst(partitions)}",
-            hint="expected OpenAI chat 'messages' or 'prompt' records, one JSON object per line; the first rejects, "
-            "and where any compressed stream broke off (its lines before may be garbage):"
+            hint="expected OpenAI chat 'messages' of text turns or 'prompt' records, one JSON object per line; the "
+            "first rejects, and where any compressed stream broke off (its lines before may be garbage):"
             + "".join(f"\n    {r['file']}:{r['line']}: {r['reason']}" for r in quoted),
         )
     sizes = " + ".join(name(f) for f in ("calib_size", "shadow_size", "search_size"))
