@@ -34,7 +34,7 @@ def sample_cmd(
     ] = _D.search_size,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = _D.seed,
     max_reject_fraction: Annotated[
-        float, typer.Option(help="Fail when more of the records than this are malformed.")
+        float, typer.Option(help="Fail when more of the records than this are rejected (see rejects.jsonl).")
     ] = _D.max_reject_fraction,
     min_words: Annotated[
         int, typer.Option(help="Drop prompts with fewer words (counted as too short).")
