@@ -130,10 +130,35 @@ def packed_shape(st, keys: set[str], prefix: str) -> tuple[int, ...]:
         return tuple(int(d) for d in st.get_tensor(f"{prefix}.weight_shape").tolist())
     packed = st.get_slice(f"{prefix}.weight_packed")
     *rows, cols = packed.get_shape()
-    return (*rows, cols * 8 * DTYPE_BYTES.get(packed.get_dtype(), 1) // 4)
+    return (*rows, cols * 8 * dtype_bytes(packed.get_dtype()) // 4)
 
 
-DTYPE_BYTES = {"U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8}  # the integer dtypes codes are packed into
+SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a safetensors dtype name ("BF16", "I32", ...)."""
+    try:
+        return SAFETENSORS_DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown safetensors dtype {dtype!r}: known are {sorted(SAFETENSORS_DTYPE_BYTES)}") from None
 
 
 def dense_params(path: Path) -> int:

@@ -209,7 +209,7 @@ def test_dtype_bytes_matches_every_dtype_safetensors_writes_and_refuses_an_unkno
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from qgate.quantize.compress import dtype_bytes
+    from qgate.trust import dtype_bytes
 
     dtypes = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16]
     dtypes += [torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]

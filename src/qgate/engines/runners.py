@@ -30,8 +30,9 @@ from qgate.errors import BackendUnavailable, InputError
 
 def dequantize_kwargs(path: Path) -> dict:
     """Decompress compressed-tensors weights once at load instead of on every forward (same numbers, faster)."""
-    cfg = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
-    if cfg.get("quant_method") != "compressed-tensors":
+    from qgate.quantize.schemes import quantization_config
+
+    if quantization_config(path).get("quant_method") != "compressed-tensors":
         return {}
     from transformers import CompressedTensorsConfig
 

@@ -167,7 +167,7 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
 def _provenance_notes(candidate: Artifact, baseline: Artifact) -> tuple[str, ...]:
     """What a reader of the verdict must know about where the two models came from, when qgate did not make them."""
     from qgate.models import IMPORTED
-    from qgate.quantize.schemes import stored_format
+    from qgate.quantize.schemes import stored_description
 
     notes = ()
     if candidate.meta.get("scheme") == IMPORTED:
@@ -175,9 +175,7 @@ def _provenance_notes(candidate: Artifact, baseline: Artifact) -> tuple[str, ...
             "The candidate was quantized outside qgate (`qgate model import`): the data it was calibrated on is not "
             "recorded, so that the shadow split was held out from it is not checked.",
         )
-    fmt, kv = stored_format(baseline.path)
-    if fmt or kv:
-        stored = ", ".join(x for x in (fmt, kv and f"KV cache {kv}") if x)
+    if stored := stored_description(baseline.path):
         notes += (f"The baseline is itself quantized ({stored}): a PASS says the candidate behaves like that model.",)
     return notes
 

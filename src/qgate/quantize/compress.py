@@ -91,12 +91,11 @@ def check_unquantized(base: Artifact, what: str) -> None:
     """InputError unless `base` is a full-precision baseline checkpoint, by its manifest and by its config.json (a
     quantized checkpoint imported before the manifest said so): quantization starts from unquantized weights, and a
     checkpoint another tool quantized is gated, not quantized again. what: the argument or key that named it."""
-    from qgate.quantize.schemes import stored_format
+    from qgate.quantize.schemes import stored_description
 
-    fmt, kv = stored_format(base.path) if base.kind == "checkpoint" else (None, None)
-    if base.kind == "checkpoint" and base.meta.get("scheme") == "baseline" and not (fmt or kv):
+    stored = stored_description(base.path) if base.kind == "checkpoint" else ""
+    if base.kind == "checkpoint" and base.meta.get("scheme") == "baseline" and not stored:
         return
-    stored = ", ".join(x for x in (fmt, kv and f"KV cache {kv}") if x)
     got = f"quantized already ({stored})" if stored else f"a {base.kind} of scheme {base.meta.get('scheme')}"
     raise InputError(
         f"{base.path}: {what} must be a full-precision baseline checkpoint; this one is {got}",
@@ -126,7 +125,7 @@ def linear_size(ckpt_dir: Path, unquantized: tuple[str, ...] = ()) -> dict:
     and group index; an FP8 per-channel Linear comes to 8 bits plus its scale's (32 or 16) per input width."""
     from safetensors import safe_open
 
-    from qgate.trust import packed_shape
+    from qgate.trust import dtype_bytes, packed_shape
 
     parts = ("weight", "weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_g_idx")
     nbytes, params = 0, 0
@@ -155,34 +154,6 @@ def linear_size(ckpt_dir: Path, unquantized: tuple[str, ...] = ()) -> dict:
         "linear_params": params,
         "bits_per_weight": round(8 * nbytes / params, 4) if params else None,
     }
-
-
-SAFETENSORS_DTYPE_BYTES = {
-    "F64": 8,
-    "I64": 8,
-    "U64": 8,
-    "F32": 4,
-    "I32": 4,
-    "U32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I16": 2,
-    "U16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-}
-
-
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a safetensors dtype name ("BF16", "I32", ...)."""
-    try:
-        return SAFETENSORS_DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown safetensors dtype {dtype!r}: known are {sorted(SAFETENSORS_DTYPE_BYTES)}") from None
 
 
 HELD_OUT = ("shadow", "search")  # the splits gates and searches score candidates on

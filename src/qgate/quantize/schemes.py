@@ -277,7 +277,7 @@ def _part(weights: dict, acts: dict | None) -> str:
     return f"w{wbits}a{abits}"
 
 
-def _quantization_config(path) -> dict:
+def quantization_config(path) -> dict:
     """config.json's `quantization_config` in the checkpoint at `path`; {} for an unquantized one."""
     qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
     return qc if isinstance(qc, dict) else {}
@@ -291,7 +291,7 @@ def stored_format(path) -> tuple[str | None, str | None]:
     Each compressed-tensors config group names one part: int4 groups at a group size below the largest become
     'w4a16g<size>' (finer groups, as a search writes them), and `ignore` entries inside the decoder layers add
     'unquantized' (lm_head alone is every scheme's default). w4a16 parts come first, as the engines read them."""
-    qc = _quantization_config(path)
+    qc = quantization_config(path)
     groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
     named = [(_part(g["weights"], g.get("input_activations")), g["weights"].get("group_size")) for g in groups]
     widest = max((size or 0 for name, size in named if name == "w4a16"), default=0)
@@ -303,6 +303,13 @@ def stored_format(path) -> tuple[str | None, str | None]:
     return fmt, f"{'fp' if kv.get('type') == 'float' else kv.get('type')}{kv.get('num_bits')}" if kv else None
 
 
+def stored_description(path) -> str:
+    """stored_format in words, as messages name what a checkpoint stores: "w4a16, KV cache fp8"; "" for an
+    unquantized one."""
+    fmt, kv = stored_format(path)
+    return ", ".join(x for x in (fmt, kv and f"KV cache {kv}") if x)
+
+
 FUSED = ("weight_input", "weight_output")  # transform locations compressed-tensors folds into the saved weights
 
 
@@ -312,7 +319,7 @@ def online_transforms(path) -> dict:
     locations (a Linear's input or output, attention's query, the KV cache's keys). The FUSED entries are left out:
     they are in the saved weights already, and applying them again would rotate twice. {} when there are none.
     Transformers applies none of them on load; a model scored without them is not the model that is served."""
-    groups = (_quantization_config(path).get("transform_config") or {}).get("config_groups") or {}
+    groups = (quantization_config(path).get("transform_config") or {}).get("config_groups") or {}
     online = {}
     for name, scheme in groups.items():
         keep = [a for a in scheme.get("apply") or () if a.get("location") not in FUSED]
@@ -339,7 +346,9 @@ __all__ = [
     "SCHEMES",
     "scheme_config",
     "weight_format",
+    "quantization_config",
     "stored_format",
+    "stored_description",
     "online_transforms",
     "BUILT",
     "smooths",
