@@ -131,7 +131,7 @@ def engine_bytes_per_token(engine_dir: Path, config: dict, context: int) -> int:
     from safetensors import safe_open
 
     from qgate.engines.static_runner import WEIGHTS_FILE
-    from qgate.quantize.compress import dtype_bytes
+    from qgate.trust import dtype_bytes
 
     total = 0
     with safe_open(str(engine_dir / WEIGHTS_FILE), "pt") as st:
