@@ -21,6 +21,15 @@ def stop_tokens(eos_token_id) -> set[int]:
     return set(eos_token_id) if isinstance(eos_token_id, list) else {eos_token_id}
 
 
+def checkpoint_stops(d: Path) -> set[int]:
+    """stop_tokens of the checkpoint in directory d as Transformers loads them: its generation_config.json's
+    eos_token_id where that file exists, else its config.json's."""
+    import json
+
+    gen = d / "generation_config.json"
+    return stop_tokens(json.loads((gen if gen.exists() else d / "config.json").read_text()).get("eos_token_id"))
+
+
 def as_logits(t):
     """float32 logits as a runner returns them: a numpy array (sharing the tensor's memory) on the CPU, the tensor
     itself on an accelerator, where gates/scoring.py reduces it without copying it to the host."""

@@ -32,7 +32,7 @@ import torch
 from qgate.device import HostCopy, graph_seconds, to_device
 from qgate.engines import decode_attention, elementwise, static_kernels
 from qgate.engines.int4pack import Int4Weight
-from qgate.engines.logits import as_logits, check_vocab, head_blocks, stop_tokens
+from qgate.engines.logits import as_logits, check_vocab, checkpoint_stops, head_blocks
 from qgate.engines.padding import left_pad, pack_trees, right_pad, sequences_as_trees
 from qgate.engines.static_llama import StaticLlama, segments_pay
 from qgate.errors import ConfigError, in_one_line
@@ -99,9 +99,7 @@ class StaticRunner:
         check_vocab(engine_dir, self.tokenizer, self.model.embed.shape[0])
         self.max_length = int(config.get("max_position_embeddings", 2048))
         self.forward_cost = forward_cost(device)
-        gen = engine_dir / SERVED_SUBDIR / "generation_config.json"
-        eos = (json.loads(gen.read_text()) if gen.exists() else config).get("eos_token_id")
-        self.stops = stop_tokens(eos)
+        self.stops = checkpoint_stops(engine_dir / SERVED_SUBDIR)
         self.pad = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id or 0
         )

@@ -52,7 +52,7 @@ class GateConfig:
     stop_on_fail: bool = False  # after a decided FAIL on shadow, parity or perf, skip long context and eval
     device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
     dtype: str = "auto"  # reference checkpoints' compute dtype: auto (float32 on CPU, served dtype on CUDA)
-    VERSION = 19  # of the report's layout and the gates' rules; what changed in each is in git
+    VERSION = 20  # of the report's layout and the gates' rules; what changed in each is in git
 
     def __post_init__(self):
         from qgate.device import check_device, check_dtype

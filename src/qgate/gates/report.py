@@ -367,9 +367,9 @@ h1 span{{color:{COLORS[report["verdict"]]}}} dt{{font-weight:bold;margin-top:.4e
 confidence interval lies wholly on the good side of the threshold, <b>FAIL</b> when wholly on the bad side,
 <b>INCONCLUSIVE</b> when it straddles it (on_inconclusive: {html.escape(report.get("on_inconclusive", "block"))}).
 <b>point</b>: no interval (a count, a p-value, an infinite value), the observed value against the threshold.
-<b>holm-guard</b>: a per-task (eval) or per-route (shadow) guard under a pooled check, FAIL when its Holm-adjusted
-interval lies wholly on the bad side of the same threshold, otherwise reported: it can stop a candidate, never pass
-one. <b>INFO</b> rows are reported, not gated.</p>
+<b>holm-guard</b>: a per-task (eval), per-route or answer-end (shadow) guard under a pooled check, FAIL when its
+Holm-adjusted interval lies wholly on the bad side of the same threshold, otherwise reported: it can stop a
+candidate, never pass one. <b>INFO</b> rows are reported, not gated.</p>
 <table><tr><th></th><th>gate</th><th>metric</th><th>observed</th><th>95% CI</th><th>threshold</th><th>decided on</th>
 <th>n</th><th>mde</th><th>p</th><th>note</th></tr>{rows}</table>
 <dl><dt>n</dt><dd>Shadow checks: token positions scored. Their CIs resample whole prompts (tokens of one prompt are not

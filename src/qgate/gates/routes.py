@@ -71,21 +71,32 @@ def route_labels(names: list[str]) -> dict[str, str]:
     return out
 
 
-def _holm(
-    check: RouteCheck, masks: dict[str, np.ndarray], labels: dict[str, str], total: int, gate: str
-) -> list[GateResult]:
-    sign = 1.0 if check.higher_is_better else -1.0
-    left, rows, step = list(masks), {}, 0
+def holm_rounds(intervals: dict[str, Callable[[float], tuple]], higher_is_better: bool, threshold: float) -> dict:
+    """Holm's step-down with intervals, for a family of guards at GUARD_ERROR: with m guards left untested, each
+    gets interval(level) at two-sided level 1 - 2 GUARD_ERROR / m; those wholly on the bad side of `threshold` leave,
+    and the rest are tested again at the smaller m, until a round fails none. intervals: name -> interval(level) ->
+    (observed, lo, hi, evidence). Per name: (observed, lo, hi, evidence, level, round, m) of its last round."""
+    sign = 1.0 if higher_is_better else -1.0
+    left, rows, step = list(intervals), {}, 0
     while left:
         step += 1
         level = 1 - 2 * GUARD_ERROR / len(left)
-        tested = {r: check.interval(masks[r], level) for r in left}
-        failed = [r for r, (_, lo, hi, _) in tested.items() if _bad(sign, lo, hi, check.threshold)]
+        tested = {r: intervals[r](level) for r in left}
+        failed = [r for r, (_, lo, hi, _) in tested.items() if _bad(sign, lo, hi, threshold)]
         for r, (obs, lo, hi, ev) in tested.items():
             rows[r] = (obs, lo, hi, ev, level, step, len(left))
         if not failed:
             break
         left = [r for r in left if r not in failed]
+    return rows
+
+
+def _holm(
+    check: RouteCheck, masks: dict[str, np.ndarray], labels: dict[str, str], total: int, gate: str
+) -> list[GateResult]:
+    sign = 1.0 if check.higher_is_better else -1.0
+    intervals = {r: (lambda level, mask=mask: check.interval(mask, level)) for r, mask in masks.items()}
+    rows = holm_rounds(intervals, check.higher_is_better, check.threshold)
     out = []
     for r, mask in masks.items():
         obs, lo, hi, ev, level, step, m = rows[r]

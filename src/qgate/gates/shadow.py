@@ -23,7 +23,8 @@ ignores that skew passes a candidate on its threshold too often. Quantiles (p99,
 clustered order-statistic interval (stats.quantile_ci), which is unbounded above when the sample
 is too small to bound them: such a check cannot pass. Each gated check is also held to its threshold on each
 traffic route's positions alone (the split's `route` per prompt; gates/routes.py), as a guard that can fail a
-candidate the pooled figures would pass, and never passes one.
+candidate the pooled figures would pass, and never passes one. The top-1 threshold is held, the same way, on where
+the candidate would end each answer against where the baseline did (gates/answer_ends.py).
 
 A position where the candidate's logits define no distribution (a NaN or +inf logit) scores
 KL +inf and never agrees, and `defined_logits` fails the candidate if there is one anywhere.
@@ -52,9 +53,11 @@ import numpy as np
 from qgate.artifact import Artifact, sha256_json
 from qgate.cache import read_cached_arrays, write_cached
 from qgate.chat import encode_with_sources
+from qgate.engines.logits import checkpoint_stops
 from qgate.engines.protocol import GeneratesScored
 from qgate.errors import ConfigError, InputError
 from qgate.execute import releases
+from qgate.gates.answer_ends import candidate_stops, end_guards
 from qgate.gates.kl_checks import KL_THRESHOLDS, QUANTILES, defined_check, kl_top1_checks, route_checks
 from qgate.gates.passes import (
     GREEDY_BATCH_ROWS,
@@ -91,7 +94,8 @@ class ShadowConfig:
     identical_generation_min: float | None = None  # share of prompts whose greedy answers are identical
     positions: str = "answer"  # which positions the gated checks score: "answer" or "answer+prompt"
     route_guards: bool = True  # each gated check on each traffic route too, as a guard that can only fail
-    VERSION = 7  # of how the checks are computed; what changed in each is in git
+    end_guards: bool = True  # the top-1 threshold on where answers end too (gates/answer_ends.py), guards likewise
+    VERSION = 8  # of how the checks are computed; what changed in each is in git
 
     def __post_init__(self):
         check_threshold_values("gates.shadow", self, KL_THRESHOLDS | {"identical_generation_min": SHARE})
@@ -167,7 +171,7 @@ def baseline_reference(
     path = Path(cache_dir) / f"shadow-baseline-{key[:24]}.npz"
     rows = load_shadow(shadow, cfg)
     if (cached := read_cached_arrays(path)) is not None:
-        return cached | _routes(rows), True
+        return cached | _routes(rows) | _stops(baseline), True
     runner = runner_factory()
     encoded = [encode_with_sources(runner.tokenizer, row["messages"], cfg.max_prompt_tokens) for row in rows]
     t0 = time.perf_counter()
@@ -209,13 +213,19 @@ def baseline_reference(
     # not compressed: top-k log-probs barely compress, and zlib costs a large share of the reference's time
     np.savez(buf, **ref)
     write_cached(path, buf.getvalue())
-    return ref | _routes(rows), False
+    return ref | _routes(rows) | _stops(baseline), False
 
 
 def _routes(rows: list[dict]) -> dict:
     """`prompt_route`: each shadow prompt's traffic route ("" where its row names none), read from the split beside
     the cached reference rather than stored in it."""
     return {"prompt_route": np.array([str(row.get("route") or "") for row in rows])}
+
+
+def _stops(baseline: Artifact) -> dict:
+    """`stop_ids`: the token ids that ended the baseline's answers (its generation config's eos ids), read from its
+    files beside the cached reference: they are part of its sha256, which keys the cache."""
+    return {"stop_ids": np.array(sorted(checkpoint_stops(baseline.path)), np.int64)}
 
 
 def _check_defined(baseline: Artifact, top_lp: np.ndarray, positions: list[int]) -> None:
@@ -247,11 +257,13 @@ def candidate_metrics(
     the metrics are the first's), so the perf check reads the time's spread from them."""
     seqs = sequences(ref)
     starts = np.concatenate([[0], np.cumsum(ref["seq_lens"] - 1)])  # sequence i's positions in ref's arrays
+    stop_ids = ref.get("stop_ids", np.zeros(0, np.int64))
 
     def per_sequence(i: int, cand_top1: np.ndarray, kl: np.ndarray, p_tail: np.ndarray) -> tuple:
         a, b, p = int(starts[i]), int(starts[i + 1]), int(ref["prompt_lens"][i])
         answer = np.asarray(seqs[i][p:])  # baseline's greedy answer
-        miss = np.nonzero(cand_top1[p - 1 : p - 1 + len(answer)] != answer)[0]
+        at_answer = cand_top1[p - 1 : p - 1 + len(answer)]
+        miss = np.nonzero(at_answer != answer)[0]
         return (
             kl,
             p_tail,
@@ -259,6 +271,7 @@ def candidate_metrics(
             cand_top1 == UNDEFINED,
             int(miss[0]) if len(miss) else len(answer),
             len(answer),
+            *candidate_stops(at_answer, answer, stop_ids),
         )
 
     # the baseline's top-k ids and log-probs per position, [T - 1, k] per sequence
@@ -290,7 +303,7 @@ def candidate_metrics(
         scored = [per_sequence(i, *r) for i, r in enumerate(scored)]
         times.append(time.perf_counter() - ts)
         rows = rows or scored
-    kls, tails, agree, undefined, first_div, gen_lens = zip(*rows, strict=True)
+    kls, tails, agree, undefined, first_div, gen_lens, stops_early, stops_at_end = zip(*rows, strict=True)
     return {
         "kl": np.concatenate(kls),
         "tail": np.concatenate(tails),
@@ -298,6 +311,8 @@ def candidate_metrics(
         "undefined": np.concatenate(undefined),
         "first_div": np.array(first_div),
         "gen_lens": np.array(gen_lens),
+        "stops_early": np.array(stops_early),  # per prompt: the candidate would end its answer before the baseline
+        "stops_at_end": np.array(stops_at_end),  # per prompt: it ends where the baseline's answer ends on a stop token
         "score_seconds": times[0],
         "score_passes": times,
         "warm_up_seconds": warm_s if warm_up else 0.0,
@@ -329,6 +344,8 @@ def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> tuple[list[GateResult]
     results = [defined_check(m, ref)] + kl_top1_checks(m, clusters, masks["gated"], cfg, evidence=ev)
     if cfg.route_guards and "prompt_route" in ref:
         results += route_guards(ref["prompt_route"][clusters], masks["gated"], route_checks(m, clusters, cfg))
+    if cfg.end_guards and "stop_ids" in ref:
+        results += end_guards(ref, m, cfg.top1_agreement_min)
     for part in ("answer", "prompt"):  # the classes the gate did not decide on alone, reported beside it
         if part != cfg.positions:
             results += kl_top1_checks(m, clusters, masks[part], None, prefix=f"{part}.")
