@@ -127,3 +127,23 @@ def test_the_shadow_gate_fails_a_candidate_its_pooled_checks_pass_for_never_stop
     assert cut["stops_early"].sum() == 20
     by = {r.metric: r for r in shadow_gate(cut, ref, CFG)[0]}
     assert by["top1_agreement"].verdict == "pass" and by["stop.continues"].verdict == "fail"
+
+
+def test_the_noise_floor_records_both_shares_and_refuses_a_threshold_the_baseline_fails():
+    from qgate.errors import ConfigError
+    from qgate.gates.answer_ends import floor
+    from qgate.gates.noise import check_thresholds
+
+    ref = _reference(48, 40, ended=20)
+    ends = np.arange(48) < 12  # the baseline, on its second numeric path, ends 12 of its 20 ended answers
+    f = floor(ref, {"stops_at_end": ends, "stops_early": np.zeros(48, bool)})
+    assert f["stop.ends"]["agree"] == 12 and f["stop.ends"]["answers"] == 20 and f["stop.ends"]["observed"] == 0.6
+    assert f["stop.ends"]["ci"][1] < 0.85 < f["stop.continues"]["ci"][1] and f["stop.continues"]["answers"] == 48
+    assert floor(ref | {"stop_ids": np.zeros(0, np.int64)}, {}) == {}
+    pooled = {"path": "test", "top1_agreement": {"observed": 0.99, "ci": [0.98, 0.995]}}
+    with pytest.raises(ConfigError, match=r"top1_agreement_min: 0.85 .* stop.ends 12 of 20 answers") as e:
+        check_thresholds(ShadowConfig(top1_agreement_min=0.85), pooled | f)
+    assert "end_guards: false" in e.value.hint
+    check_thresholds(ShadowConfig(top1_agreement_min=0.85, end_guards=False), pooled | f)
+    check_thresholds(ShadowConfig(top1_agreement_min=0.5), pooled | f)
+    check_thresholds(ShadowConfig(top1_agreement_min=0.85), pooled)  # a floor cached without them: not checked

@@ -1398,7 +1398,9 @@ def test_noise_floor_is_measured_cached_reported_and_guards_thresholds(base_art,
     assert (
         0 < floor["kl_p99"]["observed"] < 1e-5 and floor["top1_agreement"]["observed"] > 0.99
     )  # a second path, not a copy
-    assert "Noise floor" in (art.path / "report.html").read_text()
+    assert floor["stop.continues"]["answers"] == 24 and floor["stop.continues"]["observed"] > 0.9  # every answer
+    html = (art.path / "report.html").read_text()
+    assert "Noise floor" in html and "<b>stop.continues</b>" in html
     again = run_gates(base_art, base_art, calib_arts["shadow"], cfg, workdir / "g-floor2", workdir / "cache-floor")
     assert json.loads((again.path / "report.json").read_text())["noise_floor"]["cached"] is True
     synthetic = {

@@ -51,9 +51,7 @@ def end_guards(ref: dict, m: dict, threshold: float | None, gate: str = "shadow"
     if threshold is None or not len(ref.get("stop_ids", ())):
         return []
     done = ended(ref)
-    shares = {"stop.continues": (~m["stops_early"], np.ones_like(done))}
-    if done.any():
-        shares["stop.ends"] = (m["stops_at_end"], done)
+    shares = _shares(done, m)
 
     def interval(agrees: np.ndarray, among: np.ndarray):
         k, n = int(agrees[among].sum()), int(among.sum())
@@ -90,6 +88,27 @@ def end_guards(ref: dict, m: dict, threshold: float | None, gate: str = "shadow"
             )
         out.append(GateResult.guard(gate, name, obs, threshold, True, ev["answers"], (lo, hi), evidence=ev))
     return out
+
+
+def floor(ref: dict, m: dict) -> dict:
+    """The two shares of the baseline scored against its own answers (the noise floor, gates/noise.py): per guard,
+    {"observed", "ci" (exact, 95%), "agree", "answers"}; {} where the baseline names no stop token."""
+    if not len(ref.get("stop_ids", ())):
+        return {}
+    out = {}
+    for name, (agrees, among) in _shares(ended(ref), m).items():
+        k, n = int(agrees[among].sum()), int(among.sum())
+        out[name] = {"observed": k / n, "ci": list(_exact(k, n, 0.95)), "agree": k, "answers": n}
+    return out
+
+
+def _shares(done: np.ndarray, m: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per guard: (whether the candidate agrees, whether the answer counts), per shadow prompt; stop.ends only where
+    the baseline ended an answer."""
+    shares = {"stop.continues": (~m["stops_early"], np.ones_like(done))}
+    if done.any():
+        shares["stop.ends"] = (m["stops_at_end"], done)
+    return shares
 
 
 def _exact(k: int, n: int, level: float) -> tuple[float, float]:

@@ -22,6 +22,7 @@ from qgate.artifact import Artifact, sha256_json
 from qgate.cache import read_cached, write_cached
 from qgate.errors import ConfigError
 from qgate.execute import releases
+from qgate.gates import answer_ends
 from qgate.gates.kl_checks import kl_top1_checks
 from qgate.gates.positions import scoring_summary
 from qgate.gates.scoring import SCORING_LIBRARIES
@@ -38,11 +39,12 @@ def noise_floor(
     timed_on: str | None = None,
     passes: int = 1,
 ) -> dict:
-    """{"kl_mean", "kl_p99", "top1_agreement": {"observed", "ci"}, "path", "baseline_score_seconds",
-    "baseline_score_passes", "timed_on", "warm_up", "cached"}, cached by content hash. timed_on (device.timing_host),
-    given when the perf check gates on the time: it must have been measured there, after a warm-up batch, in at least
-    `passes` timed passes (shadow.candidate_metrics; 1 where the check does not gate); a cached floor timed elsewhere
-    (another card or CPU, or an unrecorded one), cold or in fewer passes is measured again and replaces it."""
+    """{"kl_mean", "kl_p99", "top1_agreement": {"observed", "ci"}, "stop.ends", "stop.continues" (answer_ends.floor),
+    "path", "baseline_score_seconds", "baseline_score_passes", "timed_on", "warm_up", "cached"}, cached by content hash.
+    timed_on (device.timing_host), given when the perf check gates on the time: it must have been measured there, after
+    a warm-up batch, in at least `passes` timed passes (shadow.candidate_metrics; 1 where the check does not gate); a
+    cached floor timed elsewhere (another card or CPU, or an unrecorded one), cold or in fewer passes is measured again
+    and replaces it."""
     key = sha256_json(
         {
             "baseline": baseline.sha256,
@@ -50,7 +52,7 @@ def noise_floor(
             "cfg": cfg.reference_key(),
             "positions": cfg.positions,
             "path": "gate-scoring",
-            "v": 2,
+            "v": 3,
             "reference": REFERENCE_VERSION,
             "libs": releases(SCORING_LIBRARIES),
         }
@@ -73,6 +75,7 @@ def noise_floor(
         f"reference (prefill + KV-cached decode) vs the gate's teacher-forced scoring, {int(masks['gated'].sum())} "
         f"{cfg.positions} positions"
     )
+    floor |= answer_ends.floor(ref, m)
     floor["baseline_score_seconds"] = m["score_seconds"]
     floor["baseline_score_passes"] = m["score_passes"]
     floor["timed_on"] = timing_host(getattr(runner, "device", None))
@@ -82,8 +85,8 @@ def noise_floor(
 
 
 def check_thresholds(cfg: ShadowConfig, floor: dict) -> None:
-    """ConfigError when the baseline itself, on its noise floor, could not pass a threshold: such a check would
-    fail or stay inconclusive for every candidate."""
+    """ConfigError when the baseline itself, on its noise floor, could not pass a threshold, or when an answer-end
+    guard would fail it: such a check would fail or stay inconclusive for every candidate."""
     limits = (
         ("kl_mean_max", "kl_mean", False),
         ("kl_p99_max", "kl_p99", False),
@@ -100,4 +103,13 @@ def check_thresholds(cfg: ShadowConfig, floor: dict) -> None:
                 f"gates.shadow.{key}: {thr:g} is tighter than the measured noise floor: the baseline against itself "
                 f"({floor['path']}) gives {metric} {f['observed']:.3g}, 95% CI [{lo:.3g}, {hi:.3g}]",
                 hint=f"set gates.shadow.{key} {'below' if higher else 'above'} {bound:.3g}",
+            )
+    thr = cfg.top1_agreement_min
+    for name in ("stop.ends", "stop.continues") if cfg.end_guards and thr is not None else ():
+        if (f := floor.get(name)) and f["ci"][1] < thr:  # the guard would fail the baseline itself
+            raise ConfigError(
+                f"gates.shadow.top1_agreement_min: {thr:g} is tighter than the measured noise floor of the answer-end "
+                f"guards: the baseline against itself ({floor['path']}) gives {name} {f['agree']} of {f['answers']} "
+                f"answers, 95% CI [{f['ci'][0]:.3g}, {f['ci'][1]:.3g}], so that guard would fail every candidate",
+                hint=f"set gates.shadow.top1_agreement_min below {f['ci'][1]:.3g}, or gates.shadow.end_guards: false",
             )
