@@ -32,7 +32,6 @@ def main() -> None:
     import torch
 
     from qgate.artifact import Artifact
-    from qgate.engines.logits import checkpoint_stops
     from qgate.engines.runners import TorchRunner
     from qgate.gates.answer_ends import ended
     from qgate.gates.result import GateReport
@@ -49,10 +48,10 @@ def main() -> None:
     print(
         f"reference ({'cached' if cached else f'{time.perf_counter() - t0:.0f} s'}): {len(done)} prompts, "
         f"{answer_tokens} answer tokens, {int(done.sum())} answers ended on a stop token "
-        f"{sorted(checkpoint_stops(base.path))} within {args.max_new_tokens}"
+        f"{ref['stop_ids'].tolist()} within {args.max_new_tokens}"
     )
     runner = TorchRunner(base.path, "cpu", args.dtype)
-    stops = torch.tensor(sorted(checkpoint_stops(base.path)))
+    stops = torch.from_numpy(ref["stop_ids"])
     shift = {"by": 0.0}
 
     def moved(_module, _inputs, out):

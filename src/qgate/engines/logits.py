@@ -7,6 +7,7 @@ for block in head_blocks(model.lm_head, hidden, vocab): ...  # a long sequence's
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +25,6 @@ def stop_tokens(eos_token_id) -> set[int]:
 def checkpoint_stops(d: Path) -> set[int]:
     """stop_tokens of the checkpoint in directory d as Transformers loads them: its generation_config.json's
     eos_token_id where that file exists, else its config.json's."""
-    import json
-
     gen = d / "generation_config.json"
     return stop_tokens(json.loads((gen if gen.exists() else d / "config.json").read_text()).get("eos_token_id"))
 

@@ -48,32 +48,28 @@ def candidate_stops(cand_top1: np.ndarray, answer: np.ndarray, stop_ids: np.ndar
 def end_guards(ref: dict, m: dict, threshold: float | None, gate: str = "shadow") -> list[GateResult]:
     """stop.ends (where the baseline ended any answer) and stop.continues, held to `threshold` (the gated top-1
     agreement); [] when it is None or the baseline's generation config names no stop token."""
-    if threshold is None or not len(ref.get("stop_ids", ())):
+    if threshold is None or not (counts := _counts(ref, m)):
         return []
-    done = ended(ref)
-    shares = _shares(done, m)
-
-    def interval(agrees: np.ndarray, among: np.ndarray):
-        k, n = int(agrees[among].sum()), int(among.sum())
-        return lambda level: (k / n, *_exact(k, n, level), {"answers": n, "agree": k})
-
-    rows = holm_rounds({name: interval(*share) for name, share in shares.items()}, True, threshold)
+    intervals = {
+        name: (lambda level, k=k, n=n: (k / n, *_exact(k, n, level), {"answers": n, "agree": k}))
+        for name, (k, n, _) in counts.items()
+    }
+    rows = holm_rounds(intervals, True, threshold)
     out = []
     for name in ("stop.ends", "stop.continues"):
         if name not in rows:
             continue
         obs, lo, hi, ev, level, step, m_left = rows[name]
-        agrees, among = shares[name]
-        misses = np.flatnonzero(among & ~agrees)
+        k, n, misses = counts[name]
         ev = ev | {
-            "ci_95_unadjusted": [lo, hi] if m_left == 1 else list(_exact(ev["agree"], ev["answers"], 0.95)),
+            "ci_95_unadjusted": [lo, hi] if m_left == 1 else list(_exact(k, n, 0.95)),
             "holm_round": step,
             "holm_guards": m_left,
             "adjusted_level": level,
             "rule": "holm-guard over the two answer-end guards, at the top-1 agreement threshold",
             "stop_ids": [int(t) for t in ref["stop_ids"]],
-            "baseline_ended": int(done.sum()),
-            "answers_total": int(len(done)),
+            "baseline_ended": counts["stop.ends"][1] if "stop.ends" in counts else 0,
+            "answers_total": counts["stop.continues"][1],
             "prompts_disagreeing": [int(i) for i in misses[:SHOWN]],
         }
         if hi < threshold:
@@ -83,32 +79,35 @@ def end_guards(ref: dict, m: dict, threshold: float | None, gate: str = "shadow"
                 else "answers the candidate would end where the baseline's goes on (it would cut them short)"
             )
             ev["why"] = (
-                f"{len(misses)} of {ev['answers']} {what}: {name} {obs:.4g}, its Holm-adjusted {level:.2%} interval "
-                f"lies wholly below {threshold:g}"
+                f"{len(misses)} of {n} {what}: {name} {obs:.4g}, its Holm-adjusted {level:.2%} interval lies wholly "
+                f"below {threshold:g}"
             )
-        out.append(GateResult.guard(gate, name, obs, threshold, True, ev["answers"], (lo, hi), evidence=ev))
+        out.append(GateResult.guard(gate, name, obs, threshold, True, n, (lo, hi), evidence=ev))
     return out
 
 
 def floor(ref: dict, m: dict) -> dict:
     """The two shares of the baseline scored against its own answers (the noise floor, gates/noise.py): per guard,
     {"observed", "ci" (exact, 95%), "agree", "answers"}; {} where the baseline names no stop token."""
+    return {
+        name: {"observed": k / n, "ci": list(_exact(k, n, 0.95)), "agree": k, "answers": n}
+        for name, (k, n, _) in _counts(ref, m).items()
+    }
+
+
+def _counts(ref: dict, m: dict) -> dict[str, tuple[int, int, np.ndarray]]:
+    """Per guard: (answers that agree, answers counted, the shadow prompts of those that do not); stop.ends only
+    where the baseline ended an answer, and {} where its generation config names no stop token."""
     if not len(ref.get("stop_ids", ())):
         return {}
-    out = {}
-    for name, (agrees, among) in _shares(ended(ref), m).items():
-        k, n = int(agrees[among].sum()), int(among.sum())
-        out[name] = {"observed": k / n, "ci": list(_exact(k, n, 0.95)), "agree": k, "answers": n}
-    return out
-
-
-def _shares(done: np.ndarray, m: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per guard: (whether the candidate agrees, whether the answer counts), per shadow prompt; stop.ends only where
-    the baseline ended an answer."""
+    done = ended(ref)
     shares = {"stop.continues": (~m["stops_early"], np.ones_like(done))}
     if done.any():
         shares["stop.ends"] = (m["stops_at_end"], done)
-    return shares
+    return {
+        name: (int(agrees[among].sum()), int(among.sum()), np.flatnonzero(among & ~agrees))
+        for name, (agrees, among) in shares.items()
+    }
 
 
 def _exact(k: int, n: int, level: float) -> tuple[float, float]:

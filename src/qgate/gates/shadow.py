@@ -344,7 +344,7 @@ def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> tuple[list[GateResult]
     results = [defined_check(m, ref)] + kl_top1_checks(m, clusters, masks["gated"], cfg, evidence=ev)
     if cfg.route_guards and "prompt_route" in ref:
         results += route_guards(ref["prompt_route"][clusters], masks["gated"], route_checks(m, clusters, cfg))
-    if cfg.end_guards and "stop_ids" in ref:
+    if cfg.end_guards:
         results += end_guards(ref, m, cfg.top1_agreement_min)
     for part in ("answer", "prompt"):  # the classes the gate did not decide on alone, reported beside it
         if part != cfg.positions:
