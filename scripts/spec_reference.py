@@ -151,8 +151,9 @@ def render() -> str:
     parts.append(
         "## `registry:` and `promote:`\n\n`registry.model_name` (required), `registry.store` (default `.qgate/mlflow`, "
         "an embedded SQLite store; `MLFLOW_TRACKING_URI` overrides it). `promote.alias` (default `production`), "
-        "`promote.choose`: `best` (lowest shadow KL p99), `smallest` (fewest weights bytes, ties by KL) or `first` "
-        "(spec order) among the passing variants."
+        "`promote.choose`: `best` (lowest shadow KL p99), `smallest` (the fewest bytes of weights in what is "
+        "served: an engine's own model files, a checkpoint's safetensors; ties by KL) or `first` (spec order) among "
+        "the passing variants."
     )
     return "\n\n".join(parts).rstrip() + "\n"
 

@@ -154,6 +154,13 @@ class Artifact:
             )
 
 
+def served_bytes(art: Artifact) -> int | None:
+    """The bytes of the weights an artifact serves: an engine that stores its own (the cpu engine's ONNX files, the
+    torch-int4 engine's packed file) records them as `engine_bytes`; a checkpoint, and a TensorRT-LLM bundle, which
+    serves the checkpoint it holds, as the checkpoint's safetensors (`weights_bytes`). None when neither is known."""
+    return art.meta.get("engine_bytes") or art.meta.get("weights_bytes")
+
+
 def engine_checkpoint(engine: Artifact) -> Artifact | None:
     """The checkpoint an engine was built from, as its manifest records it; None if gone or changed."""
     path = engine.meta.get("checkpoint_path")

@@ -180,7 +180,11 @@ def test_run_without_a_tty_is_quiet_machine_readable_and_logs_libraries_to_a_fil
     assert "\r" not in p.stderr and len(lines) < 80, p.stderr  # no redraws; a few lines per stage
     assert sum("shadow: candidate" in ln for ln in lines) <= 12  # progress lines at most every 10%
     assert ET.parse(tmp_path / "junit.xml").getroot().find("testsuite").get("name") == "w8"
-    assert "Promoted **w8**" in (tmp_path / "summary.md").read_text()
+    step = (tmp_path / "summary.md").read_text()
+    assert "Promoted **w8**" in step and "| served MB |" in step
+    w8 = doc.variants[0]
+    assert w8.served_bytes == w8.weights_bytes > 0  # gated on the reference path: its checkpoint is what is served
+    assert f"| {w8.served_bytes / 1e6:,.1f} |" in step
 
 
 def test_a_library_with_its_own_stderr_handler_logs_each_line_once(tmp_path):

@@ -6,7 +6,7 @@ import tiny
 import torch
 import yaml
 
-from qgate.artifact import Artifact
+from qgate.artifact import Artifact, served_bytes
 from qgate.engines.awq_layout import dequantize_awq, to_awq
 from qgate.engines.batch_sizes import graph_batch_sizes
 from qgate.engines.build import build_engine
@@ -81,6 +81,10 @@ def test_cpu_engine_keeps_int4_kernels_and_full_precision_head(cpu_exact):
     head = [n for n in m.graph.node if n.name.startswith("/lm_head")]
     assert head and head[0].op_type == "MatMul"
     assert cpu_exact.meta["backend"] == "cpu" and cpu_exact.parents[0] == cpu_exact.meta["checkpoint"]
+    # what it serves is its own model files (graph and weights), not its tokenizer and not its checkpoint's files
+    model_files = [f for f in (cpu_exact.path / "onnx").iterdir() if f.name.startswith("model.onnx")]
+    assert served_bytes(cpu_exact) == cpu_exact.meta["engine_bytes"] == sum(f.stat().st_size for f in model_files)
+    assert served_bytes(cpu_exact) != cpu_exact.meta["weights_bytes"]
 
 
 @pytest.mark.parametrize("head,bits", [("int8", 8), ("int4", 4)])
@@ -98,6 +102,7 @@ def test_cpu_engine_quantized_head_is_an_option_close_to_the_fp32_head(awq_art, 
     a, b = fp32_head.logits(ids), load_runner(eng).logits(ids)
     err = np.abs(a - b).max() / np.abs(a).max()
     assert 0 < err < (0.02 if bits == 8 else 0.2)  # a different head, slightly different logits
+    assert served_bytes(eng) < served_bytes(cpu_exact)  # what the quantized head buys
     with pytest.raises(ConfigError, match=r"^engine\.options\.lm_head must be one of fp32, int8, int4, got 'int2'$"):
         build_engine(awq_art, "cpu", workdir / "engine-bad", lm_head="int2")
 

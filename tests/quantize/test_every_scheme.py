@@ -115,4 +115,5 @@ def test_every_scheme_quantizes_gates_and_registers(base_art, calib_arts, settin
     uri = f"sqlite:///{setting['store'] / 'mlflow.db'}"
     tags = MlflowClient(uri, uri).get_model_version("every", version).tags
     assert tags["qgate.bits_per_weight"] == f"{BITS[scheme]:.3f}" and tags["qgate.gate_verdict"] == "pass"
+    assert int(tags["qgate.served_bytes"]) == Artifact.load(out).meta["weights_bytes"] > 0
     assert tags["qgate.scheme"] == scheme and tags["qgate.kv_cache_dtype"] == (kv or "model-default")

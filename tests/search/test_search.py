@@ -722,19 +722,24 @@ def test_search_cli_names_an_unknown_variant_before_making_anything(tmp_path, wo
     assert not (tmp_path / "work").exists()  # no workdir, lock or log for a job that cannot start
 
 
-def test_promotion_policy_smallest_picks_the_fewest_bytes_among_passing(tmp_path):
+def test_promotion_policy_smallest_picks_the_fewest_served_bytes_among_passing(tmp_path):
+    """smallest ranks what is served: an engine's own files, not the smaller checkpoint it was built from (the
+    demo's searched CPU engine holds 326 MB, an untied float32 head beside the embedding, against its checkpoint's
+    207 MB and W8's 226 MB)."""
     from types import SimpleNamespace as NS
 
     from qgate.gates.result import GateResult
-    from qgate.pipeline.summary import best_passing
+    from qgate.pipeline.summary import best_passing, variant_summary
 
-    def chain(tmp, name, passed, nbytes, kl):
+    def chain(tmp, name, passed, nbytes, kl, engine_bytes=None):
         (tmp / name).mkdir()
         kl_check = GateResult.check("shadow", "kl_p99", kl, 0.5, False, 100, (kl * 0.9, kl * 1.1))
         report = {"verdict": kl_check.verdict, "on_inconclusive": "block", "results": [kl_check.to_dict()]}
         (tmp / name / "report.json").write_text(json.dumps(report))
         assert (kl_check.verdict == "pass") == passed
-        return NS(variant=NS(name=name), report=NS(path=tmp / name), candidate=NS(meta={"weights_bytes": nbytes}))
+        meta = {"weights_bytes": nbytes, "bits_per_weight": 4.5}
+        meta |= {"engine_bytes": engine_bytes, "backend": "cpu"} if engine_bytes else {}
+        return NS(variant=NS(name=name), report=NS(path=tmp / name), candidate=NS(meta=meta), version="1")
 
     outs = [chain(tmp_path, "w4", False, 100, 1.2), chain(tmp_path, "w8", True, 220, 0.01)]
     outs.append(chain(tmp_path, "searched", True, 130, 0.3))
@@ -742,6 +747,12 @@ def test_promotion_policy_smallest_picks_the_fewest_bytes_among_passing(tmp_path
     assert best_passing(NS(promote=NS(choose="best")), outs).variant.name == "w8"
     assert best_passing(NS(promote=NS(choose="first")), outs).variant.name == "w8"
     assert best_passing(NS(promote=NS(choose="smallest")), outs[:1]) is None
+    # the searched checkpoint served by an engine that stores more than W8's checkpoint: W8 is the smaller served
+    outs[2] = chain(tmp_path, "searched-engine", True, 130, 0.3, engine_bytes=326)
+    assert best_passing(NS(promote=NS(choose="smallest")), outs).variant.name == "w8"
+    row = variant_summary(outs[2])
+    assert (row["weights_bytes"], row["served_bytes"], row["backend"]) == (130, 326, "cpu")
+    assert variant_summary(outs[1])["served_bytes"] == 220
 
 
 def test_awq_points_are_rtn_on_weights_smoothed_once(planted):

@@ -119,7 +119,10 @@ class VariantDoc(BaseModel):
     passed: bool
     version: str | None
     backend: str
-    weights_bytes: int | None
+    weights_bytes: int | None = Field(description="the checkpoint's safetensors")
+    served_bytes: int | None = Field(
+        None, description="the weights of what is served (an engine's own files): what promote.choose: smallest ranks"
+    )
     report: str
     checks: list[Check]
 

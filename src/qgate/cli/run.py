@@ -113,6 +113,7 @@ def _ci_outputs(spec, summary: dict, o: Output, junit, log_file, exit_code: int)
             version=v["version"],
             backend=v["backend"],
             weights_bytes=v["weights_bytes"],
+            served_bytes=v.get("served_bytes"),
             report=v["report"],
             checks=checks(reports[v["variant"]]["results"]),
         )
@@ -139,13 +140,13 @@ def _print_table(spec, o: Output) -> None:
         return
     typer_echo = o.say
     typer_echo(
-        f"{'variant':22s} {'verdict':12s} {'KL p99':>9s} {'top-1':>7s} {'weights MB':>10s} {'bits/w':>6s} "
+        f"{'variant':22s} {'verdict':12s} {'KL p99':>9s} {'top-1':>7s} {'served MB':>10s} {'bits/w':>6s} "
         f"{'version':>8s}  report"
     )
     for v in summary["variants"]:
         kl, top1 = v.get("kl_p99"), v.get("top1_agreement")
         verdict = v["verdict"].upper() + ("*" if v["warned"] else "")
-        mb = f"{v['weights_bytes'] / 1e6:10.1f}" if v.get("weights_bytes") else f"{'-':>10s}"
+        mb = f"{v['served_bytes'] / 1e6:10.1f}" if v.get("served_bytes") else f"{'-':>10s}"
         bits = f"{v['bits_per_weight']:6.2f}" if v.get("bits_per_weight") else f"{'-':>6s}"
         kl_s, top1_s = (
             (f"{kl:9.4f}" if kl is not None else f"{'-':>9s}"),

@@ -191,7 +191,8 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
         "backend": "cpu",
         "runtime": "onnxruntime-genai",
         "build_seconds": round(time.perf_counter() - t0, 1),
-        "engine_bytes": sum(f.stat().st_size for f in (out / ENGINE_SUBDIR).iterdir()),
+        # the model's files (its graph and weights), as a checkpoint's safetensors: what `choose: smallest` ranks
+        "engine_bytes": sum(f.stat().st_size for f in (out / ENGINE_SUBDIR).iterdir() if ".onnx" in f.name),
         "checkpoint": ckpt.sha256,
         "checkpoint_path": str(ckpt.path),
         "builder_cmd": " ".join(cmd[1:]),

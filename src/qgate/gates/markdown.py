@@ -22,6 +22,10 @@ def _num(x) -> str:
     return f"{x:.4g}"
 
 
+def _mb(nbytes: int | None) -> str:
+    return "" if nbytes is None else f"{nbytes / 1e6:,.1f}"
+
+
 def checks_table(results: list[dict], gated_only: bool = False) -> str:
     rows = [
         "| verdict | check | observed | 95% CI | threshold | decided on | n | mde |",
@@ -106,14 +110,14 @@ def version_description(report: dict, meta: dict, report_uri: str) -> str:
 def run_summary(summary: dict) -> str:
     """`qgate run`: one table of variants and the promotion, for GITHUB_STEP_SUMMARY."""
     rows = [
-        "| variant | verdict | KL p99 | top-1 | version | failed | inconclusive |",
-        "|---|---|---:|---:|---:|---|---|",
+        "| variant | verdict | KL p99 | top-1 | served MB | version | failed | inconclusive |",
+        "|---|---|---:|---:|---:|---:|---|---|",
     ]
     for v in summary["variants"]:
         rows.append(
             f"| {v['variant']} | {ICON.get(v['verdict'], v['verdict'])} | {_num(v.get('kl_p99'))} | "
-            f"{_num(v.get('top1_agreement'))} | {v.get('version') or ''} | {', '.join(v['failed_checks'])} | "
-            f"{', '.join(v['inconclusive_checks'])} |"
+            f"{_num(v.get('top1_agreement'))} | {_mb(v.get('served_bytes'))} | {v.get('version') or ''} | "
+            f"{', '.join(v['failed_checks'])} | {', '.join(v['inconclusive_checks'])} |"
         )
     p = summary.get("promoted")
     tail = (

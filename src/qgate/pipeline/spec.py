@@ -83,7 +83,7 @@ class RegistrySpec(Strict):
 class PromoteSpec(Strict):
     alias: str = "production"
     choose: Literal["best", "smallest", "first"] = "best"  # best: passing variant with the lowest shadow kl_p99;
-    # smallest: the fewest weights bytes (ties: lower kl_p99)
+    # smallest: the fewest bytes of served weights, an engine's own files (ties: lower kl_p99)
 
 
 class PipelineSpec(Strict):

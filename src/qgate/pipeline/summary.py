@@ -9,22 +9,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qgate.artifact import Artifact
+from qgate.artifact import Artifact, served_bytes
 from qgate.gates.result import GateReport
 from qgate.pipeline.spec import PipelineSpec
 from qgate.pipeline.stages import Chain
 
 
 def best_passing(spec: PipelineSpec, chains: list[Chain]) -> Chain | None:
-    """The variant `promote.choose` picks among the passing ones: best (lowest shadow KL p99), smallest (fewest
-    weights bytes, then KL) or first (spec order)."""
+    """The variant `promote.choose` picks among the passing ones: best (lowest shadow KL p99), smallest (the fewest
+    bytes of weights in what is served, `artifact.served_bytes`: an engine's own files, not the checkpoint it was
+    built from; then KL) or first (spec order)."""
     reports = [(c, GateReport.of(c.report)) for c in chains]  # each report.json read once
     passing = [(c, r) for c, r in reports if r.passed]
     kl = lambda cr: cr[1].summary.get("shadow.kl_p99", float("inf"))  # noqa: E731
     if spec.promote.choose == "best":
         passing.sort(key=kl)
     elif spec.promote.choose == "smallest":
-        passing.sort(key=lambda cr: (cr[0].candidate.meta.get("weights_bytes") or float("inf"), kl(cr)))
+        passing.sort(key=lambda cr: (served_bytes(cr[0].candidate) or float("inf"), kl(cr)))
     return passing[0][0] if passing else None
 
 
@@ -45,7 +46,8 @@ def variant_summary(c: Chain) -> dict:
         "kl_p99": s.get("shadow.kl_p99"),
         "top1_agreement": s.get("shadow.top1_agreement"),
         "metrics": s,
-        "weights_bytes": c.candidate.meta.get("weights_bytes"),
+        "weights_bytes": c.candidate.meta.get("weights_bytes"),  # the checkpoint's safetensors
+        "served_bytes": served_bytes(c.candidate),  # what promote.choose: smallest ranks
         "bits_per_weight": _bits_per_weight(c.candidate),
         "search": _search_summary(c.candidate.meta.get("search")),
         "backend": c.candidate.meta.get("backend", "torch-reference"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from qgate.artifact import Artifact
+from qgate.artifact import Artifact, served_bytes
 
 MODEL_DESCRIPTION = """Quantized variants gated by **qgate** against the baseline on held-out production traffic and
 offline evals.
@@ -59,6 +59,8 @@ def version_tags(
         tags |= {"qgate.profile_sha256": profile.sha256, "qgate.profile_artifact": f"runs:/{run_id}/traffic-profile"}
     if recipe is not None:
         tags["qgate.recipe"] = json.dumps(recipe, sort_keys=True)
+    if (nbytes := served_bytes(candidate)) is not None:  # what promote.choose: smallest ranks
+        tags["qgate.served_bytes"] = str(nbytes)
     if candidate.meta.get("bits_per_weight") is not None:
         tags["qgate.bits_per_weight"] = f"{candidate.meta['bits_per_weight']:.3f}"
     if candidate.meta.get("lm_head"):  # a quantized output head (search.lm_head); absent: the head is not quantized
