@@ -2,8 +2,9 @@
 
     check_device("cuda:1")                    # ConfigError at spec load for anything but auto|cpu|cuda[:N]
     device = resolve_device("auto")           # CUDA when present, else the CPU
-    dtype = compute_dtype(config, device)     # float32 on the CPU; on CUDA the dtype the model is served in
-    native_bf16(device)                       # whether bfloat16 matmuls run in hardware here
+    dtype = compute_dtype(config, device)     # float32 on the CPU; on CUDA the dtype the model is served in; float16
+                                              # wherever its config says float16
+    native_bf16(device), native_fp16(device)  # whether bfloat16 / float16 matmuls run in hardware here
     x = to_device(rows, device, torch.long)   # host data onto the device without the host waiting for it
     HostCopy(t).tolist()                      # device data to the host, waiting for that copy alone
     s = graph_seconds(lambda: f(x), device)   # CUDA: seconds per call of f, its kernels captured in a graph
@@ -64,6 +65,19 @@ def resolve_device(name: str = "auto"):
     return dev
 
 
+def native_fp16(device) -> bool:
+    """Whether torch's float16 matmuls run in hardware here: CUDA, or a CPU whose oneDNN has float16 kernels
+    (AVX512-FP16 or AMX-FP16). Elsewhere torch's CPU float16 matmul runs ~10x slower than a float32 one
+    (benchmarks/RESULTS.md), and the reference path multiplies in float32 on the float16 values instead
+    (engines/bf16_products.py), which computes the same products."""
+    import torch
+
+    if device.type == "cuda":
+        return True
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)
+    return torch.backends.mkldnn.is_available() and callable(supported) and bool(supported())
+
+
 def native_bf16(device) -> bool:
     """Whether torch's bfloat16 matmuls run faster than float32 ones on this device: CUDA, or a CPU with AMX tiles.
     On other CPUs, those with AVX512-BF16 included, torch's bfloat16 matmul of many rows runs slower than a float32
@@ -78,18 +92,20 @@ def native_bf16(device) -> bool:
 
 
 def compute_dtype(config: dict, device, name: str = "auto"):
-    """The float format a reference model computes in. auto: float32 on the CPU (the reference of record there);
-    on CUDA the dtype config.json says the model is served in (bfloat16 or float16; bfloat16 for a float32 config,
-    which no GPU server runs at scale). An explicit name wins."""
+    """The float format a reference model computes in. A model whose config.json says float16 computes in float16 on
+    every device, whatever `name` says: servers run such a model in float16, and float16's range is part of what it
+    serves (an activation past 65,504 is inf there, then NaN), which bfloat16 and float32 would hide. Otherwise an
+    explicit name wins, and auto is float32 on the CPU (the reference of record there) and on CUDA the dtype the
+    config says the model is served in (bfloat16 for a float32 config, which no GPU server runs at scale)."""
     import torch
 
     check_dtype(name)
+    served = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    if served == "float16":
+        return torch.float16
     if name != "auto":
         return getattr(torch, name)
-    if device.type != "cuda":
-        return torch.float32
-    served = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
-    return torch.float16 if served == "float16" else torch.bfloat16
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def numerics(device, dtype) -> str:

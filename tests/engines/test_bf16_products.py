@@ -49,6 +49,23 @@ def test_only_amx_makes_a_cpus_bf16_matmuls_native(monkeypatch, amx, avx512_bf16
     assert not emulated("cpu", torch.float32)
 
 
+@pytest.mark.parametrize("fp16_kernels", [True, False])
+def test_float16_is_emulated_where_onednn_has_no_float16_kernels(monkeypatch, fp16_kernels):
+    """Without oneDNN's float16 kernels torch's CPU float16 matmul runs ~10x slower than float32: emulated. Each
+    product is the float16 values' summed in float32, and a sum past float16's range is inf, as served."""
+    from qgate.engines.bf16_products import emulated
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: fp16_kernels, raising=False)
+    assert qgate.device.native_fp16(torch.device("cpu")) is fp16_kernels
+    assert emulated("cpu", torch.float16) is not fp16_kernels and not emulated("cuda", torch.float16)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 2, bias=False)).to(torch.float16)
+    with torch.no_grad():
+        m[0].weight.copy_(torch.tensor([[1.0, 1, 1, 1], [0.5, 0, 0, 0]]))
+    assert float32_products(m) == 1 and type(m[0]) is Float32ProductLinear
+    out = m(torch.tensor([[30_000.0, 30_000, 30_000, 1]], dtype=torch.float16))
+    assert out.dtype == torch.float16 and out[0, 0].item() == float("inf") and out[0, 1].item() == 15_000.0
+
+
 def test_each_product_is_bf16_values_summed_in_float32_and_rounded_to_bf16():
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}

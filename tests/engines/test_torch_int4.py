@@ -1,6 +1,7 @@
 """The torch-int4 engine: repacking without requantizing, its model against the reference path, CUDA graphs on a GPU,
 and gates on a device."""
 
+import itertools
 import json
 import re
 from dataclasses import replace
@@ -829,6 +830,8 @@ def test_devices_are_checked_before_anything_loads(monkeypatch):
     assert compute_dtype({"dtype": "float32"}, cuda) == torch.bfloat16
     assert compute_dtype({"dtype": "bfloat16"}, torch.device("cpu")) == torch.float32
     assert compute_dtype({}, torch.device("cpu"), "bfloat16") == torch.bfloat16
+    for device, name in itertools.product((cuda, torch.device("cpu")), ("auto", "float32", "bfloat16")):
+        assert compute_dtype({"dtype": "float16"}, device, name) == torch.float16  # float16's range is served
 
 
 def test_cli_device_flag_names_the_missing_gpu(base_art, calib_arts, tmp_path, capsys, monkeypatch):

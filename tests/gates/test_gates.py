@@ -1674,6 +1674,74 @@ def test_a_candidate_with_a_nan_weight_fails_with_evidence_and_a_nan_baseline_is
         run_gates(base_art, cand, calib_arts["shadow"], cfg, workdir / "gate-nan-base", workdir / "cache-nan")
 
 
+def _float16_scaled(workdir, name: str, largest: float):
+    """The tiny baseline stored in float16 with its residual stream scaled up: the embedding (the head, tied to it)
+    and every block's o_proj and down_proj times c, the final norm's weight over c. RMSNorm takes the scale out
+    before every block and before the head, so computed wider than float16 it is the baseline's function; the
+    embedding's largest entry becomes `largest`."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qgate.models import ModelSource, import_model
+
+    src = workdir / f"{name}-src"
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.copytree(workdir / "tiny-src", src)
+    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        c = largest / float(m.model.embed_tokens.weight.abs().max())
+        m.model.embed_tokens.weight.mul_(c)
+        m.model.norm.weight.div_(c)
+        for layer in m.model.layers:
+            layer.self_attn.o_proj.weight.mul_(c)
+            layer.mlp.down_proj.weight.mul_(c)
+    for f in src.glob("*.safetensors"):
+        f.unlink()
+    m.to(torch.float16).save_pretrained(src)
+    return import_model(ModelSource(hf_dir=str(src)), workdir / name)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_float16_candidate_is_scored_in_float16_whatever_gates_dtype_says(
+    base_art, calib_arts, workdir, monkeypatch, native
+):
+    """A model whose config says float16 is served in float16, where an activation past 65,504 is inf. The baseline
+    with its residual stream scaled 92,000x (the same function in float32 and bfloat16: every logit finite, every
+    argmax the baseline's) reaches 118,000 there: scored in bfloat16, as gates.dtype says, or in float32, it passed.
+    Now it is scored in float16, with torch's float16 matmuls or, on a CPU without them, float32 products rounded
+    to float16: its logits are undefined and it fails. Scaled 25,000x (31,600 at most) it stays in range: every
+    logit defined, and the baseline's answers within float16's rounding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import qgate.device
+    from qgate.gates.numerics import scoring_numerics
+
+    monkeypatch.setattr(qgate.device, "native_fp16", lambda dev: native)
+    over = _float16_scaled(workdir, "tiny-f16-over", 30_000.0)
+    ids = torch.tensor([list(range(5, 60))])
+    with torch.no_grad():
+        wide = AutoModelForCausalLM.from_pretrained(over.path, dtype=torch.float32)(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(base_art.path, dtype=torch.float32)(ids).logits
+    assert torch.isfinite(wide).all() and torch.equal(wide.argmax(-1), base.argmax(-1))  # float32 hides it
+    for name in ("auto", "float32", "bfloat16"):
+        assert scoring_numerics(over, "cpu", name) == "cpu-float16"
+    assert scoring_numerics(base_art, "cpu", "bfloat16") == "cpu-bfloat16"  # a float32 config: as before
+    cfg = GateConfig(shadow=FAST.shadow, eval=None, long_context=None, dtype="bfloat16")
+    art = run_gates(over, base_art, calib_arts["shadow"], cfg, workdir / f"gate-f16-{native}", workdir / "cache-f16")
+    report = json.loads((art.path / "report.json").read_text())
+    by = {r["metric"]: r for r in report["results"]}
+    assert report["verdict"] == "fail" and by["defined_logits"]["verdict"] == "fail"
+    assert by["defined_logits"]["observed"] < 0.5, by["defined_logits"]
+    within = _float16_scaled(workdir, "tiny-f16-within", 8_000.0)
+    art = run_gates(within, base_art, calib_arts["shadow"], cfg, workdir / f"gate-f16w-{native}", workdir / "cache-f16")
+    by = {r["metric"]: r for r in json.loads((art.path / "report.json").read_text())["results"]}
+    assert by["defined_logits"]["verdict"] == by["top1_agreement"]["verdict"] == "pass"
+    assert by["kl_p99"]["observed"] < 1e-3 and by["kl_p99"]["verdict"] != "fail"
+
+
 @pytest.mark.parametrize(
     ("verdict", "block", "warn"),
     [("pass", True, True), ("inconclusive", False, True), ("fail", False, False), ("error", False, False)],

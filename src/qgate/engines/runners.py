@@ -81,11 +81,11 @@ def _online_transforms(model, path: Path) -> None:
 
 
 @functools.cache
-def _log_float32_products() -> None:
-    """Once per process: a gate loads several models."""
+def _log_float32_products(dtype: str) -> None:
+    """Once per process and format: a gate loads several models."""
     logging.getLogger("qgate").info(
-        "bfloat16 on a CPU without AMX: the reference path's matmuls run in float32 on its bf16 values "
-        "(engines/bf16_products.py), with a float32 copy of each weight"
+        f"{dtype} on a CPU without {dtype} matmuls in hardware: the reference path's matmuls run in float32 on its "
+        f"{dtype} values (engines/bf16_products.py), with a float32 copy of each weight"
     )
 
 
@@ -135,8 +135,9 @@ class TorchRunner:
             _in_dtype(self.model, self.dtype)
             _online_transforms(self.model, path)
         if emulated(self.device, self.dtype):
-            float32_products(self.model, f"{path}: the bfloat16 reference")
-            _log_float32_products()
+            name = str(self.dtype).removeprefix("torch.")
+            float32_products(self.model, f"{path}: the {name} reference")
+            _log_float32_products(name)
         if self.device.type in fused_norms.DEVICES:
             fused_norms.fuse_rms_norms(self.model)
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 2048))

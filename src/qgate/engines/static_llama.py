@@ -221,7 +221,7 @@ class StaticLlama(nn.Module):
         self.register_buffer("sin", torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1).to(device, dtype))  # signed
         if emulated(device, dtype):
             dense = [m for m in self.modules() if isinstance(m, Linear) and m.weight is not None]
-            float32_copies(dense, f"{what} in bfloat16", HINT)
+            float32_copies(dense, f"{what} in {str(dtype).removeprefix('torch.')}", HINT)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.ops: Ops = EAGER  # the elementwise work between Linears (compile)

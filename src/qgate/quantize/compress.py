@@ -56,10 +56,16 @@ def cpu_safe_intermediates():
 def load_dtype(path: Path):
     """The dtype a model is quantized in: float32 on a CPU; on a CUDA host its served dtype (bf16), in host memory,
     which llm-compressor's sequential pipeline onloads to the GPU one layer at a time, so a model larger than GPU
-    memory quantizes from host memory."""
+    memory quantizes from host memory. A float16 model too quantizes in float32 on a CPU: its calibration forwards are
+    not what is served (the gates score it in float16)."""
+    import torch
+
     from qgate.device import compute_dtype, resolve_device
 
-    return compute_dtype(json.loads((Path(path) / "config.json").read_text()), resolve_device("auto"))
+    device = resolve_device("auto")
+    if device.type != "cuda":
+        return torch.float32
+    return compute_dtype(json.loads((Path(path) / "config.json").read_text()), device)
 
 
 def stored_float_bits(path: Path | None = None) -> int:
