@@ -154,11 +154,12 @@ class Artifact:
             )
 
 
-def served_bytes(art: Artifact) -> int | None:
-    """The bytes of the weights an artifact serves: an engine that stores its own (the cpu engine's ONNX files, the
-    torch-int4 engine's packed file) records them as `engine_bytes`; a checkpoint, and a TensorRT-LLM bundle, which
-    serves the checkpoint it holds, as the checkpoint's safetensors (`weights_bytes`). None when neither is known."""
-    return art.meta.get("engine_bytes") or art.meta.get("weights_bytes")
+def served_bytes(meta: dict) -> int | None:
+    """The bytes of the weights an artifact serves, from its manifest's meta: an engine that stores its own (the cpu
+    engine's ONNX files, the torch-int4 engine's packed file) records them as `engine_bytes`; a checkpoint, and a
+    TensorRT-LLM bundle, which serves the checkpoint it holds, as the checkpoint's safetensors (`weights_bytes`).
+    None when neither is known."""
+    return meta.get("engine_bytes") or meta.get("weights_bytes")
 
 
 def engine_checkpoint(engine: Artifact) -> Artifact | None:

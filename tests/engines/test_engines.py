@@ -83,8 +83,8 @@ def test_cpu_engine_keeps_int4_kernels_and_full_precision_head(cpu_exact):
     assert cpu_exact.meta["backend"] == "cpu" and cpu_exact.parents[0] == cpu_exact.meta["checkpoint"]
     # what it serves is its own model files (graph and weights), not its tokenizer and not its checkpoint's files
     model_files = [f for f in (cpu_exact.path / "onnx").iterdir() if f.name.startswith("model.onnx")]
-    assert served_bytes(cpu_exact) == cpu_exact.meta["engine_bytes"] == sum(f.stat().st_size for f in model_files)
-    assert served_bytes(cpu_exact) != cpu_exact.meta["weights_bytes"]
+    assert served_bytes(cpu_exact.meta) == cpu_exact.meta["engine_bytes"] == sum(f.stat().st_size for f in model_files)
+    assert served_bytes(cpu_exact.meta) != cpu_exact.meta["weights_bytes"]
 
 
 @pytest.mark.parametrize("head,bits", [("int8", 8), ("int4", 4)])
@@ -102,7 +102,7 @@ def test_cpu_engine_quantized_head_is_an_option_close_to_the_fp32_head(awq_art, 
     a, b = fp32_head.logits(ids), load_runner(eng).logits(ids)
     err = np.abs(a - b).max() / np.abs(a).max()
     assert 0 < err < (0.02 if bits == 8 else 0.2)  # a different head, slightly different logits
-    assert served_bytes(eng) < served_bytes(cpu_exact)  # what the quantized head buys
+    assert served_bytes(eng.meta) < served_bytes(cpu_exact.meta)  # what the quantized head buys
     with pytest.raises(ConfigError, match=r"^engine\.options\.lm_head must be one of fp32, int8, int4, got 'int2'$"):
         build_engine(awq_art, "cpu", workdir / "engine-bad", lm_head="int2")
 

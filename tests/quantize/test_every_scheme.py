@@ -113,7 +113,10 @@ def test_every_scheme_quantizes_gates_and_registers(base_art, calib_arts, settin
     )
     version = capsys.readouterr().out.split("version ")[1].split()[0]
     uri = f"sqlite:///{setting['store'] / 'mlflow.db'}"
-    tags = MlflowClient(uri, uri).get_model_version("every", version).tags
+    mv = MlflowClient(uri, uri).get_model_version("every", version)
+    tags = mv.tags
     assert tags["qgate.bits_per_weight"] == f"{BITS[scheme]:.3f}" and tags["qgate.gate_verdict"] == "pass"
-    assert int(tags["qgate.served_bytes"]) == Artifact.load(out).meta["weights_bytes"] > 0
+    nbytes = Artifact.load(out).meta["weights_bytes"]
+    assert int(tags["qgate.served_bytes"]) == nbytes > 0
+    assert f"| served weights | `{nbytes / 1e6:,.1f} MB` |" in mv.description  # the registry UI's page
     assert tags["qgate.scheme"] == scheme and tags["qgate.kv_cache_dtype"] == (kv or "model-default")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from qgate.artifact import served_bytes
 from qgate.gates.result import GateReport, caveats, what_would_decide
 
 ICON = {"pass": "✅ PASS", "fail": "❌ FAIL", "inconclusive": "⚠️ INCONCLUSIVE", "error": "⛔ ERROR", "info": "ℹ️ info"}
@@ -75,6 +76,8 @@ def version_description(report: dict, meta: dict, report_uri: str) -> str:
         ("shadow set sha256", str(report["inputs"].get("shadow_sha256"))[:16]),
         ("artifact sha256", str(report["inputs"].get("candidate_sha256"))[:16]),
     ]
+    if (nbytes := served_bytes(meta)) is not None:  # what promote.choose: smallest ranks
+        lineage.append(("served weights", f"{_mb(nbytes)} MB"))
     if report["inputs"].get("scored_on"):
         lineage.append(("scored on", report["inputs"]["scored_on"]))
     scored = report.get("shadow_scoring") or {}

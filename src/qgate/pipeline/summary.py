@@ -25,7 +25,7 @@ def best_passing(spec: PipelineSpec, chains: list[Chain]) -> Chain | None:
     if spec.promote.choose == "best":
         passing.sort(key=kl)
     elif spec.promote.choose == "smallest":
-        passing.sort(key=lambda cr: (served_bytes(cr[0].candidate) or float("inf"), kl(cr)))
+        passing.sort(key=lambda cr: (served_bytes(cr[0].candidate.meta) or float("inf"), kl(cr)))
     return passing[0][0] if passing else None
 
 
@@ -47,7 +47,7 @@ def variant_summary(c: Chain) -> dict:
         "top1_agreement": s.get("shadow.top1_agreement"),
         "metrics": s,
         "weights_bytes": c.candidate.meta.get("weights_bytes"),  # the checkpoint's safetensors
-        "served_bytes": served_bytes(c.candidate),  # what promote.choose: smallest ranks
+        "served_bytes": served_bytes(c.candidate.meta),  # what promote.choose: smallest ranks
         "bits_per_weight": _bits_per_weight(c.candidate),
         "search": _search_summary(c.candidate.meta.get("search")),
         "backend": c.candidate.meta.get("backend", "torch-reference"),

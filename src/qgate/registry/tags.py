@@ -59,7 +59,7 @@ def version_tags(
         tags |= {"qgate.profile_sha256": profile.sha256, "qgate.profile_artifact": f"runs:/{run_id}/traffic-profile"}
     if recipe is not None:
         tags["qgate.recipe"] = json.dumps(recipe, sort_keys=True)
-    if (nbytes := served_bytes(candidate)) is not None:  # what promote.choose: smallest ranks
+    if (nbytes := served_bytes(candidate.meta)) is not None:  # what promote.choose: smallest ranks
         tags["qgate.served_bytes"] = str(nbytes)
     if candidate.meta.get("bits_per_weight") is not None:
         tags["qgate.bits_per_weight"] = f"{candidate.meta['bits_per_weight']:.3f}"
