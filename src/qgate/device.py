@@ -100,7 +100,7 @@ def compute_dtype(config: dict, device, name: str = "auto"):
     import torch
 
     check_dtype(name)
-    served = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    served = dtype_name(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
     if served == "float16":
         return torch.float16
     if name != "auto":
@@ -108,9 +108,14 @@ def compute_dtype(config: dict, device, name: str = "auto"):
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def dtype_name(dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16': a dtype as configs, specs and messages write it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def numerics(device, dtype) -> str:
     """A tag for caches of baseline work: 'cpu-float32', 'cuda-bfloat16' (the card's name is not part of it)."""
-    return f"{device.type}-{str(dtype).removeprefix('torch.')}"
+    return f"{device.type}-{dtype_name(dtype)}"
 
 
 def timing_host(device) -> str:
@@ -202,8 +207,7 @@ def check_model_fits(device, path, dtype, what: str, hint: str | None = None) ->
     counts decompressed), named as "<path>: the <dtype> <what>"."""
     from qgate.trust import dense_params
 
-    name = str(dtype).removeprefix("torch.")
-    check_fits(device, dense_params(path) * dtype.itemsize, f"{path}: the {name} {what}", hint)
+    check_fits(device, dense_params(path) * dtype.itemsize, f"{path}: the {dtype_name(dtype)} {what}", hint)
 
 
 FORWARD_COST = {"cpu": 24, "cuda": 256}  # positions a forward's fixed cost is worth, per device type (forward_cost)

@@ -247,3 +247,20 @@ def test_float32_copies_the_host_cannot_hold_are_refused_before_they_are_made(ba
         assert hint in e.value.hint
         _meminfo(tmp_path, monkeypatch, -(-n // 1024) * 1024)
         load()
+
+
+def test_float16_copies_the_host_cannot_hold_name_what_float16_needs_whoever_asks(tmp_path, monkeypatch):
+    """float32_copies picks the hint for float16 weights itself: a caller's bf16 hint (the torch-int4 engine's, about
+    AMX) says nothing to a float16 model."""
+    from qgate.engines import static_llama
+    from qgate.engines.bf16_products import FP16_HINT, float32_copies
+    from qgate.errors import BackendUnavailable
+
+    lin = torch.nn.Linear(32, 48).to(torch.float16)
+    _meminfo(tmp_path, monkeypatch, 1024)
+    with pytest.raises(BackendUnavailable) as e:
+        float32_copies([lin], "m in float16", static_llama.HINT)
+    assert e.value.hint == FP16_HINT
+    with pytest.raises(BackendUnavailable) as e:
+        float32_copies([lin.to(torch.bfloat16)], "m in bfloat16", static_llama.HINT)
+    assert e.value.hint == static_llama.HINT

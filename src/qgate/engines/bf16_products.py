@@ -46,9 +46,12 @@ def emulated(device, dtype) -> bool:
 def float32_copies(linears: list, what: str, hint: str = HINT) -> None:
     """Give each module (a `weight` and a `bias` or None, on the CPU) float32 copies of them as plain attributes,
     weight32 and bias32, outside the state dict; first BackendUnavailable (device.check_fits) where the host's memory
-    cannot hold them all: 4 bytes per parameter, which the kernel would otherwise kill the process part way through."""
+    cannot hold them all: 4 bytes per parameter, which the kernel would otherwise kill the process part way through.
+    `hint` says what to do instead for bf16 weights; float16 ones get FP16_HINT, whoever calls."""
     from qgate.device import check_fits
 
+    if any(m.weight.dtype == torch.float16 for m in linears):
+        hint = FP16_HINT
     need = sum(4 * (m.weight.numel() + (0 if m.bias is None else m.bias.numel())) for m in linears)
     check_fits(torch.device("cpu"), need, what, hint, takes="the float32 copies its matmuls need on this CPU take")
     for m in linears:
@@ -76,7 +79,7 @@ def float32_products(model: torch.nn.Module, what: str = "the model") -> int:
     attributes, outside the state dict (float32_copies, which checks the host's memory first, naming `what`)."""
     half = (torch.bfloat16, torch.float16)
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype in half]
-    float32_copies(linears, what, FP16_HINT if any(m.weight.dtype == torch.float16 for m in linears) else HINT)
+    float32_copies(linears, what)
     for m in linears:
         if getattr(vars(m).get("forward"), "__func__", None) is torch.nn.Linear.forward:
             del m.forward  # nn.Linear's own forward bound on the instance (left by removing a wrapper)

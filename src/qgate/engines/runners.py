@@ -103,6 +103,7 @@ class TorchRunner:
             batch_tokens,
             check_model_fits,
             compute_dtype,
+            dtype_name,
             forward_cost,
             numerics,
             resolve_device,
@@ -135,7 +136,7 @@ class TorchRunner:
             _in_dtype(self.model, self.dtype)
             _online_transforms(self.model, path)
         if emulated(self.device, self.dtype):
-            name = str(self.dtype).removeprefix("torch.")
+            name = dtype_name(self.dtype)
             float32_products(self.model, f"{path}: the {name} reference")
             _log_float32_products(name)
         if self.device.type in fused_norms.DEVICES:

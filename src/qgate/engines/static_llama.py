@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from qgate.device import planless_sdpa
+from qgate.device import dtype_name, planless_sdpa
 from qgate.engines.bf16_products import emulated, float32_copies
 from qgate.engines.decode_attention import triton_attend
 from qgate.engines.elementwise import EAGER, Ops, compiled_ops, rms_norm
@@ -221,7 +221,7 @@ class StaticLlama(nn.Module):
         self.register_buffer("sin", torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1).to(device, dtype))  # signed
         if emulated(device, dtype):
             dense = [m for m in self.modules() if isinstance(m, Linear) and m.weight is not None]
-            float32_copies(dense, f"{what} in {str(dtype).removeprefix('torch.')}", HINT)
+            float32_copies(dense, f"{what} in {dtype_name(dtype)}", HINT)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.ops: Ops = EAGER  # the elementwise work between Linears (compile)
