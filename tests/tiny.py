@@ -100,6 +100,22 @@ def family_checkpoint(model_type: str, calib_arts, tmp_path: Path, scheme: str =
     )
 
 
+def stored_as(base, dtype: str, out: Path):
+    """The baseline artifact `base` stored in `dtype` (its config then declares it), with its tokenizer and generation
+    files, imported as a baseline from `out`/src into `out`/base."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qgate.models import ModelSource, import_model
+
+    src = Path(out) / "src"
+    AutoModelForCausalLM.from_pretrained(base.path, dtype=getattr(torch, dtype)).save_pretrained(src)
+    for f in base.path.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation")):
+            (src / f.name).write_bytes(f.read_bytes())
+    return import_model(ModelSource(hf_dir=str(src)), Path(out) / "base")
+
+
 def as_transformers_4(config: dict) -> None:
     """Rewrite a Llama config.json (in place) the way Transformers 4 wrote it, as most checkpoints on model hubs
     are: rope_theta and rope_scaling apart, torch_dtype, and the defaults head_dim and mlp_bias left out."""

@@ -100,12 +100,18 @@ def compute_dtype(config: dict, device, name: str = "auto"):
     import torch
 
     check_dtype(name)
-    served = dtype_name(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
-    if served == "float16":
+    if declared_dtype(config) == "float16":
         return torch.float16
     if name != "auto":
         return getattr(torch, name)
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def declared_dtype(config: dict) -> str | None:
+    """The float format a model's config.json declares ('bfloat16', 'float16', 'float32'), under `dtype` or the older
+    `torch_dtype`; None where it declares none."""
+    declared = config.get("dtype") or config.get("torch_dtype")
+    return dtype_name(declared) if declared else None
 
 
 def dtype_name(dtype) -> str:

@@ -1,5 +1,6 @@
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -232,9 +233,11 @@ def test_a_variants_scheme_and_engine_problems_come_in_one_load_each_named_by_it
 
 
 def test_a_size_budget_this_host_cannot_meet_is_refused_before_any_stage(tmp_path, workdir, capsys):
-    """A search quantizes in float32 on a CPU, so scales take 32 bits there and 16 on CUDA: a budget between the two
+    """A search quantizes a float32 model in float32 on a CPU, so scales take 32 bits there and 16 on CUDA: a budget
+    between the two
     (W8 g64: 8.25 and 8.5 bits per weight) loads, since a CUDA host or a Ray worker with a GPU could search it, but
-    `qgate run` and `qgate search` on this CPU host refuse it before any stage, writing nothing."""
+    `qgate run` and `qgate search` on this CPU host refuse it before any stage, writing nothing. A model whose config
+    declares a 16-bit format is stored in it on any host, so that check lets the same budget through for it."""
     from qgate.cli.main import main
 
     split = {"calib_size": 24, "shadow_size": 48, "search_size": 24}
@@ -250,6 +253,16 @@ def test_a_size_budget_this_host_cannot_meet_is_refused_before_any_stage(tmp_pat
             "scales): no point of the search fits it on this host (variant w8s)" in err
         ), err
         assert not (tmp_path / "work").exists(), argv
+    # a model that declares bfloat16 is stored in it on any host, scales included: 8.25 bits, within the budget
+    from qgate.pipeline.jobs import check_search_budgets
+
+    bf16 = tmp_path / "bf16-src"
+    shutil.copytree(workdir / "tiny-src", bf16)
+    config = json.loads((bf16 / "config.json").read_text())
+    (bf16 / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
+    doc = yaml.safe_load(spec.read_text())
+    spec.write_text(yaml.safe_dump(doc | {"model": {"hf_dir": str(bf16)}}))
+    check_search_budgets(load_spec(spec), ["w8s"])
 
 
 def test_a_split_too_small_for_a_gated_tail_fails_the_spec_at_load(tmp_path, workdir):

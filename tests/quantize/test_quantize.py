@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import tiny
 import torch
 
 from qgate.errors import ConfigError, InputError
@@ -162,6 +163,42 @@ def test_fp8_with_kv_cache_records_kv_dtype(base_art, calib_arts, tmp_path):
     cfg = json.loads((art.path / "config.json").read_text())["quantization_config"]
     assert cfg["kv_cache_scheme"]["type"] == "float" and cfg["kv_cache_scheme"]["num_bits"] == 8
     assert art.meta["kv_cache_dtype"] == "fp8" and art.meta["weight_format"] == "fp8"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_baseline_quantized_on_a_cpu_is_stored_and_gated_in_its_own_format(
+    base_art, calib_arts, tmp_path, monkeypatch, dtype
+):
+    """A CPU quantizes in float32, but a baseline that declares bf16 or fp16 is served in it: its checkpoint declares
+    that format and stores its scales and unquantized layers in it, 16 bits each as the search counts them (W4 g32
+    symmetric: 4.5 bits per weight, not 5), with the codes float32 chose; so the gates score it in that format (a
+    float16 one in float16, whatever gates.dtype says), as a server loading it would."""
+    from safetensors.torch import load_file
+
+    import qgate.quantize.compress as compress
+    from qgate.gates.numerics import scoring_numerics
+    from qgate.quantize.compress import stored_float_bits
+    from qgate.search.plan import bits_per_weight
+
+    base = tiny.stored_as(base_art, dtype, tmp_path)
+    scheme, opts = scheme_config("gptq-w4a16", group_size=32), CalibOptions(max_seq_length=32, max_samples=8)
+    ckpt = quantize(base, calib_arts["calib"], scheme, tmp_path / "q", opts=opts)
+    config = json.loads((ckpt.path / "config.json").read_text())
+    state = load_file(str(ckpt.path / "model.safetensors"))
+    assert config["dtype"] == dtype and "torch_dtype" not in config and stored_float_bits(base.path) == 16
+    floats = {t.dtype for t in state.values() if t.is_floating_point()}
+    assert floats == {getattr(torch, dtype)} and ckpt.meta["bits_per_weight"] == bits_per_weight(4, 32, True, 16)
+    assert ckpt.meta["weights_bytes"] == (ckpt.path / "model.safetensors").stat().st_size
+    monkeypatch.setattr(compress, "stored_dtype", compress.load_dtype)  # as stored before: float32 throughout
+    wide = load_file(
+        str(quantize(base, calib_arts["calib"], scheme, tmp_path / "q32", opts=opts).path / "model.safetensors")
+    )
+    assert {t.dtype for t in wide.values() if t.is_floating_point()} == {torch.float32}
+    for k, t in state.items():
+        assert torch.equal(t, wide[k].to(t.dtype)), k  # the same codes; scales and weights rounded to 16 bits
+    served = "cpu-float16" if dtype == "float16" else "cpu-bfloat16"
+    assert scoring_numerics(ckpt, "cpu", "bfloat16") == served
+    assert scoring_numerics(ckpt, "cpu", "auto") == ("cpu-float16" if dtype == "float16" else "cpu-float32")
 
 
 def test_quantize_refuses_an_already_quantized_model(awq_art, calib_arts, tmp_path):

@@ -79,8 +79,9 @@ def search_preflight(spec: PipelineSpec, variant: str) -> None:
 
 def check_search_budgets(spec: PipelineSpec, variants: list[str]) -> None:
     """Each variant's search as `qgate search` checks it (spec.check_search), and then a ConfigError, before any
-    stage, when its size budget is below its scheme's own bits per weight in the float format this host quantizes in
-    (32-bit scales on a CPU, 16-bit on CUDA); loading the spec refused only the budgets no host could meet."""
+    stage, when its size budget is below its scheme's own bits per weight in the float format quantize stores the
+    spec's model in on this host (stored_float_bits: 16-bit scales for a model that declares a 16-bit format or on
+    CUDA, 32-bit for a float32 or GGUF model on a CPU); loading the spec refused only the budgets no host could meet."""
     from qgate.errors import ConfigError
     from qgate.naming import key_path
     from qgate.pipeline.spec import check_search
@@ -88,10 +89,12 @@ def check_search_budgets(spec: PipelineSpec, variants: list[str]) -> None:
     from qgate.quantize.schemes import scheme_config
     from qgate.search.plan import ladder_problem
 
+    hf_dir = spec.path(spec.model.hf_dir) if spec.model.hf_dir else None
+    model = hf_dir if hf_dir and (hf_dir / "config.json").is_file() else None  # a GGUF imports in float32
     for name in variants:
         cfg, v = check_search(spec, name), spec.variant(name)
         if cfg.max_bits_per_weight is not None and (
-            problem := ladder_problem(scheme_config(v.scheme, **v.options), cfg, stored_float_bits())
+            problem := ladder_problem(scheme_config(v.scheme, **v.options), cfg, stored_float_bits(model))
         ):
             where = key_path("variants", spec.variants.index(v), "search")
             raise ConfigError(f"{where}.{problem[0]} on this host (variant {name})", hint=problem[1])

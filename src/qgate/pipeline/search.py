@@ -62,7 +62,7 @@ def search_checkpoint(
     point's shadow checks are not independent of its choice."""
     from qgate.gates.gating import shadow_check
     from qgate.gates.numerics import numerics_key
-    from qgate.quantize.compress import CalibOptions, quantize, stored_float_bits
+    from qgate.quantize.compress import CalibOptions, quantize, storage_key, stored_float_bits
     from qgate.search.plot import plot_points
     from qgate.search.sensitivity import SensitivityConfig, fisher_sensitivity
 
@@ -72,7 +72,7 @@ def search_checkpoint(
     scfg = SensitivityConfig(samples=cfg.samples, max_seq_length=opts.max_seq_length, seed=opts.seed)
     if reason := fine_groups_refusal(scheme, kv, cfg):
         raise ConfigError(f"search: {reason}", hint="drop search.fine_group_size or the variant's kv_cache")
-    float_bits = stored_float_bits(base.path)  # the points' scales and unquantized layers: float32 or bf16
+    float_bits = stored_float_bits(base.path)  # the points' scales and unquantized layers: 32 or 16 bits
     ladder = rungs(scheme, cfg, float_bits)
     settings = scored_settings(ladder)  # KL estimated at each
     head_ladder = head_rungs(scheme, float_bits) if cfg.lm_head else None
@@ -128,6 +128,7 @@ def search_checkpoint(
                 "smoothed": smoothed.sha256 if smoothed else None,
             }
             | numerics
+            | storage_key(base.path)
         )
         ppath = cache_dir / f"search-point-{key[:24]}.json"
         t = time.perf_counter()

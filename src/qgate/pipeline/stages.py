@@ -126,7 +126,7 @@ def checkpoint_stage(led: Ledger, spec: PipelineSpec, v: VariantSpec, chain: Cha
     passed."""
     if v.search is not None:
         return replace(chain, checkpoint=search_stage(led, spec, v, chain.base, chain.cal, chain.cache_dir))
-    from qgate.quantize.compress import CalibOptions, quantize
+    from qgate.quantize.compress import CalibOptions, quantize, storage_key
     from qgate.quantize.schemes import KVCacheConfig, scheme_config, smooths
     from qgate.quantize.smoothing import cached_smoothing
 
@@ -140,7 +140,7 @@ def checkpoint_stage(led: Ledger, spec: PipelineSpec, v: VariantSpec, chain: Cha
         "scheme": typed_config(scheme),
         "kv": v.kv_cache,
         "opts": opts.__dict__,
-    }
+    } | storage_key(base.path)
     ckpt = led.run(
         f"quantize:{v.name}",
         key,
@@ -169,7 +169,7 @@ def search_stage(
     from qgate.gates.numerics import numerics_key
     from qgate.pipeline.search import search_checkpoint
     from qgate.pipeline.variant import search_config
-    from qgate.quantize.compress import CalibOptions
+    from qgate.quantize.compress import CalibOptions, storage_key
     from qgate.quantize.schemes import KVCacheConfig, scheme_config
 
     scheme, gate_cfg = scheme_config(v.scheme, **v.options), spec.gate_config()
@@ -186,6 +186,7 @@ def search_stage(
         "shadow_cfg": typed_config(gate_cfg.shadow),
     }
     key |= numerics_key(base, gate_cfg.device, gate_cfg.dtype)  # the points are gated in these numerics
+    key |= storage_key(base.path)
     return led.run(
         f"search:{v.name}",
         key,

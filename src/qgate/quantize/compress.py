@@ -4,7 +4,8 @@
 
 The model is checked (group sizes) before any calibration work starts. On a CUDA host the model loads in its
 served dtype into host memory and llm-compressor's sequential pipeline runs each layer on the GPU; on a host
-without CUDA it runs in float32 and llm-compressor's pinned-memory cache is switched off for the call only.
+without CUDA it runs in float32 and llm-compressor's pinned-memory cache is switched off for the call only. Either way
+the checkpoint is stored in the 16-bit format the model declares, if it declares one (stored_dtype).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def load_dtype(path: Path):
     """The dtype a model is quantized in: float32 on a CPU; on a CUDA host its served dtype (bf16), in host memory,
     which llm-compressor's sequential pipeline onloads to the GPU one layer at a time, so a model larger than GPU
     memory quantizes from host memory. A float16 model too quantizes in float32 on a CPU: its calibration forwards are
-    not what is served (the gates score it in float16)."""
+    not what is served; its checkpoint is stored in float16 (stored_dtype), and the gates score it so."""
     import torch
 
     from qgate.device import compute_dtype, resolve_device
@@ -68,15 +69,75 @@ def load_dtype(path: Path):
     return compute_dtype(json.loads((Path(path) / "config.json").read_text()), device)
 
 
-def stored_float_bits(path: Path | None = None) -> int:
-    """Bits of the float format quantize stores a checkpoint's scales and unquantized layers in on this host: those of
-    load_dtype (llm-compressor makes a weight's scales in its dtype) for the model at `path`; for any model when None,
-    32 without CUDA and 16 with it."""
+SIXTEEN_BIT = ("bfloat16", "float16")
+
+
+def stored_dtype(path: Path | None):
+    """The float format quantize stores a checkpoint of the model at `path` in (its scales, its unquantized layers and
+    its config's dtype): the 16-bit format the model's config.json declares, so the checkpoint is served and gated in
+    the baseline's format whichever host quantized it; else the format it is quantized in (load_dtype). None: a model
+    that declares no 16-bit format, as a GGUF import writes (float32 on a CPU, bf16 on CUDA)."""
     import torch
 
-    from qgate.device import compute_dtype, resolve_device
+    from qgate.device import compute_dtype, declared_dtype, resolve_device
 
-    return torch.finfo(load_dtype(path) if path is not None else compute_dtype({}, resolve_device("auto"))).bits
+    if path is None:
+        return compute_dtype({}, resolve_device("auto"))
+    declared = declared_dtype(json.loads((Path(path) / "config.json").read_text()))
+    return getattr(torch, declared) if declared in SIXTEEN_BIT else load_dtype(path)
+
+
+def stored_float_bits(path: Path | None = None) -> int:
+    """Bits of the float format quantize stores a checkpoint's scales and unquantized layers in on this host
+    (stored_dtype): 16 for a model that declares a 16-bit format, or quantized on CUDA; 32 for a float32 model
+    quantized on a CPU."""
+    import torch
+
+    return torch.finfo(stored_dtype(path)).bits
+
+
+def storage_key(path: Path) -> dict:
+    """For the cache keys of checkpoints quantized from the model at `path`: the float format they are stored in
+    (stored_dtype), which depends on the host; empty for float32, the format a key without it means."""
+    from qgate.device import dtype_name
+
+    name = dtype_name(stored_dtype(path))
+    return {} if name == "float32" else {"stored": name}
+
+
+def store_in(out: Path, dtype) -> None:
+    """Rewrite the float32 tensors of the checkpoint saved at `out` (scales, unquantized layers) in `dtype`, and declare
+    `dtype` in its config.json: the cast a server loading it in `dtype` makes. Codes, zero points and group indices
+    stay as quantize chose them, and the checkpoint is what a CUDA host quantizing in `dtype` stores."""
+    import os
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from qgate.device import dtype_name
+
+    out = Path(out)
+    total = 0
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            meta = st.metadata()
+            tensors = {k: st.get_tensor(k) for k in st.keys()}
+        tensors = {k: t.to(dtype) if t.dtype == torch.float32 else t for k, t in tensors.items()}
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        tmp = f.with_name(f".{f.name}.tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, f)
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        doc = json.loads(index.read_text())
+        doc.setdefault("metadata", {})["total_size"] = total
+        index.write_text(json.dumps(doc, indent=2) + "\n")
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("torch_dtype", None)
+    config["dtype"] = dtype_name(dtype)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def load_host_model(path: Path, dtype=None):
@@ -244,6 +305,8 @@ def quantize(
     seconds = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, save_compressed=True)
+    if (stored := stored_dtype(base.path)) != load_dtype(base.path):
+        store_in(out, stored)
     copy_tokenizer_files(base.path, out)  # the baseline's own files, byte for byte: only the weights may change
     config = {"scheme": typed_config(scheme), "kv_cache": typed_config(kv) if kv else None, "calib": typed_config(opts)}
     if fallback:

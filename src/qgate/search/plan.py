@@ -71,14 +71,14 @@ def rung_tag(bits: int, group_size: int | None) -> str:
     return "fp" if bits >= 16 else f"{bits}g{group_size}"
 
 
-FLOAT_BITS = (16, 32)  # the float formats a checkpoint stores scales and unquantized layers in: the served bf16 or
-# fp16 where quantize runs on CUDA, float32 where it runs on a CPU (quantize.compress.stored_float_bits)
+FLOAT_BITS = (16, 32)  # the float formats a checkpoint stores scales and unquantized layers in: the model's declared
+# bf16 or fp16, or the format quantize runs in, float32 on a CPU (quantize.compress.stored_float_bits)
 
 
 def bits_per_weight(bits: int, group_size: int | None, symmetric: bool, float_bits: int = 32) -> float:
     """Codes, one scale per group and, when asymmetric, a packed zero point per group of the code width. Scales and
-    unquantized weights are stored in the float format the model was quantized in (llm-compressor makes a weight's
-    scales in its dtype): `float_bits` each."""
+    unquantized weights are stored in the float format quantize stores the checkpoint in (stored_float_bits):
+    `float_bits` each."""
     if bits >= 16 or not group_size:
         return float(float_bits)
     return bits + (float_bits + (0 if symmetric else bits)) / group_size
