@@ -192,6 +192,110 @@ def test_engine_parity_separates_runtime_from_quantization(base_art, awq_art, cp
     assert all(r.verdict == "pass" for r in contract_gate(cpu_exact, base_art, rows, ContractConfig()))
 
 
+def test_engine_parity_leaves_out_positions_where_the_checkpoint_defines_no_distribution(
+    base_art, awq_art, cpu_exact, calib_arts, workdir, monkeypatch
+):
+    """Where the checkpoint's own logits are NaN there is no reference for the engine: engine vs checkpoint is scored
+    on the other gated positions and says how many it left out, instead of taking the NaN as agreement (it read
+    KL 0 there)."""
+    import qgate.gates.gating as gating
+    from qgate.gates.gating import GateConfig, run_gates
+    from qgate.gates.shadow import ShadowConfig
+
+    real = gating.checkpoint_side
+
+    def undefined_first_prompts(*a, **k):  # the checkpoint's logits NaN on the first 4 prompts' positions
+        m, ref = real(*a, **k)
+        lp = ref["top_lp"].copy()
+        lp[: int((ref["seq_lens"][:4] - 1).sum())] = np.nan
+        return m, ref | {"top_lp": lp}
+
+    monkeypatch.setattr(gating, "checkpoint_side", undefined_first_prompts)
+    shadow = ShadowConfig(max_new_tokens=20, max_prompt_tokens=64, kl_p99_max=None, top1_agreement_min=None)
+    art = run_gates(
+        cpu_exact,
+        base_art,
+        calib_arts["shadow"],
+        GateConfig(shadow=shadow, eval=None),
+        workdir / "parity-nan",
+        workdir / "cache-parity",
+    )
+    report = json.loads((art.path / "report.json").read_text())
+    by = {r["metric"]: r for r in report["results"]}
+    mean, ckpt = by["engine_vs_checkpoint.kl_mean"], by["checkpoint_vs_baseline.kl_mean"]
+    lost = mean["evidence"]["checkpoint_undefined_positions"]
+    assert 0 < lost < ckpt["n"] and mean["n"] == ckpt["n"] - lost and report["verdict"] == "pass"
+    assert 0 < mean["observed"] < 0.01 and mean["evidence"]["note"].startswith(
+        f"the checkpoint's own logits define no distribution at {lost} of {ckpt['n']} gated positions, scored in "
+        "cpu-float32"
+    )
+
+
+def test_an_engine_computing_wider_than_its_float16_checkpoint_is_gated_when_parity_cannot_be(
+    base_art, calib_arts, workdir
+):
+    """A float16 checkpoint whose residual stream passes 65,504 (the same function in float32) defines no distribution
+    in float16, and fails the gate itself. The CPU engine built from it computes in float32 and serves the baseline's
+    answers: the gate scores it as served, and engine parity says that its checkpoint could not be scored rather
+    than report a KL of 0. With a parity threshold set, that is an error, which fails the report: never a pass."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file, save_file
+
+    from qgate.gates.gating import GateConfig, run_gates
+    from qgate.gates.parity import ParityConfig
+    from qgate.gates.shadow import ShadowConfig
+    from qgate.quantize.compress import CalibOptions, quantize
+    from qgate.quantize.schemes import scheme_config
+
+    base16 = tiny.stored_as(base_art, "float16", workdir / "f16-parity")
+    ck = quantize(
+        base16,
+        calib_arts["calib"],
+        scheme_config("gptq-w4a16", group_size=32),
+        workdir / "f16-parity-q",
+        opts=CalibOptions(max_seq_length=32, max_samples=8),
+    )
+    state = load_file(str(ck.path / "model.safetensors"))
+    c = 30_000 / float(state["model.embed_tokens.weight"].float().abs().max())  # the residual reaches ~92,000
+    for k, t in state.items():
+        if k == "model.embed_tokens.weight" or k.endswith(("o_proj.weight_scale", "down_proj.weight_scale")):
+            state[k] = (t.float() * c).half()
+    state["model.norm.weight"] = (state["model.norm.weight"].float() / c).half()
+    save_file(state, str(ck.path / "model.safetensors"), metadata={"format": "pt"})
+    over = Artifact.create("checkpoint", ck.path, ck.config, ck.parents, ck.meta)
+    eng = build_engine(over, "cpu", workdir / "f16-parity-eng", accuracy_level=1)
+    shadow = ShadowConfig(
+        max_new_tokens=20, max_prompt_tokens=64, kl_p99_max=None, kl_mean_max=0.05, top1_agreement_min=None
+    )
+    cfg = GateConfig(shadow=shadow, eval=None, long_context=None, dtype="bfloat16")
+    cache = workdir / "cache-f16-parity"
+    direct = json.loads(
+        (run_gates(over, base16, calib_arts["shadow"], cfg, workdir / "f16-ck", cache).path / "report.json").read_text()
+    )
+    assert (
+        direct["verdict"] == "fail" and {r["metric"]: r for r in direct["results"]}["defined_logits"]["observed"] == 0
+    )
+    report = json.loads(
+        (run_gates(eng, base16, calib_arts["shadow"], cfg, workdir / "f16-eng", cache).path / "report.json").read_text()
+    )
+    by = {r["metric"]: r for r in report["results"]}
+    assert by["defined_logits"]["verdict"] == by["kl_mean"]["verdict"] == "pass" and report["verdict"] == "pass"
+    for name in ("engine_vs_checkpoint.kl_p99", "engine_vs_checkpoint.top1_agreement"):
+        row = by[name]
+        assert np.isnan(row["observed"]) and row["verdict"] == "info" and row["n"] == 0
+        assert "define no distribution at" in row["evidence"]["error"] and "cpu-float16" in row["evidence"]["error"]
+    assert "engine_vs_checkpoint.kl_mean" not in by and by["checkpoint_vs_baseline.kl_mean"]["observed"] == np.inf
+    strict = replace(cfg, parity=ParityConfig(kl_p99_max=0.01))
+    report = json.loads(
+        (
+            run_gates(eng, base16, calib_arts["shadow"], strict, workdir / "f16-eng-strict", cache).path / "report.json"
+        ).read_text()
+    )
+    by = {r["metric"]: r for r in report["results"]}
+    assert by["engine_vs_checkpoint.kl_p99"]["verdict"] == "error" and report["verdict"] == "fail"
+
+
 def test_the_engine_contract_denies_what_it_cannot_map(base_art, cpu_exact, calib_arts, tmp_path):
     """The CPU engine serves its own genai_config.json: a setting with no counterpart in the baseline's files, or one
     that differs from the baseline's generation defaults, fails; so does an engine whose source checkpoint (whose

@@ -391,6 +391,21 @@ def test_quantile_interval_respects_clustering_and_refuses_to_bound_thin_tails()
     assert hi > lo  # no zero-width intervals
 
 
+def test_an_infinite_quantile_is_not_called_too_few_values_to_bound():
+    """A p99 whose values are +inf (a candidate whose logits define no distribution there) is infinite on its values:
+    its upper end is +inf with enough values to bound it, and the evidence does not ask for more of them."""
+    clusters = np.repeat(np.arange(24), 20)
+    x = np.random.default_rng(4).exponential(0.01, clusters.size)
+    x[clusters < 2] = np.inf  # 40 of 480 values, 8%: past p99
+    lo, hi, ev = quantile_ci(x, clusters, 0.99)
+    assert lo == hi == float("inf") and ev["n_effective"] >= ev["min_n_effective"] == 368
+    assert "unbounded_because" not in ev and "n_to_bound" not in ev
+    row = GateResult.check("shadow", "kl_p99", float(quantile(x, 0.99)), 0.5, False, x.size, (lo, hi), evidence=ev)
+    assert row.verdict == "fail" and "would bound" not in row.line()
+    _, hi, ev = quantile_ci(x[:200], clusters[:200], 0.99)  # 10 prompts, 200 values: too few, whatever they hold
+    assert hi == float("inf") and "cannot bound" in ev["unbounded_because"]
+
+
 def test_quantile_interval_takes_its_effective_n_on_the_clusters_degrees_of_freedom():
     from scipy.stats import norm
     from scipy.stats import t as student_t
@@ -1594,7 +1609,8 @@ def test_lm_eval_templates_compile_once_and_render_as_before():
 
 def test_logits_that_define_no_distribution_score_as_infinitely_far_not_as_nan(recwarn):
     """A row with a NaN or +inf logit, or none above -inf, has argmax UNDEFINED (matching no token) and log-probs -inf,
-    so its KL is +inf; a defined row beside them is unchanged, and nothing warns."""
+    so its KL is +inf; a defined row beside them is unchanged, and nothing warns. As the reference, such a row gives
+    a NaN KL: nothing to compare with, never agreement."""
     from qgate.gates.scoring import UNDEFINED, kl_with_tail, reduce_logits, top_k_logprobs
     from qgate.gates.stats import quantile
 
@@ -1611,6 +1627,8 @@ def test_logits_that_define_no_distribution_score_as_infinitely_far_not_as_nan(r
     kl, _ = kl_with_tail(lp, picked)
     assert np.isposinf(kl[1:4]).all() and np.isfinite(kl[[0, 4] + same[1:]]).all() and 0 < kl[4] < np.inf
     assert np.isnan(top_k_logprobs(x, 6)[1][1:4]).all()  # a baseline's undefined rows: NaN, refused by the gate
+    undefined_ref, _ = kl_with_tail(top_k_logprobs(x, 6)[1], ref_picked)  # no reference there: NaN, not KL 0
+    assert np.isnan(undefined_ref[1:4]).all() and np.isfinite(undefined_ref[[0, 4] + same[1:]]).all()
     assert quantile(kl, 0.5) == float(np.quantile(kl[np.isfinite(kl)].tolist() + [1e300] * 3, 0.5))
     assert quantile(kl, 0.99) == float("inf") and quantile([1.0, 2.0, np.inf], 0.5) == 2.0
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]

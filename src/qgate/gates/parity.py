@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from qgate.artifact import Artifact
 from qgate.gates.kl_checks import KL_THRESHOLDS, kl_top1_checks
 from qgate.gates.numerics import LazyRunner
@@ -47,13 +49,17 @@ def checkpoint_side(
     m_ckpt = candidate_metrics(runner(), ref, desc="parity: checkpoint vs baseline")
     ckpt_ref = rescore_reference(runner(), ref, top_k, desc="parity: checkpoint reference")
     runner.release()
-    return m_ckpt, ckpt_ref
+    return m_ckpt, ckpt_ref | {"numerics": runner.tag()}
 
 
 def parity_checks(
     cand_runner, ckpt: Artifact | None, side: tuple[dict, dict] | None, ref: dict, gated, cfg: ParityConfig
 ) -> list[GateResult]:
-    """Checkpoint vs baseline and engine vs checkpoint, on the baseline's shadow tokens and the gated positions."""
+    """Checkpoint vs baseline and engine vs checkpoint, on the baseline's shadow tokens and the gated positions.
+    Where the checkpoint's own logits define no distribution (NaN or +inf: a float16 checkpoint whose activations
+    overflow, which an engine computing wider still serves), there is nothing to compare the engine with: engine vs
+    checkpoint is scored on the other gated positions and says how many it left out, and is not measured (NaN, an
+    error if parity gates) when none is left."""
     if side is None:
         why = "the engine's checkpoint is not on disk or changed since the build"
         return [
@@ -63,9 +69,39 @@ def parity_checks(
     m_ckpt, ckpt_ref = side
     m_eng = candidate_metrics(cand_runner, ckpt_ref, desc="parity: engine vs checkpoint")
     ev = {"checkpoint": ckpt.sha256, "checkpoint_path": str(ckpt.path)}
-    results = kl_top1_checks(
-        m_eng, ref["prompt_of"], gated, cfg, prefix="engine_vs_checkpoint.", evidence=ev, gate="parity"
-    )
+    lost = gated & np.isnan(ckpt_ref["top_lp"]).any(-1)
+    if lost.any():
+        ev["checkpoint_undefined_positions"] = int(lost.sum())
+        why = (
+            f"the checkpoint's own logits define no distribution at {int(lost.sum())} of {int(gated.sum())} gated "
+            f"positions, scored in {ckpt_ref['numerics']} (NaN or +inf: an activation past the format's range, or a "
+            "broken weight)"
+        )
+    if lost.any() and lost.sum() == gated.sum():
+        results = [
+            GateResult.check(
+                "parity",
+                f"engine_vs_checkpoint.{x}",
+                float("nan"),
+                getattr(cfg, t),
+                higher,
+                0,
+                evidence=ev | {"error": why},
+            )
+            for x, t, higher in (("kl_p99", "kl_p99_max", False), ("top1_agreement", "top1_agreement_min", True))
+        ]
+    else:
+        ev |= {"note": f"{why}; the engine is compared with it at the others"} if lost.any() else {}
+        results = kl_top1_checks(
+            m_eng, ref["prompt_of"], gated & ~lost, cfg, prefix="engine_vs_checkpoint.", evidence=ev, gate="parity"
+        )
+    undefined = int((gated & m_ckpt["undefined"]).sum())
     return results + kl_top1_checks(
-        m_ckpt, ref["prompt_of"], gated, None, prefix="checkpoint_vs_baseline.", gate="parity"
+        m_ckpt,
+        ref["prompt_of"],
+        gated,
+        None,
+        prefix="checkpoint_vs_baseline.",
+        evidence={"undefined_positions": undefined} if undefined else None,
+        gate="parity",
     )

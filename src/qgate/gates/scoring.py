@@ -192,7 +192,8 @@ def top_k_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
 def kl_with_tail(top_lp, cand_lp) -> tuple:
     """KL(p || q) over the baseline's top-k ids plus one bucket for the rest of the vocabulary, per position, and
     the baseline's tail mass. The sums run in float64 over k terms (cheap; they cancel). A baseline id of probability
-    0 adds nothing (also where the candidate gives it 0 too); a positive one the candidate gives 0 makes the KL +inf.
+    0 adds nothing (also where the candidate gives it 0 too); a positive one the candidate gives 0 makes the KL +inf;
+    a reference row that defines no distribution (NaN log-probs) makes it NaN.
     top_lp, cand_lp [T, k]: numpy arrays, or cand_lp a torch tensor, where both are then computed, in torch (top_lp
     copied there); returns two [T] arrays of cand_lp's kind."""
     if isinstance(cand_lp, np.ndarray):
@@ -208,7 +209,8 @@ def kl_with_tail(top_lp, cand_lp) -> tuple:
     with np.errstate(invalid="ignore"):  # -inf - -inf where both give an id probability 0
         terms = xp.where(pk > 0, pk * (tl - lq), 0.0)
     tail = xp.where(p_tail > 1e-12, p_tail * (xp.log(xp.clip(p_tail, 1e-12, None)) - xp.log(q_tail)), 0.0)
-    return xp.clip(terms.sum(-1) + tail, 0.0, None), p_tail
+    kl = xp.clip(terms.sum(-1) + tail, 0.0, None)
+    return xp.where(xp.isnan(tl).any(-1), xp.nan, kl), p_tail  # no reference distribution: NaN, never a KL of 0
 
 
 def reduce_kl(logits, ids: np.ndarray, top_lp: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -219,7 +219,7 @@ def quantile_ci(
         "min_n_effective": need,
         "method": "order-statistic-clustered (Korn-Graubard)",
     }
-    if not np.isfinite(hi):
+    if hi_rank > m:  # the sample's size, not its values (an infinite KL is a bound reached), leaves it open
         ev["n_to_bound"], ev["clusters_to_bound"] = int(np.ceil(n * need / m)), int(np.ceil(k * need / m))
         ev["unbounded_because"] = (
             f"effective n {m} < {need}: the sample cannot bound p{100 * q:g} from above; at this design effect about "
