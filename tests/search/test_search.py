@@ -124,11 +124,13 @@ def test_rungs_count_scales_and_unquantized_layers_in_the_float_format_quantize_
     assert ladder_problem(scheme, budget)[0].startswith("max_bits_per_weight 4.2 is below the scheme's own 4.25 ")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "declared-bfloat16"])
 def test_a_points_predicted_bits_are_what_its_checkpoint_measures(base_art, calib_arts, tmp_path, monkeypatch, dtype):
     """The plan's bits per weight for a point equal the bits its checkpoint measures, whether quantize runs in
-    float32 (a CPU host) or in the served bf16 (a CUDA host, here forced on the CPU): scales and unquantized layers
-    take the float format quantize stores them in."""
+    float32 (a CPU host), in the served bf16 (a CUDA host, here forced on the CPU), or in float32 for a baseline that
+    declares bf16, whose checkpoint is stored in bf16: scales and unquantized layers take the float format quantize
+    stores them in."""
+    import tiny
     import torch
     from safetensors.torch import load_file
 
@@ -136,7 +138,11 @@ def test_a_points_predicted_bits_are_what_its_checkpoint_measures(base_art, cali
     from qgate.quantize.compress import CalibOptions, quantize, stored_float_bits
     from qgate.quantize.schemes import FallbackConfig, scheme_config
 
-    monkeypatch.setattr(compress, "load_dtype", lambda path: getattr(torch, dtype))
+    if dtype.startswith("declared-"):
+        dtype = dtype.removeprefix("declared-")
+        base_art = tiny.stored_as(base_art, dtype, tmp_path / "declared")
+    else:
+        monkeypatch.setattr(compress, "load_dtype", lambda path: getattr(torch, dtype))
     scheme = scheme_config("gptq-w4a16", group_size=32)
     unq, fine = "model.layers.1.self_attn.v_proj", "model.layers.0.mlp.down_proj"
     fb = FallbackConfig((unq,), 16, (fine,), 16)
