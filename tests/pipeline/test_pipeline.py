@@ -263,6 +263,9 @@ def test_a_size_budget_this_host_cannot_meet_is_refused_before_any_stage(tmp_pat
     doc = yaml.safe_load(spec.read_text())
     spec.write_text(yaml.safe_dump(doc | {"model": {"hf_dir": str(bf16)}}))
     check_search_budgets(load_spec(spec), ["w8s"])
+    (bf16 / "config.json").write_text('{"dtype": "bfloat16", oops')  # the model stage's to report; refused as float32
+    with pytest.raises(ConfigError, match=r"below the scheme's own 8.5 bits per weight \(32-bit scales\)"):
+        check_search_budgets(load_spec(spec), ["w8s"])
 
 
 def test_a_split_too_small_for_a_gated_tail_fails_the_spec_at_load(tmp_path, workdir):

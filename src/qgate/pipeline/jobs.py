@@ -89,8 +89,7 @@ def check_search_budgets(spec: PipelineSpec, variants: list[str]) -> None:
     from qgate.quantize.schemes import scheme_config
     from qgate.search.plan import ladder_problem
 
-    hf_dir = spec.path(spec.model.hf_dir) if spec.model.hf_dir else None
-    model = hf_dir if hf_dir and (hf_dir / "config.json").is_file() else None  # a GGUF imports in float32
+    model = _declaring_model(spec)
     for name in variants:
         cfg, v = check_search(spec, name), spec.variant(name)
         if cfg.max_bits_per_weight is not None and (
@@ -98,6 +97,18 @@ def check_search_budgets(spec: PipelineSpec, variants: list[str]) -> None:
         ):
             where = key_path("variants", spec.variants.index(v), "search")
             raise ConfigError(f"{where}.{problem[0]} on this host (variant {name})", hint=problem[1])
+
+
+def _declaring_model(spec: PipelineSpec) -> Path | None:
+    """The spec's model directory, whose config.json says which float format the model declares; None for a GGUF
+    (imported in float32), or where config.json is missing or does not parse: the model stage reports that."""
+    if not spec.model.hf_dir:
+        return None
+    hf_dir = spec.path(spec.model.hf_dir)
+    try:
+        return hf_dir if isinstance(json.loads((hf_dir / "config.json").read_text()), dict) else None
+    except (OSError, ValueError):
+        return None
 
 
 def check_gate_device(spec: PipelineSpec) -> None:
