@@ -67,36 +67,8 @@ def parity_checks(
             for m in ("engine_vs_checkpoint.kl_p99", "checkpoint_vs_baseline.kl_p99")
         ]
     m_ckpt, ckpt_ref = side
-    m_eng = candidate_metrics(cand_runner, ckpt_ref, desc="parity: engine vs checkpoint")
-    ev = {"checkpoint": ckpt.sha256, "checkpoint_path": str(ckpt.path)}
-    lost = gated & np.isnan(ckpt_ref["top_lp"]).any(-1)
-    if lost.any():
-        ev["checkpoint_undefined_positions"] = int(lost.sum())
-        why = (
-            f"the checkpoint's own logits define no distribution at {int(lost.sum())} of {int(gated.sum())} gated "
-            f"positions, scored in {ckpt_ref['numerics']} (NaN or +inf: an activation past the format's range, or a "
-            "broken weight)"
-        )
-    if lost.any() and lost.sum() == gated.sum():
-        results = [
-            GateResult.check(
-                "parity",
-                f"engine_vs_checkpoint.{x}",
-                float("nan"),
-                getattr(cfg, t),
-                higher,
-                0,
-                evidence=ev | {"error": why},
-            )
-            for x, t, higher in (("kl_p99", "kl_p99_max", False), ("top1_agreement", "top1_agreement_min", True))
-        ]
-    else:
-        ev |= {"note": f"{why}; the engine is compared with it at the others"} if lost.any() else {}
-        results = kl_top1_checks(
-            m_eng, ref["prompt_of"], gated & ~lost, cfg, prefix="engine_vs_checkpoint.", evidence=ev, gate="parity"
-        )
     undefined = int((gated & m_ckpt["undefined"]).sum())
-    return results + kl_top1_checks(
+    checkpoint_rows = kl_top1_checks(
         m_ckpt,
         ref["prompt_of"],
         gated,
@@ -104,4 +76,33 @@ def parity_checks(
         prefix="checkpoint_vs_baseline.",
         evidence={"undefined_positions": undefined} if undefined else None,
         gate="parity",
+    )
+    m_eng = candidate_metrics(cand_runner, ckpt_ref, desc="parity: engine vs checkpoint")
+    ev = {"checkpoint": ckpt.sha256, "checkpoint_path": str(ckpt.path)}
+    lost = gated & np.isnan(ckpt_ref["top_lp"]).any(-1)
+    if n_lost := int(lost.sum()):
+        ev["checkpoint_undefined_positions"] = n_lost
+        why = (
+            f"the checkpoint's own logits define no distribution at {n_lost} of {int(gated.sum())} gated positions, "
+            f"scored in {ckpt_ref['numerics']} (NaN or +inf: an activation past the format's range, or a broken weight)"
+        )
+        if n_lost == gated.sum():
+            return [
+                GateResult.check(
+                    "parity",
+                    f"engine_vs_checkpoint.{x}",
+                    float("nan"),
+                    getattr(cfg, t),
+                    higher,
+                    0,
+                    evidence=ev | {"error": why},
+                )
+                for x, t, higher in (("kl_p99", "kl_p99_max", False), ("top1_agreement", "top1_agreement_min", True))
+            ] + checkpoint_rows
+        ev["note"] = f"{why}; the engine is compared with it at the others"
+    return (
+        kl_top1_checks(
+            m_eng, ref["prompt_of"], gated & ~lost, cfg, prefix="engine_vs_checkpoint.", evidence=ev, gate="parity"
+        )
+        + checkpoint_rows
     )
