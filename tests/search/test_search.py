@@ -376,7 +376,7 @@ def test_search_falls_back_the_planted_layers_and_passes_where_uniform_w4_fails(
     ) == sha256_tree(art.path, exclude=("qgate-artifact.json", "qgate-search.json", "qgate-search.png"))
 
 
-def test_cpu_engine_builds_the_mixed_layout_exactly(planted):
+def test_cpu_engine_builds_the_mixed_layout_exactly(planted, monkeypatch):
     """W4 layers and W8 fallback layers in one onnxruntime-genai model: the engine computes what the checkpoint says."""
     from qgate.artifact import Artifact
     from qgate.engines.build import build_engine, unsupported
@@ -394,6 +394,12 @@ def test_cpu_engine_builds_the_mixed_layout_exactly(planted):
     # the search chose its point on the shadow split: a gate there is refused, and scores a split it never saw
     with pytest.raises(InputError, match="was made with this split \\(a search chose its layout on it\\)"):
         run_gates(eng, base, arts["shadow"], cfg, d / "searched-gate", d / "cache", checkpoint=ckpt)
+    import qgate.gates.gating as gating
+
+    with monkeypatch.context() as m:  # and so is a gate on the engine alone, its checkpoint gone
+        m.setattr(gating, "engine_checkpoint", lambda engine: None)
+        with pytest.raises(InputError, match="was made with this split \\(a search chose its layout on it\\)"):
+            gating.check_held_out(eng, arts["shadow"])
     rep = run_gates(eng, base, arts["search"], cfg, d / "searched-gate", d / "cache", checkpoint=ckpt)
     report = json.loads((rep.path / "report.json").read_text())
     by = {r["metric"]: r["observed"] for r in report["results"] if r["gate"] == "parity"}

@@ -183,15 +183,17 @@ def _provenance_notes(candidate: Artifact, baseline: Artifact) -> tuple[str, ...
 
 def check_held_out(candidate: Artifact, shadow: Artifact, checkpoint: Artifact | None = None) -> None:
     """The split a gate scores on must be one the candidate was not made with: InputError (no verdict) when the
-    candidate's manifest, or its checkpoint's for an engine, names `shadow` as its calibration set or as a parent
-    (a search records the split it chose its point on)."""
+    candidate's manifest, or its checkpoint's for an engine, names `shadow` as its calibration set, as a parent or as
+    the split a search chose its point on (an engine's manifest carries its checkpoint's metadata, so this holds
+    when the checkpoint is gone)."""
     source = checkpoint or (engine_checkpoint(candidate) if candidate.kind == "engine" else None)
     for art in (candidate, source):
         if art is None:
             continue
+        chosen_on = (art.meta.get("search") or {}).get("chosen_on", {}).get("sha256")
         if shadow.sha256 == art.meta.get("calibration_sha256"):
             how = "was calibrated on this split"
-        elif shadow.sha256 in art.parents:
+        elif shadow.sha256 in (*art.parents, chosen_on):
             how = "was made with this split (a search chose its layout on it)"
         else:
             continue
