@@ -231,6 +231,46 @@ def test_engine_parity_leaves_out_positions_where_the_checkpoint_defines_no_dist
     )
 
 
+def test_engine_parity_without_its_checkpoint_is_an_error_only_where_parity_gates(
+    base_art, cpu_exact, calib_arts, workdir, monkeypatch
+):
+    """An engine whose checkpoint is gone has no parity figure. Report-only parity says so in NaN rows; a parity
+    threshold that cannot be checked is an error, whichever threshold it is, and fails the report."""
+    from dataclasses import replace
+
+    import qgate.gates.gating as gating
+    from qgate.gates.gating import GateConfig, run_gates
+    from qgate.gates.parity import ParityConfig
+    from qgate.gates.shadow import ShadowConfig
+
+    monkeypatch.setattr(gating, "engine_checkpoint", lambda candidate: None)
+    shadow = ShadowConfig(max_new_tokens=20, max_prompt_tokens=64, kl_p99_max=None, top1_agreement_min=None)
+    cfg = GateConfig(shadow=shadow, eval=None)
+
+    def parity_rows(c, name):
+        art = run_gates(cpu_exact, base_art, calib_arts["shadow"], c, workdir / name, workdir / "cache-parity")
+        report = json.loads((art.path / "report.json").read_text())
+        return report["verdict"], {r["metric"]: r for r in report["results"] if r["gate"] == "parity"}
+
+    verdict, by = parity_rows(cfg, "parity-gone")
+    assert verdict == "pass" and sorted(by) == [
+        "checkpoint_vs_baseline.kl_p99",
+        "engine_vs_checkpoint.kl_mean",
+        "engine_vs_checkpoint.kl_p99",
+        "engine_vs_checkpoint.kl_p999",
+        "engine_vs_checkpoint.top1_agreement",
+    ]
+    assert all(
+        r["verdict"] == "info" and np.isnan(r["observed"]) and "not on disk" in r["evidence"]["error"]
+        for r in by.values()
+    )
+    verdict, by = parity_rows(replace(cfg, parity=ParityConfig(kl_mean_max=0.01)), "parity-gone-strict")
+    assert verdict == "fail" and {m: r["verdict"] for m, r in by.items() if r["verdict"] != "info"} == {
+        "engine_vs_checkpoint.kl_mean": "error"
+    }
+    assert "not on disk" in by["engine_vs_checkpoint.kl_mean"]["evidence"]["error"]
+
+
 def test_an_engine_computing_wider_than_its_float16_checkpoint_is_gated_when_parity_cannot_be(
     base_art, calib_arts, workdir
 ):
@@ -281,11 +321,11 @@ def test_an_engine_computing_wider_than_its_float16_checkpoint_is_gated_when_par
     )
     by = {r["metric"]: r for r in report["results"]}
     assert by["defined_logits"]["verdict"] == by["kl_mean"]["verdict"] == "pass" and report["verdict"] == "pass"
-    for name in ("engine_vs_checkpoint.kl_p99", "engine_vs_checkpoint.top1_agreement"):
-        row = by[name]
+    for x in ("kl_mean", "kl_p99", "kl_p999", "top1_agreement"):
+        row = by[f"engine_vs_checkpoint.{x}"]
         assert np.isnan(row["observed"]) and row["verdict"] == "info" and row["n"] == 0
         assert "define no distribution at" in row["evidence"]["error"] and "cpu-float16" in row["evidence"]["error"]
-    assert "engine_vs_checkpoint.kl_mean" not in by and by["checkpoint_vs_baseline.kl_mean"]["observed"] == np.inf
+    assert by["checkpoint_vs_baseline.kl_mean"]["observed"] == np.inf
     strict = replace(cfg, parity=ParityConfig(kl_p99_max=0.01))
     report = json.loads(
         (
@@ -293,7 +333,9 @@ def test_an_engine_computing_wider_than_its_float16_checkpoint_is_gated_when_par
         ).read_text()
     )
     by = {r["metric"]: r for r in report["results"]}
-    assert by["engine_vs_checkpoint.kl_p99"]["verdict"] == "error" and report["verdict"] == "fail"
+    row = by["engine_vs_checkpoint.kl_p99"]
+    assert row["verdict"] == "error" and report["verdict"] == "fail"
+    assert "define no distribution at" in row["evidence"]["error"]  # the reason, not only "no finite value"
 
 
 def test_the_engine_contract_denies_what_it_cannot_map(base_art, cpu_exact, calib_arts, tmp_path):

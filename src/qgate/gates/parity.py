@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qgate.artifact import Artifact
-from qgate.gates.kl_checks import KL_THRESHOLDS, kl_top1_checks
+from qgate.gates.kl_checks import KL_THRESHOLDS, THRESHOLD_OF, kl_top1_checks
 from qgate.gates.numerics import LazyRunner
 from qgate.gates.passes import rescore_reference
 from qgate.gates.result import GateResult, check_threshold_values
@@ -58,13 +58,14 @@ def parity_checks(
     """Checkpoint vs baseline and engine vs checkpoint, on the baseline's shadow tokens and the gated positions.
     Where the checkpoint's own logits define no distribution (NaN or +inf: a float16 checkpoint whose activations
     overflow, which an engine computing wider still serves), there is nothing to compare the engine with: engine vs
-    checkpoint is scored on the other gated positions and says how many it left out, and is not measured (NaN, an
-    error if parity gates) when none is left."""
+    checkpoint is scored on the other gated positions and says how many it left out. With no checkpoint, or no position
+    left, engine vs checkpoint is not measured: NaN rows, each an error where parity sets its threshold."""
     if side is None:
         why = "the engine's checkpoint is not on disk or changed since the build"
-        return [
-            GateResult.check("parity", m, float("nan"), None, False, 0, evidence={"error": why})
-            for m in ("engine_vs_checkpoint.kl_p99", "checkpoint_vs_baseline.kl_p99")
+        return _unmeasured(cfg, {"error": why}) + [
+            GateResult.check(
+                "parity", "checkpoint_vs_baseline.kl_p99", float("nan"), None, False, 0, evidence={"error": why}
+            )
         ]
     m_ckpt, ckpt_ref = side
     undefined = int((gated & m_ckpt["undefined"]).sum())
@@ -87,18 +88,7 @@ def parity_checks(
             f"scored in {ckpt_ref['numerics']} (NaN or +inf: an activation past the format's range, or a broken weight)"
         )
         if n_lost == gated.sum():
-            return [
-                GateResult.check(
-                    "parity",
-                    f"engine_vs_checkpoint.{x}",
-                    float("nan"),
-                    getattr(cfg, t),
-                    higher,
-                    0,
-                    evidence=ev | {"error": why},
-                )
-                for x, t, higher in (("kl_p99", "kl_p99_max", False), ("top1_agreement", "top1_agreement_min", True))
-            ] + checkpoint_rows
+            return _unmeasured(cfg, ev | {"error": why}) + checkpoint_rows
         ev["note"] = f"{why}; the engine is compared with it at the others"
     return (
         kl_top1_checks(
@@ -106,3 +96,20 @@ def parity_checks(
         )
         + checkpoint_rows
     )
+
+
+def _unmeasured(cfg: ParityConfig, evidence: dict) -> list[GateResult]:
+    """Engine vs checkpoint with nothing to compare: a NaN row per check, an error where its threshold is set (the
+    parity gate asked for a figure it does not have) and report-only where none is."""
+    return [
+        GateResult.check(
+            "parity",
+            f"engine_vs_checkpoint.{x}",
+            float("nan"),
+            getattr(cfg, t),
+            x == "top1_agreement",
+            0,
+            evidence=evidence,
+        )
+        for x, t in THRESHOLD_OF.items()
+    ]

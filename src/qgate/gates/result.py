@@ -102,7 +102,7 @@ class GateResult:
                 p_value,
                 False,
                 "point",
-                ev | {"error": "no finite value"},
+                {"error": "no finite value"} | ev,  # a caller's own reason for the missing value wins
                 "error",
                 mde,
             )
