@@ -813,6 +813,18 @@ def test_the_task_guard_follows_the_margin_not_a_test_against_zero_loss():
     assert res["a.recovery"].verdict == "fail" and res["b.recovery"].evidence["holm_step"] == 2
 
 
+def test_eval_recovery_on_a_task_the_baseline_never_answers_is_an_error_that_says_why():
+    """Recovery divides by the baseline's accuracy: with none of a task's items right it is undefined, an ERROR that
+    names the cause and the way out; pooled, that task is one guard row among others and decides nothing."""
+    base = {"z": {"kind": "mc", "per_item": [0.0] * 40}, "t": {"kind": "mc", "per_item": [1.0] * 60 + [0.0] * 40}}
+    cand = {"z": {"kind": "mc", "per_item": [0.0] * 38 + [1.0] * 2}, "t": base["t"]}
+    (r,) = eval_gate(base, cand, _eval_cfg(("z",), min_recovery=0.9))
+    assert r.verdict == "error" and np.isnan(r.observed)
+    assert r.evidence["error"].startswith("the baseline answers none of the 40 items, so recovery")
+    res = {x.metric: x for x in eval_gate(base, cand, _eval_cfg(("z", "t"), min_recovery=0.9, pool=True))}
+    assert res["mc_pooled.recovery"].verdict == "pass" and res["z.recovery"].verdict == "info"
+
+
 def test_eval_recovery_is_decided_on_its_interval_alone():
     """15 items lost, none gained, recovery 0.75 against a limit of 0.5: the CI lies above the limit, so the check
     passes. "No significant loss" is its own row when asked for, and fails on its own."""

@@ -199,6 +199,11 @@ def _mc_check(
     rec, rec_lo, rec_hi = paired_ratio_ci(bc, cc)
     ci = (rec_lo, rec_hi) if base_acc > 0 else None
     ev = {"base_acc": base_acc, "cand_acc": cand_acc, "delta": delta, "delta_ci": [lo, hi], **test, **(evidence or {})}
+    if base_acc == 0:
+        ev["error"] = (
+            f"the baseline answers none of the {len(bc)} items, so recovery (the candidate's accuracy over the "
+            "baseline's) is undefined: gate on tasks the baseline scores on, or pool them (gates.eval.pool)"
+        )
     return GateResult.check("eval", f"{name}.recovery", rec, min_recovery, True, len(bc), ci, test["p_value"], ev)
 
 
