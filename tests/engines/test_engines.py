@@ -413,18 +413,49 @@ def test_the_engine_of_a_decoder_whose_config_leaves_head_dim_out_passes_the_con
     assert all(r.verdict == "pass" for r in results), [r.evidence["differences"] for r in results]
 
 
-def test_an_engine_whose_rotary_tables_are_not_the_checkpoints_is_refused(cpu_exact, calib_arts, tmp_path):
-    """onnxruntime-genai 0.18's Llama builder applies llama3 RoPE scaling and no other: a checkpoint with linear
-    scaling is built with plain RoPE, and its engine's logits move by 0.02 at position 1 and 0.4-0.5 from position 10
-    on. The build compares the tables it wrote with the checkpoint's own rotary module and refuses such an engine,
-    naming the RoPE type; with plain RoPE the tables are the same to the digit."""
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1e4},
+    ],
+    ids=["linear", "yarn"],
+)
+def test_an_engine_holds_its_checkpoints_rotary_tables(cpu_exact, calib_arts, tmp_path, rope):
+    """onnxruntime-genai 0.18's Llama builder applies llama3 RoPE scaling and no other: it builds a checkpoint with
+    linear or YaRN scaling with plain RoPE, whose logits moved by 0.02 at position 1 and 0.4-0.5 from position 10 on
+    (linear x2). One table serves every length for these, so the build writes the checkpoint's own rotary module's
+    tables over the builder's (YaRN's attention factor included) and says so; the engine then gives its checkpoint's
+    logits at every position. With plain RoPE the builder's tables are the checkpoint's to the digit."""
     assert cpu_exact.meta["rope_tables"] == "same" and cpu_exact.meta["rope_max_diff"] == 0.0
-    assert cpu_exact.meta["attention_windows"] == "same"
-    rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    assert cpu_exact.meta["attention_windows"] == "same" and "rope_tables_written" not in cpu_exact.meta
     awq = tiny.family_checkpoint("llama", calib_arts, tmp_path, "awq-w4a16", rope_parameters=rope)
-    with pytest.raises(ConfigError, match="not the checkpoint's RoPE \\(rope_type 'linear'\\)") as e:
+    eng = build_engine(awq, "cpu", tmp_path / "eng", accuracy_level=1)
+    assert eng.meta["rope_tables"] == "same" and eng.meta["rope_max_diff"] < 1e-6
+    assert eng.meta["rope_tables_written"].startswith(
+        f"the checkpoint's {rope['rope_type']} RoPE (the builder's differed"
+    )
+    seq = np.random.default_rng(0).integers(3, 300, 300).tolist()
+    got, want = (np.asarray(r.logits(seq), np.float64) for r in (load_runner(eng), load_runner(awq, "cpu", "float32")))
+    assert np.abs(got - want).max() < 0.01  # at every position, past YaRN's original 128 too
+
+
+def test_an_engine_whose_rope_depends_on_the_length_is_refused(calib_arts, tmp_path):
+    """LongRoPE switches its factors at the original context length, so no one table is the checkpoint's: the build
+    compares the tables it wrote with the checkpoint's rotary module at the engine's length and refuses the engine,
+    naming the RoPE type."""
+    half = 8  # head_dim 16
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 1e4,
+        "short_factor": [1.0] * half,
+        "long_factor": [4.0] * half,
+        "original_max_position_embeddings": 128,
+    }
+    awq = tiny.family_checkpoint("llama", calib_arts, tmp_path, "awq-w4a16", rope_parameters=rope)
+    with pytest.raises(ConfigError, match="not the checkpoint's RoPE \\(rope_type 'longrope'\\)") as e:
         build_engine(awq, "cpu", tmp_path / "eng", accuracy_level=1)
-    assert "differ by up to 2" in e.value.message and "reference path" in e.value.hint
+    assert "reference path" in e.value.hint
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
-from qgate.engines.ort_checks import builder_layer_types, built_engine_problems
+from qgate.engines.ort_checks import builder_layer_types, built_engine_problems, write_checkpoint_tables
 from qgate.errors import BackendUnavailable, ConfigError, InputError, check_each
 from qgate.trust import copy_tokenizer_files
 
@@ -176,6 +176,7 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
         )
     shutil.rmtree(staging)
     shutil.rmtree(out / "cache", ignore_errors=True)
+    written = write_checkpoint_tables(out / ENGINE_SUBDIR / "model.onnx", cfg)
     problems, checked = built_engine_problems(out / ENGINE_SUBDIR / "model.onnx", cfg)
     if problems:
         raise ConfigError(
@@ -198,6 +199,7 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
         "builder_cmd": " ".join(cmd[1:]),
         "genai_config_aligned": aligned,
         **checked,
+        **(written or {}),
     }
     return Artifact.create(
         "engine", out, {"engine": typed_config(config), "checkpoint": ckpt.config}, (ckpt.sha256,), meta

@@ -1,10 +1,12 @@
 """Whether a built onnxruntime-genai engine computes positions and attention spans as its checkpoint does.
 
+    written = write_checkpoint_tables(out / "onnx" / "model.onnx", config)   # None where the tables agreed
     problems, evidence = built_engine_problems(out / "onnx" / "model.onnx", config)   # [] where they agree
 
 The builder sets RoPE and attention windows itself, per architecture, and can leave out what its class for that
 architecture does not implement, with no error: onnxruntime-genai 0.18's Llama builder applies llama3 RoPE scaling
-and no other (linear and YaRN are built as plain RoPE), and a checkpoint with a sliding window but no per-layer
+and no other (linear and YaRN are built as plain RoPE; write_checkpoint_tables writes the checkpoint's tables over
+them where one table serves every length), and a checkpoint with a sliding window but no per-layer
 `layer_types` (Mistral's) is built with every layer attending to its whole context unless its config is given them
 (builder_layer_types). Two checks read what was built, against the checkpoint's config as Transformers loads it:
   rotary tables  the `cos_cache` and `sin_cache` initializers ([positions, rotary dim / 2]) against what the
@@ -79,6 +81,57 @@ def rope_problem(graph, base: Path, c) -> tuple[str | None, dict]:
         f"{worst:.3g} (at position {at}), so the engine would encode positions differently from the checkpoint",
         evidence,
     )
+
+
+STATIC_ROPE = ("default", "linear", "yarn", "llama3")  # RoPE types whose tables do not depend on the input's length
+
+
+def write_checkpoint_tables(model_path: Path, config: dict) -> dict | None:
+    """Where the engine's rotary tables are not the checkpoint's and its RoPE is one of STATIC_ROPE (one table
+    serves every length, attention scaling included: YaRN's factor multiplies cos and sin), overwrite `cos_cache`
+    and `sin_cache` in place with the checkpoint's own rotary module's values, in the engine's dtype and shape, and
+    return what was done, for the artifact's metadata (config: the checkpoint's config.json). None where nothing was
+    written: the tables agree, the engine holds none, or the RoPE depends on the length (longrope, dynamic), which
+    rope_problem then reports."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    from qgate.engines.static_llama import model_config
+
+    c = model_config(config)  # config.json as Transformers loads it
+    rope = (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default")
+    model = onnx.load(str(model_path), load_external_data=False)
+    base = Path(model_path).parent
+    served = served_tables(model.graph, base)
+    if rope not in STATIC_ROPE or served is None:
+        return None
+    want = checkpoint_tables(c, served[0].shape[0])
+    if want is None:
+        return None
+    half = served[0].shape[1]
+    before = max(float(np.abs(s - w[:, :half]).max()) for s, w in zip(served, want, strict=True))
+    if before <= TOLERANCE:
+        return None
+    inline = False
+    for tensor in model.graph.initializer:
+        if tensor.name not in ("cos_cache", "sin_cache"):
+            continue
+        table = want[0 if tensor.name == "cos_cache" else 1][:, :half]
+        stored = numpy_helper.to_array(tensor, str(base)).dtype.newbyteorder("<")  # ONNX stores little-endian
+        data = np.ascontiguousarray(table.astype(stored)).tobytes()
+        if tensor.data_location == TensorProto.EXTERNAL:
+            where = {e.key: e.value for e in tensor.external_data}
+            if int(where.get("length", len(data))) != len(data):
+                raise ValueError(f"{tensor.name}: {where.get('length')} bytes stored, {len(data)} computed")
+            with open(base / where["location"], "r+b") as f:
+                f.seek(int(where.get("offset", 0)))
+                f.write(data)
+        else:
+            tensor.ClearField("float_data")
+            tensor.raw_data, inline = data, True
+    if inline:
+        onnx.save(model, str(model_path))
+    return {"rope_tables_written": f"the checkpoint's {rope} RoPE (the builder's differed by up to {before:.3g})"}
 
 
 def builder_layer_types(config: dict) -> list[str] | None:
