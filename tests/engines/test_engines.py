@@ -440,10 +440,11 @@ def test_an_engine_holds_its_checkpoints_rotary_tables(cpu_exact, calib_arts, tm
     assert np.abs(got - want).max() < 0.01  # at every position, past YaRN's original 128 too
 
 
-def test_an_engine_whose_rope_depends_on_the_length_is_refused(calib_arts, tmp_path):
-    """LongRoPE switches its factors at the original context length, so no one table is the checkpoint's: the build
-    compares the tables it wrote with the checkpoint's rotary module at the engine's length and refuses the engine,
-    naming the RoPE type."""
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_an_engine_whose_rope_switches_tables_with_the_length_is_refused(calib_arts, tmp_path, model_type):
+    """LongRoPE switches its factors at the original context length, so no one table is the checkpoint's. The build
+    refuses it before the builder runs, naming the RoPE type: the builder built a Llama's with plain RoPE (its tables
+    2.0 off) and failed on a Phi-3's config as Transformers 5 writes it (KeyError 'type')."""
     half = 8  # head_dim 16
     rope = {
         "rope_type": "longrope",
@@ -452,10 +453,30 @@ def test_an_engine_whose_rope_depends_on_the_length_is_refused(calib_arts, tmp_p
         "long_factor": [4.0] * half,
         "original_max_position_embeddings": 128,
     }
-    awq = tiny.family_checkpoint("llama", calib_arts, tmp_path, "awq-w4a16", rope_parameters=rope)
-    with pytest.raises(ConfigError, match="not the checkpoint's RoPE \\(rope_type 'longrope'\\)") as e:
+    awq = tiny.family_checkpoint(
+        model_type, calib_arts, tmp_path, "awq-w4a16", rope_parameters=rope, original_max_position_embeddings=128
+    )
+    with pytest.raises(ConfigError, match="the CPU engine cannot serve RoPE type 'longrope'") as e:
         build_engine(awq, "cpu", tmp_path / "eng", accuracy_level=1)
-    assert "reference path" in e.value.hint
+    assert "reference path" in e.value.hint and not (tmp_path / "eng").exists()
+
+
+def test_a_phi3_engine_computes_its_checkpoints_logits(calib_arts, tmp_path):
+    """Phi-3 with one context length (the 4k models: original_max_position_embeddings = max_position_embeddings) is
+    built by onnxruntime-genai's Mistral-based Phi-3 class: its engine gives its checkpoint's logits and passes the
+    contract against its baseline."""
+    from qgate.gates.contract import ContractConfig, contract_gate
+    from qgate.gates.shadow import ShadowConfig, load_shadow
+
+    awq = tiny.family_checkpoint("phi3", calib_arts, tmp_path, "awq-w4a16", original_max_position_embeddings=512)
+    eng = build_engine(awq, "cpu", tmp_path / "eng", accuracy_level=1)
+    assert eng.meta["rope_tables"] == "same" and eng.meta["attention_windows"] == "same"
+    seq = np.random.default_rng(0).integers(3, 300, 300).tolist()
+    got, want = (np.asarray(r.logits(seq), np.float64) for r in (load_runner(eng), load_runner(awq, "cpu", "float32")))
+    assert np.abs(got - want).max() < 0.01
+    rows = load_shadow(calib_arts["shadow"], ShadowConfig())
+    results = contract_gate(eng, Artifact.load(tmp_path / "base"), rows, ContractConfig())
+    assert all(r.verdict == "pass" for r in results), [r.evidence.get("differences") for r in results]
 
 
 @pytest.mark.parametrize(

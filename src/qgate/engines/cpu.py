@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
-from qgate.engines.ort_checks import builder_layer_types, built_engine_problems, write_checkpoint_tables
+from qgate.engines.ort_checks import (
+    SWITCHED_ROPE,
+    builder_layer_types,
+    built_engine_problems,
+    rope_type,
+    write_checkpoint_tables,
+)
 from qgate.errors import BackendUnavailable, ConfigError, InputError, check_each
 from qgate.trust import copy_tokenizer_files
 
@@ -111,6 +117,14 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
         )
     check_served_as_stored(ckpt, "cpu", NO_KV)
     cfg = json.loads((ckpt.path / "config.json").read_text())
+    if (rope := rope_type(cfg)) in SWITCHED_ROPE:
+        raise ConfigError(
+            f"{ckpt.path}: the CPU engine cannot serve RoPE type {rope!r}: it switches between two rotary tables at "
+            "the original context length, and onnxruntime-genai's builder either builds one plain table (Llama) or "
+            "switches inside the graph (Phi-3), where qgate cannot check the tables against the checkpoint's",
+            hint="gate this checkpoint on the reference path (a variant without `engine:`), or build the torch-int4 "
+            "engine where it takes this architecture",
+        )
     state: dict = {}
     for f in sorted(ckpt.path.glob("*.safetensors")):
         state.update(load_file(str(f)))

@@ -84,6 +84,14 @@ def rope_problem(graph, base: Path, c) -> tuple[str | None, dict]:
 
 
 STATIC_ROPE = ("default", "linear", "yarn", "llama3")  # RoPE types whose tables do not depend on the input's length
+SWITCHED_ROPE = ("longrope",)  # two tables switched on the length, inside the graph: not readable as one table
+
+
+def rope_type(config: dict) -> str:
+    """The RoPE type of a checkpoint's config.json as Transformers loads it ("default" where none is set)."""
+    from qgate.engines.static_llama import model_config
+
+    return (getattr(model_config(config), "rope_parameters", None) or {}).get("rope_type", "default")
 
 
 def write_checkpoint_tables(model_path: Path, config: dict) -> dict | None:
@@ -91,8 +99,8 @@ def write_checkpoint_tables(model_path: Path, config: dict) -> dict | None:
     serves every length, attention scaling included: YaRN's factor multiplies cos and sin), overwrite `cos_cache`
     and `sin_cache` in place with the checkpoint's own rotary module's values, in the engine's dtype and shape, and
     return what was done, for the artifact's metadata (config: the checkpoint's config.json). None where nothing was
-    written: the tables agree, the engine holds none, or the RoPE depends on the length (longrope, dynamic), which
-    rope_problem then reports."""
+    written: the tables agree, the engine holds none, or the RoPE depends on the length (dynamic), which
+    rope_problem then reports where the tables differ."""
     import onnx
     from onnx import TensorProto, numpy_helper
 
