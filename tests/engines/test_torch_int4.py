@@ -595,6 +595,10 @@ def test_engine_refuses_quantized_kv_and_other_architectures(base_art, calib_art
         ("llama", {"attention_bias": True, "mlp_bias": True}),  # a bias on every Linear
         ("llama", {"tie_word_embeddings": False}),  # its own head, as Llama 3 8B has
         ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+        (  # YaRN: its attention factor multiplies cos and sin
+            "llama",
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
+        ),
         (  # Llama 3.1's: frequencies with wavelengths over 64 positions slowed 8x, those under 16 kept
             "llama",
             {

@@ -83,7 +83,6 @@ def rope_problem(graph, base: Path, c) -> tuple[str | None, dict]:
     )
 
 
-STATIC_ROPE = ("default", "linear", "yarn", "llama3")  # RoPE types whose tables do not depend on the input's length
 SWITCHED_ROPE = ("longrope",)  # two tables switched on the length, inside the graph: not readable as one table
 
 
@@ -95,16 +94,16 @@ def rope_type(config: dict) -> str:
 
 
 def write_checkpoint_tables(model_path: Path, config: dict) -> dict | None:
-    """Where the engine's rotary tables are not the checkpoint's and its RoPE is one of STATIC_ROPE (one table
-    serves every length, attention scaling included: YaRN's factor multiplies cos and sin), overwrite `cos_cache`
-    and `sin_cache` in place with the checkpoint's own rotary module's values, in the engine's dtype and shape, and
-    return what was done, for the artifact's metadata (config: the checkpoint's config.json). None where nothing was
-    written: the tables agree, the engine holds none, or the RoPE depends on the length (dynamic), which
+    """Where the engine's rotary tables are not the checkpoint's and its RoPE is one of static_llama.STATIC_ROPE
+    (one table serves every length, attention scaling included: YaRN's factor multiplies cos and sin), overwrite
+    `cos_cache` and `sin_cache` in place with the checkpoint's own rotary module's values, in the engine's dtype and
+    shape, and return what was done, for the artifact's metadata (config: the checkpoint's config.json). None where
+    nothing was written: the tables agree, the engine holds none, or the RoPE depends on the length (dynamic), which
     rope_problem then reports where the tables differ."""
     import onnx
     from onnx import TensorProto, numpy_helper
 
-    from qgate.engines.static_llama import model_config
+    from qgate.engines.static_llama import STATIC_ROPE, model_config
 
     c = model_config(config)  # config.json as Transformers loads it
     rope = (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default")

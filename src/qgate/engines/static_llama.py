@@ -36,7 +36,7 @@ ARCHITECTURES = {  # config.json's architecture -> its model_type: decoders this
     "Qwen2ForCausalLM": "qwen2",  # Llama's decoder with biases on q, k and v (a Linear's bias, as any)
 }
 HINT = "gate on a host with more memory, or with AMX (bf16 matmuls: no float32 copies)"
-STATIC_ROPE = ("default", "linear", "llama3")  # RoPE types whose frequencies do not depend on the sequence length
+STATIC_ROPE = ("default", "linear", "yarn", "llama3")  # RoPE types whose frequencies do not depend on the length
 
 
 def model_config(config: dict):
