@@ -671,7 +671,19 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_posi
             | {"use_sliding_window": True, "sliding_window": 128, "max_window_layers": 2},  # no layer slides
             None,
         ),
-        (LLAMA | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+        (LLAMA | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, None),
+        (  # two tables, switched at the original length
+            LLAMA
+            | {
+                "rope_scaling": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 64,
+                    "long_factor": [4.0] * 64,
+                    "original_max_position_embeddings": 128,
+                }
+            },
+            "rope_type 'longrope'",
+        ),
         # Transformers 4 wrote the type as "type"; frequencies that depend on the length are refused in either form
         (LLAMA | {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
         (LLAMA | {"rope_scaling": {"type": "linear", "factor": 2.0}}, None),
