@@ -24,7 +24,6 @@ from qgate.engines.ort_checks import (
     SWITCHED_ROPE,
     builder_layer_types,
     built_engine_problems,
-    rope_type,
     write_checkpoint_tables,
 )
 from qgate.errors import BackendUnavailable, ConfigError, InputError, check_each
@@ -105,6 +104,7 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
     from qgate.engines.awq_layout import to_awq
     from qgate.engines.build import check_served_as_stored
     from qgate.engines.gptq_layout import to_gptq
+    from qgate.engines.static_llama import model_config, rope_type
     from qgate.quantize.schemes import stored_format
 
     fmt = stored_format(ckpt.path)[0]
@@ -117,7 +117,7 @@ def build_cpu(ckpt: Artifact, config: CpuEngineConfig, out: Path, profile: Artif
         )
     check_served_as_stored(ckpt, "cpu", NO_KV)
     cfg = json.loads((ckpt.path / "config.json").read_text())
-    if (rope := rope_type(cfg)) in SWITCHED_ROPE:
+    if (rope := rope_type(model_config(cfg))) in SWITCHED_ROPE:
         raise ConfigError(
             f"{ckpt.path}: the CPU engine cannot serve RoPE type {rope!r}: it switches between two rotary tables at "
             "the original context length, and onnxruntime-genai's builder either builds one plain table (Llama) or "

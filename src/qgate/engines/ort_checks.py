@@ -62,6 +62,8 @@ def checkpoint_tables(c, positions: int) -> tuple[np.ndarray, np.ndarray] | None
 def rope_problem(graph, base: Path, c) -> tuple[str | None, dict]:
     """(why the engine's rotary tables are not the checkpoint's, or None; `rope_tables` "same", "differ" or why it
     was not checked, and the largest difference)."""
+    from qgate.engines.static_llama import rope_type
+
     served = served_tables(graph, base)
     if served is None:
         return None, {"rope_tables": "not checked: the engine holds no cos_cache/sin_cache pair"}
@@ -75,22 +77,14 @@ def rope_problem(graph, base: Path, c) -> tuple[str | None, dict]:
     if worst <= TOLERANCE:
         return None, evidence
     at = int(np.unravel_index(np.argmax(np.maximum(*diffs)), diffs[0].shape)[0])
-    rope = (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default")
     return (
-        f"its rotary tables are not the checkpoint's RoPE (rope_type {rope!r}): cos or sin differ by up to "
+        f"its rotary tables are not the checkpoint's RoPE (rope_type {rope_type(c)!r}): cos or sin differ by up to "
         f"{worst:.3g} (at position {at}), so the engine would encode positions differently from the checkpoint",
         evidence,
     )
 
 
 SWITCHED_ROPE = ("longrope",)  # two tables switched on the length, inside the graph: not readable as one table
-
-
-def rope_type(config: dict) -> str:
-    """The RoPE type of a checkpoint's config.json as Transformers loads it ("default" where none is set)."""
-    from qgate.engines.static_llama import model_config
-
-    return (getattr(model_config(config), "rope_parameters", None) or {}).get("rope_type", "default")
 
 
 def write_checkpoint_tables(model_path: Path, config: dict) -> dict | None:
@@ -103,10 +97,10 @@ def write_checkpoint_tables(model_path: Path, config: dict) -> dict | None:
     import onnx
     from onnx import TensorProto, numpy_helper
 
-    from qgate.engines.static_llama import STATIC_ROPE, model_config
+    from qgate.engines.static_llama import STATIC_ROPE, model_config, rope_type
 
     c = model_config(config)  # config.json as Transformers loads it
-    rope = (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default")
+    rope = rope_type(c)
     model = onnx.load(str(model_path), load_external_data=False)
     base = Path(model_path).parent
     served = served_tables(model.graph, base)

@@ -50,6 +50,12 @@ def model_config(config: dict):
     return AutoConfig.for_model(config["model_type"], **rest)
 
 
+def rope_type(c) -> str:
+    """The RoPE type of a loaded config (model_config) as Transformers reads it: rope_parameters, or Transformers 4's
+    rope_scaling, whose type may be under "type"; "default" where none is set."""
+    return (getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}).get("rope_type", "default")
+
+
 def layer_windows(c) -> list[int | None]:
     """Per layer of a loaded config (model_config), the sliding window Transformers applies to it where that window
     binds (shorter than max_position_embeddings), else None: on the layers `layer_types` marks sliding, or on every
@@ -81,9 +87,7 @@ def check_architecture(config: dict):
             f"torch-int4 engine attends over whole contexts (max_position_embeddings {c.max_position_embeddings})",
             hint="gate this checkpoint on the reference path",
         )
-    # as Transformers reads it: rope_parameters, or Transformers 4's rope_scaling, whose type may be under "type"
-    rope = (getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}).get("rope_type", "default")
-    if rope not in STATIC_ROPE:
+    if (rope := rope_type(c)) not in STATIC_ROPE:
         raise ConfigError(
             f"config.json rope_type {rope!r}: the torch-int4 engine serves {', '.join(STATIC_ROPE)}",
             hint="gate this checkpoint on the reference path",
