@@ -2,10 +2,12 @@
 
 ids = encode_messages(tokenizer, [{"role": "user", "content": "hi"}], max_tokens=512)
 ids, from_traffic, tokens = encode_with_sources(tokenizer, messages, max_tokens=512)   # tokens: before the cut
+key = prompt_digest(messages)   # the same request in any sample of the traffic has the same key
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
 
@@ -49,3 +51,15 @@ def encode_with_sources(tokenizer, messages: list[dict], max_tokens: int) -> Enc
     spans = content_spans(text, messages)
     flags = [any(a < e and s < b for s, e in spans) for a, b in enc["offset_mapping"]]
     return Encoded(enc["input_ids"][-max_tokens:], flags[-max_tokens:], len(enc["input_ids"]))
+
+
+def content_digest(turns: list[str]) -> bytes:
+    """A request's content digest (the definition): its turns with every whitespace run as one space, the blank ones
+    left out, joined by spaces, blake2b-128. Whitespace and how text is split into turns do not change it."""
+    return hashlib.blake2b(" ".join(w for t in turns for w in t.split()).encode(), digest_size=16).digest()
+
+
+def prompt_digest(messages: list[dict]) -> str:
+    """A sampled request's key across samples: the first 8 bytes of its messages' content_digest, as hex (the digest
+    `qgate calibrate sample` deduplicates by; collisions ~n^2 / 2^65)."""
+    return content_digest([m.get("content") or "" for m in messages])[:8].hex()

@@ -31,6 +31,7 @@ from qgate.calibrate.scrub import HINT, RULE_HINTS, rule_hints, scrub
 from qgate.calibrate.sources import Partition
 from qgate.calibrate.streams import open_decoded
 from qgate.calibrate.words import bag_counter, batch_words, text_words, words
+from qgate.chat import content_digest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_traffic_fuzz import _bad  # noqa: E402  the hostile lines the reader is already fuzzed with
@@ -305,7 +306,7 @@ def test_vectorized_digests_equal_the_content_digest(requests, scrub_some):
     digests, halves = state._digests(
         state._patched(distinct, {i: clean[i] for i in np.flatnonzero(scrubbed).tolist()}), ids, starts
     )
-    want = [state.content_digest([clean[t] for t in ids[a:b].tolist()]) for a, b in zip(starts[:-1], starts[1:])]
+    want = [content_digest([clean[t] for t in ids[a:b].tolist()]) for a, b in zip(starts[:-1], starts[1:])]
     assert digests == want
     assert halves.tolist() == [d[0] & 1 for d in want]
 

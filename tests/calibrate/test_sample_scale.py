@@ -70,7 +70,8 @@ def test_each_stratum_keeps_the_k_smallest_priorities_of_its_distinct_prompts(tm
     from qgate.calibrate.profile import length_bucket, words
     from qgate.calibrate.reader import Request, read_traffic
     from qgate.calibrate.scrub import scrub
-    from qgate.calibrate.state import content_digest, priorities
+    from qgate.calibrate.state import priorities
+    from qgate.chat import content_digest
 
     monkeypatch.setattr(batches, "BLOCK_BYTES", 8 << 10)
     path = tmp_path / "log.jsonl"

@@ -394,12 +394,12 @@ def test_cpu_engine_builds_the_mixed_layout_exactly(planted, monkeypatch):
     # the search chose its point on the shadow split: a gate there is refused, and scores a split it never saw
     with pytest.raises(InputError, match="was made with this split \\(a search chose its layout on it\\)"):
         run_gates(eng, base, arts["shadow"], cfg, d / "searched-gate", d / "cache", checkpoint=ckpt)
-    import qgate.gates.gating as gating
+    import qgate.gates.held_out as held_out
 
     with monkeypatch.context() as m:  # and so is a gate on the engine alone, its checkpoint gone
-        m.setattr(gating, "engine_checkpoint", lambda engine: None)
+        m.setattr(held_out, "engine_checkpoint", lambda engine: None)
         with pytest.raises(InputError, match="was made with this split \\(a search chose its layout on it\\)"):
-            gating.check_held_out(eng, arts["shadow"])
+            held_out.held_out(eng, arts["shadow"], [])
     rep = run_gates(eng, base, arts["search"], cfg, d / "searched-gate", d / "cache", checkpoint=ckpt)
     report = json.loads((rep.path / "report.json").read_text())
     by = {r["metric"]: r["observed"] for r in report["results"] if r["gate"] == "parity"}

@@ -288,14 +288,8 @@ def reject_lines(part: Partition, batch: Batch) -> bytes:
     return b"".join(out)
 
 
-def content_digest(turns: list[str]) -> bytes:
-    """A request's content digest (the definition): its turns with every whitespace run as one space, the blank ones
-    left out, joined by spaces, blake2b-128. Whitespace and how text is split into turns do not change it."""
-    return hashlib.blake2b(" ".join(w for t in turns for w in t.split()).encode(), digest_size=16).digest()
-
-
 def _digests(clean, turn_ids: np.ndarray, starts: np.ndarray) -> tuple[list[bytes], np.ndarray]:
-    """Per request: `content_digest` of its turns (clean: pyarrow strings, the batch's distinct turns scrubbed;
+    """Per request: `chat.content_digest` of its turns (clean: pyarrow strings, the batch's distinct turns scrubbed;
     turn_ids: each turn's index in it), and its split half for the profile (0 or 1, by content: duplicates fall in
     one half, whatever the order). The normalizing and joining run over columns; only the hash is per request."""
     import pyarrow as pa

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from qgate.gates.positions import held_prompts
 from qgate.gates.result import GateResult
 from qgate.gates.routes import holm_rounds
 
@@ -96,12 +97,14 @@ def floor(ref: dict, m: dict) -> dict:
 
 
 def _counts(ref: dict, m: dict) -> dict[str, tuple[int, int, np.ndarray]]:
-    """Per guard: (answers that agree, answers counted, the shadow prompts of those that do not); stop.ends only
-    where the baseline ended an answer, and {} where its generation config names no stop token."""
+    """Per guard: (answers that agree, answers counted, the shadow prompts of those that do not), over the held-out
+    prompts (positions.held_prompts); stop.ends only where the baseline ended an answer, and {} where its generation
+    config names no stop token."""
     if not len(ref.get("stop_ids", ())):
         return {}
-    done = ended(ref)
-    shares = {"stop.continues": (~m["stops_early"], np.ones_like(done))}
+    held = held_prompts(ref)
+    done = ended(ref) & held
+    shares = {"stop.continues": (~m["stops_early"], held)}
     if done.any():
         shares["stop.ends"] = (m["stops_at_end"], done)
     return {

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from qgate.artifact import Artifact, engine_checkpoint, sha256_json, sha256_tree, typed_config
 from qgate.cache import read_cached, write_cached
 from qgate.engines.protocol import ScoresServed
@@ -21,6 +23,7 @@ from qgate.errors import ConfigError, InputError
 from qgate.execute import releases
 from qgate.gates.contract import ContractConfig, contract_gate
 from qgate.gates.evalgate import SCORES_VERSION, TASK_DIR, EvalConfig, eval_gate, run_tasks
+from qgate.gates.held_out import held_out
 from qgate.gates.longctx import LongContextConfig, baseline_long_reference, long_context_gate
 from qgate.gates.noise import check_thresholds, noise_floor
 from qgate.gates.numerics import LazyRunner
@@ -53,7 +56,7 @@ class GateConfig:
     device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
     dtype: str = "auto"  # reference checkpoints' compute dtype: auto (float32 on CPU, served dtype on CUDA); a model
     # whose config says float16 computes in float16 whatever this says (device.compute_dtype)
-    VERSION = 23  # of the report's layout and the gates' rules; what changed in each is in git
+    VERSION = 24  # of the report's layout and the gates' rules; what changed in each is in git
 
     def __post_init__(self):
         from qgate.device import check_device, check_dtype
@@ -181,30 +184,6 @@ def _provenance_notes(candidate: Artifact, baseline: Artifact) -> tuple[str, ...
     return notes
 
 
-def check_held_out(candidate: Artifact, shadow: Artifact, checkpoint: Artifact | None = None) -> None:
-    """The split a gate scores on must be one the candidate was not made with: InputError (no verdict) when the
-    candidate's manifest, or its checkpoint's for an engine, names `shadow` as its calibration set, as a parent or as
-    the split a search chose its point on (an engine's manifest carries its checkpoint's metadata, so this holds
-    when the checkpoint is gone)."""
-    source = checkpoint or (engine_checkpoint(candidate) if candidate.kind == "engine" else None)
-    for art in (candidate, source):
-        if art is None:
-            continue
-        chosen_on = (art.meta.get("search") or {}).get("chosen_on", {}).get("sha256")
-        if shadow.sha256 == art.meta.get("calibration_sha256"):
-            how = "was calibrated on this split"
-        elif shadow.sha256 in (*art.parents, chosen_on):
-            how = "was made with this split (a search chose its layout on it)"
-        else:
-            continue
-        raise InputError(
-            f"{shadow.path}: {candidate.path} {how}, so a gate on it would score the prompts the candidate was fitted "
-            "to, not held-out traffic",
-            hint="gate on a split of the same `qgate calibrate sample` that the candidate was not made with: the "
-            "shadow split, with calibration on the calib split and a search on the search split",
-        )
-
-
 def run_gates(
     candidate: Artifact,
     baseline: Artifact,
@@ -231,13 +210,16 @@ def run_gates(
     timings: dict[str, float] = {}
     t = time.perf_counter()
     rows = load_shadow(shadow, cfg.shadow)
-    if cfg.on_inconclusive == "block" and (why := unpassable_quantiles(cfg.shadow, len(rows))):
+    held = held_out(candidate, shadow, rows, checkpoint)
+    if cfg.on_inconclusive == "block" and (why := unpassable_quantiles(cfg.shadow, int(held.mask.sum()))):
+        if held.left_out:
+            why.append(f"{held.left_out} of its {len(rows)} prompts are in the candidate's calibration set")
         raise InputError(
             f"{shadow.path}: {'; '.join(why)}: such a check can fail but never pass, so under gates.on_inconclusive: "
             "block no candidate could pass this gate",
             hint=more_positions_hint("qgate calibrate sample --shadow-size"),
         )
-    check_held_out(candidate, shadow, checkpoint)
+    notes = notes + ((held.note,) if held.note else ())
     results = contract_gate(candidate, baseline, rows, cfg.contract)
     timings["contract"] = time.perf_counter() - t
     refused = [r.metric for r in results if r.verdict in ("fail", "error")]
@@ -258,7 +240,7 @@ def run_gates(
             None,
         )
     else:
-        more, scored, m = _score(candidate, baseline, shadow, cfg, cache_dir, checkpoint, timings)
+        more, scored, m = _score(candidate, baseline, shadow, cfg, cache_dir, checkpoint, timings, held.mask)
         results += more
         if stop := scored["stopped"]:
             notes = notes + (
@@ -338,9 +320,11 @@ def _score(
     cache_dir: Path,
     checkpoint: Artifact | None,
     timings: dict[str, float],
+    held: np.ndarray,
 ) -> tuple[list[GateResult], dict, dict]:
     """Every gate after the contract: (results, what the report records of the scoring, the shadow metrics with the
-    mask of gated positions). Adds its timings to `timings`."""
+    masks of gated positions and held-out prompts). Adds its timings to `timings`. held: bool per shadow prompt, the
+    ones the shadow checks count (gates/held_out.py)."""
     from qgate.device import timing_host
     from qgate.engines.runners import load_runner
 
@@ -369,6 +353,7 @@ def _score(
     t = time.perf_counter()
     cand = load_runner(candidate, cfg.device, cfg.dtype)
     timings["candidate_load"] = time.perf_counter() - t
+    ref = ref | {"held_out": held}
     check = run_shadow(cand, ref, cfg.shadow)
     m, results, scored, gated = check.metrics, list(check.results), check.scored, check.gated
     timings["candidate_shadow"] = m["score_seconds"]
@@ -410,7 +395,7 @@ def _score(
             "eval_baseline": {None: "off", True: "hit", False: "miss"}[eval_hit],
         },
     }
-    return results, record, m | {"gated": gated}
+    return results, record, m | {"gated": gated, "held_out": held}
 
 
 def _stopped(results: list[GateResult], cfg: GateConfig) -> dict | None:

@@ -34,9 +34,20 @@ def position_classes(ref: dict) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(cls), np.concatenate(first)
 
 
+def held_prompts(ref: dict) -> np.ndarray:
+    """Per shadow prompt, whether the checks count it: ref["held_out"] (gates/held_out.py) where the gate set it,
+    else every prompt."""
+    return ref["held_out"] if "held_out" in ref else np.ones(len(ref["seq_lens"]), bool)
+
+
 def scoring_summary(ref: dict, positions: str) -> tuple[dict[str, np.ndarray], dict]:
-    """Masks of the gated, answer and traffic-prompt positions (repeated prefixes dropped), and what was scored."""
+    """Masks of the gated, answer and traffic-prompt positions (repeated prefixes and the positions of prompts not
+    held out dropped), and what was scored."""
     cls, new = position_classes(ref)
+    held = held_prompts(ref)
+    kept = held[ref["prompt_of"]]
+    traffic = np.isin(cls, (ANSWER, PROMPT))
+    new = new & kept
     masks = {
         "gated": np.isin(cls, POSITION_SETS[positions]) & new,
         "answer": (cls == ANSWER) & new,
@@ -48,10 +59,12 @@ def scoring_summary(ref: dict, positions: str) -> tuple[dict[str, np.ndarray], d
         "answer_positions": int(np.sum(cls == ANSWER)),
         "traffic_prompt_positions": int(np.sum(cls == PROMPT)),
         "template_positions_excluded": int(np.sum(cls == TEMPLATE)),
-        "repeated_prefix_excluded": int(np.sum(np.isin(cls, (ANSWER, PROMPT)) & ~new)),
+        "repeated_prefix_excluded": int(np.sum(traffic & ~new & kept)),
+        "calibration_positions_excluded": int(np.sum(traffic & ~kept)),
         "gated_positions": int(masks["gated"].sum()),
         "unique_positions": int(new.sum()),
         "prompts": int(len(ref["seq_lens"])),
+        "calibration_prompts_excluded": int((~held).sum()),
     }
     return masks, info
 

@@ -48,7 +48,8 @@ def _plots(out: Path, report: dict, m: dict | None) -> dict[str, Path]:
         )
         ax[0].legend(fontsize=8)
         ax[0].yaxis.set_major_locator(MaxNLocator(integer=True))
-        fd, gl = m["first_div"], m["gen_lens"]
+        held = m.get("held_out", np.ones(len(m["first_div"]), bool))
+        fd, gl = m["first_div"][held], m["gen_lens"][held]
         ax[1].hist(fd, bins=np.arange(0, max(gl.max(), 1) + 2) - 0.5, color="#228833")
         ax[1].set(
             xlabel="answer token where greedy output first differs (= length: identical)",
@@ -266,7 +267,14 @@ def _scored(report: dict) -> str:
         f"<h2>What the shadow gate scored</h2><p>{s['prompts']} shadow prompts, {s['total_positions']} token "
         f"positions: {s['answer_positions']} answer, {s['traffic_prompt_positions']} traffic prompt, "
         f"{s['template_positions_excluded']} chat-template (excluded: identical across prompts), "
-        f"{s['repeated_prefix_excluded']} repeating an earlier prompt's prefix (excluded). "
+        f"{s['repeated_prefix_excluded']} repeating an earlier prompt's prefix (excluded)"
+        + (
+            f", {s['calibration_positions_excluded']} in the {s['calibration_prompts_excluded']} prompts that were "
+            "also in the candidate's calibration set (excluded: not held out)"
+            if s.get("calibration_prompts_excluded")
+            else ""
+        )
+        + ". "
         f"Gated on <b>{html.escape(s['positions'])}</b> positions: {s['gated_positions']} scored, "
         f"{s['unique_positions']} unique prefixes in all. The <code>prompt.*</code> rows report the traffic prompt "
         "positions alone; the <code>route.*</code> rows hold each gated check to its threshold on each traffic route's "

@@ -69,7 +69,7 @@ from qgate.gates.passes import (
     sequences,
     top_k_reference,
 )
-from qgate.gates.positions import ANSWER, POSITION_SETS, PROMPT, TEMPLATE, coverage, scoring_summary
+from qgate.gates.positions import ANSWER, POSITION_SETS, PROMPT, TEMPLATE, coverage, held_prompts, scoring_summary
 from qgate.gates.result import SHARE, GateResult, check_threshold_values
 from qgate.gates.routes import route_guards
 from qgate.gates.scoring import (
@@ -349,20 +349,22 @@ def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> tuple[list[GateResult]
     for part in ("answer", "prompt"):  # the classes the gate did not decide on alone, reported beside it
         if part != cfg.positions:
             results += kl_top1_checks(m, clusters, masks[part], None, prefix=f"{part}.")
-    ident = int(np.sum(m["first_div"] >= m["gen_lens"]))
+    held = held_prompts(ref)
+    first_div, gen_lens = m["first_div"][held], m["gen_lens"][held]
+    ident = int(np.sum(first_div >= gen_lens))
     results.append(
         GateResult.check(
             "shadow",
             "identical_generation",
-            ident / len(m["first_div"]),
+            ident / len(first_div),
             cfg.identical_generation_min,
             True,
-            len(m["first_div"]),
-            wilson(ident, len(m["first_div"])),
+            len(first_div),
+            wilson(ident, len(first_div)),
             evidence={
-                "first_divergence_mean": float(m["first_div"].mean()),
-                "first_divergence_median": float(np.median(m["first_div"])),
-                "answer_tokens_mean": float(m["gen_lens"].mean()),
+                "first_divergence_mean": float(first_div.mean()),
+                "first_divergence_median": float(np.median(first_div)),
+                "answer_tokens_mean": float(gen_lens.mean()),
             },
         )
     )

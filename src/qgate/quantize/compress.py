@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
-from qgate.chat import encode_messages
+from qgate.chat import encode_messages, prompt_digest
 from qgate.errors import ConfigError, InputError
 from qgate.quantize.schemes import FallbackConfig, KVCacheConfig, weight_format
 
@@ -171,11 +171,21 @@ def check_unquantized(base: Artifact, what: str) -> None:
     )
 
 
+def _rows(calib: Artifact) -> list[dict]:
+    return [json.loads(line) for line in (calib.path / "data.jsonl").read_text().splitlines() if line.strip()]
+
+
+def calibration_prompts(calib: Artifact) -> list[str]:
+    """The chat.prompt_digest of every request in the calibration split, sorted: what a checkpoint made with it
+    records as `calibration_prompts`, so a gate leaves those requests out of a later sample's shadow split."""
+    return sorted({prompt_digest(row["messages"]) for row in _rows(calib)})
+
+
 def load_calibration(calib: Artifact, tokenizer, opts: CalibOptions):
     from datasets import Dataset
 
     check_calibration_split(calib)
-    rows = [json.loads(line) for line in (calib.path / "data.jsonl").read_text().splitlines() if line.strip()]
+    rows = _rows(calib)
     if opts.max_samples:
         rows = rows[: opts.max_samples]
     if not rows:
@@ -329,12 +339,14 @@ def quantize(
         "weights_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
         "base_model": base.sha256,
         "calibration_sha256": calib.sha256 if calib else None,
+        "calibration_prompts": calibration_prompts(calib) if calib and needs_data else [],
     }
     parents = (base.sha256,) + ((calib.sha256,) if calib and needs_data else ())
     if smoothed is not None:  # the calibration data reached these weights through the smoothing
         meta |= {
             "smoothed_weights": smoothed.sha256,
             "calibration_sha256": smoothed.meta.get("calibration_sha256"),
+            "calibration_prompts": smoothed.meta.get("calibration_prompts", []),
             "built": BUILT,
         }
         config["smoothed"] = smoothed.sha256

@@ -30,7 +30,13 @@ def smooth_awq(base: Artifact, calib: Artifact, scheme, opts, out: Path) -> Arti
     import torch
     from llmcompressor import oneshot
 
-    from qgate.quantize.compress import check_unquantized, cpu_safe_intermediates, load_calibration, load_host_model
+    from qgate.quantize.compress import (
+        calibration_prompts,
+        check_unquantized,
+        cpu_safe_intermediates,
+        load_calibration,
+        load_host_model,
+    )
     from qgate.trust import check_loadable, copy_tokenizer_files, load_tokenizer
 
     check_unquantized(base, "smoothing's model")
@@ -64,6 +70,7 @@ def smooth_awq(base: Artifact, calib: Artifact, scheme, opts, out: Path) -> Arti
         "smoothing_seconds": round(seconds, 1),
         "base_model": base.sha256,
         "calibration_sha256": calib.sha256,
+        "calibration_prompts": calibration_prompts(calib),
     }
     return Artifact.create("checkpoint", out, config, (base.sha256, calib.sha256), meta)
 
