@@ -131,6 +131,41 @@ def test_a_search_split_is_a_third_disjoint_split_that_leaves_the_others_alone(t
         sample_traffic(traffic, tmp_path / "four", SampleConfig(calib_size=40, shadow_size=25, search_size=1000))
 
 
+def test_a_shadow_split_passes_over_the_requests_it_is_held_from(tmp_path):
+    """A later window of the same log shares requests with an earlier sample, and with the same seed its shadow split
+    draws some of the earlier calibration requests. held_from (a checkpoint's calibration_prompts) keeps them out of
+    the shadow split at full size; they stay eligible for calibration, and no held_from changes nothing."""
+    from qgate.chat import prompt_digest
+
+    def keys(arts, split):
+        return [
+            prompt_digest(json.loads(x)["messages"]) for x in (arts[split].path / "data.jsonl").read_text().splitlines()
+        ]
+
+    traffic = tiny.make_traffic(tmp_path / "t.jsonl", n=400)
+    cfg = SampleConfig(calib_size=40, shadow_size=25, search_size=10)
+    before = sample_traffic(traffic, tmp_path / "before", cfg)
+    calibrated = set(keys(before, "calib"))
+    recent = tmp_path / "recent.jsonl"
+    recent.write_text("".join(traffic.read_text().splitlines(True)[200:]))
+    plain = sample_traffic(recent, tmp_path / "plain", cfg)
+    assert len(calibrated & set(keys(plain, "shadow"))) >= 3  # the overlap the split rule cannot see
+    held = sample_traffic(recent, tmp_path / "held", cfg, held_from=tuple(calibrated))
+    shadow = keys(held, "shadow")
+    assert len(shadow) == 25 and not calibrated & set(shadow)
+    assert set(keys(held, "calib")) & calibrated  # still eligible for calibration
+    splits = [set(keys(held, k)) for k in ("calib", "shadow", "search")]
+    assert sum(map(len, splits)) == len(set().union(*splits)) == 75  # disjoint and sized
+    drawn = sum(k in calibrated for k in keys(held, "calib") + keys(held, "search"))
+    assert held["shadow"].meta["held_from"] == {"requests": 40, "in_other_splits": drawn} and drawn > 0
+    fresh = [k for k in keys(plain, "shadow") if k not in calibrated]
+    assert set(fresh) <= set(shadow)  # the shadow split keeps the fresh requests it drew before
+    again = sample_traffic(recent, tmp_path / "again", cfg, held_from=())
+    for split in ("calib", "shadow", "search"):
+        assert (again[split].path / "data.jsonl").read_bytes() == (plain[split].path / "data.jsonl").read_bytes()
+    assert "held_from" not in again["shadow"].meta
+
+
 def test_stratified_quota_follows_route_mix(tmp_path):
     lines = []
     for i in range(400):  # 75% chat, 25% code; all short

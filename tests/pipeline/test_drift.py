@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import tiny
@@ -258,6 +259,37 @@ def test_a_drift_check_reads_the_recent_log_twice_and_every_engine_gives_one_rep
         )
         == 1
     )
+
+
+def test_a_later_window_of_the_same_log_regates_production_on_requests_it_was_not_calibrated_on(
+    fresh, monkeypatch, capsys
+):
+    """The last half of the log production was sampled from repeats requests it was calibrated on, and a plain sample
+    of it puts some in the shadow split. The drift job's sample passes over them: production is re-gated on 48
+    requests none of which it was calibrated on, and the gate has none to leave out."""
+    from qgate.artifact import Artifact
+    from qgate.calibrate.sample import SampleConfig, sample_traffic
+    from qgate.chat import prompt_digest
+
+    def keys(split):
+        return {prompt_digest(json.loads(x)["messages"]) for x in (split / "data.jsonl").read_text().splitlines()}
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root, _ = fresh
+    calibrated = keys(root / "work/calib/calib")
+    window = root / "window.jsonl"
+    window.write_text("".join((root / "traffic.jsonl").read_text().splitlines(True)[150:]))
+    plain = sample_traffic(window, root / "plain", SampleConfig(calib_size=24, shadow_size=48))
+    assert len(keys(plain["shadow"].path) & calibrated) >= 3  # what the job would have scored production on
+    assert main(["drift", "check", "--spec", str(root / "spec.yaml"), "--traffic", str(window)]) == 0
+    err = capsys.readouterr().err
+    assert f"its shadow split passes over production's {len(calibrated)} calibration requests" in err
+    (report,) = (root / "work/drift").glob("*/report/drift.json")
+    report = json.loads(report.read_text())
+    shadow = Artifact.load(Path(report["recent"]["workdir"]) / "calib/shadow")
+    assert shadow.sha256 == report["recent"]["shadow_sha256"] and shadow.meta["n"] == 48
+    assert not keys(shadow.path) & calibrated
+    assert report["quality"]["scoring"]["calibration_prompts_excluded"] == 0 and not report["quality"]["notes"]
 
 
 def test_quality_drift_when_production_points_at_a_worse_version(fresh, monkeypatch, capsys):

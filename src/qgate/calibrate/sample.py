@@ -33,6 +33,7 @@ from qgate.calibrate.sources import combined_sha256, explained, is_uri, list_par
 from qgate.calibrate.split_scan import phases, scan_partition_split
 from qgate.calibrate.state import SampleState
 from qgate.calibrate.state_json import scan_partition_json, state_from_json
+from qgate.chat import prompt_digest
 from qgate.errors import InputError, check_each
 from qgate.execute import check_executor, map_ordered, workers
 from qgate.naming import field_namer
@@ -101,6 +102,7 @@ def sample_traffic(
     picture: bool = False,
     failed_rejects: Path | None = None,
     field_name=None,
+    held_from: frozenset[str] | tuple[str, ...] = (),
 ) -> dict[str, Artifact]:
     """traffic: a file, a glob, a directory of partitions or an object-store URI (calibrate/sources.py).
     executor: "serial"; "processes" to scan partitions in one local process per core; or "ray" to scan them as Ray
@@ -115,7 +117,10 @@ def sample_traffic(
     too few prompts), for a caller whose `out` is removed on failure (artifact.build_atomically); the error names it.
     A successful run removes an earlier run's file there.
     field_name: how an error names a setting of `config` (`calibrate.calib_size` by default; a command names its
-    flag, `--calib-size`), as naming.build_config does."""
+    flag, `--calib-size`), as naming.build_config does.
+    held_from: requests (chat.prompt_digest keys, a checkpoint's `calibration_prompts`) the shadow split leaves to the
+    other splits, so that a model calibrated on them can be gated on it; the shadow split's meta says how many there
+    were and how many the other splits hold (`held_from`)."""
     check_executor(executor)
     if parts is None:
         parts = list_partitions(traffic)  # a missing log fails here, before anything is created
@@ -156,7 +161,12 @@ def sample_traffic(
     quoted += [b for b in broken[:_QUOTED] if b not in quoted]
     try:
         calib, shadow, search, counts = _select(
-            state, config, source_name, [json.loads(r) for r in quoted], field_namer("calibrate", field_name)
+            state,
+            config,
+            source_name,
+            [json.loads(r) for r in quoted],
+            field_namer("calibrate", field_name),
+            frozenset(held_from),
         )
     except InputError as e:
         raise _naming_rejects(e, out / "rejects.jsonl", failed_rejects) from None
@@ -186,6 +196,9 @@ def sample_traffic(
             "stats": counts["stats"],
             "estimates": counts["estimates"],
         } | ({"remote_source": True} if is_uri(traffic) else {})
+        if name == "shadow" and held_from:
+            drawn = sum(prompt_digest(r["messages"]) in held_from for r in calib + search)
+            meta["held_from"] = {"requests": len(held_from), "in_other_splits": drawn}
         arts[name] = Artifact.create("calibration-set", d, params, (source, prof_art.sha256), meta)
     if picture:
         from qgate.calibrate.profile_plot import plot_profile
@@ -224,10 +237,11 @@ def _in_order(
 
 
 def _select(
-    state: SampleState, config: SampleConfig, source: str, quoted: list[dict], name
+    state: SampleState, config: SampleConfig, source: str, quoted: list[dict], name, held_from: frozenset[str]
 ) -> tuple[list, list, list, dict]:
     """Calibration and shadow rows, and the counts: exact where the samples hold every distinct prompt, else the
-    sketches' estimates with their bounds. quoted: the rejects an error quotes when there are too many."""
+    sketches' estimates with their bounds. quoted: the rejects an error quotes when there are too many. held_from:
+    chat.prompt_digest keys the shadow split passes over (they stay eligible for the other splits)."""
     # a prompt under two routes sits in two strata: its first occurrence (file, line) keeps it
     first: dict[bytes, tuple] = {}
     for stratum, bk in state.strata.items():
@@ -265,7 +279,9 @@ def _select(
         "strata_estimated": sorted(s for s, bk in state.strata.items() if not bk.exact()),
     }
     _check_counts(source, stats, sum(len(r) for r in ranked.values()), config, state.partitions, quoted, name)
-    shadow_q = _allocate(sizes, config.shadow_size, {s: len(r) for s, r in ranked.items()})
+    # the rows a shadow split may take: none that `held_from` names (a model calibrated on it is gated on this split)
+    open_ = {s: [r for r in rows if prompt_digest(r["messages"]) not in held_from] for s, rows in ranked.items()}
+    shadow_q = _allocate(sizes, config.shadow_size, {s: len(r) for s, r in open_.items()})
     rest = {s: sizes[s] - shadow_q[s] for s in sizes}
     calib_q = _allocate(rest, config.calib_size, {s: len(ranked[s]) - shadow_q[s] for s in ranked})
     rest = {s: rest[s] - calib_q[s] for s in sizes}
@@ -276,10 +292,12 @@ def _select(
     )
     calib, shadow, search = [], [], []
     for s in sorted(ranked):  # shadow first (the held-out evidence), calibration, then search, from disjoint ranks:
-        a, b = shadow_q[s], shadow_q[s] + calib_q[s]  # a search split leaves the other two as they were
-        shadow += ranked[s][:a]
-        calib += ranked[s][a:b]
-        search += ranked[s][b : b + search_q[s]]
+        taken = open_[s][: shadow_q[s]]  # a search split leaves the other two as they were
+        ids = {id(r) for r in taken}
+        left = [r for r in ranked[s] if id(r) not in ids]
+        shadow += taken
+        calib += left[: calib_q[s]]
+        search += left[calib_q[s] : calib_q[s] + search_q[s]]
     return calib, shadow, search, {"stats": stats, "estimates": estimates}
 
 

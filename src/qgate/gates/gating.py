@@ -149,13 +149,15 @@ def warm_baseline(baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_d
 
 
 def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_dir: Path) -> dict:
-    """The shadow gate alone, on a given shadow set: what a drift job re-runs for production on today's traffic."""
+    """The shadow gate alone, on a given shadow set: what a drift job re-runs for production on today's traffic. The
+    shadow requests production was calibrated on are left out (gates/held_out.py); `notes` says how many."""
     from qgate.engines.runners import load_runner
 
+    held = held_out(candidate, shadow, load_shadow(shadow, cfg.shadow))
     base = LazyRunner(baseline, cfg.device, cfg.dtype)
     ref, hit = baseline_reference(base, baseline, shadow, cfg.shadow, base.cache(cache_dir))
     base.release()
-    check = run_shadow(load_runner(candidate, cfg.device, cfg.dtype), ref, cfg.shadow)
+    check = run_shadow(load_runner(candidate, cfg.device, cfg.dtype), ref | {"held_out": held.mask}, cfg.shadow)
     decided = GateReport.decide(check.results, cfg.on_inconclusive)
     return {
         "verdict": decided.verdict,
@@ -163,6 +165,7 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
         "on_inconclusive": cfg.on_inconclusive,
         "results": list(decided.results),
         "scoring": check.scored,
+        "notes": [held.note] if held.note else [],
         "baseline_cached": hit,
         "seconds": {"baseline": 0.0 if hit else float(ref["seconds"]), "candidate": check.metrics["score_seconds"]},
     }

@@ -7,7 +7,8 @@ Two kinds of drift, reported side by side:
 - traffic drift: the recent traffic's profile against the profile production was calibrated on (stored with its
   version);
 - quality drift: production re-gated against the baseline, with the same shadow gate, on a fresh shadow sample of the
-  recent traffic. An inconclusive quality check counts as drift under `gates.on_inconclusive: block`.
+  recent traffic that passes over the requests production was calibrated on (recent logs repeat older ones). An
+  inconclusive quality check counts as drift under `gates.on_inconclusive: block`.
 Every step is a ledger stage or an idempotent registry call, so a killed job re-run finishes without duplicate versions.
 One job per registered model at a time (locks.job_lock).
 """
@@ -116,8 +117,15 @@ def _check(
         f"  production: {model} v{prod['version']} ({prod['variant']}) @{cfg.alias}, calibrated on "
         f"{prod['profile']['requests']} requests"
     )
-    cal = calibrate_stage(r, spec, recent, executor, traffic_sha=sha, scan_cache=_scans(spec), parts=parts)
+    cal = calibrate_stage(
+        r, spec, recent, executor, traffic_sha=sha, scan_cache=_scans(spec), parts=parts, held_from=_held_from(prod)
+    )
     shadow, profile = cal.shadow, cal.profile
+    if held := shadow.meta.get("held_from"):
+        echo(
+            f"  recent sample: its shadow split passes over production's {held['requests']} calibration requests "
+            f"({held['in_other_splits']} of them are in its other splits)"
+        )
     new = json.loads((profile.path / "profile.json").read_text())
     rows = traffic_drift(prod["profile"], new, cfg)
     for row in rows:
@@ -142,6 +150,8 @@ def _check(
                 )
         for c in caveats(quality["results"]):
             echo(f"  quality caveat: {c}")
+        for n in quality["notes"]:
+            echo(f"  quality note: {n}")
         if not quality["passed"]:
             reasons.append(f"production's shadow gate is {quality['verdict'].upper()} on the recent traffic")
     verdict = "drift" if reasons else "no-drift"
@@ -183,6 +193,12 @@ def _check(
         + f"; report {out / 'drift.html'}"
     )
     return report
+
+
+def _held_from(prod: dict) -> tuple[str, ...]:
+    """Production's calibration requests (its manifest's `calibration_prompts`): the recent sample's shadow split
+    passes over them, so production is re-gated on traffic it was not calibrated on, at the split's full size."""
+    return tuple(prod["artifact"].meta.get("calibration_prompts", ()))
 
 
 def _variants(prod: dict, spec: PipelineSpec, echo) -> list[VariantSpec]:
@@ -245,7 +261,9 @@ def drift_run(
             f"  > recalibrating {len(variants)} variant(s) on the recent traffic: {', '.join(v.name for v in variants)}"
         )
         base = model_stage(main, spec)
-        cal = calibrate_stage(r, spec, recent, executor, traffic_sha=sha, scan_cache=_scans(spec), parts=parts)
+        cal = calibrate_stage(
+            r, spec, recent, executor, traffic_sha=sha, scan_cache=_scans(spec), parts=parts, held_from=_held_from(prod)
+        )
         chains = gate_variants(r, spec, Chain(base, cal, main.workdir / "cache"), variants)
         chains = [register_stage(r, spec, c) for c in chains]
         reports = [GateReport.of(c.report) for c in chains]

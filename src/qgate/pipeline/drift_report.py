@@ -88,7 +88,7 @@ def _quality(q: dict | None) -> str:
         f"<h2>Quality drift: <span style='color:{_VCOLOR[q['verdict']]}'>{q['verdict'].upper()}</span></h2>"
         f"<p>Production re-gated against the baseline with the same shadow gate, on {q['scoring']['prompts']} fresh "
         f"shadow prompts from the recent traffic ({q['scoring']['gated_positions']} gated positions)."
-        f"{_cut(q['scoring'])}</p>"
+        f"{_cut(q['scoring'])}{''.join(f' {html.escape(n)}' for n in q.get('notes', ()))}</p>"
         "<table><tr><th></th><th>check</th><th>when gated</th><th>recent traffic</th><th>95% CI</th><th>threshold</th>"
         f"<th>n</th></tr>{''.join(rows)}</table>"
     )

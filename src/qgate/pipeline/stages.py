@@ -88,12 +88,14 @@ def calibrate_stage(
     traffic_sha: str | None = None,
     scan_cache: Path | None = None,
     parts: list | None = None,
+    held_from: tuple[str, ...] = (),
 ) -> Calibration:
     """Sample `traffic` (a file, glob, directory or URI). The executor does not enter the key: serial and Ray scans
     give the same sets. traffic_sha and parts: the traffic's `traffic_key` and the partitions it was hashed from, when
     the caller has them already. The traffic is listed once, so the partitions sampled are the ones the key was
     hashed from even when files arrive in between. scan_cache: where scans of unchanged partitions are kept for the
-    next run (default <workdir>/cache/scans; calibrate/scan_cache.py)."""
+    next run (default <workdir>/cache/scans; calibrate/scan_cache.py). held_from: calibration requests of a model to
+    be gated on the shadow split (its `calibration_prompts`), which the shadow split passes over."""
     from qgate.calibrate.sample import SampleConfig, load_sampled, sample_traffic
     from qgate.calibrate.sources import list_partitions
 
@@ -102,6 +104,8 @@ def calibrate_stage(
     if parts is None:
         parts = list_partitions(traffic)
     key = {"traffic": traffic_sha or traffic_key(spec, parts, executor, scans), "cfg": sample_cfg.__dict__}
+    if held_from:
+        key["held_from"] = sha256_json(sorted(held_from))
     calib = led.run(
         "calibrate",
         key,
@@ -115,6 +119,7 @@ def calibrate_stage(
             parts=parts,
             picture=True,
             failed_rejects=led.workdir / "calib.rejects.jsonl",
+            held_from=held_from,
         )["calib"],
     )
     arts = load_sampled(calib.path.parent)
