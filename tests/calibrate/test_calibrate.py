@@ -131,7 +131,7 @@ def test_a_search_split_is_a_third_disjoint_split_that_leaves_the_others_alone(t
         sample_traffic(traffic, tmp_path / "four", SampleConfig(calib_size=40, shadow_size=25, search_size=1000))
 
 
-def test_a_shadow_split_passes_over_the_requests_it_is_held_from(tmp_path):
+def test_a_shadow_split_passes_over_the_requests_it_is_held_from(tmp_path, capsys):
     """A later window of the same log shares requests with an earlier sample, and with the same seed its shadow split
     draws some of the earlier calibration requests. held_from (a checkpoint's calibration_prompts) keeps them out of
     the shadow split at full size; they stay eligible for calibration, and no held_from changes nothing."""
@@ -164,6 +164,21 @@ def test_a_shadow_split_passes_over_the_requests_it_is_held_from(tmp_path):
     for split in ("calib", "shadow", "search"):
         assert (again[split].path / "data.jsonl").read_bytes() == (plain[split].path / "data.jsonl").read_bytes()
     assert "held_from" not in again["shadow"].meta
+    from qgate.cli.main import main
+
+    made = tmp_path / "ckpt"
+    made.mkdir()
+    (made / "config.json").write_text("{}")
+    Artifact.create("checkpoint", made, {}, (), {"calibration_sha256": "ab", "calibration_prompts": sorted(calibrated)})
+    argv = ["calibrate", "sample", "--traffic", str(recent), "--calib-size", "40", "--shadow-size", "25"]
+    argv += ["--search-size", "10", "--held-from", str(made)]
+    assert main([*argv, "--out", str(tmp_path / "cli")]) == 0
+    assert f"passes over the 40 requests --held-from was calibrated on ({drawn} of them" in capsys.readouterr().out
+    assert (tmp_path / "cli/shadow/data.jsonl").read_bytes() == (held["shadow"].path / "data.jsonl").read_bytes()
+    Artifact.create("checkpoint", made, {}, (), {"calibration_sha256": "ab"})  # quantized before the record
+    assert main([*argv, "--out", str(tmp_path / "cli2")]) == 1
+    assert "--held-from: this checkpoint records no calibration requests" in capsys.readouterr().err
+    assert not (tmp_path / "cli2").exists()
 
 
 def test_stratified_quota_follows_route_mix(tmp_path):

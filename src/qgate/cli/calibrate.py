@@ -50,11 +50,20 @@ def sample_cmd(
             "partitions unchanged since (same size and modification time) and removes the ones it did not use."
         ),
     ] = None,
+    held_from: Annotated[
+        Path | None,
+        typer.Option(
+            help="A checkpoint or engine to be gated on this sample: the shadow split passes over the requests it "
+            "was calibrated on (as a drift job does for production)."
+        ),
+    ] = None,
 ) -> None:
     """Stratified, deduplicated, PII-scrubbed calibration + shadow split with a traffic profile."""
     from qgate.artifact import Artifact, build_atomically
     from qgate.calibrate.sample import sample_traffic
     from qgate.naming import build_config
+
+    held = _calibration_requests(held_from) if held_from else ()
 
     values = dict(calib_size=calib_size, shadow_size=shadow_size, search_size=search_size, seed=seed)
     values |= dict(max_reject_fraction=max_reject_fraction, min_words=min_words, max_line_bytes=max_line_bytes)
@@ -71,6 +80,7 @@ def sample_cmd(
             picture=True,
             failed_rejects=kept,
             field_name=flag,
+            held_from=held,
         )["calib"],
     )
     arts = {
@@ -84,6 +94,22 @@ def sample_cmd(
 
 _TABLE_ROWS = 20
 _REASONS = 3
+
+
+def _calibration_requests(path: Path) -> tuple[str, ...]:
+    """The `calibration_prompts` a checkpoint or engine records (none for one made without calibration data)."""
+    from qgate.artifact import Artifact
+    from qgate.errors import InputError
+
+    art = Artifact.load(path, ("checkpoint", "engine"))
+    if "calibration_prompts" not in art.meta and art.meta.get("calibration_sha256"):
+        raise InputError(
+            f"{path}: --held-from: this {art.kind} records no calibration requests (it was quantized before qgate "
+            "recorded them), so the shadow split cannot pass over them",
+            hint="quantize it again with this qgate, or drop --held-from: the gate then scores every shadow request "
+            "and its report says the overlap was not checked",
+        )
+    return tuple(art.meta.get("calibration_prompts", ()))
 
 
 def _reasons(rejects: Path, rejected: int) -> list[str]:
@@ -128,6 +154,11 @@ def _summary(arts: dict, rejects: Path) -> list[str]:
             else f"{art.meta['n']:,} prompts in {len(art.meta['strata'])} strata"
         )
         lines.append(f"{name:8s} {str(art.path):{width}s}  {what:28s} sha256 {art.sha256[:16]}")
+    if held := shadow.get("held_from"):
+        lines.append(
+            f"shadow   passes over the {held['requests']:,} requests --held-from was calibrated on "
+            f"({held['in_other_splits']:,} of them are in the other splits)"
+        )
     strata = sorted(set(calib["strata"]) | set(shadow["strata"]), key=lambda s: (-calib["strata"].get(s, 0), s))
     lines.append(f"  {'stratum (route|words)':32s} {'calib':>6s} {'shadow':>6s}")
     for s in strata[:_TABLE_ROWS]:
