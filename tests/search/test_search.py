@@ -792,6 +792,15 @@ def test_awq_points_are_rtn_on_weights_smoothed_once(planted):
     assert r.keys() == c.keys() and all(torch.equal(r[k], c[k]) for k in r)
     assert cheap.meta["smoothed_weights"] == smooth.sha256 and smooth.sha256 in cheap.parents
     assert cheap.meta["calibration_sha256"] == arts["calib"].sha256
+    # the calibration requests reach the RTN checkpoint through the smoothing, as the data did
+    assert cheap.meta["calibration_prompts"] == smooth.meta["calibration_prompts"] == real.meta["calibration_prompts"]
+    from dataclasses import replace
+
+    unrecorded = replace(smooth, meta={k: v for k, v in smooth.meta.items() if k != "calibration_prompts"})
+    again = quantize(base, arts["calib"], scheme, d / "awq-again", opts=opts, smoothed=unrecorded)
+    assert again.meta["calibration_prompts"] == real.meta["calibration_prompts"]  # smoothed on this split
+    blind = quantize(base, None, scheme, d / "awq-blind", opts=opts, smoothed=unrecorded)
+    assert "calibration_prompts" not in blind.meta  # not known: the gate says so
     point = quantize(
         base, None, scheme, d / "awq-point", opts=opts, fallback=FallbackConfig(PLANTED, 8), smoothed=smooth
     )

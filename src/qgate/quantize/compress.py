@@ -346,9 +346,13 @@ def quantize(
         meta |= {
             "smoothed_weights": smoothed.sha256,
             "calibration_sha256": smoothed.meta.get("calibration_sha256"),
-            "calibration_prompts": smoothed.meta.get("calibration_prompts", []),
             "built": BUILT,
         }
+        del meta["calibration_prompts"]
+        if "calibration_prompts" in smoothed.meta:
+            meta["calibration_prompts"] = smoothed.meta["calibration_prompts"]
+        elif calib is not None and calib.sha256 == smoothed.meta.get("calibration_sha256"):
+            meta["calibration_prompts"] = calibration_prompts(calib)  # smoothed before the record, on this split
         config["smoothed"] = smoothed.sha256
         parents += (smoothed.sha256,)
     return Artifact.create("checkpoint", out, config, parents, meta)
