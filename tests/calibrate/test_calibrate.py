@@ -173,7 +173,7 @@ def test_a_shadow_split_passes_over_the_requests_it_is_held_from(tmp_path, capsy
     argv = ["calibrate", "sample", "--traffic", str(recent), "--calib-size", "40", "--shadow-size", "25"]
     argv += ["--search-size", "10", "--held-from", str(made)]
     assert main([*argv, "--out", str(tmp_path / "cli")]) == 0
-    assert f"passes over the 40 requests --held-from was calibrated on ({drawn} of them" in capsys.readouterr().out
+    assert f"passes over the 40 requests --held-from was made with ({drawn} of them" in capsys.readouterr().out
     assert (tmp_path / "cli/shadow/data.jsonl").read_bytes() == (held["shadow"].path / "data.jsonl").read_bytes()
     Artifact.create("checkpoint", made, {}, (), {"calibration_sha256": "ab"})  # quantized before the record
     assert main([*argv, "--out", str(tmp_path / "cli2")]) == 1

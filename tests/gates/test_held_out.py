@@ -36,8 +36,8 @@ def test_the_checks_count_only_held_out_prompts():
     assert by["top1_agreement"].observed == 1.0 and every["top1_agreement"].observed < 1.0
     assert not gated[np.isin(ref["prompt_of"], np.arange(16))].any()
     assert by["defined_logits"].n == every["defined_logits"].n  # a NaN logit anywhere is a broken candidate
-    assert (scored["prompts"], scored["calibration_prompts_excluded"]) == (48, 16)
-    assert scored["calibration_positions_excluded"] == 16 * 41  # its traffic token and 40 answer tokens each
+    assert (scored["prompts"], scored["fitted_prompts_excluded"]) == (48, 16)
+    assert scored["fitted_positions_excluded"] == 16 * 41  # its traffic token and 40 answer tokens each
 
 
 def test_quantize_records_its_calibration_requests_and_the_gate_leaves_them_out(base_art, w8_art, calib_arts, tmp_path):
@@ -51,26 +51,29 @@ def test_quantize_records_its_calibration_requests_and_the_gate_leaves_them_out(
     assert not set(shared) & set(digests)  # one sample's splits are disjoint
     cfg = GateConfig(shadow=ShadowConfig(max_new_tokens=20, max_prompt_tokens=64), eval=None)
     six = replace(w8_art, meta=w8_art.meta | {"calibration_prompts": digests + shared})
-    with pytest.raises(InputError, match=f"and 18 prompts give at most 360 .*; 6 of its {len(shadow)} prompts are in"):
+    with pytest.raises(
+        InputError,
+        match=f"18 prompts give at most 360 .*; 6 of its {len(shadow)} prompts are ones the",
+    ):
         run_gates(six, base_art, calib_arts["shadow"], cfg, tmp_path / "g6", tmp_path / "c")
     fitted = replace(w8_art, meta=w8_art.meta | {"calibration_prompts": digests + shared[:3]})
     art = run_gates(fitted, base_art, calib_arts["shadow"], cfg, tmp_path / "g", tmp_path / "c")
     report = json.loads((art.path / "report.json").read_text())
     s = report["shadow_scoring"]
-    assert (s["prompts"], s["calibration_prompts_excluded"]) == (len(shadow), 3)
-    assert f"3 of {len(shadow)} shadow requests were also in the candidate's calibration set" in report["notes"][0]
+    assert (s["prompts"], s["fitted_prompts_excluded"]) == (len(shadow), 3)
+    assert f"3 of {len(shadow)} shadow requests are ones the candidate was made with" in report["notes"][0]
     ident = next(r for r in report["results"] if r["metric"] == "identical_generation")
     assert ident["n"] == len(shadow) - 3
     plain = run_gates(w8_art, base_art, calib_arts["shadow"], cfg, tmp_path / "g0", tmp_path / "c")
     p = json.loads((plain.path / "report.json").read_text())
-    assert p["shadow_scoring"]["calibration_prompts_excluded"] == 0 and not p["notes"]
+    assert p["shadow_scoring"]["fitted_prompts_excluded"] == 0 and not p["notes"]
     assert p["cache"]["shadow_baseline"] == "hit"  # the baseline's reference is shared: it is the split's
-    assert s["gated_positions"] + s["calibration_positions_excluded"] >= p["shadow_scoring"]["gated_positions"]
+    assert s["gated_positions"] + s["fitted_positions_excluded"] >= p["shadow_scoring"]["gated_positions"]
     assert s["gated_positions"] < p["shadow_scoring"]["gated_positions"]
     everything = replace(
         w8_art, meta=w8_art.meta | {"calibration_prompts": [prompt_digest(r["messages"]) for r in shadow]}
     )
-    with pytest.raises(InputError, match=f"every one of its {len(shadow)} requests is in .*calibration set"):
+    with pytest.raises(InputError, match=f"every one of its {len(shadow)} requests is one .* was made with"):
         run_gates(everything, base_art, calib_arts["shadow"], cfg, tmp_path / "g2", tmp_path / "c")
     old = replace(w8_art, meta={k: v for k, v in w8_art.meta.items() if k != "calibration_prompts"})
     unknown = json.loads((run_gates(old, base_art, calib_arts["shadow"], cfg, tmp_path / "g3", tmp_path / "c").path

@@ -347,11 +347,13 @@ def test_search_falls_back_the_planted_layers_and_passes_where_uniform_w4_fails(
     assert set(PLANTED) <= set(by_bits[8]) and by_bits[4] == ["Linear"]
     assert uniform.meta["bits_per_weight"] < art.meta["bits_per_weight"] < 8
     assert art.meta["weight_format"] == "w4a16+w8a16" and unsupported(art, "cpu") is None
-    # the evidence travels with it, and the chosen point passes when gated again from disk
+    # the evidence travels with it, and the chosen point passes when gated from disk on a split it was not chosen on
     saved = json.loads((art.path / "qgate-search.json").read_text())
     assert saved["chosen_k"] == s["chosen_k"] and len(saved["sensitivity_all"]) == 21
     assert (art.path / "qgate-search.png").stat().st_size > 10_000 and not (art.path / "_points").exists()
-    assert shadow_check(art, base, arts["shadow"], gate, d / "cache")["verdict"] == "pass"
+    with pytest.raises(InputError, match="a search chose its layout on it"):
+        shadow_check(art, base, arts["shadow"], gate, d / "cache")
+    assert shadow_check(art, base, arts["search"], gate, d / "cache")["verdict"] == "pass"
     assert any("PASS" in m for m in msgs) and any("FAIL" in m or "k=" in m for m in msgs)
     # a re-run reuses every gated point from the cache: no new gate runs, the same choice
     again = search_checkpoint(
@@ -385,7 +387,11 @@ def test_cpu_engine_builds_the_mixed_layout_exactly(planted, monkeypatch):
 
     d, base, arts = planted
     ckpt = Artifact.load(d / "searched")
+    from qgate.quantize.compress import split_prompts
+
+    assert ckpt.meta["search_prompts"] == split_prompts(arts["shadow"])  # the requests it was chosen on
     eng = build_engine(ckpt, "cpu", d / "searched-cpu", accuracy_level=1)
+    assert eng.meta["search_prompts"] == ckpt.meta["search_prompts"]  # an engine carries them
     assert "disable_qkv_fusion=true" in eng.meta["builder_cmd"]
     cfg = GateConfig(
         shadow=ShadowConfig(max_new_tokens=16, max_prompt_tokens=48, kl_p99_max=None, top1_agreement_min=None),

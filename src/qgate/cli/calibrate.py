@@ -54,7 +54,7 @@ def sample_cmd(
         Path | None,
         typer.Option(
             help="A checkpoint or engine to be gated on this sample: the shadow split passes over the requests it "
-            "was calibrated on (as a drift job does for production)."
+            "was made with, its calibration set's and its search's (as a drift job does for production)."
         ),
     ] = None,
 ) -> None:
@@ -97,9 +97,11 @@ _REASONS = 3
 
 
 def _calibration_requests(path: Path) -> tuple[str, ...]:
-    """The `calibration_prompts` a checkpoint or engine records (none for one made without calibration data)."""
+    """The requests a checkpoint or engine records it was made with (gates/held_out.made_with: its calibration set's
+    and its search's; none for one made without data)."""
     from qgate.artifact import Artifact
     from qgate.errors import InputError
+    from qgate.gates.held_out import made_with
 
     art = Artifact.load(path, ("checkpoint", "engine"))
     if "calibration_prompts" not in art.meta and art.meta.get("calibration_sha256"):
@@ -109,7 +111,7 @@ def _calibration_requests(path: Path) -> tuple[str, ...]:
             hint="quantize it again with this qgate, or drop --held-from: the gate then scores every shadow request "
             "and its report says the overlap was not checked",
         )
-    return tuple(art.meta.get("calibration_prompts", ()))
+    return tuple(sorted(made_with(art)))
 
 
 def _reasons(rejects: Path, rejected: int) -> list[str]:
@@ -156,7 +158,7 @@ def _summary(arts: dict, rejects: Path) -> list[str]:
         lines.append(f"{name:8s} {str(art.path):{width}s}  {what:28s} sha256 {art.sha256[:16]}")
     if held := shadow.get("held_from"):
         lines.append(
-            f"shadow   passes over the {held['requests']:,} requests --held-from was calibrated on "
+            f"shadow   passes over the {held['requests']:,} requests --held-from was made with "
             f"({held['in_other_splits']:,} of them are in the other splits)"
         )
     strata = sorted(set(calib["strata"]) | set(shadow["strata"]), key=lambda s: (-calib["strata"].get(s, 0), s))

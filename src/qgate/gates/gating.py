@@ -165,7 +165,7 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
         "on_inconclusive": cfg.on_inconclusive,
         "results": list(decided.results),
         "scoring": check.scored,
-        "notes": [held.note] if held.note else [],
+        "notes": list(held.notes),
         "baseline_cached": hit,
         "seconds": {"baseline": 0.0 if hit else float(ref["seconds"]), "candidate": check.metrics["score_seconds"]},
     }
@@ -216,13 +216,13 @@ def run_gates(
     held = held_out(candidate, shadow, rows, checkpoint)
     if cfg.on_inconclusive == "block" and (why := unpassable_quantiles(cfg.shadow, int(held.mask.sum()))):
         if held.left_out:
-            why.append(f"{held.left_out} of its {len(rows)} prompts are in the candidate's calibration set")
+            why.append(f"{held.left_out} of its {len(rows)} prompts are ones the candidate was made with")
         raise InputError(
             f"{shadow.path}: {'; '.join(why)}: such a check can fail but never pass, so under gates.on_inconclusive: "
             "block no candidate could pass this gate",
             hint=more_positions_hint("qgate calibrate sample --shadow-size"),
         )
-    notes = notes + ((held.note,) if held.note else ())
+    notes = notes + held.notes
     results = contract_gate(candidate, baseline, rows, cfg.contract)
     timings["contract"] = time.perf_counter() - t
     refused = [r.metric for r in results if r.verdict in ("fail", "error")]

@@ -1,16 +1,17 @@
 """Which shadow prompts a candidate is gated on: only traffic it was not made with.
 
-    held = held_out(candidate, shadow, rows)   # held.mask: bool per shadow row; held.note: what the report says
+    held = held_out(candidate, shadow, rows)   # held.mask: bool per shadow row; held.notes: what the report says
 
 A candidate fitted to some prompts scores better on them than on new traffic, so evidence from them would flatter it.
 Two rules keep the shadow evidence held out:
 - the split: a gate on the split the candidate was calibrated on, one of its parents, or the split a search chose its
   layout on is refused (InputError, no verdict);
-- the requests: a shadow request that is also in the candidate's calibration set is left out of the checks. Two
-  samples of the same traffic share requests (a drift job's fresh sample of recent logs and the older sample
-  production was calibrated on, say), and the split rule cannot see that. A checkpoint records its calibration
-  requests as `calibration_prompts` (chat.prompt_digest of each, written by quantize); an engine's manifest carries
-  its checkpoint's. When every shadow request is one of them the gate is refused as on the calibration split.
+- the requests: a shadow request the candidate was made with is left out of the checks. Two samples of the same
+  traffic share requests (a drift job's fresh sample of recent logs and the older sample production was calibrated
+  on, say), and the split rule cannot see that. A checkpoint records its calibration requests as
+  `calibration_prompts` (chat.prompt_digest of each, written by quantize) and a searched one the requests of the split
+  its search chose on as `search_prompts`; an engine's manifest carries its checkpoint's. When every shadow request is
+  one of them the gate is refused as on the calibration split.
 A candidate that says it was calibrated (`calibration_sha256`) but records no requests is gated on every row, and
 its report says so.
 """
@@ -34,11 +35,17 @@ HINT = (
 @dataclass(frozen=True)
 class HeldOut:
     mask: np.ndarray  # bool per shadow row: True where the row counts as held-out evidence
-    note: str | None  # for the report: rows left out, or why none could be
+    notes: tuple[str, ...]  # for the report: rows left out, and what could not be checked
 
     @property
     def left_out(self) -> int:
         return int((~self.mask).sum())
+
+
+def made_with(art: Artifact) -> set[str]:
+    """The requests (chat.prompt_digest keys) an artifact's manifest says it was made with: its calibration set's
+    (`calibration_prompts`) and, for a searched checkpoint, the split its search chose on (`search_prompts`)."""
+    return set(art.meta.get("calibration_prompts", ())) | set(art.meta.get("search_prompts", ()))
 
 
 def held_out(candidate: Artifact, shadow: Artifact, rows: list[dict], checkpoint: Artifact | None = None) -> HeldOut:
@@ -48,32 +55,29 @@ def held_out(candidate: Artifact, shadow: Artifact, rows: list[dict], checkpoint
     made = [art for art in (candidate, source) if art is not None]
     for art in made:
         _check_split(candidate, shadow, art)
-    recorded = [art.meta["calibration_prompts"] for art in made if "calibration_prompts" in art.meta]
-    if not recorded:
-        calibrated = any(art.meta.get("calibration_sha256") for art in made)
-        note = (
-            "The candidate's manifest records no calibration requests (it was quantized before qgate recorded "
-            "them), so shadow requests that were also in its calibration set could not be left out."
-            if calibrated
-            else None
-        )
-        return HeldOut(np.ones(len(rows), bool), note)
-    seen = set().union(*recorded)
+    seen = set().union(*(made_with(art) for art in made))
     mask = np.array([prompt_digest(row["messages"]) not in seen for row in rows], bool)
     if len(rows) and not mask.any():
         raise InputError(
-            f"{shadow.path}: every one of its {len(rows)} requests is in {candidate.path}'s calibration set, so a gate "
-            "on it would score the prompts the candidate was fitted to, not held-out traffic",
+            f"{shadow.path}: every one of its {len(rows)} requests is one {candidate.path} was made with (its "
+            "calibration set, or the split its search chose on), so a gate on it would score the prompts the "
+            "candidate was fitted to, not held-out traffic",
             hint=HINT,
         )
-    left = int((~mask).sum())
-    note = (
-        f"{left} of {len(rows)} shadow requests were also in the candidate's calibration set (two samples of the "
-        "same traffic share requests); the shadow checks leave them out."
-        if left
-        else None
-    )
-    return HeldOut(mask, note)
+    notes = ()
+    if left := int((~mask).sum()):
+        notes += (
+            f"{left} of {len(rows)} shadow requests are ones the candidate was made with (its calibration set, or the "
+            "split its search chose on; two samples of the same traffic share requests): the shadow checks leave "
+            "them out.",
+        )
+    calibrated = any(art.meta.get("calibration_sha256") for art in made)
+    if calibrated and not any("calibration_prompts" in art.meta for art in made):
+        notes += (
+            "The candidate's manifest records no calibration requests (it was quantized before qgate recorded them), "
+            "so shadow requests that were also in its calibration set could not be left out.",
+        )
+    return HeldOut(mask, notes)
 
 
 def _check_split(candidate: Artifact, shadow: Artifact, art: Artifact) -> None:

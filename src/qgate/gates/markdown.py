@@ -87,7 +87,7 @@ def version_description(report: dict, meta: dict, report_uri: str) -> str:
         parts += [open_checks, ""]
     if scored:
         parts += [
-            f"Shadow gate: {scored.get('prompts', 0) - scored.get('calibration_prompts_excluded', 0)} held-out "
+            f"Shadow gate: {scored.get('prompts', 0) - scored.get('fitted_prompts_excluded', 0)} held-out "
             f"traffic prompts, {scored.get('gated_positions')} gated {scored.get('positions')} positions "
             "(chat-template tokens excluded).",
             "",

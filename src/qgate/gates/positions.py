@@ -60,11 +60,11 @@ def scoring_summary(ref: dict, positions: str) -> tuple[dict[str, np.ndarray], d
         "traffic_prompt_positions": int(np.sum(cls == PROMPT)),
         "template_positions_excluded": int(np.sum(cls == TEMPLATE)),
         "repeated_prefix_excluded": int(np.sum(traffic & ~new & kept)),
-        "calibration_positions_excluded": int(np.sum(traffic & ~kept)),
+        "fitted_positions_excluded": int(np.sum(traffic & ~kept)),
         "gated_positions": int(masks["gated"].sum()),
         "unique_positions": int(new.sum()),
         "prompts": int(len(ref["seq_lens"])),
-        "calibration_prompts_excluded": int((~held).sum()),
+        "fitted_prompts_excluded": int((~held).sum()),
     }
     return masks, info
 

@@ -269,9 +269,9 @@ def _scored(report: dict) -> str:
         f"{s['template_positions_excluded']} chat-template (excluded: identical across prompts), "
         f"{s['repeated_prefix_excluded']} repeating an earlier prompt's prefix (excluded)"
         + (
-            f", {s['calibration_positions_excluded']} in the {s['calibration_prompts_excluded']} prompts that were "
-            "also in the candidate's calibration set (excluded: not held out)"
-            if s.get("calibration_prompts_excluded")
+            f", {s['fitted_positions_excluded']} in the {s['fitted_prompts_excluded']} prompts the candidate was "
+            "made with, its calibration set's or its search's (excluded: not held out)"
+            if s.get("fitted_prompts_excluded")
             else ""
         )
         + ". "

@@ -123,7 +123,7 @@ def _check(
     shadow, profile = cal.shadow, cal.profile
     if held := shadow.meta.get("held_from"):
         echo(
-            f"  recent sample: its shadow split passes over production's {held['requests']} calibration requests "
+            f"  recent sample: its shadow split passes over the {held['requests']} requests production was made with "
             f"({held['in_other_splits']} of them are in its other splits)"
         )
     new = json.loads((profile.path / "profile.json").read_text())
@@ -196,9 +196,12 @@ def _check(
 
 
 def _held_from(prod: dict) -> tuple[str, ...]:
-    """Production's calibration requests (its manifest's `calibration_prompts`): the recent sample's shadow split
-    passes over them, so production is re-gated on traffic it was not calibrated on, at the split's full size."""
-    return tuple(prod["artifact"].meta.get("calibration_prompts", ()))
+    """The requests production was made with (gates/held_out.made_with: its calibration set's, and its search's):
+    the recent sample's shadow split passes over them, so production is re-gated on traffic it was not fitted to, at
+    the split's full size."""
+    from qgate.gates.held_out import made_with
+
+    return tuple(sorted(made_with(prod["artifact"])))
 
 
 def _variants(prod: dict, spec: PipelineSpec, echo) -> list[VariantSpec]:

@@ -62,7 +62,7 @@ def search_checkpoint(
     point's shadow checks are not independent of its choice."""
     from qgate.gates.gating import shadow_check
     from qgate.gates.numerics import numerics_key
-    from qgate.quantize.compress import CalibOptions, quantize, storage_key, stored_float_bits
+    from qgate.quantize.compress import CalibOptions, quantize, split_prompts, storage_key, stored_float_bits
     from qgate.search.plot import plot_points
     from qgate.search.sensitivity import SensitivityConfig, fisher_sensitivity
 
@@ -245,7 +245,8 @@ def search_checkpoint(
     (out / "qgate-search.json").write_text(json.dumps(summary | {"sensitivity_all": sens["layers"]}, indent=2))
     plot_points(points, gate_cfg.shadow.kl_p99_max, gate_cfg.shadow.top1_agreement_min, ck, out / "qgate-search.png")
     config = ckpt.config | {"search": typed_config(cfg)}
-    return Artifact.create("checkpoint", out, config, ckpt.parents + (shadow.sha256,), ckpt.meta | {"search": summary})
+    meta = ckpt.meta | {"search": summary, "search_prompts": split_prompts(shadow)}  # chosen on these requests
+    return Artifact.create("checkpoint", out, config, ckpt.parents + (shadow.sha256,), meta)
 
 
 def fine_groups_refusal(scheme, kv, cfg: SearchConfig) -> str | None:

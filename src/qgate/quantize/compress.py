@@ -175,10 +175,11 @@ def _rows(calib: Artifact) -> list[dict]:
     return [json.loads(line) for line in (calib.path / "data.jsonl").read_text().splitlines() if line.strip()]
 
 
-def calibration_prompts(calib: Artifact) -> list[str]:
-    """The chat.prompt_digest of every request in the calibration split, sorted: what a checkpoint made with it
-    records as `calibration_prompts`, so a gate leaves those requests out of a later sample's shadow split."""
-    return sorted({prompt_digest(row["messages"]) for row in _rows(calib)})
+def split_prompts(split: Artifact) -> list[str]:
+    """The chat.prompt_digest of every request in a split of `qgate calibrate sample`, sorted: what a checkpoint made
+    with it records (`calibration_prompts`, a search's `search_prompts`), so that a gate leaves those requests out of
+    a later sample's shadow split (gates/held_out.py)."""
+    return sorted({prompt_digest(row["messages"]) for row in _rows(split)})
 
 
 def load_calibration(calib: Artifact, tokenizer, opts: CalibOptions):
@@ -339,7 +340,7 @@ def quantize(
         "weights_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
         "base_model": base.sha256,
         "calibration_sha256": calib.sha256 if calib else None,
-        "calibration_prompts": calibration_prompts(calib) if calib and needs_data else [],
+        "calibration_prompts": split_prompts(calib) if calib and needs_data else [],
     }
     parents = (base.sha256,) + ((calib.sha256,) if calib and needs_data else ())
     if smoothed is not None:  # the calibration data reached these weights through the smoothing
@@ -352,7 +353,7 @@ def quantize(
         if "calibration_prompts" in smoothed.meta:
             meta["calibration_prompts"] = smoothed.meta["calibration_prompts"]
         elif calib is not None and calib.sha256 == smoothed.meta.get("calibration_sha256"):
-            meta["calibration_prompts"] = calibration_prompts(calib)  # smoothed before the record, on this split
+            meta["calibration_prompts"] = split_prompts(calib)  # smoothed before the record, on this split
         config["smoothed"] = smoothed.sha256
         parents += (smoothed.sha256,)
     return Artifact.create("checkpoint", out, config, parents, meta)

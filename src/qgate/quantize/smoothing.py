@@ -31,11 +31,11 @@ def smooth_awq(base: Artifact, calib: Artifact, scheme, opts, out: Path) -> Arti
     from llmcompressor import oneshot
 
     from qgate.quantize.compress import (
-        calibration_prompts,
         check_unquantized,
         cpu_safe_intermediates,
         load_calibration,
         load_host_model,
+        split_prompts,
     )
     from qgate.trust import check_loadable, copy_tokenizer_files, load_tokenizer
 
@@ -70,7 +70,7 @@ def smooth_awq(base: Artifact, calib: Artifact, scheme, opts, out: Path) -> Arti
         "smoothing_seconds": round(seconds, 1),
         "base_model": base.sha256,
         "calibration_sha256": calib.sha256,
-        "calibration_prompts": calibration_prompts(calib),
+        "calibration_prompts": split_prompts(calib),
     }
     return Artifact.create("checkpoint", out, config, (base.sha256, calib.sha256), meta)
 
