@@ -150,7 +150,8 @@ def warm_baseline(baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_d
 
 def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg: GateConfig, cache_dir: Path) -> dict:
     """The shadow gate alone, on a given shadow set: what a drift job re-runs for production on today's traffic. The
-    shadow requests production was calibrated on are left out (gates/held_out.py); `notes` says how many."""
+    held-out rules hold as in run_gates (gates/held_out.py): a split production was made with is refused, and
+    requests it was made with are left out, `notes` saying how many."""
     from qgate.engines.runners import load_runner
 
     held = held_out(candidate, shadow, load_shadow(shadow, cfg.shadow))
