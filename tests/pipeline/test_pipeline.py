@@ -35,6 +35,9 @@ def test_pipeline_end_to_end_promotes_the_passing_variant_and_skips_on_rerun(tmp
     assert summary["promoted"]["variant"] == "w8"
     frontier = json.loads((tmp_path / "work/frontier.json").read_text())  # size against KL p99, every variant
     assert [v["name"] for v in frontier["variants"]] == ["awq-cpu", "w8"] and frontier["pareto"] == ["w8"]
+    assert (
+        frontier["promoted"]["variant"] == "w8" and frontier["variants"][1]["served_bytes"] == by["w8"]["served_bytes"]
+    )
     assert summary["frontier"] == str(tmp_path / "work/frontier.png") and (tmp_path / "work/frontier.png").exists()
     assert (tmp_path / "work/calib/profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the traffic, pictured
     client = MlflowClient(summary["tracking_uri"])

@@ -27,7 +27,7 @@ def test_write_frontier_writes_the_json_and_a_picture(tmp_path):
     points = [_v("s k=12", 5.1, 0.66, "fail", [0.5, float("inf")]) | {"variant": "s", "k": 12}]
     doc = write_frontier(variants, points, 0.5, tmp_path)
     saved = json.loads((tmp_path / "frontier.json").read_text())
-    assert saved["pareto"] == doc["pareto"] == ["w8"] and saved["kl_p99_max"] == 0.5
+    assert saved["pareto"] == doc["pareto"] == ["w8"] and saved["kl_p99_max"] == 0.5 and saved["promoted"] is None
     assert [p["k"] for p in saved["search_points"]] == [12] and "search split" in saved["note"]
     assert (tmp_path / "frontier.png").stat().st_size > 10_000
     drawn = (tmp_path / "frontier.png").stat().st_mtime_ns
@@ -36,3 +36,24 @@ def test_write_frontier_writes_the_json_and_a_picture(tmp_path):
     write_frontier(variants[:1], points, 0.5, tmp_path)
     assert (tmp_path / "frontier.png").stat().st_mtime_ns != drawn
     assert json.loads((tmp_path / "frontier.json").read_text())["pareto"] == []
+
+
+def test_the_frontier_rings_the_promoted_variant_and_labels_what_is_served(tmp_path, monkeypatch):
+    """Promotion may rank served bytes (promote.choose: smallest) where the axis has bits per weight: the picture
+    names the promoted variant and its rule, and each variant's served size."""
+    from matplotlib.axes import Axes
+
+    variants = [_v("w4", 4.56, 1.13, "fail") | {"served_bytes": 289_600_000}, _v("w8", 8.5, 0.018, "pass")]
+    labels = []
+    annotate = Axes.annotate
+    monkeypatch.setattr(Axes, "annotate", lambda ax, text, *a, **k: labels.append(text) or annotate(ax, text, *a, **k))
+    legend = Axes.legend
+    shown = []
+    monkeypatch.setattr(
+        Axes, "legend", lambda ax, *a, **k: shown.extend(h.get_label() for h in k["handles"]) or legend(ax, *a, **k)
+    )
+    doc = write_frontier(variants, [], 0.5, tmp_path, promoted=("w8", "smallest"))
+    assert doc["promoted"] == {"variant": "w8", "choose": "smallest"}
+    assert json.loads((tmp_path / "frontier.json").read_text())["promoted"] == doc["promoted"]
+    assert labels == ["w4, 289.6 MB served", "w8"]  # w8's served size is not known here
+    assert "promoted (promote.choose: smallest)" in shown

@@ -154,8 +154,8 @@ def _run(spec: PipelineSpec, echo: Callable[[str], None], executor: str = "seria
         "variants": [variant_summary(c) for c in chains],
         "promoted": None,
     }
-    summary["frontier"] = frontier(spec, summary["variants"], chains, w)
     chosen = best_passing(spec, chains)
+    summary["frontier"] = frontier(spec, summary["variants"], chains, w, chosen)
     if chosen is None:
         (w / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         raise PromotionRefused(

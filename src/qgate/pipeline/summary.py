@@ -2,7 +2,7 @@
 
 chosen = best_passing(spec, chains)          # None when no variant passed
 rows = [variant_summary(c) for c in chains]  # summary.json's "variants", the CLI's table
-frontier(spec, rows, chains, workdir)        # workdir/frontier.json and .png: size against shadow KL p99
+frontier(spec, rows, chains, workdir, chosen)  # workdir/frontier.json and .png: size against shadow KL p99
 """
 
 from __future__ import annotations
@@ -54,9 +54,12 @@ def variant_summary(c: Chain) -> dict:
     }
 
 
-def frontier(spec: PipelineSpec, rows: list[dict], chains: list[Chain], out: Path) -> str:
+def frontier(
+    spec: PipelineSpec, rows: list[dict], chains: list[Chain], out: Path, promoted: Chain | None = None
+) -> str:
     """The run's size/quality frontier (search/frontier.py) from its variant summaries and the points its searched
-    checkpoints tried. Returns the picture's path."""
+    checkpoints tried, with the variant promoted (best_passing's choice; None: none passed). Returns the picture's
+    path."""
     from qgate.search.frontier import write_frontier
 
     keys = ("k", "bits_per_weight", "weights_bytes", "kl_p99", "kl_p99_ci", "verdict")
@@ -65,6 +68,7 @@ def frontier(spec: PipelineSpec, rows: list[dict], chains: list[Chain], out: Pat
             "name": r["variant"],
             "bits_per_weight": r["bits_per_weight"],
             "weights_bytes": r["weights_bytes"],
+            "served_bytes": r["served_bytes"],
             "kl_p99": r["kl_p99"],
             "kl_p99_ci": next((c["ci"] for c in r["checks"] if (c["gate"], c["metric"]) == ("shadow", "kl_p99")), None),
             "verdict": r["verdict"],
@@ -77,7 +81,8 @@ def frontier(spec: PipelineSpec, rows: list[dict], chains: list[Chain], out: Pat
         for c in chains
         for p in ((c.checkpoint or c.candidate).meta.get("search") or {}).get("points", [])
     ]
-    return write_frontier(variants, points, spec.gate_config().shadow.kl_p99_max, out)["picture"]
+    chosen = (promoted.variant.name, spec.promote.choose) if promoted else None
+    return write_frontier(variants, points, spec.gate_config().shadow.kl_p99_max, out, chosen)["picture"]
 
 
 def _bits_per_weight(candidate: Artifact) -> float | None:

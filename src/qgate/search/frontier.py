@@ -1,10 +1,12 @@
 """A run's size/quality frontier: every gated variant and every search point, bits per weight against shadow KL p99.
 
-    frontier = write_frontier(variants, points, kl_p99_max=0.5, out=Path(".qgate/demo"))
+    frontier = write_frontier(variants, points, kl_p99_max=0.5, out=Path(".qgate/demo"), promoted=("w8", "best"))
     frontier["pareto"]      # the passing variants no other passing variant beats on both size and KL p99
 
 Variants are gated on the shadow split and search points on the search split, so their KL figures come from
-different prompts; the picture marks them apart and frontier.json says so.
+different prompts; the picture marks them apart and frontier.json says so. The size axis is bits per weight of the
+quantized layers; promotion (`promote.choose: smallest`) ranks the bytes served, so each variant's label gives those
+too, and the variant the run promoted is ringed, with the rule that chose it.
 """
 
 from __future__ import annotations
@@ -37,15 +39,23 @@ def pareto(entries: list[dict]) -> list[str]:
     return [e["name"] for e in sorted(passing, key=lambda e: e["bits_per_weight"]) if not beaten(e)]
 
 
-def write_frontier(variants: list[dict], points: list[dict], kl_p99_max: float | None, out: Path) -> dict:
-    """variants: {name, bits_per_weight, weights_bytes, kl_p99, kl_p99_ci, verdict}; points: the same with the
-    searched variant's name and the point's k. Writes out/frontier.json and out/frontier.png; returns the JSON."""
+def write_frontier(
+    variants: list[dict],
+    points: list[dict],
+    kl_p99_max: float | None,
+    out: Path,
+    promoted: tuple[str, str] | None = None,
+) -> dict:
+    """variants: {name, bits_per_weight, weights_bytes, served_bytes, kl_p99, kl_p99_ci, verdict}; points: the same
+    with the searched variant's name and the point's k. promoted: (the variant the run promotes, the promote.choose
+    rule that chose it), or None. Writes out/frontier.json and out/frontier.png; returns the JSON."""
     out = Path(out)
     doc = {
         "kl_p99_max": kl_p99_max,
         "variants": variants,
         "search_points": points,
         "pareto": pareto(variants),
+        "promoted": {"variant": promoted[0], "choose": promoted[1]} if promoted else None,
         "note": SPLITS_NOTE,
         "picture": str(out / "frontier.png"),
     }
@@ -54,11 +64,18 @@ def write_frontier(variants: list[dict], points: list[dict], kl_p99_max: float |
     if path.exists() and path.read_text() == text and (out / "frontier.png").exists():
         return doc  # a re-run that changed nothing: the picture already shows it
     path.write_text(text)
-    _plot(variants, points, kl_p99_max, out / "frontier.png")
+    _plot(variants, points, kl_p99_max, promoted, out / "frontier.png")
     return doc
 
 
-def _plot(variants: list[dict], points: list[dict], kl_p99_max: float | None, path: Path) -> None:
+def _label(r: dict) -> str:
+    served = r.get("served_bytes")
+    return r["name"] if served is None else f"{r['name']}, {served / 1e6:,.1f} MB served"
+
+
+def _plot(
+    variants: list[dict], points: list[dict], kl_p99_max: float | None, promoted: tuple[str, str] | None, path: Path
+) -> None:
     from qgate.plotting import pyplot
 
     plt = pyplot()
@@ -80,13 +97,16 @@ def _plot(variants: list[dict], points: list[dict], kl_p99_max: float | None, pa
                 capsize=2,
             )
             if is_variant:
+                ringed = promoted is not None and r["name"] == promoted[0]
                 ax.annotate(
-                    r["name"],
+                    _label(r),
                     (r["bits_per_weight"], r["kl_p99"]),
                     textcoords="offset points",
-                    xytext=(6, 4),
+                    xytext=(12, 7) if ringed else (6, 4),
                     fontsize=8,
                 )
+                if ringed:
+                    ax.plot(r["bits_per_weight"], r["kl_p99"], "o", ms=18, mfc="none", mec="k", mew=1.5)
     if kl_p99_max is not None:
         ax.axhline(kl_p99_max, color="#6e7781", ls="--", lw=1, label=f"gates.shadow.kl_p99_max {kl_p99_max:g}")
     ax.set_yscale("log")  # with math text off (plotting.py), log ticks are labelled as plain numbers
@@ -98,7 +118,10 @@ def _plot(variants: list[dict], points: list[dict], kl_p99_max: float | None, pa
     handles = [
         plt.Line2D([], [], marker="s", ls="", color=COLORS[v], label=v) for v in ("pass", "fail", "inconclusive")
     ]
-    ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=8, loc="upper right")
+    if promoted:
+        ring = {"marker": "o", "ls": "", "mfc": "none", "mec": "k", "mew": 1.5, "ms": 10}
+        handles.append(plt.Line2D([], [], **ring, label=f"promoted (promote.choose: {promoted[1]})"))
+    ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
