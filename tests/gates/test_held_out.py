@@ -73,8 +73,9 @@ def test_quantize_records_its_calibration_requests_and_the_gate_leaves_them_out(
     everything = replace(
         w8_art, meta=w8_art.meta | {"calibration_prompts": [prompt_digest(r["messages"]) for r in shadow]}
     )
-    with pytest.raises(InputError, match=f"every one of its {len(shadow)} requests is one .* was made with"):
+    with pytest.raises(InputError, match=f"every one of its {len(shadow)} requests is one .* was made with") as e:
         run_gates(everything, base_art, calib_arts["shadow"], cfg, tmp_path / "g2", tmp_path / "c")
+    assert e.value.hint.startswith(f"sample the traffic again with `qgate calibrate sample --held-from {w8_art.path}`")
     old = replace(w8_art, meta={k: v for k, v in w8_art.meta.items() if k != "calibration_prompts"})
     unknown = json.loads((run_gates(old, base_art, calib_arts["shadow"], cfg, tmp_path / "g3", tmp_path / "c").path
                           / "report.json").read_text())  # fmt: skip

@@ -62,7 +62,8 @@ def held_out(candidate: Artifact, shadow: Artifact, rows: list[dict], checkpoint
             f"{shadow.path}: every one of its {len(rows)} requests is one {candidate.path} was made with (its "
             "calibration set, or the split its search chose on), so a gate on it would score the prompts the "
             "candidate was fitted to, not held-out traffic",
-            hint=HINT,
+            hint=f"sample the traffic again with `qgate calibrate sample --held-from {candidate.path}`: its shadow "
+            "split passes over the requests the candidate was made with",
         )
     notes = ()
     if left := int((~mask).sum()):
