@@ -284,12 +284,15 @@ def test_a_later_window_of_the_same_log_regates_production_on_requests_it_was_no
     assert main(["drift", "check", "--spec", str(root / "spec.yaml"), "--traffic", str(window)]) == 0
     err = capsys.readouterr().err
     assert f"its shadow split passes over the {len(calibrated)} requests production was made with" in err
-    (report,) = (root / "work/drift").glob("*/report/drift.json")
-    report = json.loads(report.read_text())
+    (path,) = (root / "work/drift").glob("*/report/drift.json")
+    report = json.loads(path.read_text())
     shadow = Artifact.load(Path(report["recent"]["workdir"]) / "calib/shadow")
     assert shadow.sha256 == report["recent"]["shadow_sha256"] and shadow.meta["n"] == 48
     assert not keys(shadow.path) & calibrated
     assert report["quality"]["scoring"]["fitted_prompts_excluded"] == 0 and not report["quality"]["notes"]
+    assert report["recent"]["shadow_held_from"] == shadow.meta["held_from"]
+    html = path.with_name("drift.html").read_text()
+    assert f"passing over the {len(calibrated)} requests production was made with" in html
 
 
 def test_quality_drift_when_production_points_at_a_worse_version(fresh, monkeypatch, capsys):

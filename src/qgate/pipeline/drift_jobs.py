@@ -175,6 +175,7 @@ def _check(
             "requests": new["requests"],
             "profile_sha256": profile.sha256,
             "shadow_sha256": shadow.sha256,
+            "shadow_held_from": shadow.meta.get("held_from"),  # the requests production was made with, passed over
             "workdir": str(r.workdir),
         },
         "traffic": rows,

@@ -70,7 +70,17 @@ def _cut(scoring: dict) -> str:
     return f" <b>Caveat</b>: {html.escape(scoring['caveat'])}."
 
 
-def _quality(q: dict | None) -> str:
+def _passed_over(held: dict | None) -> str:
+    """What the fresh shadow sample passed over: the requests production was made with."""
+    if not held:
+        return ""
+    return (
+        f", passing over the {held['requests']} requests production was made with ({held['in_other_splits']} of them "
+        "were drawn again, into the sample's other splits)"
+    )
+
+
+def _quality(q: dict | None, held: dict | None = None) -> str:
     if q is None:
         return "<h2>Quality drift</h2><p>Not checked (drift.quality: false).</p>"
     rows = []
@@ -87,7 +97,8 @@ def _quality(q: dict | None) -> str:
     return (
         f"<h2>Quality drift: <span style='color:{_VCOLOR[q['verdict']]}'>{q['verdict'].upper()}</span></h2>"
         f"<p>Production re-gated against the baseline with the same shadow gate, on {q['scoring']['prompts']} fresh "
-        f"shadow prompts from the recent traffic ({q['scoring']['gated_positions']} gated positions)."
+        f"shadow prompts from the recent traffic{_passed_over(held)} ({q['scoring']['gated_positions']} gated "
+        "positions)."
         f"{_cut(q['scoring'])}{''.join(f' {html.escape(n)}' for n in q.get('notes', ()))}</p>"
         "<table><tr><th></th><th>check</th><th>when gated</th><th>recent traffic</th><th>95% CI</th><th>threshold</th>"
         f"<th>n</th></tr>{''.join(rows)}</table>"
@@ -120,5 +131,5 @@ samples of the same traffic show at these sizes (noise p99); above the limit but
 <table><tr><th></th><th>facet</th><th>JS</th><th>limit</th><th>noise p99</th><th>n calibrated</th><th>n recent</th>
 <th>note</th></tr>{rows}</table>
 <img alt="facets" src="data:image/png;base64,{_facet_plot(report, old, new)}">
-{_quality(report["quality"])}
+{_quality(report["quality"], report["recent"].get("shadow_held_from"))}
 <p>Why: {html.escape("; ".join(report["reasons"]) or "nothing moved beyond its limit")}</p>""")
