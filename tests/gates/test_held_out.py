@@ -7,16 +7,13 @@ import numpy as np
 import pytest
 from test_answer_ends import _reference, _Runner
 
+from qgate.calibrate.sample import split_rows
 from qgate.chat import prompt_digest
 from qgate.errors import InputError
 from qgate.gates.gating import GateConfig, run_gates
 from qgate.gates.shadow import ShadowConfig, candidate_metrics, shadow_gate
 
 CFG = ShadowConfig(kl_p99_max=0.5, top1_agreement_min=0.85)
-
-
-def _rows(split) -> list[dict]:
-    return [json.loads(x) for x in (split.path / "data.jsonl").read_text().splitlines() if x.strip()]
 
 
 def test_the_checks_count_only_held_out_prompts():
@@ -44,7 +41,7 @@ def test_quantize_records_its_calibration_requests_and_the_gate_leaves_them_out(
     """The checkpoint names every calibration request; a shadow split sharing three of them (as a later sample of the
     same traffic can) is scored on the rest, and the report says so. Sharing six leaves too few positions for the
     p99 check to pass, and the refusal says why; sharing all of them is refused as gating on the calib split is."""
-    calib, shadow = (_rows(calib_arts[s]) for s in ("calib", "shadow"))
+    calib, shadow = (split_rows(calib_arts[s]) for s in ("calib", "shadow"))
     digests = sorted({prompt_digest(r["messages"]) for r in calib})
     assert w8_art.meta["calibration_prompts"] == digests and len(digests) == len(calib)
     shared = [prompt_digest(r["messages"]) for r in shadow[:6]]

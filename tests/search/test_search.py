@@ -387,7 +387,7 @@ def test_cpu_engine_builds_the_mixed_layout_exactly(planted, monkeypatch):
 
     d, base, arts = planted
     ckpt = Artifact.load(d / "searched")
-    from qgate.quantize.compress import split_prompts
+    from qgate.calibrate.sample import split_prompts
 
     assert ckpt.meta["search_prompts"] == split_prompts(arts["shadow"])  # the requests it was chosen on
     eng = build_engine(ckpt, "cpu", d / "searched-cpu", accuracy_level=1)

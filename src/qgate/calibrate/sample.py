@@ -49,6 +49,18 @@ def load_sampled(out: Path) -> dict[str, Artifact]:
     return arts | {s: Artifact.load(out / s, "calibration-set") for s in SPLITS if (out / s).is_dir()}
 
 
+def split_rows(split: Artifact) -> list[dict]:
+    """The requests of a split `sample_traffic` wrote (its data.jsonl), in order."""
+    return [json.loads(line) for line in (split.path / "data.jsonl").read_text().splitlines() if line.strip()]
+
+
+def split_prompts(split: Artifact) -> list[str]:
+    """The chat.prompt_digest of every request in a split, sorted: what a checkpoint made with it records
+    (`calibration_prompts`, a search's `search_prompts`), so that a gate leaves those requests out of a later
+    sample's shadow split (gates/held_out.py)."""
+    return sorted({prompt_digest(row["messages"]) for row in split_rows(split)})
+
+
 @dataclass(frozen=True)
 class SampleConfig:
     calib_size: int = 256  # prompts in the calibration set quantization runs on

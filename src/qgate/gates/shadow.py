@@ -43,7 +43,6 @@ are generated in batches with its KV cache.
 from __future__ import annotations
 
 import io
-import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -52,6 +51,7 @@ import numpy as np
 
 from qgate.artifact import Artifact, sha256_json
 from qgate.cache import read_cached_arrays, write_cached
+from qgate.calibrate.sample import split_rows
 from qgate.chat import encode_with_sources
 from qgate.engines.logits import checkpoint_stops
 from qgate.engines.protocol import GeneratesScored
@@ -146,7 +146,7 @@ def load_shadow(shadow: Artifact, cfg: ShadowConfig) -> list[dict]:
             f"{shadow.path}: --shadow must be the shadow split written by `qgate calibrate sample` "
             "(or its search split: held-out traffic too)"
         )
-    rows = [json.loads(x) for x in (shadow.path / "data.jsonl").read_text().splitlines() if x.strip()]
+    rows = split_rows(shadow)
     return rows[: cfg.max_prompts] if cfg.max_prompts else rows
 
 

@@ -60,9 +60,10 @@ def search_checkpoint(
     """shadow: the held-out split the points are gated on. confirm: the split that gates the chosen checkpoint
     afterwards, recorded in the evidence; when it is `shadow` itself (or not given) the evidence says that the chosen
     point's shadow checks are not independent of its choice."""
+    from qgate.calibrate.sample import split_prompts
     from qgate.gates.gating import shadow_check
     from qgate.gates.numerics import numerics_key
-    from qgate.quantize.compress import CalibOptions, quantize, split_prompts, storage_key, stored_float_bits
+    from qgate.quantize.compress import CalibOptions, quantize, storage_key, stored_float_bits
     from qgate.search.plot import plot_points
     from qgate.search.sensitivity import SensitivityConfig, fisher_sensitivity
 

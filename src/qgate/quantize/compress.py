@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qgate.artifact import Artifact, typed_config
-from qgate.chat import encode_messages, prompt_digest
+from qgate.calibrate.sample import split_prompts, split_rows
+from qgate.chat import encode_messages
 from qgate.errors import ConfigError, InputError
 from qgate.quantize.schemes import FallbackConfig, KVCacheConfig, weight_format
 
@@ -171,22 +172,11 @@ def check_unquantized(base: Artifact, what: str) -> None:
     )
 
 
-def _rows(calib: Artifact) -> list[dict]:
-    return [json.loads(line) for line in (calib.path / "data.jsonl").read_text().splitlines() if line.strip()]
-
-
-def split_prompts(split: Artifact) -> list[str]:
-    """The chat.prompt_digest of every request in a split of `qgate calibrate sample`, sorted: what a checkpoint made
-    with it records (`calibration_prompts`, a search's `search_prompts`), so that a gate leaves those requests out of
-    a later sample's shadow split (gates/held_out.py)."""
-    return sorted({prompt_digest(row["messages"]) for row in _rows(split)})
-
-
 def load_calibration(calib: Artifact, tokenizer, opts: CalibOptions):
     from datasets import Dataset
 
     check_calibration_split(calib)
-    rows = _rows(calib)
+    rows = split_rows(calib)
     if opts.max_samples:
         rows = rows[: opts.max_samples]
     if not rows:

@@ -30,12 +30,12 @@ def smooth_awq(base: Artifact, calib: Artifact, scheme, opts, out: Path) -> Arti
     import torch
     from llmcompressor import oneshot
 
+    from qgate.calibrate.sample import split_prompts
     from qgate.quantize.compress import (
         check_unquantized,
         cpu_safe_intermediates,
         load_calibration,
         load_host_model,
-        split_prompts,
     )
     from qgate.trust import check_loadable, copy_tokenizer_files, load_tokenizer
 

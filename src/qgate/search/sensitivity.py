@@ -26,7 +26,6 @@ quantized for real and gated.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -108,6 +107,7 @@ def fisher_sensitivity(
     has kl and kl_at at that setting only, and "head" names it."""
     import torch
 
+    from qgate.calibrate.sample import split_rows
     from qgate.progress import progress
     from qgate.quantize.compress import check_calibration_split, load_host_model
     from qgate.trust import check_loadable, load_tokenizer
@@ -119,7 +119,7 @@ def fisher_sensitivity(
     tok = load_tokenizer(base.path)
     model = load_host_model(base.path, torch.float32).eval()
     scheme.check_model(model)
-    rows = [json.loads(x) for x in (calib.path / "data.jsonl").read_text().splitlines() if x.strip()][: cfg.samples]
+    rows = split_rows(calib)[: cfg.samples]
     if not rows:
         raise InputError(f"{calib.path}: calibration set is empty")
     layers = quantized_linears(model, scheme)
