@@ -208,9 +208,8 @@ def sample_traffic(
             "stats": counts["stats"],
             "estimates": counts["estimates"],
         } | ({"remote_source": True} if is_uri(traffic) else {})
-        if name == "shadow" and held_from:
-            drawn = sum(prompt_digest(r["messages"]) in held_from for r in calib + search)
-            meta["held_from"] = {"requests": len(held_from), "in_other_splits": drawn}
+        if name == "shadow" and "held_from" in counts:
+            meta["held_from"] = counts["held_from"]
         arts[name] = Artifact.create("calibration-set", d, params, (source, prof_art.sha256), meta)
     if picture:
         from qgate.calibrate.profile_plot import plot_profile
@@ -292,7 +291,10 @@ def _select(
     }
     _check_counts(source, stats, sum(len(r) for r in ranked.values()), config, state.partitions, quoted, name)
     # the rows a shadow split may take: none that `held_from` names (a model calibrated on it is gated on this split)
-    open_ = {s: [r for r in rows if prompt_digest(r["messages"]) not in held_from] for s, rows in ranked.items()}
+    held: set[int] = set()
+    if held_from:
+        held = {id(r) for rows in ranked.values() for r in rows if prompt_digest(r["messages"]) in held_from}
+    open_ = {s: [r for r in rows if id(r) not in held] for s, rows in ranked.items()}
     shadow_q = _allocate(sizes, config.shadow_size, {s: len(r) for s, r in open_.items()})
     rest = {s: sizes[s] - shadow_q[s] for s in sizes}
     calib_q = _allocate(rest, config.calib_size, {s: len(ranked[s]) - shadow_q[s] for s in ranked})
@@ -310,7 +312,11 @@ def _select(
         shadow += taken
         calib += left[: calib_q[s]]
         search += left[calib_q[s] : calib_q[s] + search_q[s]]
-    return calib, shadow, search, {"stats": stats, "estimates": estimates}
+    counts = {"stats": stats, "estimates": estimates}
+    if held_from:
+        drawn = sum(id(r) in held for r in calib + search)
+        counts["held_from"] = {"requests": len(held_from), "in_other_splits": drawn}
+    return calib, shadow, search, counts
 
 
 def _check_counts(
