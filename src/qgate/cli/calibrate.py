@@ -101,10 +101,10 @@ def _calibration_requests(path: Path) -> tuple[str, ...]:
     and its search's; none for one made without data)."""
     from qgate.artifact import Artifact
     from qgate.errors import InputError
-    from qgate.gates.held_out import made_with
+    from qgate.gates.held_out import made_with, unrecorded
 
     art = Artifact.load(path, ("checkpoint", "engine"))
-    if "calibration_prompts" not in art.meta and art.meta.get("calibration_sha256"):
+    if unrecorded(art):
         raise InputError(
             f"{path}: --held-from: this {art.kind} records no calibration requests (it was quantized before qgate "
             "recorded them), so the shadow split cannot pass over them",

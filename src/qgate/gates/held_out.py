@@ -48,6 +48,13 @@ def made_with(art: Artifact) -> set[str]:
     return set(art.meta.get("calibration_prompts", ())) | set(art.meta.get("search_prompts", ()))
 
 
+def unrecorded(*arts: Artifact) -> bool:
+    """Whether these manifests (a candidate and the checkpoint it was built from) say the model was calibrated
+    (`calibration_sha256`) but none records the requests (`calibration_prompts`): quantized before the record."""
+    calibrated = any(a.meta.get("calibration_sha256") for a in arts)
+    return calibrated and not any("calibration_prompts" in a.meta for a in arts)
+
+
 def held_out(candidate: Artifact, shadow: Artifact, rows: list[dict], checkpoint: Artifact | None = None) -> HeldOut:
     """The split rule (InputError), then the request rule over `rows` (the shadow rows the gate scores, in order).
     checkpoint: an engine candidate's checkpoint (default: its manifest's record)."""
@@ -72,8 +79,7 @@ def held_out(candidate: Artifact, shadow: Artifact, rows: list[dict], checkpoint
             "split its search chose on; two samples of the same traffic share requests): the shadow checks leave "
             "them out.",
         )
-    calibrated = any(art.meta.get("calibration_sha256") for art in made)
-    if calibrated and not any("calibration_prompts" in art.meta for art in made):
+    if unrecorded(*made):
         notes += (
             "The candidate's manifest records no calibration requests (it was quantized before qgate recorded them), "
             "so shadow requests that were also in its calibration set could not be left out.",
