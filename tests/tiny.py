@@ -10,6 +10,26 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# a Hermes/Qwen-style template for tool use: the tools in a system block, each call as a <tool_call> of its name and
+# arguments (an object), results as tool turns; TOOL_MESSAGES alone writes the calls but no tools
+TOOLS_BLOCK = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+)
+TOOL_MESSAGES = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function']['name'] }} "
+    "{{ c['function']['arguments'] | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_TEMPLATE = TOOLS_BLOCK + TOOL_MESSAGES
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 WORDS = (
     "the a cat dog model weights traffic quantize serve latency token prompt answer question "
     "route tenant error code python function summary rewrite please help why how what when"

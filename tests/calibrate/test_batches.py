@@ -45,11 +45,30 @@ ROOT = Path(__file__).parents[2]
 
 _text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 _role = st.sampled_from(["system", "user", "assistant", "tool", "developer", "user"])
-_turn = st.fixed_dictionaries({"role": _role, "content": _text})
+_call = st.fixed_dictionaries(
+    {"id": st.text(max_size=4), "type": st.just("function")},
+    optional={"function": st.fixed_dictionaries({"name": st.text(max_size=8)}, optional={"arguments": _text})},
+)
+_turn = st.one_of(
+    st.fixed_dictionaries({"role": _role, "content": _text}),
+    st.fixed_dictionaries(  # tool use: a call (maybe without text or a function), a result, a named turn
+        {"role": _role, "content": st.one_of(st.none(), _text)},
+        optional={
+            "tool_calls": st.lists(_call, max_size=2),
+            "tool_call_id": st.text(max_size=4),
+            "name": st.text(max_size=4),
+        },
+    ),
+)
+_tool = st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.text(max_size=8)})},
+    optional={"extra": st.none()},
+)
 _record = st.one_of(
     st.fixed_dictionaries(
         {"messages": st.lists(_turn, min_size=1, max_size=4)},
         optional={
+            "tools": st.one_of(st.none(), st.lists(_tool, max_size=2)),
             "route": st.one_of(st.none(), st.text(max_size=5), st.just("r" * 201)),
             "tenant": st.sampled_from(["", "acme", "globex"]),
             "ts": st.one_of(st.integers(0, 2**40), st.floats(0, 2e9)),

@@ -37,8 +37,8 @@ def test_bad_records_are_rejected_with_line_numbers_and_reasons(tmp_path):
 
 
 def test_the_summary_counts_rejects_by_reason_and_names_a_tool_call(tmp_path, capsys):
-    """A third of the log is tool-using conversations (an assistant turn of tool_calls and no text): every one is
-    rejected for that, and the summary says so above the strata they are missing from."""
+    """A third of the log is tool-using conversations whose calls name no function: every one is rejected for that,
+    and the summary says so above the strata they are missing from."""
     from qgate.cli.main import main
 
     call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}
@@ -55,25 +55,25 @@ def test_the_summary_counts_rejects_by_reason_and_names_a_tool_call(tmp_path, ca
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"read 150 records: 51 rejected (see {tmp_path / 'out' / 'rejects.jsonl'})")
     assert out[1:3] == [
-        "  50 rejected: messages[i] is a tool call with no text content (tool_calls): qgate samples text turns only",
+        "  50 rejected: messages[i].tool_calls[i] has no 'function' with a 'name'",
         "  1 rejected: invalid JSON (unexpected character, expected a string key at column 2)",
     ]
     rejects = [json.loads(x) for x in (tmp_path / "out/rejects.jsonl").read_text().splitlines()]
     assert {r["reason"] for r in rejects if r["line"] == 1} == {
-        "messages[1] is a tool call with no text content (tool_calls): qgate samples text turns only"
+        "messages[1].tool_calls[0] has no 'function' with a 'name'"
     }
 
 
 def test_traffic_the_sampler_cannot_read_is_drift_though_every_facet_read_stays(tmp_path):
-    """A third of the recent log turns to tool calls, every one rejected: routes, lengths and words of the records
-    read are as before, and the rejected share is what moved."""
+    """A third of the recent log turns to legacy function calls (a `function_call` turn, not read), every one
+    rejected: routes, lengths and words of the records read are as before, and the rejected share is what moved."""
 
     def log(name: str, tools: bool) -> dict:
         lines = []
         for i in range(600):
             turns = [{"role": "user", "content": f"question {i % 97} about the weather and the code"}]
             if tools and i % 3 == 0:
-                turns += [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}, turns[0]]
+                turns += [{"role": "assistant", "content": None, "function_call": {"name": "f"}}, turns[0]]
             lines.append(json.dumps({"messages": turns, "route": "chat"}))
         (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
         arts = sample_traffic(tmp_path / f"{name}.jsonl", tmp_path / name, SampleConfig(calib_size=10, shadow_size=10))

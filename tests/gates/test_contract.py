@@ -475,3 +475,30 @@ def test_a_candidate_made_from_another_model_than_its_baseline_says_so_in_the_re
         f"The candidate was made from base model {base_art.sha256[:16]}, not from the baseline it is gated against "
         f"({other.sha256[:16]}): the verdict compares it with that baseline."
     )
+
+
+def test_requests_that_offer_tools_are_rendered_with_them(base_art, rows, tmp_path):
+    """Under a template that writes tools, a candidate whose template leaves them out differs on exactly the requests
+    that offer tools; under one that writes none, the evidence counts those requests as rendered without them."""
+    from qgate.gates.gating import _tools_note
+
+    tooled = [{"messages": r["messages"], "tools": [tiny.WEATHER]} for r in rows[:5]]
+    both = rows + tooled
+
+    def template(text):
+        return lambda d: (d / "chat_template.jinja").write_text(text)
+
+    writes = _variant(base_art, tmp_path, "writes", template(tiny.TOOL_TEMPLATE))
+    silent = _variant(base_art, tmp_path, "silent", template(tiny.TOOL_MESSAGES))
+    failed = _failed(contract_gate(silent, writes, both, ContractConfig()))
+    assert set(failed) == {"chat_template", "prompt_rendering"}
+    assert failed["prompt_rendering"][0]["prompts_differing"] == 5
+    assert failed["prompt_rendering"][0]["first"]["prompt"] == len(rows)
+    same = contract_gate(_variant(base_art, tmp_path, "same", lambda d: None), base_art, both, ContractConfig())
+    assert all(r.verdict == "pass" for r in same)
+    (ev,) = [r.evidence["tools"] for r in same if r.metric == "prompt_rendering"]
+    assert ev == {"requests": 5, "not_written": 5}
+    assert _tools_note(same)[0].startswith("5 of the 5 shadow requests that offer tools render without them")
+    assert _tools_note(contract_gate(writes, writes, both, ContractConfig())) == ()
+    plain = contract_gate(_variant(base_art, tmp_path, "plain", lambda d: None), base_art, rows, ContractConfig())
+    assert "tools" not in next(r for r in plain if r.metric == "prompt_rendering").evidence

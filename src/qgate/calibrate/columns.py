@@ -12,6 +12,7 @@ import numpy as np
 
 from qgate.calibrate.batch import Batch, ranges
 from qgate.calibrate.reader import MAX_LABEL_CHARS, ROLES
+from qgate.chat import TOOL_FIELDS
 
 # Python's whitespace (str.isspace, what str.strip() removes), as an RE2 class; the tests check it code point by point
 PY_SPACE = r"\t\n\x0b\x0c\r\x1c-\x20\x85\xa0\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}"
@@ -105,6 +106,8 @@ def accepted_columns(table) -> tuple[np.ndarray, Batch] | None:
     )
     use_prompt = ~has_msgs & has_prompt
     ok = has_msgs | use_prompt
+    if (tools := col("tools")) is not None:
+        ok &= ~tools.is_valid().to_numpy(zero_copy_only=False)
 
     # turns: each row's messages, or its prompt as one user turn
     if messages is not None:
@@ -118,6 +121,11 @@ def accepted_columns(table) -> tuple[np.ndarray, Batch] | None:
             & m_content.is_valid().to_numpy(zero_copy_only=False)
         )
         m_ok &= pc.is_in(m_role, value_set=pa.array(ROLES)).fill_null(False).to_numpy(zero_copy_only=False)
+        # tool use (a tool turn, a tool field, the legacy function_call) is parse_record's to read
+        m_ok &= ~pc.equal(m_role, "tool").fill_null(False).to_numpy(zero_copy_only=False)
+        for k in (*TOOL_FIELDS, "function_call"):
+            if flat.type.get_field_index(k) >= 0:
+                m_ok &= ~flat.field(k).is_valid().to_numpy(zero_copy_only=False)
         lo, hi = msg_off[:-1], msg_off[1:]
         per_row_len = np.where(has_msgs, hi - lo, 0)
         ok &= ~has_msgs | (per_row_len > 0)

@@ -4,8 +4,10 @@
 
 Accepts JSONL (plain, `.gz` or `.zst`) or Parquet rows holding an OpenAI chat `messages` list or a plain
 `prompt` string, with optional `route`, `tenant` (strings), `ts` (ISO-8601 or epoch seconds) and `latency_ms`.
-Turns are text: a record with a tool-call turn that has no text content is rejected, saying so; a request's `tools`
-and the `tool_calls` beside a turn's text are not read, so such a prompt is sampled without them.
+Tool use is read as OpenAI logs it: a request's `tools` (a list, or its JSON text), and per message `tool_calls`,
+`tool_call_id` and `name` (`chat.TOOL_FIELDS`; a tool call's content may be null). A request is kept up to its last
+user or tool message (what follows is the logged answer). Keys whose value is null inside tools and tool calls are
+dropped (a Parquet row fills every key of its column's type with null). The legacy `function_call` is not read.
 Whatever else a line holds (bad UTF-8, NUL bytes, a truncated tail, nesting deeper than orjson's 1,024 levels,
 a field of the wrong type, a line longer than `max_line_bytes`) becomes a Reject with its line number and reason.
 A record over `max_line_bytes` is rejected unread: a JSONL line is skipped without being held, a Parquet row is
@@ -14,6 +16,7 @@ counted on pyarrow's buffers and never converted (pyarrow decodes the data page 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,7 +40,7 @@ _BOM = b"\xef\xbb\xbf"
 @dataclass(frozen=True)
 class Request:
     line: int  # 1-based line (JSONL) or row (Parquet) number
-    messages: tuple[tuple[str, str], ...]  # (role, content), ending with the last user turn
+    messages: tuple[tuple[str, str], ...]  # chat.request_turns: (role, text), ending with the last user or tool turn
     route: str
     tenant: str
     ts: float | None  # epoch seconds
@@ -230,7 +233,7 @@ def parse_record(n: int, obj: object, raw: bytes) -> Request | Reject:
         messages = [{"role": "user", "content": obj["prompt"]}]
     if messages is None:
         return Reject(n, "record has neither 'messages' nor 'prompt'", _excerpt(raw))
-    turns, why = _turns(messages)
+    turns, why = _turns(messages, obj.get("tools"))
     ts, why = (None, why) if why else _timestamp(obj.get("ts"))
     labels = {}
     for key in ("route", "tenant"):
@@ -259,10 +262,13 @@ def _number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _turns(messages: object) -> tuple[tuple, str | None]:
+def _turns(messages: object, tools: object) -> tuple[tuple, str | None]:
+    from qgate.chat import request_turns
+
     if not isinstance(messages, list) or not messages:
         return (), "'messages' must be a non-empty list"
-    turns = []
+    tools, why = _tools(tools)
+    kept = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             return (), f"messages[{i}] is not an object"
@@ -275,17 +281,80 @@ def _turns(messages: object) -> tuple[tuple, str | None]:
             ):
                 return (), f"messages[{i}].content has a text part whose 'text' is not a string"
             content = "\n".join(p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text")
-        if content is None and (m.get("tool_calls") or m.get("function_call")):
-            return (), f"messages[{i}] is a tool call with no text content (tool_calls): qgate samples text turns only"
+        fields, why_field = _tool_fields(m, i)
+        if why_field:
+            return (), why_field
+        if content is None and m.get("function_call") and not fields.get("tool_calls"):
+            return (), f"messages[{i}] is a legacy 'function_call' with no text content: log the call as 'tool_calls'"
+        if content is None and fields.get("tool_calls"):
+            content = ""
         if not isinstance(content, str):
             return (), f"messages[{i}].content is not text"
         if "\x00" in content:
             return (), f"messages[{i}].content holds NUL characters (a corrupt or binary record)"
-        turns.append((role, content))
-    last_user = max((i for i, (r, _) in enumerate(turns) if r == "user"), default=None)
-    if last_user is None or not turns[last_user][1].strip():
+        kept.append({"role": role, "content": content} | fields)
+    if not any(m["role"] == "user" and m["content"].strip() for m in kept):
         return (), "no non-empty user message"
-    return tuple(turns[: last_user + 1]), None
+    last = max(i for i, m in enumerate(kept) if m["role"] in ("user", "tool"))
+    if not kept[last]["content"].strip():
+        return (), f"the last {kept[last]['role']} message (messages[{last}]) is empty"
+    if why:
+        return (), why
+    try:
+        return tuple(request_turns(kept[: last + 1], tools)), None
+    except (TypeError, ValueError) as e:  # a Parquet value JSON cannot hold: bytes, a date, NaN
+        return (), f"a tool field is not JSON ({e})"
+
+
+def _without_nulls(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def _tools(tools: object) -> tuple[list | None, str | None]:
+    """A request's tools, or why they cannot be read. Its JSON text is read as the list it holds."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            return None, "'tools' is a string that is not JSON"
+    if tools is None or tools == []:
+        return None, None
+    if not isinstance(tools, list):
+        return None, f"'tools' has type {type(tools).__name__}, not a list"
+    tools = _without_nulls(tools)
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str)):
+            return None, f"tools[{i}] is not a function tool ({{'type': 'function', 'function': {{'name': ...}}}})"
+    return tools, None
+
+
+def _tool_fields(m: dict, i: int) -> tuple[dict, str | None]:
+    """The message's tool fields (chat.TOOL_FIELDS, nulls left out, an empty tool_calls dropped), or why not."""
+    fields = {}
+    calls = m.get("tool_calls")
+    if calls is not None and calls != []:
+        if not isinstance(calls, list):
+            return {}, f"messages[{i}].tool_calls has type {type(calls).__name__}, not a list"
+        calls = _without_nulls(calls)
+        for j, c in enumerate(calls):
+            f = c.get("function") if isinstance(c, dict) else None
+            if not (isinstance(f, dict) and isinstance(f.get("name"), str)):
+                return {}, f"messages[{i}].tool_calls[{j}] has no 'function' with a 'name'"
+            if not isinstance(f.get("arguments", ""), (str, dict)):
+                return {}, f"messages[{i}].tool_calls[{j}].function.arguments is neither JSON text nor an object"
+        fields["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        v = m.get(key)
+        if v is not None and not isinstance(v, str):
+            return {}, f"messages[{i}].{key} has type {type(v).__name__}, not a string"
+        if v is not None:
+            fields[key] = v
+    return fields, None
 
 
 def _timestamp(ts: object) -> tuple[float | None, str | None]:

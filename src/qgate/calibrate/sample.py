@@ -58,7 +58,7 @@ def split_prompts(split: Artifact) -> list[str]:
     """The chat.prompt_digest of every request in a split, sorted: what a checkpoint made with it records
     (`calibration_prompts`, a search's `search_prompts`), so that a gate leaves those requests out of a later
     sample's shadow split (gates/held_out.py)."""
-    return sorted({prompt_digest(row["messages"]) for row in split_rows(split)})
+    return sorted({prompt_digest(row["messages"], row.get("tools")) for row in split_rows(split)})
 
 
 @dataclass(frozen=True)
@@ -293,7 +293,9 @@ def _select(
     # the rows a shadow split may take: none that `held_from` names (a model calibrated on it is gated on this split)
     held: set[int] = set()
     if held_from:
-        held = {id(r) for rows in ranked.values() for r in rows if prompt_digest(r["messages"]) in held_from}
+        held = {
+            id(r) for rows in ranked.values() for r in rows if prompt_digest(r["messages"], r.get("tools")) in held_from
+        }
     open_ = {s: [r for r in rows if id(r) not in held] for s, rows in ranked.items()}
     shadow_q = _allocate(sizes, config.shadow_size, {s: len(r) for s, r in open_.items()})
     rest = {s: sizes[s] - shadow_q[s] for s in sizes}
@@ -330,8 +332,8 @@ def _check_counts(
         raise InputError(
             f"{traffic}: {rejected} of {records} records were rejected ({frac:.0%}, more than "
             f"{name('max_reject_fraction')} = {config.max_reject_fraction}){_worst(partitions)}",
-            hint="expected OpenAI chat 'messages' of text turns or 'prompt' records, one JSON object per line; the "
-            "first rejects, and where any compressed stream broke off (its lines before may be garbage):"
+            hint="expected OpenAI chat 'messages' (text turns, tool calls) or 'prompt' records, one JSON object per "
+            "line; the first rejects, and where any compressed stream broke off (its lines before may be garbage):"
             + "".join(f"\n    {r['file']}:{r['line']}: {r['reason']}" for r in quoted),
         )
     sizes = " + ".join(name(f) for f in ("calib_size", "shadow_size", "search_size"))

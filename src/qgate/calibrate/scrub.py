@@ -26,7 +26,8 @@ REGIONS = ("US", "GB", "DE", "FR")  # national phone formats recognised without 
 DIGIT = object()  # a rule's precondition: the text holds a decimal digit (what \d matches)
 _ANY_DIGIT = re.compile(r"\d")
 _SECRET = re.compile(
-    r"-----BEGIN (?:[A-Z]+ )?PRIVATE KEY-----[\s\S]*?-----END (?:[A-Z]+ )?PRIVATE KEY-----"
+    # a key holds no quote: a match never runs from one JSON string of a tool field into the next
+    r"-----BEGIN (?:[A-Z]+ )?PRIVATE KEY-----[^\"]*?-----END (?:[A-Z]+ )?PRIVATE KEY-----"
     r"|\b(?:sk-[A-Za-z0-9_-]{16,}|[sr]k_(?:live|test)_[A-Za-z0-9]{16,}|(?:AKIA|ASIA)[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{30,}"
     r"|github_pat_[A-Za-z0-9_]{40,}|glpat-[A-Za-z0-9_-]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|AIza[0-9A-Za-z_-]{35}"
     r"|hf_[A-Za-z]{30,}|npm_[A-Za-z0-9]{36}|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})"

@@ -30,6 +30,7 @@ from qgate.calibrate.scrub import HINT, rule_hints, scrub
 from qgate.calibrate.sketches import DistinctCount
 from qgate.calibrate.sources import Partition
 from qgate.calibrate.words import batch_words, text_words, word_table, words
+from qgate.chat import request_from_turns
 
 _OTHER_SPACE = PY_SPACE.replace(r"\x1c-\x20", r"\x1c-\x1f")  # Python's whitespace but " "
 # a text that " ".join(t.split()) changes: whitespace other than one " " between two other characters
@@ -222,10 +223,12 @@ class SampleState:
                 i = int(rows[j])
                 a, b = starts[i], starts[i + 1]
                 line = int(batch.lines[i])
+                messages, tools = request_from_turns(
+                    [(r, clean[t]) for r, t in zip(batch.roles[a:b], ids[a:b], strict=True)]
+                )
                 row = {
-                    "messages": [
-                        {"role": r, "content": clean[t]} for r, t in zip(batch.roles[a:b], ids[a:b], strict=True)
-                    ],
+                    "messages": messages,
+                    **({"tools": tools} if tools else {}),
                     "route": batch.routes[i],
                     "stratum": st,
                     "line": line,

@@ -13,8 +13,8 @@ Words of one request co-vary, so for vocabulary a multinomial bootstrap understa
 two halves of one log differ by JS 0.09 where it predicts 0.024); the noise there is measured instead, from each
 profile's two content-hashed halves, scaled to the sizes compared.
 The rejected share counts records the gates never see (malformed, or a kind of request qgate does not read, such as
-tool calls): when it grows, production's evidence covers less of the traffic, though every other facet, read from
-the records kept, stays where it was.
+a legacy function call): when it grows, production's evidence covers less of the traffic, though every other facet,
+read from the records kept, stays where it was.
 """
 
 from __future__ import annotations

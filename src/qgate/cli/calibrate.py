@@ -116,14 +116,14 @@ def _calibration_requests(path: Path) -> tuple[str, ...]:
 
 def _reasons(rejects: Path, rejected: int) -> list[str]:
     """The commonest reasons in rejects.jsonl, one line each with its count: what a reader of the summary needs first
-    (a whole kind of request left out, say), without opening the file. Turn numbers are folded into `messages[i]`."""
+    (a whole kind of request left out, say), without opening the file. Turn and call numbers are folded into `[i]`."""
     import re
     from collections import Counter
 
     if not rejected or not rejects.is_file():
         return []
     with rejects.open() as f:
-        counts = Counter(re.sub(r"messages\[\d+\]", "messages[i]", json.loads(line)["reason"]) for line in f)
+        counts = Counter(re.sub(r"\[\d+\]", "[i]", json.loads(line)["reason"]) for line in f)
     more = len(counts) - _REASONS
     return [f"  {n:,} rejected: {why}" for why, n in counts.most_common(_REASONS)] + (
         [f"  ... and {more} more reasons" if more > 1 else "  ... and 1 more reason"] if more > 0 else []

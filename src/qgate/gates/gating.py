@@ -172,6 +172,18 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
     }
 
 
+def _tools_note(contract: list) -> tuple[str, ...]:
+    """What the reader must know when the baseline's chat template writes no tools for requests that offer them."""
+    tools = next((r.evidence.get("tools") for r in contract if r.metric == "prompt_rendering"), None)
+    if not tools or not tools["not_written"]:
+        return ()
+    return (
+        f"{tools['not_written']} of the {tools['requests']} shadow requests that offer tools render without them: the "
+        "baseline's chat template writes no tools, so they are scored as that model is served, and tool use itself "
+        "is not tested.",
+    )
+
+
 def _provenance_notes(candidate: Artifact, baseline: Artifact) -> tuple[str, ...]:
     """What a reader of the verdict must know about where the two models came from, when qgate did not make them."""
     from qgate.models import IMPORTED
@@ -225,6 +237,7 @@ def run_gates(
         )
     notes = notes + held.notes
     results = contract_gate(candidate, baseline, rows, cfg.contract)
+    notes = notes + _tools_note(results)
     timings["contract"] = time.perf_counter() - t
     refused = [r.metric for r in results if r.verdict in ("fail", "error")]
     if refused and not cfg.score_anyway:

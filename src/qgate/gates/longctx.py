@@ -116,7 +116,7 @@ def encode_documents(tokenizer, rows: list[dict], context: int, limit: int) -> t
     encoded = []
     for row in rows:
         if "messages" in row:
-            ids, own, _ = encode_with_sources(tokenizer, row["messages"], 10**9)
+            ids, own, _ = encode_with_sources(tokenizer, row["messages"], 10**9, row.get("tools"))
         else:
             ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
             own = [True] * len(ids)

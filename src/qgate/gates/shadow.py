@@ -173,7 +173,9 @@ def baseline_reference(
     if (cached := read_cached_arrays(path)) is not None:
         return cached | _routes(rows) | _stops(baseline), True
     runner = runner_factory()
-    encoded = [encode_with_sources(runner.tokenizer, row["messages"], cfg.max_prompt_tokens) for row in rows]
+    encoded = [
+        encode_with_sources(runner.tokenizer, row["messages"], cfg.max_prompt_tokens, row.get("tools")) for row in rows
+    ]
     t0 = time.perf_counter()
     prompts = [e.ids for e in encoded]
     if isinstance(runner, GeneratesScored):  # answers and scores in one pass: prefill + KV-cached decode steps

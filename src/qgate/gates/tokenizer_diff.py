@@ -3,6 +3,7 @@ each renders the same prompts, for the contract gate.
 
     diffs = loaded_tokenizer_diffs(btok, ctok) + template_diff(btok, ctok)
     diffs, n = rendering_diffs(btok, ctok, shadow_rows)   # n: the prompts rendered
+    unwritten = tools_not_written(btok, shadow_rows)       # requests whose tools the template leaves out
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ def rendering_diffs(btok, ctok, rows: list[dict]) -> tuple[list[dict], int]:
     """Whole prompts, untruncated: what a server renders, whatever window the shadow gate later scores."""
     bad = []
     for i, row in enumerate(rows):
-        b, c = (tok(render(tok, row["messages"]), add_special_tokens=False)["input_ids"] for tok in (btok, ctok))
+        b, c = (
+            tok(render(tok, row["messages"], row.get("tools")), add_special_tokens=False)["input_ids"]
+            for tok in (btok, ctok)
+        )
         if b != c:
             at = next((j for j, (x, y) in enumerate(zip(b, c, strict=False)) if x != y), min(len(b), len(c)))
             bad.append(
@@ -74,3 +78,11 @@ def rendering_diffs(btok, ctok, rows: list[dict]) -> tuple[list[dict], int]:
         else []
     )
     return diffs, len(rows)
+
+
+def tools_not_written(tok, rows: list[dict]) -> int:
+    """How many of the requests that offer tools render as they would without them: the chat template writes no
+    tools, so the model is served (and scored) without them."""
+    return sum(
+        render(tok, row["messages"], row["tools"]) == render(tok, row["messages"]) for row in rows if row.get("tools")
+    )

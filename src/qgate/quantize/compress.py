@@ -181,7 +181,7 @@ def load_calibration(calib: Artifact, tokenizer, opts: CalibOptions):
         rows = rows[: opts.max_samples]
     if not rows:
         raise InputError(f"{calib.path}: calibration set is empty")
-    ids = [encode_messages(tokenizer, r["messages"], opts.max_seq_length) for r in rows]
+    ids = [encode_messages(tokenizer, r["messages"], opts.max_seq_length, r.get("tools")) for r in rows]
     return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
 
 

@@ -135,7 +135,7 @@ def fisher_sensitivity(
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens, t0 = 0, time.perf_counter()
     for row in progress(rows, desc="search: layer sensitivity", unit="seq"):
-        ids = torch.tensor([encode_messages(tok, row["messages"], cfg.max_seq_length)])  # [1, T]
+        ids = torch.tensor([encode_messages(tok, row["messages"], cfg.max_seq_length, row.get("tools"))])  # [1, T]
         logits = model(input_ids=ids).logits[0].float()  # [T, V]
         with torch.no_grad():
             labels = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]  # [T], from the model itself
