@@ -93,6 +93,43 @@ def test_traffic_the_sampler_cannot_read_is_drift_though_every_facet_read_stays(
     assert old["verdict"] == "inconclusive" and old["note"].startswith("nothing to compare")
 
 
+def test_traffic_that_turns_to_tool_use_drifts_on_the_tool_use_facet(tmp_path, capsys):
+    """A third of the recent log offers a tool and carries its call and result: the tool-use share moves from 0 to a
+    third; a log without tool use records no count (its profile is as before) and compares at 0."""
+    from qgate.cli.main import main
+
+    def log(name: str, tools: bool) -> dict:
+        lines = []
+        for i in range(600):
+            record = {"messages": [{"role": "user", "content": f"question {i % 97} about the weather"}]}
+            if tools and i % 3 == 0:
+                call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+                record["messages"] += [
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c", "content": "dry"},
+                ]
+                record["tools"] = [tiny.WEATHER]
+            lines.append(json.dumps(record))
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+        out = tmp_path / name
+        argv = ["calibrate", "sample", "--traffic", str(tmp_path / f"{name}.jsonl"), "--out", str(out)]
+        assert main([*argv, "--calib-size", "10", "--shadow-size", "10"]) == 0
+        return json.loads((out / "profile" / "profile.json").read_text())
+
+    before = log("before", False)
+    assert "tool_use" not in before["stats"] and "use tools" not in capsys.readouterr().out
+    after = log("after", True)
+    assert after["stats"]["tool_use"] == 200 and "; 200 read use tools" in capsys.readouterr().out.splitlines()[0]
+    rows = {r["facet"]: r for r in traffic_drift(before, after, DriftConfig())}
+    tool = rows["tool_use"]
+    assert tool["verdict"] == "drift" and (tool["n_old"], tool["n_new"]) == (600, 600)
+    assert {s["category"]: (s["old"], s["new"]) for s in tool["top_shifts"]} == {
+        "tools": (0.0, pytest.approx(1 / 3)),
+        "no tools": (1.0, pytest.approx(2 / 3)),
+    }
+    assert {r["facet"]: r["verdict"] for r in traffic_drift(before, before, DriftConfig())}["tool_use"] == "ok"
+
+
 def test_splits_are_disjoint_sized_and_hashed(tmp_path):
     traffic = tiny.make_traffic(tmp_path / "t.jsonl", n=200)
     arts = sample_traffic(traffic, tmp_path / "out", SampleConfig(calib_size=40, shadow_size=25))

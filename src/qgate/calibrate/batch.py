@@ -23,7 +23,7 @@ class Batch:
     tenants: list[str]
     ts: np.ndarray  # float64 [n], NaN where the record has none
     latency: np.ndarray  # float64 [n], NaN where the record has none
-    roles: list[str]  # [turns]: the turns each request keeps (up to its last user turn), flattened
+    roles: list[str]  # [turns]: each request's chat.request_turns (up to its last user or tool turn), flattened
     contents: object  # pyarrow StringArray [turns]
     starts: np.ndarray  # int64 [n + 1]: request i's turns are [starts[i], starts[i + 1])
     rejects: list[Reject] = field(default_factory=list)

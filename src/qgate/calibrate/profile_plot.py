@@ -27,7 +27,8 @@ def plot_profile(profile: dict, path: Path) -> Path:
     stats = profile.get("stats", {})
     fig.suptitle(
         f"Traffic profile of {profile.get('source', '?')}: {profile['requests']:,} requests profiled, "
-        f"{stats.get('records', 0):,} records read, {stats.get('rejected', 0):,} rejected",
+        f"{stats.get('records', 0):,} records read, {stats.get('rejected', 0):,} rejected"
+        + (f", {tools:,} use tools" if (tools := stats.get("tool_use")) else ""),
         fontsize=10,
     )
 
@@ -35,7 +36,7 @@ def plot_profile(profile: dict, path: Path) -> Path:
     ax[0, 0].bar(range(len(lengths)), [v / n for v in lengths.values()], color="#4477aa")
     ax[0, 0].set_xticks(range(len(lengths)), list(lengths))
     ax[0, 0].set(
-        xlabel="prompt length (words, all turns up to the last user turn)",
+        xlabel="prompt length (words, all turns up to the last user or tool turn)",
         ylabel="share of requests",
         title="Prompt length",
     )

@@ -70,7 +70,7 @@ class SampleConfig:
     min_words: int = 1  # prompts shorter than this are dropped (not rejected)
     max_reject_fraction: float = 0.5  # above this the log is probably not what you meant
     max_line_bytes: int = MAX_LINE_BYTES  # a longer JSONL line is rejected without being read into memory
-    VERSION = 1
+    VERSION = 2
 
     def __post_init__(self):
         at_least = {"calib_size": 1, "shadow_size": 1, "search_size": 0, "seed": 0, "min_words": 0}
@@ -273,6 +273,7 @@ def _select(
             ("records", state.stats["records"]),
             ("rejected", state.stats["rejected"]),
             ("too_short", state.stats["too_short"]),
+            ("tool_use", state.stats["tool_use"]),  # accepted records that offer tools or carry tool calls
             ("kept", unique),
             ("duplicates", state.stats["usable"] - unique),
         )

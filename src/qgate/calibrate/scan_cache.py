@@ -13,7 +13,8 @@ a warm run over a year of hourly partitions reads 8,760 small files, not 8,760 s
 
 A partition counts as unchanged when its location, its name below the source's root, its size and its modification
 time are (a file rewritten in place keeping both is not noticed). The key also holds the scan's settings, the
-versions of the libraries whose behaviour defines a scan, and the hash of qgate.calibrate's own source, so any
+versions of the libraries whose behaviour defines a scan, and the hash of qgate.calibrate's own source and of
+qgate.chat, so any
 change to parsing, scrubbing, words or sampling misses instead of reusing an old scan. An entry is the scan's state
 in the JSON form every executor merges (calibrate/state_json.py), checked against its sha256 (cache.py), never a
 pickle: a cached partition gives the same artifacts as a fresh scan, byte for byte.
@@ -32,11 +33,21 @@ _LIBS = ("pyarrow", "datasketches", "phonenumbers", "orjson", "backports.zstd")
 
 @functools.lru_cache(maxsize=1)
 def code_sha256() -> str:
-    """The source of qgate.calibrate and the versions of the libraries a scan's result depends on."""
+    """The source of qgate.calibrate and of qgate.chat (how a request becomes turns), and the versions of the
+    libraries a scan's result depends on."""
+    import hashlib
+
     from qgate.artifact import sha256_json, sha256_tree
     from qgate.execute import versions
 
-    return sha256_json({"source": sha256_tree(Path(__file__).parent, suffix=".py"), "libs": versions(_LIBS)})
+    here = Path(__file__).parent
+    return sha256_json(
+        {
+            "source": sha256_tree(here, suffix=".py"),
+            "chat": hashlib.sha256((here.parent / "chat.py").read_bytes()).hexdigest(),
+            "libs": versions(_LIBS),
+        }
+    )
 
 
 class ScanCache:

@@ -30,7 +30,7 @@ from qgate.calibrate.scrub import HINT, rule_hints, scrub
 from qgate.calibrate.sketches import DistinctCount
 from qgate.calibrate.sources import Partition
 from qgate.calibrate.words import batch_words, text_words, word_table, words
-from qgate.chat import request_from_turns
+from qgate.chat import FIELDS_TURN, TOOLS_TURN, request_from_turns
 
 _OTHER_SPACE = PY_SPACE.replace(r"\x1c-\x20", r"\x1c-\x1f")  # Python's whitespace but " "
 # a text that " ".join(t.split()) changes: whitespace other than one " " between two other characters
@@ -175,6 +175,7 @@ class SampleState:
         """A partition's next batch, its records and rejects counted: `add_batch`, and its `reject_lines`."""
         self.stats["records"] += batch.records
         self.stats["rejected"] += len(batch.rejects)
+        self.stats["tool_use"] += tool_requests(batch)
         self.add_batch(part.name, batch, tag_file, min_words, profiler)
         return reject_lines(part, batch)
 
@@ -276,6 +277,14 @@ def scan_partition(part: Partition, config, tag_file: bool, show_progress: bool 
         pool.release_unused()  # the batch's arrow buffers: else the allocator keeps every high-water mark
     st.finish_partition(part, digest.hexdigest())
     return st, b"".join(rejects)
+
+
+def tool_requests(batch: Batch) -> int:
+    """How many of the batch's accepted requests offer tools or carry a tool field: chat.request_turns' pseudo-turns."""
+    pseudo = np.array([r in (TOOLS_TURN, FIELDS_TURN) for r in batch.roles], bool)
+    if not pseudo.any():
+        return 0
+    return int((np.add.reduceat(pseudo, batch.starts[:-1]) > 0).sum())  # every request has a turn: starts increase
 
 
 def reject_lines(part: Partition, batch: Batch) -> bytes:

@@ -3,10 +3,10 @@
     rows = traffic_drift(old_profile, new_profile, DriftConfig())   # one row per facet
     [r["verdict"] for r in rows]                                     # "ok" | "drift" | "inconclusive"
 
-Each facet (prompt length, route, tenant, vocabulary, and the share of records the sampler rejected) is a
-distribution; the distance is the Jensen-Shannon
-divergence in bits (0 = same mix, 1 = disjoint). Two samples of the same traffic are never at distance 0, so each
-row also carries the divergence that sampling alone produces at these sizes (the 99th percentile of a parametric
+Each facet (prompt length, route, tenant, vocabulary, the share of records the sampler rejected, and the share of
+requests that use tools) is a distribution; the distance is the Jensen-Shannon divergence in bits (0 = same mix, 1 =
+disjoint). Two samples of the same traffic are never at distance 0, so each row also carries the divergence that
+sampling alone produces at these sizes (the 99th percentile of a parametric
 bootstrap from the pooled counts). A facet drifts when its divergence is above the spec's threshold and above
 that noise; above the threshold but within the noise it is inconclusive (too little traffic to tell).
 Words of one request co-vary, so for vocabulary a multinomial bootstrap understates the noise (on the demo traffic,
@@ -15,6 +15,9 @@ profile's two content-hashed halves, scaled to the sizes compared.
 The rejected share counts records the gates never see (malformed, or a kind of request qgate does not read, such as
 a legacy function call): when it grows, production's evidence covers less of the traffic, though every other facet,
 read from the records kept, stays where it was.
+The tool-use share counts requests that offer tools or carry tool calls or results: traffic that turns to tool use
+is traffic the calibration set holds little of. A profile written before the sampler read tool use counts none, and
+its calibration set held no request with its tools.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 from qgate.calibrate.profile import _js
 from qgate.errors import ConfigError
 
-FACETS = ("length", "route", "tenant", "vocabulary", "rejected")
+FACETS = ("length", "route", "tenant", "vocabulary", "rejected", "tool_use")
 OTHER = "(other words)"
 
 
@@ -39,12 +42,13 @@ class DriftConfig:
     max_js_tenant: float = 0.05  # bits, for the tenant mix
     max_js_vocabulary: float = 0.1  # word mixes of two samples differ more: thousands of categories
     max_js_rejected: float = 0.05  # bits, for the share of records rejected (0% -> 10% is 0.052)
+    max_js_tool_use: float = 0.05  # bits, for the share of requests read that use tools
     quality: bool = True  # re-gate production on a fresh shadow sample of the recent traffic
     auto_promote: bool = False  # drift run: promote the best passing recalibrated variant
     alias: str = "production"  # the version the job watches
     noise_draws: int = 200  # resamples that estimate each facet's sampling noise
     seed: int = 0  # of those resamples
-    VERSION = 2
+    VERSION = 3
 
     def __post_init__(self):
         for f in FACETS:
@@ -63,12 +67,14 @@ def facets(profile: dict) -> dict[str, tuple[dict, int]]:
     top = _with_tail(profile["unigrams"])  # the tail beyond the profile's top words keeps its mass
     stats = profile.get("stats") or {}  # a profile written before it kept the sampler's counts has none
     records, rejected = int(stats.get("records", 0)), int(stats.get("rejected", 0))
+    read, tools = records - rejected, int(stats.get("tool_use", 0))
     return {
         "length": (profile["length_words"], n),
         "route": (profile["routes"], n),
         "tenant": (profile["tenants"], n),
         "vocabulary": (top, int(profile["unigrams"]["total"])),
-        "rejected": ({"read": records - rejected, "rejected": rejected} if records else {}, records),
+        "rejected": ({"read": read, "rejected": rejected} if records else {}, records),
+        "tool_use": ({"no tools": read - tools, "tools": tools} if read else {}, read),
     }
 
 

@@ -138,7 +138,8 @@ def _summary(arts: dict, rejects: Path) -> list[str]:
     lines = [
         f"read {stats.get('records', 0):,} records: {stats.get('rejected', 0):,} rejected (see {rejects}), "
         f"{stats.get('too_short', 0):,} too short, {stats.get('duplicates', 0):,} duplicates"
-        + ("" if unique["exact"] else " (estimated)"),
+        + ("" if unique["exact"] else " (estimated)")
+        + (f"; {tools:,} read use tools" if (tools := stats.get("tool_use")) else ""),
         *_reasons(rejects, stats.get("rejected", 0)),
         f"unique prompts: {unique['value']:,}"
         + (

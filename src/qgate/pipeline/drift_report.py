@@ -25,8 +25,12 @@ def _facet_plot(report: dict, old: dict, new: dict) -> str:
 
     fo, fn = facets(old), facets(new)
     rows = report["traffic"]
-    fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.8))
-    for ax, row in zip(axes, rows, strict=True):
+    cols = min(len(rows), 3)
+    grid = -(-len(rows) // cols)
+    fig, axes = plt.subplots(grid, cols, figsize=(4.2 * cols, 3.8 * grid), squeeze=False)
+    for ax in axes.flat[len(rows) :]:
+        ax.set_visible(False)
+    for ax, row in zip(axes.flat, rows, strict=False):
         a, b = fo[row["facet"]][0], fn[row["facet"]][0]
         sa, sb = sum(a.values()) or 1, sum(b.values()) or 1
         if row["facet"] == "length":

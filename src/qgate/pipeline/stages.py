@@ -103,7 +103,11 @@ def calibrate_stage(
     scans = scan_cache or led.workdir / "cache" / "scans"
     if parts is None:
         parts = list_partitions(traffic)
-    key = {"traffic": traffic_sha or traffic_key(spec, parts, executor, scans), "cfg": sample_cfg.__dict__}
+    key = {
+        "traffic": traffic_sha or traffic_key(spec, parts, executor, scans),
+        "cfg": sample_cfg.__dict__,
+        "v": SampleConfig.VERSION,  # what the sampler reads of a record
+    }
     if held_from:
         key["held_from"] = sha256_json(sorted(held_from))
     calib = led.run(
