@@ -133,3 +133,23 @@ def test_a_request_renders_as_vllm_renders_it(tmp_path):
     tok.chat_template = None
     fallback = render(tok, messages, record["tools"])
     assert fallback.startswith('tools: [{"function":{"description"') and '"name":"get_weather"' in fallback
+
+
+def test_tools_and_calls_are_template_positions_and_turn_texts_are_traffic(tmp_path):
+    """What the shadow gate classes as traffic (prompt positions it may gate) and as template: a template writes the
+    tools and each call in its own JSON layout, so those tokens are the template's; the user's and the tool's texts
+    are traffic."""
+    from qgate.chat import encode_with_sources
+
+    tok = tiny.make_tokenizer(tmp_path / "tok")
+    tok.chat_template = TOOL_TEMPLATE
+    record = _agent(4)
+    messages = record["messages"][:4]
+    ids, from_traffic, n = encode_with_sources(tok, messages, 10**6, record["tools"])
+    assert ids == tok(render(tok, messages, record["tools"]), add_special_tokens=False)["input_ids"] and n == len(ids)
+    traffic = tok.decode([i for i, f in zip(ids, from_traffic, strict=True) if f])
+    template = tok.decode([i for i, f in zip(ids, from_traffic, strict=True) if not f])
+    for text in ("You can call tools.", "what is the weather there", "4 C and dry"):
+        assert text in traffic
+    for text in ("get_weather", "send_mail", "jo.bloggs@example.com"):
+        assert text in template and text not in traffic
