@@ -1,9 +1,10 @@
-"""Guards on where answers end, under the shadow gate's top-1 check (gates/answer_ends.py)."""
+"""Guards on where answers end and whether they call a tool, under the shadow gate's top-1 check
+(gates/answer_ends.py)."""
 
 import numpy as np
 import pytest
 
-from qgate.gates.answer_ends import candidate_stops, end_guards
+from qgate.gates.answer_ends import candidate_decision, decision_guards
 from qgate.gates.positions import ANSWER, PROMPT
 from qgate.gates.result import GUARD_ERROR, GateReport
 from qgate.gates.shadow import ShadowConfig, candidate_metrics, shadow_gate
@@ -58,19 +59,19 @@ class _Runner:
         return out
 
 
-def test_candidate_stops_reads_the_answer_positions():
+def test_candidate_decision_reads_the_answer_positions():
     answer = np.array([5, 6, EOS])
     stops = np.array([EOS, 3])
-    assert candidate_stops(np.array([5, 6, EOS]), answer, stops) == (False, True)  # ends with the baseline
-    assert candidate_stops(np.array([5, 6, 7]), answer, stops) == (False, False)  # runs on
-    assert candidate_stops(np.array([5, 3, EOS]), answer, stops) == (True, True)  # another stop id, one too early
-    assert candidate_stops(np.array([5, EOS, 7]), np.array([5, 6, 7]), stops) == (True, False)  # cut: early only
-    assert candidate_stops(np.array([5, 6, 7]), np.array([5, 6, 7]), stops) == (False, False)
+    assert candidate_decision(np.array([5, 6, EOS]), answer, stops) == (False, True)  # ends with the baseline
+    assert candidate_decision(np.array([5, 6, 7]), answer, stops) == (False, False)  # runs on
+    assert candidate_decision(np.array([5, 3, EOS]), answer, stops) == (True, True)  # another stop id, one too early
+    assert candidate_decision(np.array([5, EOS, 7]), np.array([5, 6, 7]), stops) == (True, False)  # cut: early only
+    assert candidate_decision(np.array([5, 6, 7]), np.array([5, 6, 7]), stops) == (False, False)
 
 
 def _guards(stops_at_end, stops_early, ref, threshold=0.85):
     m = {"stops_at_end": np.asarray(stops_at_end), "stops_early": np.asarray(stops_early)}
-    return {g.metric: g for g in end_guards(ref, m, threshold)}
+    return {g.metric: g for g in decision_guards(ref, m, threshold)}
 
 
 def test_a_candidate_that_never_stops_fails_on_the_few_answers_that_ended():
@@ -147,3 +148,131 @@ def test_the_noise_floor_records_both_shares_and_refuses_a_threshold_the_baselin
     check_thresholds(ShadowConfig(top1_agreement_min=0.85, end_guards=False), pooled | f)
     check_thresholds(ShadowConfig(top1_agreement_min=0.5), pooled | f)
     check_thresholds(ShadowConfig(top1_agreement_min=0.85), pooled)  # a floor cached without them: not checked
+
+
+# ---- tool calls: the same guards on the token that begins a call ------------------------------------------------
+
+CALL = 7
+
+
+def _calling(prompts: int, answer: int, called: int) -> dict:
+    """_reference's answers, none ended, the first `called` of them a tool call: their first answer token is CALL."""
+    ref = _reference(prompts, answer, ended=0)
+    starts = np.cumsum(ref["seq_lens"]) - ref["seq_lens"] + ref["prompt_lens"]  # each answer's first token
+    tokens = ref["tokens"].copy()
+    tokens[starts[:called]] = CALL
+    nxt = np.concatenate([tokens[a + 1 : a + n] for a, n in zip(starts - 2, ref["seq_lens"], strict=True)])
+    return ref | {"tokens": tokens, "top_idx": np.stack([nxt, np.full_like(nxt, 998)], 1), "call_ids": np.array([CALL])}
+
+
+class _Caller(_Runner):
+    """The baseline's next token everywhere, except that it never begins a call (`prose`), or begins one at the
+    middle of each of the first `spurious` answers."""
+
+    def __init__(self, ref: dict, prose: bool = False, spurious: int = 0):
+        super().__init__(ref)
+        self.prose, self.spurious = prose, spurious
+
+    def logits_batch(self, seqs):
+        out = super().logits_batch(seqs)
+        for s, x in zip(seqs, out, strict=True):
+            if self.prose:
+                x[:, CALL] = -20.0
+                x[:, 998] = 0.0
+            if s[1] - 100 < self.spurious:
+                x[len(s) // 2, CALL] = 20.0
+        return out
+
+
+def test_a_candidate_that_answers_where_the_baseline_calls_a_tool_fails_tool_calls():
+    # 48 answers of 100 tokens, 8 of them tool calls: never calling disagrees on 8 of 4,800 positions (top-1 0.998)
+    ref = _calling(48, 100, called=8)
+    prose = candidate_metrics(_Caller(ref, prose=True), ref, served=False)
+    assert not prose["calls_at_first"].any() and not prose["calls_spurious"].any()
+    by = {r.metric: r for r in shadow_gate(prose, ref, CFG)[0]}
+    assert by["top1_agreement"].verdict == "pass" and by["top1_agreement"].observed > 0.998
+    calls = by["tool.calls"]
+    assert calls.verdict == "fail" and (calls.observed, calls.n) == (0.0, 8) and calls.decided_on == "holm-guard"
+    assert calls.evidence["call_ids"] == [CALL] and calls.evidence["baseline_called"] == 8
+    assert calls.evidence["prompts_disagreeing"] == list(range(8)) and "answer without it" in calls.evidence["why"]
+    assert by["tool.refrains"].verdict == "info" and by["tool.refrains"].n == 48
+    assert by["tool.calls"].evidence["holm_guards"] <= 3  # one family with stop.continues
+    good = candidate_metrics(_Caller(ref), ref, served=False)
+    assert good["calls_at_first"].sum() == 8 and not good["calls_spurious"].any()
+    by = {r.metric: r for r in shadow_gate(good, ref, CFG)[0]}
+    assert (by["tool.calls"].verdict, by["tool.calls"].observed) == ("info", 1.0)
+    eager = candidate_metrics(_Caller(ref, spurious=20), ref, served=False)
+    assert eager["calls_spurious"].sum() == 20
+    by = {r.metric: r for r in shadow_gate(eager, ref, CFG)[0]}
+    assert by["top1_agreement"].verdict == "pass" and by["tool.refrains"].verdict == "fail"
+    off = shadow_gate(prose, ref, ShadowConfig(kl_p99_max=0.5, top1_agreement_min=0.85, tool_guards=False))[0]
+    assert not any(r.metric.startswith("tool.") for r in off)
+    assert not any(
+        r.metric.startswith("tool.") for r in shadow_gate(prose, ref | {"call_ids": np.zeros(0, np.int64)}, CFG)[0]
+    )
+
+
+def test_the_tool_guards_noise_floor_refuses_a_threshold_the_baseline_fails():
+    from qgate.errors import ConfigError
+    from qgate.gates.answer_ends import floor
+    from qgate.gates.noise import check_thresholds
+
+    ref = _calling(48, 40, called=20)
+    at_first = np.arange(48) < 12  # the baseline, on its second numeric path, begins 12 of its 20 calls
+    m = {"calls_at_first": at_first, "calls_spurious": np.zeros(48, bool)}
+    f = floor(ref | {"stop_ids": np.zeros(0, np.int64)}, m)
+    assert set(f) == {"tool.calls", "tool.refrains"} and (f["tool.calls"]["agree"], f["tool.calls"]["answers"]) == (
+        12,
+        20,
+    )
+    pooled = {"path": "test", "top1_agreement": {"observed": 0.99, "ci": [0.98, 0.995]}}
+    with pytest.raises(ConfigError, match=r"tool-call guards: .* tool.calls 12 of 20 answers") as e:
+        check_thresholds(ShadowConfig(top1_agreement_min=0.85), pooled | f)
+    assert "tool_guards: false" in e.value.hint
+    check_thresholds(ShadowConfig(top1_agreement_min=0.85, tool_guards=False), pooled | f)
+
+
+def test_the_call_token_is_read_from_the_chat_template(tmp_path):
+    """A template that begins a call with an added token names it, past a thinking block every answer opens with;
+    one that writes calls as plain text, one that writes none, and a tokenizer with no template name none."""
+    import tiny
+
+    from qgate.gates.tool_calls import call_start_ids
+
+    tok = tiny.make_tokenizer(tmp_path / "tok")
+    assert call_start_ids(tok) == []  # the tiny template writes contents only
+    tok.chat_template = tiny.TOOL_TEMPLATE
+    assert call_start_ids(tok) == []  # "<tool_call>" is plain text to this tokenizer
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    assert call_start_ids(tok) == [tok.convert_tokens_to_ids("<tool_call>")]
+    tok.add_tokens(["<think>", "</think>"])  # a thinking block opens every assistant turn, prose or call
+    head = "<|im_start|>{{ m['role'] }}\n"
+    tok.chat_template = tiny.TOOL_TEMPLATE.replace(
+        head, head + "{% if m['role'] == 'assistant' %}<think></think>{% endif %}"
+    )
+    assert call_start_ids(tok) == [tok.convert_tokens_to_ids("<tool_call>")]
+    tok.chat_template = None
+    assert call_start_ids(tok) == []
+
+
+def test_the_reference_carries_the_call_token_only_where_the_split_offers_tools(base_art, tmp_path):
+    import shutil
+
+    import tiny
+
+    from qgate.artifact import Artifact
+    from qgate.gates.shadow import _calls
+    from qgate.trust import load_tokenizer
+
+    plain = [{"messages": [{"role": "user", "content": "hi"}]}]
+    tooled = plain + [{"messages": plain[0]["messages"], "tools": [tiny.WEATHER]}]
+    assert _calls(base_art, plain) == {}
+    assert _calls(base_art, tooled)["call_ids"].tolist() == []  # its template writes no calls
+    d = tmp_path / "caller"
+    shutil.copytree(base_art.path, d, ignore=shutil.ignore_patterns("qgate-artifact.json"))
+    tok = load_tokenizer(d)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.chat_template = tiny.TOOL_TEMPLATE
+    tok.save_pretrained(d)
+    caller = Artifact.create("checkpoint", d, base_art.config, (), base_art.meta)
+    assert _calls(caller, tooled)["call_ids"].tolist() == [tok.convert_tokens_to_ids("<tool_call>")]

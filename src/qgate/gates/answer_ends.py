@@ -1,23 +1,33 @@
-"""Where answers end: guards under the shadow gate's top-1 check for a candidate that stops where the baseline goes on,
-or goes on where it stops.
+"""Where answers end, and whether they call a tool: guards under the shadow gate's top-1 check for a candidate that
+decides otherwise than the baseline at the one position of an answer that decides it.
 
-    rows = end_guards(ref, m, threshold)   # ref["stop_ids"]; m["stops_early"], m["stops_at_end"] per prompt
+    rows = decision_guards(ref, m, threshold, ("stop", "tool"))   # ref["stop_ids"], ref["call_ids"]; m per prompt
 
 A model decides to end an answer at one position of it, and the gated checks pool every position. A candidate that
 never emits its stop token disagrees with the baseline once per answer that ended, a fraction of a percent of the
 answer positions, and its KL elsewhere barely moves: the pooled top-1 agreement and KL p99 can pass it, and served,
-each of its answers runs to the request's token limit. One that cuts answers short is as hidden. So the top-1
-threshold is also held on these decisions, counted per answer, as two guards (GateResult.guard):
+each of its answers runs to the request's token limit. One that cuts answers short is as hidden. A tool call is the
+same kind of decision: the token that begins it (`<tool_call>`, `[TOOL_CALLS]`: gates/tool_calls.py finds it in the
+chat template) is one position of an answer, and a candidate that answers in prose where the baseline calls a tool
+breaks the agent that sent the request. So the top-1 threshold is also held on these decisions, counted per answer,
+as guards (GateResult.guard):
   stop.ends       of the answers the baseline ended within max_new_tokens (on a stop token of its generation
                   config), the share the candidate ends at the same position: its top-1 there is a stop token
   stop.continues  of all answers, the share the candidate would not cut short: its top-1 is a stop token at none of
                   the positions where the baseline's answer goes on
+  tool.calls      of the answers in which the baseline begins a tool call, the share the candidate begins it at the
+                  same position: its top-1 at the baseline's first call token is a call token
+  tool.refrains   of all answers, the share in which the candidate would begin a call at none of the positions where
+                  the baseline's answer does not
 Teacher-forced, as every shadow figure: each position is judged on the baseline's tokens before it. Answers are
-independent, so each share gets an exact (Clopper-Pearson) interval, adjusted by Holm's step-down over the two at
-GUARD_ERROR (routes.holm_rounds). A guard FAILs when its interval lies wholly below the threshold and never passes.
+independent, so each share gets an exact (Clopper-Pearson) interval, adjusted by Holm's step-down over the guards
+present at GUARD_ERROR (routes.holm_rounds). A guard FAILs when its interval lies wholly below the threshold and never
+passes.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,28 +38,68 @@ from qgate.gates.routes import holm_rounds
 SHOWN = 10  # shadow prompt indices listed per guard, at most
 
 
-def ended(ref: dict) -> np.ndarray:
-    """Per shadow prompt: whether the baseline's answer ends on one of ref["stop_ids"] (it stopped within
-    max_new_tokens rather than being cut there)."""
-    last = ref["tokens"][np.cumsum(ref["seq_lens"]) - 1]
-    has_answer = ref["seq_lens"] > ref["prompt_lens"]
-    return has_answer & np.isin(last, ref["stop_ids"])
+@dataclass(frozen=True)
+class Decision:
+    ids: str  # ref key: the token ids that make the decision
+    spurious: str  # m key, per prompt: the candidate's top-1 is one of them where the baseline's token is not
+    at_first: str  # m key, per prompt: it is one of them at the baseline's first such position
+    agrees: str  # guard over the answers where the baseline made the decision
+    refrains: str  # guard over every answer
+    decided: str  # evidence key: how many answers the baseline made it in
+    miss_agrees: str  # what a FAIL of `agrees` says of the answers that disagree
+    miss_refrains: str
 
 
-def candidate_stops(cand_top1: np.ndarray, answer: np.ndarray, stop_ids: np.ndarray) -> tuple[bool, bool]:
-    """For one answer: (whether the candidate's top-1 is a stop token at a position where the baseline's answer goes
-    on, whether it is one at the position where that answer ends on a stop token). cand_top1: the candidate's top-1
-    at the positions that predict the answer's tokens, in order."""
-    stop_at = np.isin(cand_top1, stop_ids)
-    if len(answer) and np.isin(answer[-1], stop_ids):
-        return bool(stop_at[:-1].any()), bool(stop_at[-1])
-    return bool(stop_at.any()), False
+DECISIONS = {
+    "stop": Decision(
+        "stop_ids",
+        "stops_early",
+        "stops_at_end",
+        "stop.ends",
+        "stop.continues",
+        "baseline_ended",
+        "answers the baseline ended the candidate does not end there (it would run on)",
+        "answers the candidate would end where the baseline's goes on (it would cut them short)",
+    ),
+    "tool": Decision(
+        "call_ids",
+        "calls_spurious",
+        "calls_at_first",
+        "tool.calls",
+        "tool.refrains",
+        "baseline_called",
+        "answers in which the baseline calls a tool the candidate does not begin the call (it would answer without it)",
+        "answers in which the candidate would begin a tool call where the baseline's answer does not",
+    ),
+}
 
 
-def end_guards(ref: dict, m: dict, threshold: float | None, gate: str = "shadow") -> list[GateResult]:
-    """stop.ends (where the baseline ended any answer) and stop.continues, held to `threshold` (the gated top-1
-    agreement); [] when it is None or the baseline's generation config names no stop token."""
-    if threshold is None or not (counts := _counts(ref, m)):
+def decided(ref: dict, ids: np.ndarray) -> np.ndarray:
+    """Per shadow prompt: whether the baseline's answer holds one of `ids` (for stop ids: it stopped within
+    max_new_tokens rather than being cut there, since an answer ends at its first stop token)."""
+    ends = np.cumsum(ref["seq_lens"])
+    answer = np.zeros(len(ref["tokens"]), bool)
+    for a, p, e in zip(ends - ref["seq_lens"], ref["prompt_lens"], ends, strict=True):
+        answer[a + p : e] = True
+    hit = np.isin(ref["tokens"], ids) & answer
+    return np.add.reduceat(hit, ends - ref["seq_lens"]) > 0 if len(hit) else np.zeros(0, bool)
+
+
+def candidate_decision(cand_top1: np.ndarray, answer: np.ndarray, ids: np.ndarray) -> tuple[bool, bool]:
+    """For one answer and one decision: (whether the candidate's top-1 is one of `ids` at a position where the
+    baseline's answer token is not, whether it is one at the first position where the baseline's is). cand_top1: the
+    candidate's top-1 at the positions that predict the answer's tokens, in order."""
+    hit, base = np.isin(cand_top1, ids), np.isin(answer, ids)
+    first = np.flatnonzero(base)
+    return bool((hit & ~base).any()), bool(len(first) and hit[first[0]])
+
+
+def decision_guards(
+    ref: dict, m: dict, threshold: float | None, kinds: tuple[str, ...] = ("stop",), gate: str = "shadow"
+) -> list[GateResult]:
+    """The guards of each decision in `kinds` (DECISIONS) whose ids `ref` holds, held to `threshold` (the gated top-1
+    agreement); `agrees` only where the baseline made the decision in some answer. [] when threshold is None."""
+    if threshold is None or not (counts := _counts(ref, m, kinds)):
         return []
     intervals = {
         name: (lambda level, k=k, n=n: (k / n, *_exact(k, n, level), {"answers": n, "agree": k}))
@@ -57,60 +107,60 @@ def end_guards(ref: dict, m: dict, threshold: float | None, gate: str = "shadow"
     }
     rows = holm_rounds(intervals, True, threshold)
     out = []
-    for name in ("stop.ends", "stop.continues"):
-        if name not in rows:
-            continue
-        obs, lo, hi, ev, level, step, m_left = rows[name]
-        k, n, misses = counts[name]
-        ev = ev | {
-            "ci_95_unadjusted": [lo, hi] if m_left == 1 else list(_exact(k, n, 0.95)),
-            "holm_round": step,
-            "holm_guards": m_left,
-            "adjusted_level": level,
-            "rule": "holm-guard over the two answer-end guards, at the top-1 agreement threshold",
-            "stop_ids": [int(t) for t in ref["stop_ids"]],
-            "baseline_ended": counts["stop.ends"][1] if "stop.ends" in counts else 0,
-            "answers_total": counts["stop.continues"][1],
-            "prompts_disagreeing": [int(i) for i in misses[:SHOWN]],
-        }
-        if hi < threshold:
-            what = (
-                "answers the baseline ended the candidate does not end there (it would run on)"
-                if name == "stop.ends"
-                else "answers the candidate would end where the baseline's goes on (it would cut them short)"
-            )
-            ev["why"] = (
-                f"{len(misses)} of {n} {what}: {name} {obs:.4g}, its Holm-adjusted {level:.2%} interval lies wholly "
-                f"below {threshold:g}"
-            )
-        out.append(GateResult.guard(gate, name, obs, threshold, True, n, (lo, hi), evidence=ev))
+    for kind in kinds:
+        d = DECISIONS[kind]
+        for name, what in ((d.agrees, d.miss_agrees), (d.refrains, d.miss_refrains)):
+            if name not in rows:
+                continue
+            obs, lo, hi, ev, level, step, m_left = rows[name]
+            k, n, misses = counts[name]
+            ev = ev | {
+                "ci_95_unadjusted": [lo, hi] if m_left == 1 else list(_exact(k, n, 0.95)),
+                "holm_round": step,
+                "holm_guards": m_left,
+                "adjusted_level": level,
+                "rule": f"holm-guard over the {len(counts)} decision guards, at the top-1 agreement threshold",
+                d.ids: [int(t) for t in ref[d.ids]],
+                d.decided: counts[d.agrees][1] if d.agrees in counts else 0,
+                "answers_total": counts[d.refrains][1],
+                "prompts_disagreeing": [int(i) for i in misses[:SHOWN]],
+            }
+            if hi < threshold:
+                ev["why"] = (
+                    f"{len(misses)} of {n} {what}: {name} {obs:.4g}, its Holm-adjusted {level:.2%} interval lies "
+                    f"wholly below {threshold:g}"
+                )
+            out.append(GateResult.guard(gate, name, obs, threshold, True, n, (lo, hi), evidence=ev))
     return out
 
 
 def floor(ref: dict, m: dict) -> dict:
-    """The two shares of the baseline scored against its own answers (the noise floor, gates/noise.py): per guard,
-    {"observed", "ci" (exact, 95%), "agree", "answers"}; {} where the baseline names no stop token."""
+    """Every decision's shares of the baseline scored against its own answers (the noise floor, gates/noise.py): per
+    guard, {"observed", "ci" (exact, 95%), "agree", "answers"}; none for a decision whose ids `ref` lacks."""
     return {
         name: {"observed": k / n, "ci": list(_exact(k, n, 0.95)), "agree": k, "answers": n}
-        for name, (k, n, _) in _counts(ref, m).items()
+        for name, (k, n, _) in _counts(ref, m, tuple(DECISIONS)).items()
     }
 
 
-def _counts(ref: dict, m: dict) -> dict[str, tuple[int, int, np.ndarray]]:
+def _counts(ref: dict, m: dict, kinds: tuple[str, ...]) -> dict[str, tuple[int, int, np.ndarray]]:
     """Per guard: (answers that agree, answers counted, the shadow prompts of those that do not), over the held-out
-    prompts (positions.held_prompts); stop.ends only where the baseline ended an answer, and {} where its generation
-    config names no stop token."""
-    if not len(ref.get("stop_ids", ())):
-        return {}
-    held = held_prompts(ref)
-    done = ended(ref) & held
-    shares = {"stop.continues": (~m["stops_early"], held)}
-    if done.any():
-        shares["stop.ends"] = (m["stops_at_end"], done)
-    return {
-        name: (int(agrees[among].sum()), int(among.sum()), np.flatnonzero(among & ~agrees))
-        for name, (agrees, among) in shares.items()
-    }
+    prompts (positions.held_prompts); a decision's `agrees` only where the baseline made it, and nothing for a
+    decision whose ids `ref` lacks or leaves empty."""
+    held, out = held_prompts(ref), {}
+    for kind in kinds:
+        d = DECISIONS[kind]
+        if not len(ids := ref.get(d.ids, ())):
+            continue
+        made = decided(ref, ids) & held
+        shares = {d.refrains: (~m[d.spurious], held)}
+        if made.any():
+            shares[d.agrees] = (m[d.at_first], made)
+        out |= {
+            name: (int(agrees[among].sum()), int(among.sum()), np.flatnonzero(among & ~agrees))
+            for name, (agrees, among) in shares.items()
+        }
+    return out
 
 
 def _exact(k: int, n: int, level: float) -> tuple[float, float]:

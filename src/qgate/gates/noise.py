@@ -39,7 +39,7 @@ def noise_floor(
     timed_on: str | None = None,
     passes: int = 1,
 ) -> dict:
-    """{"kl_mean", "kl_p99", "top1_agreement": {"observed", "ci"}, "stop.ends", "stop.continues" (answer_ends.floor),
+    """{"kl_mean", "kl_p99", "top1_agreement": {"observed", "ci"}, the decision guards' shares (answer_ends.floor),
     "path", "baseline_score_seconds", "baseline_score_passes", "timed_on", "warm_up", "cached"}, cached by content hash.
     timed_on (device.timing_host), given when the perf check gates on the time: it must have been measured there, after
     a warm-up batch, in at least `passes` timed passes (shadow.candidate_metrics; 1 where the check does not gate); a
@@ -105,11 +105,15 @@ def check_thresholds(cfg: ShadowConfig, floor: dict) -> None:
                 hint=f"set gates.shadow.{key} {'below' if higher else 'above'} {bound:.3g}",
             )
     thr = cfg.top1_agreement_min
-    for name in ("stop.ends", "stop.continues") if cfg.end_guards and thr is not None else ():
-        if (f := floor.get(name)) and f["ci"][1] < thr:  # the guard would fail the baseline itself
-            raise ConfigError(
-                f"gates.shadow.top1_agreement_min: {thr:g} is tighter than the measured noise floor of the answer-end "
-                f"guards: the baseline against itself ({floor['path']}) gives {name} {f['agree']} of {f['answers']} "
-                f"answers, 95% CI [{f['ci'][0]:.3g}, {f['ci'][1]:.3g}], so that guard would fail every candidate",
-                hint=f"set gates.shadow.top1_agreement_min below {f['ci'][1]:.3g}, or gates.shadow.end_guards: false",
-            )
+    guarded = (("stop", "end_guards", "answer-end"), ("tool", "tool_guards", "tool-call"))
+    for kind, flag, what in guarded if thr is not None else ():
+        d = answer_ends.DECISIONS[kind]
+        for name in (d.agrees, d.refrains) if getattr(cfg, flag) else ():
+            if (f := floor.get(name)) and f["ci"][1] < thr:  # the guard would fail the baseline itself
+                raise ConfigError(
+                    f"gates.shadow.top1_agreement_min: {thr:g} is tighter than the measured noise floor of the {what} "
+                    f"guards: the baseline against itself ({floor['path']}) gives {name} {f['agree']} of "
+                    f"{f['answers']} answers, 95% CI [{f['ci'][0]:.3g}, {f['ci'][1]:.3g}], so that guard would fail "
+                    "every candidate",
+                    hint=f"set gates.shadow.top1_agreement_min below {f['ci'][1]:.3g}, or gates.shadow.{flag}: false",
+                )

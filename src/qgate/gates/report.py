@@ -250,7 +250,7 @@ def _floor(report: dict) -> str:
         return ""
     cells = "".join(
         f"<li><b>{k}</b>: {f[k]['observed']:.3g} (95% CI [{f[k]['ci'][0]:.3g}, {f[k]['ci'][1]:.3g}])</li>"
-        for k in ("kl_mean", "kl_p99", "top1_agreement", "stop.ends", "stop.continues")
+        for k in ("kl_mean", "kl_p99", "top1_agreement", "stop.ends", "stop.continues", "tool.calls", "tool.refrains")
         if k in f and f[k]["ci"]
     )
     return (

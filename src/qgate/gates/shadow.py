@@ -57,7 +57,7 @@ from qgate.engines.logits import checkpoint_stops
 from qgate.engines.protocol import GeneratesScored
 from qgate.errors import ConfigError, InputError
 from qgate.execute import releases
-from qgate.gates.answer_ends import candidate_stops, end_guards
+from qgate.gates.answer_ends import candidate_decision, decision_guards
 from qgate.gates.kl_checks import KL_THRESHOLDS, QUANTILES, defined_check, kl_top1_checks, route_checks
 from qgate.gates.passes import (
     GREEDY_BATCH_ROWS,
@@ -95,6 +95,7 @@ class ShadowConfig:
     positions: str = "answer"  # which positions the gated checks score: "answer" or "answer+prompt"
     route_guards: bool = True  # each gated check on each traffic route too, as a guard that can only fail
     end_guards: bool = True  # the top-1 threshold on where answers end too (gates/answer_ends.py), guards likewise
+    tool_guards: bool = True  # and on whether answers begin a tool call where the baseline's do, where it calls tools
     VERSION = 8  # of how the checks are computed; what changed in each is in git
 
     def __post_init__(self):
@@ -171,7 +172,7 @@ def baseline_reference(
     path = Path(cache_dir) / f"shadow-baseline-{key[:24]}.npz"
     rows = load_shadow(shadow, cfg)
     if (cached := read_cached_arrays(path)) is not None:
-        return cached | _routes(rows) | _stops(baseline), True
+        return cached | _routes(rows) | _stops(baseline) | _calls(baseline, rows), True
     runner = runner_factory()
     encoded = [
         encode_with_sources(runner.tokenizer, row["messages"], cfg.max_prompt_tokens, row.get("tools")) for row in rows
@@ -215,7 +216,7 @@ def baseline_reference(
     # not compressed: top-k log-probs barely compress, and zlib costs a large share of the reference's time
     np.savez(buf, **ref)
     write_cached(path, buf.getvalue())
-    return ref | _routes(rows) | _stops(baseline), False
+    return ref | _routes(rows) | _stops(baseline) | _calls(baseline, rows), False
 
 
 def _routes(rows: list[dict]) -> dict:
@@ -228,6 +229,17 @@ def _stops(baseline: Artifact) -> dict:
     """`stop_ids`: the token ids that ended the baseline's answers (its generation config's eos ids), read from its
     files beside the cached reference: they are part of its sha256, which keys the cache."""
     return {"stop_ids": np.array(sorted(checkpoint_stops(baseline.path)), np.int64)}
+
+
+def _calls(baseline: Artifact, rows: list[dict]) -> dict:
+    """`call_ids`: the token that begins a tool call in the baseline's chat template (gates/tool_calls.py), where a
+    shadow request offers tools; read beside the cached reference, as `stop_ids` is."""
+    if not any(row.get("tools") for row in rows):
+        return {}
+    from qgate.gates.tool_calls import call_start_ids
+    from qgate.trust import load_tokenizer
+
+    return {"call_ids": np.array(call_start_ids(load_tokenizer(baseline.path)), np.int64)}
 
 
 def _check_defined(baseline: Artifact, top_lp: np.ndarray, positions: list[int]) -> None:
@@ -260,6 +272,7 @@ def candidate_metrics(
     seqs = sequences(ref)
     starts = np.concatenate([[0], np.cumsum(ref["seq_lens"] - 1)])  # sequence i's positions in ref's arrays
     stop_ids = ref.get("stop_ids", np.zeros(0, np.int64))
+    call_ids = ref.get("call_ids", np.zeros(0, np.int64))
 
     def per_sequence(i: int, cand_top1: np.ndarray, kl: np.ndarray, p_tail: np.ndarray) -> tuple:
         a, b, p = int(starts[i]), int(starts[i + 1]), int(ref["prompt_lens"][i])
@@ -273,7 +286,8 @@ def candidate_metrics(
             cand_top1 == UNDEFINED,
             int(miss[0]) if len(miss) else len(answer),
             len(answer),
-            *candidate_stops(at_answer, answer, stop_ids),
+            *candidate_decision(at_answer, answer, stop_ids),
+            *candidate_decision(at_answer, answer, call_ids),
         )
 
     # the baseline's top-k ids and log-probs per position, [T - 1, k] per sequence
@@ -305,7 +319,9 @@ def candidate_metrics(
         scored = [per_sequence(i, *r) for i, r in enumerate(scored)]
         times.append(time.perf_counter() - ts)
         rows = rows or scored
-    kls, tails, agree, undefined, first_div, gen_lens, stops_early, stops_at_end = zip(*rows, strict=True)
+    kls, tails, agree, undefined, first_div, gen_lens, stops_early, stops_at_end, calls_spurious, calls_at_first = zip(
+        *rows, strict=True
+    )
     return {
         "kl": np.concatenate(kls),
         "tail": np.concatenate(tails),
@@ -315,6 +331,10 @@ def candidate_metrics(
         "gen_lens": np.array(gen_lens),
         "stops_early": np.array(stops_early),  # per prompt: the candidate would end its answer before the baseline
         "stops_at_end": np.array(stops_at_end),  # per prompt: it ends where the baseline's answer ends on a stop token
+        "calls_spurious": np.array(
+            calls_spurious
+        ),  # per prompt: it would begin a tool call where the baseline does not
+        "calls_at_first": np.array(calls_at_first),  # per prompt: it begins the baseline's first tool call
         "score_seconds": times[0],
         "score_passes": times,
         "warm_up_seconds": warm_s if warm_up else 0.0,
@@ -346,8 +366,8 @@ def shadow_gate(m: dict, ref: dict, cfg: ShadowConfig) -> tuple[list[GateResult]
     results = [defined_check(m, ref)] + kl_top1_checks(m, clusters, masks["gated"], cfg, evidence=ev)
     if cfg.route_guards and "prompt_route" in ref:
         results += route_guards(ref["prompt_route"][clusters], masks["gated"], route_checks(m, clusters, cfg))
-    if cfg.end_guards:
-        results += end_guards(ref, m, cfg.top1_agreement_min)
+    kinds = tuple(k for k, on in (("stop", cfg.end_guards), ("tool", cfg.tool_guards)) if on)
+    results += decision_guards(ref, m, cfg.top1_agreement_min, kinds)
     for part in ("answer", "prompt"):  # the classes the gate did not decide on alone, reported beside it
         if part != cfg.positions:
             results += kl_top1_checks(m, clusters, masks[part], None, prefix=f"{part}.")
