@@ -33,7 +33,7 @@ def main() -> None:
 
     from qgate.artifact import Artifact
     from qgate.engines.runners import TorchRunner
-    from qgate.gates.answer_ends import ended
+    from qgate.gates.answer_ends import decided
     from qgate.gates.result import GateReport
     from qgate.gates.shadow import ShadowConfig, baseline_reference, run_shadow
 
@@ -43,7 +43,7 @@ def main() -> None:
     cfg = ShadowConfig(max_new_tokens=args.max_new_tokens, kl_p99_max=0.5, top1_agreement_min=0.85)
     t0 = time.perf_counter()
     ref, cached = baseline_reference(lambda: TorchRunner(base.path, "cpu", args.dtype), base, shadow, cfg, args.cache)
-    done = ended(ref)
+    done = decided(ref, ref["stop_ids"])
     answer_tokens = int((ref["seq_lens"] - ref["prompt_lens"]).sum())
     print(
         f"reference ({'cached' if cached else f'{time.perf_counter() - t0:.0f} s'}): {len(done)} prompts, "

@@ -194,7 +194,9 @@ def test_a_candidate_that_answers_where_the_baseline_calls_a_tool_fails_tool_cal
     calls = by["tool.calls"]
     assert calls.verdict == "fail" and (calls.observed, calls.n) == (0.0, 8) and calls.decided_on == "holm-guard"
     assert calls.evidence["call_ids"] == [CALL] and calls.evidence["baseline_called"] == 8
-    assert calls.evidence["prompts_disagreeing"] == list(range(8)) and "answer without it" in calls.evidence["why"]
+    assert (
+        calls.evidence["prompts_disagreeing"] == list(range(8)) and "answer without the call" in calls.evidence["why"]
+    )
     assert by["tool.refrains"].verdict == "info" and by["tool.refrains"].n == 48
     assert by["tool.calls"].evidence["holm_guards"] <= 3  # one family with stop.continues
     good = candidate_metrics(_Caller(ref), ref, served=False)

@@ -68,7 +68,7 @@ DECISIONS = {
         "tool.calls",
         "tool.refrains",
         "baseline_called",
-        "answers in which the baseline calls a tool the candidate does not begin the call (it would answer without it)",
+        "answers in which the baseline calls a tool but the candidate would not (it would answer without the call)",
         "answers in which the candidate would begin a tool call where the baseline's answer does not",
     ),
 }
