@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qgate.gates.positions import held_prompts
+from qgate.gates.positions import ANSWER, held_prompts
 from qgate.gates.result import GateResult
 from qgate.gates.routes import holm_rounds
 
@@ -77,12 +77,8 @@ DECISIONS = {
 def decided(ref: dict, ids: np.ndarray) -> np.ndarray:
     """Per shadow prompt: whether the baseline's answer holds one of `ids` (for stop ids: it stopped within
     max_new_tokens rather than being cut there, since an answer ends at its first stop token)."""
-    ends = np.cumsum(ref["seq_lens"])
-    answer = np.zeros(len(ref["tokens"]), bool)
-    for a, p, e in zip(ends - ref["seq_lens"], ref["prompt_lens"], ends, strict=True):
-        answer[a + p : e] = True
-    hit = np.isin(ref["tokens"], ids) & answer
-    return np.add.reduceat(hit, ends - ref["seq_lens"]) > 0 if len(hit) else np.zeros(0, bool)
+    hit = np.isin(ref["tokens"], ids) & (ref["token_class"] == ANSWER)
+    return np.add.reduceat(hit, np.cumsum(ref["seq_lens"]) - ref["seq_lens"]) > 0 if len(hit) else np.zeros(0, bool)
 
 
 def candidate_decision(cand_top1: np.ndarray, answer: np.ndarray, ids: np.ndarray) -> tuple[bool, bool]:
