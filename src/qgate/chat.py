@@ -3,6 +3,7 @@
 ids = encode_messages(tokenizer, [{"role": "user", "content": "hi"}], max_tokens=512)
 ids, from_traffic, tokens = encode_with_sources(tokenizer, messages, max_tokens=512, tools=row.get("tools"))
 key = prompt_digest(messages, tools)   # the same request in any sample of the traffic has the same key
+key = row_digest(row)                  # the same, of a split's row
 
 A request is its messages (OpenAI chat format) and, for tool use, the `tools` it offered the model. A message may carry
 `tool_calls` (an assistant's calls, `function.arguments` a JSON string as logged), `tool_call_id` (a tool result's
@@ -146,3 +147,8 @@ def prompt_digest(messages: list[dict], tools: list | None = None) -> str:
     """A sampled request's key across samples: the first 8 bytes of the content_digest of its `request_turns`, as
     hex (the digest `qgate calibrate sample` deduplicates by; collisions ~n^2 / 2^65)."""
     return content_digest([text for _, text in request_turns(messages, tools)])[:8].hex()
+
+
+def row_digest(row: dict) -> str:
+    """prompt_digest of a sampled row (a split's record: its `messages`, and its `tools` where it offers any)."""
+    return prompt_digest(row["messages"], row.get("tools"))

@@ -10,7 +10,7 @@ from tiny import TOOL_TEMPLATE, WEATHER
 from qgate.calibrate.reader import Reject, Request, read_traffic
 from qgate.calibrate.sample import SampleConfig, sample_traffic, split_prompts, split_rows
 from qgate.calibrate.scrub import scrub
-from qgate.chat import prompt_digest, render, request_from_turns, request_turns
+from qgate.chat import prompt_digest, render, request_from_turns, request_turns, row_digest
 
 MAIL = {"type": "function", "function": {"name": "send_mail", "parameters": {"type": "object", "properties": {}}}}
 
@@ -107,7 +107,7 @@ def test_tool_traffic_is_sampled_with_its_tools_scrubbed_and_keyed(tmp_path):
         (call,) = r["messages"][2]["tool_calls"]
         assert json.loads(call["function"]["arguments"])["notify"] == "<EMAIL>"
         assert "example.com" not in json.dumps(r)
-    keys = [prompt_digest(r["messages"], r.get("tools")) for r in rows]
+    keys = [row_digest(r) for r in rows]
     assert len(set(keys)) == 180
     assert split_prompts(arts["calib"]) == sorted(keys[:120])
     assert prompt_digest(agents[0]["messages"]) != prompt_digest(agents[0]["messages"], agents[0]["tools"])

@@ -497,8 +497,29 @@ def test_requests_that_offer_tools_are_rendered_with_them(base_art, rows, tmp_pa
     same = contract_gate(_variant(base_art, tmp_path, "same", lambda d: None), base_art, both, ContractConfig())
     assert all(r.verdict == "pass" for r in same)
     (ev,) = [r.evidence["tools"] for r in same if r.metric == "prompt_rendering"]
-    assert ev == {"requests": 5, "not_written": 5}
-    assert _tools_note(same)[0].startswith("5 of the 5 shadow requests that offer tools render without them")
-    assert _tools_note(contract_gate(writes, writes, both, ContractConfig())) == ()
+    assert ev == {"requests": 5, "not_written": 5, "call_start": None}
+    assert _tools_note(same, True)[0].startswith("5 of the 5 shadow requests that offer tools render without them")
+    assert _tools_note(same, False) == _tools_note(same, True)  # the tools are unwritten whatever the guards
+    # written, but "<tool_call>" is plain text to this tokenizer: the tool-call guards cannot run, and the note says so
+    plain_call = contract_gate(writes, writes, both, ContractConfig())
+    assert next(r for r in plain_call if r.metric == "prompt_rendering").evidence["tools"]["call_start"] is None
+    assert _tools_note(plain_call, True)[0].startswith(
+        "The tool-call guards (tool.calls, tool.refrains) did not run on the 5 shadow requests that offer tools"
+    )
+    assert _tools_note(plain_call, False) == ()  # guards off (or nothing scored): nothing was expected of them
+
+    def marked(d):  # the template's call marker an added token, as Qwen's and Hermes' tokenizers have it
+        from qgate.trust import load_tokenizer
+
+        tok = load_tokenizer(d)
+        tok.add_tokens(["<tool_call>", "</tool_call>"])
+        tok.chat_template = tiny.TOOL_TEMPLATE
+        tok.save_pretrained(d)
+
+    marker = _variant(base_art, tmp_path, "marker", marked)
+    guarded = contract_gate(marker, marker, both, ContractConfig())
+    ev = next(r for r in guarded if r.metric == "prompt_rendering").evidence["tools"]
+    assert ev == {"requests": 5, "not_written": 0, "call_start": "<tool_call>"}
+    assert _tools_note(guarded, True) == ()
     plain = contract_gate(_variant(base_art, tmp_path, "plain", lambda d: None), base_art, rows, ContractConfig())
     assert "tools" not in next(r for r in plain if r.metric == "prompt_rendering").evidence

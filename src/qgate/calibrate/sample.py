@@ -33,7 +33,7 @@ from qgate.calibrate.sources import combined_sha256, explained, is_uri, list_par
 from qgate.calibrate.split_scan import phases, scan_partition_split
 from qgate.calibrate.state import SampleState
 from qgate.calibrate.state_json import scan_partition_json, state_from_json
-from qgate.chat import prompt_digest
+from qgate.chat import row_digest
 from qgate.errors import InputError, check_each
 from qgate.execute import check_executor, map_ordered, workers
 from qgate.naming import field_namer
@@ -58,7 +58,7 @@ def split_prompts(split: Artifact) -> list[str]:
     """The chat.prompt_digest of every request in a split, sorted: what a checkpoint made with it records
     (`calibration_prompts`, a search's `search_prompts`), so that a gate leaves those requests out of a later
     sample's shadow split (gates/held_out.py)."""
-    return sorted({prompt_digest(row["messages"], row.get("tools")) for row in split_rows(split)})
+    return sorted({row_digest(row) for row in split_rows(split)})
 
 
 @dataclass(frozen=True)
@@ -294,9 +294,7 @@ def _select(
     # the rows a shadow split may take: none that `held_from` names (a model calibrated on it is gated on this split)
     held: set[int] = set()
     if held_from:
-        held = {
-            id(r) for rows in ranked.values() for r in rows if prompt_digest(r["messages"], r.get("tools")) in held_from
-        }
+        held = {id(r) for rows in ranked.values() for r in rows if row_digest(r) in held_from}
     open_ = {s: [r for r in rows if id(r) not in held] for s, rows in ranked.items()}
     shadow_q = _allocate(sizes, config.shadow_size, {s: len(r) for s, r in open_.items()})
     rest = {s: sizes[s] - shadow_q[s] for s in sizes}

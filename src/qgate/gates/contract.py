@@ -38,7 +38,7 @@ from qgate.errors import ConfigError
 from qgate.gates.file_diff import MISSING, SHOW, difference, file_diffs, leaves, read_json, same
 from qgate.gates.loaded_config import effective_generation, loaded_config, mark_same_settings
 from qgate.gates.result import GateResult
-from qgate.gates.tokenizer_diff import loaded_tokenizer_diffs, rendering_diffs, template_diff, tools_not_written
+from qgate.gates.tokenizer_diff import loaded_tokenizer_diffs, rendering_diffs, template_diff, tool_rendering
 from qgate.trust import TOKENIZER_FILES
 
 FACETS = ("tokenizer", "chat_template", "generation_config", "context_length", "architecture", "prompt_rendering")
@@ -292,7 +292,7 @@ def contract_gate(
     facets["tokenizer"] = (loaded_tokenizer_diffs(btok, ctok) + tok_diffs, tok_n + len(btok.get_vocab()))
     facets["chat_template"] = (template_diff(btok, ctok), 1)
     facets["prompt_rendering"] = rendering_diffs(btok, ctok, rows)
-    unwritten = tools_not_written(btok, rows)
+    tools = tool_rendering(btok, rows)
     results = []
     for facet, (diffs, n) in facets.items():
         refused, accepted, allowed = [], [], []
@@ -314,8 +314,8 @@ def contract_gate(
             "allowed": _allowed_summary(allowed),
             "compared_keys": n,
         }
-        if facet == "prompt_rendering" and any(row.get("tools") for row in rows):
-            ev["tools"] = {"requests": sum(bool(row.get("tools")) for row in rows), "not_written": unwritten}
+        if facet == "prompt_rendering" and tools:
+            ev["tools"] = tools
         results.append(GateResult.check("contract", facet, float(len(refused)), 0.0, False, max(n, 1), evidence=ev))
     return results
 

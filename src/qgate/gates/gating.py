@@ -56,7 +56,7 @@ class GateConfig:
     device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
     dtype: str = "auto"  # reference checkpoints' compute dtype: auto (float32 on CPU, served dtype on CUDA); a model
     # whose config says float16 computes in float16 whatever this says (device.compute_dtype)
-    VERSION = 25  # of the report's layout and the gates' rules; what changed in each is in git
+    VERSION = 26  # of the report's layout and the gates' rules; what changed in each is in git
 
     def __post_init__(self):
         from qgate.device import check_device, check_dtype
@@ -172,16 +172,28 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
     }
 
 
-def _tools_note(contract: list) -> tuple[str, ...]:
-    """What the reader must know when the baseline's chat template writes no tools for requests that offer them."""
-    tools = next((r.evidence.get("tools") for r in contract if r.metric == "prompt_rendering"), None)
-    if not tools or not tools["not_written"]:
+def _tools_note(results: list, tool_guards: bool) -> tuple[str, ...]:
+    """What the reader must know when the shadow split's tool use is not tested as configured: the baseline's chat
+    template writes no tools for requests that offer them, or (with the tool-call guards on) it begins a tool call
+    with no token of its own, so the guards have nothing to read."""
+    rendering = (r for r in results if (r.gate, r.metric) == ("contract", "prompt_rendering"))
+    tools = next((r.evidence.get("tools") for r in rendering), None)
+    if not tools:
         return ()
-    return (
-        f"{tools['not_written']} of the {tools['requests']} shadow requests that offer tools render without them: the "
-        "baseline's chat template writes no tools, so they are scored as that model is served, and tool use itself "
-        "is not tested.",
-    )
+    if tools["not_written"]:
+        return (
+            f"{tools['not_written']} of the {tools['requests']} shadow requests that offer tools render without "
+            "them: the baseline's chat template writes no tools, so they are scored as that model is served, and "
+            "tool use itself is not tested.",
+        )
+    if tool_guards and tools.get("call_start") is None:
+        return (
+            f"The tool-call guards (tool.calls, tool.refrains) did not run on the {tools['requests']} shadow requests "
+            "that offer tools: the baseline's chat template marks a tool call with no token of its own (an added "
+            "token such as <tool_call>; it writes calls as ordinary text, or none), so where an answer begins a call "
+            "cannot be told from one token. Tool use there is judged only by the pooled KL and top-1 checks.",
+        )
+    return ()
 
 
 def _provenance_notes(candidate: Artifact, baseline: Artifact) -> tuple[str, ...]:
@@ -237,7 +249,6 @@ def run_gates(
         )
     notes = notes + held.notes
     results = contract_gate(candidate, baseline, rows, cfg.contract)
-    notes = notes + _tools_note(results)
     timings["contract"] = time.perf_counter() - t
     refused = [r.metric for r in results if r.verdict in ("fail", "error")]
     if refused and not cfg.score_anyway:
@@ -264,6 +275,7 @@ def run_gates(
                 f"Not run: {' and '.join(stop['skipped'])}. The gate had already failed on {', '.join(stop['after'])}, "
                 "so the verdict is FAIL whatever they show (gates.stop_on_fail: true; set it false to score them).",
             )
+    notes = notes + _tools_note(results, cfg.shadow.tool_guards and m is not None)
     if (made_from := candidate.meta.get("base_model")) and made_from != baseline.sha256:
         notes = notes + (
             f"The candidate was made from base model {made_from[:16]}, not from the baseline it is gated against "

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qgate.artifact import Artifact, engine_checkpoint
-from qgate.chat import prompt_digest
+from qgate.chat import row_digest
 from qgate.errors import InputError
 
 HINT = (
@@ -63,7 +63,7 @@ def held_out(candidate: Artifact, shadow: Artifact, rows: list[dict], checkpoint
     for art in made:
         _check_split(candidate, shadow, art)
     seen = set().union(*(made_with(art) for art in made))
-    mask = np.array([prompt_digest(row["messages"], row.get("tools")) not in seen for row in rows], bool)
+    mask = np.array([row_digest(row) not in seen for row in rows], bool)
     if len(rows) and not mask.any():
         raise InputError(
             f"{shadow.path}: every one of its {len(rows)} requests is one {candidate.path} was made with (its "

@@ -3,13 +3,14 @@ each renders the same prompts, for the contract gate.
 
     diffs = loaded_tokenizer_diffs(btok, ctok) + template_diff(btok, ctok)
     diffs, n = rendering_diffs(btok, ctok, shadow_rows)   # n: the prompts rendered
-    unwritten = tools_not_written(btok, shadow_rows)       # requests whose tools the template leaves out
+    tools = tool_rendering(btok, shadow_rows)             # {"requests", "not_written", "call_start"} or None
 """
 
 from __future__ import annotations
 
 from qgate.chat import render
 from qgate.gates.file_diff import SHOW, difference
+from qgate.gates.tool_calls import call_start_ids
 
 
 def loaded_tokenizer_diffs(btok, ctok) -> list[dict]:
@@ -80,9 +81,16 @@ def rendering_diffs(btok, ctok, rows: list[dict]) -> tuple[list[dict], int]:
     return diffs, len(rows)
 
 
-def tools_not_written(tok, rows: list[dict]) -> int:
-    """How many of the requests that offer tools render as they would without them: the chat template writes no
-    tools, so the model is served (and scored) without them."""
-    return sum(
-        render(tok, row["messages"], row["tools"]) == render(tok, row["messages"]) for row in rows if row.get("tools")
-    )
+def tool_rendering(tok, rows: list[dict]) -> dict | None:
+    """What the chat template does with the requests that offer tools (None when none does): `requests`, how many;
+    `not_written`, how many render as they would without them (the model is served, and scored, without them); and
+    `call_start`, the token that begins a tool call in the template (gates/tool_calls.py), null where it has none."""
+    tooled = [row for row in rows if row.get("tools")]
+    if not tooled:
+        return None
+    start = call_start_ids(tok)
+    return {
+        "requests": len(tooled),
+        "not_written": sum(render(tok, r["messages"], r["tools"]) == render(tok, r["messages"]) for r in tooled),
+        "call_start": tok.convert_ids_to_tokens(start[0]) if start else None,
+    }
