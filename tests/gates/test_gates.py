@@ -1430,6 +1430,15 @@ def test_noise_floor_is_measured_cached_reported_and_guards_thresholds(base_art,
     assert "Noise floor" in html and "<b>stop.continues</b>" in html
     again = run_gates(base_art, base_art, calib_arts["shadow"], cfg, workdir / "g-floor2", workdir / "cache-floor")
     assert json.loads((again.path / "report.json").read_text())["noise_floor"]["cached"] is True
+    # a floor cached before a guard existed lacks its shares: measured again, so its thresholds are checked
+    from qgate.cache import write_cached
+
+    (path,) = (workdir / "cache-floor").glob("noise-floor-*.json")
+    old = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("stop.")}
+    write_cached(path, json.dumps(old).encode())
+    third = run_gates(base_art, base_art, calib_arts["shadow"], cfg, workdir / "g-floor3", workdir / "cache-floor")
+    floor = json.loads((third.path / "report.json").read_text())["noise_floor"]
+    assert floor["cached"] is False and floor["stop.continues"]["answers"] == 24
     synthetic = {
         "path": "test",
         "kl_p99": {"observed": 0.02, "ci": [0.01, 0.03]},

@@ -44,7 +44,7 @@ def noise_floor(
     timed_on (device.timing_host), given when the perf check gates on the time: it must have been measured there, after
     a warm-up batch, in at least `passes` timed passes (shadow.candidate_metrics; 1 where the check does not gate); a
     cached floor timed elsewhere (another card or CPU, or an unrecorded one), cold or in fewer passes is measured again
-    and replaces it."""
+    and replaces it, as is one that lacks a decision guard's shares `ref` calls for (measured before the guard was)."""
     key = sha256_json(
         {
             "baseline": baseline.sha256,
@@ -61,7 +61,8 @@ def noise_floor(
     if (data := read_cached(path)) is not None:
         cached = json.loads(data)
         timed = cached.get("timed_on") == timed_on and cached.get("warm_up")
-        if timed_on is None or (timed and len(cached.get("baseline_score_passes", ())) >= passes):
+        shares = all(d.refrains in cached for d in answer_ends.DECISIONS.values() if len(ref.get(d.ids, ())))
+        if shares and (timed_on is None or (timed and len(cached.get("baseline_score_passes", ())) >= passes)):
             return cached | {"cached": True}
     from qgate.device import timing_host
 
