@@ -278,3 +278,64 @@ def test_the_reference_carries_the_call_token_only_where_the_split_offers_tools(
     tok.save_pretrained(d)
     caller = Artifact.create("checkpoint", d, base_art.config, (), base_art.meta)
     assert _calls(caller, tooled)["call_ids"].tolist() == [tok.convert_tokens_to_ids("<tool_call>")]
+
+
+def test_a_gate_on_tool_traffic_runs_the_tool_guards_or_says_why_not(base_art, calib_arts, tmp_path):
+    """End to end: a shadow split whose requests offer tools, gated under a template that writes them. With the
+    call marker an added token the report holds the tool.refrains guard and no note; with the marker plain text, no
+    tool guard and a note saying they did not run."""
+    import json
+    import shutil
+
+    import tiny
+    import torch
+
+    from qgate.artifact import Artifact
+    from qgate.gates.gating import GateConfig, run_gates
+    from qgate.trust import load_tokenizer
+
+    shadow = calib_arts["shadow"]
+    d = tmp_path / "tool-shadow"
+    shutil.copytree(shadow.path, d, ignore=shutil.ignore_patterns("qgate-artifact.json"))
+    rows = [json.loads(x) for x in (d / "data.jsonl").read_text().splitlines()]
+    rows = [r | {"tools": [tiny.WEATHER]} if i % 2 else r for i, r in enumerate(rows)]  # no call in any history
+    (d / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tooled = Artifact.create("calibration-set", d, shadow.config, shadow.parents, shadow.meta)
+
+    def model(name, marker: bool) -> Artifact:
+        m = tmp_path / name
+        shutil.copytree(base_art.path, m, ignore=shutil.ignore_patterns("qgate-artifact.json"))
+        tok = load_tokenizer(m)
+        if marker:  # the call's marker an added token, its embedding grown to hold it
+            from transformers import AutoModelForCausalLM
+
+            tok.add_tokens(["<tool_call>", "</tool_call>"])
+            lm = AutoModelForCausalLM.from_pretrained(m)
+            torch.manual_seed(0)  # the new rows' init: the same model each run
+            lm.resize_token_embeddings(len(tok), mean_resizing=False)
+            lm.save_pretrained(m)
+        tok.chat_template = tiny.TOOL_TEMPLATE
+        tok.save_pretrained(m)
+        return Artifact.create("checkpoint", m, base_art.config, (), base_art.meta)
+
+    shadow_cfg = ShadowConfig(max_new_tokens=20, max_prompt_tokens=96, kl_p99_max=None)
+    cfg = GateConfig(shadow=shadow_cfg, eval=None, long_context=None)
+    for name, marker in (("marked", True), ("plain", False)):
+        art = model(name, marker)
+        out = run_gates(art, art, tooled, cfg, tmp_path / f"g-{name}", tmp_path / f"c-{name}")
+        report = json.loads((out.path / "report.json").read_text())
+        rendering = next(r for r in report["results"] if r["metric"] == "prompt_rendering")
+        assert rendering["evidence"]["tools"] == {
+            "requests": len(rows) // 2,
+            "not_written": 0,
+            "call_start": "<tool_call>" if marker else None,
+        }
+        tool_rows = [r for r in report["results"] if r["metric"].startswith("tool.")]
+        said = [n for n in report["notes"] if n.startswith("The tool-call guards (tool.calls, tool.refrains) did not")]
+        if marker:  # the model, against itself, begins no call here: only refrains runs, on every answer (a guard
+            # never passes; "info" is its verdict when it does not fail)
+            assert [(r["metric"], r["n"], r["verdict"]) for r in tool_rows] == [("tool.refrains", len(rows), "info")]
+            assert tool_rows[0]["observed"] == 1.0 and tool_rows[0]["evidence"]["call_ids"] == [320]
+            assert said == []
+        else:
+            assert tool_rows == [] and len(said) == 1 and f"on the {len(rows) // 2} shadow requests" in said[0]
