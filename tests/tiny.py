@@ -22,6 +22,12 @@ TOOL_MESSAGES = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 TOOL_TEMPLATE = TOOLS_BLOCK + TOOL_MESSAGES
+# Llama 3.1's way: a call is the assistant's whole answer, written as JSON text; WORDS_CALLS writes it as words
+JSON_CALLS = TOOLS_BLOCK + TOOL_MESSAGES.replace(
+    "<tool_call>{{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}</tool_call>",
+    "{\"name\": \"{{ c['function']['name'] }}\", \"parameters\": {{ c['function']['arguments'] | tojson }}}",
+)
+WORDS_CALLS = TOOLS_BLOCK + TOOL_MESSAGES.replace("<tool_call>", "Action: ").replace("</tool_call>", "")
 WEATHER = {
     "type": "function",
     "function": {

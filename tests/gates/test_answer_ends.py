@@ -155,12 +155,14 @@ def test_the_noise_floor_records_both_shares_and_refuses_a_threshold_the_baselin
 CALL = 7
 
 
-def _calling(prompts: int, answer: int, called: int) -> dict:
-    """_reference's answers, none ended, the first `called` of them a tool call: their first answer token is CALL."""
+def _calling(prompts: int, answer: int, called: int, inside: int = 0) -> dict:
+    """_reference's answers, none ended, the first `called` of them a tool call: their first answer token is CALL;
+    the next `inside` hold CALL at their middle."""
     ref = _reference(prompts, answer, ended=0)
     starts = np.cumsum(ref["seq_lens"]) - ref["seq_lens"] + ref["prompt_lens"]  # each answer's first token
     tokens = ref["tokens"].copy()
     tokens[starts[:called]] = CALL
+    tokens[starts[called : called + inside] + answer // 2] = CALL
     nxt = np.concatenate([tokens[a + 1 : a + n] for a, n in zip(starts - 2, ref["seq_lens"], strict=True)])
     return ref | {"tokens": tokens, "top_idx": np.stack([nxt, np.full_like(nxt, 998)], 1), "call_ids": np.array([CALL])}
 
@@ -214,6 +216,27 @@ def test_a_candidate_that_answers_where_the_baseline_calls_a_tool_fails_tool_cal
     )
 
 
+def test_a_json_call_is_judged_at_the_answers_first_token_only():
+    """Under a template whose calls are JSON opening the answer, a call token inside an answer (the baseline's or the
+    candidate's) is JSON in prose: it neither makes a call the candidate must match nor a spurious one."""
+    from qgate.gates.answer_ends import decided
+
+    ref = _calling(48, 100, called=8, inside=10)
+    json_ref = ref | {"call_first_only": np.array(True)}
+    assert decided(ref, ref["call_ids"]).sum() == 18 and decided(json_ref, ref["call_ids"], True).sum() == 8
+    eager = candidate_metrics(_Caller(json_ref, spurious=20), json_ref, served=False)  # CALL at each answer's middle
+    assert not eager["calls_spurious"].any() and eager["calls_at_first"].sum() == 8
+    by = {r.metric: r for r in shadow_gate(eager, json_ref, CFG)[0]}
+    assert by["tool.refrains"].verdict == "info" and by["tool.calls"].observed == 1.0
+    assert by["tool.calls"].evidence["first_token_only"] is True and by["tool.calls"].evidence["baseline_called"] == 8
+    prose = candidate_metrics(_Caller(json_ref, prose=True), json_ref, served=False)
+    calls = {r.metric: r for r in shadow_gate(prose, json_ref, CFG)[0]}["tool.calls"]
+    assert calls.verdict == "fail" and (calls.observed, calls.n) == (0.0, 8)
+    # with a marker a call begins wherever it is emitted: the same candidate begins 10 the baseline does not (the
+    # other 10 of its 20 are at the middles where the baseline's answer holds CALL too)
+    assert candidate_metrics(_Caller(ref, spurious=20), ref, served=False)["calls_spurious"].sum() == 10
+
+
 def test_the_tool_guards_noise_floor_refuses_a_threshold_the_baseline_fails():
     from qgate.errors import ConfigError
     from qgate.gates.answer_ends import floor
@@ -234,27 +257,35 @@ def test_the_tool_guards_noise_floor_refuses_a_threshold_the_baseline_fails():
     check_thresholds(ShadowConfig(top1_agreement_min=0.85, tool_guards=False), pooled | f)
 
 
-def test_the_call_token_is_read_from_the_chat_template(tmp_path):
-    """A template that begins a call with an added token names it, past a thinking block every answer opens with;
-    one that writes calls as plain text, one that writes none, and a tokenizer with no template name none."""
+def test_how_a_call_begins_is_read_from_the_chat_template(tmp_path):
+    """A template that begins a call with an added token names it, past a thinking block every answer opens with; one
+    that writes a call as JSON opening the answer gives every token that opens with "{", at the first token only; one
+    that writes calls as words, one that writes none, and a tokenizer with no template name none."""
     import tiny
 
-    from qgate.gates.tool_calls import call_start_ids
+    from qgate.gates.tool_calls import CallStart, call_start
 
     tok = tiny.make_tokenizer(tmp_path / "tok")
-    assert call_start_ids(tok) == []  # the tiny template writes contents only
+    assert call_start(tok) == CallStart([])  # the tiny template writes contents only
     tok.chat_template = tiny.TOOL_TEMPLATE
-    assert call_start_ids(tok) == []  # "<tool_call>" is plain text to this tokenizer
+    assert call_start(tok) == CallStart([])  # "<tool_call>" is plain text to this tokenizer, and not JSON
+    tok.chat_template = tiny.WORDS_CALLS
+    assert call_start(tok) == CallStart([])
+    tok.chat_template = tiny.JSON_CALLS
+    braces = [i for i in range(len(tok)) if tok.decode([i]).startswith("{")]
+    assert call_start(tok) == CallStart(braces, True, "{") and tok.convert_tokens_to_ids("{") in braces
+    tok.chat_template = tiny.TOOL_TEMPLATE
     tok.add_tokens(["<tool_call>", "</tool_call>"])
-    assert call_start_ids(tok) == [tok.convert_tokens_to_ids("<tool_call>")]
+    marker = CallStart([tok.convert_tokens_to_ids("<tool_call>")], False, "<tool_call>")
+    assert call_start(tok) == marker
     tok.add_tokens(["<think>", "</think>"])  # a thinking block opens every assistant turn, prose or call
     head = "<|im_start|>{{ m['role'] }}\n"
     tok.chat_template = tiny.TOOL_TEMPLATE.replace(
         head, head + "{% if m['role'] == 'assistant' %}<think></think>{% endif %}"
     )
-    assert call_start_ids(tok) == [tok.convert_tokens_to_ids("<tool_call>")]
+    assert call_start(tok) == marker
     tok.chat_template = None
-    assert call_start_ids(tok) == []
+    assert call_start(tok) == CallStart([])
 
 
 def test_the_reference_carries_the_call_token_only_where_the_split_offers_tools(base_art, tmp_path):
@@ -282,8 +313,8 @@ def test_the_reference_carries_the_call_token_only_where_the_split_offers_tools(
 
 def test_a_gate_on_tool_traffic_runs_the_tool_guards_or_says_why_not(base_art, calib_arts, tmp_path):
     """End to end: a shadow split whose requests offer tools, gated under a template that writes them. With the
-    call marker an added token the report holds the tool.refrains guard and no note; with the marker plain text, no
-    tool guard and a note saying they did not run."""
+    call marker an added token, or calls written as JSON opening the answer, the report holds the tool guards and no
+    note; with the marker plain text, no tool guard and a note saying they did not run."""
     import json
     import shutil
 
@@ -302,7 +333,7 @@ def test_a_gate_on_tool_traffic_runs_the_tool_guards_or_says_why_not(base_art, c
     (d / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tooled = Artifact.create("calibration-set", d, shadow.config, shadow.parents, shadow.meta)
 
-    def model(name, marker: bool) -> Artifact:
+    def model(name, template: str, marker: bool) -> Artifact:
         m = tmp_path / name
         shutil.copytree(base_art.path, m, ignore=shutil.ignore_patterns("qgate-artifact.json"))
         tok = load_tokenizer(m)
@@ -314,21 +345,27 @@ def test_a_gate_on_tool_traffic_runs_the_tool_guards_or_says_why_not(base_art, c
             torch.manual_seed(0)  # the new rows' init: the same model each run
             lm.resize_token_embeddings(len(tok), mean_resizing=False)
             lm.save_pretrained(m)
-        tok.chat_template = tiny.TOOL_TEMPLATE
+        tok.chat_template = template
         tok.save_pretrained(m)
         return Artifact.create("checkpoint", m, base_art.config, (), base_art.meta)
 
     shadow_cfg = ShadowConfig(max_new_tokens=20, max_prompt_tokens=96, kl_p99_max=None)
     cfg = GateConfig(shadow=shadow_cfg, eval=None, long_context=None)
-    for name, marker in (("marked", True), ("plain", False)):
-        art = model(name, marker)
+    cases = (
+        ("marked", tiny.TOOL_TEMPLATE, True, "<tool_call>"),
+        ("json", tiny.JSON_CALLS, False, "{"),
+        ("plain", tiny.TOOL_TEMPLATE, False, None),
+    )
+    for name, template, marker, start in cases:
+        art = model(name, template, marker)
         out = run_gates(art, art, tooled, cfg, tmp_path / f"g-{name}", tmp_path / f"c-{name}")
         report = json.loads((out.path / "report.json").read_text())
         rendering = next(r for r in report["results"] if r["metric"] == "prompt_rendering")
         assert rendering["evidence"]["tools"] == {
             "requests": len(rows) // 2,
             "not_written": 0,
-            "call_start": "<tool_call>" if marker else None,
+            "call_start": start,
+            "call_at_answer_start": start == "{",
         }
         tool_rows = [r for r in report["results"] if r["metric"].startswith("tool.")]
         said = [n for n in report["notes"] if n.startswith("The tool-call guards (tool.calls, tool.refrains) did not")]
@@ -337,5 +374,11 @@ def test_a_gate_on_tool_traffic_runs_the_tool_guards_or_says_why_not(base_art, c
             assert [(r["metric"], r["n"], r["verdict"]) for r in tool_rows] == [("tool.refrains", len(rows), "info")]
             assert tool_rows[0]["observed"] == 1.0 and tool_rows[0]["evidence"]["call_ids"] == [320]
             assert said == []
+        elif start == "{":  # the same model against itself: whatever it calls, it calls where it did
+            assert {r["metric"] for r in tool_rows} >= {"tool.refrains"} and said == []
+            assert all(r["verdict"] == "info" and r["evidence"]["first_token_only"] for r in tool_rows)
+            tok = load_tokenizer(art.path)
+            braces = [i for i in range(len(tok)) if tok.decode([i]).startswith("{")]
+            assert tool_rows[-1]["evidence"]["call_ids"] == braces[:10] and braces
         else:
             assert tool_rows == [] and len(said) == 1 and f"on the {len(rows) // 2} shadow requests" in said[0]

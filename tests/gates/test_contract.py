@@ -497,7 +497,7 @@ def test_requests_that_offer_tools_are_rendered_with_them(base_art, rows, tmp_pa
     same = contract_gate(_variant(base_art, tmp_path, "same", lambda d: None), base_art, both, ContractConfig())
     assert all(r.verdict == "pass" for r in same)
     (ev,) = [r.evidence["tools"] for r in same if r.metric == "prompt_rendering"]
-    assert ev == {"requests": 5, "not_written": 5, "call_start": None}
+    assert ev == {"requests": 5, "not_written": 5, "call_start": None, "call_at_answer_start": False}
     assert _tools_note(same, True)[0].startswith("5 of the 5 shadow requests that offer tools render without them")
     assert _tools_note(same, False) == _tools_note(same, True)  # the tools are unwritten whatever the guards
     # written, but "<tool_call>" is plain text to this tokenizer: the tool-call guards cannot run, and the note says so
@@ -519,7 +519,7 @@ def test_requests_that_offer_tools_are_rendered_with_them(base_art, rows, tmp_pa
     marker = _variant(base_art, tmp_path, "marker", marked)
     guarded = contract_gate(marker, marker, both, ContractConfig())
     ev = next(r for r in guarded if r.metric == "prompt_rendering").evidence["tools"]
-    assert ev == {"requests": 5, "not_written": 0, "call_start": "<tool_call>"}
+    assert ev == {"requests": 5, "not_written": 0, "call_start": "<tool_call>", "call_at_answer_start": False}
     assert _tools_note(guarded, True) == ()
     plain = contract_gate(_variant(base_art, tmp_path, "plain", lambda d: None), base_art, rows, ContractConfig())
     assert "tools" not in next(r for r in plain if r.metric == "prompt_rendering").evidence

@@ -56,7 +56,7 @@ class GateConfig:
     device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
     dtype: str = "auto"  # reference checkpoints' compute dtype: auto (float32 on CPU, served dtype on CUDA); a model
     # whose config says float16 computes in float16 whatever this says (device.compute_dtype)
-    VERSION = 26  # of the report's layout and the gates' rules; what changed in each is in git
+    VERSION = 27  # of the report's layout and the gates' rules; what changed in each is in git
 
     def __post_init__(self):
         from qgate.device import check_device, check_dtype
@@ -174,8 +174,8 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
 
 def _tools_note(results: list, tool_guards: bool) -> tuple[str, ...]:
     """What the reader must know when the shadow split's tool use is not tested as configured: the baseline's chat
-    template writes no tools for requests that offer them, or (with the tool-call guards on) it begins a tool call
-    with no token of its own, so the guards have nothing to read."""
+    template writes no tools for requests that offer them, or (with the tool-call guards on) it begins a tool call in
+    no way gates/tool_calls.py reads, so the guards have nothing to read."""
     rendering = (r for r in results if (r.gate, r.metric) == ("contract", "prompt_rendering"))
     tools = next((r.evidence.get("tools") for r in rendering), None)
     if not tools:
@@ -189,9 +189,10 @@ def _tools_note(results: list, tool_guards: bool) -> tuple[str, ...]:
     if tool_guards and tools.get("call_start") is None:
         return (
             f"The tool-call guards (tool.calls, tool.refrains) did not run on the {tools['requests']} shadow requests "
-            "that offer tools: the baseline's chat template marks a tool call with no token of its own (an added "
-            "token such as <tool_call>; it writes calls as ordinary text, or none), so where an answer begins a call "
-            "cannot be told from one token. Tool use there is judged only by the pooled KL and top-1 checks.",
+            "that offer tools: the baseline's chat template begins a tool call neither with a token of its own (an "
+            "added token such as <tool_call>) nor as JSON that opens the answer (it writes calls as ordinary words, "
+            "or none), so where an answer begins a call cannot be told from one token. Tool use there is judged only "
+            "by the pooled KL and top-1 checks.",
         )
     return ()
 

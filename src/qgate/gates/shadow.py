@@ -57,7 +57,7 @@ from qgate.engines.logits import checkpoint_stops
 from qgate.engines.protocol import GeneratesScored
 from qgate.errors import ConfigError, InputError
 from qgate.execute import releases
-from qgate.gates.answer_ends import candidate_decision, decision_guards
+from qgate.gates.answer_ends import DECISIONS, candidate_decision, decision_guards, first_only
 from qgate.gates.kl_checks import KL_THRESHOLDS, QUANTILES, defined_check, kl_top1_checks, route_checks
 from qgate.gates.passes import (
     GREEDY_BATCH_ROWS,
@@ -232,14 +232,16 @@ def _stops(baseline: Artifact) -> dict:
 
 
 def _calls(baseline: Artifact, rows: list[dict]) -> dict:
-    """`call_ids`: the token that begins a tool call in the baseline's chat template (gates/tool_calls.py), where a
-    shadow request offers tools; read beside the cached reference, as `stop_ids` is."""
+    """`call_ids`: the tokens that begin a tool call in the baseline's chat template (gates/tool_calls.py), and
+    `call_first_only`: whether a call begins only at an answer's first token (a JSON call), where a shadow request
+    offers tools; read beside the cached reference, as `stop_ids` is."""
     if not any(row.get("tools") for row in rows):
         return {}
-    from qgate.gates.tool_calls import call_start_ids
+    from qgate.gates.tool_calls import call_start
     from qgate.trust import load_tokenizer
 
-    return {"call_ids": np.array(call_start_ids(load_tokenizer(baseline.path)), np.int64)}
+    start = call_start(load_tokenizer(baseline.path))
+    return {"call_ids": np.array(start.ids, np.int64), "call_first_only": np.array(start.first_only)}
 
 
 def _check_defined(baseline: Artifact, top_lp: np.ndarray, positions: list[int]) -> None:
@@ -273,6 +275,7 @@ def candidate_metrics(
     starts = np.concatenate([[0], np.cumsum(ref["seq_lens"] - 1)])  # sequence i's positions in ref's arrays
     stop_ids = ref.get("stop_ids", np.zeros(0, np.int64))
     call_ids = ref.get("call_ids", np.zeros(0, np.int64))
+    call_span = slice(0, 1) if first_only(ref, DECISIONS["tool"]) else slice(None)  # a JSON call: the first token
 
     def per_sequence(i: int, cand_top1: np.ndarray, kl: np.ndarray, p_tail: np.ndarray) -> tuple:
         a, b, p = int(starts[i]), int(starts[i + 1]), int(ref["prompt_lens"][i])
@@ -287,7 +290,7 @@ def candidate_metrics(
             int(miss[0]) if len(miss) else len(answer),
             len(answer),
             *candidate_decision(at_answer, answer, stop_ids),
-            *candidate_decision(at_answer, answer, call_ids),
+            *candidate_decision(at_answer[call_span], answer[call_span], call_ids),
         )
 
     # the baseline's top-k ids and log-probs per position, [T - 1, k] per sequence

@@ -3,14 +3,14 @@ each renders the same prompts, for the contract gate.
 
     diffs = loaded_tokenizer_diffs(btok, ctok) + template_diff(btok, ctok)
     diffs, n = rendering_diffs(btok, ctok, shadow_rows)   # n: the prompts rendered
-    tools = tool_rendering(btok, shadow_rows)             # {"requests", "not_written", "call_start"} or None
+    tools = tool_rendering(btok, shadow_rows)             # {"requests", "not_written", "call_start", ...} or None
 """
 
 from __future__ import annotations
 
 from qgate.chat import render
 from qgate.gates.file_diff import SHOW, difference
-from qgate.gates.tool_calls import call_start_ids
+from qgate.gates.tool_calls import call_start
 
 
 def loaded_tokenizer_diffs(btok, ctok) -> list[dict]:
@@ -84,13 +84,15 @@ def rendering_diffs(btok, ctok, rows: list[dict]) -> tuple[list[dict], int]:
 def tool_rendering(tok, rows: list[dict]) -> dict | None:
     """What the chat template does with the requests that offer tools (None when none does): `requests`, how many;
     `not_written`, how many render as they would without them (the model is served, and scored, without them); and
-    `call_start`, the token that begins a tool call in the template (gates/tool_calls.py), null where it has none."""
+    `call_start`, what begins a tool call in the template (gates/tool_calls.py: a marker token, or the opening
+    character of a JSON call, which `call_at_answer_start` then says), null where it has none."""
     tooled = [row for row in rows if row.get("tools")]
     if not tooled:
         return None
-    start = call_start_ids(tok)
+    start = call_start(tok)
     return {
         "requests": len(tooled),
         "not_written": sum(render(tok, r["messages"], r["tools"]) == render(tok, r["messages"]) for r in tooled),
-        "call_start": tok.convert_ids_to_tokens(start[0]) if start else None,
+        "call_start": start.text,
+        "call_at_answer_start": start.first_only,
     }

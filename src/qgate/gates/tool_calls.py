@@ -1,19 +1,28 @@
-"""The token a model emits to begin a tool call, read from its chat template: what the tool-call guards watch.
+"""How a model begins a tool call, read from its chat template: what the tool-call guards watch.
 
-    ids = call_start_ids(tokenizer)   # e.g. [id of "<tool_call>"]; [] when the template marks no call with one
+    start = call_start(tokenizer)   # start.ids, start.first_only, start.text; start.ids == [] when none is found
 
 The template is asked to write one probe conversation twice: the assistant answering in prose, and the assistant
-calling a probe tool. The call's marker is the first token of the call's part that is one of the tokenizer's added
-tokens (atomic, never a piece of prose) and is not in the prose answer's part (a template's thinking block or turn
-header is in both). Qwen's and Hermes' `<tool_call>` and Mistral's `[TOOL_CALLS]` are such markers. A template that
-writes a call as plain text (Llama 3.1's JSON) or writes no calls has none, and gets no tool-call guards.
+calling a probe tool. Two ways of beginning a call are read from it:
+- a marker: the first token of the call's part that is one of the tokenizer's added tokens (atomic, never a piece of
+  prose) and is not in the prose answer's part (a template's thinking block or turn header is in both). Qwen's and
+  Hermes' `<tool_call>` and Mistral's `[TOOL_CALLS]` are such markers; a call begins wherever one is emitted.
+- a JSON call: a call's part that opens the answer with `{` or `[` and no marker (Llama 3.1's `{"name": ...}`, the
+  pythonic `[f(x=1)]`). A server's parser for such a template (vLLM's llama3_json, pythonic) takes an answer for a
+  call when its text begins with that character, so the call is decided at the answer's first token: the ids are
+  every token whose text begins with it (`first_only`).
+A template that writes a call otherwise (as ordinary words), or writes no calls, has neither and gets no tool-call
+guards.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from qgate.chat import render, served_messages
 
 PROBE = "qgate_probe_tool"
+OPENERS = "{["  # the first characters of a JSON or pythonic tool call
 _TOOLS = [
     {
         "type": "function",
@@ -24,13 +33,20 @@ _ASK = [{"role": "user", "content": "which tool would you call?"}]
 _CALL = {"id": "call_qgate0", "type": "function", "function": {"name": PROBE, "arguments": "{}"}}
 
 
-def call_start_ids(tokenizer) -> list[int]:
-    """The id of the token that begins a tool call in the tokenizer's chat template, as a one-item list; [] when the
-    template writes no call, cannot write the probe, or begins a call with ordinary text."""
+@dataclass(frozen=True)
+class CallStart:
+    ids: list[int]  # the tokens that begin a call; [] where the template has no such beginning
+    first_only: bool = False  # a JSON call: begun only at an answer's first token
+    text: str | None = None  # the marker token, or the opening character; None where ids is empty
+
+
+def call_start(tokenizer) -> CallStart:
+    """How a call begins in the tokenizer's chat template (the module's docstring); CallStart([]) when the template
+    writes no call, cannot write the probe, or begins a call with ordinary words."""
     import jinja2
 
     if not getattr(tokenizer, "chat_template", None):
-        return []
+        return CallStart([])
     try:
         prompt = render(tokenizer, _ASK, _TOOLS)
         parts = [
@@ -43,9 +59,16 @@ def call_start_ids(tokenizer) -> list[int]:
             )
         ]
     except (jinja2.TemplateError, TypeError, ValueError, KeyError):  # a template that cannot write the probe
-        return []
+        return CallStart([])
     if not all(p.startswith(prompt) for p in parts) or PROBE not in parts[0][len(prompt) :]:
-        return []
-    call, prose = (tokenizer(p[len(prompt) :], add_special_tokens=False)["input_ids"] for p in parts)
+        return CallStart([])
+    call_text, prose_text = (p[len(prompt) :] for p in parts)
+    call, prose = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in (call_text, prose_text))
     added, prose = set(tokenizer.added_tokens_decoder), set(prose)
-    return [t for t in call if t in added and t not in prose][:1]
+    if marker := [t for t in call if t in added and t not in prose][:1]:
+        return CallStart(marker, False, tokenizer.convert_ids_to_tokens(marker[0]))
+    opener = call_text[:1]
+    if opener and opener in OPENERS and not prose_text.startswith(opener):
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
+        return CallStart([i for i, t in enumerate(texts) if t.startswith(opener)], True, opener)
+    return CallStart([])
