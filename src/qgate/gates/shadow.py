@@ -237,11 +237,12 @@ def _calls(baseline: Artifact, rows: list[dict]) -> dict:
     offers tools; read beside the cached reference, as `stop_ids` is."""
     if not any(row.get("tools") for row in rows):
         return {}
-    from qgate.gates.tool_calls import call_start
+    from qgate.gates.tool_calls import call_ids, call_start
     from qgate.trust import load_tokenizer
 
-    start = call_start(load_tokenizer(baseline.path))
-    return {"call_ids": np.array(start.ids, np.int64), "call_first_only": np.array(start.first_only)}
+    tok = load_tokenizer(baseline.path)
+    start = call_start(tok)
+    return {"call_ids": np.array(call_ids(tok, start), np.int64), "call_first_only": np.array(start.first_only)}
 
 
 def _check_defined(baseline: Artifact, top_lp: np.ndarray, positions: list[int]) -> None:

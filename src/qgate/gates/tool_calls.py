@@ -1,6 +1,7 @@
 """How a model begins a tool call, read from its chat template: what the tool-call guards watch.
 
-    start = call_start(tokenizer)   # start.ids, start.first_only, start.text; start.ids == [] when none is found
+    start = call_start(tokenizer)   # start.text: the marker or the opening character, None when none is found
+    ids = call_ids(tokenizer, start)  # the token ids that begin a call; decodes the vocabulary for a JSON call
 
 The template is asked to write one probe conversation twice: the assistant answering in prose, and the assistant
 calling a probe tool. Two ways of beginning a call are read from it:
@@ -35,18 +36,18 @@ _CALL = {"id": "call_qgate0", "type": "function", "function": {"name": PROBE, "a
 
 @dataclass(frozen=True)
 class CallStart:
-    ids: list[int]  # the tokens that begin a call; [] where the template has no such beginning
+    text: str | None = None  # the marker token, or a JSON call's opening character; None where there is neither
     first_only: bool = False  # a JSON call: begun only at an answer's first token
-    text: str | None = None  # the marker token, or the opening character; None where ids is empty
 
 
 def call_start(tokenizer) -> CallStart:
     """How a call begins in the tokenizer's chat template (the module's docstring); CallStart([]) when the template
-    writes no call, cannot write the probe, or begins a call with ordinary words."""
+    writes no call, cannot write the probe, or begins a call with ordinary words. Cheap: the tokenizer encodes two
+    probe answers; `call_ids` turns the result into token ids."""
     import jinja2
 
     if not getattr(tokenizer, "chat_template", None):
-        return CallStart([])
+        return CallStart()
     try:
         prompt = render(tokenizer, _ASK, _TOOLS)
         parts = [
@@ -59,16 +60,27 @@ def call_start(tokenizer) -> CallStart:
             )
         ]
     except (jinja2.TemplateError, TypeError, ValueError, KeyError):  # a template that cannot write the probe
-        return CallStart([])
+        return CallStart()
     if not all(p.startswith(prompt) for p in parts) or PROBE not in parts[0][len(prompt) :]:
-        return CallStart([])
+        return CallStart()
     call_text, prose_text = (p[len(prompt) :] for p in parts)
     call, prose = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in (call_text, prose_text))
     added, prose = set(tokenizer.added_tokens_decoder), set(prose)
     if marker := [t for t in call if t in added and t not in prose][:1]:
-        return CallStart(marker, False, tokenizer.convert_ids_to_tokens(marker[0]))
+        return CallStart(tokenizer.convert_ids_to_tokens(marker[0]))
     opener = call_text[:1]
     if opener and opener in OPENERS and not prose_text.startswith(opener):
-        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
-        return CallStart([i for i, t in enumerate(texts) if t.startswith(opener)], True, opener)
-    return CallStart([])
+        return CallStart(opener, True)
+    return CallStart()
+
+
+def call_ids(tokenizer, start: CallStart) -> list[int]:
+    """The token ids that begin a call as `start` says: the marker's id, or, for a JSON call, every token whose text
+    begins with its opening character (the whole vocabulary is decoded: about a second at 128k tokens); [] for
+    neither."""
+    if start.text is None:
+        return []
+    if not start.first_only:
+        return [tokenizer.convert_tokens_to_ids(start.text)]
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
+    return [i for i, t in enumerate(texts) if t.startswith(start.text)]
