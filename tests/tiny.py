@@ -142,6 +142,27 @@ def stored_as(base, dtype: str, out: Path):
     return import_model(ModelSource(hf_dir=str(src)), Path(out) / "base")
 
 
+def use_template(d: Path, template: str, marker: bool = False, grow: bool = False) -> None:
+    """The checkpoint in `d` given `template` as its chat template. marker: `<tool_call>` and `</tool_call>` become
+    added tokens, as Qwen's and Hermes' tokenizers have them; grow: its embeddings grow to hold them (the new rows
+    seeded, so the same model each run)."""
+    from qgate.trust import load_tokenizer
+
+    tok = load_tokenizer(d)
+    if marker:
+        tok.add_tokens(["<tool_call>", "</tool_call>"])
+    if grow:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        lm = AutoModelForCausalLM.from_pretrained(d)
+        torch.manual_seed(0)
+        lm.resize_token_embeddings(len(tok), mean_resizing=False)
+        lm.save_pretrained(d)
+    tok.chat_template = template
+    tok.save_pretrained(d)
+
+
 def as_transformers_4(config: dict) -> None:
     """Rewrite a Llama config.json (in place) the way Transformers 4 wrote it, as most checkpoints on model hubs
     are: rope_theta and rope_scaling apart, torch_dtype, and the defaults head_dim and mlp_bias left out."""

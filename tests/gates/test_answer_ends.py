@@ -263,21 +263,22 @@ def test_how_a_call_begins_is_read_from_the_chat_template(tmp_path):
     that writes calls as words, one that writes none, and a tokenizer with no template name none."""
     import tiny
 
-    from qgate.gates.tool_calls import CallStart, call_start
+    from qgate.gates.tool_calls import CallStart, call_ids, call_start
 
     tok = tiny.make_tokenizer(tmp_path / "tok")
-    assert call_start(tok) == CallStart([])  # the tiny template writes contents only
+    assert call_start(tok) == CallStart() and call_ids(tok, CallStart()) == []  # the tiny template writes contents only
     tok.chat_template = tiny.TOOL_TEMPLATE
-    assert call_start(tok) == CallStart([])  # "<tool_call>" is plain text to this tokenizer, and not JSON
+    assert call_start(tok) == CallStart()  # "<tool_call>" is plain text to this tokenizer, and not JSON
     tok.chat_template = tiny.WORDS_CALLS
-    assert call_start(tok) == CallStart([])
+    assert call_start(tok) == CallStart()
     tok.chat_template = tiny.JSON_CALLS
     braces = [i for i in range(len(tok)) if tok.decode([i]).startswith("{")]
-    assert call_start(tok) == CallStart(braces, True, "{") and tok.convert_tokens_to_ids("{") in braces
+    assert call_start(tok) == CallStart("{", True) and tok.convert_tokens_to_ids("{") in braces
+    assert call_ids(tok, call_start(tok)) == braces
     tok.chat_template = tiny.TOOL_TEMPLATE
     tok.add_tokens(["<tool_call>", "</tool_call>"])
-    marker = CallStart([tok.convert_tokens_to_ids("<tool_call>")], False, "<tool_call>")
-    assert call_start(tok) == marker
+    marker = CallStart("<tool_call>")
+    assert call_start(tok) == marker and call_ids(tok, marker) == [tok.convert_tokens_to_ids("<tool_call>")]
     tok.add_tokens(["<think>", "</think>"])  # a thinking block opens every assistant turn, prose or call
     head = "<|im_start|>{{ m['role'] }}\n"
     tok.chat_template = tiny.TOOL_TEMPLATE.replace(
@@ -285,7 +286,7 @@ def test_how_a_call_begins_is_read_from_the_chat_template(tmp_path):
     )
     assert call_start(tok) == marker
     tok.chat_template = None
-    assert call_start(tok) == CallStart([])
+    assert call_start(tok) == CallStart()
 
 
 def test_the_reference_carries_the_call_token_only_where_the_split_offers_tools(base_art, tmp_path):
@@ -303,12 +304,9 @@ def test_the_reference_carries_the_call_token_only_where_the_split_offers_tools(
     assert _calls(base_art, tooled)["call_ids"].tolist() == []  # its template writes no calls
     d = tmp_path / "caller"
     shutil.copytree(base_art.path, d, ignore=shutil.ignore_patterns("qgate-artifact.json"))
-    tok = load_tokenizer(d)
-    tok.add_tokens(["<tool_call>", "</tool_call>"])
-    tok.chat_template = tiny.TOOL_TEMPLATE
-    tok.save_pretrained(d)
+    tiny.use_template(d, tiny.TOOL_TEMPLATE, marker=True)
     caller = Artifact.create("checkpoint", d, base_art.config, (), base_art.meta)
-    assert _calls(caller, tooled)["call_ids"].tolist() == [tok.convert_tokens_to_ids("<tool_call>")]
+    assert _calls(caller, tooled)["call_ids"].tolist() == [load_tokenizer(d).convert_tokens_to_ids("<tool_call>")]
 
 
 def test_a_gate_on_tool_traffic_runs_the_tool_guards_or_says_why_not(base_art, calib_arts, tmp_path):
@@ -319,7 +317,6 @@ def test_a_gate_on_tool_traffic_runs_the_tool_guards_or_says_why_not(base_art, c
     import shutil
 
     import tiny
-    import torch
 
     from qgate.artifact import Artifact
     from qgate.gates.gating import GateConfig, run_gates
@@ -336,17 +333,7 @@ def test_a_gate_on_tool_traffic_runs_the_tool_guards_or_says_why_not(base_art, c
     def model(name, template: str, marker: bool) -> Artifact:
         m = tmp_path / name
         shutil.copytree(base_art.path, m, ignore=shutil.ignore_patterns("qgate-artifact.json"))
-        tok = load_tokenizer(m)
-        if marker:  # the call's marker an added token, its embedding grown to hold it
-            from transformers import AutoModelForCausalLM
-
-            tok.add_tokens(["<tool_call>", "</tool_call>"])
-            lm = AutoModelForCausalLM.from_pretrained(m)
-            torch.manual_seed(0)  # the new rows' init: the same model each run
-            lm.resize_token_embeddings(len(tok), mean_resizing=False)
-            lm.save_pretrained(m)
-        tok.chat_template = template
-        tok.save_pretrained(m)
+        tiny.use_template(m, template, marker=marker, grow=marker)
         return Artifact.create("checkpoint", m, base_art.config, (), base_art.meta)
 
     shadow_cfg = ShadowConfig(max_new_tokens=20, max_prompt_tokens=96, kl_p99_max=None)

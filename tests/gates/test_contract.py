@@ -508,15 +508,7 @@ def test_requests_that_offer_tools_are_rendered_with_them(base_art, rows, tmp_pa
     )
     assert _tools_note(plain_call, False) == ()  # guards off (or nothing scored): nothing was expected of them
 
-    def marked(d):  # the template's call marker an added token, as Qwen's and Hermes' tokenizers have it
-        from qgate.trust import load_tokenizer
-
-        tok = load_tokenizer(d)
-        tok.add_tokens(["<tool_call>", "</tool_call>"])
-        tok.chat_template = tiny.TOOL_TEMPLATE
-        tok.save_pretrained(d)
-
-    marker = _variant(base_art, tmp_path, "marker", marked)
+    marker = _variant(base_art, tmp_path, "marker", lambda d: tiny.use_template(d, tiny.TOOL_TEMPLATE, marker=True))
     guarded = contract_gate(marker, marker, both, ContractConfig())
     ev = next(r for r in guarded if r.metric == "prompt_rendering").evidence["tools"]
     assert ev == {"requests": 5, "not_written": 0, "call_start": "<tool_call>", "call_at_answer_start": False}
