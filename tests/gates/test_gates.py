@@ -285,12 +285,34 @@ def test_three_verdicts_decided_on_the_confidence_interval():
         GateResult.check("shadow", "kl_p999", 0.01, 0.1, False, 50, ci=(0.005, float("inf"))).verdict == "inconclusive"
     )
     assert GateResult.check("shadow", "kl_p999", 0.5, 0.1, False, 50, ci=(0.3, float("inf"))).verdict == "fail"
-    assert GateResult.check("x", "y", float("nan"), 0.1, False, 0).verdict == "error"
-    err = GateResult.could_not_run("eval", "acc", "boom")
-    assert err.verdict == "error" and not err.passed
+    err = GateResult.check("eval", "acc", float("nan"), 0.1, False, 0, evidence={"error": "boom"})
+    assert (err.verdict, err.passed, err.decided_on, err.evidence) == ("error", False, "not-run", {"error": "boom"})
+    assert GateResult.check("x", "y", float("nan"), 0.1, False, 0).evidence == {"error": "no finite value"}
     assert GateResult.check("x", "y", 3.0, None, False, 10).verdict == "info"
     assert overall([ok, straddles]) == "inconclusive" and overall([ok, straddles, bad]) == "fail"
     assert overall([ok, err]) == "fail" and overall([ok]) == "pass"
+
+
+def test_a_check_with_no_positions_is_an_error_only_where_it_has_a_threshold():
+    """No position of the gated kind scored: every KL and top-1 check gets a NaN row, decided on not-run (ERROR)
+    where the config sets its threshold and report-only (INFO) where it does not; none when nothing is gated."""
+    from qgate.gates.kl_checks import kl_top1_checks
+
+    m = {"kl": np.full(6, 0.01), "agree": np.ones(6, bool)}
+    none, clusters = np.zeros(6, bool), np.repeat(np.arange(3), 2)
+    rows = kl_top1_checks(m, clusters, none, ShadowConfig(kl_p99_max=0.5, kl_p999_max=1.0, top1_agreement_min=None))
+    got = {r.metric: (r.verdict, r.decided_on, r.threshold) for r in rows}
+    assert got == {
+        "kl_mean": ("info", "report-only", None),
+        "kl_p99": ("error", "not-run", 0.5),
+        "kl_p999": ("error", "not-run", 1.0),
+        "top1_agreement": ("info", "report-only", None),
+    }
+    assert all(np.isnan(r.observed) and r.evidence["error"] == "no positions of this kind were scored" for r in rows)
+    assert overall(rows) == "fail"
+    assert kl_top1_checks(m, clusters, none, None) == []
+    scored = kl_top1_checks(m, clusters, ~none, ShadowConfig())  # the same four rows once positions are scored
+    assert [r.verdict for r in scored] == ["info", "inconclusive", "info", "pass"]
 
 
 def test_a_split_too_small_to_pass_a_tail_check_is_refused_before_scoring(

@@ -31,17 +31,10 @@ def kl_top1_checks(
 ) -> list[GateResult]:
     """kl_mean, kl_p99, kl_p999 and top1_agreement over the masked positions, on their 95% intervals (estimators).
     Thresholds are read from cfg's kl_mean_max, kl_p99_max, kl_p999_max and top1_agreement_min; report-only when cfg
-    is None. `evidence` goes on kl_mean's row."""
+    is None. `evidence` goes on kl_mean's row. With no position masked: `unmeasured`'s rows, none when cfg is None."""
     n = int(mask.sum())
     if n == 0:
-        return (
-            [
-                GateResult.could_not_run(gate, f"{prefix}{x}", "no positions of this kind were scored")
-                for x in ("kl_mean", "kl_p99", "top1_agreement")
-            ]
-            if cfg
-            else []
-        )
+        return unmeasured(cfg, {"error": "no positions of this kind were scored"}, prefix, gate) if cfg else []
     out = []
     for name, (higher, interval) in estimators(m, clusters).items():
         observed, lo, hi, ev = interval(mask, 0.95)
@@ -55,6 +48,15 @@ def kl_top1_checks(
 
 
 THRESHOLD_OF = {name.rsplit("_", 1)[0]: name for name in KL_THRESHOLDS}  # "kl_p99" -> "kl_p99_max"
+
+
+def unmeasured(cfg, evidence: dict, prefix: str = "", gate: str = "shadow") -> list[GateResult]:
+    """Each check with nothing to compare: a NaN row, an error where cfg sets its threshold (the gate asked for a
+    figure it does not have) and report-only where it does not. evidence["error"] says why."""
+    return [
+        GateResult.check(gate, prefix + x, float("nan"), getattr(cfg, t), x == "top1_agreement", 0, evidence=evidence)
+        for x, t in THRESHOLD_OF.items()
+    ]
 
 
 def estimators(m: dict, clusters: np.ndarray) -> dict[str, tuple[bool, Interval]]:

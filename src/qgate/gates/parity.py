@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qgate.artifact import Artifact
-from qgate.gates.kl_checks import KL_THRESHOLDS, THRESHOLD_OF, kl_top1_checks
+from qgate.gates.kl_checks import KL_THRESHOLDS, kl_top1_checks, unmeasured
 from qgate.gates.numerics import LazyRunner
 from qgate.gates.passes import rescore_reference
 from qgate.gates.result import GateResult, check_threshold_values
@@ -62,7 +62,7 @@ def parity_checks(
     left, engine vs checkpoint is not measured: NaN rows, each an error where parity sets its threshold."""
     if side is None:
         why = "the engine's checkpoint is not on disk or changed since the build"
-        return _unmeasured(cfg, {"error": why}) + [
+        return unmeasured(cfg, {"error": why}, "engine_vs_checkpoint.", "parity") + [
             GateResult.check(
                 "parity", "checkpoint_vs_baseline.kl_p99", float("nan"), None, False, 0, evidence={"error": why}
             )
@@ -88,7 +88,7 @@ def parity_checks(
             f"scored in {ckpt_ref['numerics']} (NaN or +inf: an activation past the format's range, or a broken weight)"
         )
         if n_lost == gated.sum():
-            return _unmeasured(cfg, ev | {"error": why}) + checkpoint_rows
+            return unmeasured(cfg, ev | {"error": why}, "engine_vs_checkpoint.", "parity") + checkpoint_rows
         ev["note"] = f"{why}; the engine is compared with it at the others"
     return (
         kl_top1_checks(
@@ -96,20 +96,3 @@ def parity_checks(
         )
         + checkpoint_rows
     )
-
-
-def _unmeasured(cfg: ParityConfig, evidence: dict) -> list[GateResult]:
-    """Engine vs checkpoint with nothing to compare: a NaN row per check, an error where its threshold is set (the
-    parity gate asked for a figure it does not have) and report-only where none is."""
-    return [
-        GateResult.check(
-            "parity",
-            f"engine_vs_checkpoint.{x}",
-            float("nan"),
-            getattr(cfg, t),
-            x == "top1_agreement",
-            0,
-            evidence=evidence,
-        )
-        for x, t in THRESHOLD_OF.items()
-    ]

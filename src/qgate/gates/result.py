@@ -10,7 +10,8 @@ One verdict vocabulary, decided here and nowhere else. A check follows one rule,
                 against the threshold;
   "holm-guard"  a guard (`GateResult.guard`): fail when its multiplicity-adjusted CI lies wholly on the bad side,
                 otherwise reported (info): it can stop a candidate, never pass one;
-  "report-only" no threshold (info); "not-run": the check could not run (error, never a pass).
+  "report-only" no threshold (info);
+  "not-run"     a threshold but no finite value to hold against it: the check could not run (error, never a pass).
 An unbounded CI end (a quantile the sample cannot pin down) can never decide in its favour.
 Every thresholded check with a CI also states its minimum detectable effect at its n (`mde`):
 the true distance from the observed value that an 80%-power test at this CI's width would detect.
@@ -101,7 +102,7 @@ class GateResult:
                 ci,
                 p_value,
                 False,
-                "point",
+                "not-run",
                 {"error": "no finite value"} | ev,  # a caller's own reason for the missing value wins
                 "error",
                 mde,
@@ -139,10 +140,6 @@ class GateResult:
             mde,
             more,
         )
-
-    @classmethod
-    def could_not_run(cls, gate: str, metric: str, reason: str) -> GateResult:
-        return cls(gate, metric, float("nan"), None, True, 0, None, None, False, "not-run", {"error": reason}, "error")
 
     @classmethod
     def guard(
