@@ -6,8 +6,10 @@
 # code is printed, then the hidden modules something asked for. Run `bash scripts/gpu_wheels.sh` first. By default
 # the interpreter is this machine's .venv (Python 3.11, the CPU torch): what it checks is the module set. With
 # IMAGE_PY, a Python shaped like the image (scripts/image_venv.sh: 3.12, the card's torch build), the call's own
-# script runs as the call will, `python3` that Python, with the tiny shape (gpu_session.sh 560 --shape tiny
+# script runs as the call will, `python3` that Python, with the tiny shape (gpu_session.sh $BUDGET --shape tiny
 # --no-dense --profile): its wheel install, paths, budget and exit code, and the versions, are checked; CUDA is not.
+# BUDGET is the call's 560 s unless set: this CPU runs the tiny shape slower than the card runs the 8B one, so a
+# rehearsal that runs out of time with every step's exit code 0 can be repeated with BUDGET=900.
 #   bash scripts/gpu_rehearse.sh [OUT]      # KINDS: the image's package list (/work/.library/device/KINDS.md)
 #   IMAGE_PY=$(bash scripts/image_venv.sh) bash scripts/gpu_rehearse.sh [OUT]
 set -uo pipefail
@@ -32,8 +34,8 @@ run() {  # run NAME COMMAND...: its output to $out/NAME.log, its exit code print
   [ "$rc" = 0 ] || { tail -15 "$out/$1.log"; failed=1; }
 }
 if [ -n "${IMAGE_PY:-}" ]; then  # gpu_session.sh puts .whl/ and src/ before this path, as on the card
-  run session env PATH="$(dirname "$PY"):$PATH" OUT="$out/session" bash scripts/gpu_session.sh 560 --shape tiny \
-    --no-dense --profile "$out/session"
+  run session env PATH="$(dirname "$PY"):$PATH" OUT="$out/session" bash scripts/gpu_session.sh "${BUDGET:-560}" \
+    --shape tiny --no-dense --profile "$out/session"
   grep -hE "^(cli|tests): |^total |^[0-9]+ (passed|failed|skipped)" "$out/session.log" | sed 's/^/rehearsal:   /'
 else
   run cli env PY="$PY" bash scripts/gpu_cli.sh "$out/cli"

@@ -41,7 +41,7 @@ class CallStart:
 
 
 def call_start(tokenizer) -> CallStart:
-    """How a call begins in the tokenizer's chat template (the module's docstring); CallStart([]) when the template
+    """How a call begins in the tokenizer's chat template (the module's docstring); CallStart() when the template
     writes no call, cannot write the probe, or begins a call with ordinary words. Cheap: the tokenizer encodes two
     probe answers; `call_ids` turns the result into token ids."""
     import jinja2
