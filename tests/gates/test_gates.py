@@ -285,6 +285,11 @@ def test_three_verdicts_decided_on_the_confidence_interval():
         GateResult.check("shadow", "kl_p999", 0.01, 0.1, False, 50, ci=(0.005, float("inf"))).verdict == "inconclusive"
     )
     assert GateResult.check("shadow", "kl_p999", 0.5, 0.1, False, 50, ci=(0.3, float("inf"))).verdict == "fail"
+    # an interval the sample cannot place (NaN ends: a ratio over one document) is unbounded: it decides nothing
+    one_doc = GateResult.check("eval", "wikitext.bpb_increase", 0.0, 0.02, False, 1, ci=(float("nan"), float("nan")))
+    assert (one_doc.verdict, one_doc.decided_on, one_doc.ci) == ("inconclusive", "ci", (-np.inf, np.inf))
+    half = GateResult.check("eval", "wikitext.bpb_increase", 0.5, 0.02, False, 1, ci=(0.3, float("nan")))
+    assert (half.verdict, half.ci) == ("fail", (0.3, np.inf))
     err = GateResult.check("eval", "acc", float("nan"), 0.1, False, 0, evidence={"error": "boom"})
     assert (err.verdict, err.passed, err.decided_on, err.evidence) == ("error", False, "not-run", {"error": "boom"})
     assert GateResult.check("x", "y", float("nan"), 0.1, False, 0).evidence == {"error": "no finite value"}

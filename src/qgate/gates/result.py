@@ -12,7 +12,8 @@ One verdict vocabulary, decided here and nowhere else. A check follows one rule,
                 otherwise reported (info): it can stop a candidate, never pass one;
   "report-only" no threshold (info);
   "not-run"     a threshold but no finite value to hold against it: the check could not run (error, never a pass).
-An unbounded CI end (a quantile the sample cannot pin down) can never decide in its favour.
+An unbounded CI end (a quantile the sample cannot pin down, or an end given as NaN: an interval over one document)
+can never decide in its favour.
 Every thresholded check with a CI also states its minimum detectable effect at its n (`mde`):
 the true distance from the observed value that an 80%-power test at this CI's width would detect.
 """
@@ -108,7 +109,9 @@ class GateResult:
                 mde,
             )
         sign = 1.0 if higher_is_better else -1.0  # work in "higher is better" units
-        if ci is None or any(math.isnan(x) for x in ci) or math.isinf(observed):  # an infinite KL: on the point
+        if ci is not None and any(math.isnan(x) for x in ci):  # an end the sample cannot place: unbounded that way
+            ci = (-math.inf if math.isnan(ci[0]) else ci[0], math.inf if math.isnan(ci[1]) else ci[1])
+        if ci is None or math.isinf(observed):  # an infinite KL: on the point
             verdict, how = ("pass" if sign * (observed - threshold) >= 0 else "fail"), "point"
         else:
             good, bad = (ci[0], ci[1]) if higher_is_better else (ci[1], ci[0])  # the CI end nearer failing, the other
