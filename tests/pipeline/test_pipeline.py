@@ -300,6 +300,27 @@ def test_a_split_too_small_for_a_gated_tail_fails_the_spec_at_load(tmp_path, wor
     assert load_spec(path)  # no variant is searched: the search split is not gated
 
 
+def test_a_spec_whose_gates_hold_no_behaviour_to_a_threshold_is_refused_at_load(tmp_path, workdir):
+    """Every shadow, eval and long-context threshold null (or its section off): no check could pass the candidate on
+    its behaviour, and a PASS would say only that the contract holds. Refused at load, naming them; one threshold set
+    anywhere among them loads."""
+    shadow = {"max_new_tokens": 16, "max_prompt_tokens": 48, "kl_p99_max": None, "top1_agreement_min": None}
+    none = {"shadow": shadow, "eval": None, "long_context": None}
+    path = pipeline_spec(tmp_path, workdir, gates=none | {"perf": {"min_prefill_speedup": 1.0}})
+    with pytest.raises(ConfigError) as e:
+        load_spec(path)
+    message, hint = str(e.value).splitlines()
+    assert message.startswith(f"{path}: gates: no check of the candidate's behaviour against the baseline's has a")
+    assert "gates.shadow.kl_p99_max, " in message and "gates.long_context.max_nll_increase are all null" in message
+    assert hint.startswith("  hint: set at least one, such as gates.shadow.kl_p99_max: 0.5")
+    for some in (
+        {"shadow": shadow | {"kl_mean_max": 10.0}},
+        {"eval": {"tasks": ["chatterbot_ppl"], "min_recovery": None}},  # max_bpb_increase keeps its default
+        {"long_context": {}},
+    ):
+        assert load_spec(pipeline_spec(tmp_path, workdir, gates=none | some)).gate_config().behaviour_thresholds()
+
+
 def test_a_key_given_twice_fails_the_spec_instead_of_the_last_one_winning(tmp_path, workdir):
     """PyYAML keeps the last of two equal keys: a threshold set twice would gate on whichever came second."""
     path = pipeline_spec(tmp_path, workdir)
@@ -439,7 +460,7 @@ def test_inconclusive_check_blocks_or_warns(base_art, awq_art, calib_arts, tmp_p
             ]
         )
 
-    assert gate({}) == 0
+    assert gate({"kl_mean_max": 10.0}) == 0  # a loose threshold: the report's figures, measured before choosing one
     observed = next(
         r for r in json.loads((tmp_path / "g/report.json").read_text())["results"] if r["metric"] == "kl_mean"
     )

@@ -58,6 +58,25 @@ class GateConfig:
     # whose config says float16 computes in float16 whatever this says (device.compute_dtype)
     VERSION = 29  # of the report's layout and the gates' rules; what changed in each is in git
 
+    # the thresholds of the checks that hold the candidate's behaviour against the baseline's and can pass it
+    BEHAVIOUR = {
+        "shadow": ("kl_mean_max", "kl_p99_max", "kl_p999_max", "top1_agreement_min", "identical_generation_min"),
+        "eval": ("min_recovery", "max_bpb_increase"),
+        "long_context": ("max_nll_increase",),
+    }
+
+    def behaviour_thresholds(self, every: bool = False) -> list[str]:
+        """Which of BEHAVIOUR's thresholds this config sets ("gates.shadow.kl_p99_max", ...); every: all their names.
+        With none set, every check on behaviour is report-only, and a PASS would say only that the serving contract
+        holds and the logits are defined: the contract, the guards, perf and parity can stop a candidate but not show
+        that it behaves alike."""
+        return [
+            f"gates.{section}.{name}"
+            for section, names in self.BEHAVIOUR.items()
+            for name in names
+            if every or ((sub := getattr(self, section)) is not None and getattr(sub, name) is not None)
+        ]
+
     def __post_init__(self):
         from qgate.device import check_device, check_dtype
 

@@ -148,7 +148,16 @@ class PipelineSpec(Strict):
                 problems.append(e)
         if problems:
             raise config_problems(problems)
-        return GateConfig(**built, **{k: v for k in _GATE_SCALARS if (v := getattr(self.gates, k)) is not None})
+        cfg = GateConfig(**built, **{k: v for k in _GATE_SCALARS if (v := getattr(self.gates, k)) is not None})
+        if not cfg.behaviour_thresholds():
+            raise ConfigError(
+                "gates: no check of the candidate's behaviour against the baseline's has a threshold "
+                f"({', '.join(cfg.behaviour_thresholds(every=True))} are all null or their sections off), so a PASS "
+                "would say only that the serving contract holds",
+                hint="set at least one, such as gates.shadow.kl_p99_max: 0.5; to measure before choosing thresholds, "
+                "set a loose one (gates.shadow.kl_mean_max: 10) and read the report's observed values and intervals",
+            )
+        return cfg
 
     def on_device(self, device: str | None) -> PipelineSpec:
         """This spec with gates.device set (the CLI's --device); unchanged for None."""
