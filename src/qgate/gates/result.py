@@ -109,7 +109,8 @@ class GateResult:
                 mde,
             )
         sign = 1.0 if higher_is_better else -1.0  # work in "higher is better" units
-        if ci is not None and any(math.isnan(x) for x in ci):  # an end the sample cannot place: unbounded that way
+        if ci is not None and math.isfinite(observed) and any(math.isnan(x) for x in ci):
+            # an end the sample cannot place (NaN) is unbounded that way
             ci = (-math.inf if math.isnan(ci[0]) else ci[0], math.inf if math.isnan(ci[1]) else ci[1])
         if ci is None or math.isinf(observed):  # an infinite KL: on the point
             verdict, how = ("pass" if sign * (observed - threshold) >= 0 else "fail"), "point"
