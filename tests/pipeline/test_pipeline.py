@@ -301,24 +301,33 @@ def test_a_split_too_small_for_a_gated_tail_fails_the_spec_at_load(tmp_path, wor
 
 
 def test_a_spec_whose_gates_hold_no_behaviour_to_a_threshold_is_refused_at_load(tmp_path, workdir):
-    """Every shadow, eval and long-context threshold null (or its section off): no check could pass the candidate on
-    its behaviour, and a PASS would say only that the contract holds. Refused at load, naming them; one threshold set
-    anywhere among them loads."""
+    """Every shadow, eval and long-context threshold null, its section off, or (eval) set for a kind of task the spec
+    runs none of: no check could pass the candidate on its behaviour, and a PASS would say only that the contract
+    holds. Refused at load, naming each with why; one threshold that decides a check anywhere among them loads."""
     shadow = {"max_new_tokens": 16, "max_prompt_tokens": 48, "kl_p99_max": None, "top1_agreement_min": None}
     none = {"shadow": shadow, "eval": None, "long_context": None}
-    path = pipeline_spec(tmp_path, workdir, gates=none | {"perf": {"min_prefill_speedup": 1.0}})
-    with pytest.raises(ConfigError) as e:
-        load_spec(path)
-    message, hint = str(e.value).splitlines()
-    assert message.startswith(f"{path}: gates: no check of the candidate's behaviour against the baseline's has a")
-    assert "gates.shadow.kl_p99_max, " in message and "gates.long_context.max_nll_increase are all null" in message
-    assert hint.startswith("  hint: set at least one, such as gates.shadow.kl_p99_max: 0.5")
-    for some in (
-        {"shadow": shadow | {"kl_mean_max": 10.0}},
-        {"eval": {"tasks": ["chatterbot_ppl"], "min_recovery": None}},  # max_bpb_increase keeps its default
-        {"long_context": {}},
+    mc_only = {"tasks": ["bigbench_general_knowledge"], "min_recovery": None}  # max_bpb_increase keeps its default
+    for gates, idle in (
+        (none, "gates.eval.max_bpb_increase, gates.long_context.max_nll_increase: section off"),
+        (none | {"eval": mc_only}, "max_bpb_increase: no task in gates.eval.tasks has output_type loglikelihood_"),
     ):
-        assert load_spec(pipeline_spec(tmp_path, workdir, gates=none | some)).gate_config().behaviour_thresholds()
+        path = pipeline_spec(tmp_path, workdir, gates=gates | {"perf": {"min_prefill_speedup": 1.0}})
+        with pytest.raises(ConfigError) as e:
+            load_spec(path)
+        message, hint = str(e.value).splitlines()
+        assert message.startswith(f"{path}: gates: no check of the candidate's behaviour against the baseline's has a")
+        assert "gates.shadow.kl_mean_max, gates.shadow.kl_p99_max, " in message and idle in message
+        assert hint.startswith("  hint: set at least one, such as gates.shadow.kl_p99_max: 0.5")
+    for some, deciding in (
+        ({"shadow": shadow | {"kl_mean_max": 10.0}}, ["gates.shadow.kl_mean_max"]),
+        ({"eval": {"tasks": ["chatterbot_ppl"], "min_recovery": None}}, ["gates.eval.max_bpb_increase"]),
+        ({"eval": mc_only | {"min_recovery": 0.9, "max_bpb_increase": None}}, ["gates.eval.min_recovery"]),
+        ({"long_context": {}}, ["gates.long_context.max_nll_increase"]),
+    ):
+        cfg = load_spec(pipeline_spec(tmp_path, workdir, gates=none | some)).gate_config()
+        assert [k for k, why in cfg.behaviour_thresholds().items() if why is None] == deciding
+    with pytest.raises(ConfigError, match=r"gates\.eval\.tasks is empty"):
+        load_spec(pipeline_spec(tmp_path, workdir, gates={"eval": {"tasks": []}}))
 
 
 def test_a_key_given_twice_fails_the_spec_instead_of_the_last_one_winning(tmp_path, workdir):

@@ -78,11 +78,34 @@ class EvalConfig:
 
     def __post_init__(self):
         check_threshold_values("gates.eval", self, {"min_recovery": SHARE, "max_bpb_increase": POSITIVE})
+        if not self.tasks:
+            raise ConfigError("gates.eval.tasks is empty", hint="name tasks, or run no eval gate: gates.eval: null")
         for t in self.tasks:
-            TASKS.get(t)
+            task_kind(t)
         a = self.significant_loss_alpha
         if a is not None and not 0 < a < 1:
             raise ConfigError(f"gates.eval.significant_loss_alpha must be in (0, 1) or null (off), got {a}")
+
+    def idle(self, threshold: str) -> str | None:
+        """Why `threshold` (min_recovery or max_bpb_increase) decides no check of this config, though set: no task is
+        of the kind it applies to (KINDS). None where it decides some."""
+        kinds = [k for k, t in KINDS.items() if t == threshold]
+        if any(task_kind(t) in kinds for t in self.tasks):
+            return None
+        return f"no task in gates.eval.tasks has output_type {' or '.join(kinds)}"
+
+
+KINDS = {"multiple_choice": "min_recovery", "loglikelihood_rolling": "max_bpb_increase"}  # output_type: its threshold
+
+
+def task_kind(name: str) -> str:
+    """The output_type of task `name`: one of KINDS, the kinds eval_gate scores."""
+    kind = task_config(name).get("output_type")
+    if kind not in KINDS:
+        raise ConfigError(
+            f"{TASKS.get(name)}: output_type {kind!r} is not one qgate scores", hint=f"one of {', '.join(KINDS)}"
+        )
+    return kind
 
 
 def task_config(name: str) -> dict:

@@ -65,17 +65,21 @@ class GateConfig:
         "long_context": ("max_nll_increase",),
     }
 
-    def behaviour_thresholds(self, every: bool = False) -> list[str]:
-        """Which of BEHAVIOUR's thresholds this config sets ("gates.shadow.kl_p99_max", ...); every: all their names.
-        With none set, every check on behaviour is report-only, and a PASS would say only that the serving contract
-        holds and the logits are defined: the contract, the guards, perf and parity can stop a candidate but not show
-        that it behaves alike."""
-        return [
-            f"gates.{section}.{name}"
-            for section, names in self.BEHAVIOUR.items()
-            for name in names
-            if every or ((sub := getattr(self, section)) is not None and getattr(sub, name) is not None)
-        ]
+    def behaviour_thresholds(self) -> dict[str, str | None]:
+        """Each of BEHAVIOUR's thresholds ("gates.shadow.kl_p99_max", ...): None where it decides a check, else why it
+        decides none (null, its section off, or no eval task of the kind it applies to). With none deciding, every
+        check on behaviour is report-only, and a PASS would say only that the serving contract holds and the logits
+        are defined: the contract, the guards, perf and parity can stop a candidate but not show that it behaves
+        alike."""
+        out = {}
+        for section, names in self.BEHAVIOUR.items():
+            sub = getattr(self, section)
+            for name in names:
+                why = "section off" if sub is None else "null" if getattr(sub, name) is None else None
+                if why is None and section == "eval":
+                    why = sub.idle(name)
+                out[f"gates.{section}.{name}"] = why
+        return out
 
     def __post_init__(self):
         from qgate.device import check_device, check_dtype

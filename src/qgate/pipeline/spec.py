@@ -149,11 +149,15 @@ class PipelineSpec(Strict):
         if problems:
             raise config_problems(problems)
         cfg = GateConfig(**built, **{k: v for k in _GATE_SCALARS if (v := getattr(self.gates, k)) is not None})
-        if not cfg.behaviour_thresholds():
+        idle = cfg.behaviour_thresholds()
+        if all(idle.values()):
+            reasons: dict[str, list[str]] = {}
+            for name, why in idle.items():
+                reasons.setdefault(why, []).append(name)
             raise ConfigError(
-                "gates: no check of the candidate's behaviour against the baseline's has a threshold "
-                f"({', '.join(cfg.behaviour_thresholds(every=True))} are all null or their sections off), so a PASS "
-                "would say only that the serving contract holds",
+                "gates: no check of the candidate's behaviour against the baseline's has a threshold that decides it ("
+                + "; ".join(f"{', '.join(names)}: {why}" for why, names in reasons.items())
+                + "), so a PASS would say only that the serving contract holds",
                 hint="set at least one, such as gates.shadow.kl_p99_max: 0.5; to measure before choosing thresholds, "
                 "set a loose one (gates.shadow.kl_mean_max: 10) and read the report's observed values and intervals",
             )
