@@ -300,12 +300,14 @@ def test_three_verdicts_decided_on_the_confidence_interval():
 
 def test_a_check_with_no_positions_is_an_error_only_where_it_has_a_threshold():
     """No position of the gated kind scored: every KL and top-1 check gets a NaN row, decided on not-run (ERROR)
-    where the config sets its threshold and report-only (INFO) where it does not; none when nothing is gated."""
+    where the config sets its threshold and report-only (INFO) where it does not; none when nothing is gated. The
+    evidence given for kl_mean (what was scored) stays on its row, as it does once positions are scored."""
     from qgate.gates.kl_checks import kl_top1_checks
 
     m = {"kl": np.full(6, 0.01), "agree": np.ones(6, bool)}
     none, clusters = np.zeros(6, bool), np.repeat(np.arange(3), 2)
-    rows = kl_top1_checks(m, clusters, none, ShadowConfig(kl_p99_max=0.5, kl_p999_max=1.0, top1_agreement_min=None))
+    cfg, scored = ShadowConfig(kl_p99_max=0.5, kl_p999_max=1.0, top1_agreement_min=None), {"scored": {"answer": 0}}
+    rows = kl_top1_checks(m, clusters, none, cfg, evidence=scored)
     got = {r.metric: (r.verdict, r.decided_on, r.threshold) for r in rows}
     assert got == {
         "kl_mean": ("info", "report-only", None),
@@ -314,6 +316,7 @@ def test_a_check_with_no_positions_is_an_error_only_where_it_has_a_threshold():
         "top1_agreement": ("info", "report-only", None),
     }
     assert all(np.isnan(r.observed) and r.evidence["error"] == "no positions of this kind were scored" for r in rows)
+    assert [r.evidence.get("scored") for r in rows] == [{"answer": 0}, None, None, None]
     assert overall(rows) == "fail"
     assert kl_top1_checks(m, clusters, none, None) == []
     scored = kl_top1_checks(m, clusters, ~none, ShadowConfig())  # the same four rows once positions are scored

@@ -10,6 +10,8 @@ each route's positions.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from qgate.gates.result import POSITIVE, SHARE, GateResult
@@ -31,10 +33,14 @@ def kl_top1_checks(
 ) -> list[GateResult]:
     """kl_mean, kl_p99, kl_p999 and top1_agreement over the masked positions, on their 95% intervals (estimators).
     Thresholds are read from cfg's kl_mean_max, kl_p99_max, kl_p999_max and top1_agreement_min; report-only when cfg
-    is None. `evidence` goes on kl_mean's row. With no position masked: `unmeasured`'s rows, none when cfg is None."""
+    is None. `evidence` goes on kl_mean's row. With no position masked: `unmeasured`'s rows (kl_mean's with
+    `evidence` too), none when cfg is None."""
     n = int(mask.sum())
     if n == 0:
-        return unmeasured(cfg, {"error": "no positions of this kind were scored"}, prefix, gate) if cfg else []
+        if cfg is None:
+            return []
+        first, *rest = unmeasured(cfg, {"error": "no positions of this kind were scored"}, prefix, gate)
+        return [replace(first, evidence=(evidence or {}) | first.evidence), *rest]
     out = []
     for name, (higher, interval) in estimators(m, clusters).items():
         observed, lo, hi, ev = interval(mask, 0.95)
@@ -48,13 +54,14 @@ def kl_top1_checks(
 
 
 THRESHOLD_OF = {name.rsplit("_", 1)[0]: name for name in KL_THRESHOLDS}  # "kl_p99" -> "kl_p99_max"
+HIGHER = {"top1_agreement"}  # the checks whose higher values are better; the KL checks' lower
 
 
 def unmeasured(cfg, evidence: dict, prefix: str = "", gate: str = "shadow") -> list[GateResult]:
     """Each check with nothing to compare: a NaN row, an error where cfg sets its threshold (the gate asked for a
     figure it does not have) and report-only where it does not. evidence["error"] says why."""
     return [
-        GateResult.check(gate, prefix + x, float("nan"), getattr(cfg, t), x == "top1_agreement", 0, evidence=evidence)
+        GateResult.check(gate, prefix + x, float("nan"), getattr(cfg, t), x in HIGHER, 0, evidence=evidence)
         for x, t in THRESHOLD_OF.items()
     ]
 
@@ -80,11 +87,12 @@ def estimators(m: dict, clusters: np.ndarray) -> dict[str, tuple[bool, Interval]
 
         return interval
 
-    return (
-        {"kl_mean": (False, mean_of(kl, 0.0, np.inf))}
-        | {name: (False, quantile_of(q)) for name, q in QUANTILES.items()}
-        | {"top1_agreement": (True, mean_of(agree, 0.0, 1.0))}
+    intervals = (
+        {"kl_mean": mean_of(kl, 0.0, np.inf)}
+        | {name: quantile_of(q) for name, q in QUANTILES.items()}
+        | {"top1_agreement": mean_of(agree, 0.0, 1.0)}
     )
+    return {name: (name in HIGHER, interval) for name, interval in intervals.items()}
 
 
 def route_checks(m: dict, clusters: np.ndarray, cfg) -> list[RouteCheck]:
