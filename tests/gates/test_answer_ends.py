@@ -309,10 +309,11 @@ def test_the_reference_carries_the_call_token_only_where_the_split_offers_tools(
     assert _calls(caller, tooled)["call_ids"].tolist() == [load_tokenizer(d).convert_tokens_to_ids("<tool_call>")]
 
 
-def test_a_gate_on_tool_traffic_runs_the_tool_guards_or_says_why_not(base_art, calib_arts, tmp_path):
+def test_a_gate_on_tool_traffic_runs_the_tool_guards_or_says_why_not(base_art, calib_arts, tmp_path, monkeypatch):
     """End to end: a shadow split whose requests offer tools, gated under a template that writes them. With the
     call marker an added token, or calls written as JSON opening the answer, the report holds the tool guards and no
-    note; with the marker plain text, no tool guard and a note saying they did not run."""
+    note; with the marker plain text, no tool guard and a note saying they did not run. The call ids are kept in the
+    cached reference: a second gate on it reads them without decoding the vocabulary again."""
     import json
     import shutil
 
@@ -367,5 +368,10 @@ def test_a_gate_on_tool_traffic_runs_the_tool_guards_or_says_why_not(base_art, c
             tok = load_tokenizer(art.path)
             braces = [i for i in range(len(tok)) if tok.decode([i]).startswith("{")]
             assert tool_rows[-1]["evidence"]["call_ids"] == braces[:10] and braces
+            with monkeypatch.context() as m:
+                m.setattr("qgate.gates.tool_calls.call_ids", lambda *a: pytest.fail("call ids computed on a cache hit"))
+                again = run_gates(art, art, tooled, cfg, tmp_path / "g-json-again", tmp_path / f"c-{name}")
+            report = json.loads((again.path / "report.json").read_text())
+            assert [r for r in report["results"] if r["metric"].startswith("tool.")] == tool_rows
         else:
             assert tool_rows == [] and len(said) == 1 and f"on the {len(rows) // 2} shadow requests" in said[0]

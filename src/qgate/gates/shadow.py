@@ -172,7 +172,8 @@ def baseline_reference(
     path = Path(cache_dir) / f"shadow-baseline-{key[:24]}.npz"
     rows = load_shadow(shadow, cfg)
     if (cached := read_cached_arrays(path)) is not None:
-        return cached | _routes(rows) | _stops(baseline) | _calls(baseline, rows), True
+        calls = {} if "call_ids" in cached else _calls(baseline, rows)  # a reference cached without them
+        return cached | _routes(rows) | _stops(baseline) | calls, True
     runner = runner_factory()
     encoded = [
         encode_with_sources(runner.tokenizer, row["messages"], cfg.max_prompt_tokens, row.get("tools")) for row in rows
@@ -211,12 +212,12 @@ def baseline_reference(
         "seconds": np.array(time.perf_counter() - t0),
         "generate_seconds": np.array(gen_s),  # with greedy_scored: answers and scores together
         "score_seconds": np.array(time.perf_counter() - t0 - gen_s),
-    }
+    } | _calls(baseline, rows)
     buf = io.BytesIO()
     # not compressed: top-k log-probs barely compress, and zlib costs a large share of the reference's time
     np.savez(buf, **ref)
     write_cached(path, buf.getvalue())
-    return ref | _routes(rows) | _stops(baseline) | _calls(baseline, rows), False
+    return ref | _routes(rows) | _stops(baseline), False
 
 
 def _routes(rows: list[dict]) -> dict:
@@ -234,7 +235,8 @@ def _stops(baseline: Artifact) -> dict:
 def _calls(baseline: Artifact, rows: list[dict]) -> dict:
     """`call_ids`: the tokens that begin a tool call in the baseline's chat template (gates/tool_calls.py), and
     `call_first_only`: whether a call begins only at an answer's first token (a JSON call), where a shadow request
-    offers tools; read beside the cached reference, as `stop_ids` is."""
+    offers tools. Kept in the cached reference: a JSON call's ids take decoding the whole vocabulary, and the
+    template and the requests are part of the baseline's and the split's sha256, which key the cache."""
     if not any(row.get("tools") for row in rows):
         return {}
     from qgate.gates.tool_calls import call_ids, call_start
