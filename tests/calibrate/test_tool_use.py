@@ -10,7 +10,7 @@ from tiny import TOOL_TEMPLATE, WEATHER
 from qgate.calibrate.reader import Reject, Request, read_traffic
 from qgate.calibrate.sample import SampleConfig, sample_traffic, split_prompts, split_rows
 from qgate.calibrate.scrub import scrub
-from qgate.chat import prompt_digest, render, request_from_turns, request_turns, row_digest
+from qgate.chat import prompt_digest, render, request_from_turns, request_turns, row_digest, served_messages
 
 MAIL = {"type": "function", "function": {"name": "send_mail", "parameters": {"type": "object", "properties": {}}}}
 
@@ -84,6 +84,32 @@ def test_parquet_exports_of_tool_traffic_read_as_their_jsonl_does(tmp_path):
     pq.write_table(pa.Table.from_pylist(as_text), tmp_path / "text.parquet")
     for name in ("struct", "text"):
         assert [r.messages for r in read_traffic(tmp_path / f"{name}.parquet")] == want
+
+
+def test_a_null_in_a_logged_tool_schema_is_kept_where_the_log_wrote_it(tmp_path):
+    """A JSON schema's `"default": null` is part of the prompt a template writes: a JSONL log, and tools logged as
+    JSON text, keep it. A Parquet struct column cannot tell a logged null from the null it fills a missing key
+    with, so there nulls are dropped. A call logged with null arguments reads as one with none."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    optional = {"unit": {"type": ["string", "null"], "default": None}}
+    tool = json.loads(json.dumps(WEATHER))
+    tool["function"]["parameters"]["properties"] |= optional
+    record = _agent(1) | {"tools": [tool]}
+    record["messages"][2]["tool_calls"][0]["function"]["arguments"] = None
+    (tmp_path / "t.jsonl").write_text(json.dumps(record) + "\n")
+    pq.write_table(pa.Table.from_pylist([record | {"tools": json.dumps([tool])}]), tmp_path / "text.parquet")
+    pq.write_table(pa.Table.from_pylist([record]), tmp_path / "struct.parquet")
+    for name in ("t.jsonl", "text.parquet", "struct.parquet"):
+        (req,) = list(read_traffic(tmp_path / name))
+        assert isinstance(req, Request), req
+        messages, tools = request_from_turns(list(req.messages))
+        props = tools[0]["function"]["parameters"]["properties"]
+        assert props["unit"] == (optional["unit"] if name != "struct.parquet" else {"type": ["string", "null"]})
+        assert messages[2]["tool_calls"][0]["function"].get("arguments") is None
+        (call,) = served_messages(messages)[2]["tool_calls"]
+        assert call["function"]["arguments"] == {}
 
 
 def test_tool_traffic_is_sampled_with_its_tools_scrubbed_and_keyed(tmp_path):

@@ -35,9 +35,8 @@ from qgate.calibrate.reader import (
     lines_of,
     parquet_pieces,
     parse_line,
-    parse_record,
+    parse_row,
     read_traffic,
-    row_text,
     table_rows,
     truncated,
 )
@@ -120,7 +119,7 @@ def _parquet_batch(part: Partition, first: int, table) -> Batch:
     cols = accepted_columns(table)
     if cols is None:
         rows = table_rows(part, first, table)
-        return Batch.from_items([parse_record(first + i, r, row_text(r)) for i, r in enumerate(rows)])
+        return Batch.from_items([parse_row(first + i, r) for i, r in enumerate(rows)])
     ok, batch = cols
     batch.lines += first
     bad = np.flatnonzero(~ok)
@@ -131,7 +130,7 @@ def _parquet_batch(part: Partition, first: int, table) -> Batch:
     rows = table_rows(part, first, table.take(pa.array(bad)))
     return merge(
         batch,
-        Batch.from_items([parse_record(first + i, r, row_text(r)) for i, r in zip(bad.tolist(), rows, strict=True)]),
+        Batch.from_items([parse_row(first + i, r) for i, r in zip(bad.tolist(), rows, strict=True)]),
     )
 
 

@@ -6,8 +6,10 @@ Accepts JSONL (plain, `.gz` or `.zst`) or Parquet rows holding an OpenAI chat `m
 `prompt` string, with optional `route`, `tenant` (strings), `ts` (ISO-8601 or epoch seconds) and `latency_ms`.
 Tool use is read as OpenAI logs it: a request's `tools` (a list, or its JSON text), and per message `tool_calls`,
 `tool_call_id` and `name` (`chat.TOOL_FIELDS`; a tool call's content may be null). A request is kept up to its last
-user or tool message (what follows is the logged answer). Keys whose value is null inside tools and tool calls are
-dropped (a Parquet row fills every key of its column's type with null). The legacy `function_call` is not read.
+user or tool message (what follows is the logged answer). Tools and tool calls are kept as logged, nulls included (a
+JSON schema's `"default": null` is part of the prompt a template writes), except in a Parquet row's nested columns:
+these fill every key of the column's type that a row lacks with null, so there keys whose value is null are dropped.
+The legacy `function_call` is not read.
 Whatever else a line holds (bad UTF-8, NUL bytes, a truncated tail, nesting deeper than orjson's 1,024 levels,
 a field of the wrong type, a line longer than `max_line_bytes`) becomes a Reject with its line number and reason.
 A record over `max_line_bytes` is rejected unread: a JSONL line is skipped without being held, a Parquet row is
@@ -122,13 +124,18 @@ def parse_line(n: int, raw: bytes | None, max_line_bytes: int) -> Request | Reje
     return parse_record(n, obj, raw)
 
 
+def parse_row(n: int, row: dict) -> Request | Reject:
+    """parse_record on a Parquet row (`table_rows`), whose nested columns fill a key a row lacks with null."""
+    return parse_record(n, row, row_text(row), filled=True)
+
+
 def _read_parquet(part: Partition, max_line_bytes: int) -> Iterator[Request | Reject]:
     for first, piece in parquet_pieces(part, PARQUET_BATCH, max_line_bytes):
         if isinstance(piece, Reject):
             yield piece
             continue
         for i, row in enumerate(table_rows(part, first, piece)):
-            yield parse_record(first + i, row, row_text(row))
+            yield parse_row(first + i, row)
 
 
 def parquet_pieces(part: Partition, rows: int, max_line_bytes: int) -> Iterator[tuple[int, object]]:
@@ -223,7 +230,9 @@ def _excerpt(raw: bytes) -> str:
     return raw[:240].decode("utf-8", errors="replace")[:120]
 
 
-def parse_record(n: int, obj: object, raw: bytes) -> Request | Reject:
+def parse_record(n: int, obj: object, raw: bytes, filled: bool = False) -> Request | Reject:
+    """One record: a Request, or a Reject saying why not. filled: a Parquet row (`parse_row`), whose nulls inside
+    tools and tool calls are fill, not data, and are dropped."""
     if not isinstance(obj, dict):
         return Reject(n, f"record is a {type(obj).__name__}, not an object", _excerpt(raw))
     messages = obj.get("messages")
@@ -233,7 +242,7 @@ def parse_record(n: int, obj: object, raw: bytes) -> Request | Reject:
         messages = [{"role": "user", "content": obj["prompt"]}]
     if messages is None:
         return Reject(n, "record has neither 'messages' nor 'prompt'", _excerpt(raw))
-    turns, why = _turns(messages, obj.get("tools"))
+    turns, why = _turns(messages, obj.get("tools"), filled)
     ts, why = (None, why) if why else _timestamp(obj.get("ts"))
     labels = {}
     for key in ("route", "tenant"):
@@ -262,12 +271,12 @@ def _number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _turns(messages: object, tools: object) -> tuple[tuple, str | None]:
+def _turns(messages: object, tools: object, filled: bool) -> tuple[tuple, str | None]:
     from qgate.chat import request_turns
 
     if not isinstance(messages, list) or not messages:
         return (), "'messages' must be a non-empty list"
-    tools, why = _tools(tools)
+    tools, why = _tools(tools, filled)
     kept = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -281,7 +290,7 @@ def _turns(messages: object, tools: object) -> tuple[tuple, str | None]:
             ):
                 return (), f"messages[{i}].content has a text part whose 'text' is not a string"
             content = "\n".join(p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text")
-        fields, why_field = _tool_fields(m, i)
+        fields, why_field = _tool_fields(m, i, filled)
         if why_field:
             return (), why_field
         if content is None and m.get("function_call") and not fields.get("tool_calls"):
@@ -314,9 +323,10 @@ def _without_nulls(value: object) -> object:
     return value
 
 
-def _tools(tools: object) -> tuple[list | None, str | None]:
-    """A request's tools, or why they cannot be read. Its JSON text is read as the list it holds."""
+def _tools(tools: object, filled: bool) -> tuple[list | None, str | None]:
+    """A request's tools, or why they cannot be read. Its JSON text is read as the list it holds, nulls kept."""
     if isinstance(tools, str):
+        filled = False
         try:
             tools = json.loads(tools)
         except ValueError:
@@ -325,7 +335,7 @@ def _tools(tools: object) -> tuple[list | None, str | None]:
         return None, None
     if not isinstance(tools, list):
         return None, f"'tools' has type {type(tools).__name__}, not a list"
-    tools = _without_nulls(tools)
+    tools = _without_nulls(tools) if filled else tools
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) else None
         if not (isinstance(f, dict) and isinstance(f.get("name"), str)):
@@ -333,19 +343,20 @@ def _tools(tools: object) -> tuple[list | None, str | None]:
     return tools, None
 
 
-def _tool_fields(m: dict, i: int) -> tuple[dict, str | None]:
-    """The message's tool fields (chat.TOOL_FIELDS, nulls left out, an empty tool_calls dropped), or why not."""
+def _tool_fields(m: dict, i: int, filled: bool) -> tuple[dict, str | None]:
+    """The message's tool fields (chat.TOOL_FIELDS; a null field left out, and nulls inside tool calls where
+    `filled`; an empty tool_calls dropped), or why not. A call's null arguments are none, as absent ones are."""
     fields = {}
     calls = m.get("tool_calls")
     if calls is not None and calls != []:
         if not isinstance(calls, list):
             return {}, f"messages[{i}].tool_calls has type {type(calls).__name__}, not a list"
-        calls = _without_nulls(calls)
+        calls = _without_nulls(calls) if filled else calls
         for j, c in enumerate(calls):
             f = c.get("function") if isinstance(c, dict) else None
             if not (isinstance(f, dict) and isinstance(f.get("name"), str)):
                 return {}, f"messages[{i}].tool_calls[{j}] has no 'function' with a 'name'"
-            if not isinstance(f.get("arguments", ""), (str, dict)):
+            if f.get("arguments") is not None and not isinstance(f["arguments"], (str, dict)):
                 return {}, f"messages[{i}].tool_calls[{j}].function.arguments is neither JSON text nor an object"
         fields["tool_calls"] = calls
     for key in ("tool_call_id", "name"):
