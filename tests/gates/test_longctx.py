@@ -111,6 +111,21 @@ def test_documents_shorter_than_the_served_context_say_how_much_is_not_evidenced
     assert f"the documents reach {reach} of the 2048 tokens" in cov["caveat"]
 
 
+def test_documents_that_reach_no_window_twice_give_an_error_where_the_check_gates(base_art, base_runner, tmp_path):
+    """Two documents, one of them a single token: no window has two documents to read an interval over, so nothing
+    is measured. One NaN row says so: ERROR under a threshold (the gate asked for a figure it does not have), INFO
+    without one; never no row at all."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("a long enough first document " * 20, "a")))
+    for threshold, verdict in ((0.05, "error"), (None, "info")):
+        cfg = LongContextConfig(documents=str(docs), context_tokens=256, windows=2, max_nll_increase=threshold)
+        ref, _ = baseline_long_reference(lambda: base_runner, base_art, cfg, tmp_path / "c")
+        (row,), cov = long_context_gate(base_runner, ref, cfg, shadow_tokens=56)
+        assert (row.metric, row.verdict, row.n, np.isnan(row.observed)) == ("nll_increase", verdict, 0, True)
+        assert cov["windows_not_scored"] == ["1-128: 1 document(s) reach it", "129-256: 1 document(s) reach it"]
+        assert row.evidence["error"].startswith("no window is reached by 2 or more documents (1-128: 1 document(s)")
+
+
 def test_a_candidate_whose_logits_break_at_long_range_fails_on_an_infinite_increase(base_art, base_runner, long_ref):
     class Broken(Degrading):
         def logits_batch(self, seqs, keep_last=None):

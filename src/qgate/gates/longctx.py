@@ -197,8 +197,9 @@ def baseline_long_reference(
 
 
 def long_context_gate(runner, ref: dict, cfg: LongContextConfig, shadow_tokens: int) -> tuple[list[GateResult], dict]:
-    """One check per window, and what the documents covered: the served context, how far the documents reach, how
-    far the shadow evidence reaches (`shadow_tokens`), and the windows not scored."""
+    """One check per window that MIN_DOCUMENTS documents reach, and what the documents covered: the served context,
+    how far the documents reach, how far the shadow evidence reaches (`shadow_tokens`), and the windows not scored.
+    With no window scored, one NaN `nll_increase` row saying why (ERROR where max_nll_increase is set)."""
     t0 = time.perf_counter()
     seqs = split_sequences(ref["tokens"], ref["lens"])
     cand = [nll(runner, s) for s in progress(seqs, f"long context: candidate ({len(seqs)} documents)", unit="doc")]
@@ -258,6 +259,13 @@ def long_context_gate(runner, ref: dict, cfg: LongContextConfig, shadow_tokens: 
                 docs_in,
                 (ci_lo - 1, ci_hi - 1),
                 evidence=ev,
+            )
+        )
+    if not results:  # a NaN row: an error where the threshold is set, as for any check with nothing to measure
+        why = f"no window is reached by {MIN_DOCUMENTS} or more documents ({'; '.join(coverage['windows_not_scored'])})"
+        results.append(
+            GateResult.check(
+                "long_context", "nll_increase", float("nan"), cfg.max_nll_increase, False, 0, evidence={"error": why}
             )
         )
     return results, coverage
