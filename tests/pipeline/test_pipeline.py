@@ -122,6 +122,8 @@ def test_pipeline_with_no_passing_variant_exits_2(tmp_path, workdir, monkeypatch
         ),  # at load
         ({"calibrate": {"shadow_size": 0}}, "calibrate.shadow_size must be >= 1, got 0"),
         ({"calibrate": {"max_line_bytes": 100}}, "calibrate.max_line_bytes must be >= 1024, got 100"),
+        ({"gates": {"eval": {"limit": 0}}}, "gates.eval.limit must be >= 1 or null (every item), got 0"),
+        ({"gates": {"shadow": {"max_prompts": -2}}}, "gates.shadow.max_prompts must be >= 1 or null (every prompt)"),
         ({"registy": {"model_name": "x"}}, "registy: unknown key; did you mean 'registry'"),
     ],
 )

@@ -102,6 +102,8 @@ class ShadowConfig:
         check_threshold_values("gates.shadow", self, KL_THRESHOLDS | {"identical_generation_min": SHARE})
         if self.max_new_tokens < 1 or self.max_prompt_tokens < 4 or self.top_k < 2:
             raise ConfigError("gates.shadow: max_new_tokens >= 1, max_prompt_tokens >= 4 and top_k >= 2 are required")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ConfigError(f"gates.shadow.max_prompts must be >= 1 or null (every prompt), got {self.max_prompts}")
         if self.positions not in POSITION_SETS:
             raise ConfigError(f"gates.shadow.positions: {self.positions!r} is not one of {sorted(POSITION_SETS)}")
 
