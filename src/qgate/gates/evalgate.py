@@ -80,7 +80,7 @@ class EvalConfig:
         check_threshold_values("gates.eval", self, {"min_recovery": SHARE, "max_bpb_increase": POSITIVE})
         if not self.tasks:
             raise ConfigError("gates.eval.tasks is empty", hint="name tasks, or run no eval gate: gates.eval: null")
-        if self.limit is not None and self.limit < 1:  # lm-eval reads 0 as no items, and a fraction as a share
+        if self.limit is not None and self.limit < 1:  # lm-eval reads 0 as no items
             raise ConfigError(f"gates.eval.limit must be >= 1 or null (every item), got {self.limit}")
         for t in self.tasks:
             task_kind(t)
