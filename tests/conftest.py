@@ -81,7 +81,7 @@ def gated(base_art, w8_art, awq_art, calib_arts, workdir):
         shadow=ShadowConfig(
             max_new_tokens=8, max_prompt_tokens=48, kl_p99_max=None, kl_mean_max=10.0, top1_agreement_min=None
         ),  # 192 answer tokens cannot bound a p99
-        eval=EvalConfig(tasks=("bigbench_general_knowledge",), limit=8, min_recovery=None),
+        eval=EvalConfig(tasks=("bigbench_general_knowledge",), limit=8, min_recovery=None, max_bpb_increase=None),
     )
     strict = GateConfig(  # 24 prompts x 16 answer tokens: 384 positions, enough to bound p99
         shadow=ShadowConfig(max_new_tokens=16, max_prompt_tokens=48, kl_p99_max=1e-4), eval=None

@@ -1719,6 +1719,8 @@ def test_a_candidate_with_a_nan_weight_fails_with_evidence_and_a_nan_baseline_is
     report = json.loads((art.path / "report.json").read_text())
     by = {r["metric"]: r for r in report["results"]}
     assert report["verdict"] == "fail" and art.meta["passed"] is False
+    idle = "gates.eval.max_bpb_increase (no task in gates.eval.tasks has output_type loglikelihood_rolling)"
+    assert f"Set, but deciding no check: {idle}." in report["notes"]  # its one task is multiple-choice
     d = by["defined_logits"]
     total = report["shadow_scoring"]["total_positions"]
     assert (d["verdict"], d["observed"], d["n"]) == ("fail", 0.0, total) and d["evidence"] == {

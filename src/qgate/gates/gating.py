@@ -195,6 +195,20 @@ def shadow_check(candidate: Artifact, baseline: Artifact, shadow: Artifact, cfg:
     }
 
 
+def _idle_note(cfg: GateConfig) -> tuple[str, ...]:
+    """The eval thresholds the config sets that decide no check, since no task is of the kind they apply to
+    (EvalConfig.idle): a reader of the config would take them for checks that ran. A spec where no behaviour
+    threshold decides anything is refused at load; this is the case beside others that do."""
+    if cfg.eval is None:
+        return ()
+    idle = [
+        f"gates.eval.{name} ({why})"
+        for name in GateConfig.BEHAVIOUR["eval"]
+        if getattr(cfg.eval, name) is not None and (why := cfg.eval.idle(name))
+    ]
+    return (f"Set, but deciding no check: {'; '.join(idle)}.",) if idle else ()
+
+
 def _tools_note(results: list, tool_guards: bool) -> tuple[str, ...]:
     """What the reader must know when the shadow split's tool use is not tested as configured: the baseline's chat
     template writes no tools for requests that offer them, or (with the tool-call guards on) it begins a tool call in
@@ -299,7 +313,7 @@ def run_gates(
                 f"Not run: {' and '.join(stop['skipped'])}. The gate had already failed on {', '.join(stop['after'])}, "
                 "so the verdict is FAIL whatever they show (gates.stop_on_fail: true; set it false to score them).",
             )
-    notes = notes + _tools_note(results, cfg.shadow.tool_guards and m is not None)
+    notes = notes + _tools_note(results, cfg.shadow.tool_guards and m is not None) + _idle_note(cfg)
     if (made_from := candidate.meta.get("base_model")) and made_from != baseline.sha256:
         notes = notes + (
             f"The candidate was made from base model {made_from[:16]}, not from the baseline it is gated against "
