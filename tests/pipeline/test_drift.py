@@ -156,6 +156,22 @@ def test_registered_version_carries_its_calibration_profile_and_recipe(fresh):
     assert tags["qgate.profile_artifact"].endswith("/traffic-profile")
 
 
+def test_a_check_with_facets_that_could_not_tell_says_so_beside_its_verdict():
+    """An inconclusive traffic facet is not drift, and not shown ok either: the console line and the report's "why"
+    name it, where they used to say NO-DRIFT and "nothing moved"."""
+    from qgate.cli.drift import _verdict
+    from qgate.pipeline.drift_report import _why
+
+    clear = {"verdict": "no-drift", "reasons": [], "inconclusive": []}
+    assert _verdict(clear) == "NO-DRIFT"
+    assert _why(clear) == "no facet moved beyond its limit and above the sampling noise"
+    unsure = clear | {"inconclusive": ["route", "vocabulary"]}
+    assert _verdict(unsure) == "NO-DRIFT (inconclusive: route, vocabulary)"
+    assert _why(unsure).endswith("; inconclusive, so not shown ok: route, vocabulary (see their notes above)")
+    moved = {"verdict": "drift", "reasons": ["tenant moved (JS 0.325 > 0.05)"], "inconclusive": ["route"]}
+    assert _verdict(moved) == "DRIFT (inconclusive: route)" and _why(moved).startswith("tenant moved (JS 0.325")
+
+
 def test_drift_check_exit_codes_reports_and_registry_tags(fresh, monkeypatch, capsys):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     root, _ = fresh
@@ -182,6 +198,8 @@ def test_drift_check_exit_codes_reports_and_registry_tags(fresh, monkeypatch, ca
         "route",
         "length",
     }
+    unsure = [r["facet"] for r in report["traffic"] if r["verdict"] == "inconclusive"]
+    assert report["inconclusive"] == unsure and ("(inconclusive: " in out.out) == bool(unsure), (unsure, out.out)
     assert report["quality"]["gated"]["kl_mean"] >= 0 and "<img" in open(report_path).read()
     cut = report["quality"]["scoring"]["prompts_cut"]
     assert cut > 0 and f"<b>Caveat</b>: {cut} of " in open(report_path).read()

@@ -132,8 +132,10 @@ def traffic_drift(old: dict, new: dict, cfg: DriftConfig) -> list[dict]:
             note = "nothing to compare: a profile holds no counts for this facet (written before profiles kept them)"
         elif js <= limit:
             verdict, note = "ok", ""
-        else:  # above the limit: drift only if also above the noise, and only if that noise was measured
-            verdict, note = ("drift" if js > noise and not unmeasured else "inconclusive"), ""
+        elif js > noise and not unmeasured:  # above the limit and above the noise, which was measured
+            verdict, note = "drift", ""
+        else:
+            verdict, note = "inconclusive", "above the limit but within the sampling noise: too little traffic to tell"
         if unmeasured:
             note = "noise not measured: a profile predates split halves (multinomial lower bound shown)"
         shift = _top_shifts(a, b)

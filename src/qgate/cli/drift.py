@@ -43,6 +43,12 @@ def _err(text: str) -> None:
     typer.echo(text, file=console_err())
 
 
+def _verdict(report: dict) -> str:
+    """The check's verdict, with the traffic facets that could not tell (neither drift nor shown ok)."""
+    unsure = report.get("inconclusive")
+    return report["verdict"].upper() + (f" (inconclusive: {', '.join(unsure)})" if unsure else "")
+
+
 def _load(spec: Path, device: str | None, traffic: str, executor: str):
     quiet_libraries()
     from qgate.pipeline.drift_jobs import drift_preflight
@@ -75,7 +81,7 @@ def check_cmd(
 
     s = _load(spec, device, traffic, executor)
     report = drift_check(s, traffic, echo=_err, record=record, wait=wait, executor=executor)
-    _out(f"drift check: {report['verdict'].upper()}  report {report['report']}")
+    _out(f"drift check: {_verdict(report)}  report {report['report']}")
     if report["drift"]:
         raise typer.Exit(EXIT_DRIFT)
 
@@ -97,7 +103,7 @@ def run_cmd(
     s = _load(spec, device, traffic, executor)
     result = drift_run(s, traffic, echo=_err, wait=wait, executor=executor)
     check = result["check"]
-    _out(f"drift check: {check['verdict'].upper()}  report {check['report']}")
+    _out(f"drift check: {_verdict(check)}  report {check['report']}")
     for v in result["variants"]:
         _out(
             f"  {v['variant']:22s} {v['verdict'].upper():12s} KL p99 {v['kl_p99']:.4f}  v{v['version']}  {v['report']}"

@@ -1,6 +1,7 @@
 """The scheduled drift job: is production still fit for today's traffic? If not, recalibrate, gate, register, promote.
 
     report = drift_check(spec, "logs/2026-11-21/")  # report["verdict"]: "drift" | "no-drift"; files in <workdir>/drift/
+    report["inconclusive"]                           # the traffic facets that could not tell: not drift, not shown ok
     result = drift_run(spec, "logs/2026-11-21/")    # the check, then on drift: every variant recalibrated on it
 
 Two kinds of drift, reported side by side:
@@ -155,11 +156,13 @@ def _check(
         if not quality["passed"]:
             reasons.append(f"production's shadow gate is {quality['verdict'].upper()} on the recent traffic")
     verdict = "drift" if reasons else "no-drift"
+    unsure = [f"{x['facet']} ({x['note']})" for x in rows if x["verdict"] == "inconclusive"]
     report = {
         "version": 1,
         "verdict": verdict,
         "drift": bool(reasons),
         "reasons": reasons,
+        "inconclusive": [x["facet"] for x in rows if x["verdict"] == "inconclusive"],  # not drift, and not shown ok
         "model": model,
         "alias": cfg.alias,
         "checked_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -191,6 +194,7 @@ def _check(
     echo(
         f"  = drift check: {verdict.upper()}"
         + (f" ({'; '.join(reasons)})" if reasons else "")
+        + (f"; inconclusive, so not shown ok: {'; '.join(unsure)}" if unsure else "")
         + f"; report {out / 'drift.html'}"
     )
     return report

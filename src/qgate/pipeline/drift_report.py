@@ -136,4 +136,12 @@ samples of the same traffic show at these sizes (noise p99); above the limit but
 <th>note</th></tr>{rows}</table>
 <img alt="facets" src="data:image/png;base64,{_facet_plot(report, old, new)}">
 {_quality(report["quality"], report["recent"].get("shadow_held_from"))}
-<p>Why: {html.escape("; ".join(report["reasons"]) or "nothing moved beyond its limit")}</p>""")
+<p>Why: {html.escape(_why(report))}</p>""")
+
+
+def _why(report: dict) -> str:
+    """The reasons for the verdict, and the traffic facets that could not tell (neither drift nor shown ok)."""
+    why = "; ".join(report["reasons"]) or "no facet moved beyond its limit and above the sampling noise"
+    if unsure := report.get("inconclusive"):
+        why += f"; inconclusive, so not shown ok: {', '.join(unsure)} (see their notes above)"
+    return why
