@@ -43,7 +43,12 @@ def _gate_spec(root: Path, base: Path) -> Path:
                 "kl_mean_max": 10.0,
                 "top1_agreement_min": None,
             },
-            "eval": {"tasks": ["bigbench_general_knowledge"], "limit": 8, "min_recovery": None},
+            "eval": {
+                "tasks": ["bigbench_general_knowledge"],
+                "limit": 8,
+                "min_recovery": None,
+                "max_bpb_increase": None,
+            },
         },
         "registry": {"model_name": "crash", "store": "mlflow"},
     }
