@@ -88,13 +88,15 @@ class EvalConfig:
         if a is not None and not 0 < a < 1:
             raise ConfigError(f"gates.eval.significant_loss_alpha must be in (0, 1) or null (off), got {a}")
 
-    def idle(self, threshold: str) -> str | None:
-        """Why `threshold` (min_recovery or max_bpb_increase) decides no check of this config, though set: no task is
-        of the kind it applies to (KINDS). None where it decides some."""
-        kinds = [k for k, t in KINDS.items() if t == threshold]
-        if any(task_kind(t) in kinds for t in self.tasks):
-            return None
-        return f"no task in gates.eval.tasks has output_type {' or '.join(kinds)}"
+    def idle(self) -> dict[str, str]:
+        """The thresholds this config sets that decide no check, each with why: no task is of the kind it applies to
+        (KINDS: min_recovery decides multiple-choice tasks, max_bpb_increase perplexity ones)."""
+        kinds = {task_kind(t) for t in self.tasks}
+        return {
+            threshold: f"no task in gates.eval.tasks has output_type {kind}"
+            for kind, threshold in KINDS.items()
+            if getattr(self, threshold) is not None and kind not in kinds
+        }
 
 
 KINDS = {"multiple_choice": "min_recovery", "loglikelihood_rolling": "max_bpb_increase"}  # output_type: its threshold

@@ -74,10 +74,9 @@ class GateConfig:
         out = {}
         for section, names in self.BEHAVIOUR.items():
             sub = getattr(self, section)
+            idle = sub.idle() if section == "eval" and sub is not None else {}
             for name in names:
-                why = "section off" if sub is None else "null" if getattr(sub, name) is None else None
-                if why is None and section == "eval":
-                    why = sub.idle(name)
+                why = "section off" if sub is None else "null" if getattr(sub, name) is None else idle.get(name)
                 out[f"gates.{section}.{name}"] = why
         return out
 
@@ -199,13 +198,7 @@ def _idle_note(cfg: GateConfig) -> tuple[str, ...]:
     """The eval thresholds the config sets that decide no check, since no task is of the kind they apply to
     (EvalConfig.idle): a reader of the config would take them for checks that ran. A spec where no behaviour
     threshold decides anything is refused at load; this is the case beside others that do."""
-    if cfg.eval is None:
-        return ()
-    idle = [
-        f"gates.eval.{name} ({why})"
-        for name in GateConfig.BEHAVIOUR["eval"]
-        if getattr(cfg.eval, name) is not None and (why := cfg.eval.idle(name))
-    ]
+    idle = [f"gates.eval.{name} ({why})" for name, why in (cfg.eval.idle() if cfg.eval else {}).items()]
     return (f"Set, but deciding no check: {'; '.join(idle)}.",) if idle else ()
 
 

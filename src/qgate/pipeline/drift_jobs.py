@@ -156,13 +156,13 @@ def _check(
         if not quality["passed"]:
             reasons.append(f"production's shadow gate is {quality['verdict'].upper()} on the recent traffic")
     verdict = "drift" if reasons else "no-drift"
-    unsure = [f"{x['facet']} ({x['note']})" for x in rows if x["verdict"] == "inconclusive"]
+    unsure = [x for x in rows if x["verdict"] == "inconclusive"]
     report = {
         "version": 1,
         "verdict": verdict,
         "drift": bool(reasons),
         "reasons": reasons,
-        "inconclusive": [x["facet"] for x in rows if x["verdict"] == "inconclusive"],  # not drift, and not shown ok
+        "inconclusive": [x["facet"] for x in unsure],  # not drift, and not shown ok
         "model": model,
         "alias": cfg.alias,
         "checked_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -191,10 +191,11 @@ def _check(
     report["report"] = str(out / "drift.html")
     if record:
         report["report_artifact"] = record_drift(model, prod["version"], out, verdict, store)
+    notes = [f"{x['facet']} ({x['note']})" for x in unsure]
     echo(
         f"  = drift check: {verdict.upper()}"
         + (f" ({'; '.join(reasons)})" if reasons else "")
-        + (f"; inconclusive, so not shown ok: {'; '.join(unsure)}" if unsure else "")
+        + (f"; inconclusive, so not shown ok: {'; '.join(notes)}" if notes else "")
         + f"; report {out / 'drift.html'}"
     )
     return report
