@@ -172,7 +172,7 @@ def run_tasks(runner, cfg: EvalConfig) -> dict:
     out = {}
     for name in cfg.tasks:
         samples = sorted(res["samples"][name], key=lambda s: s["doc_id"])
-        if "acc" in samples[0]:  # filtered_resps: one (log-likelihood, is greedy) per choice; acc takes the argmax
+        if task_kind(name) == "multiple_choice":  # filtered_resps: one (log-likelihood, is greedy) per choice
             chosen = [_chosen([float(r[0]) for r in s["filtered_resps"]]) for s in samples]
             out[name] = {
                 "kind": "mc",
@@ -180,7 +180,7 @@ def run_tasks(runner, cfg: EvalConfig) -> dict:
                 "gold": [int(s["target"]) for s in samples],
                 "per_item": [float(s["acc"]) if c != NO_ANSWER else 0.0 for s, c in zip(samples, chosen, strict=True)],
             }
-        else:  # bits_per_byte samples are (loglikelihood, bytes)
+        else:  # loglikelihood_rolling: bits_per_byte samples are (loglikelihood, bytes)
             out[name] = {
                 "kind": "ppl",
                 "ll": [float(s["bits_per_byte"][0]) for s in samples],
