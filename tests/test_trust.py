@@ -116,6 +116,8 @@ def test_no_loader_in_qgate_can_trust_remote_code():
             "task: evil\ndataset_kwargs:\n  data_files:\n    test: ../../../../etc/passwd\n",
             "points outside the task directory",
         ),
+        ("task: evil\ndataset_kwargs:\n  data_files: ../../../../etc/passwd\n", "must map each split to a file"),
+        ("- task: evil\n", "not an lm-eval task"),
     ],
 )
 def test_task_files_cannot_run_code_or_read_outside(tmp_path, body, match):

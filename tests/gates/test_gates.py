@@ -843,6 +843,29 @@ def test_the_task_guard_follows_the_margin_not_a_test_against_zero_loss():
     assert res["a.recovery"].verdict == "fail" and res["b.recovery"].evidence["holm_step"] == 2
 
 
+@pytest.mark.parametrize(
+    "kind,metric,match",
+    [
+        ("generate_until", "exact_match", "output_type 'generate_until' is not one qgate scores"),
+        ("multiple_choice", "acc_norm", r"multiple_choice task's metric_list must name 'acc', got \['acc_norm'\]"),
+        ("loglikelihood_rolling", "word_perplexity", "must name 'bits_per_byte'"),
+    ],
+)
+def test_a_task_qgate_cannot_score_is_refused_when_the_config_is_built(tmp_path, kind, metric, match):
+    """run_tasks reads each item's score by the task's output_type: acc for multiple-choice, bits_per_byte for
+    perplexity. A task of another kind, or one whose metric_list lacks that metric, is refused by EvalConfig."""
+    from qgate.gates.evalgate import TASKS
+
+    body = f"task: zz_kind\noutput_type: {kind}\nmetric_list:\n  - metric: {metric}\n"
+    (tmp_path / "zz_kind.yaml").write_text(body)
+    TASKS.register("zz_kind_test_task", tmp_path / "zz_kind.yaml")
+    try:
+        with pytest.raises(ConfigError, match=match):
+            EvalConfig(tasks=("zz_kind_test_task",))
+    finally:
+        TASKS._items.pop("zz_kind_test_task")
+
+
 def test_eval_recovery_on_a_task_the_baseline_never_answers_is_an_error_that_says_why():
     """Recovery divides by the baseline's accuracy: with none of a task's items right it is undefined, an ERROR that
     names the cause and the way out; pooled, that task is one guard row among others and decides nothing."""

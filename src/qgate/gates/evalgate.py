@@ -100,14 +100,23 @@ class EvalConfig:
 
 
 KINDS = {"multiple_choice": "min_recovery", "loglikelihood_rolling": "max_bpb_increase"}  # output_type: its threshold
+METRICS = {"multiple_choice": "acc", "loglikelihood_rolling": "bits_per_byte"}  # output_type: what run_tasks reads
 
 
 def task_kind(name: str) -> str:
-    """The output_type of task `name`: one of KINDS, the kinds eval_gate scores."""
-    kind = task_config(name).get("output_type")
+    """The output_type of task `name`: one of KINDS, the kinds eval_gate scores, with the metric run_tasks reads for
+    it in its metric_list."""
+    cfg = task_config(name)
+    kind = cfg.get("output_type")
     if kind not in KINDS:
         raise ConfigError(
             f"{TASKS.get(name)}: output_type {kind!r} is not one qgate scores", hint=f"one of {', '.join(KINDS)}"
+        )
+    metrics = [m.get("metric") for m in cfg.get("metric_list") or [] if isinstance(m, dict)]
+    if METRICS[kind] not in metrics:
+        raise ConfigError(
+            f"{TASKS.get(name)}: a {kind} task's metric_list must name {METRICS[kind]!r}, got {metrics}",
+            hint=f"add '- metric: {METRICS[kind]}' to metric_list: qgate gates its items on it",
         )
     return kind
 
@@ -118,7 +127,14 @@ def task_config(name: str) -> dict:
         cfg = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:  # includes unknown tags such as !function
         raise ConfigError(f"{path}: not plain YAML ({e})", hint="qgate task files may not execute code") from e
-    files = cfg.get("dataset_kwargs", {}).get("data_files", {})
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: not an lm-eval task (a YAML mapping), got {type(cfg).__name__}")
+    files = (cfg.get("dataset_kwargs") or {}).get("data_files") or {}
+    if not isinstance(files, dict):
+        raise ConfigError(
+            f"{path}: dataset_kwargs.data_files must map each split to a file, got {files!r}",
+            hint="write it as 'data_files: {test: data/<task>.jsonl}'",
+        )
     resolved = {k: (path.parent / v).resolve() for k, v in files.items()}
     for k, f in resolved.items():
         if not f.is_relative_to(path.parent.resolve()):
@@ -126,7 +142,8 @@ def task_config(name: str) -> dict:
                 f"{path}: dataset_kwargs.data_files.{k} {files[k]!r} points outside the task directory",
                 hint="keep a task's data beside its YAML",
             )
-    cfg["dataset_kwargs"]["data_files"] = {k: str(f) for k, f in resolved.items()}
+    if resolved:
+        cfg["dataset_kwargs"]["data_files"] = {k: str(f) for k, f in resolved.items()}
     return cfg
 
 
