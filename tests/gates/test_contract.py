@@ -259,11 +259,36 @@ def test_what_quantization_may_change_passes_with_its_reason(base_art, rows, tmp
 
 
 @pytest.mark.parametrize(
+    "targets,ignore,quantized",
+    [
+        (["lm_head"], [], True),
+        (["Linear"], [], True),
+        ("Linear", None, True),
+        (["re:.*head$"], [], True),
+        (["re:model\\..*"], [], False),  # re.match from the start: "lm_head" does not begin with "model."
+        (["re:.*proj$"], [], False),
+        (["Linear"], ["lm_head"], False),
+        (["Linear"], ["re:.*lm_head"], False),
+        (["Linear"], "lm_head", False),
+        (["Embedding"], [], False),
+    ],
+)
+def test_quantizes_head_matches_targets_as_compressed_tensors_does(targets, ignore, quantized):
+    """compressed-tensors matches a target by module name, by a "re:" pattern (re.match) or by class name: the head is
+    quantized when a config group's targets match "lm_head" (a Linear) and the ignore list does not."""
+    from qgate.gates.contract import quantizes_head
+
+    qc = {"config_groups": {"group_0": {"targets": targets}}, "ignore": ignore}
+    assert quantizes_head({"quantization_config": qc}) is quantized
+
+
+@pytest.mark.parametrize(
     "groups,ignore,passes",
     [
         ({"group_0": {"targets": ["Linear"]}, "group_3": {"targets": ["lm_head"]}}, [], True),  # the head quantized
         ({"group_0": {"targets": ["Linear"]}}, ["lm_head"], False),  # untied, yet the head is not quantized
         ({"group_0": {"targets": ["Linear"]}, "group_3": {"targets": ["lm_head"]}}, ["lm_head"], False),
+        ({"group_0": {"targets": ["Linear"]}}, [], True),  # every Linear, the head among them
     ],
 )
 def test_an_untied_head_passes_only_where_it_is_quantized(base_art, rows, tmp_path, groups, ignore, passes):

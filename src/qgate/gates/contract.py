@@ -30,6 +30,7 @@ An allow entry names a difference key or a prefix of one ("chat_template", "gene
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,8 +72,8 @@ ALLOWED: dict[str, str] = {
 # input embedding it was tied to (search.lm_head), and the config says so.
 UNTIED_HEAD = (
     "architecture.tie_word_embeddings",
-    "the output head is quantized (its quantization_config names lm_head), so it is stored apart from the input "
-    "embedding it was tied to; its values are what the shadow, eval and long-context gates measure",
+    "the output head is quantized (its quantization_config's targets match lm_head), so it is stored apart from the "
+    "input embedding it was tied to; its values are what the shadow, eval and long-context gates measure",
 )
 # The CPU engine's genai_config.json: keys that configure onnxruntime-genai itself and have no counterpart in the
 # baseline's files, each with its reason. Every other key must map to a baseline value and equal it.
@@ -114,7 +115,7 @@ GENAI_MODEL = {
 @dataclass(frozen=True)
 class ContractConfig:
     allow: tuple[str, ...] = ()  # difference keys (or prefixes) accepted beyond ALLOWED; each is listed in the report
-    VERSION = 3
+    VERSION = 4
 
     def __post_init__(self):
         for a in self.allow:
@@ -320,12 +321,27 @@ def contract_gate(
     return results
 
 
+HEAD = ("lm_head", ("Linear", "Module"))  # the output head's module name, and the classes it is an instance of
+
+
+def _names_head(targets) -> bool:
+    """Whether a compressed-tensors target list matches the output head as compressed_tensors.utils.match does: by
+    its module name, by a "re:" pattern matching that name from its start, or by a class it is an instance of."""
+    name, classes = HEAD
+    targets = [targets] if isinstance(targets, str) else targets or []
+    return any(
+        t == name or t in classes or (t.startswith("re:") and re.match(t.removeprefix("re:"), name) is not None)
+        for t in targets
+        if isinstance(t, str)
+    )
+
+
 def quantizes_head(config: dict) -> bool:
-    """Whether a checkpoint config's quantization_config quantizes lm_head: a config group names it, and it is not
-    ignored."""
+    """Whether a checkpoint config's quantization_config quantizes lm_head: a config group's targets match it (its
+    name, a pattern, or "Linear"), and its ignore list does not."""
     qc = config.get("quantization_config") or {}
-    named = any("lm_head" in (g.get("targets") or []) for g in (qc.get("config_groups") or {}).values())
-    return named and "lm_head" not in (qc.get("ignore") or [])
+    named = any(_names_head(g.get("targets")) for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict))
+    return named and not _names_head(qc.get("ignore"))
 
 
 def _allowed_summary(allowed: list[dict]) -> list[dict]:
