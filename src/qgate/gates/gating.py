@@ -56,7 +56,7 @@ class GateConfig:
     device: str = "auto"  # where models are scored: auto (CUDA when present), cpu, cuda, cuda:N
     dtype: str = "auto"  # reference checkpoints' compute dtype: auto (float32 on CPU, served dtype on CUDA); a model
     # whose config says float16 computes in float16 whatever this says (device.compute_dtype)
-    VERSION = 30  # of the report's layout and the gates' rules; what changed in each is in git
+    VERSION = 31  # of the report's layout and the gates' rules; what changed in each is in git
 
     # the thresholds of the checks that hold the candidate's behaviour against the baseline's and can pass it
     BEHAVIOUR = {
