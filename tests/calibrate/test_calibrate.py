@@ -18,6 +18,9 @@ BAD = {
     30: '{"messages": [{"role": "wizard", "content": "hi"}]}',
     40: '{"messages": [{"role": "user", "content": "ok"}], "ts": "yesterday"}',
     50: '{"messages": [{"role": "assistant", "content": "no user turn"}]}',
+    60: '{"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, '
+    '{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}',
+    70: '{"messages": [{"role": "user", "content": ["a bare string part"]}]}',
 }
 
 
@@ -33,6 +36,8 @@ def test_bad_records_are_rejected_with_line_numbers_and_reasons(tmp_path):
     assert "role 'wizard'" in by_line[30]
     assert "'ts'" in by_line[40]
     assert "no non-empty user message" in by_line[50]
+    assert "messages[0].content has a 'image_url' part: qgate scores text" in by_line[60]
+    assert "a part that is not a typed object" in by_line[70]
     assert arts["calib"].meta["stats"]["rejected"] == len(BAD)
 
 

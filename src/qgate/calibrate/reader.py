@@ -2,8 +2,9 @@
 
     for item in read_traffic(Path("traffic.jsonl.zst")):  # Request or Reject, never raises on a bad record
 
-Accepts JSONL (plain, `.gz` or `.zst`) or Parquet rows holding an OpenAI chat `messages` list or a plain
-`prompt` string, with optional `route`, `tenant` (strings), `ts` (ISO-8601 or epoch seconds) and `latency_ms`.
+Accepts JSONL (plain, `.gz` or `.zst`) or Parquet rows holding an OpenAI chat `messages` list (content as text, or
+as text parts, joined by newlines as vLLM joins them; a request with an image or any other part is rejected) or a
+plain `prompt` string, with optional `route`, `tenant` (strings), `ts` (ISO-8601 or epoch seconds) and `latency_ms`.
 Tool use is read as OpenAI logs it: a request's `tools` (a list, or its JSON text), and per message `tool_calls`,
 `tool_call_id` and `name` (`chat.TOOL_FIELDS`; a tool call's content may be null). A request is kept up to its last
 user or tool message (what follows is the logged answer). Tools and tool calls are kept as logged, nulls included (a
@@ -284,12 +285,18 @@ def _turns(messages: object, tools: object, filled: bool) -> tuple[tuple, str | 
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             return (), f"messages[{i}].role {str(role)[:40]!r} is not one of {ROLES}"
-        if isinstance(content, list):  # content parts: keep the text ones
-            if any(
-                isinstance(p, dict) and p.get("type") == "text" and not isinstance(p.get("text"), str) for p in content
-            ):
-                return (), f"messages[{i}].content has a text part whose 'text' is not a string"
-            content = "\n".join(p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if isinstance(content, list):  # content parts: text only, joined as vLLM joins them for a text template
+            for p in content:
+                kind = p.get("type") if isinstance(p, dict) else None
+                if kind != "text":
+                    what = f"a {str(kind)[:40]!r} part" if kind else "a part that is not a typed object"
+                    return (), (
+                        f"messages[{i}].content has {what}: qgate scores text, and the prompt without it is not "
+                        "the one served"
+                    )
+                if not isinstance(p.get("text"), str):
+                    return (), f"messages[{i}].content has a text part whose 'text' is not a string"
+            content = "\n".join(p["text"] for p in content)
         fields, why_field = _tool_fields(m, i, filled)
         if why_field:
             return (), why_field

@@ -70,7 +70,7 @@ class SampleConfig:
     min_words: int = 1  # prompts shorter than this are dropped (not rejected)
     max_reject_fraction: float = 0.5  # above this the log is probably not what you meant
     max_line_bytes: int = MAX_LINE_BYTES  # a longer JSONL line is rejected without being read into memory
-    VERSION = 2
+    VERSION = 3
 
     def __post_init__(self):
         at_least = {"calib_size": 1, "shadow_size": 1, "search_size": 0, "seed": 0, "min_words": 0}
