@@ -853,17 +853,23 @@ def test_the_task_guard_follows_the_margin_not_a_test_against_zero_loss():
 )
 def test_a_task_qgate_cannot_score_is_refused_when_the_config_is_built(tmp_path, kind, metric, match):
     """run_tasks reads each item's score by the task's output_type: acc for multiple-choice, bits_per_byte for
-    perplexity. A task of another kind, or one whose metric_list lacks that metric, is refused by EvalConfig."""
+    perplexity. A task of another kind, or one whose metric_list lacks that metric, is refused by EvalConfig; one
+    with no metric_list gets lm-eval's defaults for its kind, which hold the metric, and loads."""
     from qgate.gates.evalgate import TASKS
 
-    body = f"task: zz_kind\noutput_type: {kind}\nmetric_list:\n  - metric: {metric}\n"
-    (tmp_path / "zz_kind.yaml").write_text(body)
+    body = f"task: zz_kind\noutput_type: {kind}\n"
+    (tmp_path / "zz_kind.yaml").write_text(body + f"metric_list:\n  - metric: {metric}\n")
+    (tmp_path / "zz_default.yaml").write_text(body)
     TASKS.register("zz_kind_test_task", tmp_path / "zz_kind.yaml")
+    TASKS.register("zz_default_test_task", tmp_path / "zz_default.yaml")
     try:
         with pytest.raises(ConfigError, match=match):
             EvalConfig(tasks=("zz_kind_test_task",))
+        if kind in ("multiple_choice", "loglikelihood_rolling"):
+            assert EvalConfig(tasks=("zz_default_test_task",), min_recovery=None, max_bpb_increase=None)
     finally:
         TASKS._items.pop("zz_kind_test_task")
+        TASKS._items.pop("zz_default_test_task")
 
 
 def test_eval_recovery_on_a_task_the_baseline_never_answers_is_an_error_that_says_why():

@@ -105,15 +105,16 @@ METRICS = {"multiple_choice": "acc", "loglikelihood_rolling": "bits_per_byte"}  
 
 def task_kind(name: str) -> str:
     """The output_type of task `name`: one of KINDS, the kinds eval_gate scores, with the metric run_tasks reads for
-    it in its metric_list."""
+    it in its metric_list (or no metric_list: lm-eval's defaults for both kinds hold it)."""
     cfg = task_config(name)
     kind = cfg.get("output_type")
     if kind not in KINDS:
         raise ConfigError(
             f"{TASKS.get(name)}: output_type {kind!r} is not one qgate scores", hint=f"one of {', '.join(KINDS)}"
         )
-    metrics = [m.get("metric") for m in cfg.get("metric_list") or [] if isinstance(m, dict)]
-    if METRICS[kind] not in metrics:
+    listed = cfg.get("metric_list")  # none: lm-eval's defaults for the kind, which hold METRICS[kind]
+    metrics = [m.get("metric") for m in listed or [] if isinstance(m, dict)]
+    if listed is not None and METRICS[kind] not in metrics:
         raise ConfigError(
             f"{TASKS.get(name)}: a {kind} task's metric_list must name {METRICS[kind]!r}, got {metrics}",
             hint=f"add '- metric: {METRICS[kind]}' to metric_list: qgate gates its items on it",
