@@ -4,7 +4,9 @@
 
 Accepts JSONL (plain, `.gz` or `.zst`) or Parquet rows holding an OpenAI chat `messages` list (content as text, or
 as text parts, joined by newlines as vLLM joins them; a request with an image or any other part is rejected) or a
-plain `prompt` string, with optional `route`, `tenant` (strings), `ts` (ISO-8601 or epoch seconds) and `latency_ms`.
+plain `prompt` string, read as a chat request of one user turn (the gates render it with the chat template, as a chat
+endpoint serves it; a completions endpoint serves its prompt untemplated, which qgate does not score), with optional
+`route`, `tenant` (strings), `ts` (ISO-8601 or epoch seconds) and `latency_ms`.
 Tool use is read as OpenAI logs it: a request's `tools` (a list, or its JSON text), and per message `tool_calls`,
 `tool_call_id` and `name` (`chat.TOOL_FIELDS`; a tool call's content may be null). A request is kept up to its last
 user or tool message (what follows is the logged answer). Tools and tool calls are kept as logged, nulls included (a
