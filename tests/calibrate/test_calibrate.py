@@ -20,7 +20,8 @@ BAD = {
     50: '{"messages": [{"role": "assistant", "content": "no user turn"}]}',
     60: '{"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, '
     '{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}',
-    70: '{"messages": [{"role": "user", "content": ["a bare string part"]}]}',
+    70: '{"messages": [{"role": "user", "content": [{"image_url": {"url": "https://x/y.png"}}]}]}',
+    80: '{"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": null}]}]}',
 }
 
 
@@ -37,7 +38,8 @@ def test_bad_records_are_rejected_with_line_numbers_and_reasons(tmp_path):
     assert "'ts'" in by_line[40]
     assert "no non-empty user message" in by_line[50]
     assert "messages[0].content has a 'image_url' part: qgate scores text" in by_line[60]
-    assert "a part that is not a typed object" in by_line[70]
+    assert "messages[0].content has a part with no type" in by_line[70]
+    assert "a refusal part whose 'refusal' is not a string" in by_line[80]
     assert arts["calib"].meta["stats"]["rejected"] == len(BAD)
 
 
@@ -606,3 +608,22 @@ def test_a_decompression_bomb_is_refused_after_a_bounded_read(tmp_path, suffix, 
     with gzip.open(ordinary, "wb", 9) if suffix == ".gz" else ZstdFile(ordinary, "wb", level=19) as f:
         f.write(many)
     assert len(many) > 2 << 20 and sum(isinstance(i, reader.Request) for i in reader.read_traffic(ordinary)) == 20000
+
+
+def test_text_like_content_parts_are_joined_as_vllm_joins_them():
+    """vLLM hands a text chat template a message's plain-string, text, input_text and refusal parts joined by
+    newlines; the reader reads them so, and the request is kept."""
+    from qgate.calibrate.reader import Request, parse_record
+
+    parts = ["plain", {"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}]
+    history = [{"type": "refusal", "refusal": "no"}]
+    obj = {
+        "messages": [
+            {"role": "user", "content": parts},
+            {"role": "assistant", "content": history},
+            {"role": "user", "content": [{"type": "text", "text": "again"}]},
+        ]
+    }
+    r = parse_record(1, obj, b"")
+    assert isinstance(r, Request)
+    assert r.messages == (("user", "plain\na\nb"), ("assistant", "no"), ("user", "again"))

@@ -3,10 +3,10 @@
     for item in read_traffic(Path("traffic.jsonl.zst")):  # Request or Reject, never raises on a bad record
 
 Accepts JSONL (plain, `.gz` or `.zst`) or Parquet rows holding an OpenAI chat `messages` list (content as text, or
-as text parts, joined by newlines as vLLM joins them; a request with an image or any other part is rejected) or a
-plain `prompt` string, read as a chat request of one user turn (the gates render it with the chat template, as a chat
-endpoint serves it; a completions endpoint serves its prompt untemplated, which qgate does not score), with optional
-`route`, `tenant` (strings), `ts` (ISO-8601 or epoch seconds) and `latency_ms`.
+as text-like parts joined by newlines as vLLM joins them, TEXT_PARTS; a request with an image or any other part is
+rejected) or a plain `prompt` string, read as a chat request of one user turn (the gates render it with the chat
+template, as a chat endpoint serves it; a completions endpoint serves its prompt untemplated, which qgate does not
+score), with optional `route`, `tenant` (strings), `ts` (ISO-8601 or epoch seconds) and `latency_ms`.
 Tool use is read as OpenAI logs it: a request's `tools` (a list, or its JSON text), and per message `tool_calls`,
 `tool_call_id` and `name` (`chat.TOOL_FIELDS`; a tool call's content may be null). A request is kept up to its last
 user or tool message (what follows is the logged answer). Tools and tool calls are kept as logged, nulls included (a
@@ -274,6 +274,29 @@ def _number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+TEXT_PARTS = {"text": "text", "input_text": "text", "refusal": "refusal", "thinking": "thinking"}  # type: its field
+
+
+def _text_parts(parts: list, i: int) -> tuple[str | None, str | None]:
+    """A message's content parts as vLLM hands them to a text chat template: plain strings and the text-like parts
+    (TEXT_PARTS) joined by newlines. (text, None), or (None, why) for an image, audio or any other part: qgate scores
+    text, and the prompt without that part is not the one served."""
+    texts = []
+    for p in parts:
+        if isinstance(p, str):
+            texts.append(p)
+            continue
+        kind = p.get("type") if isinstance(p, dict) else None
+        field = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        if field is None:
+            what = f"a {kind[:40]!r} part" if isinstance(kind, str) else "a part with no type"
+            return None, f"messages[{i}].content has {what}: qgate scores text, and the prompt without it is not served"
+        if not isinstance(p.get(field), str):
+            return None, f"messages[{i}].content has a {kind} part whose {field!r} is not a string"
+        texts.append(p[field])
+    return "\n".join(texts), None
+
+
 def _turns(messages: object, tools: object, filled: bool) -> tuple[tuple, str | None]:
     from qgate.chat import request_turns
 
@@ -287,18 +310,10 @@ def _turns(messages: object, tools: object, filled: bool) -> tuple[tuple, str | 
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             return (), f"messages[{i}].role {str(role)[:40]!r} is not one of {ROLES}"
-        if isinstance(content, list):  # content parts: text only, joined as vLLM joins them for a text template
-            for p in content:
-                kind = p.get("type") if isinstance(p, dict) else None
-                if kind != "text":
-                    what = f"a {str(kind)[:40]!r} part" if kind else "a part that is not a typed object"
-                    return (), (
-                        f"messages[{i}].content has {what}: qgate scores text, and the prompt without it is not "
-                        "the one served"
-                    )
-                if not isinstance(p.get("text"), str):
-                    return (), f"messages[{i}].content has a text part whose 'text' is not a string"
-            content = "\n".join(p["text"] for p in content)
+        if isinstance(content, list):
+            content, why = _text_parts(content, i)
+            if why:
+                return (), why
         fields, why_field = _tool_fields(m, i, filled)
         if why_field:
             return (), why_field
