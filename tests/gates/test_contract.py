@@ -271,6 +271,8 @@ def test_what_quantization_may_change_passes_with_its_reason(base_art, rows, tmp
         (["Linear"], ["re:.*lm_head"], False),
         (["Linear"], "lm_head", False),
         (["Embedding"], [], False),
+        (["re:(lm_head"], [], False),  # does not compile: matches nothing, and the gate goes on
+        (["Linear"], ["re:[lm_head"], True),
     ],
 )
 def test_quantizes_head_matches_targets_as_compressed_tensors_does(targets, ignore, quantized):

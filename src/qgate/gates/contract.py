@@ -329,11 +329,18 @@ def _names_head(targets) -> bool:
     its module name, by a "re:" pattern matching that name from its start, or by a class it is an instance of."""
     name, classes = HEAD
     targets = [targets] if isinstance(targets, str) else targets or []
-    return any(
-        t == name or t in classes or (t.startswith("re:") and re.match(t.removeprefix("re:"), name) is not None)
-        for t in targets
-        if isinstance(t, str)
-    )
+    return any(t == name or t in classes or _pattern_matches(t, name) for t in targets if isinstance(t, str))
+
+
+def _pattern_matches(target: str, name: str) -> bool:
+    """A "re:" target matching `name` from its start; a pattern that does not compile matches nothing (no
+    compressed-tensors run could have written it)."""
+    if not target.startswith("re:"):
+        return False
+    try:
+        return re.match(target.removeprefix("re:"), name) is not None
+    except re.error:
+        return False
 
 
 def quantizes_head(config: dict) -> bool:
