@@ -103,10 +103,11 @@ KINDS = {"multiple_choice": "min_recovery", "loglikelihood_rolling": "max_bpb_in
 METRICS = {"multiple_choice": "acc", "loglikelihood_rolling": "bits_per_byte"}  # output_type: what run_tasks reads
 
 
-def task_kind(name: str) -> str:
+def task_kind(name: str, config: dict | None = None) -> str:
     """The output_type of task `name`: one of KINDS, the kinds eval_gate scores, with the metric run_tasks reads for
-    it in its metric_list (or no metric_list: lm-eval's defaults for both kinds hold it)."""
-    cfg = task_config(name)
+    it in its metric_list (or no metric_list: lm-eval's defaults for both kinds hold it). config: its task_config,
+    where the caller has read it already."""
+    cfg = task_config(name) if config is None else config
     kind = cfg.get("output_type")
     if kind not in KINDS:
         raise ConfigError(
@@ -183,14 +184,16 @@ def run_tasks(runner, cfg: EvalConfig) -> dict:
     from qgate.gates.lm import RunnerLM
 
     _compile_templates_once()
-    task_dict = get_task_dict([task_config(t) for t in cfg.tasks], TaskManager(include_defaults=False))
+    configs = {t: task_config(t) for t in cfg.tasks}
+    kinds = {t: task_kind(t, c) for t, c in configs.items()}
+    task_dict = get_task_dict(list(configs.values()), TaskManager(include_defaults=False))
     res = evaluator.evaluate(
         lm=RunnerLM(runner), task_dict=task_dict, limit=cfg.limit, log_samples=True, verbosity="ERROR"
     )
     out = {}
     for name in cfg.tasks:
         samples = sorted(res["samples"][name], key=lambda s: s["doc_id"])
-        if task_kind(name) == "multiple_choice":  # filtered_resps: one (log-likelihood, is greedy) per choice
+        if kinds[name] == "multiple_choice":  # filtered_resps: one (log-likelihood, is greedy) per choice
             chosen = [_chosen([float(r[0]) for r in s["filtered_resps"]]) for s in samples]
             out[name] = {
                 "kind": "mc",
